@@ -1,0 +1,18 @@
+"""Per-layer caches: growing KV, rotating KV, recurrent state and quantized KV."""
+
+from engine.cache.kv import KVCache
+from engine.cache.quantized import QuantizedKVCache
+from engine.cache.recurrent import RecurrentCache
+from engine.cache.rotating import RotatingKVCache
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+def cache_arrays(cache: list) -> list:
+    """Every array the caches hold, for mx.eval after a prefill chunk."""
+    return [c.state for c in cache]
+
+
+__all__ = ["KVCache", "QuantizedKVCache", "RecurrentCache", "RotatingKVCache", "cache_arrays", "cache_nbytes"]

@@ -1,0 +1,80 @@
+"""Growing KV cache: keys/values in buffers that grow 256 tokens at a time."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from engine.models.base import causal_mask
+
+
+def standard_mask(n: int, offset: int, window_size: Optional[int]):
+    """mlx-lm's cache mask rule: an array with a window, None for one token, else "causal"."""
+    if window_size is not None:
+        return causal_mask(n, offset, window_size=window_size)
+    if n == 1:
+        return None
+    return "causal"
+
+
+class KVCache:
+    step = 256
+
+    def __init__(self):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        prev = self.offset
+        n = keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            b, heads, _, k_dim = keys.shape
+            v_dim = values.shape[3]
+            size = ((self.step + n - 1) // self.step) * self.step
+            new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
+            new_v = mx.zeros((b, heads, size, v_dim), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                if prev % self.step != 0:
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.offset += n
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.fetch()
+
+    def fetch(self):
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def make_mask(self, n: int, window_size: Optional[int] = None):
+        return standard_mask(n, self.offset, window_size)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return list(self.fetch())
+
+    def size(self) -> int:
+        return self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,240 @@
+"""B=1 generation: chunked prefill, then a pipelined decode loop.
+
+Conventions that decide the bits, as in mlx-lm: the prompt is prefilled in
+chunks of `prefill_step_size` up to but excluding its last token ("tail
+split"); the last prompt token then goes through an L=1 forward whose logits
+give the first generated token. Each decode step is launched before the
+previous step's token is read back, so the device never waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.cache import cache_arrays
+from engine.sampling import Sampler, SamplingParams, make_processors
+
+DEFAULT_PREFILL_STEP = 2048
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS id or a stop sequence
+    LENGTH = "length"  # max_tokens reached
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    max_tokens: int = 256
+    eos_ids: frozenset[int] = frozenset()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False  # fixed-length runs for benchmarks
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop sequences must not be empty")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token_id: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    finish_reason: Optional[FinishReason] = None
+    # True for the EOS token or the last token of a stop sequence: it ends the
+    # generation and its text is not part of the output.
+    is_stop: bool = False
+
+
+@dataclass(frozen=True)
+class StepTap:
+    """What one forward produced, for callers that need more than the token."""
+
+    logits: mx.array  # [1, V], raw model output before processors
+    hidden: mx.array  # [1, 1, H], final normed hidden state of the last position
+
+
+@dataclass
+class _Step:
+    token: mx.array
+    logprobs: mx.array
+    top: Optional[tuple[mx.array, mx.array]] = None
+
+
+def prefill(
+    model: nn.Module,
+    cache: list,
+    prompt: mx.array,
+    step_size: int = DEFAULT_PREFILL_STEP,
+    on_progress: Optional[Callable[[int, int], None]] = None,
+) -> mx.array:
+    """Run all but the last prompt token through the model in chunks; return the rest."""
+    total = prompt.size
+    done = 0
+    while prompt.size > 1:
+        n = min(step_size, prompt.size - 1)
+        model.hidden(prompt[:n][None], cache)
+        mx.eval(cache_arrays(cache))
+        prompt = prompt[n:]
+        done += n
+        if on_progress:
+            on_progress(done, total)
+        mx.clear_cache()
+    return prompt
+
+
+class _Decoder:
+    """Builds one forward + sampling graph per step; keeps the token history for processors."""
+
+    def __init__(self, model, cache, params: SamplingParams, tap: Optional[Callable[[StepTap], None]]):
+        self.model = model
+        self.cache = cache
+        self.params = params
+        self.sampler = Sampler(params)
+        self.processors = make_processors(params)
+        self.tap = tap
+        self.history: Optional[mx.array] = None
+
+    def step(self, tokens: mx.array) -> _Step:
+        hidden = self.model.hidden(tokens[None], self.cache)
+        logits = self.model.logits(hidden)[:, -1, :]
+        if self.tap is not None:
+            self.tap(StepTap(logits=logits, hidden=hidden[:, -1:, :]))
+        if self.processors:
+            self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
+            for process in self.processors:
+                logits = process(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = self.sampler(logprobs)
+        top = None
+        if self.params.top_logprobs:
+            k = self.params.top_logprobs
+            ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+            top = (ids, mx.take_along_axis(logprobs, ids, axis=-1))
+        return _Step(token=token, logprobs=logprobs.squeeze(0), top=top)
+
+
+def decode_steps(
+    model: nn.Module,
+    prompt: mx.array,
+    cache: list,
+    params: SamplingParams,
+    max_steps: int,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    tap: Optional[Callable[[StepTap], None]] = None,
+    on_prefill: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[_Step]:
+    """Yield up to `max_steps` sampled steps (the caller may stop earlier)."""
+    decoder = _Decoder(model, cache, params, tap)
+    if decoder.processors:
+        decoder.history = prompt[:-1] if prompt.size > 1 else None
+    tail = prefill(model, cache, prompt, prefill_step_size, on_prefill)
+    current = decoder.step(tail)
+    mx.async_eval(current.token, current.logprobs)
+    for n in range(max_steps):
+        following = None
+        if n + 1 < max_steps:
+            following = decoder.step(current.token)
+            mx.async_eval(following.token, following.logprobs)
+        yield current
+        if n % 256 == 0:
+            mx.clear_cache()
+        current = following
+
+
+class _StopMatcher:
+    """Withholds tokens that may be the start of a stop sequence until it is decided."""
+
+    def __init__(self, sequences: Sequence[tuple[int, ...]]):
+        self.sequences = [tuple(s) for s in sequences]
+        self.pending: list[GeneratedToken] = []
+
+    def push(self, tok: GeneratedToken) -> tuple[list[GeneratedToken], bool]:
+        """Returns (tokens now safe to emit, whether a stop sequence completed)."""
+        self.pending.append(tok)
+        ids = tuple(t.token_id for t in self.pending)
+        for seq in self.sequences:
+            if len(ids) >= len(seq) and ids[-len(seq) :] == seq:
+                safe = self.pending[: len(ids) - len(seq)]
+                self.pending = []
+                return safe, True
+        keep = 0
+        for seq in self.sequences:
+            for n in range(min(len(seq) - 1, len(ids)), 0, -1):
+                if ids[-n:] == seq[:n]:
+                    keep = max(keep, n)
+                    break
+        safe = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return safe, False
+
+    def flush(self) -> list[GeneratedToken]:
+        out, self.pending = self.pending, []
+        return out
+
+
+def _to_generated(step: _Step, params: SamplingParams) -> GeneratedToken:
+    token_id = step.token.item()
+    logprob = step.logprobs[token_id].item() if params.logprobs or params.top_logprobs else None
+    top = None
+    if step.top is not None:
+        ids, values = step.top
+        pairs = sorted(zip(ids[0].tolist(), values[0].tolist()), key=lambda p: -p[1])
+        top = tuple(TokenLogprob(i, v) for i, v in pairs)
+    return GeneratedToken(token_id=token_id, logprob=logprob, top_logprobs=top)
+
+
+def generate(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    sampling: SamplingParams = SamplingParams(),
+    stop: StopCriteria = StopCriteria(),
+    cache: Optional[list] = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    tap: Optional[Callable[[StepTap], None]] = None,
+    on_prefill: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[GeneratedToken]:
+    """Generate tokens for one prompt. The last token carries the finish reason.
+
+    `cache` (from `model.make_cache()`) is updated in place when given, so a
+    caller can inspect or reuse it afterwards.
+    """
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt must contain at least one token")
+    cache = model.make_cache() if cache is None else cache
+    matcher = _StopMatcher(stop.stop_sequences)
+    steps = decode_steps(
+        model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
+        prefill_step_size, tap, on_prefill,
+    )
+    for n, step in enumerate(steps, start=1):
+        tok = _to_generated(step, sampling)
+        if not stop.ignore_eos and tok.token_id in stop.eos_ids:
+            yield from matcher.flush()
+            yield GeneratedToken(tok.token_id, tok.logprob, tok.top_logprobs, FinishReason.STOP, is_stop=True)
+            return
+        safe, matched = matcher.push(tok)
+        if matched:
+            yield from safe
+            yield GeneratedToken(tok.token_id, tok.logprob, tok.top_logprobs, FinishReason.STOP, is_stop=True)
+            return
+        if n == stop.max_tokens:
+            rest = safe + matcher.flush()
+            yield from rest[:-1]
+            last = rest[-1]
+            yield GeneratedToken(last.token_id, last.logprob, last.top_logprobs, FinishReason.LENGTH)
+            return
+        yield from safe

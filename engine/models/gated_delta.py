@@ -1,0 +1,74 @@
+"""The gated delta rule recurrence used by Gated DeltaNet layers.
+
+Per head, with a decay g_t in (0, 1) and a write strength beta_t in (0, 1):
+
+    S_t = g_t * S_{t-1}
+    S_t = S_t + k_t (beta_t * (v_t - S_t k_t))^T        (delta-rule write)
+    y_t = S_t q_t
+
+The state S is [Dv, Dk] per value head and stays float32. This is the
+sequential ops path, step for step the one mlx-lm runs on non-Metal devices;
+a fused kernel can replace `recurrence` where one exists (see DESIGN.md, the
+CUDA kernel issue), as long as it keeps these bits or says why not.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@partial(mx.compile, shapeless=True)
+def decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float, eps: float):
+    """L2-normalize q and k (eps added to sum(x^2)) and fold the Dk^-0.5 readout scale into q."""
+    rms_eps = eps * inv_scale**2
+    q = (inv_scale**2) * mx.fast.rms_norm(q, None, rms_eps)
+    k = inv_scale * mx.fast.rms_norm(k, None, rms_eps)
+    return q, k
+
+
+@mx.compile
+def _step(q, k, v, g, beta, state, mask=None):
+    """One token: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dv, Dk]."""
+    old = state
+    state = state * g[..., None, None]
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None, :] * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    if mask is not None:
+        state = mx.where(mx.expand_dims(mask, axis=(1, 2, 3)), state, old)
+    return y.astype(q.dtype), state
+
+
+def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None):
+    """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]."""
+    hk, hv = q.shape[2], v.shape[2]
+    if hv > hk:
+        q = mx.repeat(q, hv // hk, -2)
+        k = mx.repeat(k, hv // hk, -2)
+    ys = []
+    for t in range(q.shape[1]):
+        y, state = _step(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
+        )
+        ys.append(y)
+    return mx.stack(ys, axis=1), state
+
+
+def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
+    """Gates from (a, b), then the recurrence. Returns (y [B, T, Hv, Dv], new state)."""
+    beta = mx.sigmoid(b)
+    g = decay(A_log, a, dt_bias)
+    if state is None:
+        batch, _, _, dk = q.shape
+        hv, dv = v.shape[-2:]
+        state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
+    return recurrence(q, k, v, g, beta, state, mask)

@@ -1,0 +1,340 @@
+"""model_type "qwen3_5": hybrid Gated DeltaNet + gated full attention (Qwen3.5 text).
+
+Every `full_attention_interval`-th layer is gated softmax attention with
+partial rotary embeddings; the others are Gated DeltaNet layers (a causal
+depthwise conv1d followed by the gated delta rule). The optional MTP head
+(multi-token prediction) is loaded when the checkpoint has it, for
+speculative decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.cache import KVCache, RecurrentCache
+from engine.models.activations import precise_swiglu
+from engine.models.base import BaseModelArgs, attention_mask, recurrent_mask, scaled_dot_product_attention
+from engine.models.dense import MLP
+from engine.models.gated_delta import gated_delta_update, normalize_qk
+from engine.models.rope import make_rope
+
+
+@dataclass
+class TextModelArgs(BaseModelArgs):
+    model_type: str = ""
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 151936
+    num_key_value_heads: int = 8
+    max_position_embeddings: int = 131072
+    linear_num_value_heads: int = 64
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 192
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    head_dim: Optional[int] = None
+    full_attention_interval: int = 4
+    mtp_num_hidden_layers: int = 0
+    num_experts: int = 0
+    rope_parameters: Optional[dict[str, Any]] = field(
+        default_factory=lambda: {"type": "default", "rope_theta": 100000, "partial_rotary_factor": 0.25}
+    )
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 100000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+
+    def __post_init__(self):
+        if self.num_experts:
+            raise ValueError("mixture-of-experts qwen3_5 models are not supported by this engine")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:
+            if "type" not in self.rope_parameters and "rope_type" in self.rope_parameters:
+                self.rope_parameters["type"] = self.rope_parameters.pop("rope_type")
+            self.partial_rotary_factor = self.rope_parameters.get("partial_rotary_factor", 0.25)
+            self.rope_theta = self.rope_parameters.get("rope_theta", 100000.0)
+            self.rope_scaling = self.rope_parameters
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    text_config: dict
+
+    @classmethod
+    def from_dict(cls, params):
+        if "text_config" not in params:
+            return cls(model_type=params["model_type"], text_config=params)
+        return super().from_dict(params)
+
+
+class RMSNormGated(nn.Module):
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones(dims)
+
+    def __call__(self, x: mx.array, gate: Optional[mx.array] = None) -> mx.array:
+        normed = mx.fast.rms_norm(x, self.weight, self.eps)
+        if gate is None:
+            return normed.astype(x.dtype)
+        return precise_swiglu(x, gate, normed)
+
+
+class Attention(nn.Module):
+    """Softmax attention with q/k norm, partial rope and a sigmoid output gate."""
+
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        hd = args.head_dim
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd * 2, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=args.attention_bias)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = make_rope(int(hd * args.partial_rotary_factor), args.rope_theta, False, args.rope_scaling)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        b, length, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(b, length, self.n_heads, -1), 2, axis=-1)
+        gate = gate.reshape(b, length, -1)
+        k, v = self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(b, length, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            q = self.rope(q, offset=cache.offset)
+            k = self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.num_v_heads = args.linear_num_value_heads
+        self.num_k_heads = args.linear_num_key_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads {self.num_v_heads} must be a multiple of num_k_heads {self.num_k_heads}")
+        self.conv_kernel_size = args.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=self.conv_kernel_size, groups=self.conv_dim, padding=0, bias=False
+        )
+        h = args.hidden_size
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.dt_bias = mx.ones(self.num_v_heads)
+        self.A_log = mx.zeros(self.num_v_heads)
+        self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def _conv(self, qkv: mx.array, mask, cache) -> mx.array:
+        b, s, _ = qkv.shape
+        keep = self.conv_kernel_size - 1
+        if cache is not None and cache[0] is not None:
+            conv_state = cache[0]
+        else:
+            conv_state = mx.zeros((b, keep, self.conv_dim), dtype=qkv.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        if cache is not None:
+            if cache.lengths is not None:
+                ends = mx.clip(cache.lengths, 0, s)
+                positions = (ends[:, None] + mx.arange(keep))[..., None]
+                cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+            else:
+                cache[0] = mx.contiguous(conv_input[:, -keep:, :])
+        return nn.silu(self.conv1d(conv_input))
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        b, s, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(b, s, self.num_v_heads, self.head_v_dim)
+        beta_logits = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+        conv_out = self._conv(qkv, mask, cache)
+        q, k, v = [
+            t.reshape(b, s, heads, dim)
+            for t, heads, dim in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        state = cache[1] if cache is not None else None
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask)
+        if cache is not None:
+            cache[1] = state
+            cache.advance(s)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: TextModelArgs, is_linear: bool):
+        super().__init__()
+        self.is_linear = is_linear
+        if is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = Attention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextBody(nn.Module):
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        k = args.full_attention_interval
+        self.layers = [DecoderLayer(args, is_linear=(i + 1) % k != 0) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ssm_idx = 0
+        self.fa_idx = k - 1
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        fa_mask = attention_mask(h, cache[self.fa_idx])
+        ssm_mask = recurrent_mask(h, cache[self.ssm_idx])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, ssm_mask if layer.is_linear else fa_mask, c)
+        return self.norm(h)
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction: from the target's hidden state at position t and
+    the embedding of token t+1, predict token t+2 with one extra decoder layer."""
+
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        h = args.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, is_linear=False) for _ in range(args.mtp_num_hidden_layers)]
+        self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache=None) -> mx.array:
+        x = mx.concatenate([self.pre_fc_norm_embedding(next_embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.fc(x)
+        cache = cache or [None] * len(self.layers)
+        mask = attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask, c)
+        return self.norm(x)
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: TextModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = TextBody(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.mtp_num_hidden_layers:
+            self.mtp = MTPHead(args)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+
+_NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "mtp.norm.weight",
+    ".pre_fc_norm_embedding.weight",
+    ".pre_fc_norm_hidden.weight",
+)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.language_model = TextModel(TextModelArgs.from_dict(args.text_config))
+
+    @property
+    def text_args(self) -> TextModelArgs:
+        return self.language_model.args
+
+    def hidden(self, inputs: mx.array, cache=None) -> mx.array:
+        return self.language_model.model(inputs, cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.language_model.logits(hidden)
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        return self.logits(self.hidden(inputs, cache))
+
+    @property
+    def layers(self):
+        return self.language_model.model.layers
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self.language_model
+
+    def make_cache(self) -> list:
+        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for key, value in weights.items():
+            if key.startswith(("vision_tower", "model.visual")):
+                continue
+            if key.startswith("model.language_model"):
+                key = key.replace("model.language_model", "language_model.model")
+            elif not key.startswith("language_model."):
+                key = "language_model." + key
+            out[key] = value
+        if self.text_args.tie_word_embeddings:
+            out.pop("language_model.lm_head.weight", None)
+        if self.has_mtp and not any(k.startswith("language_model.mtp.") for k in out):
+            self.language_model.pop("mtp")  # a checkpoint converted without its MTP head
+        # Hugging Face layout: conv1d as [C, 1, K] and norms stored as (w - 1).
+        hf_layout = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in out.items())
+        for key, value in list(out.items()):
+            if "conv1d.weight" in key and value.shape[-1] != 1:
+                out[key] = value.moveaxis(2, 1)
+            if hf_layout and value.ndim == 1 and key.endswith(_NORM_SUFFIXES):
+                out[key] = value + 1.0
+        return out

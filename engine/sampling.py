@@ -1,0 +1,177 @@
+"""Sampling: logits processors, filters, and a per-request seeded sampler.
+
+The filters and processors follow mlx-lm's definitions, so the same settings
+keep the same candidate tokens. Randomness comes from an explicit key per
+request (`seed`), never from MLX's global random state, so concurrent
+requests cannot disturb each other's streams.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import mlx.core as mx
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class InvalidSamplingError(ValueError):
+    """Sampling settings that cannot be honoured (the server turns this into HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    penalty_context_size: int = 20
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        def fail(msg: str) -> None:
+            raise InvalidSamplingError(msg)
+
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            fail(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.top_k >= vocab_size:
+            fail(f"top_k must be in [0, {vocab_size}), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens_to_keep < 1:
+            fail(f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
+        if self.repetition_penalty is not None and self.repetition_penalty < 0:
+            fail(f"repetition_penalty must be >= 0, got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= 20:
+            fail(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        bad = [t for t in self.logit_bias if not 0 <= int(t) < vocab_size]
+        if bad:
+            fail(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+# ----------------------------------------------------------------- filters
+
+
+@mx.compile
+def apply_top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    drop = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, drop, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+
+
+@mx.compile
+def apply_min_p(logprobs: mx.array, min_p: float, min_tokens_to_keep: int = 1) -> mx.array:
+    threshold = mx.max(logprobs, axis=-1, keepdims=True) + math.log(min_p)
+    remove = logprobs < threshold
+    if min_tokens_to_keep > 1:
+        top = mx.argpartition(logprobs, kth=-min_tokens_to_keep, axis=-1)[..., -min_tokens_to_keep:]
+        remove = mx.put_along_axis(remove, top, mx.array(False), axis=-1)
+    return mx.where(remove, -float("inf"), logprobs)
+
+
+@mx.compile
+def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    ordered = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ordered.astype(mx.float32))
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ordered, dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+# -------------------------------------------------------------- processors
+
+
+def _logit_bias(bias: Mapping[int, float]) -> LogitsProcessor:
+    ids = mx.array([int(k) for k in bias])
+    values = mx.array(list(bias.values()))
+    return lambda _tokens, logits: logits.at[:, ids].add(values)
+
+
+def _repetition(penalty: float, context: int) -> LogitsProcessor:
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        if len(tokens) > 0:
+            recent = tokens[-context:]
+            selected = logits[:, recent]
+            logits[:, recent] = mx.where(selected < 0, selected * penalty, selected / penalty)
+        return logits
+
+    return process
+
+
+def _presence(penalty: float, context: int) -> LogitsProcessor:
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        if len(tokens) > 0:
+            logits[:, tokens[-context:]] -= penalty
+        return logits
+
+    return process
+
+
+def _frequency(penalty: float, context: int) -> LogitsProcessor:
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        if len(tokens) > 0:
+            logits = logits.at[:, tokens[-context:]].subtract(penalty)
+        return logits
+
+    return process
+
+
+def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
+    processors = []
+    if p.logit_bias:
+        processors.append(_logit_bias(p.logit_bias))
+    if p.repetition_penalty:
+        processors.append(_repetition(p.repetition_penalty, p.repetition_context_size))
+    if p.presence_penalty:
+        processors.append(_presence(p.presence_penalty, p.penalty_context_size))
+    if p.frequency_penalty:
+        processors.append(_frequency(p.frequency_penalty, p.penalty_context_size))
+    return processors
+
+
+# ----------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Chooses the next token from log-probabilities [B, V] with its own key."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        if 0 < params.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p != 0.0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p, params.min_tokens_to_keep))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+
+    def filter(self, logprobs: mx.array) -> mx.array:
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return logprobs
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.params.is_greedy:
+            return mx.argmax(logprobs, axis=-1)
+        self._key, sub = mx.random.split(self._key)
+        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=sub)
