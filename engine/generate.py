@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache import cache_arrays
+from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
 from engine.sampling import Sampler, SamplingParams, make_processors
 
 DEFAULT_PREFILL_STEP = 2048
@@ -39,6 +39,26 @@ class StopCriteria:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop sequences must not be empty")
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """Switch growing KV caches to affine-quantized storage once they hold `start` tokens."""
+
+    bits: int = 8
+    group_size: int = 64
+    start: int = 5000  # mlx-lm's default
+
+    def check(self, cache: list) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"kv bits must be 4 or 8, got {self.bits}")
+        if any(isinstance(c, RotatingKVCache) for c in cache):
+            raise ValueError("quantized KV is not supported for sliding-window layers (nor is it in mlx-lm)")
+
+    def apply(self, cache: list) -> None:
+        for i, c in enumerate(cache):
+            if type(c) is KVCache and c.offset >= self.start:
+                cache[i] = QuantizedKVCache.from_kv(c, group_size=self.group_size, bits=self.bits)
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ def prefill(
     prompt: mx.array,
     step_size: int = DEFAULT_PREFILL_STEP,
     on_progress: Optional[Callable[[int, int], None]] = None,
+    kv_quantization: Optional[KVQuantization] = None,
 ) -> mx.array:
     """Run all but the last prompt token through the model in chunks; return the rest."""
     total = prompt.size
@@ -86,6 +107,8 @@ def prefill(
     while prompt.size > 1:
         n = min(step_size, prompt.size - 1)
         model.hidden(prompt[:n][None], cache)
+        if kv_quantization:
+            kv_quantization.apply(cache)
         mx.eval(cache_arrays(cache))
         prompt = prompt[n:]
         done += n
@@ -98,10 +121,11 @@ def prefill(
 class _Decoder:
     """Builds one forward + sampling graph per step; keeps the token history for processors."""
 
-    def __init__(self, model, cache, params: SamplingParams, tap: Optional[Callable[[StepTap], None]]):
+    def __init__(self, model, cache, params: SamplingParams, tap, kv_quantization: Optional[KVQuantization]):
         self.model = model
         self.cache = cache
         self.params = params
+        self.kv_quantization = kv_quantization
         self.sampler = Sampler(params)
         self.processors = make_processors(params)
         self.tap = tap
@@ -116,6 +140,8 @@ class _Decoder:
             self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
             for process in self.processors:
                 logits = process(self.history, logits)
+        if self.kv_quantization:
+            self.kv_quantization.apply(self.cache)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token = self.sampler(logprobs)
         top = None
@@ -135,12 +161,15 @@ def decode_steps(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     tap: Optional[Callable[[StepTap], None]] = None,
     on_prefill: Optional[Callable[[int, int], None]] = None,
+    kv_quantization: Optional[KVQuantization] = None,
 ) -> Iterator[_Step]:
     """Yield up to `max_steps` sampled steps (the caller may stop earlier)."""
-    decoder = _Decoder(model, cache, params, tap)
+    if kv_quantization:
+        kv_quantization.check(cache)
+    decoder = _Decoder(model, cache, params, tap, kv_quantization)
     if decoder.processors:
         decoder.history = prompt[:-1] if prompt.size > 1 else None
-    tail = prefill(model, cache, prompt, prefill_step_size, on_prefill)
+    tail = prefill(model, cache, prompt, prefill_step_size, on_prefill, kv_quantization)
     current = decoder.step(tail)
     mx.async_eval(current.token, current.logprobs)
     for n in range(max_steps):
@@ -206,6 +235,7 @@ def generate(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     tap: Optional[Callable[[StepTap], None]] = None,
     on_prefill: Optional[Callable[[int, int], None]] = None,
+    kv_quantization: Optional[KVQuantization] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate tokens for one prompt. The last token carries the finish reason.
 
@@ -218,7 +248,7 @@ def generate(
     matcher = _StopMatcher(stop.stop_sequences)
     steps = decode_steps(
         model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
-        prefill_step_size, tap, on_prefill,
+        prefill_step_size, tap, on_prefill, kv_quantization,
     )
     for n, step in enumerate(steps, start=1):
         tok = _to_generated(step, sampling)

@@ -1,0 +1,85 @@
+"""The engine's public entry point: a loaded model with its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import mlx.nn as nn
+
+from engine.generate import DEFAULT_PREFILL_STEP, GeneratedToken, KVQuantization, StepTap, StopCriteria, generate
+from engine.loading import load_model
+from engine.model_source import resolve_model_dir
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+def _eos_ids(config: dict[str, Any]) -> frozenset[int]:
+    eos = config.get("eos_token_id")
+    if eos is None and "text_config" in config:
+        eos = config["text_config"].get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+@dataclass
+class Engine:
+    """A model ready to generate.
+
+    >>> eng = Engine.load("tiny-qwen35")
+    >>> ids = eng.tokenizer.encode("Hello")
+    >>> text = eng.tokenizer.decode(t.token_id for t in eng.generate(ids, max_tokens=8))
+    """
+
+    model: nn.Module
+    config: dict[str, Any]
+    path: Path
+    tokenizer: Optional[Tokenizer] = None
+
+    @classmethod
+    def load(
+        cls,
+        model: Optional[str] = None,
+        model_path: Optional[str | Path] = None,
+        *,
+        seed: int = 0,
+        lazy: bool = False,
+        with_tokenizer: bool = True,
+    ) -> "Engine":
+        path = resolve_model_dir(model, model_path, seed=seed)
+        net, config = load_model(path, lazy=lazy)
+        tok = Tokenizer(path, _eos_ids(config)) if with_tokenizer else None
+        return cls(model=net, config=config, path=path, tokenizer=tok)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids if self.tokenizer else _eos_ids(self.config)
+
+    def make_cache(self) -> list:
+        return self.model.make_cache()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingParams = SamplingParams(),
+        stop_sequences: Sequence[Sequence[int]] = (),
+        ignore_eos: bool = False,
+        cache: Optional[list] = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        tap: Optional[Callable[[StepTap], None]] = None,
+        kv_quantization: Optional[KVQuantization] = None,
+    ) -> Iterator[GeneratedToken]:
+        stop = StopCriteria(
+            max_tokens=max_tokens,
+            eos_ids=self.eos_ids,
+            stop_sequences=tuple(tuple(s) for s in stop_sequences),
+            ignore_eos=ignore_eos,
+        )
+        return generate(
+            self.model, prompt_ids, sampling=sampling, stop=stop, cache=cache,
+            prefill_step_size=prefill_step_size, tap=tap, kv_quantization=kv_quantization,
+        )

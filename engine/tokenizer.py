@@ -1,0 +1,44 @@
+"""The engine's tokenizer: transformers' AutoTokenizer, loaded the way mlx-lm loads it.
+
+Using the same loader as the oracle means a text prompt becomes the same ids
+in our engine and in mlx-lm (tests check this against `mlx_lm.load`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, eos_token_ids: Iterable[int] = ()):
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        from transformers import AutoTokenizer
+
+        self._hf = AutoTokenizer.from_pretrained(str(path))
+        self.eos_ids: frozenset[int] = frozenset(eos_token_ids) | (
+            frozenset([self._hf.eos_token_id]) if self._hf.eos_token_id is not None else frozenset()
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._hf.chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,157 @@
+"""In-process speed check: our engine and mlx-lm on the same artifact and prompt ids.
+
+Both sides run in this process with fresh caches per request, greedy, fixed
+output length. Warmups first (the first request compiles kernels), then
+`samples` measured requests per side in alternating order (A B, B A, ...),
+so a slow drift of the machine hits both sides alike. Reported per side: the
+median prefill rate (prompt tokens / time to first token) and the median
+decode rate ((tokens - 1) / time after the first token); ratios are
+engine / mlx-lm; token identity compares the generated ids.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from engine.generate import StopCriteria, generate
+from engine.loading import load_config, load_model
+from harness.prompts import frozen_prompt_ids
+from oracles import reference
+
+ENGINE, MLX_LM = "engine", "mlx-lm"
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    prompt_tokens: int = 1024
+    decode_tokens: int = 128
+    samples: int = 5
+    warmup: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    arm: str
+    ttft_s: float
+    decode_s: float
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class ArmSummary:
+    arm: str
+    prefill_tps: float
+    decode_tps: float
+    ttft_ms: float
+    samples_prefill_tps: list[float] = field(default_factory=list)
+    samples_decode_tps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class NativeResult:
+    model: str
+    device: str
+    prompt_tokens: int
+    decode_tokens: int
+    engine: ArmSummary
+    mlx_lm: ArmSummary
+    tokens_identical: bool
+
+    @property
+    def decode_ratio(self) -> float:
+        return self.engine.decode_tps / self.mlx_lm.decode_tps
+
+    @property
+    def prefill_ratio(self) -> float:
+        return self.engine.prefill_tps / self.mlx_lm.prefill_tps
+
+    def as_record(self) -> dict:
+        return {**asdict(self), "decode_ratio": self.decode_ratio, "prefill_ratio": self.prefill_ratio}
+
+
+def _time(arm: str, run: Callable[[], Iterator[int]]) -> Sample:
+    mx.synchronize()
+    start = time.perf_counter()
+    it = run()
+    first = next(it)
+    t_first = time.perf_counter()
+    rest = list(it)
+    end = time.perf_counter()
+    mx.synchronize()
+    return Sample(arm, t_first - start, end - t_first, (first, *rest))
+
+
+def _engine_tokens(model, ids: Sequence[int], n: int):
+    stop = StopCriteria(max_tokens=n, ignore_eos=True)
+    return (t.token_id for t in generate(model, ids, stop=stop, cache=model.make_cache()))
+
+
+def _mlx_lm_tokens(model, ids: Sequence[int], n: int):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = generate_step(mx.array(list(ids)), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
+    return (int(tok) for tok, _ in steps)
+
+
+def _summarize(arm: str, samples: list[Sample], prompt_tokens: int, decode_tokens: int) -> ArmSummary:
+    prefill = [prompt_tokens / s.ttft_s for s in samples]
+    decode = [(decode_tokens - 1) / s.decode_s for s in samples]
+    return ArmSummary(
+        arm=arm,
+        prefill_tps=statistics.median(prefill),
+        decode_tps=statistics.median(decode),
+        ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000,
+        samples_prefill_tps=prefill,
+        samples_decode_tps=decode,
+    )
+
+
+def run_native(
+    name: str,
+    path: Path,
+    cfg: NativeConfig,
+    on_sample: Optional[Callable[[Sample], None]] = None,
+) -> NativeResult:
+    ours, _ = load_model(path)
+    theirs = reference.load_model(path)
+    ids = frozen_prompt_ids(cfg.prompt_tokens, text_config(path)["vocab_size"], cfg.seed)
+    n = cfg.decode_tokens
+    arms = {
+        ENGINE: lambda: _engine_tokens(ours, ids, n),
+        MLX_LM: lambda: _mlx_lm_tokens(theirs, ids, n),
+    }
+    for _ in range(cfg.warmup):
+        for arm in (ENGINE, MLX_LM):
+            _time(arm, arms[arm])
+    samples: dict[str, list[Sample]] = {ENGINE: [], MLX_LM: []}
+    for i in range(cfg.samples):
+        order = (ENGINE, MLX_LM) if i % 2 == 0 else (MLX_LM, ENGINE)
+        for arm in order:
+            s = _time(arm, arms[arm])
+            samples[arm].append(s)
+            if on_sample:
+                on_sample(s)
+    identical = all(s.tokens == samples[ENGINE][0].tokens for s in samples[ENGINE] + samples[MLX_LM])
+    return NativeResult(
+        model=name,
+        device=str(mx.default_device()),
+        prompt_tokens=cfg.prompt_tokens,
+        decode_tokens=n,
+        engine=_summarize(ENGINE, samples[ENGINE], cfg.prompt_tokens, n),
+        mlx_lm=_summarize(MLX_LM, samples[MLX_LM], cfg.prompt_tokens, n),
+        tokens_identical=identical,
+    )
+
+
+def text_config(path: Path) -> dict:
+    """The config block with the text model's fields (nested for qwen3_5)."""
+    config = load_config(path)
+    return config.get("text_config", config)
