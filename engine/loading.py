@@ -16,11 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.errors import ModelLoadError
 from engine.models import model_module
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 def load_config(path: Path) -> dict[str, Any]:

@@ -5,13 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from engine.errors import ModelSourceError
 from engine.registry import get_spec
 from engine.synth import ensure_model
 from engine.synth.artifact import Progress
-
-
-class ModelSourceError(ValueError):
-    pass
 
 
 def resolve_model_dir(

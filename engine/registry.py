@@ -18,12 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-
-class UnknownModelError(KeyError):
-    """A model name that is not in the registry."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+from engine.errors import UnknownModelError
 
 
 @dataclass(frozen=True)
@@ -120,6 +115,12 @@ _BASES: dict[str, _Base] = {
         "tiny",
         Geometry(model_type="llama", num_hidden_layers=2, rope_theta=10_000.0, **_TINY_ATTN),
         "dense Llama-style, 2 layers",
+        "bf16",
+    ),
+    "tiny-qwen2": _Base(
+        "tiny",
+        Geometry(model_type="qwen2", num_hidden_layers=2, attention_bias=True, **_TINY_ATTN),
+        "dense with q/k/v biases, 2 layers",
         "bf16",
     ),
     "tiny-qwen3": _Base(

@@ -15,11 +15,9 @@ from typing import Callable, Mapping, Optional
 
 import mlx.core as mx
 
+from engine.errors import InvalidSamplingError
+
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-class InvalidSamplingError(ValueError):
-    """Sampling settings that cannot be honoured (the server turns this into HTTP 400)."""
 
 
 @dataclass(frozen=True)

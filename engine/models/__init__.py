@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from engine.errors import UnsupportedModelError
+
 _MODULES = {
     "llama": "llama",
     "mistral": "llama",
@@ -16,10 +18,6 @@ _MODULES = {
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_MODULES))
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 def model_module(model_type: str) -> ModuleType:

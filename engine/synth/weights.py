@@ -252,3 +252,17 @@ def tensor_entries(t: P.TensorPlan, spec: ModelSpec, seed: int, guard: Guard) ->
     if t.is_matrix:
         return [TensorEntry(f"{t.name}.weight", st, t.shape, lambda: _float_matrix(t, seed, guard))]
     return [TensorEntry(t.name, st, t.shape, lambda: iter([_vector(t, seed, guard)]))]
+
+
+def planned_weight_bytes(spec: ModelSpec) -> int:
+    """Bytes of tensor data the artifact will hold (headers aside), without making it."""
+    total = 0
+    for t in P.tensor_plan(spec):
+        itemsize = 4 if t.dtype == "float32" else 2
+        if is_quantized(t, spec):
+            q = spec.quantization
+            rows, cols = t.shape
+            total += rows * cols * q.bits // 8 + 2 * rows * (cols // q.group_size) * itemsize
+        else:
+            total += math.prod(t.shape) * itemsize
+    return total

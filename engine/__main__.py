@@ -1,0 +1,3 @@
+from engine.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,293 @@
+"""`harness`: the benchmark and parity harness.
+
+    harness models list                      registry, geometry, size, cache state
+    harness models synth NAME [--seed S]     write a synthetic mlx-lm artifact
+    harness parity [--models ...]            live oracle gate against mlx-lm
+    harness native --models NAME             in-process speed: engine vs mlx-lm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rich.console import Console
+
+from engine.errors import USER_ERRORS
+
+console = Console(stderr=True)
+out = Console()
+if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+    out = Console(width=200)
+
+
+class CliError(ValueError):
+    """Bad command-line input: printed without a traceback, exit code 2."""
+
+
+def _csv(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _csv_ints(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="harness",
+        description="Benchmark and parity harness for the engine, with stock mlx-lm as the reference.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    models = sub.add_parser("models", help="list or synthesize registry models")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    ls = msub.add_parser("list", help="registry names with geometry, parameters, bytes and cache state")
+    ls.add_argument("--tier", choices=["tiny", "small", "gpu"], help="only this tier")
+    ls.add_argument("--seed", type=int, default=0, help="seed whose cache state to show (default 0)")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.set_defaults(func=cmd_models_list)
+    syn = msub.add_parser(
+        "synth",
+        help="write a synthetic model artifact (mlx-lm format)",
+        description="Synthesize deterministic random weights and a full-vocabulary tokenizer in mlx-lm's "
+        "on-disk format. Without --out the artifact goes to the model cache, where --model NAME finds it.",
+    )
+    syn.add_argument("names", nargs="+", metavar="NAME", help="registry names, e.g. tiny-qwen35 qwen27b")
+    syn.add_argument("--seed", type=int, default=0, help="weight seed (default 0); same name + seed = same bytes")
+    syn.add_argument("--out", type=Path, help="write here instead of the cache (one NAME only)")
+    syn.add_argument("--force", action="store_true", help="rewrite even if the artifact exists")
+    syn.set_defaults(func=cmd_models_synth)
+
+    par = sub.add_parser(
+        "parity",
+        help="compare our logits with mlx-lm's, bit for bit",
+        description="Run the live oracle gate: both engines generate greedily from the same prompt ids on the "
+        "same artifact; every forward's float32 logits and the final caches must be identical. "
+        "Exits 1 on any mismatch.",
+    )
+    par.add_argument("--models", type=_csv, help="registry base names (default: every tiny family)")
+    par.add_argument("--batch", type=_csv_ints, default=[1], help="batch sizes (default 1; B>1 is not built yet)")
+    par.add_argument("--dtypes", type=_csv, default=["f32", "bf16", "4bit"], help="variants (default f32,bf16,4bit)")
+    par.add_argument("--prompt-lengths", type=_csv_ints, default=[1, 7, 300, 2100], help="default 1,7,300,2100")
+    par.add_argument("--steps", type=_positive, default=64, help="decode steps per case (default 64)")
+    par.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
+    par.add_argument("--json", type=Path, help="also write the results here")
+    par.set_defaults(func=cmd_parity)
+
+    nat = sub.add_parser(
+        "native",
+        help="in-process speed: engine vs mlx-lm on the same prompt ids",
+        description="Load our engine and mlx-lm side by side on one artifact, run warmups, then alternate "
+        "measured requests (fresh caches, greedy, fixed length). Prints median prefill and decode rates, "
+        "their ratios (engine / mlx-lm) and whether the generated ids are identical.",
+    )
+    src = nat.add_mutually_exclusive_group(required=True)
+    src.add_argument("--models", type=_csv, help="registry names, comma-separated")
+    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead of a registry name")
+    nat.add_argument("--prompt-tokens", type=_positive, default=1024, help="prompt length (default 1024)")
+    nat.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
+    nat.add_argument("--samples", type=_positive, default=5, help="measured requests per side (default 5)")
+    nat.add_argument("--warmup", type=int, default=1, help="warmup requests per side (default 1)")
+    nat.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
+    nat.add_argument("--json", type=Path, help="also write the results here")
+    nat.set_defaults(func=cmd_native)
+    return parser
+
+
+# ------------------------------------------------------------------ models
+
+
+def cmd_models_list(args) -> int:
+    from rich.table import Table
+
+    from engine.registry import all_specs
+    from engine.synth import artifact_dir, is_cached, parameter_count
+    from engine.synth.weights import planned_weight_bytes
+
+    tiers = (args.tier,) if args.tier else ("tiny", "small", "gpu")
+    rows = []
+    for spec in all_specs(tiers):
+        g = spec.geometry
+        cached = is_cached(spec.name, args.seed)
+        rows.append(
+            {
+                "name": spec.name,
+                "tier": spec.tier,
+                "model_type": g.model_type,
+                "layers": g.num_hidden_layers,
+                "hidden": g.hidden_size,
+                "vocab": g.vocab_size,
+                "weights": f"{spec.quantization.bits}bit-g{spec.quantization.group_size}"
+                if spec.quantization
+                else {"float32": "f32", "bfloat16": "bf16"}[spec.dtype],
+                "parameters": parameter_count(spec),
+                "weight_bytes": planned_weight_bytes(spec),
+                "cached": str(artifact_dir(spec.name, args.seed)) if cached else None,
+            }
+        )
+    if args.json:
+        out.print_json(json.dumps(rows))
+        return 0
+    table = Table(title="registry models (seed %d)" % args.seed)
+    for col in ("name", "tier", "type", "layers", "hidden", "vocab", "weights", "params", "bytes", "cached"):
+        table.add_column(col, justify="right" if col in ("layers", "hidden", "vocab", "params", "bytes") else "left")
+    for r in rows:
+        table.add_row(
+            r["name"], r["tier"], r["model_type"], str(r["layers"]), str(r["hidden"]), str(r["vocab"]),
+            r["weights"], _human(r["parameters"], ""), _human(r["weight_bytes"], "B"), "yes" if r["cached"] else "-",
+        )
+    out.print(table)
+    return 0
+
+
+def _human(n: float, unit: str) -> str:
+    for suffix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{suffix}{unit}" if suffix else f"{n:.0f}{unit}"
+        n /= 1000
+    return f"{n:.3g}P{unit}"
+
+
+def cmd_models_synth(args) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from engine.registry import get_spec
+    from engine.synth import artifact_dir, synthesize
+
+    if args.out and len(args.names) > 1:
+        raise CliError("--out takes one NAME; synthesize several into the cache instead")
+    specs = [get_spec(n) for n in args.names]  # validate every name before writing anything
+    for spec in specs:
+        target = args.out or artifact_dir(spec.name, args.seed)
+        if (target / "manifest.json").exists() and not args.force:
+            console.print(f"{spec.name}: already at {target} (use --force to rewrite)")
+            continue
+        if target.exists() and not (target / "manifest.json").exists() and any(target.iterdir()):
+            raise CliError(f"{target} exists and is not a synthesized artifact; choose another --out")
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task(spec.name, total=None)
+
+            def report(done: int, total: int, _name: str) -> None:
+                progress.update(task, completed=done, total=total)
+
+            synthesize(spec, args.seed, target, progress=report)
+        manifest = json.loads((target / "manifest.json").read_text())
+        console.print(
+            f"{spec.name}: {manifest['parameters'] / 1e6:.1f}M parameters, "
+            f"{manifest['total_bytes'] / 1e6:.1f} MB in {manifest['synthesis_seconds']:.1f}s -> {target}"
+        )
+        out.print(str(target))
+    return 0
+
+
+# ------------------------------------------------------------------ parity
+
+
+def cmd_parity(args) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from engine.registry import base_names, get_spec
+    from harness import parity
+
+    if args.batch != [1]:
+        raise CliError("only --batch 1 exists so far: the same-B batched gate comes with the scheduler")
+    bases = args.models or base_names("tiny")
+    for b in bases:
+        for d in args.dtypes:
+            get_spec(f"{b}-{d}")  # unknown names fail before any work
+    cases = [
+        parity.ParityCase(parity.model_name(b, d), n, args.steps, args.seed)
+        for b in bases for d in args.dtypes for n in args.prompt_lengths
+    ]
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("parity", total=len(cases))
+        for case in cases:
+            progress.update(task, description=case.label)
+            results.append(parity.run_case(case))
+            progress.advance(task)
+    table = Table(title="parity vs mlx-lm (B=1)")
+    for col in ("model", "prompt", "steps", "forwards", "max |diff|", "first diff", "tokens", "cache", "result"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.case.model, str(r.case.prompt_len), str(r.case.steps), str(r.compared_steps), f"{r.max_abs_diff:.3g}",
+            "-" if r.first_diff_step is None else str(r.first_diff_step),
+            "same" if r.tokens_equal else "DIFFER", f"{r.cache_max_abs_diff:.3g}",
+            "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+        )
+    out.print(table)
+    failed = [r for r in results if not r.passed]
+    if args.json:
+        args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
+    out.print(f"{len(results) - len(failed)}/{len(results)} cases bit-exact")
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------ native
+
+
+def cmd_native(args) -> int:
+    from rich.table import Table
+
+    from engine.model_source import resolve_model_dir
+    from harness.native import NativeConfig, run_native
+
+    cfg = NativeConfig(args.prompt_tokens, args.decode_tokens, args.samples, args.warmup, args.seed)
+    targets = [(str(args.model_path), resolve_model_dir(model_path=args.model_path))] if args.model_path else [
+        (name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models
+    ]
+    results = []
+    for name, path in targets:
+        console.print(f"{name}: warming up and measuring ({cfg.samples} samples per side) ...")
+        results.append(run_native(name, path, cfg))
+    table = Table(title=f"engine vs mlx-lm, in process ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode)")
+    for col in ("model", "device", "prefill tok/s", "ratio", "TTFT ms", "decode tok/s", "ratio", "tokens"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.model, r.device,
+            f"{r.engine.prefill_tps:.1f} vs {r.mlx_lm.prefill_tps:.1f}", f"{r.prefill_ratio:.3f}",
+            f"{r.engine.ttft_ms:.0f} vs {r.mlx_lm.ttft_ms:.0f}",
+            f"{r.engine.decode_tps:.2f} vs {r.mlx_lm.decode_tps:.2f}", f"{r.decode_ratio:.3f}",
+            "identical" if r.tokens_identical else "[red]DIFFER[/]",
+        )
+    out.print(table)
+    if args.json:
+        args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
+    return 0 if all(r.tokens_identical for r in results) else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, *USER_ERRORS) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

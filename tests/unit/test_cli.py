@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from engine.cli import main as engine_main
+from harness.cli import main as harness_main
+
+
+def test_help_explains_every_command(capsys):
+    for argv in (["--help"], ["models", "--help"], ["parity", "--help"], ["native", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            harness_main(argv)
+        assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "bit for bit" in text and "synth" in text and "alternate" in text
+
+
+def test_models_list_json(capsys, tiny_path):
+    tiny_path("tiny-qwen35")
+    assert harness_main(["models", "list", "--tier", "tiny", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    row = next(r for r in rows if r["name"] == "tiny-qwen35")
+    assert row["cached"] and row["parameters"] > 0 and row["weight_bytes"] > 0
+
+
+def test_unknown_model_is_a_clean_error(capsys):
+    assert harness_main(["models", "synth", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert engine_main(["generate", "--model", "no-such-model", "--prompt", "x"]) == 2
+
+
+def test_bad_model_path_is_a_clean_error(tmp_path, capsys):
+    assert engine_main(["generate", "--model-path", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_synth_into_a_directory(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert harness_main(["models", "synth", "tiny-llama-4bit", "--out", str(out)]) == 0
+    assert (out / "manifest.json").exists() and (out / "model.safetensors").exists()
+    assert harness_main(["models", "synth", "tiny-llama-4bit", "--out", str(out)]) == 0  # already there
+    assert "already" in capsys.readouterr().err
+
+
+def test_parity_command_passes_and_writes_json(tmp_path, capsys):
+    report = tmp_path / "p.json"
+    rc = harness_main(["parity", "--models", "tiny-llama", "--dtypes", "f32", "--prompt-lengths", "5",
+                       "--steps", "4", "--json", str(report)])
+    assert rc == 0
+    rows = json.loads(report.read_text())
+    assert rows[0]["passed"] and rows[0]["max_abs_diff"] == 0.0
+
+
+def test_parity_refuses_batches_it_cannot_run(capsys):
+    assert harness_main(["parity", "--batch", "2"]) == 2
+
+
+def test_engine_generate_prints_text_and_timing(capsys, tiny_path):
+    tiny_path("tiny-qwen3")
+    assert engine_main(["generate", "--model", "tiny-qwen3", "--prompt", "Hi", "--max-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "generated" in captured.err
+    assert engine_main(["generate", "--model", "tiny-qwen3", "--prompt", "Hi", "--top-p", "3"]) == 2
