@@ -9,7 +9,7 @@ previous step's token is read back, so the device never waits on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterator, Optional, Sequence
 

@@ -110,6 +110,20 @@ _TINY_ATTN = dict(
     max_position_embeddings=8192,
 )
 
+# What every Qwen3.5 text model shares: the tokenizer's vocabulary and the rope settings.
+_QWEN35 = dict(
+    model_type="qwen3_5",
+    vocab_size=248_320,
+    max_position_embeddings=262_144,
+    rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+_GPU_VARIANTS = ("bf16", "4bit", "8bit")
+
 _BASES: dict[str, _Base] = {
     "tiny-llama": _Base(
         "tiny",
@@ -205,49 +219,33 @@ _BASES: dict[str, _Base] = {
     "qwen27b": _Base(
         "gpu",
         Geometry(
-            model_type="qwen3_5",
             hidden_size=5120,
             num_hidden_layers=64,
             intermediate_size=17408,
             num_attention_heads=24,
             num_key_value_heads=4,
-            head_dim=256,
-            vocab_size=248_320,
-            max_position_embeddings=262_144,
-            rope_theta=10_000_000.0,
-            partial_rotary_factor=0.25,
-            linear_num_key_heads=16,
             linear_num_value_heads=48,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
             mtp_num_hidden_layers=1,
+            **_QWEN35,
         ),
         "Qwen3.5-27B-like hybrid (true geometry)",
         "4bit",
-        ("bf16", "4bit", "8bit"),
+        _GPU_VARIANTS,
     ),
     "qwen35-0.8b": _Base(
         "gpu",
         Geometry(
-            model_type="qwen3_5",
             hidden_size=1024,
             num_hidden_layers=24,
             intermediate_size=3584,
             num_attention_heads=8,
             num_key_value_heads=2,
-            head_dim=256,
-            vocab_size=248_320,
-            max_position_embeddings=262_144,
-            rope_theta=10_000_000.0,
-            partial_rotary_factor=0.25,
-            linear_num_key_heads=16,
             linear_num_value_heads=16,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
+            **_QWEN35,
         ),
         "Qwen3.5-0.8B-like draft companion for qwen27b (untied head, see README)",
         "4bit",
-        ("bf16", "4bit", "8bit"),
+        _GPU_VARIANTS,
     ),
     "qwen3-8b": _Base(
         "gpu",
@@ -264,7 +262,7 @@ _BASES: dict[str, _Base] = {
         ),
         "Qwen3-8B-like dense (true geometry)",
         "4bit",
-        ("bf16", "4bit", "8bit"),
+        _GPU_VARIANTS,
     ),
 }
 

@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "same artifact; every forward's float32 logits and the final caches must be identical. "
         "Exits 1 on any mismatch.",
     )
-    par.add_argument("--models", type=_csv, help="registry base names (default: every tiny family)")
+    psrc = par.add_mutually_exclusive_group()
+    psrc.add_argument("--models", type=_csv, help="registry base names (default: every tiny family)")
+    psrc.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead (--dtypes is ignored)")
     par.add_argument("--batch", type=_csv_ints, default=[1], help="batch sizes (default 1; B>1 is not built yet)")
     par.add_argument("--dtypes", type=_csv, default=["f32", "bf16", "4bit"], help="variants (default f32,bf16,4bit)")
     par.add_argument("--prompt-lengths", type=_csv_ints, default=[1, 7, 300, 2100], help="default 1,7,300,2100")
@@ -205,19 +207,26 @@ def cmd_parity(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from engine.model_source import resolve_model_dir
     from engine.registry import base_names, get_spec
     from harness import parity
 
     if args.batch != [1]:
         raise CliError("only --batch 1 exists so far: the same-B batched gate comes with the scheduler")
-    bases = args.models or base_names("tiny")
-    for b in bases:
-        for d in args.dtypes:
-            get_spec(f"{b}-{d}")  # unknown names fail before any work
-    cases = [
-        parity.ParityCase(parity.model_name(b, d), n, args.steps, args.seed)
-        for b in bases for d in args.dtypes for n in args.prompt_lengths
-    ]
+    if args.model_path:
+        path = resolve_model_dir(model_path=args.model_path)
+        cases = [
+            parity.ParityCase(path.name, n, args.steps, args.seed, model_path=str(path)) for n in args.prompt_lengths
+        ]
+    else:
+        bases = args.models or base_names("tiny")
+        for b in bases:
+            for d in args.dtypes:
+                get_spec(f"{b}-{d}")  # unknown names fail before any work
+        cases = [
+            parity.ParityCase(parity.model_name(b, d), n, args.steps, args.seed)
+            for b in bases for d in args.dtypes for n in args.prompt_lengths
+        ]
     results = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("parity", total=len(cases))
@@ -261,20 +270,31 @@ def cmd_native(args) -> int:
         console.print(f"{name}: warming up and measuring ({cfg.samples} samples per side) ...")
         results.append(run_native(name, path, cfg))
     table = Table(title=f"engine vs mlx-lm, in process ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode)")
-    for col in ("model", "device", "prefill tok/s", "ratio", "TTFT ms", "decode tok/s", "ratio", "tokens"):
+    for col in ("model", "device", "prefill tok/s", "ratio", "paired", "TTFT ms", "decode tok/s", "ratio", "paired",
+                "tokens"):
         table.add_column(col)
     for r in results:
         table.add_row(
             r.model, r.device,
             f"{r.engine.prefill_tps:.1f} vs {r.mlx_lm.prefill_tps:.1f}", f"{r.prefill_ratio:.3f}",
+            _paired(r.paired_prefill_ratios()),
             f"{r.engine.ttft_ms:.0f} vs {r.mlx_lm.ttft_ms:.0f}",
             f"{r.engine.decode_tps:.2f} vs {r.mlx_lm.decode_tps:.2f}", f"{r.decode_ratio:.3f}",
+            _paired(r.paired_decode_ratios()),
             "identical" if r.tokens_identical else "[red]DIFFER[/]",
         )
     out.print(table)
+    out.print("medians per side and their ratio (engine / mlx-lm); paired: geometric mean \\[min-max] of "
+              "per-request ratios, each engine request against the mlx-lm request beside it in time")
     if args.json:
         args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
     return 0 if all(r.tokens_identical for r in results) else 1
+
+
+def _paired(ratios: list[float]) -> str:
+    from harness.native import geomean
+
+    return f"{geomean(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

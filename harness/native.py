@@ -7,10 +7,15 @@ so a slow drift of the machine hits both sides alike. Reported per side: the
 median prefill rate (prompt tokens / time to first token) and the median
 decode rate ((tokens - 1) / time after the first token); ratios are
 engine / mlx-lm; token identity compares the generated ids.
+
+Medians of two noisy series can disagree with what happened pair by pair, so
+each measured engine request is also paired with the mlx-lm request next to it
+in time; the geometric mean and range of those paired ratios are reported.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +25,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 from engine.generate import StopCriteria, generate
-from engine.loading import load_config, load_model
+from engine.loading import load_model
+from harness.parity import vocab_size
 from harness.prompts import frozen_prompt_ids
 from oracles import reference
 
@@ -64,6 +70,12 @@ class NativeResult:
     mlx_lm: ArmSummary
     tokens_identical: bool
 
+    def paired_decode_ratios(self) -> list[float]:
+        return [a / b for a, b in zip(self.engine.samples_decode_tps, self.mlx_lm.samples_decode_tps)]
+
+    def paired_prefill_ratios(self) -> list[float]:
+        return [a / b for a, b in zip(self.engine.samples_prefill_tps, self.mlx_lm.samples_prefill_tps)]
+
     @property
     def decode_ratio(self) -> float:
         return self.engine.decode_tps / self.mlx_lm.decode_tps
@@ -73,7 +85,17 @@ class NativeResult:
         return self.engine.prefill_tps / self.mlx_lm.prefill_tps
 
     def as_record(self) -> dict:
-        return {**asdict(self), "decode_ratio": self.decode_ratio, "prefill_ratio": self.prefill_ratio}
+        return {
+            **asdict(self),
+            "decode_ratio": self.decode_ratio,
+            "prefill_ratio": self.prefill_ratio,
+            "paired_decode_ratios": self.paired_decode_ratios(),
+            "paired_prefill_ratios": self.paired_prefill_ratios(),
+        }
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _time(arm: str, run: Callable[[], Iterator[int]]) -> Sample:
@@ -122,7 +144,7 @@ def run_native(
 ) -> NativeResult:
     ours, _ = load_model(path)
     theirs = reference.load_model(path)
-    ids = frozen_prompt_ids(cfg.prompt_tokens, text_config(path)["vocab_size"], cfg.seed)
+    ids = frozen_prompt_ids(cfg.prompt_tokens, vocab_size(path), cfg.seed)
     n = cfg.decode_tokens
     arms = {
         ENGINE: lambda: _engine_tokens(ours, ids, n),
@@ -149,9 +171,3 @@ def run_native(
         mlx_lm=_summarize(MLX_LM, samples[MLX_LM], cfg.prompt_tokens, n),
         tokens_identical=identical,
     )
-
-
-def text_config(path: Path) -> dict:
-    """The config block with the text model's fields (nested for qwen3_5)."""
-    config = load_config(path)
-    return config.get("text_config", config)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from engine.generate import KVQuantization, StopCriteria, generate
-from engine.loading import load_model
+from engine.loading import load_config, load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model
 from harness.prompts import frozen_prompt_ids
@@ -30,12 +31,13 @@ DEFAULT_STEPS = 64
 
 @dataclass(frozen=True)
 class ParityCase:
-    model: str  # registry name including the variant, e.g. tiny-qwen35-4bit
+    model: str  # registry name including the variant (e.g. tiny-qwen35-4bit), or a label
     prompt_len: int
     steps: int = DEFAULT_STEPS
     seed: int = 0  # artifact seed; the prompt ids derive from it too
     kv_bits: Optional[int] = None
     kv_group_size: int = 32
+    model_path: Optional[str] = None  # an mlx-lm directory instead of a registry name
 
     @property
     def label(self) -> str:
@@ -59,6 +61,11 @@ class ParityResult:
 
     def as_record(self) -> dict:
         return {**asdict(self.case), **{k: v for k, v in asdict(self).items() if k != "case"}, "passed": self.passed}
+
+
+def vocab_size(path: Path) -> int:
+    config = load_config(path)
+    return config.get("text_config", config)["vocab_size"]
 
 
 def model_name(base: str, dtype: str) -> str:
@@ -128,20 +135,22 @@ def compare(ours: reference.Run, ref: reference.Run, steps: int) -> tuple[float,
     return diff, first, tokens_equal, cache_diff, n
 
 
+def case_path(case: ParityCase) -> Path:
+    return Path(case.model_path) if case.model_path else ensure_model(case.model, case.seed)
+
+
 class _Models:
     """Loads each artifact once per process, for both sides."""
 
     def __init__(self):
-        self._ours: dict[str, object] = {}
-        self._ref: dict[str, object] = {}
+        self._ours: dict[Path, object] = {}
+        self._ref: dict[Path, object] = {}
 
-    def get(self, name: str, seed: int):
-        key = f"{name}-s{seed}"
-        if key not in self._ours:
-            path = ensure_model(name, seed)
-            self._ours[key] = load_model(path)[0]
-            self._ref[key] = reference.load_model(path)
-        return self._ours[key], self._ref[key]
+    def get(self, path: Path):
+        if path not in self._ours:
+            self._ours[path] = load_model(path)[0]
+            self._ref[path] = reference.load_model(path)
+        return self._ours[path], self._ref[path]
 
 
 _MODELS = _Models()
@@ -149,8 +158,9 @@ _MODELS = _Models()
 
 def run_case(case: ParityCase) -> ParityResult:
     start = time.perf_counter()
-    ours_model, ref_model = _MODELS.get(case.model, case.seed)
-    ids = frozen_prompt_ids(case.prompt_len, get_spec(case.model).geometry.vocab_size, case.seed)
+    path = case_path(case)
+    ours_model, ref_model = _MODELS.get(path)
+    ids = frozen_prompt_ids(case.prompt_len, vocab_size(path), case.seed)
     kvq = KVQuantization(case.kv_bits, case.kv_group_size, start=0) if case.kv_bits else None
     kv = dict(kv_bits=kvq.bits, kv_group_size=kvq.group_size, quantized_kv_start=kvq.start) if kvq else {}
     ref = reference.generate(ref_model, ids, case.steps, **kv)

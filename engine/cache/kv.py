@@ -18,7 +18,28 @@ def standard_mask(n: int, offset: int, window_size: Optional[int]):
     return "causal"
 
 
-class KVCache:
+class OffsetTrimmed:
+    """Caches whose contents are the first `offset` positions of a buffer: trimming
+    just moves `offset` back (the stale tail is overwritten by the next update)."""
+
+    offset: int
+
+    def make_mask(self, n: int, window_size: Optional[int] = None):
+        return standard_mask(n, self.offset, window_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class KVCache(OffsetTrimmed):
     step = 256
 
     def __init__(self):
@@ -53,25 +74,11 @@ class KVCache:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
 
-    def make_mask(self, n: int, window_size: Optional[int] = None):
-        return standard_mask(n, self.offset, window_size)
-
     @property
     def state(self):
         if self.keys is None:
             return []
         return list(self.fetch())
-
-    def size(self) -> int:
-        return self.offset
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:

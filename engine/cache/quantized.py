@@ -6,10 +6,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.cache.kv import KVCache, standard_mask
+from engine.cache.kv import KVCache, OffsetTrimmed
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(OffsetTrimmed):
     step = 256
 
     def __init__(self, group_size: int = 64, bits: int = 8):
@@ -76,26 +76,12 @@ class QuantizedKVCache:
             tuple(x[..., : self.offset, :] for x in self.values),
         )
 
-    def make_mask(self, n: int, window_size: Optional[int] = None):
-        return standard_mask(n, self.offset, window_size)
-
     @property
     def state(self):
         if self.keys is None:
             return []
         k, v = self.fetch()
         return [*k, *v]
-
-    def size(self) -> int:
-        return self.offset
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     @property
     def nbytes(self) -> int:

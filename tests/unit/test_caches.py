@@ -1,6 +1,5 @@
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from engine.cache import KVCache, QuantizedKVCache, RecurrentCache, RotatingKVCache
 

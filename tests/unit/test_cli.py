@@ -51,6 +51,14 @@ def test_parity_command_passes_and_writes_json(tmp_path, capsys):
     assert rows[0]["passed"] and rows[0]["max_abs_diff"] == 0.0
 
 
+def test_parity_takes_a_model_directory(tmp_path, tiny_path):
+    report = tmp_path / "p.json"
+    path = tiny_path("tiny-gemma3-f32")
+    rc = harness_main(["parity", "--model-path", str(path), "--prompt-lengths", "70", "--steps", "3",
+                       "--json", str(report)])
+    assert rc == 0 and json.loads(report.read_text())[0]["model_path"] == str(path)
+
+
 def test_parity_refuses_batches_it_cannot_run(capsys):
     assert harness_main(["parity", "--batch", "2"]) == 2
 
