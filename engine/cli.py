@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> int:
     from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from engine.types import SamplingParams
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")

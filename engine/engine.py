@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.nn as nn
 
-from engine.generate import DEFAULT_PREFILL_STEP, GeneratedToken, KVQuantization, StepTap, StopCriteria, generate
+from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, StepTap, generate
 from engine.loading import load_model
 from engine.model_source import resolve_model_dir
-from engine.sampling import SamplingParams
+from engine.types import GeneratedToken, SamplingParams, StopCriteria
 from engine.tokenizer import Tokenizer
 
 

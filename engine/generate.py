@@ -10,35 +10,16 @@ previous step's token is read back, so the device never waits on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
-from engine.sampling import Sampler, SamplingParams, make_processors
+from engine.sampling import Sampler, make_processors
+from engine.types import FinishTracker, GeneratedToken, SamplingParams, StopCriteria, TokenLogprob
 
 DEFAULT_PREFILL_STEP = 2048
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"  # an EOS id or a stop sequence
-    LENGTH = "length"  # max_tokens reached
-
-
-@dataclass(frozen=True)
-class StopCriteria:
-    max_tokens: int = 256
-    eos_ids: frozenset[int] = frozenset()
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
-    ignore_eos: bool = False  # fixed-length runs for benchmarks
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(len(s) == 0 for s in self.stop_sequences):
-            raise ValueError("stop sequences must not be empty")
 
 
 @dataclass(frozen=True)
@@ -59,23 +40,6 @@ class KVQuantization:
         for i, c in enumerate(cache):
             if type(c) is KVCache and c.offset >= self.start:
                 cache[i] = QuantizedKVCache.from_kv(c, group_size=self.group_size, bits=self.bits)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class GeneratedToken:
-    token_id: int
-    logprob: Optional[float] = None
-    top_logprobs: Optional[tuple[TokenLogprob, ...]] = None
-    finish_reason: Optional[FinishReason] = None
-    # True for the EOS token or the last token of a stop sequence: it ends the
-    # generation and its text is not part of the output.
-    is_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,37 +147,6 @@ def decode_steps(
         current = following
 
 
-class _StopMatcher:
-    """Withholds tokens that may be the start of a stop sequence until it is decided."""
-
-    def __init__(self, sequences: Sequence[tuple[int, ...]]):
-        self.sequences = [tuple(s) for s in sequences]
-        self.pending: list[GeneratedToken] = []
-
-    def push(self, tok: GeneratedToken) -> tuple[list[GeneratedToken], bool]:
-        """Returns (tokens now safe to emit, whether a stop sequence completed)."""
-        self.pending.append(tok)
-        ids = tuple(t.token_id for t in self.pending)
-        for seq in self.sequences:
-            if len(ids) >= len(seq) and ids[-len(seq) :] == seq:
-                safe = self.pending[: len(ids) - len(seq)]
-                self.pending = []
-                return safe, True
-        keep = 0
-        for seq in self.sequences:
-            for n in range(min(len(seq) - 1, len(ids)), 0, -1):
-                if ids[-n:] == seq[:n]:
-                    keep = max(keep, n)
-                    break
-        safe = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep :]
-        return safe, False
-
-    def flush(self) -> list[GeneratedToken]:
-        out, self.pending = self.pending, []
-        return out
-
-
 def _to_generated(step: _Step, params: SamplingParams) -> GeneratedToken:
     token_id = step.token.item()
     logprob = step.logprobs[token_id].item() if params.logprobs or params.top_logprobs else None
@@ -245,26 +178,12 @@ def generate(
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
     cache = model.make_cache() if cache is None else cache
-    matcher = _StopMatcher(stop.stop_sequences)
+    tracker = FinishTracker(stop)
     steps = decode_steps(
         model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
         prefill_step_size, tap, on_prefill, kv_quantization,
     )
-    for n, step in enumerate(steps, start=1):
-        tok = _to_generated(step, sampling)
-        if not stop.ignore_eos and tok.token_id in stop.eos_ids:
-            yield from matcher.flush()
-            yield GeneratedToken(tok.token_id, tok.logprob, tok.top_logprobs, FinishReason.STOP, is_stop=True)
+    for step in steps:
+        yield from tracker.push(_to_generated(step, sampling))
+        if tracker.done:
             return
-        safe, matched = matcher.push(tok)
-        if matched:
-            yield from safe
-            yield GeneratedToken(tok.token_id, tok.logprob, tok.top_logprobs, FinishReason.STOP, is_stop=True)
-            return
-        if n == stop.max_tokens:
-            rest = safe + matcher.flush()
-            yield from rest[:-1]
-            last = rest[-1]
-            yield GeneratedToken(last.token_id, last.logprob, last.top_logprobs, FinishReason.LENGTH)
-            return
-        yield from safe

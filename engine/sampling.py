@@ -10,58 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping
 
 import mlx.core as mx
 
-from engine.errors import InvalidSamplingError
+from engine.types import SamplingParams
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
-    repetition_penalty: Optional[float] = None
-    repetition_context_size: int = 20
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    penalty_context_size: int = 20
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    seed: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self, vocab_size: int) -> None:
-        def fail(msg: str) -> None:
-            raise InvalidSamplingError(msg)
-
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            fail(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.top_k >= vocab_size:
-            fail(f"top_k must be in [0, {vocab_size}), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.min_tokens_to_keep < 1:
-            fail(f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
-        if self.repetition_penalty is not None and self.repetition_penalty < 0:
-            fail(f"repetition_penalty must be >= 0, got {self.repetition_penalty}")
-        if not 0 <= self.top_logprobs <= 20:
-            fail(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-        bad = [t for t in self.logit_bias if not 0 <= int(t) < vocab_size]
-        if bad:
-            fail(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 # ----------------------------------------------------------------- filters

@@ -24,7 +24,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from engine.generate import StopCriteria, generate
+from engine.generate import generate
+from engine.types import StopCriteria
 from engine.loading import load_model
 from harness.parity import vocab_size
 from harness.prompts import frozen_prompt_ids

@@ -17,7 +17,8 @@ from typing import Iterable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.generate import KVQuantization, StopCriteria, generate
+from engine.generate import KVQuantization, generate
+from engine.types import StopCriteria
 from engine.loading import load_config, load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model

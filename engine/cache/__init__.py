@@ -1,5 +1,7 @@
 """Per-layer caches: growing KV, rotating KV, recurrent state and quantized KV."""
 
+from engine.cache.batch_kv import BatchKVCache
+from engine.cache.batch_rotating import BatchRotatingKVCache
 from engine.cache.kv import KVCache
 from engine.cache.quantized import QuantizedKVCache
 from engine.cache.recurrent import RecurrentCache
@@ -15,4 +17,7 @@ def cache_arrays(cache: list) -> list:
     return [c.state for c in cache]
 
 
-__all__ = ["KVCache", "QuantizedKVCache", "RecurrentCache", "RotatingKVCache", "cache_arrays", "cache_nbytes"]
+__all__ = [
+    "BatchKVCache",
+    "BatchRotatingKVCache",
+    "KVCache", "QuantizedKVCache", "RecurrentCache", "RotatingKVCache", "cache_arrays", "cache_nbytes"]

@@ -2,12 +2,14 @@
 
 Slot 0 holds the last (kernel - 1) conv inputs, slot 1 the [B, Hv, Dv, Dk]
 recurrent state. Neither can be trimmed: rewinding means restoring a
-snapshot (speculative decoding does that).
+snapshot (speculative decoding does that). In a batch the rows simply stack
+on axis 0; there is no token axis to align, only left padding to mask while
+a padded row's padding is still ahead of it (mlx-lm's ArraysCache rules).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -16,9 +18,10 @@ class RecurrentCache:
     def __init__(self, size: int = 2):
         self.slots: list[Optional[mx.array]] = [None] * size
         self.offset = 0
-        # Batch metadata (None at B=1): tokens of left padding, and valid lengths.
-        self.left_padding: Optional[mx.array] = None
-        self.lengths: Optional[mx.array] = None
+        # Batch metadata (None for a lone serial row): tokens of left padding
+        # still ahead of each row, and valid lengths of right-padded inputs.
+        self.left_padding: Optional[list[int]] = None
+        self.lengths: Optional[list[int]] = None
 
     def __getitem__(self, i: int) -> Optional[mx.array]:
         return self.slots[i]
@@ -26,22 +29,84 @@ class RecurrentCache:
     def __setitem__(self, i: int, value: mx.array) -> None:
         self.slots[i] = value
 
+    @property
+    def batch_size(self) -> int:
+        for s in self.slots:
+            if s is not None:
+                return s.shape[0]
+        return len(self.left_padding) if self.left_padding is not None else 1
+
     def advance(self, n: int) -> None:
         self.offset += n
         if self.lengths is not None:
-            self.lengths = self.lengths - n
+            self.lengths = [x - n for x in self.lengths]
         if self.left_padding is not None:
-            self.left_padding = self.left_padding - n
+            self.left_padding = [p - n for p in self.left_padding]
 
-    def make_mask(self, n: int):
+    def make_mask(self, n: int) -> Optional[mx.array]:
+        # A row whose padding is all behind it (p <= 0) is unmasked; an all-true
+        # mask would select every element unchanged, so None is the same math.
+        has_padding = self.left_padding is not None and max(self.left_padding) > 0
+        if not has_padding and self.lengths is None:
+            return None
         pos = mx.arange(n)
         mask = None
-        if self.left_padding is not None:
-            mask = pos >= self.left_padding[:, None]
+        if has_padding:
+            mask = pos >= mx.array(self.left_padding)[:, None]
         if self.lengths is not None:
-            in_length = pos < self.lengths[:, None]
+            in_length = pos < mx.array(self.lengths)[:, None]
             mask = in_length if mask is None else (mask & in_length)
         return mask
+
+    # ---------------------------------------------------------- batch edits
+
+    @classmethod
+    def merge(cls, caches: Sequence["RecurrentCache"]) -> "RecurrentCache":
+        """Stack single-row states into one batch."""
+        out = cls(len(caches[0].slots))
+        if all(c.slots[0] is None for c in caches):
+            out.left_padding = [0] * len(caches)
+            return out
+        for i in range(len(out.slots)):
+            ref = next(c.slots[i] for c in caches if c.slots[i] is not None)
+            rows = [c.slots[i] if c.slots[i] is not None else mx.zeros((1, *ref.shape[1:]), ref.dtype) for c in caches]
+            out.slots[i] = mx.concatenate(rows)
+        return out
+
+    def extend(self, other: "RecurrentCache") -> None:
+        a, b = self.batch_size, other.batch_size
+
+        def cat(x: Optional[mx.array], y: Optional[mx.array]) -> Optional[mx.array]:
+            if x is None and y is None:
+                return None
+            ref = x if x is not None else y
+            x = x if x is not None else mx.zeros((a, *ref.shape[1:]), ref.dtype)
+            y = y if y is not None else mx.zeros((b, *ref.shape[1:]), ref.dtype)
+            return mx.concatenate([x, y])
+
+        def cat_meta(x: Optional[list[int]], y: Optional[list[int]]) -> Optional[list[int]]:
+            if x is None and y is None:
+                return None
+            return (x if x is not None else [0] * a) + (y if y is not None else [0] * b)
+
+        self.slots = [cat(x, y) for x, y in zip(self.slots, other.slots)]
+        self.left_padding = cat_meta(self.left_padding, other.left_padding)
+        self.lengths = cat_meta(self.lengths, other.lengths)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        rows = mx.array(list(keep))
+        self.slots = [s[rows] if s is not None else None for s in self.slots]
+        if self.left_padding is not None:
+            self.left_padding = [self.left_padding[i] for i in keep]
+        if self.lengths is not None:
+            self.lengths = [self.lengths[i] for i in keep]
+
+    def extract(self, row: int) -> "RecurrentCache":
+        out = RecurrentCache(len(self.slots))
+        out.slots = [mx.contiguous(s[row : row + 1]) if s is not None else None for s in self.slots]
+        return out
+
+    # ------------------------------------------------------------ snapshots
 
     @property
     def state(self):

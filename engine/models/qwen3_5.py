@@ -164,7 +164,7 @@ class GatedDeltaNet(nn.Module):
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if cache is not None:
             if cache.lengths is not None:
-                ends = mx.clip(cache.lengths, 0, s)
+                ends = mx.clip(mx.array(cache.lengths), 0, s)
                 positions = (ends[:, None] + mx.arange(keep))[..., None]
                 cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
             else:

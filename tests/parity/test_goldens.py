@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.generate import StopCriteria, generate
+from engine.generate import generate
+from engine.types import StopCriteria
 from engine.loading import load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model

@@ -70,5 +70,5 @@ def test_recurrent_cache_cannot_trim_but_restores_snapshots():
 
 def test_recurrent_mask_marks_left_padding():
     c = RecurrentCache()
-    c.left_padding = mx.array([2, 0])
+    c.left_padding = [2, 0]
     assert np.array(c.make_mask(3)).tolist() == [[False, False, True], [True, True, True]]

@@ -4,9 +4,9 @@ import mlx.core as mx
 import pytest
 
 from engine.engine import Engine
-from engine.generate import FinishReason, KVQuantization, StopCriteria, generate
+from engine.generate import KVQuantization, generate
 from engine.loading import load_model
-from engine.sampling import SamplingParams
+from engine.types import FinishReason, SamplingParams, StopCriteria
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.generate import GeneratedToken, _StopMatcher
+from engine.types import GeneratedToken, _StopMatcher
 
 
 def _run(tokens, sequences):

@@ -1,0 +1,149 @@
+"""Batched caches against mlx-lm's, model-free: the same operations must give the
+same contents, offsets and masks (the same-B oracle runs mlx-lm's caches)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as ref
+
+from engine.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RecurrentCache, RotatingKVCache
+
+H, D = 2, 4
+_counter = [0]
+
+
+def _kv(b, n):
+    _counter[0] += 1
+    k = mx.random.normal((b, H, n, D), key=mx.random.key(_counter[0]))
+    return k, -k
+
+
+def _same(a, b):
+    return np.array_equal(np.array(a), np.array(b))
+
+
+def _mask_equal(ours, theirs, n):
+    if isinstance(ours, str) or ours is None:
+        # unpadded fast path: compare against mlx-lm's explicit mask (all-true padding term)
+        full = np.array(ref.create_causal_mask(n, theirs.shape[-1] - n))
+        t = np.array(theirs)
+        return np.array_equal(np.broadcast_to(full, t.shape), t) if ours == "causal" else t.all()
+    return _same(ours, theirs)
+
+
+def _prefill_solo(cls_ours, cls_ref, n, **kw):
+    ours, theirs = cls_ours(**kw), cls_ref(**kw)
+    for chunk in (n // 2, n - n // 2):
+        if chunk:
+            k, v = _kv(1, chunk)
+            ours.update_and_fetch(k, v)
+            theirs.update_and_fetch(k, v)
+    return ours, theirs
+
+
+def test_kv_merge_extend_decode_filter_extract_match_mlx_lm():
+    solos = [_prefill_solo(KVCache, ref.KVCache, n) for n in (5, 300, 1)]
+    ours = BatchKVCache.merge([o for o, _ in solos[:2]])
+    theirs = ref.BatchKVCache.merge([t for _, t in solos[:2]])
+    for step in range(3):
+        k, v = _kv(2, 1)
+        assert _same(ours.offset, theirs.offset)
+        assert _mask_equal(ours.make_mask(1), theirs.make_mask(1), 1)
+        for a, b in zip(ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)):
+            assert _same(a, b)
+    joiner_o, joiner_t = BatchKVCache.merge([solos[2][0]]), ref.BatchKVCache.merge([solos[2][1]])
+    ours.extend(joiner_o)
+    theirs.extend(joiner_t)
+    k, v = _kv(3, 1)
+    assert _same(ours.offset, theirs.offset) and _same(ours.make_mask(1), theirs.make_mask(1))
+    for a, b in zip(ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)):
+        assert _same(a, b)
+    ours.filter([0, 2])  # the long row retires: shared padding is trimmed
+    theirs.filter([0, 2])
+    assert ours.idx == theirs._idx and ours.left_padding == theirs.left_padding.tolist()
+    for a, b in zip(ours.fetch(), theirs.keys_and_values()):
+        assert _same(a, b)
+    for row in (0, 1):
+        e, t = ours.extract(row), theirs.extract(row)
+        assert e.offset == t.offset and _same(e.keys, t.keys) and _same(e.values, t.values)
+
+
+def test_extend_into_an_empty_batch():
+    ours, theirs = BatchKVCache([]), ref.BatchKVCache([])
+    solo_o, solo_t = _prefill_solo(KVCache, ref.KVCache, 9)
+    ours.extend(BatchKVCache.merge([solo_o]))
+    theirs.extend(ref.BatchKVCache.merge([solo_t]))
+    assert ours.idx == theirs._idx and _same(ours.fetch()[0], theirs.keys_and_values()[0])
+
+
+@pytest.mark.parametrize("lengths", [(5, 40), (70, 3), (130, 20)])
+def test_rotating_batch_matches_mlx_lm_across_the_wrap(lengths):
+    window = 32
+    # joiners prefill as one-row batches made from empty caches, as the scheduler does
+    rows = []
+    for n in lengths:
+        o = BatchRotatingKVCache.merge([RotatingKVCache(max_size=window)])
+        t = ref.BatchRotatingKVCache.merge([ref.RotatingKVCache(max_size=window)])
+        k, v = _kv(1, n - 1)
+        o.update_and_fetch(k, v)
+        t.update_and_fetch(k, v)
+        k, v = _kv(1, 1)  # the tail token, L=1
+        o.update_and_fetch(k, v)
+        t.update_and_fetch(k, v)
+        rows.append((o, t))
+    ours, theirs = rows[0]
+    ours.extend(rows[1][0])
+    theirs.extend(rows[1][1])
+    for step in range(45):  # past another wrap
+        assert _same(ours.offset, theirs.offset), step
+        assert ours.left_padding == theirs.left_padding.tolist(), step
+        assert _same(ours.make_mask(1, window_size=window), theirs.make_mask(1, window_size=window)), step
+        k, v = _kv(2, 1)
+        for a, b in zip(ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)):
+            assert _same(a, b), step
+        if step == 20:
+            ours.filter([1, 0])
+            theirs.filter([1, 0])
+    for row in (0, 1):
+        e, t = ours.extract(row), theirs.extract(row)
+        assert e.offset == t.offset and _same(e.keys, t.keys)
+
+
+def test_rotating_merge_of_solo_caches_matches_mlx_lm():
+    solos = [_prefill_solo(RotatingKVCache, ref.RotatingKVCache, n, max_size=16) for n in (40, 9)]
+    for o, t in solos:  # a decode step each so the solo rings rotate
+        k, v = _kv(1, 1)
+        o.update_and_fetch(k, v)
+        t.update_and_fetch(k, v)
+    ours = BatchRotatingKVCache.merge([o for o, _ in solos])
+    theirs = ref.BatchRotatingKVCache.merge([t for _, t in solos])
+    assert _same(ours.keys, theirs.keys) and ours.left_padding == theirs.left_padding.tolist()
+    assert _same(ours.make_mask(1), theirs.make_mask(1))
+
+
+def test_recurrent_batch_ops_match_mlx_lm():
+    def solo(cls, seed):
+        c = cls(2)
+        c[0] = mx.random.normal((1, 3, 8), key=mx.random.key(seed))
+        c[1] = mx.random.normal((1, 2, 4, 4), key=mx.random.key(seed + 1))
+        return c
+
+    ours = RecurrentCache.merge([RecurrentCache(2)])
+    theirs = ref.ArraysCache.merge([ref.ArraysCache(2)])
+    assert ours.left_padding == theirs.left_padding.tolist()
+    ours.slots, theirs.cache = solo(RecurrentCache, 1).slots, solo(ref.ArraysCache, 1).cache
+    ours.extend(RecurrentCache.merge([solo(RecurrentCache, 5)]))
+    theirs.extend(ref.ArraysCache.merge([solo(ref.ArraysCache, 5)]))
+    for a, b in zip(ours.slots, theirs.cache):
+        assert _same(a, b)
+    ours.filter([1])
+    theirs.filter([1])
+    assert _same(ours.extract(0)[1], theirs.extract(0)[1])
+
+
+def test_unpadded_batch_uses_the_serial_mask_and_int_offset():
+    c = BatchKVCache([0, 0])
+    c.update_and_fetch(*_kv(2, 4))
+    assert c.offset == 4 and c.make_mask(1) is None and c.make_mask(3) == "causal"
+    c.extend(BatchKVCache.merge([_prefill_solo(KVCache, ref.KVCache, 2)[0]]))
+    assert c.is_padded and c.offset.tolist() == [4, 4, 2]
