@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 from engine.errors import InvalidSamplingError
 
@@ -167,3 +167,64 @@ class FinishTracker:
             rest = safe + self.matcher.flush()
             return rest[:-1] + [rest[-1].finished(FinishReason.LENGTH)]
         return safe
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stop: StopCriteria = StopCriteria()
+
+    def __post_init__(self):
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"request {self.request_id}: the prompt must contain at least one token")
+
+
+class Lane(str, Enum):
+    SERIAL = "serial"  # alone on the device, the strict B=1 path
+    CONTINUOUS = "continuous"  # the continuous-batching scheduler
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """How a request ended; the last thing its sink receives."""
+
+    request_id: str
+    lane: Lane
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    error: Optional[str] = None
+    # Single-row caches holding the prompt and the generated tokens that went
+    # through the model, for a prompt cache (None when they are not kept).
+    cache: Optional[list] = None
+
+
+class TokenSink(Protocol):
+    """Where a request's output goes (an SSE stream, a test's list, ...)."""
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        """Receive one token; return False when the consumer is gone (the row is then dropped)."""
+
+    def on_end(self, result: RequestResult) -> None:
+        """The request is over, whichever way it ended."""
+
+
+@dataclass
+class CollectingSink:
+    """A TokenSink that keeps everything (tests, benchmarks, the CLI)."""
+
+    tokens: list = field(default_factory=list)
+    result: Optional[RequestResult] = None
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        self.tokens.append(token)
+        return True
+
+    def on_end(self, result: RequestResult) -> None:
+        self.result = result
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens if not t.is_stop]

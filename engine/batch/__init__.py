@@ -1,0 +1,1 @@
+"""Continuous batching: the scheduler decides (no MLX), the runner computes, the batcher drives both."""

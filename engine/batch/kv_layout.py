@@ -1,0 +1,43 @@
+"""Read a loaded model's KV layout (per layer: kind and bytes) for the scheduler's budget."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.batch.kv_budget import KVLayout, LayerKV
+from engine.cache import KVCache, RecurrentCache, RotatingKVCache
+
+
+def activation_itemsize(model: nn.Module) -> int:
+    """Bytes per element of the activations (and so of the KV cache)."""
+    for name, module in model.named_modules():
+        if name.endswith("embed_tokens"):
+            ref = module.scales if isinstance(module, nn.QuantizedEmbedding) else module.weight
+            return ref.dtype.size
+    return mx.float32.size
+
+
+def _out_dims(linear: nn.Module) -> int:
+    return linear.weight.shape[0]
+
+
+def kv_layout(model: nn.Module) -> KVLayout:
+    itemsize = activation_itemsize(model)
+    layers = []
+    for layer, cache in zip(model.layers, model.make_cache()):
+        if isinstance(cache, RecurrentCache):
+            mixer = layer.linear_attn
+            conv = (mixer.conv_kernel_size - 1) * mixer.conv_dim * itemsize
+            state = mixer.num_v_heads * mixer.head_v_dim * mixer.head_k_dim * mx.float32.size
+            layers.append(LayerKV("recurrent", fixed_bytes=conv + state))
+            continue
+        attn = layer.self_attn
+        per_token = (_out_dims(attn.k_proj) + _out_dims(attn.v_proj)) * itemsize
+        if isinstance(cache, RotatingKVCache):
+            layers.append(LayerKV("rotating", bytes_per_token=per_token, window=cache.max_size))
+        elif isinstance(cache, KVCache):
+            layers.append(LayerKV("kv", bytes_per_token=per_token))
+        else:
+            raise TypeError(f"no KV projection for cache type {type(cache).__name__}")
+    return KVLayout(tuple(layers))
