@@ -54,13 +54,22 @@ class Gateway:
         self.model = model
         self.config = config
         self.batchable = can_batch(model)
+        if config.kv_quantization is not None:
+            config.kv_quantization.check(model.make_cache())  # refuses sliding-window models up front
         self.batcher: Optional[ContinuousBatcher] = None
-        if config.batch > 1 and self.batchable and config.kv_quantization is None:
+        if config.batch > 1 and self.batchable and self._kv_batches:
             self.batcher = ContinuousBatcher(
-                model, SchedulerConfig(config.batch, config.prefill_chunk, config.kv_budget_bytes)
+                model,
+                SchedulerConfig(config.batch, config.prefill_chunk, config.kv_budget_bytes),
+                kv_quantization=config.kv_quantization,
             )
         self._serial: deque[tuple[GenerationRequest, TokenSink]] = deque()
         self._cancelled: set[str] = set()
+
+    @property
+    def _kv_batches(self) -> bool:
+        kv = self.config.kv_quantization
+        return kv is None or kv.start == 0
 
     def place(self, request: GenerationRequest) -> Placement:
         if self.config.batch == 1:
@@ -68,8 +77,12 @@ class Gateway:
         if not self.batchable:
             kinds = sorted({type(c).__name__ for c in self.model.make_cache()})
             return Placement(Lane.SERIAL, f"this model's caches ({', '.join(kinds)}) have no batched form")
-        if self.config.kv_quantization is not None:
-            return Placement(Lane.SERIAL, "quantized KV runs serial: the batched quantized cache is not built yet")
+        if not self._kv_batches:
+            return Placement(
+                Lane.SERIAL,
+                f"quantized KV starting after {self.config.kv_quantization.start} tokens runs serial "
+                "(the batch lane quantizes from the first token only)",
+            )
         return Placement(Lane.CONTINUOUS, f"continuous batching, up to {self.config.batch} rows")
 
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
@@ -111,6 +124,8 @@ class Gateway:
                 if batcher.active_rows:
                     return batcher.step()  # drain the batch first
             self._run_serial(*self._serial.popleft())
+            if batcher is not None and not self._serial:
+                batcher.scheduler.hold_admission = False
             return True
         if batcher is not None:
             batcher.scheduler.hold_admission = False

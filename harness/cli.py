@@ -85,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     psrc = par.add_mutually_exclusive_group()
     psrc.add_argument("--models", type=_csv, help="registry base names (default: every tiny family)")
     psrc.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead (--dtypes is ignored)")
-    par.add_argument("--batch", type=_csv_ints, default=[1], help="batch sizes (default 1; B>1 is not built yet)")
+    par.add_argument(
+        "--batch", type=_csv_ints, default=[1],
+        help="1 = B=1 against generate_step; B>1 = same-B scenarios against BatchGenerator (default 1)",
+    )
     par.add_argument("--dtypes", type=_csv, default=["f32", "bf16", "4bit"], help="variants (default f32,bf16,4bit)")
     par.add_argument("--prompt-lengths", type=_csv_ints, default=[1, 7, 300, 2100], help="default 1,7,300,2100")
     par.add_argument("--steps", type=_positive, default=64, help="decode steps per case (default 64)")
@@ -110,6 +113,25 @@ def build_parser() -> argparse.ArgumentParser:
     nat.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
     nat.add_argument("--json", type=Path, help="also write the results here")
     nat.set_defaults(func=cmd_native)
+
+    bb = sub.add_parser(
+        "batch-bench",
+        help="scheduler overhead: continuous vs serial lane, and C concurrent requests vs mlx-lm",
+        description="In process, on one artifact: (1) one request through the continuous batcher vs the "
+        "serial lane (decode tok/s); (2) C requests at once, aggregate output tok/s, ours vs mlx-lm's "
+        "BatchGenerator (prefill_batch_size 8 as mlx_lm.server uses it, and 1 = our schedule). Sides alternate.",
+    )
+    bsrc = bb.add_mutually_exclusive_group(required=True)
+    bsrc.add_argument("--models", type=_csv, help="registry names, comma-separated")
+    bsrc.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
+    bb.add_argument("--prompt-tokens", type=_positive, default=128, help="prompt length per request (default 128)")
+    bb.add_argument("--decode-tokens", type=_positive, default=128, help="tokens per request (default 128)")
+    bb.add_argument("--concurrency", type=_csv_ints, default=[4, 8], help="concurrent requests (default 4,8)")
+    bb.add_argument("--samples", type=_positive, default=3, help="measured runs per side (default 3)")
+    bb.add_argument("--warmup", type=int, default=1, help="warmup runs per side (default 1)")
+    bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--json", type=Path, help="also write the results here")
+    bb.set_defaults(func=cmd_batch_bench)
     return parser
 
 
@@ -210,41 +232,62 @@ def cmd_parity(args) -> int:
     from engine.model_source import resolve_model_dir
     from engine.registry import base_names, get_spec
     from harness import parity
+    from harness.batch_parity import BatchCase, run_batch_case, scenario_cases
 
-    if args.batch != [1]:
-        raise CliError("only --batch 1 exists so far: the same-B batched gate comes with the scheduler")
+    if any(b < 1 for b in args.batch):
+        raise CliError("--batch takes positive integers, e.g. --batch 1 or --batch 2,3,4,8")
     if args.model_path:
         path = resolve_model_dir(model_path=args.model_path)
-        cases = [
-            parity.ParityCase(path.name, n, args.steps, args.seed, model_path=str(path)) for n in args.prompt_lengths
-        ]
+        models = [(path.name, str(path))]
     else:
         bases = args.models or base_names("tiny")
         for b in bases:
             for d in args.dtypes:
                 get_spec(f"{b}-{d}")  # unknown names fail before any work
-        cases = [
-            parity.ParityCase(parity.model_name(b, d), n, args.steps, args.seed)
-            for b in bases for d in args.dtypes for n in args.prompt_lengths
+        models = [(parity.model_name(b, d), None) for b in bases for d in args.dtypes]
+    cases = []
+    if 1 in args.batch:
+        cases += [
+            parity.ParityCase(name, n, args.steps, args.seed, model_path=mpath)
+            for name, mpath in models for n in args.prompt_lengths
+        ]
+    batches = sorted(b for b in args.batch if b > 1)
+    if batches:
+        cases += [
+            BatchCase(c.model, c.name, c.arrivals, c.max_rows, args.seed, model_path=mpath)
+            for name, mpath in models for c in scenario_cases(name, batches)
         ]
     results = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("parity", total=len(cases))
         for case in cases:
             progress.update(task, description=case.label)
-            results.append(parity.run_case(case))
+            run = run_batch_case if isinstance(case, BatchCase) else parity.run_case
+            results.append(run(case))
             progress.advance(task)
-    table = Table(title="parity vs mlx-lm (B=1)")
-    for col in ("model", "prompt", "steps", "forwards", "max |diff|", "first diff", "tokens", "cache", "result"):
-        table.add_column(col)
-    for r in results:
-        table.add_row(
-            r.case.model, str(r.case.prompt_len), str(r.case.steps), str(r.compared_steps), f"{r.max_abs_diff:.3g}",
-            "-" if r.first_diff_step is None else str(r.first_diff_step),
-            "same" if r.tokens_equal else "DIFFER", f"{r.cache_max_abs_diff:.3g}",
-            "[green]pass[/]" if r.passed else "[red]FAIL[/]",
-        )
-    out.print(table)
+    single = [r for r in results if isinstance(r.case, parity.ParityCase)]
+    batched = [r for r in results if isinstance(r.case, BatchCase)]
+    if single:
+        table = Table(title="parity vs mlx-lm generate_step (B=1)")
+        for col in ("model", "prompt", "steps", "forwards", "max |diff|", "first diff", "tokens", "cache", "result"):
+            table.add_column(col)
+        for r in single:
+            table.add_row(
+                r.case.model, str(r.case.prompt_len), str(r.case.steps), str(r.compared_steps),
+                f"{r.max_abs_diff:.3g}", "-" if r.first_diff_step is None else str(r.first_diff_step),
+                "same" if r.tokens_equal else "DIFFER", f"{r.cache_max_abs_diff:.3g}", _verdict(r.passed),
+            )
+        out.print(table)
+    if batched:
+        table = Table(title="same-B parity vs mlx-lm BatchGenerator")
+        for col in ("model", "case", "rows", "forwards", "max |diff|", "first diff", "tokens", "result"):
+            table.add_column(col)
+        for r in batched:
+            table.add_row(
+                r.case.model, r.case.name, str(r.case.batch), str(r.forwards), f"{r.max_abs_diff:.3g}",
+                r.first_diff or "-", "same" if r.tokens_equal else "DIFFER", _verdict(r.passed),
+            )
+        out.print(table)
     failed = [r for r in results if not r.passed]
     if args.json:
         args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
@@ -289,6 +332,43 @@ def cmd_native(args) -> int:
     if args.json:
         args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
     return 0 if all(r.tokens_identical for r in results) else 1
+
+
+def cmd_batch_bench(args) -> int:
+    from rich.table import Table
+
+    from engine.model_source import resolve_model_dir
+    from harness.batch_bench import BatchBenchConfig, run_batch_bench
+    from harness.native import geomean
+
+    cfg = BatchBenchConfig(args.prompt_tokens, args.decode_tokens, tuple(args.concurrency), args.samples,
+                           args.warmup, args.seed)
+    targets = [(str(args.model_path), resolve_model_dir(model_path=args.model_path))] if args.model_path else [
+        (name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models
+    ]
+    records = []
+    table = Table(title=f"scheduler overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode per request)")
+    for col in ("model", "measure", "engine", "baseline", "ratio", "paired", "tokens"):
+        table.add_column(col)
+    for name, path in targets:
+        for comp in run_batch_bench(path, cfg, log=lambda m, name=name: console.print(f"{name}: {m}")):
+            records.append({"model": name, **comp.as_record()})
+            for base in comp.baselines:
+                paired = comp.paired(base)
+                table.add_row(
+                    name, comp.label, f"{comp.ours.median:.1f} {comp.unit}", f"{base.name} {base.median:.1f}",
+                    f"{comp.ratio(base):.3f}", f"{geomean(paired):.3f} \\[{min(paired):.2f}-{max(paired):.2f}]",
+                    "-" if comp.tokens_identical is None or base.name != "mlx-lm pbs=1"
+                    else ("identical" if comp.tokens_identical else "[red]DIFFER[/]"),
+                )
+    out.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=2))
+    return 0
+
+
+def _verdict(passed: bool) -> str:
+    return "[green]pass[/]" if passed else "[red]FAIL[/]"
 
 
 def _paired(ratios: list[float]) -> str:

@@ -20,6 +20,7 @@ from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, LogitsTap
 from engine.batch.scheduler import JoinerAction, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from engine.generate import KVQuantization
 from engine.types import FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,11 @@ class ContinuousBatcher:
         config: SchedulerConfig = SchedulerConfig(),
         tap: Optional[LogitsTap] = None,
         keep_caches: bool = False,
+        kv_quantization: Optional[KVQuantization] = None,
     ):
-        self.runner = BatchRunner(model, tap)
+        self.runner = BatchRunner(model, tap, kv_quantization)
         self.scheduler = Scheduler(config)
-        self.layout: KVLayout = kv_layout(model)
+        self.layout: KVLayout = kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
         self._sinks: dict[str, TokenSink] = {}
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout, LayerKV
 from engine.cache import KVCache, RecurrentCache, RotatingKVCache
+from engine.generate import KVQuantization
 
 
 def activation_itemsize(model: nn.Module) -> int:
@@ -22,7 +25,8 @@ def _out_dims(linear: nn.Module) -> int:
     return linear.weight.shape[0]
 
 
-def kv_layout(model: nn.Module) -> KVLayout:
+def kv_layout(model: nn.Module, kv: Optional[KVQuantization] = None) -> KVLayout:
+    """Per-layer KV bytes; with `kv`, growing layers store affine codes plus scales and biases."""
     itemsize = activation_itemsize(model)
     layers = []
     for layer, cache in zip(model.layers, model.make_cache()):
@@ -33,7 +37,10 @@ def kv_layout(model: nn.Module) -> KVLayout:
             layers.append(LayerKV("recurrent", fixed_bytes=conv + state))
             continue
         attn = layer.self_attn
-        per_token = (_out_dims(attn.k_proj) + _out_dims(attn.v_proj)) * itemsize
+        dims = _out_dims(attn.k_proj) + _out_dims(attn.v_proj)
+        per_token = dims * itemsize
+        if kv is not None and isinstance(cache, KVCache):
+            per_token = dims * kv.bits // 8 + 2 * (dims // kv.group_size) * itemsize
         if isinstance(cache, RotatingKVCache):
             layers.append(LayerKV("rotating", bytes_per_token=per_token, window=cache.max_size))
         elif isinstance(cache, KVCache):

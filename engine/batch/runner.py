@@ -25,12 +25,14 @@ import mlx.nn as nn
 
 from engine.cache import (
     BatchKVCache,
+    BatchQuantizedKVCache,
     BatchRotatingKVCache,
     KVCache,
     RecurrentCache,
     RotatingKVCache,
     cache_arrays,
 )
+from engine.generate import KVQuantization
 from engine.sampling import Sampler, make_processors
 from engine.types import GeneratedToken, SamplingParams, TokenLogprob
 
@@ -45,11 +47,14 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
-def _empty_batch_cache(c):
+def _empty_batch_cache(c, kv: Optional[KVQuantization]):
+    """A one-row batch cache for a fresh layer cache (mlx-lm merges the empty caches)."""
     if isinstance(c, RotatingKVCache):
         return BatchRotatingKVCache.merge([c])
     if isinstance(c, RecurrentCache):
         return RecurrentCache.merge([c])
+    if kv is not None:  # quantized from the first token (start 0), like the serial scheme
+        return BatchQuantizedKVCache([0], group_size=kv.group_size, bits=kv.bits)
     return BatchKVCache.merge([c])
 
 
@@ -78,9 +83,12 @@ class _Sampled:
 
 
 class BatchRunner:
-    def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None):
+    def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None):
+        if kv is not None and kv.start != 0:
+            raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
         self.model = model
         self.tap = tap
+        self.kv = kv
         self.rows: list[_Row] = []
         self.cache: Optional[list] = None
         self.register: Optional[_Sampled] = None  # sampled, not yet fed back
@@ -93,7 +101,7 @@ class BatchRunner:
     def start_joiner(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         history = mx.array(list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
         self.joiner = _Row(request_id, params, Sampler(params), make_processors(params), history)
-        self.joiner_cache = [_empty_batch_cache(c) for c in self.model.make_cache()]
+        self.joiner_cache = [_empty_batch_cache(c, self.kv) for c in self.model.make_cache()]
 
     def prefill(self, tokens: Sequence[int]) -> None:
         """One chunk of the joiner's prompt through the model."""

@@ -1,6 +1,7 @@
 """Per-layer caches: growing KV, rotating KV, recurrent state and quantized KV."""
 
 from engine.cache.batch_kv import BatchKVCache
+from engine.cache.batch_quantized import BatchQuantizedKVCache
 from engine.cache.batch_rotating import BatchRotatingKVCache
 from engine.cache.kv import KVCache
 from engine.cache.quantized import QuantizedKVCache
@@ -19,5 +20,12 @@ def cache_arrays(cache: list) -> list:
 
 __all__ = [
     "BatchKVCache",
+    "BatchQuantizedKVCache",
     "BatchRotatingKVCache",
-    "KVCache", "QuantizedKVCache", "RecurrentCache", "RotatingKVCache", "cache_arrays", "cache_nbytes"]
+    "KVCache",
+    "QuantizedKVCache",
+    "RecurrentCache",
+    "RotatingKVCache",
+    "cache_arrays",
+    "cache_nbytes",
+]

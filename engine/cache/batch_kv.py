@@ -7,6 +7,9 @@ its own absolute position (`offset`, for RoPE) and a boolean mask hides its
 padding. Layout, growth and the trim of shared padding on `filter` follow
 mlx-lm's BatchKVCache, which the same-B oracle runs.
 
+The buffers are kept as a list of "parts" that share the token axis (keys and
+values here; packed codes, scales and biases in the quantized subclass), so
+alignment, filtering and extraction are written once for both.
 Padding lives in Python ints, so no operation here waits on the device.
 """
 
@@ -16,7 +19,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from engine.cache.kv import KVCache, standard_mask
+from engine.cache.kv import KVCache
 from engine.models.base import causal_mask
 
 
@@ -24,21 +27,38 @@ class BatchKVCache:
     step = 256
 
     def __init__(self, left_padding: Sequence[int]):
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.parts: Optional[list[mx.array]] = None
         self.left_padding = list(left_padding)
         self.idx = 0
         self._offset_array: Optional[mx.array] = None
 
+    # ------------------------------------------------- what a subclass stores
+
+    def _new_parts(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        return [keys, values]
+
+    def _fetched(self, parts: list[mx.array]):
+        return parts[0], parts[1]
+
+    @staticmethod
+    def _single_parts(cache: KVCache) -> Optional[list[mx.array]]:
+        return None if cache.keys is None else [cache.keys, cache.values]
+
+    def _single(self, parts: list[mx.array]) -> KVCache:
+        cache = KVCache()
+        cache.keys, cache.values = parts
+        cache.offset = parts[0].shape[2]
+        return cache
+
     # --------------------------------------------------------------- shape
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return None if self.parts is None else self.parts[0]
 
     @property
     def batch_size(self) -> int:
         return len(self.left_padding)
-
-    @property
-    def is_padded(self) -> bool:
-        return any(self.left_padding)
 
     @property
     def offsets(self) -> list[int]:
@@ -46,10 +66,8 @@ class BatchKVCache:
         return [self.idx - p for p in self.left_padding]
 
     @property
-    def offset(self):
-        """RoPE offset: per-row positions (one array per forward), or an int when no row is padded."""
-        if not self.is_padded:
-            return self.idx
+    def offset(self) -> mx.array:
+        """RoPE offsets: each row's position, one array per forward (read before the update)."""
         if self._offset_array is None:
             self._offset_array = mx.array(self.offsets)
         return self._offset_array
@@ -60,127 +78,108 @@ class BatchKVCache:
     # --------------------------------------------------------------- forward
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        prev = self.idx
-        n = keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
-            b, heads, _, k_dim = keys.shape
+        new = self._new_parts(keys, values)
+        prev, n = self.idx, keys.shape[2]
+        if self.parts is None or prev + n > self.parts[0].shape[2]:
             size = ((self.step + n - 1) // self.step) * self.step
-            new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
-            new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
+            grown = [mx.zeros((*p.shape[:2], size, p.shape[3]), p.dtype) for p in new]
+            if self.parts is None:
+                self.parts = grown
             else:
                 if prev % self.step != 0:
-                    self.keys = self.keys[..., :prev, :]
-                    self.values = self.values[..., :prev, :]
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+                    self.parts = [p[..., :prev, :] for p in self.parts]
+                self.parts = [mx.concatenate([p, g], axis=2) for p, g in zip(self.parts, grown)]
         self.idx += n
         self._changed()
-        self.keys[..., prev : self.idx, :] = keys
-        self.values[..., prev : self.idx, :] = values
+        for p, x in zip(self.parts, new):
+            p[..., prev : self.idx, :] = x
         return self.fetch()
 
     def fetch(self):
-        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+        return self._fetched([p[..., : self.idx, :] for p in self.parts])
 
-    def make_mask(self, n: int, window_size: Optional[int] = None):
-        if not self.is_padded:  # unpadded: the serial graph's mask
-            return standard_mask(n, self.idx, window_size)
+    def make_mask(self, n: int, window_size: Optional[int] = None) -> mx.array:
+        # Always an explicit boolean mask, also with no padding and at n = 1: that is
+        # mlx-lm's batched graph, and on CUDA the unmasked attention kernel rounds
+        # differently (measured on the H200: 1-ULP logit differences in bf16).
         return causal_mask(n, self.idx, window_size=window_size, left_padding=mx.array(self.left_padding))
 
     # ---------------------------------------------------------- batch edits
 
     @classmethod
-    def merge(cls, caches: Sequence[KVCache]) -> "BatchKVCache":
+    def merge(cls, caches: Sequence[KVCache], **kwargs) -> "BatchKVCache":
         """Right-align single-row caches into one batch (mlx-lm's merge)."""
         lengths = [c.size() for c in caches]
         longest = max(lengths)
+        out = cls([longest - n for n in lengths], **kwargs)
         if longest == 0:
-            return cls([0] * len(caches))
-        padding = [longest - n for n in lengths]
-        filled = [c for c in caches if c.keys is not None]
-        heads = max(c.keys.shape[1] for c in filled)
-        k_dim = max(c.keys.shape[3] for c in filled)
-        v_dim = max(c.values.shape[3] for c in filled)
-        dtype = filled[0].keys.dtype
-        keys = mx.zeros((len(caches), heads, longest, k_dim), dtype=dtype)
-        values = mx.zeros((len(caches), heads, longest, v_dim), dtype=dtype)
-        for i, (p, c) in enumerate(zip(padding, caches)):
-            if c.keys is None:
+            return out
+        singles = [cls._single_parts(c) for c in caches]
+        ref = next(s for s in singles if s is not None)
+        out.parts = [mx.zeros((len(caches), p.shape[1], longest, p.shape[3]), dtype=p.dtype) for p in ref]
+        for i, (pad, n, single) in enumerate(zip(out.left_padding, lengths, singles)):
+            if single is None:
                 continue
-            keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
-            values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
-        cache = cls(padding)
-        cache.keys, cache.values, cache.idx = keys, values, longest
-        return cache
+            for dst, src in zip(out.parts, single):
+                dst[i : i + 1, :, pad : pad + n] = src[..., :n, :]
+        out.idx = longest
+        return out
 
     def extend(self, other: "BatchKVCache") -> None:
         """Append other's rows below ours, right-aligning both to the longer one."""
         self._changed()
-        if self.keys is None and other.keys is None:
+        if self.parts is None and other.parts is None:
             self.left_padding += other.left_padding
             return
         longest = max(self.idx, other.idx)
-        ref = self.keys if self.keys is not None else other.keys
-        heads, k_dim = ref.shape[1], ref.shape[3]
-        v_dim = (self.values if self.values is not None else other.values).shape[3]
-        width = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
+        ref = self.parts if self.parts is not None else other.parts
+        width = max(c.parts[0].shape[2] for c in (self, other) if c.parts is not None)
 
-        def aligned(c: "BatchKVCache"):
-            k, v = c.keys, c.values
-            if k is None:
-                k = mx.zeros((c.batch_size, heads, 0, k_dim), dtype=ref.dtype)
-                v = mx.zeros((c.batch_size, heads, 0, v_dim), dtype=ref.dtype)
+        def aligned(c: "BatchKVCache") -> list[mx.array]:
+            parts = c.parts or [mx.zeros((c.batch_size, r.shape[1], 0, r.shape[3]), dtype=r.dtype) for r in ref]
             left = longest - c.idx
-            right = width - k.shape[2] - left
+            right = width - parts[0].shape[2] - left
             if right < 0:
-                k, v = k[..., :right, :], v[..., :right, :]
+                parts = [p[..., :right, :] for p in parts]
                 right = 0
             if left or right:
-                pad = [(0, 0), (0, 0), (left, right), (0, 0)]
-                k, v = mx.pad(k, pad), mx.pad(v, pad)
-            return k, v, [p + left for p in c.left_padding]
+                parts = [mx.pad(p, [(0, 0), (0, 0), (left, right), (0, 0)]) for p in parts]
+            return parts
 
-        (k1, v1, p1), (k2, v2, p2) = aligned(self), aligned(other)
-        self.keys = mx.concatenate([k1, k2])
-        self.values = mx.concatenate([v1, v2])
-        self.left_padding = p1 + p2
+        self.parts = [mx.concatenate([a, b]) for a, b in zip(aligned(self), aligned(other))]
+        self.left_padding = [p + longest - self.idx for p in self.left_padding] + [
+            p + longest - other.idx for p in other.left_padding
+        ]
         self.idx = longest
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep these rows (in this order), then drop padding every survivor shares."""
         self._changed()
-        if self.keys is not None:
+        if self.parts is not None:
             rows = mx.array(list(keep))
-            self.keys, self.values = self.keys[rows], self.values[rows]
+            self.parts = [p[rows] for p in self.parts]
         self.left_padding = [self.left_padding[i] for i in keep]
         shared = min(self.left_padding) if self.left_padding else 0
         if shared > 0:
-            if self.keys is not None:
-                self.keys = self.keys[..., shared:, :]
-                self.values = self.values[..., shared:, :]
+            if self.parts is not None:
+                self.parts = [p[..., shared:, :] for p in self.parts]
             self.idx -= shared
             self.left_padding = [p - shared for p in self.left_padding]
 
-    def extract(self, row: int) -> KVCache:
+    def extract(self, row: int):
         """One row as a fresh single-row cache (a copy: the batch may change)."""
-        cache = KVCache()
         start = self.left_padding[row]
-        cache.keys = mx.contiguous(self.keys[row : row + 1, :, start : self.idx])
-        cache.values = mx.contiguous(self.values[row : row + 1, :, start : self.idx])
-        cache.offset = cache.keys.shape[2]
-        return cache
+        return self._single([mx.contiguous(p[row : row + 1, :, start : self.idx]) for p in self.parts])
 
     # ------------------------------------------------------------- reporting
 
     @property
     def state(self):
-        return [] if self.keys is None else list(self.fetch())
+        return [] if self.parts is None else [p[..., : self.idx, :] for p in self.parts]
 
     def size(self) -> int:
         return self.idx
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.parts is None else sum(p.nbytes for p in self.parts)

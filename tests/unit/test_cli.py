@@ -59,8 +59,12 @@ def test_parity_takes_a_model_directory(tmp_path, tiny_path):
     assert rc == 0 and json.loads(report.read_text())[0]["model_path"] == str(path)
 
 
-def test_parity_refuses_batches_it_cannot_run(capsys):
-    assert harness_main(["parity", "--batch", "2"]) == 2
+def test_parity_batch_runs_the_same_b_scenarios(tmp_path):
+    report = tmp_path / "b.json"
+    rc = harness_main(["parity", "--models", "tiny-llama", "--dtypes", "bf16", "--batch", "2", "--json", str(report)])
+    rows = json.loads(report.read_text())
+    assert rc == 0 and rows[0]["name"] == "B=2 simultaneous" and rows[0]["passed"]
+    assert harness_main(["parity", "--batch", "0"]) == 2
 
 
 def test_engine_generate_prints_text_and_timing(capsys, tiny_path):

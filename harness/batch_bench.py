@@ -1,0 +1,181 @@
+"""Scheduler overhead benchmark, in process (not a timed test: the ratios are the result).
+
+1. Lone request: the same request through the serial lane (engine.generate)
+   and through the continuous batcher; decode tok/s after the first token.
+   The batcher's single row runs the serial graph, so this measures what the
+   scheduling machinery costs per token (target: ratio >= 0.99).
+2. Concurrency C: C requests arrive at once (distinct frozen prompts of equal
+   length, fixed output length); aggregate output tok/s = all generated
+   tokens / wall time from submission to the last token, ours against mlx-lm's
+   BatchGenerator with mlx_lm.server's defaults (prefill_batch_size 8) and
+   with prefill_batch_size 1 (our schedule, the same-B oracle's setting).
+
+Sides alternate sample by sample; medians and per-pair ratios are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.generate import generate
+from engine.loading import load_model
+from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from harness.native import geomean
+from harness.parity import vocab_size
+from harness.prompts import frozen_prompt_ids
+from oracles.reference import load_model as load_reference
+
+
+@dataclass(frozen=True)
+class BatchBenchConfig:
+    prompt_tokens: int = 128
+    decode_tokens: int = 128
+    concurrency: tuple[int, ...] = (4, 8)
+    samples: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+
+@dataclass
+class Series:
+    name: str
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+
+@dataclass
+class Comparison:
+    label: str
+    unit: str
+    ours: Series
+    baselines: list[Series]
+    tokens_identical: Optional[bool] = None
+
+    def ratio(self, baseline: Series) -> float:
+        return self.ours.median / baseline.median
+
+    def paired(self, baseline: Series) -> list[float]:
+        return [a / b for a, b in zip(self.ours.values, baseline.values)]
+
+    def as_record(self) -> dict:
+        return {
+            **asdict(self),
+            "ratios": {b.name: self.ratio(b) for b in self.baselines},
+            "paired_geomean": {b.name: geomean(self.paired(b)) for b in self.baselines},
+        }
+
+
+def _lone_serial(model, prompt, n) -> float:
+    it = generate(model, prompt, stop=StopCriteria(max_tokens=n, ignore_eos=True))
+    next(it)
+    start = time.perf_counter()
+    count = sum(1 for _ in it)
+    return count / (time.perf_counter() - start)
+
+
+def _lone_batched(model, prompt, n) -> float:
+    stamps = []
+
+    class Clock(CollectingSink):
+        def on_token(self, token):
+            stamps.append(time.perf_counter())
+            return True
+
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8))
+    b.submit(GenerationRequest("lone", tuple(prompt), stop=StopCriteria(max_tokens=n, ignore_eos=True)), Clock())
+    b.run_until_idle()
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def _ours_concurrent(model, prompts, n) -> tuple[float, list[list[int]]]:
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=len(prompts)))
+    sinks = [CollectingSink() for _ in prompts]
+    start = time.perf_counter()
+    for i, (p, s) in enumerate(zip(prompts, sinks)):
+        b.submit(GenerationRequest(f"c{i}", tuple(p), stop=StopCriteria(max_tokens=n, ignore_eos=True)), s)
+    b.run_until_idle()
+    wall = time.perf_counter() - start
+    return sum(len(s.tokens) for s in sinks) / wall, [s.token_ids for s in sinks]
+
+
+def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> tuple[float, list[list[int]]]:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=prefill_batch_size, completion_batch_size=32)
+    start = time.perf_counter()
+    uids = gen.insert([list(p) for p in prompts], max_tokens=[n] * len(prompts))
+    out = {u: [] for u in uids}
+    done = 0
+    while done < len(prompts):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+            done += r.finish_reason is not None
+    wall = time.perf_counter() - start
+    gen.close()
+    return sum(len(v) for v in out.values()) / wall, [out[u] for u in uids]
+
+
+def _alternate(sides: dict[str, Callable[[], float]], samples: int, warmup: int) -> dict[str, Series]:
+    for _ in range(warmup):
+        for f in sides.values():
+            f()
+    series = {k: Series(k) for k in sides}
+    names = list(sides)
+    for i in range(samples):
+        for k in names if i % 2 == 0 else reversed(names):
+            mx.synchronize()
+            series[k].values.append(sides[k]())
+    return series
+
+
+def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Comparison]:
+    ours, theirs = load_model(path)[0], load_reference(path)
+    vocab = vocab_size(path)
+    n = cfg.decode_tokens
+    out = []
+    lone = frozen_prompt_ids(cfg.prompt_tokens, vocab, cfg.seed)
+    log("lone request: continuous vs serial lane")
+    s = _alternate(
+        {"continuous": lambda: _lone_batched(ours, lone, n), "serial": lambda: _lone_serial(ours, lone, n)},
+        cfg.samples, cfg.warmup,
+    )
+    out.append(Comparison("1 request, decode", "tok/s", s["continuous"], [s["serial"]]))
+    for c in cfg.concurrency:
+        prompts = [frozen_prompt_ids(cfg.prompt_tokens, vocab, cfg.seed + 1 + i) for i in range(c)]
+        log(f"{c} concurrent requests: engine vs mlx-lm BatchGenerator")
+        tokens: dict[str, list] = {}
+
+        def side(name, fn):
+            def run():
+                rate, toks = fn()
+                tokens[name] = toks
+                return rate
+
+            return run
+
+        s = _alternate(
+            {
+                "engine": side("engine", lambda: _ours_concurrent(ours, prompts, n)),
+                "mlx-lm pbs=8": side("pbs8", lambda: _mlx_lm_concurrent(theirs, prompts, n, 8)),
+                "mlx-lm pbs=1": side("pbs1", lambda: _mlx_lm_concurrent(theirs, prompts, n, 1)),
+            },
+            cfg.samples, cfg.warmup,
+        )
+        out.append(
+            Comparison(
+                f"{c} concurrent, aggregate", "tok/s", s["engine"], [s["mlx-lm pbs=8"], s["mlx-lm pbs=1"]],
+                tokens_identical=tokens["engine"] == tokens["pbs1"],
+            )
+        )
+    return out

@@ -1,0 +1,74 @@
+import pytest
+
+from engine.gateway import Gateway, GatewayConfig
+from engine.generate import KVQuantization
+from engine.loading import load_model
+from engine.types import CollectingSink, FinishReason, GenerationRequest, Lane, StopCriteria
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    return load_model(tiny_path("tiny-llama"))[0]
+
+
+def make_request(rid, n=12, max_tokens=6):
+    return GenerationRequest(rid, tuple(range(5, 5 + n)), stop=StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_batch_1_pins_serial_and_reports_the_lane(model):
+    g = Gateway(model, GatewayConfig(batch=1))
+    sink = CollectingSink()
+    placement = g.submit(make_request("a"), sink)
+    g.run_until_idle()
+    assert placement.lane is Lane.SERIAL and "--batch 1" in placement.reason
+    assert sink.result.lane is Lane.SERIAL and sink.result.finish_reason is FinishReason.LENGTH
+
+
+def test_default_batch_places_continuous(model):
+    g = Gateway(model)
+    sinks = [CollectingSink() for _ in range(3)]
+    placements = [g.submit(make_request(f"r{i}", 10 + i), s) for i, s in enumerate(sinks)]
+    g.run_until_idle()
+    assert all(p.lane is Lane.CONTINUOUS for p in placements)
+    assert all(s.result.lane is Lane.CONTINUOUS and len(s.token_ids) == 6 for s in sinks)
+    assert (g.active_rows, g.pending_rows, g.has_work) == (0, 0, False)
+
+
+def test_delayed_quantized_kv_runs_serial_unchanged_with_its_reason(model):
+    g = Gateway(model, GatewayConfig(batch=8, kv_quantization=KVQuantization(bits=8, group_size=32, start=100)))
+    sink = CollectingSink()
+    placement = g.submit(make_request("q"), sink)
+    g.run_until_idle()
+    assert placement.lane is Lane.SERIAL and "quantized KV starting after 100" in placement.reason
+    assert sink.result.lane is Lane.SERIAL and len(sink.token_ids) == 6
+
+
+def test_a_waiting_serial_request_drains_the_batch_first(model):
+    g = Gateway(model)
+    order = []
+
+    class Recorder(CollectingSink):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def on_end(self, result):
+            super().on_end(result)
+            order.append(self.name)
+
+    batch = [Recorder(f"b{i}") for i in range(2)]
+    for i, s in enumerate(batch):
+        g.submit(make_request(f"b{i}", 8, 6 + 4 * i), s)
+    g.step()
+    g._serial.append((make_request("serial", 8, 4), Recorder("serial")))  # a request only the serial lane runs
+    late = Recorder("late")
+    g.submit(make_request("late", 8, 3), late)
+    g.run_until_idle()
+    assert order.index("serial") > order.index("b0") and order.index("serial") < order.index("late")
+
+
+def test_cancelling_a_queued_serial_request(model):
+    g = Gateway(model, GatewayConfig(batch=1))
+    sink = CollectingSink()
+    g.submit(make_request("x"), sink)
+    assert g.cancel("x") and sink.result.finish_reason is FinishReason.CANCELLED and not g.has_work
