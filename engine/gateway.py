@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 class GatewayConfig:
     batch: int = 8  # concurrency cap; 1 = strict serial
     prefill_chunk: int = DEFAULT_PREFILL_STEP
+    prefill_batch: int = 8  # prompts prefilled together on the continuous lane
     kv_budget_bytes: Optional[int] = None
     kv_quantization: Optional[KVQuantization] = None
 
@@ -60,7 +61,12 @@ class Gateway:
         if config.batch > 1 and self.batchable and self._kv_batches:
             self.batcher = ContinuousBatcher(
                 model,
-                SchedulerConfig(config.batch, config.prefill_chunk, config.kv_budget_bytes),
+                SchedulerConfig(
+                    max_rows=config.batch,
+                    prefill_chunk=config.prefill_chunk,
+                    prefill_batch=config.prefill_batch,
+                    kv_budget_bytes=config.kv_budget_bytes,
+                ),
                 kv_quantization=config.kv_quantization,
             )
         self._serial: deque[tuple[GenerationRequest, TokenSink]] = deque()

@@ -39,6 +39,7 @@ class BatchCase:
     name: str
     arrivals: tuple[tuple[int, int, int], ...]  # (iteration, prompt length, max tokens)
     max_rows: int = 8
+    prefill_batch: int = 8  # prompts prefilled together (BatchGenerator's prefill_batch_size)
     seed: int = 0
     model_path: Optional[str] = None
 
@@ -48,21 +49,21 @@ class BatchCase:
 
     @property
     def label(self) -> str:
-        return f"{self.model} {self.name}"
+        return f"{self.model} {self.name} P={self.prefill_batch}"
 
 
-def scenario_cases(model: str, batches: Sequence[int] = (2, 3, 4, 8)) -> list[BatchCase]:
-    cases = [
-        BatchCase(model, f"B={b} simultaneous", tuple((0, LENGTHS[i], 12 + 2 * i) for i in range(b)), max_rows=b)
-        for b in batches
-    ]
+def scenario_cases(
+    model: str, batches: Sequence[int] = (2, 3, 4, 8), prefill_batches: Sequence[int] = (8, 1)
+) -> list[BatchCase]:
+    """Every scenario with prompts prefilled in groups (P=8, mlx_lm.server's default) and alone (P=1)."""
+    shapes = [(f"B={b} simultaneous", tuple((0, LENGTHS[i], 12 + 2 * i) for i in range(b)), b) for b in batches]
     if max(batches) >= 3:
-        cases += [
-            BatchCase(model, "late join after 6 tokens", ((0, 37, 20), (0, 300, 20), (9, 120, 12))),
-            BatchCase(model, "row retires, others continue", ((0, 37, 4), (0, 120, 24), (0, 5, 24))),
-            BatchCase(model, "join after a retirement", ((0, 300, 5), (0, 17, 30), (12, 64, 10)), max_rows=2),
+        shapes += [
+            ("late join after 6 tokens", ((0, 37, 20), (0, 300, 20), (9, 120, 12)), 8),
+            ("row retires, others continue", ((0, 37, 4), (0, 120, 24), (0, 5, 24)), 8),
+            ("join after a retirement", ((0, 300, 5), (0, 17, 30), (12, 64, 10)), 2),
         ]
-    return cases
+    return [BatchCase(model, name, arrivals, rows, p) for p in prefill_batches for name, arrivals, rows in shapes]
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,11 @@ def arrivals_for(case: BatchCase, vocab: int) -> list[Arrival]:
     ]
 
 
-def engine_run(model, arrivals: Sequence[Arrival], max_rows: int, prefill_chunk: int = 2048) -> BatchRun:
+def engine_run(model, arrivals: Sequence[Arrival], max_rows: int, prefill_batch: int = 8) -> BatchRun:
     logits: dict[str, list[mx.array]] = {str(i): [] for i in range(len(arrivals))}
     batcher = ContinuousBatcher(
         model,
-        SchedulerConfig(max_rows=max_rows, prefill_chunk=prefill_chunk),
+        SchedulerConfig(max_rows=max_rows, prefill_batch=prefill_batch),
         tap=lambda rid, row: logits[rid].append(row.astype(mx.float32)),
     )
     sinks = [CollectingSink() for _ in arrivals]
@@ -122,8 +123,8 @@ def run_batch_case(case: BatchCase) -> BatchResult:
         _MODELS[path] = (load_model(path)[0], load_reference(path))
     ours_model, ref_model = _MODELS[path]
     arrivals = arrivals_for(case, vocab_size(path))
-    ref = batch_reference.run(ref_model, arrivals, case.max_rows)
-    ours = engine_run(ours_model, arrivals, case.max_rows)
+    ref = batch_reference.run(ref_model, arrivals, case.max_rows, prefill_batch_size=case.prefill_batch)
+    ours = engine_run(ours_model, arrivals, case.max_rows, case.prefill_batch)
     worst, first, forwards = 0.0, None, 0
     for r, (a, b) in enumerate(zip(ours.logits, ref.logits)):
         d, f = _max_diff(a, b)

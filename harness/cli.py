@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -254,7 +255,7 @@ def cmd_parity(args) -> int:
     batches = sorted(b for b in args.batch if b > 1)
     if batches:
         cases += [
-            BatchCase(c.model, c.name, c.arrivals, c.max_rows, args.seed, model_path=mpath)
+            replace(c, seed=args.seed, model_path=mpath)
             for name, mpath in models for c in scenario_cases(name, batches)
         ]
     results = []

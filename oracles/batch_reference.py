@@ -1,9 +1,10 @@
 """The same-B oracle: mlx-lm's BatchGenerator driven with a given arrival schedule.
 
-With prefill_batch_size=1 BatchGenerator admits one prompt at a time, prefills
-it in chunks interleaved with decode steps (one chunk per `next()`), samples
-its first token from an L=1 forward on the prompt's own one-row batch cache,
-then extends the running batch: the schedule our continuous batcher follows.
+BatchGenerator admits up to prefill_batch_size prompts into its prompt batch,
+prefills one right-padded chunk of each per `next()` between decode steps,
+samples a prompt's first token from an L=1 forward on the prompt batch's
+caches once its prompt is through, then extends the running batch: the
+schedule our continuous batcher follows at the same prefill batch size.
 Each row's raw logits at every forward are recorded by a pass-through logits
 processor (processors see the logits before sampling).
 """
@@ -35,7 +36,9 @@ class BatchRun:
     iterations: int
 
 
-def run(model, arrivals: Sequence[Arrival], max_rows: int, prefill_step_size: int = 2048) -> BatchRun:
+def run(
+    model, arrivals: Sequence[Arrival], max_rows: int, prefill_batch_size: int = 8, prefill_step_size: int = 2048
+) -> BatchRun:
     from mlx_lm.generate import BatchGenerator
 
     logits: list[list[mx.array]] = [[] for _ in arrivals]
@@ -49,7 +52,10 @@ def run(model, arrivals: Sequence[Arrival], max_rows: int, prefill_step_size: in
         return record
 
     gen = BatchGenerator(
-        model, prefill_batch_size=1, completion_batch_size=max_rows, prefill_step_size=prefill_step_size
+        model,
+        prefill_batch_size=prefill_batch_size,
+        completion_batch_size=max_rows,
+        prefill_step_size=prefill_step_size,
     )
     index_of_uid: dict[int, int] = {}
     finished = 0

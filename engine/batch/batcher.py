@@ -6,7 +6,7 @@ Containment:
 - a forward or sampling error in a decode step cannot be pinned on one row:
   every running row fails with the error and the batch caches are dropped;
   the loop goes on serving the queue;
-- an error in a joiner's prefill fails that joiner only.
+- an error while prefilling fails the joiners of that prefill group only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import mlx.nn as nn
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, LogitsTap
-from engine.batch.scheduler import JoinerAction, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.generate import KVQuantization
 from engine.types import FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
 
@@ -74,10 +74,10 @@ class ContinuousBatcher:
     # ------------------------------------------------------------- the loop
 
     def step(self) -> bool:
-        """One iteration: a decode step, then admission and one joiner action."""
+        """One iteration: a decode step, then admission, token 0 for ready joiners, one prefill chunk."""
         self._drop_cancelled_rows()
         did_decode = self._decode() if self.scheduler.running else False
-        return self._advance_joiner() or did_decode
+        return self._advance_joiners() or did_decode
 
     def run_until_idle(self, max_steps: Optional[int] = None) -> int:
         steps = 0
@@ -118,42 +118,45 @@ class ContinuousBatcher:
             self._end(seq, caches.get(seq.request_id))
         return True
 
-    def _advance_joiner(self) -> bool:
-        joiner = self.scheduler.joiner
-        if joiner is not None and joiner.finish_reason is not None:  # cancelled while prefilling
-            self.scheduler.drop_joiner(joiner.finish_reason)
-            self.runner.drop_joiner()
-            self._end(joiner)
-        work = self.scheduler.joiner_work()
-        if work is None:
+    def _advance_joiners(self) -> bool:
+        gone, keep = self.scheduler.cancelled_joiners()
+        if gone:
+            self.runner.filter_joiners(keep)
+            for seq in gone:
+                self._end(seq)
+        plan = self.scheduler.plan_prefill()
+        if plan.is_empty:
             return False
-        seq = work.seq
         try:
-            if work.is_new:
-                self.runner.start_joiner(seq.request_id, seq.request.sampling, seq.request.prompt_ids)
-            if work.action is JoinerAction.PREFILL:
-                self.runner.prefill(work.tokens)
-                self.scheduler.on_prefilled(len(work.tokens))
-                return True
-            token = self.runner.first_token(work.tokens[0])
-        except Exception as e:  # noqa: BLE001 - a joiner's failure is its own
-            log.exception("prefill of %s failed", seq.request_id)
-            self.scheduler.drop_joiner(FinishReason.ERROR, f"prefill failed: {e!r}")
-            self.runner.drop_joiner()
-            self._end(seq)
-            return True
-        emitted, joins = self.scheduler.on_first_token(token)
-        cache = None
-        if joins:
-            self.runner.join()
-        else:
-            if self.keep_caches:
-                cache = [c.extract(0) for c in self.runner.joiner_cache]
-            self.runner.drop_joiner()
-        self._deliver(seq, emitted)
-        if not joins:
-            self._end(seq, cache)
+            if plan.admitted:
+                self.runner.add_joiners([(s.request_id, s.request.sampling, s.request.prompt_ids) for s in plan.admitted])
+            if plan.first_tokens:
+                self._first_tokens(plan.first_tokens)
+            if plan.chunks:
+                self.runner.prefill([chunk for _, chunk in plan.chunks])
+                self.scheduler.on_prefilled(plan)
+        except Exception as e:  # noqa: BLE001 - the joiners' failure is theirs alone
+            log.exception("prefill failed; failing %d joiners", len(self.scheduler.joiners))
+            failed = self.scheduler.fail_joiners(f"prefill failed: {e!r}")
+            self.runner.drop_joiners()
+            self.runner.join([])  # forget any split joiners
+            for seq in failed:
+                self._end(seq)
         return True
+
+    def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
+        members = {id(s) for s in ready}
+        indices = [i for i, s in enumerate(self.scheduler.joiners) if id(s) in members]
+        tokens = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready])
+        decisions = self.scheduler.on_first_tokens(tokens)
+        caches = {}
+        if self.keep_caches:
+            caches = {id(s): self.runner.ready_extract(i) for i, (s, _, joins) in enumerate(decisions) if not joins}
+        self.runner.join([i for i, (_, _, joins) in enumerate(decisions) if joins])
+        for seq, emitted, joins in decisions:
+            self._deliver(seq, emitted)
+            if not joins:
+                self._end(seq, caches.get(id(seq)))
 
     def _deliver(self, seq: Sequence, tokens: tuple[GeneratedToken, ...]) -> None:
         sink = self._sinks.get(seq.request_id)

@@ -1,15 +1,17 @@
 """The batch runner: the only place in the batching path that builds arrays.
 
 It holds the running batch (per-layer batched caches, the register of next
-input tokens, one sampler and processor set per row) and the joiner (a
-one-row batch being prefilled). Each operation mirrors the matching step of
-mlx-lm's PromptProcessingBatch / GenerationBatch, which is what makes the
-same-B oracle comparison bit-exact:
+input tokens, one sampler and processor set per row) and the joiner group
+(a batch of prompts being prefilled together). Each operation mirrors the
+matching step of mlx-lm's PromptProcessingBatch / GenerationBatch, which is
+what makes the same-B oracle comparison bit-exact:
 
-- joiner caches start as one-row batches merged from empty caches, are
-  prefilled in chunks, and produce token 0 from an L=1 forward of the last
-  prompt token;
-- a join extends each running cache by the joiner's (left-padding the
+- joiners start as rows merged from empty caches and appended to the group;
+  each iteration prefills one chunk per joiner in one right-padded forward,
+  after which the padding is rolled to the left;
+- joiners whose prompt is through are split off the group and take token 0
+  from an L=1 forward of their last prompt tokens;
+- a join extends each running cache by the joiners' (left-padding the
   shorter side); a filter keeps rows and trims shared padding;
 - a decode step forwards the whole register, launches sampling of the next
   register, and only then reads the current one back (pipelined).
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+
+import copy
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,15 +51,15 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
-def _empty_batch_cache(c, kv: Optional[KVQuantization]):
-    """A one-row batch cache for a fresh layer cache (mlx-lm merges the empty caches)."""
+def _empty_batch_cache(c, n: int, kv: Optional[KVQuantization]):
+    """An n-row batch cache for a fresh layer cache (mlx-lm merges n empty caches)."""
     if isinstance(c, RotatingKVCache):
-        return BatchRotatingKVCache.merge([c])
+        return BatchRotatingKVCache.merge([c] * n)
     if isinstance(c, RecurrentCache):
-        return RecurrentCache.merge([c])
+        return RecurrentCache.merge([c] * n)
     if kv is not None:  # quantized from the first token (start 0), like the serial scheme
-        return BatchQuantizedKVCache([0], group_size=kv.group_size, bits=kv.bits)
-    return BatchKVCache.merge([c])
+        return BatchQuantizedKVCache([0] * n, group_size=kv.group_size, bits=kv.bits)
+    return BatchKVCache.merge([c] * n)
 
 
 @dataclass
@@ -92,50 +96,101 @@ class BatchRunner:
         self.rows: list[_Row] = []
         self.cache: Optional[list] = None
         self.register: Optional[_Sampled] = None  # sampled, not yet fed back
-        self.joiner: Optional[_Row] = None
+        self.joiners: list[_Row] = []
         self.joiner_cache: Optional[list] = None
-        self.joiner_first: Optional[_Sampled] = None
+        # Joiners split off with their token 0, waiting to join (or to be dropped).
+        self.ready: list[_Row] = []
+        self.ready_cache: Optional[list] = None
+        self.ready_first: Optional[_Sampled] = None
 
-    # ---------------------------------------------------------------- joiner
+    # --------------------------------------------------------------- joiners
 
-    def start_joiner(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        history = mx.array(list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
-        self.joiner = _Row(request_id, params, Sampler(params), make_processors(params), history)
-        self.joiner_cache = [_empty_batch_cache(c, self.kv) for c in self.model.make_cache()]
+    def add_joiners(self, requests: Sequence[tuple[str, SamplingParams, Sequence[int]]]) -> None:
+        """Append new prompts to the prefill group (rows merged from empty caches)."""
+        merged = [_empty_batch_cache(c, len(requests), self.kv) for c in self.model.make_cache()]
+        if self.joiner_cache is None:
+            self.joiner_cache = merged
+        else:
+            for group, new in zip(self.joiner_cache, merged):
+                group.extend(new)
+        for request_id, params, prompt_ids in requests:
+            history = mx.array(list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
+            self.joiners.append(_Row(request_id, params, Sampler(params), make_processors(params), history))
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """One chunk of the joiner's prompt through the model."""
-        self.model(mx.array([list(tokens)]), cache=self.joiner_cache)
+    def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
+        """One chunk per joiner (group order) through the model, right-padded to the longest."""
+        lengths = [len(c) for c in chunks]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if max(padding) > 0:
+            for c in self.joiner_cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        self.model(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), cache=self.joiner_cache)
         mx.eval(cache_arrays(self.joiner_cache))
+        if max(padding) > 0:
+            for c in self.joiner_cache:
+                c.finalize()
+            mx.eval(cache_arrays(self.joiner_cache))
         mx.clear_cache()
 
-    def first_token(self, last_token: int) -> GeneratedToken:
-        """Token 0 of the joiner, from an L=1 forward of its last prompt token (read now)."""
-        row = self.joiner
-        inputs = mx.array([last_token])
-        logits = self.model(inputs[:, None], cache=self.joiner_cache)[:, -1, :]
-        sampled = self._sample([row], inputs, logits)
-        mx.eval(sampled.tokens, sampled.logprobs)
-        self.joiner_first = sampled
-        return self._generated(row, sampled.tokens.item(), sampled.logprobs[0])
-
-    def join(self) -> None:
-        """The joiner becomes the last row of the running batch."""
-        if self.cache is None:
-            self.cache = self.joiner_cache
-            self.register = self.joiner_first
+    def first_tokens(self, indices: Sequence[int], last_tokens: Sequence[int]) -> list[GeneratedToken]:
+        """Split joiners `indices` off the group; token 0 of each from an L=1 forward (read now)."""
+        indices = list(indices)
+        rest = [i for i in range(len(self.joiners)) if i not in indices]
+        self.ready = [self.joiners[i] for i in indices]
+        self.ready_cache = [copy.copy(c) for c in self.joiner_cache]
+        for c in self.ready_cache:
+            c.filter(indices)
+        if rest:
+            for c in self.joiner_cache:
+                c.filter(rest)
+            self.joiners = [self.joiners[i] for i in rest]
         else:
-            for running, joiner in zip(self.cache, self.joiner_cache):
-                running.extend(joiner)
-            self.register = _Sampled(
-                mx.concatenate([self.register.tokens, self.joiner_first.tokens]),
-                mx.concatenate([self.register.logprobs, self.joiner_first.logprobs]),
-            )
-        self.rows.append(self.joiner)
-        self.drop_joiner()
+            self.joiners, self.joiner_cache = [], None
+        inputs = mx.array(list(last_tokens))
+        logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
+        sampled = self._sample(self.ready, inputs, logits)
+        mx.eval(sampled.tokens, sampled.logprobs)
+        self.ready_first = sampled
+        ids = sampled.tokens.tolist()
+        return [self._generated(row, ids[i], sampled.logprobs[i]) for i, row in enumerate(self.ready)]
 
-    def drop_joiner(self) -> None:
-        self.joiner = self.joiner_cache = self.joiner_first = None
+    def join(self, keep: Sequence[int]) -> None:
+        """The split joiners `keep` (indices into the split) become the last rows of the batch."""
+        keep = list(keep)
+        if keep:
+            if len(keep) < len(self.ready):
+                for c in self.ready_cache:
+                    c.filter(keep)
+                rows = mx.array(keep)
+                self.ready_first = _Sampled(self.ready_first.tokens[rows], self.ready_first.logprobs[rows])
+            if self.cache is None:
+                self.cache, self.register = self.ready_cache, self.ready_first
+            else:
+                for running, joiner in zip(self.cache, self.ready_cache):
+                    running.extend(joiner)
+                self.register = _Sampled(
+                    mx.concatenate([self.register.tokens, self.ready_first.tokens]),
+                    mx.concatenate([self.register.logprobs, self.ready_first.logprobs]),
+                )
+            self.rows += [self.ready[i] for i in keep]
+        self.ready, self.ready_cache, self.ready_first = [], None, None
+
+    def ready_extract(self, index: int) -> list:
+        """A split joiner's caches (prompt only), as single-row caches."""
+        return [c.extract(index) for c in self.ready_cache]
+
+    def filter_joiners(self, keep: Sequence[int]) -> None:
+        keep = list(keep)
+        if not keep:
+            self.drop_joiners()
+            return
+        for c in self.joiner_cache:
+            c.filter(keep)
+        self.joiners = [self.joiners[i] for i in keep]
+
+    def drop_joiners(self) -> None:
+        self.joiners, self.joiner_cache = [], None
 
     # ---------------------------------------------------------------- decode
 

@@ -5,14 +5,16 @@ oracle sees the same batch at every forward):
 
   1. one decode step for the running rows; their tokens go through each
      request's FinishTracker; finished rows are evicted;
-  2. admission: if no joiner is in flight, the head of the FIFO queue starts
-     prefilling when a row is free and its projected KV bytes fit the budget
+  2. admission: queued requests join the prefill group (up to
+     `prefill_batch` joiners, and never more rows than `max_rows` in all)
+     strictly in FIFO order while their projected KV bytes fit the budget
      (head-of-line: the queue is never reordered, running rows are never
      evicted to make room);
-  3. the joiner advances by one prefill chunk of its prompt (all but the last
-     token), or, when only the last token is left, takes its first token from
-     an L=1 forward on its own caches; it joins the batch unless it finished
-     right there.
+  3. joiners whose prompt (all but its last token) is through the model take
+     token 0 from an L=1 forward of the last token on their own caches, and
+     join the batch unless they finished right there;
+  4. the other joiners advance by one prefill chunk each, in one right-padded
+     forward.
 
 The runner executes what this decides; the batcher drives both.
 """
@@ -41,15 +43,15 @@ class SeqStatus(Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_rows: int = 8
-    prefill_chunk: int = 2048
+    max_rows: int = 8  # rows decoding and prefilling together (the --batch cap)
+    prefill_chunk: int = 2048  # prompt tokens per joiner per iteration
+    prefill_batch: int = 8  # joiners prefilled together (mlx_lm.server's --prompt-concurrency)
     kv_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        for name in ("max_rows", "prefill_chunk", "prefill_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(eq=False)
@@ -77,17 +79,17 @@ class Sequence:
         return self.request.prompt_ids[:-1]
 
 
-class JoinerAction(Enum):
-    PREFILL = "prefill"
-    FIRST_TOKEN = "first_token"
-
-
 @dataclass(frozen=True)
-class JoinerWork:
-    action: JoinerAction
-    seq: Sequence
-    tokens: tuple[int, ...]  # the chunk to prefill, or (last prompt token,)
-    is_new: bool = False  # the joiner was admitted in this iteration
+class PrefillPlan:
+    """The joiners' share of one iteration (step 2-4 above), in group order."""
+
+    admitted: tuple[Sequence, ...]  # new joiners, appended to the group
+    first_tokens: tuple[Sequence, ...]  # prompt done: take token 0 now
+    chunks: tuple[tuple[Sequence, tuple[int, ...]], ...]  # the next chunk of every other joiner
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.admitted or self.first_tokens or self.chunks)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class Scheduler:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     pending: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
-    joiner: Optional[Sequence] = None
+    joiners: list = field(default_factory=list)  # the prefill group, in order
     hold_admission: bool = False  # a serial-lane request is waiting: let the batch drain
 
     # ---------------------------------------------------------------- intake
@@ -126,7 +128,7 @@ class Scheduler:
         return seq
 
     def find(self, request_id: str) -> Optional[Sequence]:
-        for seq in (*self.pending, *self.running, *([self.joiner] if self.joiner else [])):
+        for seq in (*self.pending, *self.running, *self.joiners):
             if seq.request_id == request_id:
                 return seq
         return None
@@ -146,7 +148,7 @@ class Scheduler:
 
     @property
     def active_rows(self) -> int:
-        return len(self.running) + (1 if self.joiner else 0)
+        return len(self.running) + len(self.joiners)
 
     @property
     def pending_rows(self) -> int:
@@ -154,12 +156,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.joiner or (self.pending and not self.hold_admission))
+        return bool(self.running or self.joiners or (self.pending and not self.hold_admission))
 
     @property
     def kv_bytes(self) -> int:
-        """Projected bytes of the running rows and the joiner."""
-        return sum(s.kv_bytes for s in self.running) + (self.joiner.kv_bytes if self.joiner else 0)
+        """Projected bytes of the running rows and the joiners."""
+        return sum(s.kv_bytes for s in (*self.running, *self.joiners))
 
     # ------------------------------------------------------------ iteration
 
@@ -170,6 +172,17 @@ class Scheduler:
             return [], tuple(range(len(self.running)))
         keep = tuple(i for i, s in enumerate(self.running) if s.finish_reason is None)
         self._evict(gone)
+        return gone, keep
+
+    def cancelled_joiners(self) -> tuple[list[Sequence], tuple[int, ...]]:
+        """Joiners cancelled since the last step, and the group indices that stay."""
+        gone = [s for s in self.joiners if s.finish_reason is not None]
+        if not gone:
+            return [], tuple(range(len(self.joiners)))
+        keep = tuple(i for i, s in enumerate(self.joiners) if s.finish_reason is None)
+        self.joiners = [self.joiners[i] for i in keep]
+        for s in gone:
+            s.status = SeqStatus.DONE
         return gone, keep
 
     def on_decoded(self, tokens: list[GeneratedToken]) -> DecodeOutcome:
@@ -189,49 +202,51 @@ class Scheduler:
         self._evict(finished)
         return DecodeOutcome(tuple(emissions), tuple(finished), keep)
 
-    def joiner_work(self) -> Optional[JoinerWork]:
-        is_new = False
-        if self.joiner is not None and self.joiner.finish_reason is not None:
-            return None  # cancelled mid-prefill: the batcher drops it first
-        if self.joiner is None:
-            if not self._can_admit():
-                return None
-            self.joiner = self.pending.popleft()
-            self.joiner.status = SeqStatus.PREFILLING
-            is_new = True
-        seq = self.joiner
-        body = seq.prompt_body
-        if seq.prefilled < len(body):
-            chunk = body[seq.prefilled : seq.prefilled + self.config.prefill_chunk]
-            return JoinerWork(JoinerAction.PREFILL, seq, tuple(chunk), is_new)
-        return JoinerWork(JoinerAction.FIRST_TOKEN, seq, (seq.request.prompt_ids[-1],), is_new)
+    def plan_prefill(self) -> PrefillPlan:
+        """Admission, then which joiners take token 0 and which advance by a chunk."""
+        admitted = []
+        while self._can_admit():
+            seq = self.pending.popleft()
+            seq.status = SeqStatus.PREFILLING
+            self.joiners.append(seq)
+            admitted.append(seq)
+        first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
+        chunks = tuple(
+            (s, s.prompt_body[s.prefilled : s.prefilled + self.config.prefill_chunk])
+            for s in self.joiners
+            if s.prefilled < len(s.prompt_body)
+        )
+        return PrefillPlan(tuple(admitted), first, chunks)
 
-    def on_prefilled(self, n: int) -> None:
-        assert self.joiner is not None
-        self.joiner.prefilled += n
+    def on_first_tokens(self, tokens: list[GeneratedToken]) -> list[tuple[Sequence, tuple[GeneratedToken, ...], bool]]:
+        """Token 0 of each joiner in the plan's first_tokens: (seq, tokens to emit, joins the batch)."""
+        ready = [s for s in self.joiners if s.prefilled >= len(s.prompt_body)]
+        assert len(ready) == len(tokens), (len(ready), len(tokens))
+        self.joiners = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
+        out = []
+        for seq, tok in zip(ready, tokens):
+            emitted = tuple(self._push(seq, tok))
+            joins = not seq.tracker.done
+            if joins:
+                seq.status = SeqStatus.RUNNING
+                seq.input_emitted = True
+                self.running.append(seq)
+            else:
+                seq.status = SeqStatus.DONE
+            out.append((seq, emitted, joins))
+        return out
 
-    def on_first_token(self, tok: GeneratedToken) -> tuple[tuple[GeneratedToken, ...], bool]:
-        """Token 0 of the joiner: returns (tokens to emit, whether the row joins the batch)."""
-        seq = self.joiner
-        assert seq is not None
-        out = tuple(self._push(seq, tok))
-        self.joiner = None
-        if seq.tracker.done:
-            seq.status = SeqStatus.DONE
-            return out, False
-        seq.status = SeqStatus.RUNNING
-        seq.input_emitted = True
-        self.running.append(seq)
-        return out, True
+    def on_prefilled(self, plan: PrefillPlan) -> None:
+        for seq, chunk in plan.chunks:
+            seq.prefilled += len(chunk)
 
-    def drop_joiner(self, reason: FinishReason, error: Optional[str] = None) -> Sequence:
-        seq = self.joiner
-        assert seq is not None
-        self.joiner = None
-        seq.status = SeqStatus.DONE
-        if seq.finish_reason is None:
-            seq.finish_reason, seq.error = reason, error
-        return seq
+    def fail_joiners(self, error: str) -> list[Sequence]:
+        failed, self.joiners = self.joiners, []
+        for s in failed:
+            s.status = SeqStatus.DONE
+            if s.finish_reason is None:
+                s.finish_reason, s.error = FinishReason.ERROR, error
+        return failed
 
     def fail_running(self, error: str) -> list[Sequence]:
         failed = list(self.running)
@@ -256,7 +271,9 @@ class Scheduler:
             s.status = SeqStatus.DONE
 
     def _can_admit(self) -> bool:
-        if not self.pending or self.hold_admission or len(self.running) >= self.config.max_rows:
+        if not self.pending or self.hold_admission or len(self.joiners) >= self.config.prefill_batch:
+            return False
+        if len(self.running) + len(self.joiners) >= self.config.max_rows:
             return False
         budget = self.config.kv_budget_bytes
         return budget is None or self.kv_bytes + self.pending[0].kv_bytes <= budget

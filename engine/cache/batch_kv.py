@@ -23,6 +23,14 @@ from engine.cache.kv import KVCache
 from engine.models.base import causal_mask
 
 
+def roll_rows(x: mx.array, shifts: Sequence[int], axis: int = 2) -> mx.array:
+    """Roll each row b of x right by shifts[b] along `axis` (mlx-lm's dynamic_roll)."""
+    n = x.shape[axis]
+    tail = (None,) * (x.ndim - axis)
+    idx = (mx.arange(n)[(..., *tail[:-1])] - mx.array(list(shifts))[:, None][(..., *tail)]) % n
+    return mx.take_along_axis(x, idx, axis=axis)
+
+
 class BatchKVCache:
     step = 256
 
@@ -31,6 +39,7 @@ class BatchKVCache:
         self.left_padding = list(left_padding)
         self.idx = 0
         self._offset_array: Optional[mx.array] = None
+        self._right_padding: Optional[list[int]] = None
 
     # ------------------------------------------------- what a subclass stores
 
@@ -97,6 +106,19 @@ class BatchKVCache:
 
     def fetch(self):
         return self._fetched([p[..., : self.idx, :] for p in self.parts])
+
+    def prepare(self, lengths: Sequence[int], right_padding: Sequence[int]) -> None:
+        """Before a right-padded prefill chunk: remember the padding to move left afterwards."""
+        if max(right_padding) > 0:
+            self._right_padding = list(right_padding)
+
+    def finalize(self) -> None:
+        """After it: roll each row right by its padding, so the padding becomes left padding."""
+        if self._right_padding is not None:
+            self.parts = [roll_rows(p, self._right_padding) for p in self.parts]
+            self.left_padding = [p + r for p, r in zip(self.left_padding, self._right_padding)]
+            self._right_padding = None
+            self._changed()
 
     def make_mask(self, n: int, window_size: Optional[int] = None) -> mx.array:
         # Always an explicit boolean mask, also with no padding and at n = 1: that is

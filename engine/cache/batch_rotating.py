@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from engine.cache.batch_kv import roll_rows
 from engine.cache.rotating import RotatingKVCache
 
 
@@ -30,6 +31,8 @@ class BatchRotatingKVCache:
         self.tokens = 0  # tokens written since creation (mlx-lm's _offset)
         self.rotated = False
         self._offset_array: Optional[mx.array] = None
+        # During a right-padded prefill: where each row's real tokens end.
+        self._lengths: Optional[list[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -49,6 +52,15 @@ class BatchRotatingKVCache:
     def _shift_padding(self, n: int) -> None:
         self.left_padding = [p - n for p in self.left_padding]
 
+    def _roll_padding_left(self) -> None:
+        """Rows whose latest tokens are padding: roll them right so padding never evicts real tokens."""
+        roll = [max(0, o - n) for o, n in zip(self.offsets, self._lengths)]
+        self.keys = roll_rows(self.keys, roll)
+        self.values = roll_rows(self.values, roll)
+        self.left_padding = [p + r for p, r in zip(self.left_padding, roll)]
+        self.offsets = [o - r for o, r in zip(self.offsets, roll)]
+        self._offset_array = None
+
     def _to_temporal_order(self) -> None:
         if self.rotated:
             self.keys = mx.roll(self.keys, -self.idx, axis=2)
@@ -66,6 +78,8 @@ class BatchRotatingKVCache:
             if self.keys.shape[2] > self.idx:
                 self.keys = self.keys[..., : self.idx, :]
                 self.values = self.values[..., : self.idx, :]
+            if self._lengths is not None:
+                self._roll_padding_left()
             # Keep max_size - 1 old tokens so every new token sees a full window.
             trim = self.idx - self.max_size + 1
             if trim > 0:
@@ -79,6 +93,7 @@ class BatchRotatingKVCache:
         return self.keys, self.values
 
     def _update_in_place(self, keys: mx.array, values: mx.array):
+        assert self._lengths is None, "finalize() the padded prefill before decoding"
         b, heads, n, k_dim = keys.shape
         prev = self.tokens
         if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
@@ -117,6 +132,15 @@ class BatchRotatingKVCache:
         if self.tokens < self.keys.shape[2]:
             return self.keys[..., : self.tokens, :], self.values[..., : self.tokens, :]
         return self.keys, self.values
+
+    def prepare(self, lengths: Sequence[int], right_padding: Sequence[int]) -> None:
+        if max(right_padding) > 0:
+            self._lengths = [n + o for n, o in zip(lengths, self.offsets)]
+
+    def finalize(self) -> None:
+        if self._lengths is not None:
+            self._roll_padding_left()
+            self._lengths = None
 
     def make_mask(self, n: int, window_size: Optional[int] = None) -> mx.array:
         window_size = window_size or self.max_size

@@ -60,6 +60,14 @@ class RecurrentCache:
 
     # ---------------------------------------------------------- batch edits
 
+    def prepare(self, lengths: Sequence[int], right_padding: Sequence[int]) -> None:
+        """Before a right-padded prefill chunk: mask each row past its length."""
+        self.lengths = list(lengths)
+
+    def finalize(self) -> None:
+        self.lengths = None
+        self.left_padding = None
+
     @classmethod
     def merge(cls, caches: Sequence["RecurrentCache"]) -> "RecurrentCache":
         """Stack single-row states into one batch."""

@@ -141,3 +141,56 @@ def test_unpadded_batch_keeps_mlx_lm_masks_and_offset_arrays():
     for n in (1, 3):
         assert _same(ours.make_mask(n), theirs.make_mask(n))
     assert _same(ours.offset, theirs.offset)
+
+
+def _padded_prefill(ours, theirs, lengths):
+    """One right-padded chunk for several rows, then finalize (mlx-lm's prompt batch)."""
+    longest = max(lengths)
+    padding = [longest - n for n in lengths]
+    ours.prepare(lengths=lengths, right_padding=padding)
+    theirs.prepare(lengths=lengths, right_padding=padding)
+    k, v = _kv(len(lengths), longest)
+    ours.update_and_fetch(k, v)
+    theirs.update_and_fetch(k, v)
+    ours.finalize()
+    theirs.finalize()
+
+
+@pytest.mark.parametrize("lengths", [(5, 40, 17), (3, 3), (64, 10, 90)])
+def test_padded_group_prefill_matches_mlx_lm(lengths):
+    ours = BatchKVCache.merge([KVCache() for _ in lengths])
+    theirs = ref.BatchKVCache.merge([ref.KVCache() for _ in lengths])
+    _padded_prefill(ours, theirs, list(lengths))
+    assert ours.left_padding == theirs.left_padding.tolist() and _same(ours.offset, theirs.offset)
+    for a, b in zip(ours.fetch(), theirs.keys_and_values()):
+        assert _same(a, b)
+    k, v = _kv(len(lengths), 1)
+    assert _same(ours.make_mask(1), theirs.make_mask(1))
+    for a, b in zip(ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)):
+        assert _same(a, b)
+
+
+@pytest.mark.parametrize("lengths", [(5, 40, 17), (70, 9), (100, 130)])
+def test_padded_group_prefill_of_rotating_caches_matches_mlx_lm(lengths):
+    window = 32
+    ours = BatchRotatingKVCache.merge([RotatingKVCache(max_size=window) for _ in lengths])
+    theirs = ref.BatchRotatingKVCache.merge([ref.RotatingKVCache(max_size=window) for _ in lengths])
+    _padded_prefill(ours, theirs, list(lengths))
+    for step in range(40):
+        assert ours.left_padding == theirs.left_padding.tolist(), step
+        assert _same(ours.offset, theirs.offset) and _same(ours.make_mask(1), theirs.make_mask(1)), step
+        k, v = _kv(len(lengths), 1)
+        for a, b in zip(ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)):
+            assert _same(a, b), step
+
+
+def test_recurrent_prepare_masks_past_each_length_and_finalize_clears():
+    ours, theirs = RecurrentCache.merge([RecurrentCache(2)] * 2), ref.ArraysCache.merge([ref.ArraysCache(2)] * 2)
+    ours.prepare(lengths=[3, 5], right_padding=[2, 0])
+    theirs.prepare(lengths=[3, 5], right_padding=[2, 0])
+    assert _same(ours.make_mask(5), theirs.make_mask(5))
+    ours.advance(5)
+    theirs.advance(5)
+    ours.finalize()
+    theirs.finalize()
+    assert ours.lengths is None and ours.left_padding is None and theirs.lengths is None

@@ -95,22 +95,40 @@ def test_a_forward_error_fails_the_batch_and_the_loop_keeps_serving(model):
     _idle(b)
 
 
-def test_a_prefill_error_fails_only_the_joiner(model):
+def test_a_prefill_error_fails_only_the_joiners_of_that_prefill(model):
     b = ContinuousBatcher(model, SchedulerConfig(max_rows=4))
-    ok, bad = CollectingSink(), CollectingSink()
+    ok, bad1, bad2, later = CollectingSink(), CollectingSink(), CollectingSink(), CollectingSink()
     b.submit(make_request("ok", 8, 10), ok)
     b.run_until_idle(max_steps=3)
     real = b.runner.prefill
 
-    def boom(tokens):
+    def boom(chunks):
         b.runner.prefill = real
         raise MemoryError("prefill out of memory")
 
     b.runner.prefill = boom
-    b.submit(make_request("bad", 30, 10), bad)
+    b.submit(make_request("bad1", 30, 10), bad1)
+    b.submit(make_request("bad2", 20, 10), bad2)
+    b.step()
+    b.submit(make_request("later", 12, 5), later)
     b.run_until_idle()
-    assert bad.result.finish_reason is FinishReason.ERROR and "out of memory" in bad.result.error
+    for s in (bad1, bad2):
+        assert s.result.finish_reason is FinishReason.ERROR and "out of memory" in s.result.error
     assert ok.result.finish_reason is FinishReason.LENGTH and ok.token_ids == serial_ids(model, make_request("ok", 8, 10))
+    assert later.token_ids == serial_ids(model, make_request("later", 12, 5))
+    _idle(b)
+
+
+def test_cancelling_one_joiner_of_a_group_leaves_the_other_intact(model):
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=4, prefill_chunk=8))
+    keep, drop = CollectingSink(), CollectingSink()
+    b.submit(make_request("keep", 30, 6), keep)
+    b.submit(make_request("drop", 40, 6), drop)
+    b.step()  # both in the prefill group, first chunks done
+    b.cancel("drop")
+    b.run_until_idle()
+    assert drop.result.finish_reason is FinishReason.CANCELLED
+    assert keep.token_ids == serial_ids(model, make_request("keep", 30, 6))
     _idle(b)
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from engine.batch.kv_budget import KVLayout, LayerKV
-from engine.batch.scheduler import JoinerAction, RequestTooLarge, Scheduler, SchedulerConfig, SeqStatus
+from engine.batch.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SeqStatus
 from engine.types import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
 
 
@@ -19,12 +19,14 @@ def make_scheduler(**overrides):
 
 
 def _join(s, rid, prompt_len=5, max_tokens=4, kv_bytes=0, **stop):
+    """Submit and drive one request until its token 0 (100): returns (emitted, joins)."""
     s.submit(make_request(rid, prompt_len, max_tokens, **stop), kv_bytes)
     while True:
-        work = s.joiner_work()
-        if work.action is JoinerAction.FIRST_TOKEN:
-            return s.on_first_token(GeneratedToken(100))
-        s.on_prefilled(len(work.tokens))
+        plan = s.plan_prefill()
+        if plan.first_tokens:
+            ((_, emitted, joins),) = s.on_first_tokens([GeneratedToken(100)])
+            return emitted, joins
+        s.on_prefilled(plan)
 
 
 def test_scheduler_module_does_not_import_mlx():
@@ -36,29 +38,43 @@ def test_prompt_is_prefilled_in_chunks_then_the_last_token_gives_token0():
     s = make_scheduler(prefill_chunk=4)
     s.submit(make_request("a", prompt_len=10), 0)
     chunks = []
-    work = s.joiner_work()
-    assert work.is_new
-    while work.action is JoinerAction.PREFILL:
-        chunks.append(work.tokens)
-        s.on_prefilled(len(work.tokens))
-        work = s.joiner_work()
+    plan = s.plan_prefill()
+    assert [q.request_id for q in plan.admitted] == ["a"]
+    while not plan.first_tokens:
+        chunks += [c for _, c in plan.chunks]
+        s.on_prefilled(plan)
+        plan = s.plan_prefill()
     assert chunks == [(1, 2, 3, 4), (5, 6, 7, 8), (9,)]
-    assert work.tokens == (10,)
-    emitted, joins = s.on_first_token(GeneratedToken(42))
+    ((seq, emitted, joins),) = s.on_first_tokens([GeneratedToken(42)])
     assert joins and [t.token_id for t in emitted] == [42] and s.running[0].status is SeqStatus.RUNNING
 
 
-def test_fifo_one_joiner_at_a_time_and_row_cap():
-    s = make_scheduler(max_rows=2)
+def test_prefill_group_admits_fifo_up_to_its_size_and_the_row_cap():
+    s = make_scheduler(max_rows=3, prefill_batch=2)
+    for rid, n in zip("abcd", (9, 3, 1, 1)):
+        s.submit(make_request(rid, prompt_len=n), 0)
+    plan = s.plan_prefill()
+    assert [q.request_id for q in plan.admitted] == ["a", "b"]  # the group is full at 2
+    assert [(q.request_id, len(c)) for q, c in plan.chunks] == [("a", 8), ("b", 2)]
+    s.on_prefilled(plan)
+    plan = s.plan_prefill()  # both prompts are through: token 0 for both, nobody new yet
+    assert [q.request_id for q in plan.first_tokens] == ["a", "b"] and not plan.admitted
+    s.on_first_tokens([GeneratedToken(7), GeneratedToken(8)])
+    plan = s.plan_prefill()  # one row left under the cap of 3
+    assert [q.request_id for q in plan.admitted] == ["c"] and s.pending_rows == 1
+
+
+def test_one_joiner_at_a_time_with_prefill_batch_1():
+    s = make_scheduler(max_rows=2, prefill_batch=1)
     for rid in "abc":
         s.submit(make_request(rid, prompt_len=1), 0)
     order = []
     for _ in range(5):
-        work = s.joiner_work()
-        if work is None:
+        plan = s.plan_prefill()
+        if not plan.first_tokens:
             break
-        order.append(work.seq.request_id)
-        s.on_first_token(GeneratedToken(7))
+        order += [q.request_id for q in plan.first_tokens]
+        s.on_first_tokens([GeneratedToken(7)])
     assert order == ["a", "b"] and s.pending_rows == 1  # "c" waits for a free row
 
 
@@ -100,12 +116,12 @@ def test_budget_holds_the_queue_head_and_never_reorders():
     _join(s, "big", kv_bytes=70)
     s.submit(make_request("needs60"), 60)
     s.submit(make_request("needs10"), 10)  # would fit, but FIFO keeps it behind
-    assert s.joiner_work() is None and s.pending_rows == 2
+    assert s.plan_prefill().is_empty and s.pending_rows == 2
     s.on_decoded([GeneratedToken(1)])
     s.cancel("big")
     gone, keep = s.cancelled_rows()
     assert [g.request_id for g in gone] == ["big"] and keep == ()
-    assert s.joiner_work().seq.request_id == "needs60"
+    assert [q.request_id for q in s.plan_prefill().admitted] == ["needs60", "needs10"]
 
 
 def test_a_request_larger_than_the_whole_budget_is_rejected():
@@ -119,21 +135,23 @@ def test_hold_admission_lets_the_batch_drain():
     s = make_scheduler()
     s.submit(make_request("a", prompt_len=1), 0)
     s.hold_admission = True
-    assert s.joiner_work() is None and not s.has_work
+    assert s.plan_prefill().is_empty and not s.has_work
     s.hold_admission = False
-    assert s.joiner_work() is not None
+    assert s.plan_prefill().admitted
 
 
 def test_cancel_queued_joiner_and_running_rows_counts_return_to_zero():
     s = make_scheduler()
     _join(s, "run")
     s.submit(make_request("join", prompt_len=50), 0)
-    s.joiner_work()
+    s.plan_prefill()
+    s.hold_admission = True
     s.submit(make_request("queued"), 0)
     assert (s.active_rows, s.pending_rows) == (2, 1)
     assert s.cancel("queued").status is SeqStatus.DONE and s.pending_rows == 0
     s.cancel("join")
-    s.drop_joiner(FinishReason.CANCELLED)
+    gone, keep = s.cancelled_joiners()
+    assert [g.request_id for g in gone] == ["join"] and keep == ()
     s.cancel("run")
     gone, keep = s.cancelled_rows()
     assert [g.request_id for g in gone] == ["run"] and keep == ()
