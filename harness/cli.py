@@ -50,6 +50,21 @@ def _positive(value: str) -> int:
     return n
 
 
+def _model_source(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--models", type=_csv, help="registry names, comma-separated")
+    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead of a registry name")
+
+
+def _targets(args) -> list:
+    """(label, model directory) for --models or --model-path."""
+    from engine.model_source import resolve_model_dir
+
+    if args.model_path:
+        return [(str(args.model_path), resolve_model_dir(model_path=args.model_path))]
+    return [(name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness",
@@ -104,9 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         "measured requests (fresh caches, greedy, fixed length). Prints median prefill and decode rates, "
         "their ratios (engine / mlx-lm) and whether the generated ids are identical.",
     )
-    src = nat.add_mutually_exclusive_group(required=True)
-    src.add_argument("--models", type=_csv, help="registry names, comma-separated")
-    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead of a registry name")
+    _model_source(nat)
     nat.add_argument("--prompt-tokens", type=_positive, default=1024, help="prompt length (default 1024)")
     nat.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
     nat.add_argument("--samples", type=_positive, default=5, help="measured requests per side (default 5)")
@@ -120,11 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler overhead: continuous vs serial lane, and C concurrent requests vs mlx-lm",
         description="In process, on one artifact: (1) one request through the continuous batcher vs the "
         "serial lane (decode tok/s); (2) C requests at once, aggregate output tok/s, ours vs mlx-lm's "
-        "BatchGenerator (prefill_batch_size 8 as mlx_lm.server uses it, and 1 = our schedule). Sides alternate.",
+        "BatchGenerator at the same prefill batch size (8, as mlx_lm.server runs it). Sides alternate.",
     )
-    bsrc = bb.add_mutually_exclusive_group(required=True)
-    bsrc.add_argument("--models", type=_csv, help="registry names, comma-separated")
-    bsrc.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
+    _model_source(bb)
     bb.add_argument("--prompt-tokens", type=_positive, default=128, help="prompt length per request (default 128)")
     bb.add_argument("--decode-tokens", type=_positive, default=128, help="tokens per request (default 128)")
     bb.add_argument("--concurrency", type=_csv_ints, default=[4, 8], help="concurrent requests (default 4,8)")
@@ -302,15 +313,11 @@ def cmd_parity(args) -> int:
 def cmd_native(args) -> int:
     from rich.table import Table
 
-    from engine.model_source import resolve_model_dir
     from harness.native import NativeConfig, run_native
 
     cfg = NativeConfig(args.prompt_tokens, args.decode_tokens, args.samples, args.warmup, args.seed)
-    targets = [(str(args.model_path), resolve_model_dir(model_path=args.model_path))] if args.model_path else [
-        (name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models
-    ]
     results = []
-    for name, path in targets:
+    for name, path in _targets(args):
         console.print(f"{name}: warming up and measuring ({cfg.samples} samples per side) ...")
         results.append(run_native(name, path, cfg))
     table = Table(title=f"engine vs mlx-lm, in process ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode)")
@@ -338,15 +345,12 @@ def cmd_native(args) -> int:
 def cmd_batch_bench(args) -> int:
     from rich.table import Table
 
-    from engine.model_source import resolve_model_dir
     from harness.batch_bench import BatchBenchConfig, run_batch_bench
     from harness.native import geomean
 
     cfg = BatchBenchConfig(args.prompt_tokens, args.decode_tokens, tuple(args.concurrency), args.samples,
                            args.warmup, args.seed)
-    targets = [(str(args.model_path), resolve_model_dir(model_path=args.model_path))] if args.model_path else [
-        (name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models
-    ]
+    targets = _targets(args)
     records = []
     table = Table(title=f"scheduler overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode per request)")
     for col in ("model", "measure", "engine", "baseline", "ratio", "paired", "tokens"):
@@ -359,7 +363,7 @@ def cmd_batch_bench(args) -> int:
                 table.add_row(
                     name, comp.label, f"{comp.ours.median:.1f} {comp.unit}", f"{base.name} {base.median:.1f}",
                     f"{comp.ratio(base):.3f}", f"{geomean(paired):.3f} \\[{min(paired):.2f}-{max(paired):.2f}]",
-                    "-" if comp.tokens_identical is None or base.name != "mlx-lm pbs=1"
+                    "-" if comp.tokens_identical is None
                     else ("identical" if comp.tokens_identical else "[red]DIFFER[/]"),
                 )
     out.print(table)

@@ -29,7 +29,6 @@ import mlx.nn as nn
 
 from engine.cache import (
     BatchKVCache,
-    BatchQuantizedKVCache,
     BatchRotatingKVCache,
     KVCache,
     RecurrentCache,
@@ -51,14 +50,12 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
-def _empty_batch_cache(c, n: int, kv: Optional[KVQuantization]):
+def _empty_batch_cache(c, n: int):
     """An n-row batch cache for a fresh layer cache (mlx-lm merges n empty caches)."""
     if isinstance(c, RotatingKVCache):
         return BatchRotatingKVCache.merge([c] * n)
     if isinstance(c, RecurrentCache):
         return RecurrentCache.merge([c] * n)
-    if kv is not None:  # quantized from the first token (start 0), like the serial scheme
-        return BatchQuantizedKVCache([0] * n, group_size=kv.group_size, bits=kv.bits)
     return BatchKVCache.merge([c] * n)
 
 
@@ -85,6 +82,13 @@ class _Sampled:
     tokens: mx.array  # [B]
     logprobs: mx.array  # [B, V]
 
+    def take(self, rows: Sequence[int]) -> "_Sampled":
+        idx = mx.array(list(rows))
+        return _Sampled(self.tokens[idx], self.logprobs[idx])
+
+    def then(self, other: "_Sampled") -> "_Sampled":
+        return _Sampled(mx.concatenate([self.tokens, other.tokens]), mx.concatenate([self.logprobs, other.logprobs]))
+
 
 class BatchRunner:
     def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None):
@@ -107,7 +111,7 @@ class BatchRunner:
 
     def add_joiners(self, requests: Sequence[tuple[str, SamplingParams, Sequence[int]]]) -> None:
         """Append new prompts to the prefill group (rows merged from empty caches)."""
-        merged = [_empty_batch_cache(c, len(requests), self.kv) for c in self.model.make_cache()]
+        merged = [_empty_batch_cache(c, len(requests)) for c in self.model.make_cache()]
         if self.joiner_cache is None:
             self.joiner_cache = merged
         else:
@@ -131,6 +135,7 @@ class BatchRunner:
             for c in self.joiner_cache:
                 c.finalize()
             mx.eval(cache_arrays(self.joiner_cache))
+        self._quantize_kv(self.joiner_cache)
         mx.clear_cache()
 
     def first_tokens(self, indices: Sequence[int], last_tokens: Sequence[int]) -> list[GeneratedToken]:
@@ -149,6 +154,7 @@ class BatchRunner:
             self.joiners, self.joiner_cache = [], None
         inputs = mx.array(list(last_tokens))
         logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
+        self._quantize_kv(self.ready_cache)
         sampled = self._sample(self.ready, inputs, logits)
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
@@ -162,17 +168,13 @@ class BatchRunner:
             if len(keep) < len(self.ready):
                 for c in self.ready_cache:
                     c.filter(keep)
-                rows = mx.array(keep)
-                self.ready_first = _Sampled(self.ready_first.tokens[rows], self.ready_first.logprobs[rows])
+                self.ready_first = self.ready_first.take(keep)
             if self.cache is None:
                 self.cache, self.register = self.ready_cache, self.ready_first
             else:
                 for running, joiner in zip(self.cache, self.ready_cache):
                     running.extend(joiner)
-                self.register = _Sampled(
-                    mx.concatenate([self.register.tokens, self.ready_first.tokens]),
-                    mx.concatenate([self.register.logprobs, self.ready_first.logprobs]),
-                )
+                self.register = self.register.then(self.ready_first)
             self.rows += [self.ready[i] for i in keep]
         self.ready, self.ready_cache, self.ready_first = [], None, None
 
@@ -211,8 +213,7 @@ class BatchRunner:
             return
         for c in self.cache:
             c.filter(keep)
-        rows = mx.array(keep)
-        self.register = _Sampled(self.register.tokens[rows], self.register.logprobs[rows])
+        self.register = self.register.take(keep)
         self.rows = [self.rows[i] for i in keep]
 
     def extract(self, row: int) -> list:
@@ -228,6 +229,14 @@ class BatchRunner:
         return len(self.rows)
 
     # --------------------------------------------------------------- helpers
+
+    def _quantize_kv(self, cache: list) -> None:
+        """After a forward, as the serial scheme does: full-precision KV layers become quantized."""
+        if self.kv is None:
+            return
+        for i, c in enumerate(cache):
+            if type(c) is BatchKVCache:
+                cache[i] = c.to_quantized(self.kv.group_size, self.kv.bits)
 
     def _sample(self, rows: list[_Row], inputs: mx.array, logits: mx.array) -> _Sampled:
         if self.tap is not None:

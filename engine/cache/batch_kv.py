@@ -126,6 +126,18 @@ class BatchKVCache:
         # differently (measured on the H200: 1-ULP logit differences in bf16).
         return causal_mask(n, self.idx, window_size=window_size, left_padding=mx.array(self.left_padding))
 
+    def to_quantized(self, group_size: int, bits: int):
+        """The same rows, stored as affine codes (quantized per token along the head dimension)."""
+        from engine.cache.batch_quantized import BatchQuantizedKVCache
+
+        q = BatchQuantizedKVCache(self.left_padding, group_size=group_size, bits=bits)
+        q.idx = self.idx
+        if self.parts is not None:
+            keys, values = self.parts
+            q.parts = [*mx.quantize(keys, group_size=group_size, bits=bits),
+                       *mx.quantize(values, group_size=group_size, bits=bits)]
+        return q
+
     # ---------------------------------------------------------- batch edits
 
     @classmethod

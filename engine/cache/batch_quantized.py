@@ -1,11 +1,14 @@
 """Affine-quantized KV cache for a batch of rows.
 
 The same right-aligned layout as BatchKVCache, storing the packed codes,
-scales and biases of keys and values (six parts on one token axis). Each new
-token is quantized on write, per token along the head dimension, so a row's
-stored bytes equal what a serial QuantizedKVCache holds for it. mlx-lm has no
-batched quantized cache; this composition's oracle is our serial quantized
-path (see tests/parity/test_batched_quantized_kv.py).
+scales and biases of keys and values (six parts on one token axis). Tokens
+are quantized per token along the head dimension, so a row's stored bytes
+equal what a serial QuantizedKVCache holds for it. Like the serial scheme
+(mlx-lm's kv_bits), a joiner's cache is full precision during a prefill chunk
+and converted right after it (BatchKVCache.to_quantized): the chunk attends
+to full-precision keys. mlx-lm has no batched quantized cache; this
+composition's oracle is our serial quantized path
+(tests/parity/test_batched_quantized_kv.py).
 """
 
 from __future__ import annotations
