@@ -7,6 +7,11 @@ quantized right after it). Three requests of different lengths prefill in one
 group, so two rows are padded throughout. Measured on the CPU: every row,
 padded or not, matches the serial path bit for bit, so that is what is
 required here; no error envelope is needed.
+
+On CUDA (MLX 0.32.4) these tiny shapes cannot run at all, serial or batched:
+quantized_matmul has no kernel for head_dim 32 with group 32 ("No
+implementation for problem shape: 1x300x32x4"). Real geometries (head_dim
+128/256) are untested there.
 """
 
 import mlx.core as mx
