@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
-from engine.sampling import Sampler, make_processors
-from engine.types import FinishTracker, GeneratedToken, SamplingParams, StopCriteria, TokenLogprob
+from engine.sampling import Sampler, emitted_token, make_processors
+from engine.types import FinishTracker, GeneratedToken, SamplingParams, StopCriteria
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -53,8 +53,7 @@ class StepTap:
 @dataclass
 class _Step:
     token: mx.array
-    logprobs: mx.array
-    top: Optional[tuple[mx.array, mx.array]] = None
+    logprobs: mx.array  # [V]
 
 
 def prefill(
@@ -107,13 +106,7 @@ class _Decoder:
         if self.kv_quantization:
             self.kv_quantization.apply(self.cache)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token = self.sampler(logprobs)
-        top = None
-        if self.params.top_logprobs:
-            k = self.params.top_logprobs
-            ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-            top = (ids, mx.take_along_axis(logprobs, ids, axis=-1))
-        return _Step(token=token, logprobs=logprobs.squeeze(0), top=top)
+        return _Step(token=self.sampler(logprobs), logprobs=logprobs.squeeze(0))
 
 
 def decode_steps(
@@ -147,17 +140,6 @@ def decode_steps(
         current = following
 
 
-def _to_generated(step: _Step, params: SamplingParams) -> GeneratedToken:
-    token_id = step.token.item()
-    logprob = step.logprobs[token_id].item() if params.logprobs or params.top_logprobs else None
-    top = None
-    if step.top is not None:
-        ids, values = step.top
-        pairs = sorted(zip(ids[0].tolist(), values[0].tolist()), key=lambda p: -p[1])
-        top = tuple(TokenLogprob(i, v) for i, v in pairs)
-    return GeneratedToken(token_id=token_id, logprob=logprob, top_logprobs=top)
-
-
 def generate(
     model: nn.Module,
     prompt_ids: Sequence[int],
@@ -184,6 +166,6 @@ def generate(
         prefill_step_size, tap, on_prefill, kv_quantization,
     )
     for step in steps:
-        yield from tracker.push(_to_generated(step, sampling))
+        yield from tracker.push(emitted_token(step.token.item(), step.logprobs, sampling))
         if tracker.done:
             return

@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 import mlx.core as mx
 
-from engine.types import SamplingParams
+from engine.types import GeneratedToken, SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -128,3 +128,15 @@ class Sampler:
             return mx.argmax(logprobs, axis=-1)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=sub)
+
+
+def emitted_token(token_id: int, logprobs: mx.array, params: SamplingParams) -> GeneratedToken:
+    """The token as emitted: with its logprob and top alternatives when the request asked."""
+    if not params.wants_logprobs:
+        return GeneratedToken(token_id)
+    top = None
+    if params.top_logprobs:
+        ids = mx.argpartition(-logprobs, kth=params.top_logprobs - 1)[: params.top_logprobs]
+        pairs = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda p: -p[1])
+        top = tuple(TokenLogprob(i, v) for i, v in pairs)
+    return GeneratedToken(token_id, logprobs[token_id].item(), top)

@@ -36,8 +36,8 @@ from engine.cache import (
     cache_arrays,
 )
 from engine.generate import KVQuantization
-from engine.sampling import Sampler, make_processors
-from engine.types import GeneratedToken, SamplingParams, TokenLogprob
+from engine.sampling import Sampler, emitted_token, make_processors
+from engine.types import GeneratedToken, SamplingParams
 
 # (request_id, logits [1, V]) for every row at every forward: the parity tap.
 LogitsTap = Callable[[str, mx.array], None]
@@ -159,7 +159,7 @@ class BatchRunner:
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
         ids = sampled.tokens.tolist()
-        return [self._generated(row, ids[i], sampled.logprobs[i]) for i, row in enumerate(self.ready)]
+        return [emitted_token(ids[i], sampled.logprobs[i], row.params) for i, row in enumerate(self.ready)]
 
     def join(self, keep: Sequence[int]) -> None:
         """The split joiners `keep` (indices into the split) become the last rows of the batch."""
@@ -204,7 +204,7 @@ class BatchRunner:
         mx.async_eval(following.tokens, following.logprobs)
         ids = inputs.tokens.tolist()  # waits for the previous step only
         self.register = following
-        return [self._generated(row, ids[i], inputs.logprobs[i]) for i, row in enumerate(self.rows)]
+        return [emitted_token(ids[i], inputs.logprobs[i], row.params) for i, row in enumerate(self.rows)]
 
     def filter(self, keep: Sequence[int]) -> None:
         keep = list(keep)
@@ -252,16 +252,3 @@ class BatchRunner:
         else:
             tokens = mx.concatenate([row.sampler(logprobs[i : i + 1]) for i, row in enumerate(rows)], axis=0)
         return _Sampled(tokens, logprobs)
-
-    @staticmethod
-    def _generated(row: _Row, token: int, lp: mx.array) -> GeneratedToken:
-        """The emitted token, with its logprobs when the row asked (lp: its [V] log-probabilities)."""
-        if not row.params.wants_logprobs:
-            return GeneratedToken(token)
-        top = None
-        if row.params.top_logprobs:
-            k = row.params.top_logprobs
-            ids = mx.argpartition(-lp, kth=k - 1)[:k]
-            pairs = sorted(zip(ids.tolist(), lp[ids].tolist()), key=lambda p: -p[1])
-            top = tuple(TokenLogprob(t, v) for t, v in pairs)
-        return GeneratedToken(token, lp[token].item(), top)

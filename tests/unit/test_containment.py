@@ -168,3 +168,19 @@ def test_finished_rows_hand_back_their_caches(model):
         cache = s.result.cache
         # prompt + every emitted token went through the model (the last one in the launched step)
         assert cache[3].offset == n + m and cache[0].state[1].shape[0] == 1
+
+
+def test_batched_rows_report_logprobs_when_asked(model):
+    from engine.types import SamplingParams
+
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=4))
+    plain, rich = CollectingSink(), CollectingSink()
+    b.submit(make_request("plain", 10, 5), plain)
+    req = make_request("rich", 14, 5)
+    b.submit(GenerationRequest("rich", req.prompt_ids, SamplingParams(top_logprobs=3), req.stop), rich)
+    b.run_until_idle()
+    assert all(t.logprob is None for t in plain.tokens)
+    for t in rich.tokens:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob
+        assert t.token_id in {x.token_id for x in t.top_logprobs if x.logprob == t.logprob}
+    assert rich.token_ids == serial_ids(model, req)
