@@ -68,11 +68,14 @@ class Sequence:
     input_emitted: bool = False
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
-    generated: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def generated(self) -> int:
+        return self.tracker.generated
 
     @property
     def prompt_body(self) -> tuple[int, ...]:
@@ -258,7 +261,6 @@ class Scheduler:
     # -------------------------------------------------------------- helpers
 
     def _push(self, seq: Sequence, tok: GeneratedToken) -> list[GeneratedToken]:
-        seq.generated += 1
         out = seq.tracker.push(tok)
         if seq.tracker.done and seq.finish_reason is None:
             seq.finish_reason = out[-1].finish_reason
