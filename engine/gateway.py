@@ -11,10 +11,15 @@ and every result says which lane it ran on and, at placement, why.
 While a serial request waits, admission to the batch is held; the running
 rows finish, the serial request runs alone, then admission resumes (drain,
 never starve).
+
+With a prompt cache, each request starts from the longest reusable prefix
+stored by earlier requests (both lanes), and each request that finishes
+normally stores its caches (extracted from the batch on the continuous lane).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -23,10 +28,20 @@ from typing import Optional
 import mlx.nn as nn
 
 from engine.batch.batcher import ContinuousBatcher
+from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch
-from engine.batch.scheduler import SchedulerConfig
+from engine.batch.scheduler import RequestTooLarge, SchedulerConfig
+from engine.cache.prompt_cache import PromptCache
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
-from engine.types import FinishReason, GenerationRequest, Lane, RequestResult, TokenSink
+from engine.types import (
+    CachedPrefix,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    Lane,
+    RequestResult,
+    TokenSink,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +53,46 @@ class GatewayConfig:
     prefill_batch: int = 8  # prompts prefilled together on the continuous lane
     kv_budget_bytes: Optional[int] = None
     kv_quantization: Optional[KVQuantization] = None
+    prompt_cache_bytes: int = 0  # 0: no prompt cache
 
     def __post_init__(self):
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
 
 
 @dataclass(frozen=True)
 class Placement:
     lane: Lane
     reason: str
+    cached_tokens: int = 0  # prompt tokens served by the prompt cache
+
+
+@dataclass(frozen=True)
+class _Queued:
+    request: GenerationRequest
+    sink: TokenSink
+    prefix: Optional[CachedPrefix]
+
+
+class _StoringSink:
+    """Passes everything through; stores the finished request's caches in the prompt cache."""
+
+    def __init__(self, inner: TokenSink, store: PromptCache):
+        self.inner, self.store = inner, store
+
+    def on_start(self) -> None:
+        self.inner.on_start()
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        return self.inner.on_token(token)
+
+    def on_end(self, result: RequestResult) -> None:
+        if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            for prefix in result.caches:
+                self.store.insert(prefix)
+        self.inner.on_end(result)
 
 
 class Gateway:
@@ -57,6 +102,11 @@ class Gateway:
         self.batchable = can_batch(model)
         if config.kv_quantization is not None:
             config.kv_quantization.check(model.make_cache())  # refuses sliding-window models up front
+        self.layout = kv_layout(model, config.kv_quantization)
+        # Prefix caches do not mix with quantized KV (the batch lane merges full-precision rows).
+        self.prompt_cache: Optional[PromptCache] = None
+        if config.prompt_cache_bytes > 0 and config.kv_quantization is None:
+            self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.batcher: Optional[ContinuousBatcher] = None
         if config.batch > 1 and self.batchable and self._kv_batches:
             self.batcher = ContinuousBatcher(
@@ -68,8 +118,9 @@ class Gateway:
                     kv_budget_bytes=config.kv_budget_bytes,
                 ),
                 kv_quantization=config.kv_quantization,
+                keep_caches=self.prompt_cache is not None,
             )
-        self._serial: deque[tuple[GenerationRequest, TokenSink]] = deque()
+        self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
 
     @property
@@ -92,18 +143,33 @@ class Gateway:
         return Placement(Lane.CONTINUOUS, f"continuous batching, up to {self.config.batch} rows")
 
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
+        """Queue a request. Raises RequestTooLarge when it can never fit the KV budget."""
+        budget = self.config.kv_budget_bytes
+        need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
+        if budget is not None and need > budget:
+            raise RequestTooLarge(
+                f"this request needs {need:,} bytes of KV cache (prompt {len(request.prompt_ids)} tokens + "
+                f"max_tokens {request.stop.max_tokens}) but the server's whole KV budget is {budget:,} bytes; "
+                "lower max_tokens, shorten the prompt, or start the server with a larger --kv-budget"
+            )
         placement = self.place(request)
+        prefix = None
+        if self.prompt_cache is not None:
+            prefix = self.prompt_cache.lookup(request.prompt_ids)
+            sink = _StoringSink(sink, self.prompt_cache)
+        cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
-            self.batcher.submit(request, sink)
+            self.batcher.submit(request, sink, prefix)
         else:
-            self._serial.append((request, sink))
-        return placement
+            self._serial.append(_Queued(request, sink, prefix))
+        return Placement(placement.lane, placement.reason, cached)
 
     def cancel(self, request_id: str) -> bool:
-        for i, (req, sink) in enumerate(self._serial):
-            if req.request_id == request_id:
+        for i, queued in enumerate(self._serial):
+            if queued.request.request_id == request_id:
                 del self._serial[i]
-                sink.on_end(RequestResult(request_id, Lane.SERIAL, FinishReason.CANCELLED, len(req.prompt_ids), 0))
+                n = len(queued.request.prompt_ids)
+                queued.sink.on_end(RequestResult(request_id, Lane.SERIAL, FinishReason.CANCELLED, n, 0))
                 return True
         if self.batcher is not None and self.batcher.cancel(request_id):
             return True
@@ -129,7 +195,7 @@ class Gateway:
                 batcher.scheduler.hold_admission = True
                 if batcher.active_rows:
                     return batcher.step()  # drain the batch first
-            self._run_serial(*self._serial.popleft())
+            self._run_serial(self._serial.popleft())
             if batcher is not None and not self._serial:
                 batcher.scheduler.hold_admission = False
             return True
@@ -142,16 +208,31 @@ class Gateway:
         while self.has_work:
             self.step()
 
-    def _run_serial(self, request: GenerationRequest, sink: TokenSink) -> None:
+    def _run_serial(self, queued: _Queued) -> None:
+        request, sink, prefix = queued.request, queued.sink, queued.prefix
         generated, reason, error = 0, FinishReason.CANCELLED, None
+        cache = prefix.cache if prefix else self.model.make_cache()
+        fed: list[int] = []
+        kept: list[CachedPrefix] = []
+        on_prompt = None
+        if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
+
+            def on_prompt(c: list) -> None:  # caches that cannot rewind: keep the prompt's boundary too
+                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
+
+        sink.on_start()
         try:
             for tok in generate(
                 self.model,
                 request.prompt_ids,
                 sampling=request.sampling,
                 stop=request.stop,
+                cache=cache,
                 prefill_step_size=self.config.prefill_chunk,
                 kv_quantization=self.config.kv_quantization,
+                cached_tokens=len(prefix.tokens) if prefix else 0,
+                fed=fed,
+                on_prompt=on_prompt,
             ):
                 generated += 1
                 if tok.finish_reason is not None:
@@ -163,4 +244,10 @@ class Gateway:
             log.exception("serial request %s failed", request.request_id)
             reason, error = FinishReason.ERROR, repr(e)
         self._cancelled.discard(request.request_id)
-        sink.on_end(RequestResult(request.request_id, Lane.SERIAL, reason, len(request.prompt_ids), generated, error))
+        if self.prompt_cache is not None:
+            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache))
+        sink.on_end(
+            RequestResult(
+                request.request_id, Lane.SERIAL, reason, len(request.prompt_ids), generated, error, tuple(kept)
+            )
+        )

@@ -119,14 +119,25 @@ def decode_steps(
     tap: Optional[Callable[[StepTap], None]] = None,
     on_prefill: Optional[Callable[[int, int], None]] = None,
     kv_quantization: Optional[KVQuantization] = None,
+    cached_tokens: int = 0,
+    on_prompt: Optional[Callable[[list], None]] = None,
 ) -> Iterator[_Step]:
-    """Yield up to `max_steps` sampled steps (the caller may stop earlier)."""
+    """Yield up to `max_steps` sampled steps (the caller may stop earlier).
+
+    The cache already holds the first `cached_tokens` prompt tokens (a prompt
+    cache hit); prefill starts after them. `on_prompt` sees the cache once it
+    holds all but the last prompt token.
+    """
     if kv_quantization:
         kv_quantization.check(cache)
+    if not 0 <= cached_tokens < prompt.size:
+        raise ValueError(f"cached_tokens must be in [0, {prompt.size}), got {cached_tokens}")
     decoder = _Decoder(model, cache, params, tap, kv_quantization)
     if decoder.processors:
         decoder.history = prompt[:-1] if prompt.size > 1 else None
-    tail = prefill(model, cache, prompt, prefill_step_size, on_prefill, kv_quantization)
+    tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization)
+    if on_prompt is not None:
+        on_prompt(cache)
     current = decoder.step(tail)
     mx.async_eval(current.token, current.logprobs)
     for n in range(max_steps):
@@ -151,11 +162,17 @@ def generate(
     tap: Optional[Callable[[StepTap], None]] = None,
     on_prefill: Optional[Callable[[int, int], None]] = None,
     kv_quantization: Optional[KVQuantization] = None,
+    cached_tokens: int = 0,
+    fed: Optional[list[int]] = None,
+    on_prompt: Optional[Callable[[list], None]] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate tokens for one prompt. The last token carries the finish reason.
 
     `cache` (from `model.make_cache()`) is updated in place when given, so a
-    caller can inspect or reuse it afterwards.
+    caller can inspect or reuse it afterwards; it may already hold the first
+    `cached_tokens` prompt tokens. `fed`, when given, receives the generated
+    ids that went through the model: the cache then holds exactly the prompt
+    followed by `fed`.
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
@@ -163,9 +180,12 @@ def generate(
     tracker = FinishTracker(stop)
     steps = decode_steps(
         model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
-        prefill_step_size, tap, on_prefill, kv_quantization,
+        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt,
     )
-    for step in steps:
-        yield from tracker.push(emitted_token(step.token.item(), step.logprobs, sampling))
+    for n, step in enumerate(steps):
+        token_id = step.token.item()
+        if fed is not None and n + 1 < stop.max_tokens:
+            fed.append(token_id)  # decode_steps launched the step that feeds it
+        yield from tracker.push(emitted_token(token_id, step.logprobs, sampling))
         if tracker.done:
             return

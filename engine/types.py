@@ -149,12 +149,16 @@ class FinishTracker:
     def __init__(self, stop: StopCriteria):
         self.stop = stop
         self.matcher = _StopMatcher(stop.stop_sequences)
-        self.generated = 0
+        self.ids: list[int] = []  # every token pushed, withheld and stop tokens included
         self.done = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids)
 
     def push(self, tok: GeneratedToken) -> list[GeneratedToken]:
         assert not self.done, "push after the request finished"
-        self.generated += 1
+        self.ids.append(tok.token_id)
         if not self.stop.ignore_eos and tok.token_id in self.stop.eos_ids:
             self.done = True
             return self.matcher.flush() + [tok.finished(FinishReason.STOP, is_stop=True)]
@@ -187,6 +191,14 @@ class Lane(str, Enum):
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache."""
+
+    tokens: tuple[int, ...]
+    cache: list
+
+
+@dataclass(frozen=True)
 class RequestResult:
     """How a request ended; the last thing its sink receives."""
 
@@ -196,13 +208,17 @@ class RequestResult:
     prompt_tokens: int
     generated_tokens: int
     error: Optional[str] = None
-    # Single-row caches holding the prompt and the generated tokens that went
-    # through the model, for a prompt cache (None when they are not kept).
-    cache: Optional[list] = None
+    # For the prompt cache (empty when caches are not kept): the caches of the
+    # prompt and the generated tokens that went through the model, and for
+    # models whose caches cannot rewind also those at the prompt's boundary.
+    caches: tuple[CachedPrefix, ...] = ()
 
 
 class TokenSink(Protocol):
     """Where a request's output goes (an SSE stream, a test's list, ...)."""
+
+    def on_start(self) -> None:
+        """The request left the queue: its prompt is going through the model now."""
 
     def on_token(self, token: GeneratedToken) -> Optional[bool]:
         """Receive one token; return False when the consumer is gone (the row is then dropped)."""
@@ -217,6 +233,10 @@ class CollectingSink:
 
     tokens: list = field(default_factory=list)
     result: Optional[RequestResult] = None
+    started: bool = False
+
+    def on_start(self) -> None:
+        self.started = True
 
     def on_token(self, token: GeneratedToken) -> Optional[bool]:
         self.tokens.append(token)

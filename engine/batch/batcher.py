@@ -18,10 +18,10 @@ import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
-from engine.batch.runner import BatchRunner, LogitsTap
+from engine.batch.runner import BatchRunner, Joiner, LogitsTap
 from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.generate import KVQuantization
-from engine.types import FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
+from engine.types import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,26 @@ class ContinuousBatcher:
         self.scheduler = Scheduler(config)
         self.layout: KVLayout = kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
+        # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too.
+        self.keep_boundaries = keep_caches and not all(c.is_trimmable() for c in model.make_cache())
         self._sinks: dict[str, TokenSink] = {}
+        self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
+        self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, sink: TokenSink) -> None:
-        """Queue a request (raises RequestTooLarge if it can never fit the KV budget)."""
+    def submit(self, request: GenerationRequest, sink: TokenSink, prefix: Optional[CachedPrefix] = None) -> None:
+        """Queue a request (raises RequestTooLarge if it can never fit the KV budget).
+
+        `prefix`: caches holding the first len(prefix.tokens) prompt tokens; prefill starts after them.
+        """
         if request.request_id in self._sinks:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        self.scheduler.submit(request, kv_bytes)
+        self.scheduler.submit(request, kv_bytes, cached=len(prefix.tokens) if prefix else 0)
         self._sinks[request.request_id] = sink
+        if prefix is not None:
+            self._prefixes[request.request_id] = prefix.cache
 
     def cancel(self, request_id: str) -> bool:
         seq = self.scheduler.cancel(request_id)
@@ -108,8 +117,13 @@ class ContinuousBatcher:
             return True
         outcome = self.scheduler.on_decoded(tokens)
         caches = {}
-        if self.keep_caches:
-            caches = {s.request_id: self.runner.extract(ids.index(s.request_id)) for s in outcome.finished}
+        if self.keep_caches:  # each finished row holds its prompt and every token it pushed
+            caches = {
+                s.request_id: CachedPrefix(
+                    s.request.prompt_ids + tuple(s.tracker.ids), self.runner.extract(ids.index(s.request_id))
+                )
+                for s in outcome.finished
+            }
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
         if len(outcome.keep) < len(ids):
@@ -129,7 +143,7 @@ class ContinuousBatcher:
             return False
         try:
             if plan.admitted:
-                self.runner.add_joiners([(s.request_id, s.request.sampling, s.request.prompt_ids) for s in plan.admitted])
+                self.runner.add_joiners([self._joiner(s) for s in plan.admitted])
             if plan.first_tokens:
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
@@ -147,16 +161,30 @@ class ContinuousBatcher:
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
         members = {id(s) for s in ready}
         indices = [i for i, s in enumerate(self.scheduler.joiners) if id(s) in members]
-        tokens = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready])
+        snapshot = [i for i, s in enumerate(ready) if self.keep_boundaries and len(s.prompt_body) > 0]
+        tokens = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready], snapshot)
+        for i, cache in self.runner.ready_prompts.items():
+            self._boundaries[ready[i].request_id] = CachedPrefix(ready[i].prompt_body, cache)
         decisions = self.scheduler.on_first_tokens(tokens)
         caches = {}
-        if self.keep_caches:
-            caches = {id(s): self.runner.ready_extract(i) for i, (s, _, joins) in enumerate(decisions) if not joins}
+        if self.keep_caches:  # finished at token 0: only the prompt went through
+            caches = {
+                id(s): CachedPrefix(s.request.prompt_ids, self.runner.ready_extract(i))
+                for i, (s, _, joins) in enumerate(decisions)
+                if not joins
+            }
         self.runner.join([i for i, (_, _, joins) in enumerate(decisions) if joins])
         for seq, emitted, joins in decisions:
             self._deliver(seq, emitted)
             if not joins:
                 self._end(seq, caches.get(id(seq)))
+
+    def _joiner(self, seq: Sequence) -> Joiner:
+        sink = self._sinks.get(seq.request_id)
+        if sink is not None:
+            sink.on_start()
+        req = seq.request
+        return Joiner(req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None))
 
     def _deliver(self, seq: Sequence, tokens: tuple[GeneratedToken, ...]) -> None:
         sink = self._sinks.get(seq.request_id)
@@ -172,7 +200,9 @@ class ContinuousBatcher:
                 self.scheduler.cancel(seq.request_id, FinishReason.CANCELLED, "the consumer went away")
                 return
 
-    def _end(self, seq: Sequence, cache: Optional[list] = None) -> None:
+    def _end(self, seq: Sequence, cache: Optional[CachedPrefix] = None) -> None:
+        self._prefixes.pop(seq.request_id, None)
+        boundary = self._boundaries.pop(seq.request_id, None)
         sink = self._sinks.pop(seq.request_id, None)
         if sink is None:
             return
@@ -183,7 +213,7 @@ class ContinuousBatcher:
             prompt_tokens=len(seq.request.prompt_ids),
             generated_tokens=seq.generated,
             error=seq.error,
-            cache=cache,
+            caches=tuple(c for c in (boundary, cache) if c is not None),
         )
         try:
             sink.on_end(result)

@@ -50,13 +50,21 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
-def _empty_batch_cache(c, n: int):
-    """An n-row batch cache for a fresh layer cache (mlx-lm merges n empty caches)."""
-    if isinstance(c, RotatingKVCache):
-        return BatchRotatingKVCache.merge([c] * n)
-    if isinstance(c, RecurrentCache):
-        return RecurrentCache.merge([c] * n)
-    return BatchKVCache.merge([c] * n)
+def _batch_cache(layer: list):
+    """One layer's batch cache from its single-row caches, empty or holding a cached prefix (mlx-lm's merge)."""
+    if isinstance(layer[0], RotatingKVCache):
+        return BatchRotatingKVCache.merge(layer)
+    if isinstance(layer[0], RecurrentCache):
+        return RecurrentCache.merge(layer)
+    return BatchKVCache.merge(layer)
+
+
+@dataclass(frozen=True)
+class Joiner:
+    request_id: str
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    cache: Optional[list] = None  # single-row caches holding a cached prefix of the prompt
 
 
 @dataclass
@@ -106,20 +114,25 @@ class BatchRunner:
         self.ready: list[_Row] = []
         self.ready_cache: Optional[list] = None
         self.ready_first: Optional[_Sampled] = None
+        self.ready_prompts: dict[int, list] = {}  # split joiner -> single-row caches of its prompt body
 
     # --------------------------------------------------------------- joiners
 
-    def add_joiners(self, requests: Sequence[tuple[str, SamplingParams, Sequence[int]]]) -> None:
-        """Append new prompts to the prefill group (rows merged from empty caches)."""
-        merged = [_empty_batch_cache(c, len(requests)) for c in self.model.make_cache()]
+    def add_joiners(self, joiners: Sequence[Joiner]) -> None:
+        """Append new prompts to the prefill group (rows merged from empty or prefix caches)."""
+        if self.kv is not None and any(j.cache is not None for j in joiners):
+            raise ValueError("prefix caches do not combine with quantized KV on the batch lane")
+        fresh = self.model.make_cache()
+        singles = [j.cache if j.cache is not None else fresh for j in joiners]
+        merged = [_batch_cache([s[layer] for s in singles]) for layer in range(len(fresh))]
         if self.joiner_cache is None:
             self.joiner_cache = merged
         else:
             for group, new in zip(self.joiner_cache, merged):
                 group.extend(new)
-        for request_id, params, prompt_ids in requests:
-            history = mx.array(list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
-            self.joiners.append(_Row(request_id, params, Sampler(params), make_processors(params), history))
+        for j in joiners:
+            history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
+            self.joiners.append(_Row(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history))
 
     def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
         """One chunk per joiner (group order) through the model, right-padded to the longest."""
@@ -138,8 +151,14 @@ class BatchRunner:
         self._quantize_kv(self.joiner_cache)
         mx.clear_cache()
 
-    def first_tokens(self, indices: Sequence[int], last_tokens: Sequence[int]) -> list[GeneratedToken]:
-        """Split joiners `indices` off the group; token 0 of each from an L=1 forward (read now)."""
+    def first_tokens(
+        self, indices: Sequence[int], last_tokens: Sequence[int], snapshot: Sequence[int] = ()
+    ) -> list[GeneratedToken]:
+        """Split joiners `indices` off the group; token 0 of each from an L=1 forward (read now).
+
+        Split joiners `snapshot` (indices into the split) keep a copy of their
+        caches before that forward, in `ready_prompts`.
+        """
         indices = list(indices)
         rest = [i for i in range(len(self.joiners)) if i not in indices]
         self.ready = [self.joiners[i] for i in indices]
@@ -152,6 +171,7 @@ class BatchRunner:
             self.joiners = [self.joiners[i] for i in rest]
         else:
             self.joiners, self.joiner_cache = [], None
+        self.ready_prompts = {i: [c.extract(i) for c in self.ready_cache] for i in snapshot}
         inputs = mx.array(list(last_tokens))
         logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
         self._quantize_kv(self.ready_cache)
@@ -176,7 +196,7 @@ class BatchRunner:
                     running.extend(joiner)
                 self.register = self.register.then(self.ready_first)
             self.rows += [self.ready[i] for i in keep]
-        self.ready, self.ready_cache, self.ready_first = [], None, None
+        self.ready, self.ready_cache, self.ready_first, self.ready_prompts = [], None, None, {}
 
     def ready_extract(self, index: int) -> list:
         """A split joiner's caches (prompt only), as single-row caches."""

@@ -118,7 +118,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, kv_bytes: int) -> Sequence:
+    def submit(self, request: GenerationRequest, kv_bytes: int, cached: int = 0) -> Sequence:
+        """Queue a request; its first `cached` prompt tokens come from a prompt-cache hit."""
+        if not 0 <= cached < len(request.prompt_ids):
+            raise ValueError(f"cached must be in [0, {len(request.prompt_ids)}), got {cached}")
         budget = self.config.kv_budget_bytes
         if budget is not None and kv_bytes > budget:
             raise RequestTooLarge(
@@ -126,7 +129,7 @@ class Scheduler:
                 f"{len(request.prompt_ids)} + max_tokens {request.stop.max_tokens}) but the whole budget is "
                 f"{budget:,} bytes; lower max_tokens or raise the KV budget"
             )
-        seq = Sequence(request, kv_bytes, FinishTracker(request.stop))
+        seq = Sequence(request, kv_bytes, FinishTracker(request.stop), prefilled=cached)
         self.pending.append(seq)
         return seq
 

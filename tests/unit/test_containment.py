@@ -139,7 +139,7 @@ def test_max_tokens_one_finishes_at_token0_without_joining(model):
     b.step()  # prefill
     b.step()  # token 0: done, never joins
     assert len(sink.tokens) == 1 and sink.result.finish_reason is FinishReason.LENGTH
-    assert b.runner.num_rows == 0 and sink.result.cache is not None
+    assert b.runner.num_rows == 0 and len(sink.result.caches) == 2  # prompt boundary + final (recurrent model)
     _idle(b)
 
 
@@ -165,9 +165,11 @@ def test_finished_rows_hand_back_their_caches(model):
     b.submit(make_request("b", 30, 6), sinks[1])
     b.run_until_idle()
     for s, (n, m) in zip(sinks, [(9, 4), (30, 6)]):
-        cache = s.result.cache
+        boundary, prefix = s.result.caches
+        assert boundary.tokens == make_request(s.result.request_id, n, m).prompt_ids[:-1]
         # prompt + every emitted token went through the model (the last one in the launched step)
-        assert cache[3].offset == n + m and cache[0].state[1].shape[0] == 1
+        assert len(prefix.tokens) == prefix.cache[3].offset == n + m and prefix.cache[0].state[1].shape[0] == 1
+        assert prefix.tokens == make_request(s.result.request_id, n, m).prompt_ids + tuple(s.token_ids)
 
 
 def test_batched_rows_report_logprobs_when_asked(model):

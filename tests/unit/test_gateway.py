@@ -1,6 +1,6 @@
 import pytest
 
-from engine.gateway import Gateway, GatewayConfig
+from engine.gateway import Gateway, GatewayConfig, _Queued
 from engine.generate import KVQuantization
 from engine.loading import load_model
 from engine.types import CollectingSink, FinishReason, GenerationRequest, Lane, StopCriteria
@@ -60,7 +60,7 @@ def test_a_waiting_serial_request_drains_the_batch_first(model):
     for i, s in enumerate(batch):
         g.submit(make_request(f"b{i}", 8, 6 + 4 * i), s)
     g.step()
-    g._serial.append((make_request("serial", 8, 4), Recorder("serial")))  # a request only the serial lane runs
+    g._serial.append(_Queued(make_request("serial", 8, 4), Recorder("serial"), None))  # a request only the serial lane runs
     late = Recorder("late")
     g.submit(make_request("late", 8, 3), late)
     g.run_until_idle()

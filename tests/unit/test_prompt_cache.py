@@ -1,0 +1,124 @@
+"""The prompt cache: which prefix a lookup reuses, and that reuse gives the same tokens as computing it."""
+
+import mlx.core as mx
+import pytest
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.cache.prompt_cache import PromptCache
+from engine.gateway import Gateway, GatewayConfig
+from engine.generate import generate, prefill
+from engine.loading import load_model
+from engine.types import CachedPrefix, CollectingSink, GenerationRequest, StopCriteria
+
+PROMPT = tuple(range(40, 70))
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_path):
+    return load_model(tiny_path("tiny-qwen3-f32"))[0]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_path):
+    return load_model(tiny_path("tiny-qwen35-f32"))[0]
+
+
+def stored(model, tokens):
+    """Single-row caches holding exactly `tokens` (prefill stops before the last token it is given)."""
+    cache = model.make_cache()
+    prefill(model, cache, mx.array(list(tokens) + [0]))
+    return CachedPrefix(tuple(tokens), cache)
+
+
+def req(rid, prompt, n=6):
+    return GenerationRequest(rid, tuple(prompt), stop=StopCriteria(max_tokens=n, ignore_eos=True))
+
+
+def test_trimmable_entries_serve_the_longest_common_prefix(dense):
+    pc = PromptCache(1 << 30)
+    pc.insert(stored(dense, PROMPT[:20]))
+    hit = pc.lookup(PROMPT[:12] + (999, 998))
+    assert len(hit.tokens) == 12 and hit.cache[0].offset == 12
+    hit = pc.lookup(PROMPT[:20])  # identical prompt: the last token is left to compute
+    assert len(hit.tokens) == 19
+    assert pc.lookup((5, 6, 7)) is None
+    assert (pc.stats().hits, pc.stats().misses, pc.stats().cached_tokens) == (2, 1, 31)
+
+
+def test_the_hit_is_a_copy(dense):
+    pc = PromptCache(1 << 30)
+    pc.insert(stored(dense, PROMPT[:20]))
+    hit = pc.lookup(PROMPT[:10] + (5,))
+    list(generate(dense, PROMPT[:10] + (5, 6, 7), stop=StopCriteria(max_tokens=3), cache=hit.cache, cached_tokens=10))
+    again = pc.lookup(PROMPT[:20] + (1,))
+    assert len(again.tokens) == 20 and again.cache[0].offset == 20
+
+
+def test_recurrent_entries_serve_only_their_exact_boundary(hybrid):
+    pc = PromptCache(1 << 30)
+    pc.insert(stored(hybrid, PROMPT[:20]))
+    assert pc.lookup(PROMPT[:12] + (999,)) is None  # would need a rewind
+    assert pc.lookup(PROMPT[:20]) is None  # would leave no token to compute
+    hit = pc.lookup(PROMPT[:20] + (7,))
+    assert len(hit.tokens) == 20
+
+
+def test_budget_evicts_least_recently_used_and_refuses_oversized(dense):
+    one = stored(dense, PROMPT[:10])
+    size = sum(c.nbytes for c in one.cache)
+    pc = PromptCache(2 * size)
+    pc.insert(one)
+    pc.insert(stored(dense, (3,) + PROMPT[:9]))
+    pc.lookup(PROMPT[:10] + (1,))  # touch the first
+    pc.insert(stored(dense, (4,) + PROMPT[:9]))
+    assert len(pc) == 2 and pc.bytes <= 2 * size
+    assert pc.lookup(PROMPT[:10] + (1,)) is not None and pc.lookup((3,) + PROMPT[:9] + (1,)) is None
+    assert not PromptCache(size - 1).insert(stored(dense, PROMPT[:10]))
+
+
+def test_a_longer_trimmable_entry_replaces_its_prefixes(dense):
+    pc = PromptCache(1 << 30)
+    pc.insert(stored(dense, PROMPT[:10]))
+    pc.insert(stored(dense, PROMPT[:20]))
+    assert len(pc) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_repeated_and_extended_prompts_reuse_the_cache_with_the_same_tokens(which, batch, request):
+    model = request.getfixturevalue(which)
+    g = Gateway(model, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30))
+    first = CollectingSink()
+    p0 = g.submit(req("a", PROMPT), first)
+    g.run_until_idle()
+    turn2 = PROMPT + tuple(first.token_ids) + (11, 12, 13)  # a follow-up that extends the conversation
+    sinks, placements = {}, {}
+    for rid, prompt in [("same", PROMPT), ("next", turn2)]:
+        sinks[rid] = CollectingSink()
+        placements[rid] = g.submit(req(rid, prompt), sinks[rid])
+        g.run_until_idle()
+    assert p0.cached_tokens == 0
+    assert placements["same"].cached_tokens == len(PROMPT) - 1
+    # The first request's final cache holds the prompt and the generated tokens that went through
+    # the model: all of them on the batch lane, all but the last on the serial one (whose pipelined
+    # decode does not launch a step past max_tokens).
+    fed = len(first.token_ids) - (1 if batch == 1 else 0)
+    assert placements["next"].cached_tokens == len(PROMPT) + fed
+    for rid, prompt in [("same", PROMPT), ("next", turn2)]:
+        plain = [t.token_id for t in generate(model, prompt, stop=req(rid, prompt).stop)]
+        assert sinks[rid].token_ids == plain, rid
+    assert g.prompt_cache.stats().hits == 2
+
+
+def test_batched_joiners_mix_cached_and_fresh_prompts(hybrid):
+    b = ContinuousBatcher(hybrid, SchedulerConfig(max_rows=4), keep_caches=True)
+    pc = PromptCache(1 << 30)
+    pc.insert(stored(hybrid, PROMPT[:20]))
+    prompts = {"hit": PROMPT[:20] + (9, 8, 7), "fresh": (5,) + PROMPT[:25]}
+    sinks = {k: CollectingSink() for k in prompts}
+    b.submit(req("hit", prompts["hit"]), sinks["hit"], pc.lookup(prompts["hit"]))
+    b.submit(req("fresh", prompts["fresh"]), sinks["fresh"])
+    b.run_until_idle()
+    for k, prompt in prompts.items():
+        assert sinks[k].token_ids == [t.token_id for t in generate(hybrid, prompt, stop=req(k, prompt).stop)], k
