@@ -2,16 +2,19 @@
 
     engine generate --model tiny-qwen35 --prompt "Hello" --max-tokens 32
     engine generate --model-path ~/models/Qwen3-4B-4bit --chat --prompt "Hi"
+    engine serve --model tiny-qwen35 --port 0
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from engine import env
 from engine.errors import USER_ERRORS
 
 
@@ -38,7 +41,82 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None, help="seed for sampling (default: random)")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     gen.set_defaults(func=cmd_generate)
+    _add_serve(sub)
     return parser
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4000000', '512MiB', '2GiB', '1.5G' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4000000, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="Serve a model over HTTP: POST /v1/completions, /v1/chat/completions (SSE with stream: true), "
+        "GET /v1/models, /health, /stats. Prints 'engine serve: ready on http://HOST:PORT' when it accepts "
+        "requests; stops cleanly on SIGINT/SIGTERM. See the README for the request extensions.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="registry name, e.g. tiny-qwen35 or qwen27b (synthesized on first use)")
+    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
+    p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
+    p.add_argument("--batch", type=_positive, default=8,
+                   help="most requests decoding together; 1 = strict serial, bit-exact with mlx-lm B=1 (default 8)")
+    p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
+    p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
+                   help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
+    p.add_argument("--prompt-cache-bytes", type=parse_bytes, default="2GiB", metavar="BYTES",
+                   help="prefix cache shared by all requests; 0 disables (default 2GiB)")
+    p.add_argument("--max-context", type=_positive, default=None, metavar="N",
+                   help="prompt + completion tokens at most (default: the model's max_position_embeddings)")
+    p.add_argument("--max-tokens", type=_positive, default=512, help="completion tokens when a request names none "
+                   "(default 512, capped by the context)")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                   help="affine-quantized KV cache from the first token (turns the prompt cache off)")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
+    p.add_argument("--api-key", default=env.api_key(),
+                   help="require 'Authorization: Bearer KEY' (default: $ENGINE_API_KEY, else no key)")
+    p.set_defaults(func=cmd_serve)  # fmt: skip
+
+
+def cmd_serve(args) -> int:
+    from engine.server.main import ServeConfig, serve
+
+    return serve(
+        ServeConfig(
+            model=args.model,
+            model_path=args.model_path,
+            seed=args.seed,
+            host=args.host,
+            port=args.port,
+            batch=args.batch,
+            prefill_chunk=args.prefill_chunk,
+            kv_budget_bytes=args.kv_budget,
+            prompt_cache_bytes=args.prompt_cache_bytes,
+            max_context=args.max_context,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            api_key=args.api_key,
+            default_max_tokens=args.max_tokens,
+        )
+    )
 
 
 def cmd_generate(args) -> int:

@@ -13,7 +13,13 @@ PROJECT = "engine-harness"
 
 _VARS = {
     "ENGINE_HARNESS_CACHE": "where synthesized models live (default ~/.cache/engine-harness)",
+    "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
 }
+_SECRETS = {"ENGINE_API_KEY"}
+
+
+def api_key() -> str | None:
+    return os.environ.get("ENGINE_API_KEY") or None
 
 
 def cache_root() -> Path:
@@ -31,4 +37,4 @@ def models_dir() -> Path:
 
 def snapshot() -> dict[str, str]:
     """The project's environment variables that are set, for run provenance."""
-    return {k: os.environ[k] for k in _VARS if k in os.environ}
+    return {k: "<redacted>" if k in _SECRETS else os.environ[k] for k in _VARS if k in os.environ}

@@ -69,6 +69,10 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = self.hits = self.misses = self.cached_tokens = 0
+
     def stats(self) -> PromptCacheStats:
         return PromptCacheStats(len(self), self.bytes, self.max_bytes, self.hits, self.misses, self.cached_tokens)
 

@@ -1,0 +1,280 @@
+"""The HTTP layer: Starlette routes that turn OpenAI requests into engine requests and events into JSON/SSE.
+
+Handlers never touch the model: they tokenize, validate, hand the request to
+the engine thread and relay its events. Bad input is answered with an
+OpenAI-style error body and a 4xx; the server stays up whatever the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.batch.scheduler import RequestTooLarge
+from engine.server import responses
+from engine.server.detokenizer import StreamingDetokenizer
+from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
+from engine.server.worker import Accepted, EngineWorker, Ended, Rejected, Stream, Token
+from engine.tokenizer import Tokenizer
+from engine.types import FinishReason, GenerationRequest, StopCriteria
+
+log = logging.getLogger("engine.server")
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    worker: EngineWorker
+    tokenizer: Tokenizer
+    model_id: str
+    model_aliases: frozenset[str]  # other names a request may use for the served model
+    vocab_size: int  # the model's embedding rows: token ids must be below this
+    max_context: int  # prompt + completion tokens at most
+    default_max_tokens: int
+    api_key: Optional[str]
+    created: int
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# ------------------------------------------------------------ preparation
+
+
+def _check_auth(ctx: ServerContext, request: Request) -> None:
+    if ctx.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {ctx.api_key}".encode()):
+        raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+
+async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, ...]:
+    tok = ctx.tokenizer
+    if parsed.prompt_ids is not None:
+        bad_ids = [t for t in parsed.prompt_ids if not 0 <= t < ctx.vocab_size]
+        if bad_ids:
+            raise bad(f"prompt token ids must be in [0, {ctx.vocab_size}); got {bad_ids[:5]}", "prompt", "invalid_token_id")
+        return parsed.prompt_ids
+    if parsed.messages is not None:
+        if not tok.has_chat_template:
+            raise bad("this model has no chat template; use /v1/completions", "messages")
+        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages)
+    else:
+        ids = await run_in_threadpool(tok.encode, parsed.prompt_text)
+    if not ids:
+        raise bad("the prompt encodes to no tokens", "prompt")
+    return tuple(ids)
+
+
+def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str):
+    n = len(prompt)
+    if n >= ctx.max_context:
+        raise bad(
+            f"the prompt has {n} tokens but this server's context is {ctx.max_context} tokens "
+            "(prompt and completion together); shorten the prompt",
+            "prompt" if not parsed.is_chat else "messages",
+            "context_length_exceeded",
+        )
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:
+        max_tokens = min(ctx.default_max_tokens, ctx.max_context - n)
+    elif n + max_tokens > ctx.max_context:
+        raise bad(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds this server's context of "
+            f"{ctx.max_context} tokens; lower max_tokens to at most {ctx.max_context - n}",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    try:
+        parsed.sampling.validate(ctx.vocab_size)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    stops = tuple(tuple(ctx.tokenizer.encode(s, add_special_tokens=False)) for s in parsed.stop)
+    stop = StopCriteria(max_tokens, ctx.tokenizer.eos_ids, tuple(s for s in stops if s), parsed.ignore_eos)
+    return GenerationRequest(rid, prompt, parsed.sampling, stop)
+
+
+async def _prepare(ctx: ServerContext, request: Request, is_chat: bool):
+    _check_auth(ctx, request)
+    parsed = (parse_chat if is_chat else parse_completion)(parse_json(await request.body()))
+    if parsed.model is not None and parsed.model != ctx.model_id and parsed.model not in ctx.model_aliases:
+        raise ApiError(404, f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
+                       "model", "model_not_found")  # fmt: skip
+    rid = ("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12)
+    gen = _generation_request(ctx, parsed, await _prompt_ids(ctx, parsed), rid)
+    return parsed, gen
+
+
+def _rejection(error: Exception) -> ApiError:
+    if isinstance(error, RequestTooLarge):
+        return bad(str(error), "max_tokens", "kv_budget_exceeded")
+    if isinstance(error, ValueError):
+        return bad(str(error))
+    return ApiError(500, f"the engine refused the request: {error!r}")
+
+
+# -------------------------------------------------------------- handlers
+
+
+class _Relay:
+    """One request in flight: submits it, then turns its events into text, tokens and a result."""
+
+    def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest):
+        self.ctx, self.parsed, self.gen = ctx, parsed, gen
+        self.stream = Stream(asyncio.get_running_loop(), gen.request_id)
+        self.out = responses.Output(gen.request_id, ctx.model_id, parsed.is_chat)
+        self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
+        self.placement = None
+        self.result = None
+
+    def text_of(self, token_id: int) -> str:
+        return self.ctx.tokenizer.decode([token_id])
+
+    async def open(self) -> None:
+        self.ctx.worker.submit(self.gen, self.stream)
+        event = await self.stream.events.get()
+        if isinstance(event, Rejected):
+            raise _rejection(event.error)
+        assert isinstance(event, Accepted), event
+        self.placement = event.placement
+
+    async def events(self) -> AsyncIterator[tuple[str, list, Optional[str]]]:
+        """(text delta, emitted tokens, finish reason or None) per engine event, until the end."""
+        while True:
+            event = await self.stream.events.get()
+            if isinstance(event, Token):
+                tok = event.token
+                if tok.is_stop:
+                    text, tokens = self.detok.flush(), []
+                else:
+                    self.out.tokens.append(tok)
+                    text, tokens = self.detok.add(tok.token_id), [tok]
+                    if tok.finish_reason is not None:
+                        text += self.detok.flush()
+                self.out.text += text
+                yield text, tokens, None
+            elif isinstance(event, Ended):
+                self.result = event.result
+                yield "", [], self._finish()
+                return
+
+    def _finish(self) -> Optional[str]:
+        reason = self.result.finish_reason
+        return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+
+    def usage(self) -> dict[str, Any]:
+        return responses.usage(self.result, self.placement.cached_tokens, self.stream, self.placement.reason)
+
+    def cancel(self) -> None:
+        if self.result is None:
+            self.stream.alive = False
+            self.ctx.worker.cancel(self.gen.request_id)
+
+    def log_line(self) -> None:
+        r, t = self.result, self.stream.times.as_ms()
+        log.info(
+            "%s lane=%s prompt=%d completion=%d cached=%d batch=%d queue=%sms prefill=%sms ttft=%sms decode=%sms "
+            "total=%sms finish=%s%s",
+            r.request_id, r.lane.value, r.prompt_tokens, r.generated_tokens, self.placement.cached_tokens,
+            self.stream.max_batch, t["queue"], t["prefill"], t["first_token"], t["decode"], t["total"],
+            r.finish_reason.value, f" error={r.error}" if r.error else "",
+        )  # fmt: skip
+
+    def failure(self) -> ApiError:
+        return ApiError(500, f"generation failed: {self.result.error}", code="engine_error")
+
+
+async def _complete(ctx: ServerContext, request: Request, is_chat: bool) -> Response:
+    try:
+        parsed, gen = await _prepare(ctx, request, is_chat)
+        relay = _Relay(ctx, parsed, gen)
+        await relay.open()
+    except ApiError as e:
+        return error_response(e)
+    if parsed.stream:
+        return StreamingResponse(_sse(relay), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        finish = None
+        async for _, _, finish in relay.events():
+            pass
+    finally:
+        relay.cancel()  # no-op once the result is in; otherwise the client left
+    relay.log_line()
+    if relay.result.finish_reason is FinishReason.ERROR:
+        return error_response(relay.failure())
+    return JSONResponse(responses.body(relay.out, finish, relay.usage(), relay.text_of, parsed.return_token_ids))
+
+
+def _sse_event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(relay: _Relay) -> AsyncIterator[str]:
+    parsed, out = relay.parsed, relay.out
+    ids = parsed.return_token_ids
+    try:
+        if parsed.is_chat:
+            yield _sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True))
+        async for text, tokens, finish in relay.events():
+            if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
+                yield _sse_event(relay.failure().body())
+                break
+            if tokens or text or finish:
+                yield _sse_event(responses.chunk(out, text, tokens, finish, relay.text_of, ids))
+        if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
+            yield _sse_event(responses.usage_chunk(out, relay.usage()))
+        yield "data: [DONE]\n\n"
+        relay.log_line()
+    finally:
+        relay.cancel()  # the client went away mid-stream: drop the row
+
+
+# ------------------------------------------------------------------ routes
+
+
+def make_app(ctx: ServerContext) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await _complete(ctx, request, is_chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _complete(ctx, request, is_chat=True)
+
+    async def models(request: Request) -> Response:
+        try:
+            _check_auth(ctx, request)
+        except ApiError as e:
+            return error_response(e)
+        entry = {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "engine",
+                 "max_context": ctx.max_context}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": ctx.model_id})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(ctx.worker.snapshot)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        msg = "method not allowed" if status == 405 else f"no route {request.url.path}"
+        return error_response(ApiError(status, msg, code="not_found" if status == 404 else "method_not_allowed"))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})

@@ -1,0 +1,137 @@
+"""`engine serve`: load the model on the engine thread, bind the socket, run uvicorn until a signal.
+
+The bound address is printed once the model is loaded and the socket
+listens (`--port 0` picks a free port), so a launcher can read it from the
+first line of stdout. SIGINT/SIGTERM stop uvicorn gracefully; requests still
+running are cancelled and the engine thread ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from engine.engine import Engine
+from engine.gateway import Gateway, GatewayConfig
+from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
+from engine.server.app import ServerContext, make_app
+from engine.server.worker import EngineWorker
+
+log = logging.getLogger("engine.server")
+
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_TOKENS = 512  # when a request names none (mlx_lm.server's default too)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: Optional[str] = None
+    model_path: Optional[Path] = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    batch: int = 8
+    prefill_chunk: int = DEFAULT_PREFILL_STEP
+    kv_budget_bytes: Optional[int] = None
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    max_context: Optional[int] = None  # None: the model's max_position_embeddings
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    api_key: Optional[str] = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def gateway_config(self) -> GatewayConfig:
+        kvq = None
+        if self.kv_bits is not None:
+            kvq = KVQuantization(bits=self.kv_bits, group_size=self.kv_group_size, start=0)
+        return GatewayConfig(
+            batch=self.batch,
+            prefill_chunk=self.prefill_chunk,
+            kv_budget_bytes=self.kv_budget_bytes,
+            kv_quantization=kvq,
+            prompt_cache_bytes=self.prompt_cache_bytes,
+        )
+
+
+def _context_of(config: dict) -> int:
+    text = config.get("text_config", config)
+    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
+
+
+def _vocab_of(config: dict) -> int:
+    """Rows of the embedding: every valid token id is below this."""
+    return int(config.get("text_config", config).get("vocab_size") or config["vocab_size"])
+
+
+def _warm_up(gateway: Gateway) -> None:
+    """One short request through each lane, so the first client does not pay for kernel compilation."""
+    from engine.types import CollectingSink, GenerationRequest, StopCriteria
+
+    for i in range(2 if gateway.batcher is not None else 1):
+        gateway.submit(GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True)),
+                       CollectingSink())  # fmt: skip
+    gateway.run_until_idle()
+    if gateway.prompt_cache is not None:
+        gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
+
+
+def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
+    """Load the model (on the engine thread) and the tokenizer; raises on a bad model or setting."""
+    cfg.gateway_config()  # setting errors before any loading
+    loaded: dict = {}
+
+    def make_gateway() -> Gateway:
+        engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed)
+        loaded["engine"] = engine
+        gateway = Gateway(engine.model, cfg.gateway_config())
+        _warm_up(gateway)
+        return gateway
+
+    worker = EngineWorker(make_gateway)
+    worker.start()
+    engine: Engine = loaded["engine"]
+    model_id = cfg.model or engine.path.name
+    context = cfg.max_context or _context_of(engine.config)
+    ctx = ServerContext(
+        worker=worker,
+        tokenizer=engine.tokenizer,
+        model_id=model_id,
+        model_aliases=frozenset({str(engine.path), engine.path.name}),
+        vocab_size=_vocab_of(engine.config),
+        max_context=context,
+        default_max_tokens=cfg.default_max_tokens,
+        api_key=cfg.api_key,
+        created=int(time.time()),
+    )
+    return worker, ctx
+
+
+def serve(cfg: ServeConfig) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    start = time.perf_counter()
+    worker, ctx = build(cfg)
+    sock = socket.create_server((cfg.host, cfg.port), backlog=2048)
+    host, port = sock.getsockname()[:2]
+    gw = cfg.gateway_config()
+    print(
+        f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}, "
+        f"context {ctx.max_context}, loaded in {time.perf_counter() - start:.1f} s)",
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+    print("engine serve: stopped", flush=True)
+    return 0

@@ -1,0 +1,280 @@
+"""The OpenAI request bodies the server accepts, parsed into typed requests (no model, no arrays).
+
+Every field is checked for type and range here; anything wrong becomes an
+`ApiError` whose message names the field. Unknown fields are refused (a typo
+such as `max_token` would otherwise be ignored silently), except a few
+OpenAI fields that cannot change what is computed (`user`, `metadata`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from engine.types import SamplingParams
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, offending parameter, code."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+_SHARED = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "logit_bias", "logprobs",
+    "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "stream", "stream_options",
+    "ignore_eos", "return_token_ids", "n", "user", "metadata", "store", "service_tier",
+}  # fmt: skip
+COMPLETION_FIELDS = _SHARED | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "parallel_tool_calls", "response_format"}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One completion or chat request, checked; the prompt is not yet tokenized."""
+
+    is_chat: bool
+    model: Optional[str]
+    prompt_text: Optional[str]  # completions, text prompt
+    prompt_ids: Optional[tuple[int, ...]]  # completions, token-id prompt
+    messages: Optional[list[dict[str, str]]]  # chat
+    max_tokens: Optional[int]  # None: the server's default, within the context
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    return_token_ids: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+# ------------------------------------------------------------------ fields
+
+
+def _typed(body: dict, name: str, kinds: tuple, what: str, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python; JSON true is not a number.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise bad(f"'{name}' must be {what}, got {json.dumps(value)[:80]}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: Optional[float] = None) -> Optional[float]:
+    value = _typed(body, name, (int, float), "a number", default)
+    if value is not None and not math.isfinite(value):
+        raise bad(f"'{name}' must be finite", param=name)
+    return None if value is None else float(value)
+
+
+def _int(body: dict, name: str, default: Optional[int] = None) -> Optional[int]:
+    return _typed(body, name, (int,), "an integer", default)
+
+
+def _flag(body: dict, name: str) -> bool:
+    return _typed(body, name, (bool,), "true or false", False)
+
+
+def _in_range(name: str, value, lo, hi, text: str) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise bad(f"'{name}' must be {text}, got {value}", param=name)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 8:
+        raise bad("'stop' must be a non-empty string or a list of at most 8 non-empty strings", param="stop")
+    return tuple(stop)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    raw = _typed(body, "logit_bias", (dict,), "an object of token id -> bias", {})
+    out = {}
+    for key, value in raw.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
+        out[tid] = float(value)
+    return out
+
+
+def _reject_unknown(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad(f"unknown field(s): {', '.join(unknown)}", param=unknown[0], code="unknown_field")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if _int(body, "n", 1) != 1:
+        raise bad("only n=1 is supported", param="n")
+    if _int(body, "best_of", 1) != 1:
+        raise bad("only best_of=1 is supported", param="best_of")
+    if _flag(body, "echo"):
+        raise bad("echo is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise bad("suffix is not supported", param="suffix")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def _sampling(body: dict, top_logprobs: int, want_logprobs: bool) -> SamplingParams:
+    temperature = _number(body, "temperature", 0.0)  # greedy unless asked, as mlx_lm.server
+    _in_range("temperature", temperature, 0, 2, "in [0, 2]")
+    top_p = _number(body, "top_p", 1.0)
+    _in_range("top_p", top_p, 1e-9, 1, "in (0, 1]")
+    top_k = _int(body, "top_k", 0)
+    _in_range("top_k", top_k, 0, 1 << 30, ">= 0")
+    min_p = _number(body, "min_p", 0.0)
+    _in_range("min_p", min_p, 0, 1, "in [0, 1]")
+    rep = _number(body, "repetition_penalty")
+    _in_range("repetition_penalty", rep, 1e-9, 10, "in (0, 10]")
+    presence = _number(body, "presence_penalty")
+    _in_range("presence_penalty", presence, -2, 2, "in [-2, 2]")
+    frequency = _number(body, "frequency_penalty")
+    _in_range("frequency_penalty", frequency, -2, 2, "in [-2, 2]")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        presence_penalty=presence or None,
+        frequency_penalty=frequency or None,
+        logit_bias=_logit_bias(body),
+        seed=_int(body, "seed"),
+        logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = _typed(body, "stream_options", (dict,), "an object", {})
+    if opts and not stream:
+        raise bad("'stream_options' is only allowed with stream: true", param="stream_options")
+    unknown = set(opts) - {"include_usage"}
+    if unknown:
+        raise bad(f"unknown stream_options field(s): {', '.join(sorted(unknown))}", param="stream_options")
+    return _flag(opts, "include_usage")
+
+
+def _max_tokens(body: dict, names: tuple[str, ...]) -> Optional[int]:
+    for name in names:
+        value = _int(body, name)
+        if value is not None:
+            if value <= 0:
+                raise bad(f"'{name}' must be at least 1, got {value}", param=name)
+            return value
+    return None
+
+
+# ---------------------------------------------------------------- requests
+
+
+def _prompt(body: dict) -> tuple[Optional[str], Optional[tuple[int, ...]]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", param="prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise bad("'prompt' must not be empty", param="prompt")
+    raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}] must be an object with a role of system, user, assistant or tool", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise bad(f"messages[{i}].content parts must all be {{'type': 'text', 'text': ...}}", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _common(body: dict, is_chat: bool) -> dict[str, Any]:
+    _refuse_unsupported(body)
+    model = _typed(body, "model", (str,), "a string")
+    stream = _flag(body, "stream")
+    if is_chat:
+        want = _flag(body, "logprobs")
+        top = _int(body, "top_logprobs", 0)
+        _in_range("top_logprobs", top, 0, 20, "in [0, 20]")
+        if top and not want:
+            raise bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:  # legacy completions: logprobs is the number of alternatives
+        top = _int(body, "logprobs")
+        _in_range("logprobs", top, 0, 20, "in [0, 20]")
+        want, top = top is not None, top or 0
+    return {
+        "model": model,
+        "sampling": _sampling(body, top, want),
+        "stop": _stop(body),
+        "stream": stream,
+        "include_usage": _stream_options(body, stream),
+        "ignore_eos": _flag(body, "ignore_eos"),
+        "return_token_ids": _flag(body, "return_token_ids"),
+    }
+
+
+def parse_completion(body: dict[str, Any]) -> ParsedRequest:
+    _reject_unknown(body, COMPLETION_FIELDS)
+    text, ids = _prompt(body)
+    common = _common(body, is_chat=False)
+    return ParsedRequest(False, prompt_text=text, prompt_ids=ids, messages=None,
+                         max_tokens=_max_tokens(body, ("max_tokens",)), **common)  # fmt: skip
+
+
+def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+    _reject_unknown(body, CHAT_FIELDS)
+    messages = _messages(body)
+    common = _common(body, is_chat=True)
+    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages,
+                         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip

@@ -1,0 +1,149 @@
+"""The JSON the server sends back: completion and chat bodies, stream chunks, usage, logprobs.
+
+The usage object carries the OpenAI fields plus one extension, `engine`:
+
+    "engine": {
+      "lane": "continuous" | "serial",    where the request ran
+      "lane_reason": "...",                why it ran there
+      "batch_size": 3,                     most rows in the batch while it ran
+      "finish": "stop" | "length" | ...,   the engine's finish reason
+      "timings_ms": {"queue", "prefill", "first_token", "decode", "total"}
+    }
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from engine.server.worker import Stream
+from engine.types import GeneratedToken, RequestResult
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class Output:
+    """What one request produced so far, gathered from its events."""
+
+    request_id: str
+    model: str
+    is_chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tokens: list[GeneratedToken] = field(default_factory=list)  # emitted, stop tokens excluded
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.is_chat else "text_completion"
+
+
+def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.generated_tokens,
+        "total_tokens": result.prompt_tokens + result.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "engine": {
+            "lane": result.lane.value,
+            "lane_reason": lane_reason,
+            "batch_size": stream.max_batch,
+            "finish": result.finish_reason.value,
+            "timings_ms": stream.times.as_ms(),
+        },
+    }
+
+
+def completion_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists."""
+    texts = [text_of(t.token_id) for t in tokens]
+    offsets, at = [], 0
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{text_of(x.token_id): x.logprob for x in (t.top_logprobs or ())} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        s = text_of(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(x.token_id, x.logprob) for x in (t.top_logprobs or ())]}
+            for t in tokens
+        ]
+    }
+
+
+def _logprobs(out: Output, tokens: Sequence[GeneratedToken], text_of: TokenText) -> Optional[dict[str, Any]]:
+    if not tokens or tokens[0].logprob is None:
+        return None
+    return chat_logprobs(tokens, text_of) if out.is_chat else completion_logprobs(tokens, text_of)
+
+
+def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: TokenText, ids: bool, delta=None):
+    """A choice; for a chat stream chunk, `delta` is the message delta."""
+    choice: dict[str, Any] = {"index": 0}
+    if not out.is_chat:
+        choice["text"] = text
+    elif delta is not None:
+        choice["delta"] = delta
+    else:
+        choice["message"] = {"role": "assistant", "content": text}
+    choice["logprobs"] = _logprobs(out, tokens, text_of)
+    choice["finish_reason"] = finish
+    if ids:
+        choice["token_ids"] = [t.token_id for t in tokens]
+    return choice
+
+
+def body(out: Output, finish: str, usage_obj: dict[str, Any], text_of: TokenText, ids: bool) -> dict[str, Any]:
+    """The whole non-streaming response."""
+    return {
+        "id": out.request_id,
+        "object": out.object,
+        "created": out.created,
+        "model": out.model,
+        "choices": [_choice(out, out.text, out.tokens, finish, text_of, ids, delta=False)],
+        "usage": usage_obj,
+    }
+
+
+def chunk(
+    out: Output,
+    text: str,
+    tokens: Sequence[GeneratedToken],
+    finish: Optional[str],
+    text_of: TokenText,
+    ids: bool,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One stream chunk; `role` marks a chat stream's opening chunk."""
+    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    return {
+        "id": out.request_id,
+        "object": "chat.completion.chunk" if out.is_chat else "text_completion",
+        "created": out.created,
+        "model": out.model,
+        "choices": [_choice(out, text, tokens, finish, text_of, ids, delta=delta)],
+    }
+
+
+def usage_chunk(out: Output, usage_obj: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": out.request_id,
+        "object": "chat.completion.chunk" if out.is_chat else "text_completion",
+        "created": out.created,
+        "model": out.model,
+        "choices": [],
+        "usage": usage_obj,
+    }

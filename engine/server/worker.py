@@ -1,0 +1,274 @@
+"""The engine thread: owns the model and the gateway; HTTP handlers reach it only through queues.
+
+Handlers put commands (submit, cancel, stop) on the inbox; the thread applies
+them between gateway steps and runs steps while there is work. Each request's
+`Stream` carries events back to its handler's asyncio queue with
+`call_soon_threadsafe`. A handler whose client went away flips
+`Stream.alive`: the next token the engine offers is refused and the row is
+dropped, even mid-way through a serial request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from engine.cache import cache_nbytes
+from engine.gateway import Gateway, Placement
+from engine.types import FinishReason, GeneratedToken, GenerationRequest, RequestResult
+
+log = logging.getLogger("engine.server")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class Rejected:
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Token:
+    token: GeneratedToken
+
+
+@dataclass(frozen=True)
+class Ended:
+    result: RequestResult
+
+
+Event = Accepted | Rejected | Token | Ended
+
+
+@dataclass
+class Timings:
+    """perf_counter stamps of one request's life (seconds)."""
+
+    submitted: float = 0.0
+    started: Optional[float] = None
+    first_token: Optional[float] = None
+    ended: Optional[float] = None
+
+    def as_ms(self) -> dict[str, Optional[float]]:
+        def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
+            return None if a is None or b is None else round((b - a) * 1000, 3)
+
+        return {
+            "queue": span(self.submitted, self.started),
+            "prefill": span(self.started, self.first_token),
+            "first_token": span(self.submitted, self.first_token),
+            "decode": span(self.first_token, self.ended),
+            "total": span(self.submitted, self.ended),
+        }
+
+
+class Stream:
+    """A TokenSink that forwards a request's events to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str):
+        self.loop = loop
+        self.request_id = request_id
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.alive = True
+        self.times = Timings(submitted=time.perf_counter())
+        self.max_batch = 0  # rows in the batch at the fullest moment of this request
+
+    def put(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            self.alive = False
+
+    def on_start(self) -> None:
+        self.times.started = time.perf_counter()
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        if self.times.first_token is None:
+            self.times.first_token = time.perf_counter()
+        self.put(Token(token))
+        return self.alive
+
+    def on_end(self, result: RequestResult) -> None:
+        self.times.ended = time.perf_counter()
+        self.put(Ended(replace(result, caches=())))  # the caches stay in the engine thread
+
+
+@dataclass
+class Totals:
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: GenerationRequest
+    stream: Stream
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass
+class EngineWorker:
+    """Start with `start()` (blocks until the model is loaded); `stop()` ends the thread."""
+
+    build: Callable[[], Gateway]  # runs in the engine thread: loading there keeps the device on one thread
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+    totals: Totals = field(default_factory=Totals)
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    _live: dict[str, Stream] = field(default_factory=dict)
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _error: Optional[BaseException] = None
+    _thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, request: GenerationRequest, stream: Stream) -> None:
+        self.inbox.put(_Submit(request, stream))
+
+    def cancel(self, request_id: str) -> None:
+        self.inbox.put(_Cancel(request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.inbox.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------- engine thread
+
+    def _main(self) -> None:
+        try:
+            gateway = self.build()
+        except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
+            self._error = e
+            self._ready.set()
+            return
+        self._refresh(gateway)
+        self._ready.set()
+        while True:
+            commands = self._drain(block=not gateway.has_work)
+            for cmd in commands:
+                if isinstance(cmd, _Stop):
+                    self._shutdown(gateway)
+                    return
+                self._apply(gateway, cmd)
+            if gateway.has_work:
+                try:
+                    gateway.step()
+                except Exception:  # noqa: BLE001 - the lanes contain their own failures; this is a last guard
+                    log.exception("engine step failed")
+            self._refresh(gateway)
+
+    def _drain(self, block: bool) -> list:
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=0.25) if block else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            return out
+
+    def _apply(self, gateway: Gateway, cmd) -> None:
+        if isinstance(cmd, _Cancel):
+            gateway.cancel(cmd.request_id)
+            return
+        stream, request = cmd.stream, cmd.request
+        self.totals.requests += 1
+        if not stream.alive:  # the client left before the engine saw the request
+            self.totals.cancelled += 1
+            return
+        try:
+            placement = gateway.submit(request, _Tracked(stream, self))
+        except Exception as e:  # noqa: BLE001 - e.g. RequestTooLarge: the handler turns it into a 4xx
+            self.totals.rejected += 1
+            stream.put(Rejected(e))
+            return
+        self._live[request.request_id] = stream
+        self.totals.prompt_tokens += len(request.prompt_ids)
+        self.totals.cached_tokens += placement.cached_tokens
+        stream.put(Accepted(placement))
+
+    def _ended(self, stream: Stream, result: RequestResult) -> None:
+        self._live.pop(result.request_id, None)
+        self.totals.completion_tokens += result.generated_tokens
+        if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.totals.completed += 1
+        elif result.finish_reason is FinishReason.CANCELLED:
+            self.totals.cancelled += 1
+        else:
+            self.totals.errors += 1
+
+    def _refresh(self, gateway: Gateway) -> None:
+        rows = gateway.active_rows
+        for stream in self._live.values():
+            stream.max_batch = max(stream.max_batch, rows or 1)
+        batcher = gateway.batcher
+        kv_bytes = 0
+        if batcher is not None:
+            runner = batcher.runner
+            kv_bytes = sum(cache_nbytes(c) for c in (runner.cache, runner.joiner_cache) if c is not None)
+        pc = gateway.prompt_cache
+        self.snapshot = {
+            "batch": {
+                "max_rows": gateway.config.batch,
+                "mode": "continuous" if batcher is not None else "serial",
+                "active_rows": rows,
+                "pending_rows": gateway.pending_rows,
+                "live_requests": len(self._live),
+                "kv_bytes": kv_bytes,
+                "kv_budget_bytes": gateway.config.kv_budget_bytes,
+            },
+            "prompt_cache": None if pc is None else vars(pc.stats()),
+            "totals": vars(self.totals).copy(),
+        }
+
+    def _shutdown(self, gateway: Gateway) -> None:
+        for request_id in list(self._live):
+            gateway.cancel(request_id)
+        for stream in self._live.values():
+            stream.alive = False
+        while gateway.has_work:  # cancelled rows leave at the next step
+            gateway.step()
+
+
+class _Tracked:
+    """The stream as the gateway sees it, with the worker's bookkeeping on the way out."""
+
+    def __init__(self, stream: Stream, worker: EngineWorker):
+        self.stream, self.worker = stream, worker
+
+    def on_start(self) -> None:
+        self.stream.on_start()
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        return self.stream.on_token(token)
+
+    def on_end(self, result: RequestResult) -> None:
+        self.worker._ended(self.stream, result)
+        self.stream.on_end(result)
