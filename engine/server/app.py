@@ -24,7 +24,8 @@ from engine.batch.scheduler import RequestTooLarge
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
-from engine.server.worker import Accepted, EngineWorker, Ended, Rejected, Stream, Token
+from engine.server.stop_text import TextStopper
+from engine.server.worker import Accepted, EngineWorker, Ended, Rejected, Stream
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, GenerationRequest, StopCriteria
 
@@ -135,6 +136,7 @@ class _Relay:
         self.stream = Stream(asyncio.get_running_loop(), gen.request_id)
         self.out = responses.Output(gen.request_id, ctx.model_id, parsed.is_chat)
         self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
+        self.stopper = TextStopper(parsed.stop)
         self.placement = None
         self.result = None
 
@@ -153,23 +155,26 @@ class _Relay:
         """(text delta, emitted tokens, finish reason or None) per engine event, until the end."""
         while True:
             event = await self.stream.events.get()
-            if isinstance(event, Token):
-                tok = event.token
-                if tok.is_stop:
-                    text, tokens = self.detok.flush(), []
-                else:
-                    self.out.tokens.append(tok)
-                    text, tokens = self.detok.add(tok.token_id), [tok]
-                    if tok.finish_reason is not None:
-                        text += self.detok.flush()
-                self.out.text += text
-                yield text, tokens, None
-            elif isinstance(event, Ended):
+            if isinstance(event, Ended):
                 self.result = event.result
-                yield "", [], self._finish()
+                text = self.stopper.push(self.detok.flush()) + self.stopper.flush()
+                self.out.text += text
+                yield text, [], self._finish()
                 return
+            tok = event.token
+            if self.stopper.stopped:
+                continue  # a stop string already ended the output; the engine is dropping the row
+            tokens = [] if tok.is_stop else [tok]
+            text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
+            if self.stopper.stopped:
+                self.cancel()
+            self.out.tokens += tokens
+            self.out.text += text
+            yield text, tokens, None
 
     def _finish(self) -> Optional[str]:
+        if self.stopper.stopped:
+            return "stop"
         reason = self.result.finish_reason
         return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
 
@@ -177,7 +182,7 @@ class _Relay:
         return responses.usage(self.result, self.placement.cached_tokens, self.stream, self.placement.reason)
 
     def cancel(self) -> None:
-        if self.result is None:
+        if self.result is None and self.stream.alive:
             self.stream.alive = False
             self.ctx.worker.cancel(self.gen.request_id)
 

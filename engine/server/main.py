@@ -9,6 +9,7 @@ running are cancelled and the engine thread ends.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import time
@@ -128,6 +129,10 @@ def serve(cfg: ServeConfig) -> int:
     server = uvicorn.Server(
         uvicorn.Config(make_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
     )
+    # uvicorn handles SIGINT/SIGTERM (graceful stop), then raises the signal again against the
+    # handlers it found: these ones, so that the engine thread is stopped and the exit status is 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -113,7 +113,7 @@ def body(out: Output, finish: str, usage_obj: dict[str, Any], text_of: TokenText
         "object": out.object,
         "created": out.created,
         "model": out.model,
-        "choices": [_choice(out, out.text, out.tokens, finish, text_of, ids, delta=False)],
+        "choices": [_choice(out, out.text, out.tokens, finish, text_of, ids)],
         "usage": usage_obj,
     }
 
