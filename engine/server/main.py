@@ -1,9 +1,10 @@
-"""`engine serve`: load the model on the engine thread, bind the socket, run uvicorn until a signal.
+"""`engine serve`: load the model, bind the socket, run the engine loop and uvicorn until a signal.
 
+The engine loop owns the main thread; uvicorn serves HTTP from a second one.
 The bound address is printed once the model is loaded and the socket
 listens (`--port 0` picks a free port), so a launcher can read it from the
-first line of stdout. SIGINT/SIGTERM stop uvicorn gracefully; requests still
-running are cancelled and the engine thread ends.
+first line of stdout. SIGINT/SIGTERM stop uvicorn gracefully (in-flight
+responses get a few seconds, then are cancelled); then the engine loop ends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.server.app import ServerContext, make_app
 from engine.server.worker import EngineWorker
+from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
 log = logging.getLogger("engine.server")
 
@@ -71,8 +74,6 @@ def _vocab_of(config: dict) -> int:
 
 def _warm_up(gateway: Gateway) -> None:
     """One short request through each lane, so the first client does not pay for kernel compilation."""
-    from engine.types import CollectingSink, GenerationRequest, StopCriteria
-
     for i in range(2 if gateway.batcher is not None else 1):
         gateway.submit(GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True)),
                        CollectingSink())  # fmt: skip
@@ -82,20 +83,12 @@ def _warm_up(gateway: Gateway) -> None:
 
 
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
-    """Load the model (on the engine thread) and the tokenizer; raises on a bad model or setting."""
-    cfg.gateway_config()  # setting errors before any loading
-    loaded: dict = {}
-
-    def make_gateway() -> Gateway:
-        engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed)
-        loaded["engine"] = engine
-        gateway = Gateway(engine.model, cfg.gateway_config())
-        _warm_up(gateway)
-        return gateway
-
-    worker = EngineWorker(make_gateway)
-    worker.start()
-    engine: Engine = loaded["engine"]
+    """Load the model and the tokenizer; raises on a bad model or setting."""
+    gateway_config = cfg.gateway_config()  # setting errors before any loading
+    engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed)
+    gateway = Gateway(engine.model, gateway_config)
+    _warm_up(gateway)
+    worker = EngineWorker(gateway)
     model_id = cfg.model or engine.path.name
     context = cfg.max_context or _context_of(engine.config)
     ctx = ServerContext(
@@ -129,14 +122,23 @@ def serve(cfg: ServeConfig) -> int:
     server = uvicorn.Server(
         uvicorn.Config(make_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
     )
-    # uvicorn handles SIGINT/SIGTERM (graceful stop), then raises the signal again against the
-    # handlers it found: these ones, so that the engine thread is stopped and the exit status is 0.
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])  # off the main thread, uvicorn leaves signals to us
+        finally:
+            worker.stop()  # however HTTP ended, the engine loop follows
+
+    def on_signal(signum, frame) -> None:
+        server.force_exit = server.should_exit  # a second signal: stop waiting for open responses
+        server.should_exit = True
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        worker.stop()
-        sock.close()
+        signal.signal(sig, on_signal)
+    thread = threading.Thread(target=http, name="http", daemon=True)
+    thread.start()
+    worker.run()
+    thread.join(timeout=10)
+    sock.close()
     print("engine serve: stopped", flush=True)
     return 0

@@ -1,7 +1,10 @@
-"""The engine thread: owns the model and the gateway; HTTP handlers reach it only through queues.
+"""The engine loop: owns the model and the gateway; HTTP handlers reach it only through queues.
 
-Handlers put commands (submit, cancel, stop) on the inbox; the thread applies
-them between gateway steps and runs steps while there is work. Each request's
+It runs on the process's main thread (MLX's compiled functions must not be
+first used from a thread that dies before the process exits); uvicorn runs
+on a second thread. Handlers put commands (submit, cancel, stop) on the
+inbox; the loop applies them between gateway steps and runs steps while there
+is work. Each request's
 `Stream` carries events back to its handler's asyncio queue with
 `call_soon_threadsafe`. A handler whose client went away flips
 `Stream.alive`: the next token the engine offers is refused and the row is
@@ -13,10 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from engine.cache import cache_nbytes
 from engine.gateway import Gateway, Placement
@@ -131,23 +133,16 @@ class _Stop:
 
 @dataclass
 class EngineWorker:
-    """Start with `start()` (blocks until the model is loaded); `stop()` ends the thread."""
+    """`run()` is the loop (on the thread that owns the device); the other methods are thread-safe."""
 
-    build: Callable[[], Gateway]  # runs in the engine thread: loading there keeps the device on one thread
+    gateway: Gateway
     inbox: queue.Queue = field(default_factory=queue.Queue)
     totals: Totals = field(default_factory=Totals)
     snapshot: dict[str, Any] = field(default_factory=dict)
     _live: dict[str, Stream] = field(default_factory=dict)
-    _ready: threading.Event = field(default_factory=threading.Event)
-    _error: Optional[BaseException] = None
-    _thread: Optional[threading.Thread] = None
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
+    def __post_init__(self):
+        self._refresh(self.gateway)
 
     def submit(self, request: GenerationRequest, stream: Stream) -> None:
         self.inbox.put(_Submit(request, stream))
@@ -155,22 +150,14 @@ class EngineWorker:
     def cancel(self, request_id: str) -> None:
         self.inbox.put(_Cancel(request_id))
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Ask the loop to cancel what is running and return."""
         self.inbox.put(_Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
 
-    # ------------------------------------------------------- engine thread
+    # ------------------------------------------------------------ the loop
 
-    def _main(self) -> None:
-        try:
-            gateway = self.build()
-        except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
-            self._error = e
-            self._ready.set()
-            return
-        self._refresh(gateway)
-        self._ready.set()
+    def run(self) -> None:
+        gateway = self.gateway
         while True:
             commands = self._drain(block=not gateway.has_work)
             for cmd in commands:
@@ -214,7 +201,7 @@ class EngineWorker:
         self.totals.cached_tokens += placement.cached_tokens
         stream.put(Accepted(placement))
 
-    def _ended(self, stream: Stream, result: RequestResult) -> None:
+    def record_end(self, result: RequestResult) -> None:
         self._live.pop(result.request_id, None)
         self.totals.completion_tokens += result.generated_tokens
         if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -270,5 +257,5 @@ class _Tracked:
         return self.stream.on_token(token)
 
     def on_end(self, result: RequestResult) -> None:
-        self.worker._ended(self.stream, result)
+        self.worker.record_end(result)
         self.stream.on_end(result)
