@@ -122,3 +122,22 @@ def test_batched_joiners_mix_cached_and_fresh_prompts(hybrid):
     b.run_until_idle()
     for k, prompt in prompts.items():
         assert sinks[k].token_ids == [t.token_id for t in generate(hybrid, prompt, stop=req(k, prompt).stop)], k
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen35", "tiny-llama-4bit"])
+@pytest.mark.parametrize("cached", [17, 200, 299])
+def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cached):
+    """On the CPU: a prefix computed in its own forward leaves the same cache and logits as a cold prefill."""
+    model = load_model(tiny_path(name))[0]
+    prompt = tuple(range(50, 350))
+
+    def logits(n_cached):
+        out, cache = [], model.make_cache()
+        if n_cached:
+            prefill(model, cache, mx.array(list(prompt[: n_cached + 1])))
+        stop = StopCriteria(max_tokens=4, ignore_eos=True)
+        list(generate(model, prompt, stop=stop, cache=cache, cached_tokens=n_cached, tap=lambda s: out.append(s.logits)))
+        return out
+
+    for cold, warm in zip(logits(0), logits(cached)):
+        assert mx.array_equal(cold, warm).item()
