@@ -36,7 +36,7 @@ from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
 from engine.types import (
     CachedPrefix,
     FinishReason,
-    GeneratedToken,
+    ForwardingSink,
     GenerationRequest,
     Lane,
     RequestResult,
@@ -76,17 +76,12 @@ class _Queued:
     prefix: Optional[CachedPrefix]
 
 
-class _StoringSink:
-    """Passes everything through; stores the finished request's caches in the prompt cache."""
+class _StoringSink(ForwardingSink):
+    """Stores a normally finished request's caches in the prompt cache."""
 
     def __init__(self, inner: TokenSink, store: PromptCache):
-        self.inner, self.store = inner, store
-
-    def on_start(self) -> None:
-        self.inner.on_start()
-
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
-        return self.inner.on_token(token)
+        super().__init__(inner)
+        self.store = store
 
     def on_end(self, result: RequestResult) -> None:
         if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

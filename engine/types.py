@@ -227,6 +227,22 @@ class TokenSink(Protocol):
         """The request is over, whichever way it ended."""
 
 
+class ForwardingSink:
+    """A TokenSink that passes every call to `inner`; subclasses add to the calls they override."""
+
+    def __init__(self, inner: TokenSink):
+        self.inner = inner
+
+    def on_start(self) -> None:
+        self.inner.on_start()
+
+    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        return self.inner.on_token(token)
+
+    def on_end(self, result: RequestResult) -> None:
+        self.inner.on_end(result)
+
+
 @dataclass
 class CollectingSink:
     """A TokenSink that keeps everything (tests, benchmarks, the CLI)."""

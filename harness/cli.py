@@ -4,6 +4,7 @@
     harness models synth NAME [--seed S]     write a synthetic mlx-lm artifact
     harness parity [--models ...]            live oracle gate against mlx-lm
     harness native --models NAME             in-process speed: engine vs mlx-lm
+    harness server-overhead --models NAME    in-process vs through `engine serve`
 """
 
 from __future__ import annotations
@@ -144,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--seed", type=int, default=0)
     bb.add_argument("--json", type=Path, help="also write the results here")
     bb.set_defaults(func=cmd_batch_bench)
+
+    so = sub.add_parser(
+        "server-overhead",
+        help="what HTTP costs: in-process generate vs `engine serve` (serial and continuous lanes)",
+        description="On one artifact and the same prompt ids: greedy fixed-length requests in process, then "
+        "streamed through `engine serve --batch 1` and `engine serve` (prompt cache off, one request at a "
+        "time). Prints median TTFT and decode rate per arm and the ratio to in-process.",
+    )
+    _model_source(so)
+    so.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt length (default 512)")
+    so.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
+    so.add_argument("--samples", type=_positive, default=5, help="measured requests per arm (default 5)")
+    so.add_argument("--warmup", type=int, default=1, help="warmup requests per arm (default 1)")
+    so.add_argument("--seed", type=int, default=0, help="artifact seed (default 0)")
+    so.add_argument("--json", type=Path, help="also write the results here")
+    so.set_defaults(func=cmd_server_overhead)
     return parser
 
 
@@ -370,6 +387,41 @@ def cmd_batch_bench(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0
+
+
+def cmd_server_overhead(args) -> int:
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from harness.parity import vocab_size
+    from harness.server_overhead import OverheadConfig, measure
+
+    cfg = OverheadConfig(args.prompt_tokens, args.decode_tokens, args.samples, args.warmup)
+    table = Table(title=f"server overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode, greedy, cold)")
+    for col in ("model", "arm", "TTFT ms", "ratio", "decode tok/s", "ratio", "load s", "tokens"):
+        table.add_column(col)
+    records, identical = [], True
+    for name, path in _targets(args):
+        console.print(f"{name}: in process, then through two servers ({cfg.samples} samples each) ...")
+        arms = measure(path, vocab_size(path), cfg)
+        base = arms[0]
+        for arm in arms:
+            same = arm.tokens == base.tokens
+            identical &= same
+            table.add_row(
+                name, arm.arm, f"{arm.median_ttft_ms:.1f}", f"{arm.median_ttft_ms / base.median_ttft_ms:.3f}",
+                f"{arm.median_decode_tps:.1f}", f"{arm.median_decode_tps / base.median_decode_tps:.3f}",
+                f"{arm.load_to_ready_s:.1f}" if arm.load_to_ready_s else "-",
+                "identical" if same else "[red]DIFFER[/]",
+            )  # fmt: skip
+            records.append({"model": name, **asdict(arm)})
+    out.print(table)
+    out.print("medians; ratio = arm / in-process; TTFT through a server is measured by the client "
+              "(request sent -> first token event)")
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=2))
+    return 0 if identical else 1
 
 
 def _verdict(passed: bool) -> str:

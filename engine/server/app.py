@@ -242,7 +242,9 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
         relay.log_line()
     finally:
-        relay.cancel()  # the client went away mid-stream: drop the row
+        if relay.result is None:  # the client went away mid-stream: drop the row
+            log.info("%s cancelled: the client went away after %d tokens", relay.gen.request_id, len(out.tokens))
+            relay.cancel()
 
 
 # ------------------------------------------------------------------ routes

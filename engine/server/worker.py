@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from engine.cache import cache_nbytes
 from engine.gateway import Gateway, Placement
-from engine.types import FinishReason, GeneratedToken, GenerationRequest, RequestResult
+from engine.types import FinishReason, ForwardingSink, GeneratedToken, GenerationRequest, RequestResult
 
 log = logging.getLogger("engine.server")
 
@@ -244,18 +244,13 @@ class EngineWorker:
             gateway.step()
 
 
-class _Tracked:
+class _Tracked(ForwardingSink):
     """The stream as the gateway sees it, with the worker's bookkeeping on the way out."""
 
     def __init__(self, stream: Stream, worker: EngineWorker):
-        self.stream, self.worker = stream, worker
-
-    def on_start(self) -> None:
-        self.stream.on_start()
-
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
-        return self.stream.on_token(token)
+        super().__init__(stream)
+        self.worker = worker
 
     def on_end(self, result: RequestResult) -> None:
         self.worker.record_end(result)
-        self.stream.on_end(result)
+        super().on_end(result)

@@ -1,59 +1,32 @@
-"""A real `engine serve` process on port 0, for live tests."""
+"""`engine serve` processes for live tests, launched through the harness's launcher (port picked free)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import selectors
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 
-READY = re.compile(r"ready on (http://\S+)")
+from harness.servers import engine_serve_command, free_port, start_server, tail
 
 
-class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, timeout: float = 120):
-        cmd = [sys.executable, "-m", "engine", "serve", "--port", "0", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        self.url = self._wait_ready(timeout)
+class LiveServer:
+    def __init__(self, *args: str, api_key: str | None = None):
+        self.port = free_port()
+        extra = ["--api-key", api_key] if api_key else []
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=120)
-
-    def _wait_ready(self, timeout: float) -> str:
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(timeout=1) and (line := self.proc.stdout.readline()):
-                if m := READY.search(line):
-                    return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine serve exited {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
-        self.proc.kill()
-        raise RuntimeError("engine serve did not become ready")
+        cmd = engine_serve_command(list(args), self.port, *extra)
+        self.server = start_server(cmd, self.port, timeout_s=180, headers=headers)
+        self.url = self.server.url
+        self.client = self.server.client(timeout=120)
 
     def stats(self) -> dict:
         return self.client.get("/stats").json()
 
-    def stop(self) -> tuple[int, str, str]:
-        """SIGTERM, then wait: (exit code, rest of stdout, stderr)."""
+    def stop(self) -> tuple[int | None, str, str]:
+        """SIGTERM, then wait: (exit status, stdout, stderr)."""
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
-        return self.proc.returncode, out, err
+        code = self.server.stop()
+        return code, tail(self.server.stdout_path, 100_000), tail(self.server.stderr_path, 100_000)
 
 
 def stream(client: httpx.Client, path: str, body: dict) -> tuple[list[dict], bool]:

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engine.engine import Engine
-from live_server import ServerProcess, stream
+from live_server import LiveServer, stream
 
 MODEL = "tiny-qwen35"
 KEY = "sekret"
@@ -15,11 +15,13 @@ KEY = "sekret"
 @pytest.fixture(scope="module")
 def server(tiny_path):
     tiny_path(MODEL)
-    srv = ServerProcess("--model", MODEL, "--max-context", "512", api_key=KEY)
+    srv = LiveServer("--model", MODEL, "--max-context", "512", api_key=KEY)
     yield srv
     code, out, err = srv.stop()
     assert code == 0, err[-2000:]
-    assert "engine serve: stopped" in out
+    assert out.splitlines()[0].startswith(f"engine serve: ready on http://127.0.0.1:{srv.port} (model {MODEL}")
+    assert out.splitlines()[-1] == "engine serve: stopped"
+    assert " lane=continuous prompt=" in err and " ttft=" in err  # one log line per request
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from live_server import ServerProcess, stream
+from live_server import LiveServer, stream
 
 MODEL = "tiny-qwen35"
 
@@ -11,9 +11,10 @@ MODEL = "tiny-qwen35"
 @pytest.fixture(scope="module")
 def servers(tiny_path):
     tiny_path(MODEL)
-    batched, serial = ServerProcess("--model", MODEL, "--batch", "8"), ServerProcess("--model", MODEL, "--batch", "1")
+    batched, serial = LiveServer("--model", MODEL, "--batch", "8"), LiveServer("--model", MODEL, "--batch", "1")
     yield batched, serial
-    assert batched.stop()[0] == 0 and serial.stop()[0] == 0
+    codes = [batched.stop()[0], serial.stop()[0]]
+    assert codes == [0, 0]
 
 
 def requests():

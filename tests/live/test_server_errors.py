@@ -2,7 +2,7 @@
 
 import httpx
 import pytest
-from live_server import ServerProcess
+from live_server import LiveServer
 
 from engine.batch.kv_layout import kv_layout
 from engine.loading import load_model
@@ -15,7 +15,7 @@ CONTEXT = 1024
 def server(tiny_path):
     # A budget that one row of up to 256 tokens fits (KV grows in 256-token steps) and 257 does not.
     budget = kv_layout(load_model(tiny_path(MODEL))[0]).row_bytes(1, 255)
-    srv = ServerProcess("--model", MODEL, "--max-context", str(CONTEXT), "--kv-budget", str(budget))
+    srv = LiveServer("--model", MODEL, "--max-context", str(CONTEXT), "--kv-budget", str(budget))
     yield srv
     assert srv.stop()[0] == 0
 

@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from live_server import ServerProcess
+from live_server import LiveServer
 
 from engine.engine import Engine
 from engine.generate import KVQuantization
@@ -24,7 +24,7 @@ def greedy(srv, prompt, n):
 
 
 def test_kv_bits_batches_quantized_kv_and_turns_the_prompt_cache_off(engine):
-    srv = ServerProcess("--model", MODEL, "--kv-bits", "8", "--kv-group-size", "32")
+    srv = LiveServer("--model", MODEL, "--kv-bits", "8", "--kv-group-size", "32")
     try:
         prompt = list(range(20, 60))
         out = greedy(srv, prompt, 10)
@@ -38,7 +38,7 @@ def test_kv_bits_batches_quantized_kv_and_turns_the_prompt_cache_off(engine):
 
 
 def test_the_serial_lane_serves_cancels_and_caches(engine):
-    srv = ServerProcess("--model", MODEL, "--batch", "1")
+    srv = LiveServer("--model", MODEL, "--batch", "1")
     try:
         prompt = list(range(30, 70))
         first, second = greedy(srv, prompt, 8), greedy(srv, prompt, 8)
@@ -61,7 +61,7 @@ def test_the_serial_lane_serves_cancels_and_caches(engine):
 
 
 def test_prompt_cache_off(engine):
-    srv = ServerProcess("--model", MODEL, "--prompt-cache-bytes", "0")
+    srv = LiveServer("--model", MODEL, "--prompt-cache-bytes", "0")
     try:
         prompt = list(range(30, 50))
         greedy(srv, prompt, 3)
