@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_source(so)
     so.add_argument("--prompt-tokens", type=_positive, default=512, help="prompt length (default 512)")
     so.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
-    so.add_argument("--samples", type=_positive, default=5, help="measured requests per arm (default 5)")
-    so.add_argument("--warmup", type=int, default=1, help="warmup requests per arm (default 1)")
+    so.add_argument("--samples", type=_positive, default=6, help="measured rounds, one request per arm (default 6)")
+    so.add_argument("--warmup", type=int, default=1, help="warmup rounds (default 1)")
     so.add_argument("--seed", type=int, default=0, help="artifact seed (default 0)")
     so.add_argument("--json", type=Path, help="also write the results here")
     so.set_defaults(func=cmd_server_overhead)
@@ -395,16 +395,16 @@ def cmd_server_overhead(args) -> int:
     from rich.table import Table
 
     from harness.parity import vocab_size
-    from harness.server_overhead import OverheadConfig, measure
+    from harness.server_overhead import OverheadConfig, measure, paired_decode_ratio
 
     cfg = OverheadConfig(args.prompt_tokens, args.decode_tokens, args.samples, args.warmup)
     table = Table(title=f"server overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode, greedy, cold)")
-    for col in ("model", "arm", "TTFT ms", "ratio", "decode tok/s", "ratio", "load s", "tokens"):
+    for col in ("model", "arm", "TTFT ms", "ratio", "decode tok/s", "ratio", "paired", "range", "load s", "tokens"):
         table.add_column(col)
     records, identical = [], True
     for name, path in _targets(args):
         console.print(f"{name}: in process, then through two servers ({cfg.samples} samples each) ...")
-        arms = measure(path, vocab_size(path), cfg)
+        arms = measure(path, vocab_size(path), cfg, log=lambda m, name=name: console.print(f"{name}: {m}"))
         base = arms[0]
         for arm in arms:
             same = arm.tokens == base.tokens
@@ -412,13 +412,15 @@ def cmd_server_overhead(args) -> int:
             table.add_row(
                 name, arm.arm, f"{arm.median_ttft_ms:.1f}", f"{arm.median_ttft_ms / base.median_ttft_ms:.3f}",
                 f"{arm.median_decode_tps:.1f}", f"{arm.median_decode_tps / base.median_decode_tps:.3f}",
+                f"{paired_decode_ratio(arm, base):.3f}", f"{min(arm.decode_tps):.1f}-{max(arm.decode_tps):.1f}",
                 f"{arm.load_to_ready_s:.1f}" if arm.load_to_ready_s else "-",
                 "identical" if same else "[red]DIFFER[/]",
             )  # fmt: skip
             records.append({"model": name, **asdict(arm)})
     out.print(table)
-    out.print("medians; ratio = arm / in-process; TTFT through a server is measured by the client "
-              "(request sent -> first token event)")
+    out.print("medians; ratio = arm / in-process; paired: geometric mean of per-round decode ratios (arms "
+              "alternate within each round); TTFT through a server is measured by the client (request sent -> "
+              "first token event)")
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0 if identical else 1

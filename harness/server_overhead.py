@@ -2,19 +2,25 @@
 
 Three arms on one artifact and the same prompt ids: `in-process` (engine
 `generate`, no server), `serve --batch 1` (the serial lane behind HTTP) and
-`serve` (the continuous lane, a lone request). Each server runs with its
-prompt cache off so every request is cold. Requests stream (SSE) with
-`ignore_eos`; the client stamps the first and the last token event. Per arm:
-median TTFT and median decode rate ((tokens - 1) / (last - first)), over
-`samples` requests after a warmup; ratios are arm / in-process. The arms run
-one after another (each server is alone on the machine), in-process first.
+`serve` (the continuous lane, a lone request). Both servers run with their
+prompt cache off, so every request is cold. Requests stream (SSE) with
+`ignore_eos`; the client stamps the first and the last token event.
+
+All three arms are loaded first; then each round runs one request per arm,
+the order rotating from round to round, so a drift of the machine (large on
+the lent GPU: one request decodes at 30 tok/s, the next at 50) hits every arm
+alike. Per arm: median TTFT and decode rate ((tokens - 1) / (last - first))
+after a warmup; per server arm also the geometric mean of its per-round
+ratios to the in-process request of the same round.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,7 +36,7 @@ IN_PROCESS, SERVE_SERIAL, SERVE = "in-process", "serve --batch 1", "serve"
 class OverheadConfig:
     prompt_tokens: int = 512
     decode_tokens: int = 128
-    samples: int = 5
+    samples: int = 6
     warmup: int = 1
 
 
@@ -51,16 +57,17 @@ class ArmResult:
         return statistics.median(self.decode_tps)
 
 
-def _sample(arm: ArmResult, run: Callable[[], tuple[float, float, float, list[int]]], cfg: OverheadConfig) -> None:
-    for i in range(cfg.warmup + cfg.samples):
-        start, first, last, ids = run()
-        if i >= cfg.warmup:
-            arm.ttft_ms.append((first - start) * 1000)
-            arm.decode_tps.append((len(ids) - 1) / (last - first))
-            arm.tokens = ids
+Run = Callable[[], tuple[float, float, float, list[int]]]
 
 
-def _in_process(model_dir: Path, prompt: list[int], cfg: OverheadConfig) -> ArmResult:
+def _record(arm: ArmResult, sample: tuple[float, float, float, list[int]]) -> None:
+    start, first, last, ids = sample
+    arm.ttft_ms.append((first - start) * 1000)
+    arm.decode_tps.append((len(ids) - 1) / (last - first))
+    arm.tokens = ids
+
+
+def _in_process(model_dir: Path, prompt: list[int], cfg: OverheadConfig) -> Run:
     eng = Engine.load(model_path=model_dir, with_tokenizer=False)
 
     def run():
@@ -70,42 +77,53 @@ def _in_process(model_dir: Path, prompt: list[int], cfg: OverheadConfig) -> ArmR
             ids.append(t.token_id)
         return start, stamps[0], stamps[-1], ids
 
-    arm = ArmResult(IN_PROCESS)
-    _sample(arm, run, cfg)
-    return arm
+    return run
 
 
-def _served(label: str, model_dir: Path, prompt: list[int], cfg: OverheadConfig, *flags: str) -> ArmResult:
-    port = free_port()
-    cmd = engine_serve_command(["--model-path", str(model_dir)], port, "--prompt-cache-bytes", "0", *flags)
+def _served(client, prompt: list[int], cfg: OverheadConfig) -> Run:
     body = {"prompt": prompt, "max_tokens": cfg.decode_tokens, "ignore_eos": True, "stream": True,
             "return_token_ids": True}  # fmt: skip
-    arm = ArmResult(label)
-    with start_server(cmd, port) as server, server.client() as client:
-        arm.load_to_ready_s = server.load_to_ready_s
 
-        def run():
-            start, stamps, ids = time.perf_counter(), [], []
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    got = event["choices"][0].get("token_ids", []) if event["choices"] else []
-                    if got:
-                        stamps.append(time.perf_counter())
-                        ids += got
-            return start, stamps[0], stamps[-1], ids
+    def run():
+        start, stamps, ids = time.perf_counter(), [], []
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                got = event["choices"][0].get("token_ids", []) if event["choices"] else []
+                if got:
+                    stamps.append(time.perf_counter())
+                    ids += got
+        return start, stamps[0], stamps[-1], ids
 
-        _sample(arm, run, cfg)
-    return arm
+    return run
 
 
-def measure(model_dir: Path, vocab_size: int, cfg: OverheadConfig) -> list[ArmResult]:
+def measure(model_dir: Path, vocab_size: int, cfg: OverheadConfig, log=lambda msg: None) -> list[ArmResult]:
     prompt = frozen_prompt_ids(cfg.prompt_tokens, vocab_size)
-    return [
-        _in_process(model_dir, prompt, cfg),
-        _served(SERVE_SERIAL, model_dir, prompt, cfg, "--batch", "1"),
-        _served(SERVE, model_dir, prompt, cfg),
-    ]
+    model = ["--model-path", str(model_dir)]
+    with ExitStack() as stack:
+        runs, arms = [], []
+        for label, flags in ((SERVE_SERIAL, ("--batch", "1")), (SERVE, ())):
+            port = free_port()
+            cmd = engine_serve_command(model, port, "--prompt-cache-bytes", "0", *flags)
+            server = stack.enter_context(start_server(cmd, port))
+            runs.append(_served(stack.enter_context(server.client()), prompt, cfg))
+            arms.append(ArmResult(label, load_to_ready_s=server.load_to_ready_s))
+        runs.insert(0, _in_process(model_dir, prompt, cfg))
+        arms.insert(0, ArmResult(IN_PROCESS))
+        for i in range(cfg.warmup + cfg.samples):
+            log(f"round {i + 1}/{cfg.warmup + cfg.samples}" + (" (warmup)" if i < cfg.warmup else ""))
+            order = [(i + k) % len(arms) for k in range(len(arms))]
+            samples = {k: runs[k]() for k in order}
+            if i >= cfg.warmup:
+                for k, arm in enumerate(arms):
+                    _record(arm, samples[k])
+    return arms
+
+
+def paired_decode_ratio(arm: ArmResult, base: ArmResult) -> float:
+    """Geometric mean of per-round decode-rate ratios (arm / base)."""
+    return math.exp(statistics.fmean(math.log(a / b) for a, b in zip(arm.decode_tps, base.decode_tps)))

@@ -2,6 +2,7 @@
 
 import time
 
+import mlx.core as mx
 import pytest
 from live_server import LiveServer
 
@@ -23,6 +24,12 @@ def greedy(srv, prompt, n):
     return r.json()
 
 
+@pytest.mark.xfail(
+    mx.default_device() != mx.cpu,
+    reason="MLX 0.32.4's CUDA quantized_matmul has no kernel for group size 32, which the tiny models' head_dim of "
+    "32 needs for quantized KV (measured on the H200: the request fails with 500, the server stays up)",
+    strict=False,
+)
 def test_kv_bits_batches_quantized_kv_and_turns_the_prompt_cache_off(engine):
     srv = LiveServer("--model", MODEL, "--kv-bits", "8", "--kv-group-size", "32")
     try:

@@ -126,8 +126,14 @@ def test_batched_joiners_mix_cached_and_fresh_prompts(hybrid):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen35", "tiny-llama-4bit"])
 @pytest.mark.parametrize("cached", [17, 200, 299])
-def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cached):
+def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cached, request):
     """On the CPU: a prefix computed in its own forward leaves the same cache and logits as a cold prefill."""
+    if name == "tiny-qwen35" and mx.default_device() != mx.cpu:
+        # Measured on the H200 (harness/gpu/diag_prefix_exactness.py): splitting a 299-token prefill
+        # into 17 + 282 changes the hybrid model's bits on CUDA (f32: the first attention layer's K/V
+        # differ by ~2e-3; bf16: logits by ~3e-3), as kernels are chosen by the chunk's shape there.
+        # The dense models stayed exact. On the CPU every case is exact.
+        request.applymarker(pytest.mark.xfail(reason="CUDA kernels depend on the chunk shape", strict=False))
     model = load_model(tiny_path(name))[0]
     prompt = tuple(range(50, 350))
 
