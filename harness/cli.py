@@ -5,6 +5,8 @@
     harness parity [--models ...]            live oracle gate against mlx-lm
     harness native --models NAME             in-process speed: engine vs mlx-lm
     harness server-overhead --models NAME    in-process vs through `engine serve`
+    harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
+    harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
 """
 
 from __future__ import annotations
@@ -16,40 +18,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rich.console import Console
-
 from engine.errors import USER_ERRORS
-
-console = Console(stderr=True)
-out = Console()
-if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-    out = Console(width=200)
-
-
-class CliError(ValueError):
-    """Bad command-line input: printed without a traceback, exit code 2."""
-
-
-def _csv(value: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
-
-
-def _csv_ints(value: str) -> list[int]:
-    try:
-        return [int(v) for v in _csv(value)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return n
-
+from harness import run_cli
+from harness.cli_common import CliError, console, out
+from harness.cli_common import csv as _csv
+from harness.cli_common import csv_ints as _csv_ints
+from harness.cli_common import positive as _positive
 
 def _model_source(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
@@ -161,6 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--seed", type=int, default=0, help="artifact seed (default 0)")
     so.add_argument("--json", type=Path, help="also write the results here")
     so.set_defaults(func=cmd_server_overhead)
+
+    run = sub.add_parser(
+        "run",
+        help="the benchmark: real servers (ours and stock mlx_lm.server), frozen workloads, SQLite + JSON",
+        description="`harness run all`: for each model, start every arm as a real server process on the same "
+        "artifact, replay the frozen token-ID workload through it (warmup, greedy parity probe, decode x5, cold "
+        "and warm TTFT, aggregate throughput at each concurrency, long context), sample the server's RSS, and "
+        "record everything to a JSON companion (after every cell) and an SQLite database. Refuses a loaded "
+        "machine unless --diagnostic.",
+    )
+    run.add_argument("what", choices=["all"], help="`all`: every phase")
+    run_cli.add_options(run)
+    run.set_defaults(func=run_cli.cmd_run)
+
+    tr = sub.add_parser(
+        "trials",
+        help="paired blocks for A-vs-B claims: one workload seed per block, arm order alternating",
+        description="Run --seeds blocks; block i uses workload seed i and runs the arms in the given order "
+        "(even blocks) or reversed (odd blocks), all into one JSON for `harness report`.",
+    )
+    run_cli.add_options(tr, arms_default="engine,mlx-lm")
+    tr.add_argument("--seeds", type=_positive, default=5, help="blocks, one workload seed each (default 5)")
+    tr.set_defaults(func=run_cli.cmd_trials)
     return parser
 
 

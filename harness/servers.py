@@ -74,6 +74,18 @@ class ServerProcess:
         except psutil.NoSuchProcess:
             return []
 
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exited(self, within_s: float) -> bool:
+        """Whether the process has exited or does within `within_s` (a crash takes a moment to reap)."""
+        try:
+            self.proc.wait(timeout=within_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def stop(self, grace_s: float = 20) -> Optional[int]:
         procs = self.tree()
         if self.proc.poll() is None:
@@ -107,8 +119,12 @@ def start_server(
     log_dir: Optional[Path] = None,
     env: Optional[dict[str, str]] = None,
     headers: Optional[dict[str, str]] = None,
+    probe: Optional[dict] = None,
 ) -> ServerProcess:
-    """Launch `command` (which must listen on `port`) and wait until GET /health answers 200."""
+    """Launch `command` (which must listen on `port`) and wait until GET /health answers 200.
+
+    `probe`: a completion body that must also answer 200 (for servers whose /health
+    answers before the model is loaded)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="server-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -122,7 +138,12 @@ def start_server(
         if proc.poll() is not None:
             raise ServerStartError(f"{command[0]} exited with {proc.returncode}:\n{tail(server.stderr_path)}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            ready = httpx.get(f"{url}/health", timeout=2).status_code == 200
+            if ready and probe is not None:
+                left = max(deadline - time.perf_counter(), 1)
+                r = httpx.post(f"{url}/v1/completions", json=probe, headers=headers, timeout=left)
+                ready = r.status_code == 200
+            if ready:
                 server.load_to_ready_s = time.perf_counter() - start
                 return server
         except httpx.HTTPError:

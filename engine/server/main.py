@@ -105,13 +105,22 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     return worker, ctx
 
 
+def listen(host: str, port: int) -> socket.socket:
+    sock = socket.create_server((host, port), backlog=2048)
+    # Accepted connections inherit TCP_NODELAY. asyncio sets it only on sockets whose proto is
+    # IPPROTO_TCP, which create_server's are not: without it, Nagle's algorithm meets the client's
+    # delayed ACKs and a kept-alive connection gets its SSE tokens in ~40 ms bursts.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def serve(cfg: ServeConfig) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
     worker, ctx = build(cfg)
-    sock = socket.create_server((cfg.host, cfg.port), backlog=2048)
+    sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     gw = cfg.gateway_config()
     print(

@@ -58,3 +58,19 @@ def test_error_bodies_have_the_openai_shape():
         parse_json(b"[")
     body = e.value.body()["error"]
     assert body["type"] == "invalid_request_error" and body["code"] == "invalid_json" and body["message"]
+
+
+def test_accepted_connections_have_nagle_off():
+    """Without TCP_NODELAY a kept-alive SSE stream arrives in ~40 ms bursts (Nagle + delayed ACKs)."""
+    import socket
+
+    from engine.server.main import listen
+
+    server = listen("127.0.0.1", 0)
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    try:
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        for s in (conn, client, server):
+            s.close()

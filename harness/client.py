@@ -1,0 +1,141 @@
+"""One streamed completion request, timed event by event (httpx + SSE).
+
+Times are milliseconds from the moment the request is sent: headers, first
+byte, first content event (TTFT), every content event, end (E2EL). A content
+event is an SSE chunk carrying output text or token ids; servers differ in
+how many tokens a chunk carries (mlx_lm.server sends a chunk only when new
+text appears), so output tokens are counted from `usage`, and
+TPOT = (E2EL - TTFT) / (output tokens - 1), as vLLM's benchmark defines it.
+A stream without `data: [DONE]`, a finish reason or usage is a failed
+measurement, never a fast one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    phase: str
+    attempt: int
+    index: int
+    prompt_tokens_sent: int
+    ok: bool = False
+    error: Optional[str] = None
+    status_code: Optional[int] = None
+    sent_at: float = 0.0  # wall clock (time.time()) when sent
+    headers_ms: Optional[float] = None
+    first_byte_ms: Optional[float] = None
+    ttft_ms: Optional[float] = None
+    e2el_ms: Optional[float] = None
+    event_ms: list[float] = field(default_factory=list)  # content event arrivals
+    output_tokens: Optional[int] = None  # usage.completion_tokens
+    prompt_tokens: Optional[int] = None  # usage.prompt_tokens
+    cached_tokens: Optional[int] = None
+    finish_reason: Optional[str] = None
+    text: str = ""
+    token_ids: Optional[list[int]] = None  # when the server returns them
+    usage: Optional[dict[str, Any]] = None
+
+    @property
+    def output_sha256(self) -> str:
+        """Identity of the output: of the token ids when known, else of the text."""
+        data = json.dumps(self.token_ids) if self.token_ids is not None else self.text
+        return hashlib.sha256(data.encode()).hexdigest()
+
+    @property
+    def text_sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def tpot_ms(self) -> Optional[float]:
+        if not self.ok or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+    @property
+    def itl_ms(self) -> list[float]:
+        return [b - a for a, b in zip(self.event_ms, self.event_ms[1:])]
+
+    @property
+    def decode_tps(self) -> Optional[float]:
+        """Output tokens after the first, per second after the first content event."""
+        tpot = self.tpot_ms
+        return None if not tpot else 1000.0 / tpot
+
+
+def _content(event: dict) -> tuple[str, Optional[list[int]], Optional[str]]:
+    choice = event["choices"][0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content") or ""
+    return text, choice.get("token_ids"), choice.get("finish_reason")
+
+
+def stream_completion(client: httpx.Client, body: dict[str, Any], record: RequestRecord) -> RequestRecord:
+    """POST /v1/completions with stream: true and fill `record`; never raises for a bad response."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    record.sent_at = time.time()
+    start = time.perf_counter()
+
+    def ms() -> float:
+        return (time.perf_counter() - start) * 1000
+
+    done, ids = False, []
+    try:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            record.headers_ms, record.status_code = ms(), r.status_code
+            if r.status_code != 200:
+                record.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"
+                return record
+            for line in r.iter_lines():
+                if record.first_byte_ms is None:
+                    record.first_byte_ms = ms()
+                if not line.startswith("data: "):
+                    continue  # blank separators, `: keepalive` comments
+                payload = line[6:]
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(payload)
+                if "error" in event:
+                    record.error = f"error event: {json.dumps(event['error'])[:500]}"
+                    return record
+                if event.get("usage"):
+                    record.usage = event["usage"]
+                if not event.get("choices"):
+                    continue
+                text, got, finish = _content(event)
+                if text or got:
+                    now = ms()
+                    record.event_ms.append(now)
+                    if record.ttft_ms is None:
+                        record.ttft_ms = now
+                record.text += text
+                if got is not None:
+                    ids += got
+                if finish:
+                    record.finish_reason = finish
+        record.e2el_ms = ms()
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+        return record
+    record.token_ids = ids if ids else None
+    usage = record.usage or {}
+    record.output_tokens = usage.get("completion_tokens")
+    record.prompt_tokens = usage.get("prompt_tokens")
+    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    missing = [n for n, v in (("[DONE]", done), ("finish_reason", record.finish_reason), ("usage", record.usage),
+                              ("a content event", record.ttft_ms is not None)) if not v]  # fmt: skip
+    if missing:
+        record.error = "incomplete stream: no " + ", no ".join(missing)
+    else:
+        record.ok = True
+    return record

@@ -1,0 +1,199 @@
+"""What a run leaves behind: a schema-versioned JSON companion and rows in an SQLite database.
+
+The JSON is rewritten (atomically) after every cell, so a crash loses at most
+the cell in flight. The database (sqlite-utils) indexes every run:
+
+    runs      one row per run: provenance, settings, preflight, JSON path
+    arms      one row per (block, model, arm): command, load-to-ready, peak RSS, status, stderr tail
+    cells     one row per (block, model, arm, phase): status, metrics, error
+    requests  one row per request: timings, usage, finish reason, output hash
+    samples   RSS samples of each arm's server process tree
+
+Schema changes are ordered migrations recorded in `_migrations`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import sqlite_utils
+
+from harness.client import RequestRecord
+
+SCHEMA_VERSION = 1
+
+# Cell statuses (the report shows one on every cell).
+MEASURED, RECOVERED, FAILED, NOT_MEASURED, UNSUPPORTED = "measured", "recovered", "failed", "not_measured", "unsupported"
+
+
+@dataclass
+class Attempt:
+    attempt: int
+    ok: bool
+    error: Optional[str]
+    wall_s: float
+    requests: list[RequestRecord]
+
+
+@dataclass
+class Cell:
+    phase: str
+    status: str = NOT_MEASURED
+    reason: Optional[str] = None  # why failed / not measured / unsupported
+    attempts: list[Attempt] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    command: list[str]
+    env: dict[str, str]
+    status: str = NOT_MEASURED  # measured | failed (could not start, or died)
+    error: Optional[str] = None
+    load_to_ready_s: Optional[float] = None
+    peak_rss_bytes: Optional[int] = None
+    rss_samples: list[tuple[float, int]] = field(default_factory=list)
+    stderr_tail: str = ""
+    cells: list[Cell] = field(default_factory=list)
+
+
+@dataclass
+class ModelRun:
+    model: str
+    model_dir: str
+    manifest_sha256: str
+    workload_sha256: str
+    workload_path: Optional[str]
+    block: int = 0  # trials: the paired block; a plain run has one block
+    workload_seed: int = 0
+    arm_order: list[str] = field(default_factory=list)
+    arms: list[ArmRun] = field(default_factory=list)
+    parity: dict[str, Any] = field(default_factory=dict)
+
+
+def _request_json(r: RequestRecord) -> dict:
+    d = asdict(r)
+    d.update(tpot_ms=r.tpot_ms, itl_ms=r.itl_ms, output_sha256=r.output_sha256, text_sha256=r.text_sha256)
+    return d
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, RequestRecord):
+        return _request_json(obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: _jsonable(getattr(obj, k)) for k in obj.__dataclass_fields__}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    created: str
+    kind: str  # "run" | "trials"
+    label: Optional[str]
+    diagnostic: bool
+    settings: dict[str, Any]
+    provenance: dict[str, Any]
+    preflight: dict[str, Any]
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    models: list[ModelRun] = field(default_factory=list)
+    finished: bool = False
+
+    def to_json(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **_jsonable(self)}
+
+
+def write_json(record: RunRecord, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record.to_json(), indent=1))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- database
+
+
+def _m1_initial(db: sqlite_utils.Database) -> None:
+    db["runs"].create({"run_id": str, "created": str, "kind": str, "label": str, "diagnostic": int,
+                       "json_path": str, "git_commit": str, "source_tree_sha256": str, "host": str,
+                       "provenance": str, "settings": str, "preflight": str, "finished": int}, pk="run_id")
+    keys = {"run_id": str, "block": int, "model": str, "arm": str}
+    db["arms"].create({**keys, "command": str, "load_to_ready_s": float, "peak_rss_bytes": int, "status": str,
+                       "error": str, "stderr_tail": str, "workload_sha256": str, "manifest_sha256": str},
+                      pk=("run_id", "block", "model", "arm"))
+    db["cells"].create({**keys, "phase": str, "status": str, "reason": str, "attempts": int, "metrics": str},
+                       pk=("run_id", "block", "model", "arm", "phase"))
+    db["requests"].create({**keys, "phase": str, "attempt": int, "idx": int, "ok": int, "error": str,
+                           "sent_at": float, "headers_ms": float, "first_byte_ms": float, "ttft_ms": float,
+                           "tpot_ms": float, "e2el_ms": float, "itl_ms": str, "output_tokens": int,
+                           "prompt_tokens": int, "prompt_tokens_sent": int, "cached_tokens": int,
+                           "finish_reason": str, "output_sha256": str},
+                          pk=("run_id", "block", "model", "arm", "phase", "attempt", "idx"))
+    db["samples"].create({**keys, "t_s": float, "rss_bytes": int})
+    db["samples"].create_index(["run_id", "model", "arm"])
+
+
+MIGRATIONS = [_m1_initial]  # append only; each runs once, in order
+
+
+def open_db(path: Path) -> sqlite_utils.Database:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite_utils.Database(path)
+    if "_migrations" not in db.table_names():
+        db["_migrations"].create({"version": int, "name": str}, pk="version")
+    done = {row["version"] for row in db["_migrations"].rows}
+    for version, migrate in enumerate(MIGRATIONS, start=1):
+        if version not in done:
+            with db.conn:
+                migrate(db)
+                db["_migrations"].insert({"version": version, "name": migrate.__name__})
+    return db
+
+
+def db_run(db: sqlite_utils.Database, record: RunRecord, json_path: Path) -> None:
+    p = record.provenance
+    db["runs"].upsert({"run_id": record.run_id, "created": record.created, "kind": record.kind,
+                       "label": record.label, "diagnostic": int(record.diagnostic), "json_path": str(json_path),
+                       "git_commit": p.get("git_commit"), "source_tree_sha256": p.get("source_tree_sha256"),
+                       "host": p.get("host"), "provenance": json.dumps(p), "settings": json.dumps(record.settings),
+                       "preflight": json.dumps(record.preflight), "finished": int(record.finished)},
+                      pk="run_id")  # fmt: skip
+
+
+def db_cell(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, cell: Cell) -> None:
+    keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm}
+    with db.conn:
+        db["cells"].upsert({**keys, "phase": cell.phase, "status": cell.status, "reason": cell.reason,
+                            "attempts": len(cell.attempts), "metrics": json.dumps(cell.metrics)},
+                           pk=("run_id", "block", "model", "arm", "phase"))  # fmt: skip
+        rows = []
+        for a in cell.attempts:
+            for r in a.requests:
+                rows.append({**keys, "phase": cell.phase, "attempt": a.attempt, "idx": r.index, "ok": int(r.ok),
+                             "error": r.error, "sent_at": r.sent_at, "headers_ms": r.headers_ms,
+                             "first_byte_ms": r.first_byte_ms, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
+                             "e2el_ms": r.e2el_ms, "itl_ms": json.dumps(r.itl_ms), "output_tokens": r.output_tokens,
+                             "prompt_tokens": r.prompt_tokens, "prompt_tokens_sent": r.prompt_tokens_sent,
+                             "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
+                             "output_sha256": r.output_sha256})  # fmt: skip
+        db["requests"].upsert_all(rows, pk=("run_id", "block", "model", "arm", "phase", "attempt", "idx"))
+
+
+def db_arm(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun) -> None:
+    keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm.arm}
+    with db.conn:
+        db["arms"].upsert({**keys, "command": json.dumps(arm.command), "load_to_ready_s": arm.load_to_ready_s,
+                           "peak_rss_bytes": arm.peak_rss_bytes, "status": arm.status, "error": arm.error,
+                           "stderr_tail": arm.stderr_tail, "workload_sha256": model.workload_sha256,
+                           "manifest_sha256": model.manifest_sha256},
+                          pk=("run_id", "block", "model", "arm"))  # fmt: skip
+        db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)

@@ -1,0 +1,154 @@
+"""`harness run all` and `harness trials`: options, the dry run, progress, the summary at the end."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from harness.cli_common import CliError, console, csv, csv_ints, positive
+from harness.cli_common import out as stdout
+
+DEFAULT_CPU_MODELS = ["small-qwen3", "small-qwen35"]
+
+
+def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-serial,mlx-lm") -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--models", type=csv, help=f"registry names (default: {','.join(DEFAULT_CPU_MODELS)})")
+    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
+    p.add_argument("--label", help="name for --model-path in the records (default: the directory name)")
+    p.add_argument("--arms", type=csv, default=csv(arms_default), help=f"arms to run (default {arms_default})")
+    p.add_argument("--tokens", type=positive, default=192, help="output tokens per timed request (default 192)")
+    ctx = p.add_mutually_exclusive_group()
+    ctx.add_argument("--context", type=positive, default=None, help="long-context prompt tokens (default 4096)")
+    ctx.add_argument("--skip-context", action="store_true", help="no long-context phase")
+    p.add_argument("--concurrency", type=csv_ints, default=[4, 8], help="concurrent streams (default 4,8)")
+    p.add_argument("--decode-samples", type=positive, default=5, help="decode requests (default 5)")
+    p.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
+    p.add_argument("--out", type=Path, help="JSON companion (default reports/run-<time>.json)")
+    p.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"), help="SQLite database (default "
+                   "reports/runs.sqlite)")  # fmt: skip
+    p.add_argument(
+        "--dry-run", action="store_true", help="print artifacts, commands and the workload plan; start nothing"
+    )
+    p.add_argument("--diagnostic", action="store_true", help="run on a busy machine, labelled as diagnostic")
+
+
+def _run_plan(args):
+    from harness.arms import resolve_arms
+    from harness.run_all import RunSettings
+    from harness.workloads import WorkloadSettings
+
+    from engine.model_source import resolve_model_dir
+
+    try:
+        arms = resolve_arms(args.arms)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if len({a.name for a in arms}) != len(arms):
+        raise CliError("an arm is listed twice")
+    context = None if args.skip_context else (args.context or 4096)
+    settings = RunSettings(tokens=args.tokens, decode_samples=args.decode_samples,
+                           workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
+                                                     context_tokens=context))  # fmt: skip
+    if args.model_path:
+        targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]
+    else:
+        names = args.models or DEFAULT_CPU_MODELS
+        targets = [(n, None if args.dry_run else resolve_model_dir(model=n, seed=args.seed)) for n in names]
+    return arms, settings, targets
+
+
+def cmd_run(args) -> int:
+    return _run(args, seeds=[args.workload_seed], kind="run")
+
+
+def cmd_trials(args) -> int:
+    if len(args.arms) < 2:
+        raise CliError("trials compare arms: give at least two (--arms A,B)")
+    return _run(args, seeds=[args.workload_seed + i for i in range(args.seeds)], kind="trials")
+
+
+def _run(args, seeds: list[int], kind: str) -> int:
+    import time as _time
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from harness import preflight, summary
+    from harness.run_all import Block, Runner
+    from harness.workloads import phase_names
+
+    arms, settings, targets = _run_plan(args)
+    blocks = [Block(seed, tuple(arms if i % 2 == 0 else arms[::-1])) for i, seed in enumerate(seeds)]
+    out = args.out or Path("reports") / f"{kind}-{_time.strftime('%Y%m%d-%H%M%S')}.json"
+    if args.dry_run:
+        return _dry_run(args, blocks, settings, targets, out)
+    check = preflight.check()
+    if not check.ok and not args.diagnostic:
+        raise CliError("the machine is busy: " + "; ".join(check.problems) + " (wait, or pass --diagnostic to "
+                       "run anyway with the run labelled diagnostic)")  # fmt: skip
+    phases = phase_names(settings.workload)
+    total = len(blocks) * len(targets) * len(arms) * len(phases)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:  # fmt: skip
+        task = progress.add_task("starting", total=total)
+        seen = []
+
+        def on_phase(desc: str) -> None:
+            if seen:
+                progress.advance(task)
+            seen.append(desc)
+            progress.update(task, description=desc)
+
+        runner = Runner(settings, out, args.db, kind=kind, label=args.label, diagnostic=args.diagnostic,
+                        preflight=check.as_record(), log=lambda m: progress.console.print(m), on_phase=on_phase)  # fmt: skip
+        record = runner.run(targets, blocks)
+    run = record.to_json()
+    rs = summary.rows(run)
+    conc = summary.concurrency_levels(rs)
+    table = Table(title=f"{kind} {record.run_id}" + (" [DIAGNOSTIC]" if record.diagnostic else ""))
+    for h in summary.headers(conc):
+        table.add_column(h)
+    for r in rs:
+        table.add_row(*summary.table_cells(r, conc))
+    out_md = out.with_suffix(".md")
+    out_md.write_text(summary.markdown(run))
+    console.print(table)
+    console.print(f"JSON: {out}   Markdown: {out_md}   DB: {args.db} (run {record.run_id})")
+    failed = [r for r in rs if r["status"] != "measured"]
+    return 1 if failed else 0
+
+
+def _dry_run(args, blocks, settings, targets, out: Path) -> int:
+    from engine.registry import get_spec
+    from engine.synth import artifact_dir, is_cached
+    from harness.workloads import load_or_build, phase_names
+
+    print_ = stdout.print
+    print_(f"would write {out} and {args.db}; nothing is started")
+    for name, model_dir in targets:
+        if model_dir is None:
+            spec = get_spec(name)
+            cached = is_cached(spec.name, args.seed)
+            print_(f"model {name}: registry artifact {spec.name}, seed {args.seed} "
+                   f"({'cached' if cached else 'would be synthesized'})")  # fmt: skip
+            model_dir = artifact_dir(spec.name, args.seed) if cached else None
+        else:
+            print_(f"model {name}: {model_dir}")
+        for i, block in enumerate(blocks):
+            print_(f"  block {i}: workload seed {block.seed}; arms in order {[a.name for a in block.arms]}")
+            for arm in block.arms:
+                print_(
+                    f"    {arm.name}: {' '.join(arm.command(model_dir or Path(f'<{name}>'), 0))}  (port: free, at start)"
+                )
+            if model_dir is None:
+                continue
+            wl, path = load_or_build(name, model_dir, replace(settings.workload, seed=block.seed))
+            print_(f"    workload sha256 {wl.sha256[:16]} ({path or 'built now, not committed'})")
+            for phase in phase_names(settings.workload):
+                prompts = wl.prompts(phase, 0)
+                print_(f"      {phase:16s} {len(prompts) * settings.repeats(phase)} request(s), prompt tokens "
+                       f"{[len(p) for p in prompts][:8]}, output {settings.output_tokens(phase)} tokens")  # fmt: skip
+    return 0

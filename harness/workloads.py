@@ -1,0 +1,174 @@
+"""Frozen token-ID workloads: the exact prompts every arm receives, built from a seed and the tokenizer.
+
+A workload is plain JSON: for each phase and attempt, the prompts as token
+ids. Prompt text comes from the corpus in the repo (engine/synth/corpus.txt),
+starting at an offset drawn from the seed; every prompt opens with a nonce
+("Session 3f9a...:") unique to its phase, attempt and index, so no prompt can
+hit a cache filled by another phase or by a failed first attempt. The same
+seed, settings and tokenizer give the same ids on any machine; the workload's
+sha256 (over its canonical JSON) is recorded with every run.
+
+Standard workloads for the registry models are committed under
+goldens/workloads/; `load_or_build` uses them when the settings match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from engine.synth.tokenizer import corpus_text
+
+SCHEMA = 1
+ATTEMPTS = 2  # a failed phase is retried once, with fresh nonces
+GOLDEN_DIR = Path(__file__).resolve().parent.parent / "goldens" / "workloads"
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    """What shapes the prompts (output lengths are the run's business, not the workload's)."""
+
+    seed: int = 0
+    decode_prompt_tokens: int = 128
+    cold_prompt_tokens: int = 1024
+    concurrency: tuple[int, ...] = (4, 8)
+    concurrent_prompt_tokens: int = 128
+    context_tokens: Optional[int] = None  # long-context phase; None: no such phase
+
+    def covers(self, other: "WorkloadSettings") -> bool:
+        """Whether a workload built with these settings has every prompt `other` asks for."""
+        same = (self.seed, self.decode_prompt_tokens, self.cold_prompt_tokens, self.concurrent_prompt_tokens)
+        return (
+            same == (other.seed, other.decode_prompt_tokens, other.cold_prompt_tokens, other.concurrent_prompt_tokens)
+            and set(other.concurrency) <= set(self.concurrency)
+            and other.context_tokens in (None, self.context_tokens)
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    settings: WorkloadSettings
+    tokenizer_sha256: str
+    # phase -> attempt -> prompts (token ids)
+    phases: dict[str, list[list[list[int]]]]
+
+    def prompts(self, phase: str, attempt: int) -> list[list[int]]:
+        return self.phases[phase][attempt]
+
+    def to_json(self) -> dict:
+        body = {"schema": SCHEMA, "model": self.model, "settings": asdict(self.settings),
+                "tokenizer_sha256": self.tokenizer_sha256, "phases": self.phases}  # fmt: skip
+        return {**body, "sha256": _sha(body)}
+
+    @property
+    def sha256(self) -> str:
+        return self.to_json()["sha256"]
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Workload":
+        body = {k: v for k, v in obj.items() if k != "sha256"}
+        if obj.get("schema") != SCHEMA:
+            raise ValueError(f"workload schema {obj.get('schema')} is not {SCHEMA}")
+        if _sha(body) != obj["sha256"]:
+            raise ValueError("workload sha256 does not match its content (edited by hand?)")
+        s = dict(obj["settings"])
+        s["concurrency"] = tuple(s["concurrency"])
+        return cls(obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"])
+
+
+def _sha(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def phase_names(settings: WorkloadSettings) -> list[str]:
+    """The phases a run with these settings measures, in order."""
+    names = ["warmup", "probe", "decode", "cold", "warm"]
+    names += [f"concurrency-{c}" for c in settings.concurrency]
+    if settings.context_tokens:
+        names.append("long")
+    return names
+
+
+class _Text:
+    """Corpus token ids, cycled, read from a seeded offset."""
+
+    def __init__(self, encode: Encode, seed: int):
+        self.ids = encode(corpus_text())
+        self.pos = int(np.random.Generator(np.random.PCG64([seed, 0x5EED])).integers(0, len(self.ids)))
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            chunk = self.ids[self.pos : self.pos + n - len(out)]
+            out += chunk
+            self.pos = (self.pos + len(chunk)) % len(self.ids)
+        return out
+
+
+def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings) -> Workload:
+    text = _Text(encode, settings.seed)
+
+    def prompt(phase: str, attempt: int, index: int, length: int) -> list[int]:
+        tag = hashlib.sha256(f"{settings.seed}/{phase}/{attempt}/{index}".encode()).hexdigest()[:12]
+        nonce = encode(f"Session {tag}: ")
+        return nonce + text.take(max(length - len(nonce), 1))
+
+    sizes = {
+        "warmup": [16],
+        "probe": [settings.decode_prompt_tokens],
+        "decode": [settings.decode_prompt_tokens],  # one prompt, sent decode_samples times
+        "cold": [settings.cold_prompt_tokens],
+        **{f"concurrency-{c}": [settings.concurrent_prompt_tokens] * c for c in settings.concurrency},
+    }
+    if settings.context_tokens:
+        sizes["long"] = [settings.context_tokens]
+    phases = {
+        phase: [[prompt(phase, a, i, n) for i, n in enumerate(lengths)] for a in range(ATTEMPTS)]
+        for phase, lengths in sizes.items()
+    }
+    phases["warm"] = phases["cold"]  # the cold prompt again: served from the cache when there is one
+    return Workload(model, settings, tokenizer_sha256, phases)
+
+
+def tokenizer_for(model_dir: Path) -> tuple[Encode, str]:
+    """The artifact's tokenizer (as the engine loads it) and the sha256 of its tokenizer.json."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    sha = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()
+    return (lambda s: tok.encode(s, add_special_tokens=False)), sha
+
+
+def golden_path(model: str, settings: WorkloadSettings) -> Path:
+    return GOLDEN_DIR / f"{model}-seed{settings.seed}.json"
+
+
+STANDARD = WorkloadSettings(context_tokens=4096)  # what the committed workloads are built with
+
+
+def load_or_build(model: str, model_dir: Path, settings: WorkloadSettings) -> tuple[Workload, Optional[Path]]:
+    """The committed workload when its settings and tokenizer match, else a fresh build (and no path)."""
+    encode, sha = tokenizer_for(model_dir)
+    path = golden_path(model, settings)
+    if path.exists():
+        stored = Workload.from_json(json.loads(path.read_text()))
+        if stored.settings.covers(settings) and stored.tokenizer_sha256 == sha:
+            return stored, path
+    return build(model, encode, sha, settings), None
+
+
+def save(workload: Workload, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(workload.to_json(), separators=(",", ":")) + "\n")
+
+
+def sent_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    return sum(len(p) for p in prompts)

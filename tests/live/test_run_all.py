@@ -1,0 +1,121 @@
+"""`harness run all` end to end on a tiny model: records, parity probe, a server that dies, no leftovers."""
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.arms import ArmSpec, standard_arms
+from harness.run_all import Block, Runner, RunSettings
+from harness.workloads import WorkloadSettings, phase_names
+
+MODEL = "tiny-qwen3"
+FAKE = Path(__file__).with_name("fake_server.py")
+
+
+def leftovers(marker: str) -> list[str]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and "pytest" not in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_path, tmp_path_factory):
+    model_dir = tiny_path(MODEL)
+    out = tmp_path_factory.mktemp("run")
+    cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine,engine-serial,mlx-lm",
+           "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples", "2", "--diagnostic",
+           "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return proc, out, model_dir
+
+
+def test_the_run_completes_with_all_three_arms(cli_run):
+    proc, out, model_dir = cli_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (out / "run.md").read_text()
+    for arm in ("engine", "engine-serial", "mlx-lm"):
+        assert f"| {MODEL} | {arm} | measured |" in md
+    assert not leftovers(str(model_dir))
+
+
+def test_the_json_follows_the_schema(cli_run):
+    _, out, _ = cli_run
+    run = json.loads((out / "run.json").read_text())
+    assert run["schema_version"] == 1 and run["finished"] and run["diagnostic"] and run["kind"] == "run"
+    for key in ("host", "os", "cpu", "python", "mlx", "mlx_lm", "git_commit", "source_tree_sha256", "environment"):
+        assert key in run["provenance"], key
+    assert {"other_cpu_percent", "memory_available_bytes", "swap_used_bytes"} <= set(run["preflight"])
+    (model,) = run["models"]
+    assert len(model["workload_sha256"]) == 64 and len(model["manifest_sha256"]) == 64
+    assert [a["arm"] for a in model["arms"]] == ["engine", "engine-serial", "mlx-lm"]
+    assert "oracles.mlx_lm_server" in " ".join(run["commands"]["mlx-lm"])
+    phases = ["warmup", "probe", "decode", "cold", "warm", "concurrency-2"]
+    for arm in model["arms"]:
+        assert arm["status"] == "measured" and arm["load_to_ready_s"] > 0 and arm["peak_rss_bytes"] > 0
+        assert [c["phase"] for c in arm["cells"]] == phases
+        for cell in arm["cells"]:
+            assert cell["status"] == "measured", (arm["arm"], cell)
+            (attempt,) = cell["attempts"]
+            want = {"warmup": 8, "probe": 64, "cold": 16, "warm": 16}.get(cell["phase"], 8)
+            assert cell["metrics"]["requested_output_tokens"] == want and cell["metrics"]["short_outputs"] == 0
+            for r in attempt["requests"]:
+                assert r["ok"] and r["output_tokens"] == want and r["finish_reason"] == "length"
+                assert 0 < r["headers_ms"] <= r["ttft_ms"] <= r["e2el_ms"]
+                assert r["event_ms"] == sorted(r["event_ms"]) and len(r["output_sha256"]) == 64
+                assert r["tpot_ms"] is not None and r["usage"]["completion_tokens"] == want
+        decode = next(c for c in arm["cells"] if c["phase"] == "decode")
+        assert len(decode["metrics"]["decode_tps_samples"]) == 2
+        for key in ("median_ttft_ms", "p99_itl_ms", "mean_e2el_ms", "output_throughput", "total_token_throughput"):
+            assert decode["metrics"][key] is not None, key
+    warm = {a["arm"]: next(c for c in a["cells"] if c["phase"] == "warm") for a in model["arms"]}
+    assert warm["engine"]["metrics"]["cached_tokens"][0] > 0  # the cold prompt, served from the prefix cache
+
+
+def test_the_parity_probe_agrees_across_arms(cli_run):
+    _, out, _ = cli_run
+    parity = json.loads((out / "run.json").read_text())["models"][0]["parity"]
+    assert parity["reference"] == "engine"
+    assert parity["verdicts"]["engine-serial"] == {"match": True, "compared": "token ids", "output_tokens": 64}
+    assert parity["verdicts"]["mlx-lm"]["match"] and parity["verdicts"]["mlx-lm"]["compared"] == "text"
+
+
+def test_the_database_indexes_the_run(cli_run):
+    _, out, _ = cli_run
+    db = sqlite3.connect(out / "runs.sqlite")
+    (run_id,) = db.execute("select run_id from runs").fetchone()
+    assert db.execute("select count(*) from arms where run_id = ?", (run_id,)).fetchone()[0] == 3
+    assert db.execute("select count(*) from cells where status = 'measured'").fetchone()[0] == 3 * 6
+    n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
+    assert n_requests == 3 * (1 + 1 + 2 + 1 + 1 + 2)
+    assert db.execute("select count(*) from samples").fetchone()[0] > 0
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1]
+
+
+def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path):
+    model_dir = tiny_path(MODEL)
+    crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "3"])
+    settings = RunSettings(tokens=4, decode_samples=2, workload=WorkloadSettings(
+        cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)))  # fmt: skip
+    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
+    record = runner.run([(MODEL, model_dir)], [Block(0, (crasher, standard_arms()["engine-serial"]))])
+    dead, alive = record.models[0].arms
+    statuses = {c.phase: c.status for c in dead.cells}
+    # warmup and probe answer; the third request (the first decode sample) kills the server
+    assert statuses["warmup"] == statuses["probe"] == "measured" and statuses["decode"] == "failed"
+    assert all(statuses[p] == "not_measured" for p in phase_names(settings.workload)[3:])
+    assert dead.status == "failed" and "exited (status 3) during phase decode" in dead.error
+    assert "fake server: exiting on purpose" in dead.stderr_tail
+    decode = next(c for c in dead.cells if c.phase == "decode")
+    assert len(decode.attempts) == 1 and "exited" in decode.reason  # no retry against a dead server
+    assert alive.status == "measured" and all(c.status == "measured" for c in alive.cells)
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["models"][0]["arms"][0]["status"] == "failed" and saved["finished"]
+    assert not leftovers(str(FAKE)) and not leftovers(str(model_dir))
