@@ -136,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--json", type=Path, help="also write the results here")
     so.set_defaults(func=cmd_server_overhead)
 
+    wl = sub.add_parser(
+        "workloads",
+        help="write the standard frozen workloads to goldens/workloads/",
+        description="Build each model's standard workload (seed 0 unless --workload-seed; every phase `harness run all` "
+        "can ask for, long context 4096 included) from its artifact's tokenizer and write it under "
+        "goldens/workloads/, where runs pick it up when their settings are covered.",
+    )
+    _model_source(wl)
+    wl.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
+    wl.set_defaults(func=cmd_workloads, seed=0)
+
     run = sub.add_parser(
         "run",
         help="the benchmark: real servers (ours and stock mlx_lm.server), frozen workloads, SQLite + JSON",
@@ -421,6 +432,21 @@ def cmd_server_overhead(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0 if identical else 1
+
+
+def cmd_workloads(args) -> int:
+    from dataclasses import replace
+
+    from harness.workloads import STANDARD, build, golden_path, save, tokenizer_for
+
+    for name, path in _targets(args):
+        settings = replace(STANDARD, seed=args.workload_seed)
+        encode, sha = tokenizer_for(path)
+        workload = build(name, encode, sha, settings)
+        dest = golden_path(name, settings)
+        save(workload, dest)
+        out.print(f"{name}: {dest} sha256 {workload.sha256[:16]}")
+    return 0
 
 
 def _verdict(passed: bool) -> str:

@@ -9,16 +9,23 @@ from pathlib import Path
 from harness.cli_common import CliError, console, csv, csv_ints, positive
 from harness.cli_common import out as stdout
 
-DEFAULT_CPU_MODELS = ["small-qwen3", "small-qwen35"]
+# With no --models and no --model-path: a set that finishes in a few minutes on 2 CPU cores.
+DEFAULT_CPU_MODELS = ["small-qwen3"]
+DEFAULT_CPU_TOKENS = 64  # and no long-context phase, unless --tokens / --context say otherwise
 
 
 def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-serial,mlx-lm") -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--models", type=csv, help=f"registry names (default: {','.join(DEFAULT_CPU_MODELS)})")
+    src.add_argument(
+        "--models",
+        type=csv,
+        help=f"registry names (default: the CPU set, {','.join(DEFAULT_CPU_MODELS)}, "
+        f"with --tokens {DEFAULT_CPU_TOKENS} and no long-context phase unless given)",
+    )
     src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
     p.add_argument("--label", help="name for --model-path in the records (default: the directory name)")
     p.add_argument("--arms", type=csv, default=csv(arms_default), help=f"arms to run (default {arms_default})")
-    p.add_argument("--tokens", type=positive, default=192, help="output tokens per timed request (default 192)")
+    p.add_argument("--tokens", type=positive, default=None, help="output tokens per timed request (default 192)")
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=positive, default=None, help="long-context prompt tokens (default 4096)")
     ctx.add_argument("--skip-context", action="store_true", help="no long-context phase")
@@ -48,8 +55,11 @@ def _run_plan(args):
         raise CliError(str(e)) from None
     if len({a.name for a in arms}) != len(arms):
         raise CliError("an arm is listed twice")
-    context = None if args.skip_context else (args.context or 4096)
-    settings = RunSettings(tokens=args.tokens, decode_samples=args.decode_samples,
+    cpu_default = not args.models and not args.model_path
+    tokens = args.tokens or (DEFAULT_CPU_TOKENS if cpu_default else 192)
+    skip_context = args.skip_context or (cpu_default and args.context is None)
+    context = None if skip_context else (args.context or 4096)
+    settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples,
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context))  # fmt: skip
     if args.model_path:
@@ -115,8 +125,8 @@ def _run(args, seeds: list[int], kind: str) -> int:
         table.add_row(*summary.table_cells(r, conc))
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
-    console.print(table)
-    console.print(f"JSON: {out}   Markdown: {out_md}   DB: {args.db} (run {record.run_id})")
+    stdout.print(table)
+    stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {args.db} (run {record.run_id})")
     failed = [r for r in rs if r["status"] != "measured"]
     return 1 if failed else 0
 

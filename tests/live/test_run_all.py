@@ -119,3 +119,20 @@ def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path,
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved["models"][0]["arms"][0]["status"] == "failed" and saved["finished"]
     assert not leftovers(str(FAKE)) and not leftovers(str(model_dir))
+
+
+def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_path):
+    model_dir = tiny_path(MODEL)
+    cmd = [sys.executable, "-m", "harness", "trials", "--models", MODEL, "--arms", "engine,engine-serial",
+           "--seeds", "2", "--tokens", "4", "--skip-context", "--concurrency", "2", "--decode-samples", "1",
+           "--diagnostic", "--out", str(tmp_path / "trials.json"), "--db", str(tmp_path / "runs.sqlite")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((tmp_path / "trials.json").read_text())
+    assert run["kind"] == "trials"
+    blocks = run["models"]
+    assert [b["block"] for b in blocks] == [0, 1] and [b["workload_seed"] for b in blocks] == [0, 1]
+    assert [b["arm_order"] for b in blocks] == [["engine", "engine-serial"], ["engine-serial", "engine"]]
+    assert blocks[0]["workload_sha256"] != blocks[1]["workload_sha256"]
+    assert all(a["status"] == "measured" for b in blocks for a in b["arms"])
+    assert not leftovers(str(model_dir))
