@@ -3,7 +3,8 @@
 Per model and arm: start the server (load-to-ready timed), sample the RSS of
 its process tree throughout, then run the phases in order:
 
-    warmup          one short request (kernels compile)
+    warmup          one short request, then as many at once as the largest concurrency
+                    (kernels compile; on CUDA, per shape)
     probe           greedy, `probe_tokens`, output compared across arms afterwards
     decode          `decode_samples` requests of `tokens` output, one at a time
     cold            a ~1K-token prompt never seen before (TTFT)
@@ -179,12 +180,12 @@ class Runner:
                        **spec.extra_body} for p in prompts]  # fmt: skip
             records = [RequestRecord(phase, attempt, i, len(p)) for i, p in enumerate(prompts)]
             start = time.perf_counter()
-            if phase.startswith("concurrency-"):
-                with ThreadPoolExecutor(len(bodies)) as pool:
-                    list(pool.map(lambda br: stream_completion(client, *br), zip(bodies, records)))
-            else:
-                for body, rec in zip(bodies, records):
-                    stream_completion(client, body, rec)
+            alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
+            for body, rec in zip(bodies[:alone], records[:alone]):
+                stream_completion(client, body, rec)
+            if len(bodies) > alone:  # the rest at once
+                with ThreadPoolExecutor(len(bodies) - alone) as pool:
+                    list(pool.map(lambda br: stream_completion(client, *br), zip(bodies[alone:], records[alone:])))
             wall = time.perf_counter() - start
             errors = [r.error for r in records if not r.ok]
             cell.attempts.append(Attempt(attempt, not errors, errors[0] if errors else None, round(wall, 4), records))

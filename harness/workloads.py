@@ -122,7 +122,9 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
         return nonce + text.take(max(length - len(nonce), 1))
 
     sizes = {
-        "warmup": [16],
+        # One request alone, then one per stream of the largest concurrency at once: kernels that
+        # compile per shape (MLX's CUDA backend) are built before anything is timed, for every arm.
+        "warmup": [16] * (1 + max(settings.concurrency, default=0)),
         "probe": [settings.decode_prompt_tokens],
         "decode": [settings.decode_prompt_tokens],  # one prompt, sent decode_samples times
         "cold": [settings.cold_prompt_tokens],

@@ -94,21 +94,21 @@ def test_the_database_indexes_the_run(cli_run):
     assert db.execute("select count(*) from arms where run_id = ?", (run_id,)).fetchone()[0] == 3
     assert db.execute("select count(*) from cells where status = 'measured'").fetchone()[0] == 3 * 6
     n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
-    assert n_requests == 3 * (1 + 1 + 2 + 1 + 1 + 2)
+    assert n_requests == 3 * ((1 + 2) + 1 + 2 + 1 + 1 + 2)  # warmup: one alone, then one per stream
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
     assert [r[0] for r in db.execute("select version from _migrations")] == [1]
 
 
 def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path):
     model_dir = tiny_path(MODEL)
-    crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "3"])
+    crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "5"])
     settings = RunSettings(tokens=4, decode_samples=2, workload=WorkloadSettings(
         cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)))  # fmt: skip
     runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     record = runner.run([(MODEL, model_dir)], [Block(0, (crasher, standard_arms()["engine-serial"]))])
     dead, alive = record.models[0].arms
     statuses = {c.phase: c.status for c in dead.cells}
-    # warmup and probe answer; the third request (the first decode sample) kills the server
+    # warmup (3 requests) and probe answer; the fifth request (the first decode sample) kills the server
     assert statuses["warmup"] == statuses["probe"] == "measured" and statuses["decode"] == "failed"
     assert all(statuses[p] == "not_measured" for p in phase_names(settings.workload)[3:])
     assert dead.status == "failed" and "exited (status 3) during phase decode" in dead.error
