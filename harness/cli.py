@@ -7,6 +7,8 @@
     harness server-overhead --models NAME    in-process vs through `engine serve`
     harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
     harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
+    harness report A.json [B.json] --out compare.html   offline HTML comparison
+    harness db list | export RUN_ID          the run database
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from engine.errors import USER_ERRORS
-from harness import run_cli
+from harness import report_cli, run_cli
 from harness.cli_common import CliError, console, out
 from harness.cli_common import csv as _csv
 from harness.cli_common import csv_ints as _csv_ints
@@ -146,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_source(wl)
     wl.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     wl.set_defaults(func=cmd_workloads, seed=0)
+
+    report_cli.add_report(sub)
+    report_cli.add_db(sub)
 
     run = sub.add_parser(
         "run",

@@ -19,29 +19,34 @@ from harness.records import MEASURED, RECOVERED
 KNOWN_BANDWIDTH = {"NVIDIA H200": 4.8e12}
 
 
-def _cell(arm: dict, phase: str) -> Optional[dict]:
+def cell_of(arm: dict, phase: str) -> Optional[dict]:
     for c in arm["cells"]:
         if c["phase"] == phase and c["status"] in (MEASURED, RECOVERED):
             return c
     return None
 
 
-def _metric(arm: dict, phase: str, key: str) -> Optional[float]:
-    c = _cell(arm, phase)
+def metric(arm: dict, phase: str, key: str) -> Optional[float]:
+    c = cell_of(arm, phase)
     return None if c is None else c["metrics"].get(key)
 
 
-def _same_work(a: dict, b: dict, phase: str) -> Optional[str]:
-    """None when both arms did the same work in `phase`; else why not."""
-    ca, cb = _cell(a, phase), _cell(b, phase)
+def ok_requests(cell: dict) -> list[dict]:
+    return [r for att in cell["attempts"] if att["ok"] for r in att["requests"]]
+
+
+def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
+    """None when both arms did the same work in `phase` (same prompts, output counts, finish reasons); else why not."""
+    ca, cb = cell_of(a, phase), cell_of(b, phase)
     if ca is None or cb is None:
         return "not measured on both"
-    ra = [r for att in ca["attempts"] if att["ok"] for r in att["requests"]]
-    rb = [r for att in cb["attempts"] if att["ok"] for r in att["requests"]]
+    ra, rb = ok_requests(ca), ok_requests(cb)
     if [r["prompt_tokens_sent"] for r in ra] != [r["prompt_tokens_sent"] for r in rb]:
         return "different prompts"
     if [r["output_tokens"] for r in ra] != [r["output_tokens"] for r in rb]:
         return "different output counts"
+    if [r["finish_reason"] for r in ra] != [r["finish_reason"] for r in rb]:
+        return "different finish reasons"
     return None
 
 
@@ -57,13 +62,13 @@ def rows(run: dict) -> list[dict]:
         base = next((a for a in m["arms"] if a["arm"] == "mlx-lm"), None)
         roof = bandwidth / weight_bytes(m["model_dir"]) if bandwidth and Path(m["model_dir"]).exists() else None
         for arm in m["arms"]:
-            decode = _metric(arm, "decode", "median_decode_tps")
+            decode = metric(arm, "decode", "median_decode_tps")
             row = {
                 "block": m["block"], "model": m["model"], "arm": arm["arm"], "status": arm["status"],
                 "decode_tps": decode,
-                "ttft_cold_ms": _metric(arm, "cold", "median_ttft_ms"),
-                "ttft_warm_ms": _metric(arm, "warm", "median_ttft_ms"),
-                "aggregate_tps": {p.split("-", 1)[1]: _metric(arm, p, "output_throughput")
+                "ttft_cold_ms": metric(arm, "cold", "median_ttft_ms"),
+                "ttft_warm_ms": metric(arm, "warm", "median_ttft_ms"),
+                "aggregate_tps": {p.split("-", 1)[1]: metric(arm, p, "output_throughput")
                                   for p in (c["phase"] for c in arm["cells"]) if p.startswith("concurrency-")},
                 "peak_rss_bytes": arm["peak_rss_bytes"],
                 "load_to_ready_s": arm["load_to_ready_s"],
@@ -72,8 +77,8 @@ def rows(run: dict) -> list[dict]:
                 "roofline": round(decode / roof, 4) if decode and roof else None,
             }  # fmt: skip
             if base is not None and arm is not base:
-                why = _same_work(arm, base, "decode")
-                b = _metric(base, "decode", "median_decode_tps")
+                why = same_work(arm, base, "decode")
+                b = metric(base, "decode", "median_decode_tps")
                 if why is None and decode and b:
                     row["vs_mlx_lm"] = round(decode / b, 4)
                 else:

@@ -3,8 +3,9 @@
 A workload is plain JSON: for each phase and attempt, the prompts as token
 ids. Prompt text comes from the corpus in the repo (engine/synth/corpus.txt),
 starting at an offset drawn from the seed; every prompt opens with a nonce
-("Session 3f9a...:") unique to its phase, attempt and index, so no prompt can
-hit a cache filled by another phase or by a failed first attempt. The same
+("3f9a0c...: ") unique to its phase, attempt and index, so no prompt can hit a
+cache filled by another phase or by a failed first attempt (beyond, at most,
+a shared first token of the hex). The same
 seed, settings and tokenizer give the same ids on any machine; the workload's
 sha256 (over its canonical JSON) is recorded with every run.
 
@@ -118,7 +119,7 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
 
     def prompt(phase: str, attempt: int, index: int, length: int) -> list[int]:
         tag = hashlib.sha256(f"{settings.seed}/{phase}/{attempt}/{index}".encode()).hexdigest()[:12]
-        nonce = encode(f"Session {tag}: ")
+        nonce = encode(f"{tag}: ")  # first, so that prompts part at their first token or two
         return nonce + text.take(max(length - len(nonce), 1))
 
     sizes = {

@@ -136,3 +136,23 @@ def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_p
     assert blocks[0]["workload_sha256"] != blocks[1]["workload_sha256"]
     assert all(a["status"] == "measured" for b in blocks for a in b["arms"])
     assert not leftovers(str(model_dir))
+
+
+def test_db_export_feeds_the_report(cli_run):
+    _, out, _ = cli_run
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    harness = [sys.executable, "-m", "harness"]
+    listed = subprocess.run([*harness, "db", "list", "--db", str(out / "runs.sqlite")], capture_output=True, text=True)
+    assert listed.returncode == 0 and run_id in listed.stdout
+    exported = out / "exported.json"
+    ex = subprocess.run([*harness, "db", "export", run_id, "--db", str(out / "runs.sqlite"), "--out", str(exported)],
+                        capture_output=True, text=True)  # fmt: skip
+    assert ex.returncode == 0, ex.stderr
+    html = out / "from-db.html"
+    rep = subprocess.run([*harness, "report", str(exported), str(out / "run.json"), "--out", str(html)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert rep.returncode == 0, rep.stderr
+    text = html.read_text()
+    assert text.count(">engine-serial<") >= 2 and "Serving matrix" in text
+    missing = subprocess.run([*harness, "db", "export", "nope", "--db", str(out / "runs.sqlite")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr

@@ -1,0 +1,99 @@
+"""`harness report` (saved JSON -> HTML, Markdown or JSON) and `harness db` (list runs, export one)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from harness.cli_common import CliError, console
+from harness.cli_common import out as stdout
+
+
+def add_report(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="render saved run JSON as one self-contained HTML file (or Markdown / JSON)",
+        description="Read `harness run` / `harness trials` JSON files (nothing else: no model, server or network) "
+        "and render a comparison: provenance, the serving matrix with a status on every cell, correctness "
+        "flags, ratios against the baseline arm where both sides did the same work, paired bootstrap verdicts "
+        "for trials, sample strips, distributions, memory vs decode, token identity, failures, raw requests.",
+    )
+    p.add_argument("inputs", nargs="+", type=Path, help="run JSON files")
+    p.add_argument("--out", type=Path, help="write here (default: stdout for md/json, compare.html for html)")
+    p.add_argument("--baseline", help="arm the ratios divide by (default: mlx-lm when present)")
+    p.add_argument("--format", choices=["html", "md", "json"], default="html")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from harness import report
+
+    try:
+        view = report.build_view(report.load(args.inputs), args.baseline)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    text = {"html": report.render_html, "md": report.render_markdown, "json": report.render_json}[args.format](view)
+    out = args.out or (Path("compare.html") if args.format == "html" else None)
+    if out is None:
+        print(text, end="")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        console.print(f"wrote {out} ({len(text):,} bytes)")
+    return 0
+
+
+def add_db(sub) -> None:
+    p = sub.add_parser("db", help="the run database: list runs, export one to JSON")
+    dsub = p.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND")
+    ls = dsub.add_parser("list", help="runs in the database, newest first")
+    ls.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
+    ls.set_defaults(func=cmd_db_list)
+    ex = dsub.add_parser("export", help="one run as JSON that `harness report` reads")
+    ex.add_argument("run_id")
+    ex.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
+    ex.add_argument("--out", type=Path, help="write here (default: stdout)")
+    ex.set_defaults(func=cmd_db_export)
+
+
+def _open(path: Path):
+    from harness.records import open_db
+
+    if not path.exists():
+        raise CliError(f"no database at {path} (harness run writes one; --db PATH to point elsewhere)")
+    return open_db(path)
+
+
+def cmd_db_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    db = _open(args.db)
+    table = Table(title=str(args.db))
+    for col in ("run", "created", "kind", "label", "host", "commit", "models / arms", "finished", "JSON"):
+        table.add_column(col)
+    for r in db.query("select * from runs order by created desc"):
+        arms = list(db.query("select distinct model, arm from arms where run_id = ?", [r["run_id"]]))
+        models = sorted({a["model"] for a in arms})
+        table.add_row(r["run_id"], r["created"], r["kind"] + (" (diagnostic)" if r["diagnostic"] else ""),
+                      r["label"] or "-", r["host"] or "-", (r["git_commit"] or "")[:10],
+                      f"{', '.join(models)} / {len({a['arm'] for a in arms})}", "yes" if r["finished"] else "no",
+                      r["json_path"] or "-")  # fmt: skip
+    stdout.print(table)
+    return 0
+
+
+def cmd_db_export(args: argparse.Namespace) -> int:
+    from harness.db_export import export_run
+
+    try:
+        run = export_run(_open(args.db), args.run_id)
+    except KeyError:
+        raise CliError(f"no run {args.run_id!r} in {args.db} (see `harness db list`)") from None
+    text = json.dumps(run, indent=1)
+    if args.out:
+        args.out.write_text(text)
+        console.print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
