@@ -119,10 +119,11 @@ def _run(args, seeds: list[int], kind: str) -> int:
     rs = summary.rows(run)
     conc = summary.concurrency_levels(rs)
     table = Table(title=f"{kind} {record.run_id}" + (" [DIAGNOSTIC]" if record.diagnostic else ""))
-    for h in summary.headers(conc):
+    blocks = kind == "trials"
+    for h in summary.headers(conc, blocks):
         table.add_column(h)
     for r in rs:
-        table.add_row(*summary.table_cells(r, conc))
+        table.add_row(*summary.table_cells(r, conc, blocks))
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
     stdout.print(table)

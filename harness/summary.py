@@ -91,18 +91,18 @@ def _fmt(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table_cells(r: dict, concurrency: list[str]) -> list[str]:
+def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[str]:
     parity = {True: "same", False: "DIFFERS", None: "-"}[r["parity"]]
     ratio = _fmt(r["vs_mlx_lm"], ".3f") if r["vs_mlx_lm"] is not None else (
         "-" if r["arm"] == "mlx-lm" else f"withheld ({r['vs_mlx_lm_note']})")
-    return [r["model"], r["arm"], r["status"], _fmt(r["decode_tps"]), _fmt(r["ttft_cold_ms"], ".0f"),
+    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], _fmt(r["decode_tps"]), _fmt(r["ttft_cold_ms"], ".0f"),
             _fmt(r["ttft_warm_ms"], ".0f"), *[_fmt(r["aggregate_tps"].get(c)) for c in concurrency],
             _fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
             _fmt(r["roofline"], ".1%"), parity]  # fmt: skip
 
 
-def headers(concurrency: list[str]) -> list[str]:
-    return ["model", "arm", "status", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
+def headers(concurrency: list[str], blocks: bool = False) -> list[str]:
+    return [*(["block"] if blocks else []), "model", "arm", "status", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
             *[f"agg@{c} tok/s" for c in concurrency], "peak RSS MiB", "decode x mlx-lm", "roofline", "probe"]  # fmt: skip
 
 
@@ -112,8 +112,9 @@ def concurrency_levels(rs: list[dict]) -> list[str]:
 
 def markdown(run: dict) -> str:
     rs = rows(run)
-    conc = concurrency_levels(rs)
+    conc, blocks = concurrency_levels(rs), run["kind"] == "trials"
+    head = headers(conc, blocks)
     lines = [f"# Run {run['run_id']} ({run['created']})" + (" — DIAGNOSTIC (machine was busy)" if run["diagnostic"] else ""),
-             "", "| " + " | ".join(headers(conc)) + " |", "|" + "---|" * len(headers(conc))]  # fmt: skip
-    lines += ["| " + " | ".join(table_cells(r, conc)) + " |" for r in rs]
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    lines += ["| " + " | ".join(table_cells(r, conc, blocks)) + " |" for r in rs]
     return "\n".join(lines) + "\n"
