@@ -138,6 +138,8 @@ class Runner:
             arm.status, arm.error = FAILED, f"server did not start: {str(e).splitlines()[0]}"
             arm.stderr_tail = str(e)
             arm.cells = [Cell(p, NOT_MEASURED, arm.error) for p in phases]
+            for cell in arm.cells:
+                db_cell(self.db, self.record.run_id, mrun, spec.name, cell)
             self._finish_arm(mrun, arm)
             return
         arm.load_to_ready_s = round(server.load_to_ready_s, 3)

@@ -156,3 +156,15 @@ def test_db_export_feeds_the_report(cli_run):
     assert text.count(">engine-serial<") >= 2 and "Serving matrix" in text
     missing = subprocess.run([*harness, "db", "export", "nope", "--db", str(out / "runs.sqlite")], capture_output=True, text=True)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+def test_an_arm_that_never_starts_is_recorded_with_its_error(tiny_path, tmp_path):
+    broken = ArmSpec("broken", lambda d, port: [sys.executable, "-c", "import sys; print('no such model', file=sys.stderr); sys.exit(2)"])
+    settings = RunSettings(tokens=4, decode_samples=1, workload=WorkloadSettings(
+        cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,)))  # fmt: skip
+    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
+    (arm,) = runner.run([(MODEL, tiny_path(MODEL))], [Block(0, (broken,))]).models[0].arms
+    assert arm.status == "failed" and "did not start" in arm.error and "no such model" in arm.stderr_tail
+    assert {c.status for c in arm.cells} == {"not_measured"}
+    db = sqlite3.connect(tmp_path / "runs.sqlite")
+    assert db.execute("select count(*) from cells where status = 'not_measured'").fetchone()[0] == len(arm.cells)
