@@ -228,11 +228,17 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
     for inp in inputs:
         for model in inp.run["models"]:
             where = f"{inp.run['run_id']} / {model['model']}" + (f" / block {model['block']}" if inp.run["kind"] == "trials" else "")
+            verdicts = (model.get("parity") or {}).get("verdicts", {})
             for arm in model["arms"]:
+                cells = [_cell_view(c) for c in arm["cells"]]
+                for c in cells:
+                    v = verdicts.get(arm["arm"])
+                    if c["phase"] == "probe" and v is not None:
+                        c["flags"].insert(0, "parity probe: " + ("same output" if v["match"] else "OUTPUT DIFFERS"))
                 machines.setdefault(machine(inp.run), []).append({
                     "where": where, "arm": arm["arm"], "arm_status": arm["status"], "arm_error": arm.get("error"),
                     "load_to_ready_s": arm.get("load_to_ready_s"), "peak_rss_mib": (arm.get("peak_rss_bytes") or 0) / 2**20,
-                    "cells": [_cell_view(c) for c in arm["cells"]], "diagnostic": inp.run["diagnostic"],
+                    "cells": cells, "diagnostic": inp.run["diagnostic"],
                 })  # fmt: skip
                 decode = cell_of(arm, "decode")
                 itl = [x for r in (ok_requests(decode) if decode else []) for x in _itl(r)]

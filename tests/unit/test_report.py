@@ -55,6 +55,8 @@ def test_every_cell_has_a_status_and_failures_are_listed(view):
     assert statuses[(hostile_id, "engine", "cold")] == "failed"
     assert statuses[(hostile_id, "engine", "warm")] == "recovered"
     assert all(s in view["statuses"] for s in statuses.values())
+    probe = next(c for r in rows if r["arm"] == "mlx-lm" for c in r["cells"] if c["phase"] == "probe")
+    assert probe["flags"][0] == "parity probe: same output"
     whats = {f["what"] for f in view["failures"]}
     assert {"server", "cold (failed)", "warm (recovered)"} <= whats
 
