@@ -23,6 +23,7 @@ from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED, SCHEMA_VE
 from harness.summary import cell_of, metric, ok_requests, same_work
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+BURST_GAP_MS = 0.1  # stream events closer than this arrived in one read
 
 # (phase or phase prefix, metric key, label, higher is better)
 RATIO_METRICS = [
@@ -100,6 +101,13 @@ def _cell_view(cell: dict) -> dict:
         flags.append(f"cached tokens {', '.join(map(str, cached[:4]))}")
     if len(cell["attempts"]) > 1:
         flags.append(f"{len(cell['attempts'])} attempts")
+    reqs = ok_requests(cell) if cell["status"] in (MEASURED, RECOVERED) else []
+    gaps = [g for r in reqs for g in _itl(r)]
+    instant = sum(g < BURST_GAP_MS for g in gaps)
+    if gaps and instant * 2 > len(gaps):
+        # Most tokens arrived together: TPOT and decode rates then describe the bursts, not the
+        # decoding (mlx_lm.server, for one, flushes once per decode window).
+        flags.append(f"bursty stream: {instant} of {len(gaps)} token gaps under {BURST_GAP_MS} ms")
     return {"phase": cell["phase"], "status": cell["status"], "value": value, "flags": flags,
             "reason": cell.get("reason")}  # fmt: skip
 
