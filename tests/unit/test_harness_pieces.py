@@ -1,0 +1,43 @@
+"""Small harness pieces: the machine-load verdict and the vLLM-named metrics."""
+
+from collections import namedtuple
+
+from harness import preflight
+from harness.client import RequestRecord
+from harness.metrics import summarize
+
+Mem = namedtuple("Mem", "total available")
+Swap = namedtuple("Swap", "used")
+
+
+def test_preflight_names_every_problem(monkeypatch):
+    monkeypatch.setattr(preflight, "_own_cpu_percent", lambda interval_s: (80.0, 10.0))
+    monkeypatch.setattr(preflight.psutil, "virtual_memory", lambda: Mem(16 << 30, 1 << 30))
+    monkeypatch.setattr(preflight.psutil, "swap_memory", lambda: Swap(2 << 30))
+    p = preflight.check(interval_s=0)
+    assert not p.ok and p.other_cpu_percent == 70.0 and len(p.problems) == 3
+    assert "70%" in p.problems[0] and "GiB" in p.problems[1] and "swap" in p.problems[2]
+
+
+def test_a_quiet_machine_passes(monkeypatch):
+    monkeypatch.setattr(preflight, "_own_cpu_percent", lambda interval_s: (12.0, 10.0))
+    monkeypatch.setattr(preflight.psutil, "virtual_memory", lambda: Mem(16 << 30, 12 << 30))
+    monkeypatch.setattr(preflight.psutil, "swap_memory", lambda: Swap(0))
+    assert preflight.check(interval_s=0).ok
+
+
+def record(ttft, e2el, tokens, events):
+    r = RequestRecord("decode", 0, 0, 10, ok=True, ttft_ms=ttft, e2el_ms=e2el, output_tokens=tokens,
+                      prompt_tokens=10, event_ms=events, finish_reason="length")  # fmt: skip
+    return r
+
+
+def test_metrics_follow_the_vllm_definitions():
+    reqs = [record(100.0, 1000.0, 10, [100.0 + 100 * i for i in range(10)]),
+            record(200.0, 2000.0, 10, [200.0 + 200 * i for i in range(10)])]  # fmt: skip
+    m = summarize(reqs, wall_s=2.0, slo_ms={"ttft": 150.0})
+    assert m["median_ttft_ms"] == 150.0 and m["p99_ttft_ms"] > 190
+    assert m["mean_tpot_ms"] == (900 / 9 + 1800 / 9) / 2  # (E2EL - TTFT) / (tokens - 1)
+    assert m["median_itl_ms"] == 150.0 and m["output_throughput"] == 10.0  # 20 tokens / 2 s
+    assert m["total_token_throughput"] == 20.0 and m["request_goodput"] == 0.5  # one request meets the SLO
+    assert m["decode_tps_samples"] == [10.0, 5.0] and m["median_decode_tps"] == 7.5
