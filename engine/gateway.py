@@ -30,7 +30,7 @@ import mlx.nn as nn
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch
-from engine.batch.scheduler import RequestTooLarge, SchedulerConfig
+from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
 from engine.types import (
@@ -139,14 +139,8 @@ class Gateway:
 
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
         """Queue a request. Raises RequestTooLarge when it can never fit the KV budget."""
-        budget = self.config.kv_budget_bytes
         need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        if budget is not None and need > budget:
-            raise RequestTooLarge(
-                f"this request needs {need:,} bytes of KV cache (prompt {len(request.prompt_ids)} tokens + "
-                f"max_tokens {request.stop.max_tokens}) but the server's whole KV budget is {budget:,} bytes; "
-                "lower max_tokens, shorten the prompt, or start the server with a larger --kv-budget"
-            )
+        check_budget(request, need, self.config.kv_budget_bytes)  # both lanes; the batcher checks again
         placement = self.place(request)
         prefix = None
         if self.prompt_cache is not None:

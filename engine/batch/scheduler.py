@@ -34,6 +34,16 @@ class RequestTooLarge(EngineError, ValueError):
     """A request whose projected KV bytes exceed the whole budget."""
 
 
+def check_budget(request: GenerationRequest, kv_bytes: int, budget: Optional[int]) -> None:
+    """Raise RequestTooLarge when `kv_bytes` can never fit the budget (None: no budget)."""
+    if budget is not None and kv_bytes > budget:
+        raise RequestTooLarge(
+            f"request {request.request_id} needs {kv_bytes:,} bytes of KV cache (prompt {len(request.prompt_ids)} "
+            f"tokens + max_tokens {request.stop.max_tokens}) but the whole KV budget is {budget:,} bytes; lower "
+            "max_tokens, shorten the prompt, or raise the KV budget (`engine serve --kv-budget`)"
+        )
+
+
 class SeqStatus(Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -122,13 +132,7 @@ class Scheduler:
         """Queue a request; its first `cached` prompt tokens come from a prompt-cache hit."""
         if not 0 <= cached < len(request.prompt_ids):
             raise ValueError(f"cached must be in [0, {len(request.prompt_ids)}), got {cached}")
-        budget = self.config.kv_budget_bytes
-        if budget is not None and kv_bytes > budget:
-            raise RequestTooLarge(
-                f"request {request.request_id} needs {kv_bytes:,} bytes of KV cache (prompt "
-                f"{len(request.prompt_ids)} + max_tokens {request.stop.max_tokens}) but the whole budget is "
-                f"{budget:,} bytes; lower max_tokens or raise the KV budget"
-            )
+        check_budget(request, kv_bytes, self.config.kv_budget_bytes)
         seq = Sequence(request, kv_bytes, FinishTracker(request.stop), prefilled=cached)
         self.pending.append(seq)
         return seq
