@@ -35,6 +35,11 @@ RATIO_METRICS = [
 ]
 
 
+def _matches(phase: str, prefix: str) -> bool:
+    """A RATIO_METRICS entry names a phase, or with a trailing '-' a family of them."""
+    return phase == prefix or (prefix.endswith("-") and phase.startswith(prefix))
+
+
 @dataclass(frozen=True)
 class Input:
     path: Path
@@ -102,7 +107,7 @@ def _cell_view(cell: dict) -> dict:
     if len(cell["attempts"]) > 1:
         flags.append(f"{len(cell['attempts'])} attempts")
     reqs = ok_requests(cell) if cell["status"] in (MEASURED, RECOVERED) else []
-    gaps = [g for r in reqs for g in _itl(r)]
+    gaps = [g for r in reqs for g in r["itl_ms"]]
     instant = sum(g < BURST_GAP_MS for g in gaps)
     if gaps and instant * 2 > len(gaps):
         # Most tokens arrived together: TPOT and decode rates then describe the bursts, not the
@@ -130,7 +135,7 @@ def _ratio_rows(model: dict, baseline: str) -> list[dict]:
             continue
         for phase in _phases(arm):
             for prefix, key, label, higher in RATIO_METRICS:
-                if not (phase == prefix or (prefix.endswith("-") and phase.startswith(prefix))):
+                if not _matches(phase, prefix):
                     continue
                 a, b = metric(arm, phase, key), metric(base, phase, key)
                 why = same_work(arm, base, phase)
@@ -194,7 +199,7 @@ def _paired(inputs: list[Input], baseline: str) -> list[dict]:
             for arm_name in arms:
                 for prefix, key, label, higher in RATIO_METRICS:
                     phases = sorted({c["phase"] for b in blocks for a in b["arms"] for c in a["cells"]
-                                     if c["phase"] == prefix or (prefix.endswith("-") and c["phase"].startswith(prefix))})
+                                     if _matches(c["phase"], prefix)})
                     for phase in phases:
                         ratios, seeds, skipped = [], [], 0
                         for b in blocks:
@@ -249,7 +254,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                     "cells": cells, "diagnostic": inp.run["diagnostic"],
                 })  # fmt: skip
                 decode = cell_of(arm, "decode")
-                itl = [x for r in (ok_requests(decode) if decode else []) for x in _itl(r)]
+                itl = [x for r in (ok_requests(decode) if decode else []) for x in r["itl_ms"]]
                 ttft = [r["ttft_ms"] for c in arm["cells"] if c["status"] in (MEASURED, RECOVERED)
                         for r in ok_requests(c) if r["ttft_ms"] is not None and c["phase"] not in ("warmup",)]  # fmt: skip
                 strips.append({"where": where, "arm": arm["arm"],
@@ -292,11 +297,6 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "requests": requests,
         "statuses": [MEASURED, RECOVERED, FAILED, NOT_MEASURED, "unsupported"],
     }
-
-
-def _itl(r: dict) -> list[float]:
-    ev = r.get("event_ms") or []
-    return [round(b - a, 3) for a, b in zip(ev, ev[1:])]
 
 
 # ------------------------------------------------------------- renderers

@@ -150,7 +150,7 @@ def test_the_report_renders_in_chromium(tmp_path):
 def test_a_stream_whose_tokens_arrive_together_is_flagged():
     cell = {"phase": "decode", "status": "measured", "reason": None, "metrics": {"median_decode_tps": 9e4},
             "attempts": [{"attempt": 0, "ok": True, "error": None, "requests": [
-                {"event_ms": [100.0, 100.01, 100.02, 100.03], "output_tokens": 4}]}]}  # fmt: skip
+                {"event_ms": [100.0, 100.01, 100.02, 100.03], "itl_ms": [0.01, 0.01, 0.01], "output_tokens": 4}]}]}  # fmt: skip
     assert any(f.startswith("bursty stream: 3 of 3") for f in report._cell_view(cell)["flags"])
-    cell["attempts"][0]["requests"][0]["event_ms"] = [100.0, 130.0, 160.0, 190.0]
+    cell["attempts"][0]["requests"][0]["itl_ms"] = [30.0, 30.0, 30.0]
     assert not any(f.startswith("bursty") for f in report._cell_view(cell)["flags"])
