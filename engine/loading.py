@@ -38,6 +38,16 @@ def load_config(path: Path) -> dict[str, Any]:
     return config
 
 
+def text_config(config: dict) -> dict:
+    """The language model's settings: nested under text_config in multimodal layouts (Qwen3.5)."""
+    return config.get("text_config", config)
+
+
+def vocab_size(config: dict) -> int:
+    """Rows of the embedding: every valid token id is below this."""
+    return int(text_config(config).get("vocab_size") or config["vocab_size"])
+
+
 def _quant_params(path: str, module: nn.Module, weights: dict) -> dict[str, Any]:
     scales = weights[f"{path}.scales"]
     in_dims = module.weight.shape[-1]

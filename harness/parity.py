@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.generate import KVQuantization, generate
 from engine.types import StopCriteria
+from engine import loading
 from engine.loading import load_config, load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model
@@ -65,8 +66,7 @@ class ParityResult:
 
 
 def vocab_size(path: Path) -> int:
-    config = load_config(path)
-    return config.get("text_config", config)["vocab_size"]
+    return loading.vocab_size(load_config(path))
 
 
 def model_name(base: str, dtype: str) -> str:

@@ -22,6 +22,7 @@ from typing import Optional
 from engine.engine import Engine
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
+from engine.loading import text_config, vocab_size
 from engine.server.app import ServerContext, make_app
 from engine.server.worker import EngineWorker
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
@@ -63,13 +64,7 @@ class ServeConfig:
 
 
 def _context_of(config: dict) -> int:
-    text = config.get("text_config", config)
-    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
-
-
-def _vocab_of(config: dict) -> int:
-    """Rows of the embedding: every valid token id is below this."""
-    return int(config.get("text_config", config).get("vocab_size") or config["vocab_size"])
+    return int(text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
 
 
 def _warm_up(gateway: Gateway) -> None:
@@ -96,7 +91,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         tokenizer=engine.tokenizer,
         model_id=model_id,
         model_aliases=frozenset({str(engine.path), engine.path.name}),
-        vocab_size=_vocab_of(engine.config),
+        vocab_size=vocab_size(engine.config),
         max_context=context,
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,

@@ -23,6 +23,7 @@ import time
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.engine import Engine
+from engine.loading import vocab_size
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 from harness.prompts import frozen_prompt_ids
 
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3)
     args = ap.parse_args()
     eng = Engine.load(args.model, with_tokenizer=False)
-    prompt = frozen_prompt_ids(args.prompt, eng.config.get("text_config", eng.config)["vocab_size"])
+    prompt = frozen_prompt_ids(args.prompt, vocab_size(eng.config))
     relay = Relay()
 
     def serial(push) -> float:
