@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from engine.cache.batch_kv import roll_rows
-from engine.cache.rotating import RotatingKVCache
+from engine.cache.rotating import RotatingKVCache, grown_window
 
 
 class BatchRotatingKVCache:
@@ -94,17 +94,11 @@ class BatchRotatingKVCache:
 
     def _update_in_place(self, keys: mx.array, values: mx.array):
         assert self._lengths is None, "finalize() the padded prefill before decoding"
-        b, heads, n, k_dim = keys.shape
+        n = keys.shape[2]
         prev = self.tokens
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            size = min(self.step, self.max_size - prev)
-            new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
-            new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+        grown = grown_window(self.keys, self.values, keys, values, prev, self.step, self.max_size)
+        if grown is not None:
+            self.keys, self.values = grown
             self.idx = prev
         trim = self.keys.shape[2] - self.max_size
         if trim > 0:

@@ -16,6 +16,24 @@ import mlx.core as mx
 from engine.models.base import causal_mask
 
 
+def grown_window(buf_keys, buf_values, keys: mx.array, values: mx.array, filled: int, step: int, max_size: int):
+    """The window's buffers grown by one step when the next in-place write needs room, else None.
+
+    Buffers grow `step` tokens at a time until they reach `max_size`; after that
+    writes wrap around. Shared by the single-row and the batched cache, whose
+    buffers must grow identically for the bits to match mlx-lm's.
+    """
+    if buf_keys is not None and not (filled >= buf_keys.shape[2] and buf_keys.shape[2] < max_size):
+        return None
+    b, heads, _, k_dim = keys.shape
+    size = min(step, max_size - filled)
+    new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
+    new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
+    if buf_keys is None:
+        return new_k, new_v
+    return mx.concatenate([buf_keys, new_k], axis=2), mx.concatenate([buf_values, new_v], axis=2)
+
+
 class RotatingKVCache:
     step = 256
 
@@ -58,17 +76,11 @@ class RotatingKVCache:
         return self.keys, self.values
 
     def _update_in_place(self, keys: mx.array, values: mx.array):
-        b, heads, n, k_dim = keys.shape
+        n = keys.shape[2]
         prev = self.offset
-        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            size = min(self.step, self.max_size - prev)
-            new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
-            new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+        grown = grown_window(self.keys, self.values, keys, values, prev, self.step, self.max_size)
+        if grown is not None:
+            self.keys, self.values = grown
             self._idx = prev
         trim_size = self.keys.shape[2] - self.max_size
         if trim_size > 0:
