@@ -27,4 +27,9 @@ class InvalidSamplingError(EngineError, ValueError):
     pass
 
 
+
+class DraftMismatchError(EngineError, ValueError):
+    """A draft model whose tokenizer is not the target's (its drafts would be other tokens)."""
+
+
 USER_ERRORS = (EngineError,)

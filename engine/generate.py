@@ -63,13 +63,19 @@ def prefill(
     step_size: int = DEFAULT_PREFILL_STEP,
     on_progress: Optional[Callable[[int, int], None]] = None,
     kv_quantization: Optional[KVQuantization] = None,
+    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
 ) -> mx.array:
-    """Run all but the last prompt token through the model in chunks; return the rest."""
+    """Run all but the last prompt token through the model in chunks; return the rest.
+
+    `on_hidden` sees each chunk's final hidden state [1, n, H] and n.
+    """
     total = prompt.size
     done = 0
     while prompt.size > 1:
         n = min(step_size, prompt.size - 1)
-        model.hidden(prompt[:n][None], cache)
+        hidden = model.hidden(prompt[:n][None], cache)
+        if on_hidden:
+            on_hidden(hidden, n)
         if kv_quantization:
             kv_quantization.apply(cache)
         mx.eval(cache_arrays(cache))

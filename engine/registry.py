@@ -80,7 +80,7 @@ class Geometry:
 class ModelSpec:
     name: str
     base: str
-    tier: str  # "tiny" | "small" | "gpu"
+    tier: str  # "tiny" | "small" | "gpu" | "draft"
     geometry: Geometry
     dtype: str  # "float32" | "bfloat16"
     quantization: Quantization | None
@@ -266,6 +266,29 @@ _BASES: dict[str, _Base] = {
     ),
 }
 
+
+# Draft models for speculative decoding. Weights are drawn per (seed, tensor
+# name), so a base with the same geometry but fewer layers, synthesized with
+# the same seed, holds exactly the target's embedding, first layers, final
+# norm and head: an early-exit draft of that target (and its tokenizer, which
+# depends only on the vocabulary size and the model type).
+def _early_exit(target: str, layers: int, summary: str, **changes: Any) -> _Base:
+    base = _BASES[target]
+    geometry = replace(base.geometry, num_hidden_layers=layers, mtp_num_hidden_layers=0, **changes)
+    return _Base("draft", geometry, summary, base.default_variant, base.variants)
+
+
+_BASES.update(
+    {
+        "tiny-qwen3-draft": _early_exit("tiny-qwen3", 1, "early-exit draft of tiny-qwen3: its first layer"),
+        "tiny-qwen35-draft": _early_exit(
+            "tiny-qwen35", 2, "draft of tiny-qwen35: its first (DeltaNet) layer, then an attention layer of its own",
+            full_attention_interval=2,
+        ),
+        "small-qwen35-draft": _early_exit("small-qwen35", 4, "early-exit draft of small-qwen35: its first 4 of 8 layers"),
+    }
+)
+
 _VARIANTS: dict[str, tuple[str, Quantization | None]] = {
     "f32": ("float32", None),
     "bf16": ("bfloat16", None),
@@ -309,7 +332,7 @@ def get_spec(name: str) -> ModelSpec:
     )
 
 
-def all_specs(tiers: tuple[str, ...] = ("tiny", "small", "gpu")) -> list[ModelSpec]:
+def all_specs(tiers: tuple[str, ...] = ("tiny", "small", "gpu", "draft")) -> list[ModelSpec]:
     """Every registry entry, default variant first for each base."""
     specs = []
     for base_name, base in _BASES.items():

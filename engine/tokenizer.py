@@ -27,6 +27,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._hf)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token string with its id, added tokens included."""
+        return self._hf.get_vocab()
+
     @property
     def has_chat_template(self) -> bool:
         return self._hf.chat_template is not None

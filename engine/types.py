@@ -188,6 +188,71 @@ class GenerationRequest:
 class Lane(str, Enum):
     SERIAL = "serial"  # alone on the device, the strict B=1 path
     CONTINUOUS = "continuous"  # the continuous-batching scheduler
+    SPEC = "spec"  # speculative decoding, alone on the device like the serial lane
+
+
+@dataclass
+class SpecStats:
+    """What speculation did for one request (the usage extension's `spec`).
+
+    A round drafts up to `num_draft` tokens, verifies them in one target
+    forward, and emits the accepted ones plus one token of the target's own
+    (the correction, or the bonus when every draft was accepted).
+    """
+
+    kind: str
+    num_draft: int
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0  # target forwards after the prompt: verifications plus replays
+    replays: int = 0  # forwards that rebuilt recurrent state after a rejection
+    emitted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # rounds whose draft position i was accepted
+    drafted_at: list[int] = field(default_factory=list)  # rounds that drafted position i
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.num_draft
+        self.drafted_at = self.drafted_at or [0] * self.num_draft
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, replayed: bool) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.target_calls += 1 + replayed
+        self.replays += replayed
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.emitted / self.target_calls if self.target_calls else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "num_draft": self.num_draft,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "acceptance": round(self.acceptance, 4),
+            "target_calls": self.target_calls,
+            "replays": self.replays,
+            "accepted_per_position": list(self.accepted_at),
+            "drafted_per_position": list(self.drafted_at),
+            "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
+        }
 
 
 @dataclass(frozen=True)
@@ -212,6 +277,7 @@ class RequestResult:
     # prompt and the generated tokens that went through the model, and for
     # models whose caches cannot rewind also those at the prompt's boundary.
     caches: tuple[CachedPrefix, ...] = ()
+    spec: Optional[SpecStats] = None  # on the spec lane: what speculation did
 
 
 class TokenSink(Protocol):

@@ -94,3 +94,36 @@ def generate(
         tokens.append(int(token))
     mx.eval(logits)
     return Run(tokens=tokens, logits=[to_numpy(x[0]) for x in logits], cache=cache_arrays(cache))
+
+
+@dataclass
+class SpecRun:
+    """One greedy `speculative_generate_step` run: tokens and which of them came from the draft."""
+
+    tokens: list[int]
+    from_draft: list[bool]
+
+
+def speculative(
+    model,
+    draft_model,
+    prompt_ids: Sequence[int],
+    steps: int,
+    num_draft: int,
+    prefill_step_size: int = 2048,
+) -> SpecRun:
+    """mlx-lm's own speculative decoding (greedy) for `steps` tokens, unmodified."""
+    from mlx_lm.generate import speculative_generate_step
+
+    run = SpecRun([], [])
+    for token, _, drafted in speculative_generate_step(
+        mx.array(list(prompt_ids)),
+        model,
+        draft_model,
+        num_draft_tokens=num_draft,
+        max_tokens=steps,
+        prefill_step_size=prefill_step_size,
+    ):
+        run.tokens.append(int(token))
+        run.from_draft.append(bool(drafted))
+    return run

@@ -1,0 +1,87 @@
+"""Which draft source a server or a command uses, and the checks made before it runs.
+
+    kind "draft"  a separate draft model (`--draft-model`), mlx-lm's scheme
+    kind "ngram"  prompt lookup: no model, drafts copied from the context
+    kind "mtp"    the target's own multi-token-prediction head (Qwen3.5)
+
+`Speculation` holds what is loaded once (the draft model) and makes a fresh
+source per request. A request that speculation cannot serve exactly as
+asked (logits processors, quantized KV) runs without it, and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.nn as nn
+
+from engine.errors import DraftMismatchError
+from engine.spec.draft_model import DraftModelSource
+from engine.spec.mtp import MTPSource
+from engine.spec.ngram import NgramSource
+from engine.spec.source import DraftSource
+from engine.tokenizer import Tokenizer
+from engine.types import SamplingParams
+
+KINDS = ("draft", "ngram", "mtp")
+DEFAULT_NUM_DRAFT = 3  # mlx_lm.server's --num-draft-tokens
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    kind: str
+    num_draft: int = DEFAULT_NUM_DRAFT
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"draft kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft model whose vocabulary maps any token to another id than the target's."""
+    t, d = target.vocab(), draft.vocab()
+    if t == d:
+        return
+    differ = sorted(k for k in t.keys() | d.keys() if t.get(k) != d.get(k))
+    raise DraftMismatchError(
+        f"draft model {draft_name} has another tokenizer than the target ({len(d)} vs {len(t)} tokens, "
+        f"{len(differ)} differ, e.g. {differ[:3]}): its drafts would be other tokens; use a draft of the same family"
+    )
+
+
+class Speculation:
+    """A speculation setup for one target model: makes one draft source per request."""
+
+    def __init__(self, config: SpecConfig, target: nn.Module, draft: Optional[nn.Module] = None,
+                 prefill_step_size: int = 2048):  # fmt: skip
+        if config.kind == "draft" and draft is None:
+            raise ValueError("draft kind 'draft' needs a draft model (--draft-model)")
+        if config.kind != "draft" and draft is not None:
+            raise ValueError(f"a draft model was given but the draft kind is {config.kind!r}")
+        if config.kind == "mtp" and not getattr(target, "has_mtp", False):
+            raise ValueError("draft kind 'mtp' needs a target with an MTP head (Qwen3.5 checkpoints with mtp.* weights)")
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.prefill_step_size = prefill_step_size
+
+    def source(self) -> DraftSource:
+        kind = self.config.kind
+        if kind == "draft":
+            return DraftModelSource(self.draft, self.prefill_step_size)
+        if kind == "ngram":
+            return NgramSource(self.config.ngram_min, self.config.ngram_max)
+        return MTPSource(self.target)
+
+    def refusal(self, sampling: SamplingParams) -> Optional[str]:
+        """Why a request with these settings runs without speculation (None: it can speculate)."""
+        if sampling.has_processors:
+            return "logits processors (penalties, logit_bias) run without speculation"
+        return None

@@ -1,0 +1,95 @@
+"""The verifier: one target forward checks a round of drafts.
+
+Each round feeds the target [pending, d1 .. dn] (the pending token is the
+last one emitted, not yet through the model; at the start, the prompt's last
+token), computes the lm-head over the whole window once, samples one token
+per position under the request's sampler, and accepts drafts while they
+match. It emits the accepted drafts and then the target's own token (the
+correction, or the bonus when all matched) one at a time, so EOS, stop
+sequences and max_tokens end a request exactly where plain decoding would.
+The target then rewinds the rejected tail (`rollback.rewind`) and the
+source commits.
+
+Draft counts follow mlx-lm's `speculative_generate_step` (n = min(remaining,
+num_draft)) so that, with a draft model on a trimmable target, the forwards
+have the same shapes and greedy output matches it token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.generate import DEFAULT_PREFILL_STEP, prefill
+from engine.sampling import Sampler, emitted_token
+from engine.spec.rollback import checkpoint, rewind, room
+from engine.spec.source import DraftSource, Round
+from engine.types import FinishTracker, GeneratedToken, SamplingParams, SpecStats, StopCriteria
+
+
+def speculative_generate(
+    model: nn.Module,
+    source: DraftSource,
+    prompt_ids: Sequence[int],
+    *,
+    num_draft: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop: StopCriteria = StopCriteria(),
+    stats: Optional[SpecStats] = None,
+    cache: Optional[list] = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    on_prefill: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[GeneratedToken]:
+    """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes."""
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt must contain at least one token")
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if sampling.has_processors:
+        raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
+    stats = stats if stats is not None else SpecStats(source.kind, num_draft)
+    cache = model.make_cache() if cache is None else cache
+    sampler = Sampler(sampling)
+    tracker = FinishTracker(stop)
+    prompt = mx.array(list(prompt_ids))
+
+    source.begin(prompt_ids)
+    start = 0
+
+    def observe(hidden: mx.array, n: int) -> None:
+        nonlocal start
+        source.observe(hidden, start)
+        start += n
+
+    pending = int(prefill(model, cache, prompt, prefill_step_size, on_prefill, on_hidden=observe).item())
+    produced = 0
+    while True:
+        n = min(stop.max_tokens - produced, num_draft)
+        window = room(cache)
+        if window is not None:
+            n = min(n, window - 2)  # keep the whole round short of a wrap
+        drafts = source.propose(pending, max(n, 0))
+        fed = (pending, *drafts)
+        point = checkpoint(cache)
+        hidden = model.hidden(mx.array(fed)[None], cache)
+        logits = model.logits(hidden)[0]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = sampler(logprobs).tolist()
+        accepted = 0
+        while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        replayed = rewind(model, cache, point, fed, accepted + 1)
+        source.commit(Round(fed, accepted, tokens[accepted], hidden))
+        out: list[GeneratedToken] = []
+        for j in range(accepted + 1):
+            produced += 1
+            out += tracker.push(emitted_token(tokens[j], logprobs[j], sampling))
+            if tracker.done:
+                break
+        stats.record_round(len(drafts), accepted, j + 1, replayed)  # j + 1 tokens were pushed
+        yield from out
+        if tracker.done:
+            return
+        pending = tokens[accepted]
