@@ -206,7 +206,8 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     target_calls: int = 0  # target forwards after the prompt: verifications plus replays
-    replays: int = 0  # forwards that rebuilt recurrent state after a rejection
+    rewinds: int = 0  # rounds that rejected a draft, so the target dropped what it had fed
+    replays: int = 0  # forwards that rebuilt recurrent state after a rejection (the replay rollback)
     emitted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose draft position i was accepted
     drafted_at: list[int] = field(default_factory=list)  # rounds that drafted position i
@@ -221,10 +222,18 @@ class SpecStats:
         self.accepted += accepted
         self.emitted += emitted
         self.target_calls += 1 + replayed
+        self.rewinds += accepted < drafted
         self.replays += replayed
         for i in range(drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
+
+    def add(self, other: "SpecStats") -> None:
+        """Pool another request's counts into these (same kind and draft count)."""
+        for name in ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.drafted_at = [a + b for a, b in zip(self.drafted_at, other.drafted_at)]
 
     @property
     def rejected(self) -> int:
@@ -248,6 +257,7 @@ class SpecStats:
             "rejected": self.rejected,
             "acceptance": round(self.acceptance, 4),
             "target_calls": self.target_calls,
+            "rewinds": self.rewinds,
             "replays": self.replays,
             "accepted_per_position": list(self.accepted_at),
             "drafted_per_position": list(self.drafted_at),

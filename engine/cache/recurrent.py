@@ -1,17 +1,35 @@
 """Recurrent state for Gated DeltaNet layers: the causal-conv tail and the f32 delta-rule state.
 
 Slot 0 holds the last (kernel - 1) conv inputs, slot 1 the [B, Hv, Dv, Dk]
-recurrent state. Neither can be trimmed: rewinding means restoring a
-snapshot (speculative decoding does that). In a batch the rows simply stack
+recurrent state. Neither can be trimmed. Speculative decoding rewinds them
+either from a trace (`start_trace`: the next forward records its conv input
+and the state after every token, and `keep_traced` picks the point) or by
+restoring a snapshot and replaying the kept tokens. In a batch the rows simply stack
 on axis 0; there is no token axis to align, only left padding to mask while
 a padded row's padding is still ahead of it (mlx-lm's ArraysCache rules).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import mlx.core as mx
+
+
+@dataclass
+class Trace:
+    """What the forwards since `start_trace` recorded over their n tokens in all:
+    the conv inputs [conv tail before them; n inputs] and the state after each token."""
+
+    conv_input: Optional[mx.array] = None
+    states: list = field(default_factory=list)
+
+    def record_conv(self, conv_input: mx.array, new: int) -> None:
+        if self.conv_input is None:
+            self.conv_input = conv_input
+        else:
+            self.conv_input = mx.concatenate([self.conv_input, conv_input[:, -new:, :]], axis=1)
 
 
 class RecurrentCache:
@@ -22,6 +40,7 @@ class RecurrentCache:
         # still ahead of each row, and valid lengths of right-padded inputs.
         self.left_padding: Optional[list[int]] = None
         self.lengths: Optional[list[int]] = None
+        self.trace: Optional[Trace] = None  # set by start_trace, filled by the layer's next forward
 
     def __getitem__(self, i: int) -> Optional[mx.array]:
         return self.slots[i]
@@ -126,6 +145,20 @@ class RecurrentCache:
     def restore(self, slots: list[Optional[mx.array]], offset: int) -> None:
         self.slots = list(slots)
         self.offset = offset
+
+    def start_trace(self) -> None:
+        self.trace = Trace()
+
+    def keep_traced(self, kept: int) -> None:
+        """After the traced forward of n tokens, hold the state after only the first `kept` (1 <= kept <= n)."""
+        trace, self.trace = self.trace, None
+        n = len(trace.states)
+        if not 1 <= kept <= n:
+            raise ValueError(f"kept must be in [1, {n}], got {kept}")
+        width = trace.conv_input.shape[1] - n
+        self.slots[0] = mx.contiguous(trace.conv_input[:, kept : kept + width, :])
+        self.slots[1] = trace.states[kept - 1]
+        self.offset -= n - kept
 
     def size(self) -> int:
         return self.offset

@@ -48,8 +48,12 @@ def _step(q, k, v, g, beta, state, mask=None):
     return y.astype(q.dtype), state
 
 
-def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None):
-    """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]."""
+def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, trace: Optional[list] = None):
+    """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv].
+
+    `trace`, when given, receives the state after every token (speculative
+    decoding keeps the one after the last accepted token).
+    """
     hk, hv = q.shape[2], v.shape[2]
     if hv > hk:
         q = mx.repeat(q, hv // hk, -2)
@@ -60,10 +64,12 @@ def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None):
             q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
         )
         ys.append(y)
+        if trace is not None:
+            trace.append(state)
     return mx.stack(ys, axis=1), state
 
 
-def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
+def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None):
     """Gates from (a, b), then the recurrence. Returns (y [B, T, Hv, Dv], new state)."""
     beta = mx.sigmoid(b)
     g = decay(A_log, a, dt_bias)
@@ -71,4 +77,4 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
         batch, _, _, dk = q.shape
         hv, dv = v.shape[-2:]
         state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
-    return recurrence(q, k, v, g, beta, state, mask)
+    return recurrence(q, k, v, g, beta, state, mask, trace)

@@ -169,6 +169,8 @@ class GatedDeltaNet(nn.Module):
                 cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
             else:
                 cache[0] = mx.contiguous(conv_input[:, -keep:, :])
+            if cache.trace is not None:
+                cache.trace.record_conv(conv_input, s)
         return nn.silu(self.conv1d(conv_input))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
@@ -188,7 +190,8 @@ class GatedDeltaNet(nn.Module):
         ]
         state = cache[1] if cache is not None else None
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask)
+        trace = cache.trace.states if cache is not None and cache.trace is not None else None
+        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace)
         if cache is not None:
             cache[1] = state
             cache.advance(s)

@@ -12,7 +12,8 @@ asked (logits processors, quantized KV) runs without it, and says why.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import mlx.nn as nn
 
@@ -20,9 +21,14 @@ from engine.errors import DraftMismatchError
 from engine.spec.draft_model import DraftModelSource
 from engine.spec.mtp import MTPSource
 from engine.spec.ngram import NgramSource
+from engine.spec.rollback import ROLLBACKS
 from engine.spec.source import DraftSource
 from engine.tokenizer import Tokenizer
-from engine.types import SamplingParams
+from engine.spec.verifier import speculative_generate
+from engine.types import GeneratedToken, SamplingParams, SpecStats, StopCriteria
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 KINDS = ("draft", "ngram", "mtp")
 DEFAULT_NUM_DRAFT = 3  # mlx_lm.server's --num-draft-tokens
@@ -34,12 +40,15 @@ class SpecConfig:
     num_draft: int = DEFAULT_NUM_DRAFT
     ngram_min: int = 2
     ngram_max: int = 4
+    rollback: str = "trace"  # how recurrent layers undo rejected drafts: "trace" or "replay"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"draft kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {self.rollback!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -70,18 +79,78 @@ class Speculation:
         self.config = config
         self.target = target
         self.draft = draft
+        self.draft_name = ""
         self.prefill_step_size = prefill_step_size
+
+    def describe(self) -> str:
+        what = self.config.kind
+        if self.draft is not None:
+            what += " (self-draft)" if self.draft is self.target else f" ({self.draft_name})"
+        return f"{what}, {self.config.num_draft} drafts per round, {self.config.rollback} rollback"
 
     def source(self) -> DraftSource:
         kind = self.config.kind
         if kind == "draft":
-            return DraftModelSource(self.draft, self.prefill_step_size)
+            return DraftModelSource(self.draft, self.prefill_step_size, self.config.rollback == "trace")
         if kind == "ngram":
             return NgramSource(self.config.ngram_min, self.config.ngram_max)
         return MTPSource(self.target)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        stop: StopCriteria = StopCriteria(),
+        stats: Optional[SpecStats] = None,
+    ) -> Iterator[GeneratedToken]:
+        """One request, speculatively, with a fresh draft source; `stats` fills as it runs."""
+        c = self.config
+        return speculative_generate(
+            self.target, self.source(), prompt_ids, num_draft=c.num_draft, sampling=sampling, stop=stop,
+            stats=stats, prefill_step_size=self.prefill_step_size, rollback=c.rollback,
+        )  # fmt: skip
+
+    def new_stats(self) -> SpecStats:
+        return SpecStats(self.config.kind, self.config.num_draft)
 
     def refusal(self, sampling: SamplingParams) -> Optional[str]:
         """Why a request with these settings runs without speculation (None: it can speculate)."""
         if sampling.has_processors:
             return "logits processors (penalties, logit_bias) run without speculation"
         return None
+
+
+def load_speculation(
+    config: SpecConfig,
+    target: "Engine",
+    draft_model: Optional[str] = None,
+    draft_model_path: Optional[Path] = None,
+    seed: int = 0,
+    prefill_step_size: int = 2048,
+) -> Speculation:
+    """Load the draft model (kind "draft"), check its tokenizer against the target's, build the setup.
+
+    A draft that is the target's own artifact is not loaded twice: the target
+    drafts for itself with caches of its own (the upper bound of acceptance).
+    """
+    from engine.engine import Engine
+    from engine.model_source import resolve_model_dir
+
+    draft = None
+    name = ""
+    if config.kind == "draft":
+        if (draft_model is None) == (draft_model_path is None):
+            raise ValueError("draft kind 'draft' needs exactly one of --draft-model NAME or --draft-model-path DIR")
+        name = draft_model or str(draft_model_path)
+        path = resolve_model_dir(draft_model, draft_model_path, seed=seed)
+        if path.resolve() == target.path.resolve():
+            draft = target.model
+        else:
+            loaded = Engine.load(model_path=path)
+            check_same_tokenizer(target.tokenizer, loaded.tokenizer, name)
+            draft = loaded.model
+    elif draft_model is not None or draft_model_path is not None:
+        raise ValueError(f"a draft model was given but the draft kind is {config.kind!r}")
+    spec = Speculation(config, target.model, draft, prefill_step_size)
+    spec.draft_name = name
+    return spec

@@ -5,7 +5,8 @@ The draft's cache follows the target's accepted tokens with one wrinkle
 last, so after a round that accepted every draft, that last draft has not
 been through it yet and goes in first next round. After a rejection it
 keeps the pending token and the accepted drafts: a trim of
-max(drafted - accepted - 1, 0), or, for recurrent layers, a replay.
+max(drafted - accepted - 1, 0), or, for recurrent layers, a rewind from the
+trace of its draft steps (or a replay, see rollback.py).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def _greedy(model: nn.Module, cache: list, tokens: mx.array) -> mx.array:
 class DraftModelSource:
     kind = "draft"
 
-    def __init__(self, model: nn.Module, prefill_step_size: int):
+    def __init__(self, model: nn.Module, prefill_step_size: int, trace: bool = True):
         self.model = model
         self.prefill_step_size = prefill_step_size
+        self.trace = trace  # rewind recurrent layers from a trace (else by replay)
         self.cache: list = []
         self._lag: list[int] = []  # accepted tokens the draft has not fed yet
         self._fed: list[int] = []  # what this round fed, from `_point`
@@ -53,7 +55,7 @@ class DraftModelSource:
         self._point, self._fed = None, []
         if limit <= 0:
             return []
-        self._point = checkpoint(self.cache)
+        self._point = checkpoint(self.cache, self.trace)
         y = mx.array(inputs, mx.uint32)
         drafts = []
         for _ in range(limit):

@@ -1,11 +1,19 @@
 """Undoing the tokens a speculation round fed but did not keep.
 
 Attention caches rewind by trimming. Recurrent (Gated DeltaNet) state cannot
-be trimmed: a round keeps a checkpoint of it (the arrays as they were, which
-MLX never mutates, so this copies nothing) and, after a rejection, restores
-it, trims the other layers back to the same point and replays the kept
-tokens in one forward. Rotating (sliding-window) caches can be trimmed only
-until they wrap, so a round never feeds past the window (`room`).
+be trimmed; a round keeps a checkpoint of it (the arrays as they were, which
+MLX never mutates, so this copies nothing) and rewinds it one of two ways:
+
+    trace   the round's forwards recorded the state after every token they
+            fed (`RecurrentCache.start_trace`); keep the one after the last
+            kept token. No extra forward: the default.
+    replay  restore the checkpoint, trim the other layers back to the same
+            point and feed the kept tokens again in one forward. Needs
+            nothing from the layer, so it is the fallback for layers that
+            record no trace; it costs a target forward per rejection.
+
+Rotating (sliding-window) caches can be trimmed only until they wrap, so a
+round never feeds past the window (`room`).
 """
 
 from __future__ import annotations
@@ -16,42 +24,56 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache import RotatingKVCache
+from engine.cache import RecurrentCache, RotatingKVCache
+
+ROLLBACKS = ("trace", "replay")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     offsets: tuple[int, ...]
-    slots: tuple[Optional[list], ...]  # recurrent slots; None for trimmable layers
+    slots: tuple[Optional[list], ...]  # recurrent layers' arrays; None for trimmable layers
 
 
-def checkpoint(cache: list) -> Checkpoint:
-    return Checkpoint(
-        tuple(c.offset for c in cache),
-        tuple(None if c.is_trimmable() else c.snapshot() for c in cache),
-    )
+def checkpoint(cache: list, trace: bool = True) -> Checkpoint:
+    """Before a round feeds tokens: remember the recurrent state (and, with `trace`, start recording)."""
+    slots = []
+    for c in cache:
+        if isinstance(c, RecurrentCache):
+            slots.append(c.snapshot())
+            if trace:
+                c.start_trace()
+        else:
+            slots.append(None)
+    return Checkpoint(tuple(c.offset for c in cache), tuple(slots))
 
 
 def rewind(model: nn.Module, cache: list, point: Checkpoint, fed: Sequence[int], keep: int) -> bool:
     """The cache went from `point` through the tokens `fed`; make it hold only `fed[:keep]`.
 
-    Returns True when it took a replay forward (some layer cannot be trimmed).
+    Returns True when it took a replay forward.
     """
     drop = len(fed) - keep
-    if drop <= 0:
-        return False
-    if all(s is None for s in point.slots):
+    recurrent = [c for c, s in zip(cache, point.slots) if s is not None]
+    traced = all(c.trace is not None and len(c.trace.states) == len(fed) for c in recurrent)
+    if drop <= 0 or not recurrent or (traced and keep > 0):
         for c in cache:
-            c.trim(drop)
+            if isinstance(c, RecurrentCache):
+                if drop > 0:
+                    c.keep_traced(keep)
+                c.trace = None
+            else:
+                c.trim(drop)
         return False
     for c, offset, slots in zip(cache, point.offsets, point.slots):
         if slots is None:
             c.trim(c.offset - offset)
         else:
+            c.trace = None
             c.restore(slots, offset)
     if keep:
         model.hidden(mx.array(list(fed[:keep]))[None], cache)
-    return True
+    return keep > 0
 
 
 def room(cache: list) -> Optional[int]:

@@ -8,7 +8,8 @@ match. It emits the accepted drafts and then the target's own token (the
 correction, or the bonus when all matched) one at a time, so EOS, stop
 sequences and max_tokens end a request exactly where plain decoding would.
 The target then rewinds the rejected tail (`rollback.rewind`) and the
-source commits.
+source commits. A rewind that needed a forward (the replay rollback) counts
+as a target call.
 
 Draft counts follow mlx-lm's `speculative_generate_step` (n = min(remaining,
 num_draft)) so that, with a draft model on a trimmable target, the forwards
@@ -24,7 +25,7 @@ import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, prefill
 from engine.sampling import Sampler, emitted_token
-from engine.spec.rollback import checkpoint, rewind, room
+from engine.spec.rollback import ROLLBACKS, checkpoint, rewind, room
 from engine.spec.source import DraftSource, Round
 from engine.types import FinishTracker, GeneratedToken, SamplingParams, SpecStats, StopCriteria
 
@@ -41,12 +42,18 @@ def speculative_generate(
     cache: Optional[list] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     on_prefill: Optional[Callable[[int, int], None]] = None,
+    rollback: str = "trace",
 ) -> Iterator[GeneratedToken]:
-    """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes."""
+    """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
+
+    `rollback` says how recurrent layers undo rejected drafts ("trace" or "replay", see rollback.py).
+    """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {rollback!r}")
     if sampling.has_processors:
         raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
     stats = stats if stats is not None else SpecStats(source.kind, num_draft)
@@ -72,7 +79,7 @@ def speculative_generate(
             n = min(n, window - 2)  # keep the whole round short of a wrap
         drafts = source.propose(pending, max(n, 0))
         fed = (pending, *drafts)
-        point = checkpoint(cache)
+        point = checkpoint(cache, trace=rollback == "trace")
         hidden = model.hidden(mx.array(fed)[None], cache)
         logits = model.logits(hidden)[0]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
