@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--sample-seed", type=int, default=None, help="seed for sampling (default: random)")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    _add_spec_flags(gen)
     gen.set_defaults(func=cmd_generate)
     _add_serve(sub)
     return parser
@@ -61,6 +62,40 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "speculative decoding",
+        "Draft tokens cheaply, verify them in one target forward; greedy output is unchanged. "
+        "Off unless --draft-model or --draft-kind is given.",
+    )
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--draft-model", metavar="NAME", help="registry name of a draft model with the target's "
+                     "tokenizer (e.g. small-qwen35-draft; the target's own name = self-draft)")
+    src.add_argument("--draft-model-path", type=Path, metavar="DIR", help="an mlx-lm draft model directory")
+    g.add_argument("--draft-kind", choices=("draft", "ngram", "mtp"), default=None,
+                   help="draft = the draft model (default when one is given); ngram = prompt lookup; "
+                   "mtp = the target's Qwen3.5 MTP head")
+    g.add_argument("--num-draft-tokens", type=_positive, default=3, metavar="N", help="drafts per round (default 3)")
+    g.add_argument("--ngram-min", type=_positive, default=2, metavar="N", help="shortest n-gram to match (default 2)")
+    g.add_argument("--ngram-max", type=_positive, default=4, metavar="N", help="longest n-gram to match (default 4)")
+    g.add_argument("--spec-rollback", choices=("trace", "replay"), default="trace",
+                   help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
+                   "the last accepted token (default); replay = restore and feed the kept tokens again")
+
+
+def spec_config(args):
+    """The SpecConfig the flags ask for, or None when speculation is off."""
+    from engine.spec.config import SpecConfig
+
+    kind = args.draft_kind
+    if kind is None and (args.draft_model or args.draft_model_path):
+        kind = "draft"
+    if kind is None:
+        return None
+    return SpecConfig(kind, num_draft=args.num_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                      rollback=args.spec_rollback)  # fmt: skip
 
 
 def _add_serve(sub) -> None:
@@ -93,6 +128,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
     p.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $ENGINE_API_KEY, else no key)")
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
 
 
@@ -115,6 +151,9 @@ def cmd_serve(args) -> int:
             kv_group_size=args.kv_group_size,
             api_key=args.api_key,
             default_max_tokens=args.max_tokens,
+            spec=spec_config(args),
+            draft_model=args.draft_model,
+            draft_model_path=args.draft_model_path,
         )
     )
 
@@ -132,9 +171,21 @@ def cmd_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed
     )
     sampling.validate(tok.vocab_size)
+    spec = spec_config(args)
+    stats = None
+    if spec is not None:
+        from engine.spec.config import load_speculation
+        from engine.types import StopCriteria
+
+        speculation = load_speculation(spec, eng, args.draft_model, args.draft_model_path, seed=args.seed)
+        stats = speculation.new_stats()
+        stop = StopCriteria(max_tokens=args.max_tokens, eos_ids=eng.eos_ids, ignore_eos=args.ignore_eos)
+        tokens = speculation.generate(ids, sampling, stop, stats)
+    else:
+        tokens = eng.generate(ids, max_tokens=args.max_tokens, sampling=sampling, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
     first_at, out_ids, finish = None, [], None
-    for t in eng.generate(ids, max_tokens=args.max_tokens, sampling=sampling, ignore_eos=args.ignore_eos):
+    for t in tokens:
         first_at = first_at or time.perf_counter()
         finish = t.finish_reason
         if not t.is_stop:
@@ -147,6 +198,13 @@ def cmd_generate(args) -> int:
         f"decode {decode_tps:.1f} tok/s, finish: {finish.value if finish else '-'}]",
         file=sys.stderr,
     )
+    if stats is not None:
+        print(
+            f"[speculation {stats.kind}: {stats.accepted}/{stats.drafted} drafts accepted "
+            f"({stats.acceptance:.0%}) in {stats.rounds} rounds, {stats.replays} replays, "
+            f"{stats.tokens_per_target_forward:.2f} tokens per target forward]",
+            file=sys.stderr,
+        )
     return 0
 
 

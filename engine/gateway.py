@@ -3,6 +3,8 @@
     serial      the strict B=1 path (engine.generate), alone on the device;
                 `--batch 1` pins every request here (the determinism mode)
     continuous  the continuous-batching scheduler, up to `batch` rows
+    spec        speculative decoding (when the server has a draft source),
+                alone on the device like the serial lane
 
 `batch` is a concurrency cap, not a mode. A composition the scheduler does
 not implement runs serial, unchanged (never downgraded to make it batch),
@@ -15,6 +17,8 @@ never starve).
 With a prompt cache, each request starts from the longest reusable prefix
 stored by earlier requests (both lanes), and each request that finishes
 normally stores its caches (extracted from the batch on the continuous lane).
+The spec lane bypasses it: its draft source (a draft model's caches, the MTP
+head's) has to see the whole prompt.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
+from engine.spec import Speculation
 from engine.types import (
     CachedPrefix,
     FinishReason,
@@ -40,6 +45,7 @@ from engine.types import (
     GenerationRequest,
     Lane,
     RequestResult,
+    SpecStats,
     TokenSink,
 )
 
@@ -74,6 +80,7 @@ class _Queued:
     request: GenerationRequest
     sink: TokenSink
     prefix: Optional[CachedPrefix]
+    lane: Lane = Lane.SERIAL
 
 
 class _StoringSink(ForwardingSink):
@@ -91,9 +98,11 @@ class _StoringSink(ForwardingSink):
 
 
 class Gateway:
-    def __init__(self, model: nn.Module, config: GatewayConfig = GatewayConfig()):
+    def __init__(self, model: nn.Module, config: GatewayConfig = GatewayConfig(),
+                 speculation: Optional[Speculation] = None):  # fmt: skip
         self.model = model
         self.config = config
+        self.speculation = speculation
         self.batchable = can_batch(model)
         if config.kv_quantization is not None:
             config.kv_quantization.check(model.make_cache())  # refuses sliding-window models up front
@@ -124,6 +133,19 @@ class Gateway:
         return kv is None or kv.start == 0
 
     def place(self, request: GenerationRequest) -> Placement:
+        placement = self._place_plain()
+        spec = self.speculation
+        if spec is None:
+            return placement
+        refusal = spec.refusal(request.sampling)
+        if refusal is None and self.config.kv_quantization is not None:
+            refusal = "quantized KV runs without speculation"
+        if refusal is not None:
+            return Placement(placement.lane, f"{refusal}; {placement.reason}")
+        return Placement(Lane.SPEC, f"speculative decoding ({spec.config.kind}, up to {spec.config.num_draft} "
+                                    "drafts per round), alone on the device")  # fmt: skip
+
+    def _place_plain(self) -> Placement:
         if self.config.batch == 1:
             return Placement(Lane.SERIAL, "--batch 1 pins the strict serial path")
         if not self.batchable:
@@ -143,14 +165,14 @@ class Gateway:
         check_budget(request, need, self.config.kv_budget_bytes)  # both lanes; the batcher checks again
         placement = self.place(request)
         prefix = None
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and placement.lane is not Lane.SPEC:
             prefix = self.prompt_cache.lookup(request.prompt_ids)
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
             self.batcher.submit(request, sink, prefix)
         else:
-            self._serial.append(_Queued(request, sink, prefix))
+            self._serial.append(_Queued(request, sink, prefix, placement.lane))
         return Placement(placement.lane, placement.reason, cached)
 
     def cancel(self, request_id: str) -> bool:
@@ -158,7 +180,7 @@ class Gateway:
             if queued.request.request_id == request_id:
                 del self._serial[i]
                 n = len(queued.request.prompt_ids)
-                queued.sink.on_end(RequestResult(request_id, Lane.SERIAL, FinishReason.CANCELLED, n, 0))
+                queued.sink.on_end(RequestResult(request_id, queued.lane, FinishReason.CANCELLED, n, 0))
                 return True
         if self.batcher is not None and self.batcher.cancel(request_id):
             return True
@@ -198,31 +220,21 @@ class Gateway:
             self.step()
 
     def _run_serial(self, queued: _Queued) -> None:
-        request, sink, prefix = queued.request, queued.sink, queued.prefix
+        """Run one request alone on the device: the strict B=1 path, or speculation on the spec lane."""
+        request, sink = queued.request, queued.sink
         generated, reason, error = 0, FinishReason.CANCELLED, None
-        cache = prefix.cache if prefix else self.model.make_cache()
         fed: list[int] = []
         kept: list[CachedPrefix] = []
-        on_prompt = None
-        if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
-
-            def on_prompt(c: list) -> None:  # caches that cannot rewind: keep the prompt's boundary too
-                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
-
+        stats: Optional[SpecStats] = None
+        cache = None
         sink.on_start()
         try:
-            for tok in generate(
-                self.model,
-                request.prompt_ids,
-                sampling=request.sampling,
-                stop=request.stop,
-                cache=cache,
-                prefill_step_size=self.config.prefill_chunk,
-                kv_quantization=self.config.kv_quantization,
-                cached_tokens=len(prefix.tokens) if prefix else 0,
-                fed=fed,
-                on_prompt=on_prompt,
-            ):
+            if queued.lane is Lane.SPEC:
+                stats = self.speculation.new_stats()
+                tokens = self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats)
+            else:
+                cache, tokens = self._plain_tokens(queued, fed, kept)
+            for tok in tokens:
                 generated += 1
                 if tok.finish_reason is not None:
                     reason = tok.finish_reason
@@ -230,13 +242,34 @@ class Gateway:
                     reason = FinishReason.CANCELLED
                     break
         except Exception as e:  # noqa: BLE001 - one request's failure, not the loop's
-            log.exception("serial request %s failed", request.request_id)
+            log.exception("%s request %s failed", queued.lane.value, request.request_id)
             reason, error = FinishReason.ERROR, repr(e)
         self._cancelled.discard(request.request_id)
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and cache is not None:
             kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache))
-        sink.on_end(
-            RequestResult(
-                request.request_id, Lane.SERIAL, reason, len(request.prompt_ids), generated, error, tuple(kept)
-            )
+        n = len(request.prompt_ids)
+        sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
+
+    def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix]):
+        """The strict B=1 generation, starting from the request's cached prefix if it has one."""
+        request, prefix = queued.request, queued.prefix
+        cache = prefix.cache if prefix else self.model.make_cache()
+        on_prompt = None
+        if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
+
+            def on_prompt(c: list) -> None:  # caches that cannot rewind: keep the prompt's boundary too
+                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
+
+        tokens = generate(
+            self.model,
+            request.prompt_ids,
+            sampling=request.sampling,
+            stop=request.stop,
+            cache=cache,
+            prefill_step_size=self.config.prefill_chunk,
+            kv_quantization=self.config.kv_quantization,
+            cached_tokens=len(prefix.tokens) if prefix else 0,
+            fed=fed,
+            on_prompt=on_prompt,
         )
+        return cache, tokens

@@ -25,6 +25,7 @@ from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import ServerContext, make_app
 from engine.server.worker import EngineWorker
+from engine.spec.config import SpecConfig, load_speculation
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
 log = logging.getLogger("engine.server")
@@ -49,6 +50,9 @@ class ServeConfig:
     kv_group_size: int = 64
     api_key: Optional[str] = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    spec: Optional[SpecConfig] = None  # speculative decoding; None: off
+    draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
+    draft_model_path: Optional[Path] = None
 
     def gateway_config(self) -> GatewayConfig:
         kvq = None
@@ -81,7 +85,12 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
     gateway_config = cfg.gateway_config()  # setting errors before any loading
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed)
-    gateway = Gateway(engine.model, gateway_config)
+    speculation = None
+    if cfg.spec is not None:
+        speculation = load_speculation(
+            cfg.spec, engine, cfg.draft_model, cfg.draft_model_path, seed=cfg.seed, prefill_step_size=cfg.prefill_chunk
+        )
+    gateway = Gateway(engine.model, gateway_config, speculation)
     _warm_up(gateway)
     worker = EngineWorker(gateway)
     model_id = cfg.model or engine.path.name
@@ -118,9 +127,10 @@ def serve(cfg: ServeConfig) -> int:
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     gw = cfg.gateway_config()
+    spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
     print(
         f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}, "
-        f"context {ctx.max_context}, loaded in {time.perf_counter() - start:.1f} s)",
+        f"context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
         flush=True,
     )
     server = uvicorn.Server(

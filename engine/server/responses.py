@@ -3,11 +3,12 @@
 The usage object carries the OpenAI fields plus one extension, `engine`:
 
     "engine": {
-      "lane": "continuous" | "serial",    where the request ran
+      "lane": "continuous" | "serial" | "spec",  where the request ran
       "lane_reason": "...",                why it ran there
       "batch_size": 3,                     most rows in the batch while it ran
       "finish": "stop" | "length" | ...,   the engine's finish reason
-      "timings_ms": {"queue", "prefill", "first_token", "decode", "total"}
+      "timings_ms": {"queue", "prefill", "first_token", "decode", "total"},
+      "spec": {...}                        on the spec lane: SpecStats.as_dict()
     }
 """
 
@@ -52,6 +53,7 @@ def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason
             "batch_size": stream.max_batch,
             "finish": result.finish_reason.value,
             "timings_ms": stream.times.as_ms(),
+            **({"spec": result.spec.as_dict()} if result.spec is not None else {}),
         },
     }
 

@@ -113,6 +113,10 @@ class Totals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_rounds: int = 0  # speculative decoding, over all spec-lane requests
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_target_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,11 @@ class EngineWorker:
     def record_end(self, result: RequestResult) -> None:
         self._live.pop(result.request_id, None)
         self.totals.completion_tokens += result.generated_tokens
+        if result.spec is not None:
+            self.totals.spec_rounds += result.spec.rounds
+            self.totals.spec_drafted += result.spec.drafted
+            self.totals.spec_accepted += result.spec.accepted
+            self.totals.spec_target_calls += result.spec.target_calls
         if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.totals.completed += 1
         elif result.finish_reason is FinishReason.CANCELLED:
@@ -250,6 +259,10 @@ class _Tracked(ForwardingSink):
     def __init__(self, stream: Stream, worker: EngineWorker):
         super().__init__(stream)
         self.worker = worker
+
+    def on_start(self) -> None:
+        self.inner.max_batch = max(self.inner.max_batch, 1)  # a serial or spec request runs within one step
+        super().on_start()
 
     def on_end(self, result: RequestResult) -> None:
         self.worker.record_end(result)
