@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from engine.errors import USER_ERRORS
-from harness import report_cli, run_cli
+from harness import report_cli, run_cli, spec_cli
 from harness.cli_common import CliError, console, out
 from harness.cli_common import csv as _csv
 from harness.cli_common import csv_ints as _csv_ints
@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report_cli.add_report(sub)
     report_cli.add_db(sub)
+    spec_cli.add_spec(sub)
 
     run = sub.add_parser(
         "run",

@@ -114,6 +114,11 @@ class _Text:
         return out
 
 
+def text_prompt(encode: Encode, seed: int, length: int) -> list[int]:
+    """`length` corpus token ids read from an offset chosen by `seed` (natural text, frozen)."""
+    return _Text(encode, seed).take(length)
+
+
 def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings) -> Workload:
     text = _Text(encode, settings.seed)
 
