@@ -16,3 +16,25 @@ from engine.synth import ensure_model
 def tiny_path():
     """tiny_path(name) -> the cached artifact directory for a registry name."""
     return lambda name, seed=0: ensure_model(name, seed)
+
+
+@pytest.fixture(scope="session")
+def foreign_tokenizer_draft(tmp_path_factory):
+    """A copy of tiny-qwen35-draft whose tokenizer maps two tokens to each other's ids.
+
+    Same size, same model: only the id of two strings differs, which is
+    exactly what makes a draft's proposals mean other tokens.
+    """
+    import json
+    import shutil
+
+    src = ensure_model("tiny-qwen35-draft")
+    dst = tmp_path_factory.mktemp("foreign") / "tiny-qwen35-draft-swapped"
+    shutil.copytree(src, dst)
+    path = dst / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "the", "and"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tok))
+    return dst
