@@ -69,7 +69,7 @@ class Speculation:
     """A speculation setup for one target model: makes one draft source per request."""
 
     def __init__(self, config: SpecConfig, target: nn.Module, draft: Optional[nn.Module] = None,
-                 prefill_step_size: int = 2048):  # fmt: skip
+                 prefill_step_size: int = 2048, draft_name: str = ""):  # fmt: skip
         if config.kind == "draft" and draft is None:
             raise ValueError("draft kind 'draft' needs a draft model (--draft-model)")
         if config.kind != "draft" and draft is not None:
@@ -79,7 +79,7 @@ class Speculation:
         self.config = config
         self.target = target
         self.draft = draft
-        self.draft_name = ""
+        self.draft_name = draft_name
         self.prefill_step_size = prefill_step_size
 
     def describe(self) -> str:
@@ -151,6 +151,4 @@ def load_speculation(
             draft = loaded.model
     elif draft_model is not None or draft_model_path is not None:
         raise ValueError(f"a draft model was given but the draft kind is {config.kind!r}")
-    spec = Speculation(config, target.model, draft, prefill_step_size)
-    spec.draft_name = name
-    return spec
+    return Speculation(config, target.model, draft, prefill_step_size, name)

@@ -72,3 +72,50 @@ def test_cancelling_a_queued_serial_request(model):
     sink = CollectingSink()
     g.submit(make_request("x"), sink)
     assert g.cancel("x") and sink.result.finish_reason is FinishReason.CANCELLED and not g.has_work
+
+
+# ------------------------------------------------------------------ spec lane
+
+
+def _speculation(model, kind="ngram"):
+    from engine.spec.config import SpecConfig, Speculation
+
+    return Speculation(SpecConfig(kind, num_draft=2), model, model if kind == "draft" else None)
+
+
+def test_spec_lane_runs_speculation_and_reports_its_stats(model):
+    g = Gateway(model, GatewayConfig(prompt_cache_bytes=1 << 20), _speculation(model, "draft"))
+    sink = CollectingSink()
+    placement = g.submit(make_request("s", max_tokens=9), sink)
+    g.run_until_idle()
+    assert placement.lane is Lane.SPEC and "speculative decoding (draft" in placement.reason
+    assert sink.result.lane is Lane.SPEC and sink.result.finish_reason is FinishReason.LENGTH
+    assert len(sink.token_ids) == 9 and sink.result.spec.emitted >= 9 and sink.result.spec.rounds > 0
+    assert g.prompt_cache.stats().entries == 0  # the spec lane bypasses the prompt cache
+
+
+def test_spec_lane_refusals_fall_back_to_the_plain_lanes_with_the_reason(model):
+    from engine.types import SamplingParams
+
+    g = Gateway(model, GatewayConfig(), _speculation(model))
+    req = GenerationRequest("p", tuple(range(5, 17)), SamplingParams(presence_penalty=0.5), StopCriteria(max_tokens=4))
+    placement = g.place(req)
+    assert placement.lane is Lane.CONTINUOUS and placement.reason.startswith("logits processors")
+    g = Gateway(model, GatewayConfig(kv_quantization=KVQuantization(bits=8, group_size=32, start=0)), _speculation(model))
+    placement = g.place(make_request("q"))
+    assert placement.lane is not Lane.SPEC and placement.reason.startswith("quantized KV runs without speculation")
+
+
+def test_a_spec_request_whose_consumer_leaves_is_cancelled(model):
+    g = Gateway(model, GatewayConfig(), _speculation(model, "draft"))
+
+    class Leaving(CollectingSink):
+        def on_token(self, token):
+            super().on_token(token)
+            return len(self.tokens) < 3
+
+    sink = Leaving()
+    g.submit(make_request("c", max_tokens=20), sink)
+    g.run_until_idle()
+    assert sink.result.finish_reason is FinishReason.CANCELLED and sink.result.generated_tokens == 3
+    assert not g.has_work

@@ -163,11 +163,15 @@ def test_mtp_cache_holds_exactly_the_target_pairs_after_accepted_rounds():
     fresh = [KVCache() for _ in text.mtp.layers]
     text.mtp(hidden[:, :offset], text.model.embed_tokens(mx.array(seq[1 : offset + 1])[None]), fresh)
     assert offset >= len(seq) - 8  # all but the last round's pairs, which wait for the next proposal
-    # f32, and the same math, but one forward over the sequence against the prefill plus one forward
-    # per round: matmul blocking differs with the row count, so the last bits may too.
+    # The same math in f32, but one forward over the sequence against the prefill plus one forward
+    # per round: kernels differ with the row count. On the CPU that moves the last bits (1e-4 holds);
+    # CUDA's f32 matmuls round like TF32 (measured on the H200: up to ~2e-4 at magnitude ~1, so the
+    # bound there is relative, 1e-2). A wrong pairing (off by one position, the wrong token) moves
+    # keys by O(1), far outside either bound.
+    tol = dict(atol=1e-4) if mx.default_device() == mx.cpu else dict(rtol=1e-2, atol=1e-3)
     for ours, ref in zip(source.cache[0].state, fresh[0].state):
         assert ours.shape == ref.shape
-        assert mx.allclose(ours, ref, atol=1e-4).item()
+        assert mx.allclose(ours, ref, **tol).item()
 
 
 def test_self_draft_accepts_everything_and_never_replays(hybrid, prompts):

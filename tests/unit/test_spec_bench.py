@@ -1,0 +1,48 @@
+"""`harness spec`: arms, blocks, records; a real (tiny) run end to end."""
+
+import json
+
+import pytest
+
+from harness.cli import main as harness_main
+from harness.spec_bench import PLAIN, SpecArm, SpecBenchConfig, markdown, parse_arms, run_spec_bench
+
+
+def test_arms_parse_with_plain_first_and_refuse_unknown_names():
+    arms = parse_arms("self,draft:tiny-qwen35-draft,ngram,mtp", "tiny-qwen35")
+    assert [a.name for a in arms] == [PLAIN, "self", "draft:tiny-qwen35-draft", "ngram", "mtp"]
+    assert arms[1] == SpecArm("self", "draft", "tiny-qwen35")
+    assert arms[2].draft == "tiny-qwen35-draft" and arms[3].kind == "ngram"
+    assert [a.name for a in parse_arms("plain,ngram", "x")] == [PLAIN, "ngram"]
+    with pytest.raises(ValueError, match="unknown arm 'medusa'"):
+        parse_arms("medusa", "x")
+    with pytest.raises(ValueError, match="named twice"):
+        parse_arms("ngram,ngram", "x")
+
+
+def test_a_tiny_run_records_every_arm_and_block():
+    cfg = SpecBenchConfig(prompt_tokens=32, decode_tokens=12, blocks=2, warmup=0, num_draft=2)
+    # f32: a verify window and a single step agree to the last bits, so the self-draft accepts everything.
+    result = run_spec_bench("tiny-qwen35-f32", parse_arms("self,ngram,mtp", "tiny-qwen35-f32"), cfg)
+    assert [a.arm for a in result.arms] == [PLAIN, "self", "ngram", "mtp"]
+    for a in result.arms:
+        assert len(a.decode_tps) == len(a.ttft_ms) == len(a.same_tokens) == 2
+    rec = result.as_record()
+    plain, self_draft = rec["arms"][0], rec["arms"][1]
+    assert "paired" not in plain and plain["spec"] is None
+    assert self_draft["spec"]["acceptance"] == 1.0  # the target agrees with itself
+    assert self_draft["paired"]["verdict"] == "too few blocks"  # 2 blocks: no verdict
+    md = markdown(result)
+    assert "| self |" in md and "| plain |" in md
+    json.dumps(rec)
+
+
+def test_the_cli_writes_json_and_markdown(tmp_path):
+    out, md = tmp_path / "spec.json", tmp_path / "spec.md"
+    code = harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "draft:tiny-qwen3-draft-f32,ngram", "--blocks", "1",
+                         "--prompt-tokens", "16", "--decode-tokens", "8", "--warmup", "0",
+                         "--json", str(out), "--md", str(md)])  # fmt: skip
+    assert code == 0  # every arm's tokens equal plain's
+    rec = json.loads(out.read_text())
+    assert [a["arm"] for a in rec["arms"]] == [PLAIN, "draft:tiny-qwen3-draft-f32", "ngram"]
+    assert md.read_text().startswith("# Speculative decoding vs plain: tiny-qwen3-f32")
