@@ -171,11 +171,14 @@ def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None 
         weights = _write_weights(spec, seed, guard, tmp, progress)
         manifest = _manifest(spec, seed, guard, tok, tmp, weights, time.perf_counter() - start)
         _write_json(tmp / MANIFEST, manifest)
-        if (out / MANIFEST).exists():
-            shutil.rmtree(tmp)  # another process finished the same deterministic artifact first
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)  # atomic; refused while `out` is a directory with files in it
+        except OSError:
+            if (out / MANIFEST).exists():
+                shutil.rmtree(tmp)  # another process finished the same deterministic artifact first
+            else:
+                shutil.rmtree(out, ignore_errors=True)  # a partial artifact left by a crash
+                os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

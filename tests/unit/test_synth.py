@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -118,3 +119,30 @@ def test_parameter_counts_are_in_their_tier_ranges():
     for spec in all_specs(("small",)):
         assert 20e6 <= parameter_count(spec) <= 100e6, spec.name
     assert math.isclose(parameter_count(get_spec("qwen27b")), 27.3e9, rel_tol=0.02)
+
+
+def test_losing_the_race_to_synthesize_keeps_the_winners_artifact(tmp_path, monkeypatch):
+    # xdist workers on a cold cache synthesize the same artifact at once (seen on the 16-core GPU
+    # machine: "Directory not empty" from the loser's rename). Make another process finish between
+    # this one's last look and its rename: the rename is refused and the winner's artifact stays.
+    out = tmp_path / "m"
+    real_replace = artifact.os.replace
+    winner = synthesize(get_spec("tiny-llama"), 0, tmp_path / "winner")
+
+    def replace_after_the_winner(src, dst):
+        if not Path(dst).exists():
+            real_replace(winner, dst)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(artifact.os, "replace", replace_after_the_winner)
+    assert synthesize(get_spec("tiny-llama"), 0, out) == out
+    assert (out / "manifest.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.tmp")]
+
+
+def test_a_partial_artifact_left_by_a_crash_is_replaced(tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # no manifest: a crash mid-write
+    synthesize(get_spec("tiny-llama"), 0, out)
+    assert (out / "manifest.json").exists()
