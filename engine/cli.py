@@ -80,6 +80,10 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft-tokens", type=_positive, default=3, metavar="N", help="drafts per round (default 3)")
     g.add_argument("--ngram-min", type=_positive, default=2, metavar="N", help="shortest n-gram to match (default 2)")
     g.add_argument("--ngram-max", type=_positive, default=4, metavar="N", help="longest n-gram to match (default 4)")
+    g.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="adaptive = per round, the draft count with the most expected tokens per second from the "
+                   "request's measured acceptance and timings, 0 when drafting does not pay (default); "
+                   "fixed = always --num-draft-tokens (mlx-lm's rule)")
     g.add_argument("--spec-rollback", choices=("trace", "replay"), default="trace",
                    help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
                    "the last accepted token (default); replay = restore and feed the kept tokens again")
@@ -95,7 +99,7 @@ def spec_config(args):
     if kind is None:
         return None
     return SpecConfig(kind, num_draft=args.num_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                      rollback=args.spec_rollback)  # fmt: skip
+                      rollback=args.spec_rollback, policy=args.draft_policy)  # fmt: skip
 
 
 def _add_serve(sub) -> None:

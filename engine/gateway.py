@@ -143,7 +143,7 @@ class Gateway:
         if refusal is not None:
             return Placement(placement.lane, f"{refusal}; {placement.reason}")
         return Placement(Lane.SPEC, f"speculative decoding ({spec.config.kind}, up to {spec.config.num_draft} "
-                                    "drafts per round), alone on the device")  # fmt: skip
+                                    f"drafts per round, {spec.config.policy}), alone on the device")  # fmt: skip
 
     def _place_plain(self) -> Placement:
         if self.config.batch == 1:

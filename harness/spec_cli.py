@@ -27,6 +27,9 @@ def add_spec(sub) -> None:
     p.add_argument("--blocks", type=_positive, default=5, help="prompts, each run on every arm (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="warmup requests per arm (default 1)")
     p.add_argument("--num-draft", type=_positive, default=3, help="drafts per round (default 3)")
+    p.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed",
+                   help="drafts per round: fixed = always --num-draft (default: what drafting costs and gives); "
+                   "adaptive = as `engine serve` does by default")
     p.add_argument("--rollback", choices=("trace", "replay"), default="trace",
                    help="how recurrent layers undo rejected drafts (default trace; replay feeds kept tokens again)")
     p.add_argument("--seed", type=int, default=0, help="first block's prompt seed (default 0)")
@@ -43,7 +46,7 @@ def cmd_spec(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     cfg = SpecBenchConfig(args.prompt_tokens, args.decode_tokens, args.blocks, args.warmup, args.num_draft,
-                          rollback=args.rollback, seed=args.seed)  # fmt: skip
+                          rollback=args.rollback, policy=args.policy, seed=args.seed)  # fmt: skip
     with console.status("loading") as status:
         result = run_spec_bench(args.model, arms, cfg, on_progress=status.update)
     write(result, args.json, args.md)

@@ -21,6 +21,7 @@ from engine.errors import DraftMismatchError
 from engine.spec.draft_model import DraftModelSource
 from engine.spec.mtp import MTPSource
 from engine.spec.ngram import NgramSource
+from engine.spec.policy import POLICIES, make_policy
 from engine.spec.rollback import ROLLBACKS
 from engine.spec.source import DraftSource
 from engine.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     rollback: str = "trace"  # how recurrent layers undo rejected drafts: "trace" or "replay"
+    policy: str = "adaptive"  # drafts per round: "adaptive" (measured) or "fixed" (always num_draft, as mlx-lm)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -49,6 +51,8 @@ class SpecConfig:
             raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {self.rollback!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"draft policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -86,7 +90,8 @@ class Speculation:
         what = self.config.kind
         if self.draft is not None:
             what += " (self-draft)" if self.draft is self.target else f" ({self.draft_name})"
-        return f"{what}, {self.config.num_draft} drafts per round, {self.config.rollback} rollback"
+        c = self.config
+        return f"{what}, up to {c.num_draft} drafts per round ({c.policy}), {c.rollback} rollback"
 
     def source(self) -> DraftSource:
         kind = self.config.kind
@@ -108,6 +113,7 @@ class Speculation:
         return speculative_generate(
             self.target, self.source(), prompt_ids, num_draft=c.num_draft, sampling=sampling, stop=stop,
             stats=stats, prefill_step_size=self.prefill_step_size, rollback=c.rollback,
+            policy=make_policy(c.policy, c.num_draft),
         )  # fmt: skip
 
     def new_stats(self) -> SpecStats:

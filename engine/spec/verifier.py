@@ -11,13 +11,15 @@ The target then rewinds the rejected tail (`rollback.rewind`) and the
 source commits. A rewind that needed a forward (the replay rollback) counts
 as a target call.
 
-Draft counts follow mlx-lm's `speculative_generate_step` (n = min(remaining,
-num_draft)) so that, with a draft model on a trimmable target, the forwards
-have the same shapes and greedy output matches it token for token.
+With the fixed policy, draft counts follow mlx-lm's `speculative_generate_step`
+(n = min(remaining, num_draft)) so that, with a draft model on a trimmable
+target, the forwards have the same shapes and greedy output matches it token
+for token; the adaptive policy picks n per round (policy.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -25,6 +27,7 @@ import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, prefill
 from engine.sampling import Sampler, emitted_token
+from engine.spec.policy import DraftPolicy, FixedPolicy
 from engine.spec.rollback import ROLLBACKS, checkpoint, rewind, room
 from engine.spec.source import DraftSource, Round
 from engine.types import FinishTracker, GeneratedToken, SamplingParams, SpecStats, StopCriteria
@@ -43,10 +46,12 @@ def speculative_generate(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     on_prefill: Optional[Callable[[int, int], None]] = None,
     rollback: str = "trace",
+    policy: Optional[DraftPolicy] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
 
-    `rollback` says how recurrent layers undo rejected drafts ("trace" or "replay", see rollback.py).
+    `rollback` says how recurrent layers undo rejected drafts ("trace" or "replay", see rollback.py);
+    `policy` how many tokens to draft each round (default: always `num_draft`, mlx-lm's rule).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
@@ -57,6 +62,7 @@ def speculative_generate(
     if sampling.has_processors:
         raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
     stats = stats if stats is not None else SpecStats(source.kind, num_draft)
+    policy = policy or FixedPolicy()
     cache = model.make_cache() if cache is None else cache
     sampler = Sampler(sampling)
     tracker = FinishTracker(stop)
@@ -77,16 +83,20 @@ def speculative_generate(
         window = room(cache)
         if window is not None:
             n = min(n, window - 2)  # keep the whole round short of a wrap
-        drafts = source.propose(pending, max(n, 0))
+        started = time.perf_counter()
+        drafts = source.propose(pending, policy.choose(max(n, 0)))
+        drafted_at = time.perf_counter()
         fed = (pending, *drafts)
         point = checkpoint(cache, trace=rollback == "trace")
         hidden = model.hidden(mx.array(fed)[None], cache)
         logits = model.logits(hidden)[0]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = sampler(logprobs).tolist()
+        verified_at = time.perf_counter()
         accepted = 0
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
             accepted += 1
+        policy.record(len(drafts), accepted, drafted_at - started, verified_at - drafted_at)
         replayed = rewind(model, cache, point, fed, accepted + 1)
         source.commit(Round(fed, accepted, tokens[accepted], hidden))
         out: list[GeneratedToken] = []

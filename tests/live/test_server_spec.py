@@ -50,8 +50,8 @@ def test_draft_model_requests_run_on_the_spec_lane_with_plain_greedy_output(engi
         out = complete(srv, {"prompt": prompt, "max_tokens": 4, "repetition_penalty": 1.3})
         assert out["usage"]["engine"]["lane"] != "spec"
         assert "logits processors" in out["usage"]["engine"]["lane_reason"]
-        totals = srv.stats()["totals"]
-        assert totals["spec_drafted"] >= 2 * spec["drafted"] and totals["spec_rounds"] > 0
+        totals = srv.stats()["totals"]  # two spec requests; the adaptive policy's draft counts depend on timings
+        assert totals["spec_drafted"] > spec["drafted"] and totals["spec_rounds"] > spec["rounds"]
     finally:
         code, stdout, _ = srv.stop()
         assert code == 0

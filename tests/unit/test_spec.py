@@ -351,3 +351,14 @@ def test_ngram_zero_limit_and_bad_sizes():
     assert src.propose(2, 0) == []
     with pytest.raises(ValueError):
         NgramSource(3, 2)
+
+
+def test_the_adaptive_policy_changes_windows_not_tokens(hybrid, hybrid_draft, prompts):
+    from engine.spec.policy import AdaptivePolicy
+
+    for source in (DraftModelSource(hybrid_draft, 2048), MTPSource(hybrid.model), NgramSource()):
+        stats = SpecStats(source.kind, 3)
+        out = speculative_generate(hybrid.model, source, prompts[1], num_draft=3, stop=StopCriteria(max_tokens=STEPS),
+                                   stats=stats, policy=AdaptivePolicy(3))  # fmt: skip
+        assert [t.token_id for t in out] == plain(hybrid.model, prompts[1]), source.kind
+        assert stats.emitted == STEPS
