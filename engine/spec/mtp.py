@@ -63,9 +63,11 @@ class MTPSource:
         return mx.argmax(logits, axis=-1)
 
     def propose(self, pending: int, limit: int) -> list[int]:
-        self._flush()
         self._speculative = 0
-        if limit <= 0 or self._last is None:  # a one-token prompt has no pair yet
+        if limit <= 0:
+            return []  # the exact pairs wait in the queue: one forward for all of them when drafting resumes
+        self._flush()
+        if self._last is None:  # a one-token prompt has no pair yet
             return []
         y = self._draft(self._last)
         drafts = [y]

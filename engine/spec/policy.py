@@ -15,9 +15,11 @@ ones before it, counted per position over the request's recent rounds
 draft one token and verify_s(w) the time of a w-token target forward, both
 moving averages of the request's own rounds (a window size never measured is
 interpolated linearly between measured ones). k = 0 is plain decoding. The
-first two rounds measure the full window and a plain step; after PROBE
+first two rounds measure the full window and a plain step; after `probe`
 rounds in a row at k = 0 one round drafts the full count again, so a draft
-that starts agreeing later is noticed.
+that starts agreeing later is noticed. A probe after which drafting still
+does not pay doubles the wait (PROBE up to MAX_PROBE rounds); one that makes
+it pay resets it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 DECAY = 0.9  # per round: acceptance counts of ~10 rounds ago weigh a third
-PROBE = 8  # rounds at k = 0 before drafting the full count once
+PROBE = 8  # rounds at k = 0 before drafting the full count once ...
+MAX_PROBE = 64  # ... doubling while probes keep showing drafting does not pay
 EMA = 0.3  # weight of the newest timing
 
 POLICIES = ("fixed", "adaptive")
@@ -57,6 +60,8 @@ class AdaptivePolicy:
     verify_s: dict[int, float] = field(default_factory=dict)  # window size -> seconds
     rounds: int = 0
     idle: int = 0  # rounds in a row at k = 0
+    probe: int = PROBE  # idle rounds before the next probe
+    probing: bool = False  # the last choice was a probe
 
     def __post_init__(self):
         self.tried = self.tried or [0.0] * self.num_draft
@@ -94,9 +99,14 @@ class AdaptivePolicy:
             return limit  # measure the full window first
         if 1 not in self.verify_s:
             return 0  # then a plain step
-        if self.idle >= PROBE:
+        if self.idle >= self.probe:
+            self.probing = True
             return limit
-        return max(range(limit + 1), key=lambda k: self.expected_tokens(k) / self.seconds(k))
+        best = max(range(limit + 1), key=lambda k: self.expected_tokens(k) / self.seconds(k))
+        if self.probing:  # the first choice after a probe says whether it found drafting worth it
+            self.probe = PROBE if best else min(2 * self.probe, MAX_PROBE)
+            self.probing = False
+        return best
 
     def record(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         self.rounds += 1

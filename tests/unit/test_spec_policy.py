@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.spec.policy import PROBE, AdaptivePolicy, FixedPolicy, make_policy
+from engine.spec.policy import MAX_PROBE, PROBE, AdaptivePolicy, FixedPolicy, make_policy
 
 
 def test_fixed_always_drafts_the_limit():
@@ -38,11 +38,13 @@ def test_measures_the_full_window_then_a_plain_step_first():
 def test_stops_drafting_when_it_does_not_pay_and_probes_again():
     p = AdaptivePolicy(3)
     # Nothing accepted; drafting costs half a step per token, a 4-token verify 2.5 steps.
-    chosen = _run(p, 30, 0.0, 0.5, lambda w: 1.0 + 0.5 * (w - 1))
+    chosen = _run(p, 200, 0.0, 0.5, lambda w: 1.0 + 0.5 * (w - 1))
     assert chosen[:2] == [3, 0]
-    assert chosen.count(0) >= 24  # mostly plain steps ...
     probes = [i for i, k in enumerate(chosen) if k == 3][1:]
-    assert probes and all(chosen[i - PROBE : i] == [0] * PROBE for i in probes)  # ... with a probe after PROBE idle rounds
+    assert chosen.count(0) == 200 - 1 - len(probes)  # plain steps but for the probes ...
+    gaps = [b - a - 1 for a, b in zip([1] + probes, probes)]
+    # ... after PROBE idle rounds, then twice as many each time a probe finds nothing, up to MAX_PROBE.
+    assert gaps[:5] == [PROBE - 1, 2 * PROBE, 4 * PROBE, MAX_PROBE, MAX_PROBE][: len(gaps[:5])]
 
 
 def test_drafts_the_full_count_when_acceptance_is_high_and_verify_is_cheap():
