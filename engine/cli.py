@@ -77,7 +77,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-kind", choices=("draft", "ngram", "mtp"), default=None,
                    help="draft = the draft model (default when one is given); ngram = prompt lookup; "
                    "mtp = the target's Qwen3.5 MTP head")
-    g.add_argument("--num-draft-tokens", type=_positive, default=3, metavar="N", help="drafts per round (default 3)")
+    g.add_argument("--num-draft-tokens", type=_positive, default=3, metavar="N", help="most drafts per round (default 3)")
     g.add_argument("--ngram-min", type=_positive, default=2, metavar="N", help="shortest n-gram to match (default 2)")
     g.add_argument("--ngram-max", type=_positive, default=4, metavar="N", help="longest n-gram to match (default 4)")
     g.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
