@@ -19,7 +19,8 @@ first two rounds measure the full window and a plain step; after `probe`
 rounds in a row at k = 0 one round drafts the full count again, so a draft
 that starts agreeing later is noticed. A probe after which drafting still
 does not pay doubles the wait (PROBE up to MAX_PROBE rounds); one that makes
-it pay resets it.
+it pay resets it. Between probes a choice of 0 holds (`plain_rounds`), so the
+verifier can run those rounds as pipelined plain decoding.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ class DraftPolicy(Protocol):
     def record(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         """What the round did and how long drafting and verifying took."""
 
+    def plain_rounds(self) -> int:
+        """After choosing 0: how many plain rounds in a row to run before choosing again."""
+
 
 class FixedPolicy:
     def choose(self, limit: int) -> int:
         return limit
+
+    def plain_rounds(self) -> int:
+        return 1
 
     def record(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         pass
@@ -107,6 +114,11 @@ class AdaptivePolicy:
             self.probe = PROBE if best else min(2 * self.probe, MAX_PROBE)
             self.probing = False
         return best
+
+    def plain_rounds(self) -> int:
+        # Between probes nothing about acceptance is learned, so a choice of plain decoding holds until
+        # the next probe (the second round, which measures a plain step, is one round).
+        return 1 if self.rounds < 2 else max(self.probe - self.idle, 1)
 
     def record(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         self.rounds += 1

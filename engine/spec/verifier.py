@@ -76,6 +76,37 @@ def speculative_generate(
         source.observe(hidden, start)
         start += n
 
+    def plain_step(token: mx.array):
+        """Launch one single-token forward and its sample; nothing is read back here."""
+        hidden = model.hidden(token[None], cache)
+        logits = model.logits(hidden)[0]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        step = (sampler(logprobs), logprobs, hidden)
+        mx.async_eval(step[0], step[1])
+        return step
+
+    def plain_rounds(rounds: int) -> Iterator[GeneratedToken]:
+        """Rounds with no drafts, pipelined like plain decoding: each next step is launched before
+        this one's token is read. Each is still a round to the source, the policy and the stats."""
+        nonlocal pending, produced
+        step = plain_step(mx.array([pending]))
+        last = time.perf_counter()
+        for r in range(rounds):
+            following = plain_step(step[0]) if r + 1 < rounds else None
+            token = int(step[0].item())
+            now = time.perf_counter()
+            source.propose(pending, 0)
+            source.commit(Round((pending,), 0, token, step[2]))
+            policy.record(0, 0, 0.0, now - last)
+            stats.record_round(0, 0, 1, False)
+            last = now
+            produced += 1
+            out = tracker.push(emitted_token(token, step[1][0], sampling))
+            yield from out
+            if tracker.done:
+                return
+            pending, step = token, following
+
     pending = int(prefill(model, cache, prompt, prefill_step_size, on_prefill, on_hidden=observe).item())
     produced = 0
     while True:
@@ -84,7 +115,13 @@ def speculative_generate(
         if window is not None:
             n = min(n, window - 2)  # keep the whole round short of a wrap
         started = time.perf_counter()
-        drafts = source.propose(pending, policy.choose(max(n, 0)))
+        k = policy.choose(max(n, 0))
+        if k == 0:
+            yield from plain_rounds(min(policy.plain_rounds(), stop.max_tokens - produced))
+            if tracker.done:
+                return
+            continue
+        drafts = source.propose(pending, k)
         drafted_at = time.perf_counter()
         fed = (pending, *drafts)
         point = checkpoint(cache, trace=rollback == "trace")

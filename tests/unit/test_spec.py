@@ -362,3 +362,16 @@ def test_the_adaptive_policy_changes_windows_not_tokens(hybrid, hybrid_draft, pr
                                    stats=stats, policy=AdaptivePolicy(3))  # fmt: skip
         assert [t.token_id for t in out] == plain(hybrid.model, prompts[1]), source.kind
         assert stats.emitted == STEPS
+    # The MTP head never agrees here: after measuring that, the policy runs pipelined plain rounds.
+    assert stats.drafted_at[0] < stats.rounds / 3
+
+
+def test_an_eos_inside_a_pipelined_plain_stretch_ends_the_request_there(hybrid, prompts):
+    from engine.spec.policy import AdaptivePolicy
+
+    ref = plain(hybrid.model, prompts[0])
+    eos = ref[30]
+    out = speculative_generate(hybrid.model, MTPSource(hybrid.model), prompts[0], num_draft=3,
+                               stop=StopCriteria(max_tokens=STEPS, eos_ids=frozenset([eos])),
+                               policy=AdaptivePolicy(3))  # fmt: skip
+    assert [t.token_id for t in out] == ref[: ref.index(eos) + 1]
