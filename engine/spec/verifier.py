@@ -76,12 +76,17 @@ def speculative_generate(
         source.observe(hidden, start)
         start += n
 
-    def plain_step(token: mx.array):
-        """Launch one single-token forward and its sample; nothing is read back here."""
-        hidden = model.hidden(token[None], cache)
+    def forward(tokens: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The target over 1-D `tokens`, the lm-head over every position, one sample each (all lazy):
+        (sampled ids [n], logprobs [n, V], final hidden state [1, n, H])."""
+        hidden = model.hidden(tokens[None], cache)
         logits = model.logits(hidden)[0]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        step = (sampler(logprobs), logprobs, hidden)
+        return sampler(logprobs), logprobs, hidden
+
+    def plain_step(token: mx.array):
+        """Launch one single-token forward and its sample; nothing is read back here."""
+        step = forward(token)
         mx.async_eval(step[0], step[1])
         return step
 
@@ -125,10 +130,8 @@ def speculative_generate(
         drafted_at = time.perf_counter()
         fed = (pending, *drafts)
         point = checkpoint(cache, trace=rollback == "trace")
-        hidden = model.hidden(mx.array(fed)[None], cache)
-        logits = model.logits(hidden)[0]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = sampler(logprobs).tolist()
+        sampled, logprobs, hidden = forward(mx.array(fed))
+        tokens = sampled.tolist()
         verified_at = time.perf_counter()
         accepted = 0
         while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
