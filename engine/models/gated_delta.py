@@ -7,9 +7,10 @@ Per head, with a decay g_t in (0, 1) and a write strength beta_t in (0, 1):
     y_t = S_t q_t
 
 The state S is [Dv, Dk] per value head and stays float32. This is the
-sequential ops path, step for step the one mlx-lm runs on non-Metal devices;
-a fused kernel can replace `recurrence` where one exists (see DESIGN.md, the
-CUDA kernel issue), as long as it keeps these bits or says why not.
+sequential ops path, step for step the one mlx-lm runs on non-Metal devices
+(the exact tier). The kernel tier passes `chunked` (engine/kernels): a prompt
+chunk of at least CHUNKED_MIN_TOKENS then runs in 64-token blocks of matrix
+products instead, equal to this path up to rounding.
 """
 
 from __future__ import annotations
@@ -69,12 +70,20 @@ def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, trace: 
     return mx.stack(ys, axis=1), state
 
 
-def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None):
-    """Gates from (a, b), then the recurrence. Returns (y [B, T, Hv, Dv], new state)."""
+# Below this many tokens (decode steps, verify windows) the per-token loop is cheaper.
+CHUNKED_MIN_TOKENS = 16
+
+
+def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None):
+    """Gates from (a, b), then the recurrence (or `chunked`, which takes the
+    recurrence's arguments, for long inputs that record no trace).
+    Returns (y [B, T, Hv, Dv], new state)."""
     beta = mx.sigmoid(b)
     g = decay(A_log, a, dt_bias)
     if state is None:
         batch, _, _, dk = q.shape
         hv, dv = v.shape[-2:]
         state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
+    if chunked is not None and trace is None and q.shape[1] >= CHUNKED_MIN_TOKENS:
+        return chunked(q, k, v, g, beta, state, mask)
     return recurrence(q, k, v, g, beta, state, mask, trace)

@@ -151,6 +151,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros(self.num_v_heads)
         self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.chunked_rule = None  # set by engine.kernels.install for the kernel tier
 
     def _conv(self, qkv: mx.array, mask, cache) -> mx.array:
         b, s, _ = qkv.shape
@@ -191,7 +192,9 @@ class GatedDeltaNet(nn.Module):
         state = cache[1] if cache is not None else None
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         trace = cache.trace.states if cache is not None and cache.trace is not None else None
-        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace)
+        out, state = gated_delta_update(
+            q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace, self.chunked_rule
+        )
         if cache is not None:
             cache[1] = state
             cache.advance(s)

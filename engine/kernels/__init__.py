@@ -1,0 +1,127 @@
+"""Kernel tiers: which implementation of the hot operations a model runs.
+
+- `exact`: MLX's operations, the graph mlx-lm runs; bit-exact with mlx-lm.
+- `fast`: this package's kernels where their gates pass (affine-quantized
+  GEMV / small-M GEMM in `quantized_gemv`, chunked Gated DeltaNet prefill in
+  `gated_delta_chunked`); the sums run in another order, so results agree
+  with the exact tier to rounding, not bit for bit.
+
+The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
+keeps the exact tier and `KernelSet.reason` says why. `install` changes a
+loaded model in place (no copy of its weights) and returns what it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.quantized_gemv import KernelQuantizedLinear
+
+EXACT, FAST = "exact", "fast"
+TIERS = (EXACT, FAST)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """What `install` put in place: the tier that runs and where."""
+
+    tier: str
+    requested: str
+    quantized_linears: int = 0
+    chunked_delta_layers: int = 0
+    reason: str = ""
+
+    def as_record(self) -> dict:
+        return {
+            "tier": self.tier,
+            "requested": self.requested,
+            "quantized_linears": self.quantized_linears,
+            "chunked_delta_layers": self.chunked_delta_layers,
+            "reason": self.reason,
+        }
+
+
+def on_cuda() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def default_tier() -> str:
+    """The tier a server or benchmark runs when none is named."""
+    return EXACT
+
+
+def fast_refusal(force: bool = False) -> Optional[str]:
+    """Why the fast tier cannot run here (None when it can)."""
+    if force or on_cuda():
+        return None
+    return f"the fast tier needs MLX's CUDA backend (this process runs on {mx.default_device()})"
+
+
+def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False) -> KernelSet:
+    """Put `tier`'s implementations into `model` (default: `default_tier()`).
+
+    `force` installs the fast tier off CUDA too, for tests: the chunked
+    delta rule is plain MLX and runs anywhere; the quantized layers fall back
+    to MLX's operation when not on CUDA.
+    """
+    tier = tier or default_tier()
+    if tier not in TIERS:
+        raise ValueError(f"unknown kernel tier {tier!r} (choose from {', '.join(TIERS)})")
+    reason = fast_refusal(force) if tier == FAST else None
+    use_fast = tier == FAST and reason is None
+    linears = _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
+    deltas = _set_delta_rule(model, chunked_gated_delta if use_fast else None)
+    return KernelSet(
+        tier=FAST if use_fast else EXACT,
+        requested=tier,
+        quantized_linears=linears if use_fast else 0,
+        chunked_delta_layers=deltas if use_fast else 0,
+        reason=reason or "",
+    )
+
+
+def _children(module: nn.Module):
+    for name, child in module.items():
+        if isinstance(child, nn.Module):
+            yield module, name, child
+        elif isinstance(child, list):
+            for i, item in enumerate(child):
+                if isinstance(item, nn.Module):
+                    yield child, i, item
+
+
+def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> int:
+    """Replace every nn.QuantizedLinear by the kernel form (or back); returns how many."""
+    count = 0
+    for parent, key, child in list(_children(module)):
+        if isinstance(child, nn.QuantizedLinear):
+            is_kernel = isinstance(child, KernelQuantizedLinear)
+            if fast and not is_kernel:
+                parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
+            elif not fast and is_kernel:
+                parent[key] = _plain(child)
+            count += 1
+        else:
+            count += _swap_quantized_linears(child, fast, use_kernel)
+    return count
+
+
+def _plain(q: KernelQuantizedLinear) -> nn.QuantizedLinear:
+    new = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    new.__dict__.update(q.__dict__)
+    dict.update(new, q)
+    return new
+
+
+def _set_delta_rule(model: nn.Module, rule) -> int:
+    count = 0
+    for _, module in model.named_modules():
+        if hasattr(module, "chunked_rule"):
+            module.chunked_rule = rule
+            count += 1
+    return count

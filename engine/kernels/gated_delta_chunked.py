@@ -1,0 +1,127 @@
+"""Gated DeltaNet prefill in chunks: a few matrix products per 64 tokens
+instead of a chain of small kernels per token.
+
+The recurrence (engine/models/gated_delta.py), per head with state S [Dv, Dk]:
+
+    S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T,    y_t = S_t q_t
+
+Within a chunk starting from state S0, with G_i = g_1 ... g_i, every S_i is
+G_i S0 + sum_{j<=i} (G_i / G_j) u_j k_j^T for "pseudo-values" u_j that solve
+the lower-triangular system (the WY / UT form of flash-linear-attention's
+`chunk_gated_delta_rule`):
+
+    (I + A) U = diag(beta) V - diag(beta G) K S0^T,
+    A_ij = beta_i (G_i / G_j) k_i.k_j  for j < i.
+
+With T = (I + A)^-1, W = T diag(beta G) K and U~ = T diag(beta) V depend on
+the chunk alone and are computed for all chunks at once; only
+U = U~ - W S0^T, the outputs Y = diag(G) Q S0^T + ((Q K^T) * decay) U and the
+next state G_C S0 + U^T diag(G_C / G) K run chunk after chunk. A is strictly
+lower triangular, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... ends after
+log2(C) factors: ten matrix products, no per-row substitution.
+
+All of it in float32 from the same inputs as the recurrence; the sums run in
+another order, so outputs and state agree to rounding (the fast tier).
+Padding past the last token uses g = 1 and beta = 0, which leaves the state
+as it is; positions a batch mask marks as padding get the same treatment.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+CHUNK = 64
+
+
+def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], by doubling."""
+    x = -a
+    eye = mx.eye(size, dtype=a.dtype)
+    inv = eye + x
+    power = x
+    span = 2
+    while span < size:
+        power = power @ power
+        inv = inv + inv @ power
+        span *= 2
+    return inv
+
+
+@mx.compile
+def _chunk_step(state, u_tilde, w, q_decayed, qk, k_decayed, chunk_decay):
+    """One chunk: state [B, H, Dv, Dk]; the rest [B, H, C, .] for this chunk."""
+    st = state.swapaxes(-1, -2)
+    u = u_tilde - w @ st
+    y = q_decayed @ st + qk @ u
+    state = chunk_decay[..., None, None] * state + u.swapaxes(-1, -2) @ k_decayed
+    return y, state
+
+
+def _prepare(q, k, v, g, beta, size: int):
+    """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]."""
+    log_g = mx.log(g)
+    cum = mx.cumsum(log_g, axis=-1)
+    lower = mx.tril(mx.ones((size, size), dtype=mx.bool_))
+    strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = mx.exp(mx.where(lower, diff, -mx.inf))
+    kk = k @ k.swapaxes(-1, -2)
+    a = mx.where(strict, beta[..., :, None] * decay * kk, 0.0)
+    inv = _inverse_unit_lower(a, size)
+    gamma = mx.exp(cum)
+    w = inv @ ((beta * gamma)[..., None] * k)
+    u_tilde = inv @ (beta[..., None] * v)
+    qk = (q @ k.swapaxes(-1, -2)) * decay
+    q_decayed = gamma[..., None] * q
+    last = cum[..., -1:]
+    k_decayed = mx.exp(last - cum)[..., None] * k
+    return u_tilde, w, q_decayed, qk, k_decayed, gamma[..., -1]
+
+
+def chunked_gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    mask: Optional[mx.array] = None,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """Same contract as `recurrence`: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
+    g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
+    returns (y [B, T, Hv, Dv] in q's dtype, final state)."""
+    out_dtype = q.dtype
+    hk, hv = q.shape[2], v.shape[2]
+    if hv > hk:
+        q = mx.repeat(q, hv // hk, -2)
+        k = mx.repeat(k, hv // hk, -2)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    g = g.astype(mx.float32)
+    beta = beta.astype(mx.float32)
+    if mask is not None:
+        keep = mask[..., None]
+        g = mx.where(keep, g, 1.0)
+        beta = mx.where(keep, beta, 0.0)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def blocks(x, fill=0.0):
+        x = x.astype(mx.float32)
+        if pad:
+            widths = [(0, 0)] * x.ndim
+            widths[1] = (0, pad)
+            x = mx.pad(x, widths, constant_values=fill)
+        x = x.reshape(b, n, chunk, h, *x.shape[3:])
+        return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
+
+    parts = _prepare(blocks(q), blocks(k), blocks(v), blocks(g, 1.0), blocks(beta), chunk)
+    ys = []
+    for i in range(n):
+        y, state = _chunk_step(state, *(p[:, :, i] for p in parts))
+        ys.append(y)
+    y = mx.stack(ys, axis=2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return y.swapaxes(1, 2).astype(out_dtype), state

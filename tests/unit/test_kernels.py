@@ -1,0 +1,153 @@
+"""Kernel tiers: selection and fallback (everywhere), the kernels' numerics (CUDA only for the GEMV).
+
+On the H200: `python3 -m pytest -q tests/unit/test_kernels.py` (see harness/gpu/README.md).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
+from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.quantized_gemv import KernelQuantizedLinear, quantized_matmul, refusal
+from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
+from harness.kernel_bench import delta_inputs
+
+cuda_only = pytest.mark.skipif(not on_cuda(), reason="the GEMV kernel is built only on MLX's CUDA backend")
+
+
+def make_quantized(n=64, k=128, bits=4, group_size=64, dtype=mx.bfloat16, seed=0):
+    mx.random.seed(seed)
+    layer = nn.Linear(k, n, bias=False)
+    layer.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(layer, group_size=group_size, bits=bits)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = make_quantized()
+        self.layers = [make_quantized(seed=1), nn.Linear(8, 8)]
+
+
+def test_fast_tier_off_cuda_keeps_exact_and_says_why():
+    if on_cuda():
+        pytest.skip("on CUDA the fast tier applies")
+    m = Tiny()
+    ks = install(m, FAST)
+    assert ks == KernelSet(tier=EXACT, requested=FAST, reason=ks.reason)
+    assert "CUDA" in ks.reason
+    assert type(m.proj) is nn.QuantizedLinear
+
+
+def test_install_swaps_quantized_layers_and_back_without_copying_weights():
+    m = Tiny()
+    weight = m.proj.weight
+    ks = install(m, FAST, force=True)
+    assert ks.tier == FAST and ks.quantized_linears == 2
+    assert isinstance(m.proj, KernelQuantizedLinear) and isinstance(m.layers[0], KernelQuantizedLinear)
+    assert type(m.layers[1]) is nn.Linear
+    assert m.proj.weight is weight
+    assert install(m, EXACT).tier == EXACT
+    assert type(m.proj) is nn.QuantizedLinear and m.proj.weight is weight
+
+
+def test_small_matrices_keep_mlx_kernel():
+    small = KernelQuantizedLinear.from_module(make_quantized(n=64), use_kernel=True)
+    big = KernelQuantizedLinear.from_module(make_quantized(n=2048), use_kernel=True)
+    assert not small.use_kernel and "64 outputs" in small.kernel_refusal
+    assert big.use_kernel and big.kernel_refusal is None
+
+
+def test_unknown_tier_is_refused():
+    with pytest.raises(ValueError, match="unknown kernel tier"):
+        install(Tiny(), "turbo")
+
+
+def test_kernel_layer_falls_back_to_mlx_off_cuda_bit_exact():
+    if on_cuda():
+        pytest.skip("on CUDA the kernel runs")
+    q = make_quantized()
+    x = mx.random.normal((1, 3, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(KernelQuantizedLinear.from_module(q, use_kernel=False)(x), q(x)).item()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, bits, group, expect",
+    [
+        ((1, 128), mx.bfloat16, 4, 64, None),
+        ((16, 128), mx.bfloat16, 8, 32, None),
+        ((17, 128), mx.bfloat16, 4, 64, "17 rows"),
+        ((1, 128), mx.float32, 4, 64, "float32 activations"),
+        ((1, 128), mx.bfloat16, 4, 128, "group size 128"),
+        ((1, 128), mx.bfloat16, 3, 32, "3-bit"),
+    ],
+)
+def test_gate_of_the_gemv_kernel(shape, dtype, bits, group, expect):
+    q = make_quantized(bits=bits if bits in (4, 8) else 4, group_size=group if group in (32, 64) else 64)
+    x = mx.zeros(shape, dtype=dtype)
+    why = refusal(x, q.weight, q.scales, group, bits)
+    assert why == expect if expect is None else expect in why
+
+
+@pytest.mark.parametrize("t, hk, hv, masked", [(1, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)])
+def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
+    q, k, v, g, beta, state = delta_inputs(t, hk, hv, 32, 16, dtype=mx.float32, seed=t)
+    state = state + 0.1
+    mask = (mx.arange(t) >= t // 3)[None] if masked else None
+    y_ref, s_ref = recurrence(q, k, v, g, beta, state, mask)
+    y, s = chunked_gated_delta(q, k, v, g, beta, state, mask)
+    # Same inputs, float32 throughout, another order of the sums: agreement to float32 rounding. On CUDA
+    # MLX runs float32 matrix products as TF32 by default (MLX_ENABLE_TF32=1: 10-bit mantissa inputs), and
+    # the chunked form is matrix products where the recurrence is elementwise: there ~1e-3 relative.
+    tol = 2e-3 if on_cuda() else 1e-5
+    assert mx.abs(s - s_ref).max().item() < tol
+    if masked:  # outputs at padded positions are not used; compare the real ones
+        y, y_ref = y[:, t // 3 :], y_ref[:, t // 3 :]
+    assert mx.abs(y - y_ref).max().item() < tol
+
+
+def test_delta_update_uses_chunked_only_for_long_inputs_without_trace():
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[1])
+        return chunked_gated_delta(*args)
+
+    q, k, v, _, _, state = delta_inputs(CHUNKED_MIN_TOKENS, 2, 2, 16, 16, dtype=mx.float32)
+    a = mx.zeros(q.shape[:3])
+    b = mx.zeros(q.shape[:3])
+    A_log, dt_bias = mx.zeros(2), mx.ones(2)
+    gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, chunked=spy)
+    gated_delta_update(q[:, :1], k[:, :1], v[:, :1], a[:, :1], b[:, :1], A_log, dt_bias, state, chunked=spy)
+    gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, trace=[], chunked=spy)
+    assert calls == [CHUNKED_MIN_TOKENS]
+
+
+@cuda_only
+@pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n, k", [(48, 5120), (1000, 1536), (4096, 17408)])
+def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
+    q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    with mx.stream(mx.cpu):  # float32 on the CPU (no TF32); weights dequantized in float32, not rounded to bf16
+        f32 = mx.float32
+        w = mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), group, bits)
+        exact = x.astype(f32) @ w.T
+    out = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits).astype(mx.float32)
+    # The only rounding that matters is the bf16 output (half an ulp, at most 2^-8 relative); float32 sums in
+    # any order add far less. (MLX's own kernel is not held to this: it rounds dequantized weights to bf16,
+    # ~5e-3 off at K = 5120 on this data, which is why the fast tier is not bit-exact with it either way.)
+    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+    assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
+
+
+@cuda_only
+def test_kernel_layer_runs_the_compiled_kernel():
+    q = make_quantized(n=2048, k=512)
+    layer = KernelQuantizedLinear.from_module(q, use_kernel=True)
+    for m in (1, 4, 5):
+        x = mx.random.normal((1, m, 512)).astype(mx.bfloat16)
+        want = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4) if m <= 4 else q(x)
+        assert mx.array_equal(layer(x), want).item()
