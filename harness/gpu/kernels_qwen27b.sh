@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device call 2 (after `bash .device-kit/a/hold.sh`), from the repo root:
+#   source .device-kit/b/env.sh && PART=tests bash harness/gpu/kernels_qwen27b.sh
+# PART=tests:  the kernel numerics tests on CUDA, then `harness kernels` on qwen27b's shapes
+# PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
+# PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
+# PART=all:    native, then the kernel table, then the tests (-x)
+# Results land in $OUT.
+set -euo pipefail
+export ENGINE_HARNESS_CACHE=/tmp/ehc PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PART=${PART:-tests}
+synth() { [ -f "/tmp/ehc/models/qwen27b-s0/manifest.json" ] || { time python3 -m harness models synth qwen27b ; } 2>&1 | tee -a "$OUT/synth.log"; }
+case "$PART" in
+  tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -20 | tee "$OUT/test_kernels.txt" || true
+    python3 -m harness kernels --shapes qwen27b ${KERNELS_ARGS:-} --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
+    ;;
+  gate)
+    python3 harness/gpu/diag_gemv_rows.py 2>&1 | tee "$OUT/gemv-rows.txt" || true
+    synth
+    python3 -m harness kernels --shapes qwen27b --rows 1 --tokens 1024 --max-shapes 1 --gate-model qwen27b \
+        --json "$OUT/gate-qwen27b.json" 2>&1 | tee "$OUT/gate-qwen27b.txt"
+    ;;
+  native)
+    synth
+    python3 -m harness native --models qwen27b --kernels fast --prompt-tokens "${PROMPT:-1024}" \
+        --decode-tokens "${DECODE:-128}" --samples "${SAMPLES:-5}" --warmup 1 \
+        --json "$OUT/native-qwen27b-fast.json" 2>&1 | tee "$OUT/native-qwen27b-fast.txt"
+    ;;
+  all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
+    synth
+    PART=native bash "$0"
+    python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
+    python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
+    ;;
+  *) echo "PART must be tests, gate, native or all" >&2; exit 2 ;;
+esac

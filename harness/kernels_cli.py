@@ -1,0 +1,123 @@
+"""`harness kernels`: the fast tier's kernels against MLX's operations, and its numerics gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.cli_common import CliError, console, csv_ints
+from harness.cli_common import out as stdout
+from harness.cli_common import positive as _positive
+
+
+def add_kernels(sub) -> None:
+    p = sub.add_parser(
+        "kernels",
+        help="microbenchmark the fast tier's kernels on a model's shapes; optionally its whole-model numerics gate",
+        description="Time each fast-tier kernel against MLX's built-in operation on the exact shapes of a registry "
+        "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count, and "
+        "the chunked Gated DeltaNet prefill against the per-token recurrence. Prints median time, effective "
+        "GB/s and the fraction of --peak-gbs, speedups, and max |difference| against the built-in result. "
+        "Off CUDA only the built-in side runs. With --gate-model, also loads that model and runs the numerics "
+        "gate: exact vs fast tier over the parity prompts, greedy agreement and mean KL against the bound.",
+    )
+    p.add_argument("--shapes", default="qwen27b", help="registry model whose shapes to use (default qwen27b)")
+    p.add_argument("--rows", type=csv_ints, default=[1, 2, 4, 8, 16], help="activation rows M (default 1,2,4,8,16)")
+    p.add_argument("--tokens", type=csv_ints, default=[64, 1024], help="prefill lengths for Gated DeltaNet "
+                   "(default 64,1024)")
+    p.add_argument("--max-shapes", type=_positive, default=None, help="only the N largest linear shapes")
+    p.add_argument("--repeats", type=_positive, default=7, help="timed repetitions, median reported (default 7)")
+    p.add_argument("--peak-gbs", type=float, default=4800.0, help="the machine's memory bandwidth in GB/s for the "
+                   "fraction-of-limit column (default 4800, an H200)")
+    p.add_argument("--gate-model", default=None, help="registry model for the whole-model numerics gate "
+                   "(exact vs fast tier); omitted: no gate")
+    p.add_argument("--gate-steps", type=_positive, default=64, help="decode steps per gate prompt (default 64)")
+    p.add_argument("--force", action="store_true", help="run the gate's fast tier off CUDA too (the chunked "
+                   "delta rule runs; quantized layers fall back to MLX's op): for testing")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.set_defaults(func=cmd_kernels)  # fmt: skip
+
+
+def _fmt(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def cmd_kernels(args) -> int:
+    import mlx.core as mx
+    from rich.table import Table
+
+    from engine.errors import UnknownModelError
+    from engine.registry import get_spec
+    from harness.kernel_bench import BenchConfig, DeltaResult, run_kernel_bench
+
+    try:
+        spec = get_spec(args.shapes)
+    except UnknownModelError as e:
+        raise CliError(str(e)) from None
+    cfg = BenchConfig(rows=tuple(args.rows), tokens=tuple(args.tokens), repeats=args.repeats,
+                      peak_gbs=args.peak_gbs, max_shapes=args.max_shapes)  # fmt: skip
+    with console.status("timing") as status:
+        def progress(r):
+            label = f"T={r.tokens}" if isinstance(r, DeltaResult) else f"{r.n}x{r.k} M={r.m}"
+            status.update(f"timed {label}")
+
+        gemv, delta = run_kernel_bench(spec, cfg, on_result=progress)
+    t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()})")
+    for col in ("N x K", "M", "layers", "mlx us", "mlx GB/s", "kernel us", "kernel GB/s", "of limit", "speedup",
+                "max|diff|", "note"):
+        t.add_column(col)
+    for r in gemv:
+        gbs = r.gbs(r.kernel_us)
+        t.add_row(f"{r.n}x{r.k}", str(r.m), str(r.layers), _fmt(r.builtin_us), _fmt(r.gbs(r.builtin_us), ".0f"),
+                  _fmt(r.kernel_us), _fmt(gbs, ".0f"), _fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
+                  _fmt(r.speedup, ".2f"), _fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
+    stdout.print(t)
+    if delta:
+        d = Table(title="Gated DeltaNet prefill: per-token recurrence vs chunked")
+        for col in ("tokens", "heads k/v", "recurrence ms", "chunked ms", "speedup", "max|diff| y", "max|diff| state"):
+            d.add_column(col)
+        for r in delta:
+            d.add_row(str(r.tokens), f"{r.heads_k}/{r.heads_v}", _fmt(r.builtin_ms, ".2f"), _fmt(r.kernel_ms, ".2f"),
+                      _fmt(r.speedup, ".1f"), _fmt(r.max_abs_diff_y, ".2e"), _fmt(r.max_abs_diff_state, ".2e"))  # fmt: skip
+        stdout.print(d)
+    record = {
+        "shapes": spec.name,
+        "device": str(mx.default_device()),
+        "peak_gbs": cfg.peak_gbs,
+        "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],
+        "delta": [dict(vars(r), speedup=r.speedup) for r in delta],
+    }
+    code = 0
+    if args.gate_model:
+        gate = _gate(args)
+        record["gate"] = {"model": args.gate_model, **gate.as_record()}
+        code = 0 if gate.passed else 1
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+    return code
+
+
+def _gate(args):
+    from rich.table import Table
+
+    from engine.engine import Engine
+    from harness.kernel_gate import run_gate
+    from harness.parity import vocab_size
+
+    with console.status(f"loading {args.gate_model}") as status:
+        eng = Engine.load(args.gate_model, with_tokenizer=False)
+        status.update("gate: exact vs fast tier")
+        gate = run_gate(eng.model, vocab_size(eng.path), steps=args.gate_steps, force=args.force,
+                        on_prompt=lambda p: status.update(f"gate: prompt of {p.prompt_len} done"))  # fmt: skip
+    t = Table(title=f"numerics gate on {args.gate_model}: exact vs fast tier, {args.gate_steps} steps")
+    for col in ("prompt", "greedy equal steps", "agreement", "mean KL", "max KL", "floor KL (prefill 256)"):
+        t.add_column(col)
+    for p in gate.prompts:
+        t.add_row(str(p.prompt_len), f"{p.greedy_equal_steps}/{p.steps}", f"{p.agreement:.0%}", f"{p.mean_kl:.2e}",
+                  f"{p.max_kl:.2e}", f"{p.floor_kl:.2e}")  # fmt: skip
+    stdout.print(t)
+    verdict = "PASS" if gate.passed else "FAIL"
+    stdout.print(f"gate {verdict}: greedy identical {gate.greedy_identical}, mean KL {gate.mean_kl:.2e} "
+                 f"(bound {gate.kl_bound:.0e})")  # fmt: skip
+    return gate
