@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--sample-seed", type=int, default=None, help="seed for sampling (default: random)")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    add_kernels_flag(gen)
     _add_spec_flags(gen)
     gen.set_defaults(func=cmd_generate)
     _add_serve(sub)
@@ -62,6 +63,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_kernels_flag(p: argparse.ArgumentParser) -> None:
+    """`--kernels {exact,fast}`: the kernel tier the model runs (engine.kernels)."""
+    from engine.kernels import TIERS, default_tier
+
+    p.add_argument(
+        "--kernels", choices=TIERS, default=default_tier(),
+        help="kernel tier: exact = MLX's operations, bit-exact with mlx-lm; fast = the engine's custom CUDA kernels "
+        "(quantized GEMV, chunked DeltaNet prefill), equal to exact up to rounding, on MLX's CUDA backend only: "
+        f"elsewhere the exact tier runs and the reason is printed (default {default_tier()})",
+    )  # fmt: skip
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
@@ -132,6 +145,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
     p.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $ENGINE_API_KEY, else no key)")
+    add_kernels_flag(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
 
@@ -155,6 +169,7 @@ def cmd_serve(args) -> int:
             kv_group_size=args.kv_group_size,
             api_key=args.api_key,
             default_max_tokens=args.max_tokens,
+            kernels=args.kernels,
             spec=spec_config(args),
             draft_model=args.draft_model,
             draft_model_path=args.draft_model_path,
@@ -163,12 +178,15 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from engine.engine import Engine
+    from engine.engine import Engine, kernels_notice
     from engine.types import SamplingParams
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    eng = Engine.load(args.model, args.model_path, seed=args.seed)
+    eng = Engine.load(args.model, args.model_path, seed=args.seed, kernels=args.kernels)
+    notice = kernels_notice(eng.kernels)
+    if notice:
+        print(notice, file=sys.stderr)
     tok = eng.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     sampling = SamplingParams(
@@ -199,7 +217,7 @@ def cmd_generate(args) -> int:
     decode_tps = (len(out_ids) - 1) / (end - first_at) if len(out_ids) > 1 and first_at else float("nan")
     print(
         f"[{len(ids)} prompt tokens, {len(out_ids)} generated, TTFT {(first_at - start) * 1000:.0f} ms, "
-        f"decode {decode_tps:.1f} tok/s, finish: {finish.value if finish else '-'}]",
+        f"decode {decode_tps:.1f} tok/s, kernels {eng.kernels.tier}, finish: {finish.value if finish else '-'}]",
         file=sys.stderr,
     )
     if stats is not None:

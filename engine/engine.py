@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, StepTap, generate
+from engine.kernels import EXACT, TIERS, KernelSet, install
 from engine.loading import load_model
 from engine.model_source import resolve_model_dir
 from engine.types import GeneratedToken, SamplingParams, StopCriteria
@@ -24,11 +25,18 @@ def _eos_ids(config: dict[str, Any]) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def kernels_notice(kernels: KernelSet) -> Optional[str]:
+    """The one stderr line for a tier that was asked for and does not run (None when it runs)."""
+    if kernels.tier == kernels.requested:
+        return None
+    return f"kernels: {kernels.requested} requested, running {kernels.tier}: {kernels.reason}"
+
+
 @dataclass
 class Engine:
-    """A model ready to generate.
+    """A model ready to generate, with the kernel tier it runs (`kernels`).
 
-    >>> eng = Engine.load("tiny-qwen35")
+    >>> eng = Engine.load("tiny-qwen35")  # the default tier; kernels="fast" for the custom CUDA kernels
     >>> ids = eng.tokenizer.encode("Hello")
     >>> text = eng.tokenizer.decode(t.token_id for t in eng.generate(ids, max_tokens=8))
     """
@@ -37,6 +45,7 @@ class Engine:
     config: dict[str, Any]
     path: Path
     tokenizer: Optional[Tokenizer] = None
+    kernels: KernelSet = KernelSet(tier=EXACT, requested=EXACT)  # what `load_model` gives: MLX's ops
 
     @classmethod
     def load(
@@ -47,11 +56,22 @@ class Engine:
         seed: int = 0,
         lazy: bool = False,
         with_tokenizer: bool = True,
+        kernels: Optional[str] = None,
     ) -> "Engine":
+        """Load a registry model or a model directory with the kernel tier `kernels`.
+
+        `kernels`: "exact" or "fast" (default: `engine.kernels.default_tier()`).
+        Where the fast tier cannot run (off MLX's CUDA backend) the model keeps
+        the exact tier and `Engine.kernels.reason` says why; an unknown tier is
+        a ValueError.
+        """
+        if kernels is not None and kernels not in TIERS:  # before loading: a big model takes a while
+            raise ValueError(f"unknown kernel tier {kernels!r} (choose from {', '.join(TIERS)})")
         path = resolve_model_dir(model, model_path, seed=seed)
         net, config = load_model(path, lazy=lazy)
+        kernel_set = install(net, kernels)
         tok = Tokenizer(path, _eos_ids(config)) if with_tokenizer else None
-        return cls(model=net, config=config, path=path, tokenizer=tok)
+        return cls(model=net, config=config, path=path, tokenizer=tok, kernels=kernel_set)
 
     @property
     def eos_ids(self) -> frozenset[int]:

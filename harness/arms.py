@@ -1,7 +1,10 @@
 """The arms a benchmark compares: real server processes on the same artifact.
 
-    engine         `engine serve` at its defaults (continuous batching, prompt cache)
+    engine         `engine serve` at its defaults (continuous batching, prompt cache, the default kernel tier)
     engine-serial  `engine serve --batch 1` (every request on the strict serial path)
+    engine-exact   `engine serve --kernels exact` (MLX's operations, bit-exact with mlx-lm)
+    engine-fast    `engine serve --kernels fast` (custom CUDA kernels; off CUDA the server runs exact
+                   and says so: each run records the tier the server reports in /stats, not the flag)
     mlx-lm         stock `mlx_lm.server` through oracles/mlx_lm_server.py, which adds
                    only token-id prompts and `ignore_eos` (see that file)
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from engine.kernels import TIERS
 from harness.servers import engine_serve_command
 
 Command = Callable[[Path, int], list[str]]
@@ -30,6 +34,7 @@ class ArmSpec:
     env: dict = field(default_factory=dict)
     probe: Optional[dict] = None  # a completion that must succeed before the arm counts as ready
     returns_token_ids: bool = False
+    is_engine: bool = False  # an `engine serve` arm: its /stats says which kernel tier runs
 
 
 def _hf_env() -> dict[str, str]:
@@ -39,14 +44,18 @@ def _hf_env() -> dict[str, str]:
     return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
 
+def _engine_arm(name: str, *flags: str) -> ArmSpec:
+    def command(model_dir: Path, port: int) -> list[str]:
+        return engine_serve_command(["--model-path", str(model_dir)], port, *flags)
+
+    return ArmSpec(name, command, {"return_token_ids": True}, returns_token_ids=True, is_engine=True)
+
+
 def standard_arms() -> dict[str, ArmSpec]:
-    ours = {"return_token_ids": True}
     return {
-        "engine": ArmSpec("engine", lambda d, p: engine_serve_command(["--model-path", str(d)], p), ours,
-                          returns_token_ids=True),
-        "engine-serial": ArmSpec("engine-serial",
-                                 lambda d, p: engine_serve_command(["--model-path", str(d)], p, "--batch", "1"),
-                                 ours, returns_token_ids=True),
+        "engine": _engine_arm("engine"),
+        "engine-serial": _engine_arm("engine-serial", "--batch", "1"),
+        **{f"engine-{tier}": _engine_arm(f"engine-{tier}", "--kernels", tier) for tier in TIERS},
         "mlx-lm": ArmSpec("mlx-lm", lambda d, p: [sys.executable, "-m", "oracles.mlx_lm_server", "--model", str(d),
                                                   "--host", "127.0.0.1", "--port", str(p)],
                           env=_hf_env(), probe={"prompt": [5, 6, 7], "max_tokens": 1}),

@@ -43,7 +43,7 @@ def export_run(db: sqlite_utils.Database, run_id: str) -> dict:
         m["arms"].append({"arm": a["arm"], "command": json.loads(a["command"] or "[]"), "env": {}, "status": a["status"],
                           "error": a["error"], "load_to_ready_s": a["load_to_ready_s"],
                           "peak_rss_bytes": a["peak_rss_bytes"], "rss_samples": [], "stderr_tail": a["stderr_tail"] or "",
-                          "cells": cells})  # fmt: skip
+                          "kernels": json.loads(a.get("kernels") or "null"), "cells": cells})  # fmt: skip
     return {
         "schema_version": SCHEMA_VERSION, "run_id": r["run_id"], "created": r["created"], "kind": r["kind"],
         "label": r["label"], "diagnostic": bool(r["diagnostic"]), "settings": json.loads(r["settings"] or "{}"),

@@ -8,6 +8,10 @@ median prefill rate (prompt tokens / time to first token) and the median
 decode rate ((tokens - 1) / time after the first token); ratios are
 engine / mlx-lm; token identity compares the generated ids.
 
+The engine side runs the kernel tier `NativeConfig.kernels` (mlx-lm stays
+stock); the result records what ran (`KernelSet.as_record()`), which is the
+exact tier wherever the fast one cannot run.
+
 Medians of two noisy series can disagree with what happened pair by pair, so
 each measured engine request is also paired with the mlx-lm request next to it
 in time; the geometric mean and range of those paired ratios are reported.
@@ -25,6 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 from engine.generate import generate
+from engine.kernels import EXACT, KernelSet, install
 from engine.types import StopCriteria
 from engine.loading import load_model
 from harness.parity import vocab_size
@@ -41,6 +46,7 @@ class NativeConfig:
     samples: int = 5
     warmup: int = 1
     seed: int = 0
+    kernels: str = EXACT  # the engine side's kernel tier
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,12 @@ class NativeResult:
     engine: ArmSummary
     mlx_lm: ArmSummary
     tokens_identical: bool
+    kernels: KernelSet  # what the engine side ran
+
+    @property
+    def is_exact(self) -> bool:
+        """Whether token identity is the expectation (the fast tier agrees to rounding only)."""
+        return self.kernels.tier == EXACT
 
     def paired_decode_ratios(self) -> list[float]:
         return [a / b for a, b in zip(self.engine.samples_decode_tps, self.mlx_lm.samples_decode_tps)]
@@ -88,6 +100,7 @@ class NativeResult:
     def as_record(self) -> dict:
         return {
             **asdict(self),
+            "kernels": self.kernels.as_record(),
             "decode_ratio": self.decode_ratio,
             "prefill_ratio": self.prefill_ratio,
             "paired_decode_ratios": self.paired_decode_ratios(),
@@ -144,6 +157,7 @@ def run_native(
     on_sample: Optional[Callable[[Sample], None]] = None,
 ) -> NativeResult:
     ours, _ = load_model(path)
+    kernels = install(ours, cfg.kernels)
     theirs = reference.load_model(path)
     ids = frozen_prompt_ids(cfg.prompt_tokens, vocab_size(path), cfg.seed)
     n = cfg.decode_tokens
@@ -171,4 +185,5 @@ def run_native(
         engine=_summarize(ENGINE, samples[ENGINE], cfg.prompt_tokens, n),
         mlx_lm=_summarize(MLX_LM, samples[MLX_LM], cfg.prompt_tokens, n),
         tokens_identical=identical,
+        kernels=kernels,
     )

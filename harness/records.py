@@ -4,7 +4,8 @@ The JSON is rewritten (atomically) after every cell, so a crash loses at most
 the cell in flight. The database (sqlite-utils) indexes every run:
 
     runs      one row per run: provenance, settings, preflight, JSON path
-    arms      one row per (block, model, arm): command, load-to-ready, peak RSS, status, stderr tail
+    arms      one row per (block, model, arm): command, load-to-ready, peak RSS, status, stderr tail,
+              the kernel set an engine server reported in /stats
     cells     one row per (block, model, arm, phase): status, metrics, error
     requests  one row per request: timings, usage, finish reason, output hash
     samples   RSS samples of each arm's server process tree
@@ -59,6 +60,7 @@ class ArmRun:
     peak_rss_bytes: Optional[int] = None
     rss_samples: list[tuple[float, int]] = field(default_factory=list)
     stderr_tail: str = ""
+    kernels: Optional[dict[str, Any]] = None  # an engine arm's KernelSet record, from its /stats
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -142,7 +144,11 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
     db["samples"].create_index(["run_id", "model", "arm"])
 
 
-MIGRATIONS = [_m1_initial]  # append only; each runs once, in order
+def _m2_arm_kernels(db: sqlite_utils.Database) -> None:
+    db["arms"].add_column("kernels", str)  # JSON: KernelSet.as_record() from the server's /stats
+
+
+MIGRATIONS = [_m1_initial, _m2_arm_kernels]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -194,6 +200,7 @@ def db_arm(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun)
         db["arms"].upsert({**keys, "command": json.dumps(arm.command), "load_to_ready_s": arm.load_to_ready_s,
                            "peak_rss_bytes": arm.peak_rss_bytes, "status": arm.status, "error": arm.error,
                            "stderr_tail": arm.stderr_tail, "workload_sha256": model.workload_sha256,
-                           "manifest_sha256": model.manifest_sha256},
+                           "manifest_sha256": model.manifest_sha256,
+                           "kernels": None if arm.kernels is None else json.dumps(arm.kernels)},
                           pk=("run_id", "block", "model", "arm"))  # fmt: skip
         db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)

@@ -1,7 +1,8 @@
 """`harness run all`: every arm, as a real server process, through the same frozen workload.
 
-Per model and arm: start the server (load-to-ready timed), sample the RSS of
-its process tree throughout, then run the phases in order:
+Per model and arm: start the server (load-to-ready timed), record the kernel
+tier an engine server reports in /stats, sample the RSS of its process tree
+throughout, then run the phases in order:
 
     warmup          one short request, then as many at once as the largest concurrency
                     (kernels compile; on CUDA, per shape)
@@ -29,6 +30,8 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+import httpx
 
 from harness import provenance
 from harness.arms import ArmSpec
@@ -144,6 +147,10 @@ class Runner:
             return
         arm.load_to_ready_s = round(server.load_to_ready_s, 3)
         try:
+            if spec.is_engine:
+                arm.kernels = server_kernels(server)
+                tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
+                self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
             with RssSampler(server.proc.pid) as rss, server.client(self.settings.request_timeout_s) as client:
                 for phase in phases:
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
@@ -208,6 +215,17 @@ class Runner:
     def _save(self) -> None:
         write_json(self.record, self.out)
         db_run(self.db, self.record, self.out)
+
+
+def server_kernels(server: ServerProcess) -> Optional[dict]:
+    """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
+    try:
+        with server.client(timeout=30) as client:
+            r = client.get("/stats")
+        kernels = r.json().get("kernels") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):  # no answer, not JSON, not an object
+        return None
+    return kernels if isinstance(kernels, dict) else None
 
 
 def _same_text(a: str, b: str) -> bool:

@@ -24,7 +24,9 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     )
     src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
     p.add_argument("--label", help="name for --model-path in the records (default: the directory name)")
-    p.add_argument("--arms", type=csv, default=csv(arms_default), help=f"arms to run (default {arms_default})")
+    p.add_argument("--arms", type=csv, default=csv(arms_default),
+                   help=f"arms to run, from engine, engine-serial, engine-exact, engine-fast (--kernels exact|fast), "
+                   f"mlx-lm (default {arms_default})")  # fmt: skip
     p.add_argument("--tokens", type=positive, default=None, help="output tokens per timed request (default 192)")
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=positive, default=None, help="long-context prompt tokens (default 4096)")

@@ -6,6 +6,7 @@
     peak RSS       of the server's whole process tree
     x mlx-lm       decode rate / the mlx-lm arm's (only when both did the same work)
     roofline       decode rate / (memory bandwidth / weight bytes), where the bandwidth is known
+    kernels        the kernel tier an engine arm's server reported (/stats); - for other servers
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def rows(run: dict) -> list[dict]:
                 "parity": (m["parity"].get("verdicts", {}).get(arm["arm"]) or {}).get("match"),
                 "vs_mlx_lm": None, "vs_mlx_lm_note": None,
                 "roofline": round(decode / roof, 4) if decode and roof else None,
+                "kernels": (arm.get("kernels") or {}).get("tier"),
             }  # fmt: skip
             if base is not None and arm is not base:
                 why = same_work(arm, base, "decode")
@@ -98,12 +100,13 @@ def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[s
     return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], _fmt(r["decode_tps"]), _fmt(r["ttft_cold_ms"], ".0f"),
             _fmt(r["ttft_warm_ms"], ".0f"), *[_fmt(r["aggregate_tps"].get(c)) for c in concurrency],
             _fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
-            _fmt(r["roofline"], ".1%"), parity]  # fmt: skip
+            _fmt(r["roofline"], ".1%"), parity, r.get("kernels") or "-"]  # fmt: skip
 
 
 def headers(concurrency: list[str], blocks: bool = False) -> list[str]:
     return [*(["block"] if blocks else []), "model", "arm", "status", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
-            *[f"agg@{c} tok/s" for c in concurrency], "peak RSS MiB", "decode x mlx-lm", "roofline", "probe"]  # fmt: skip
+            *[f"agg@{c} tok/s" for c in concurrency], "peak RSS MiB", "decode x mlx-lm", "roofline", "probe",
+            "kernels"]  # fmt: skip
 
 
 def concurrency_levels(rs: list[dict]) -> list[str]:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.batch.scheduler import RequestTooLarge
+from engine.kernels import KernelSet
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
@@ -43,6 +44,7 @@ class ServerContext:
     default_max_tokens: int
     api_key: Optional[str]
     created: int
+    kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -179,7 +181,8 @@ class _Relay:
         return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
 
     def usage(self) -> dict[str, Any]:
-        return responses.usage(self.result, self.placement.cached_tokens, self.stream, self.placement.reason)
+        p = self.placement
+        return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier)
 
     def cancel(self) -> None:
         if self.result is None and self.stream.alive:
@@ -270,7 +273,7 @@ def make_app(ctx: ServerContext) -> Starlette:
         return JSONResponse({"status": "ok", "model": ctx.model_id})
 
     async def stats(request: Request) -> Response:
-        return JSONResponse(ctx.worker.snapshot)
+        return JSONResponse({**ctx.worker.snapshot, "kernels": ctx.kernels.as_record()})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

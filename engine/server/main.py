@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from engine.engine import Engine
+from engine.engine import Engine, kernels_notice
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -50,6 +50,7 @@ class ServeConfig:
     kv_group_size: int = 64
     api_key: Optional[str] = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    kernels: Optional[str] = None  # kernel tier, "exact" | "fast"; None: engine.kernels.default_tier()
     spec: Optional[SpecConfig] = None  # speculative decoding; None: off
     draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
     draft_model_path: Optional[Path] = None
@@ -84,7 +85,10 @@ def _warm_up(gateway: Gateway) -> None:
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
     gateway_config = cfg.gateway_config()  # setting errors before any loading
-    engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed)
+    engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
+    notice = kernels_notice(engine.kernels)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     speculation = None
     if cfg.spec is not None:
         speculation = load_speculation(
@@ -105,6 +109,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,
         created=int(time.time()),
+        kernels=engine.kernels,
     )
     return worker, ctx
 
@@ -130,7 +135,7 @@ def serve(cfg: ServeConfig) -> int:
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
     print(
         f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}, "
-        f"context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
+        f"kernels {ctx.kernels.tier}, context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
         flush=True,
     )
     server = uvicorn.Server(

@@ -5,6 +5,7 @@ The usage object carries the OpenAI fields plus one extension, `engine`:
     "engine": {
       "lane": "continuous" | "serial" | "spec",  where the request ran
       "lane_reason": "...",                why it ran there
+      "kernels": "exact" | "fast",         the kernel tier the model runs (the server's, all lanes)
       "batch_size": 3,                     most rows in the batch while it ran
       "finish": "stop" | "length" | ...,   the engine's finish reason
       "timings_ms": {"queue", "prefill", "first_token", "decode", "total"},
@@ -41,7 +42,7 @@ class Output:
         return "chat.completion" if self.is_chat else "text_completion"
 
 
-def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str) -> dict[str, Any]:
+def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str, kernels: str) -> dict[str, Any]:
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.generated_tokens,
@@ -50,6 +51,7 @@ def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason
         "engine": {
             "lane": result.lane.value,
             "lane_reason": lane_reason,
+            "kernels": kernels,
             "batch_size": stream.max_batch,
             "finish": result.finish_reason.value,
             "timings_ms": stream.times.as_ms(),

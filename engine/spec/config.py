@@ -137,9 +137,11 @@ def load_speculation(
     """Load the draft model (kind "draft"), check its tokenizer against the target's, build the setup.
 
     A draft that is the target's own artifact is not loaded twice: the target
-    drafts for itself with caches of its own (the upper bound of acceptance).
+    drafts for itself with caches of its own (the upper bound of acceptance),
+    on the target's kernel tier; a separate draft model runs the exact tier.
     """
     from engine.engine import Engine
+    from engine.kernels import EXACT
     from engine.model_source import resolve_model_dir
 
     draft = None
@@ -152,7 +154,9 @@ def load_speculation(
         if path.resolve() == target.path.resolve():
             draft = target.model
         else:
-            loaded = Engine.load(model_path=path)
+            # The draft stays on the exact tier whatever the target runs: the target's verify
+            # decides every emitted token, and `kernels` in usage and /stats describes the target.
+            loaded = Engine.load(model_path=path, kernels=EXACT)
             check_same_tokenizer(target.tokenizer, loaded.tokenizer, name)
             draft = loaded.model
     elif draft_model is not None or draft_model_path is not None:

@@ -1,0 +1,146 @@
+"""The kernel tier as a setting: CLI flags, Engine.load, the harness arms and records that name it."""
+
+import json
+
+import pytest
+
+from engine.cli import build_parser
+from engine.cli import main as engine_main
+from engine.engine import Engine, kernels_notice
+from engine.kernels import EXACT, FAST, KernelSet, default_tier, on_cuda
+from harness.arms import standard_arms
+from harness.cli import main as harness_main
+from harness.db_export import export_run
+from harness.records import ArmRun, ModelRun, db_arm, open_db
+from harness.summary import rows
+
+MODEL = "tiny-qwen3"
+RAN = FAST if on_cuda() else EXACT  # what asking for the fast tier gives on this machine
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def make_arm_record(name: str = "engine-fast", kernels=None) -> dict:
+    return {"arm": name, "status": "measured", "cells": [], "peak_rss_bytes": None, "load_to_ready_s": 1.0,
+            "kernels": kernels}  # fmt: skip
+
+
+def make_run(*arms: dict) -> dict:
+    model = {"model": MODEL, "model_dir": "/nonexistent", "block": 0, "parity": {}, "arms": list(arms)}
+    return {"provenance": {}, "models": [model]}
+
+
+# ------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_kernels_flag_defaults_to_the_default_tier_and_takes_both_tiers(command):
+    base = [command, "--model", MODEL] + (["--prompt", "x"] if command == "generate" else [])
+    assert parse(*base).kernels == default_tier()
+    assert parse(*base, "--kernels", "fast").kernels == FAST
+    assert parse(*base, "--kernels", "exact").kernels == EXACT
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_bad_tier_is_an_argparse_error(command, capsys):
+    extra = ["--prompt", "x"] if command == "generate" else []
+    with pytest.raises(SystemExit) as e:
+        engine_main([command, "--model", MODEL, *extra, "--kernels", "turbo"])
+    assert e.value.code == 2
+    assert "invalid choice: 'turbo'" in capsys.readouterr().err
+
+
+def test_force_is_not_a_cli_setting(capsys):
+    # install(force=True) exists for tests only; no command line can force the fast tier off CUDA.
+    for flag in ("--force", "--kernels-force", "--force-kernels"):
+        with pytest.raises(SystemExit) as e:
+            engine_main(["serve", "--model", MODEL, "--kernels", "fast", flag])
+        assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_serve_help_explains_both_tiers(capsys):
+    with pytest.raises(SystemExit):
+        engine_main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "bit-exact with mlx-lm" in text and "CUDA" in text and "reason is printed" in text
+
+
+def test_generate_names_the_tier_that_ran(capsys, tiny_path):
+    tiny_path(MODEL)
+    assert engine_main(["generate", "--model", MODEL, "--prompt", "Hi", "--max-tokens", "3", "--kernels", "fast"]) == 0
+    err = capsys.readouterr().err
+    assert f"kernels {RAN}," in err.splitlines()[-1]
+    assert ("kernels: fast requested, running exact" in err) == (RAN == EXACT)
+
+
+# ---------------------------------------------------------------- Engine
+
+
+def test_engine_load_fast_off_cuda_keeps_exact_with_the_reason(tiny_path):
+    eng = Engine.load(model_path=tiny_path("tiny-qwen35"), kernels="fast")
+    assert (eng.kernels.tier, eng.kernels.requested) == (RAN, FAST)
+    if RAN == EXACT:
+        assert "CUDA" in eng.kernels.reason and eng.kernels.chunked_delta_layers == 0
+        assert kernels_notice(eng.kernels).startswith("kernels: fast requested, running exact: ")
+    assert list(eng.generate([1, 2, 3], max_tokens=2, ignore_eos=True))  # it still generates
+
+
+def test_engine_load_defaults_to_the_default_tier(tiny_path):
+    kernels = Engine.load(model_path=tiny_path(MODEL), with_tokenizer=False).kernels
+    assert kernels.requested == default_tier() and kernels.tier in (EXACT, FAST)
+    assert kernels_notice(KernelSet(EXACT, EXACT)) is None
+
+
+def test_an_unknown_tier_is_refused_before_loading():
+    with pytest.raises(ValueError, match="unknown kernel tier 'turbo'"):
+        Engine.load("no-such-model", kernels="turbo")  # the tier is checked first: no UnknownModelError
+
+
+# --------------------------------------------------------------- harness
+
+
+def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
+    tiny_path(MODEL)
+    out = tmp_path / "native.json"
+    rc = harness_main(["native", "--models", MODEL, "--prompt-tokens", "8", "--decode-tokens", "3", "--samples", "1",
+                       "--warmup", "0", "--kernels", "fast", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["kernels"]["tier"] == RAN and rec["kernels"]["requested"] == FAST
+    assert set(rec["kernels"]) == {"tier", "requested", "quantized_linears", "chunked_delta_layers", "reason"}
+    assert "kernels" in capsys.readouterr().out  # the table's column
+
+
+def test_native_rejects_a_bad_tier():
+    with pytest.raises(SystemExit) as e:
+        harness_main(["native", "--models", MODEL, "--kernels", "turbo"])
+    assert e.value.code == 2
+
+
+def test_the_engine_arms_include_one_per_tier():
+    arms = standard_arms()
+    for tier in (EXACT, FAST):
+        arm = arms[f"engine-{tier}"]
+        cmd = arm.command("/m", 1234)
+        assert cmd[cmd.index("--kernels") + 1] == tier and arm.is_engine and arm.returns_token_ids
+    assert "--kernels" not in arms["engine"].command("/m", 1234) and arms["engine"].is_engine
+    assert not arms["mlx-lm"].is_engine
+
+
+def test_the_arm_record_keeps_the_reported_kernels_through_the_database(tmp_path):
+    db = open_db(tmp_path / "runs.sqlite")
+    reported = KernelSet(EXACT, FAST, reason="the fast tier needs MLX's CUDA backend").as_record()
+    model = ModelRun(MODEL, "/m", "m" * 64, "w" * 64, None)
+    db_arm(db, "run1", model, ArmRun("engine-fast", ["engine", "serve"], {}, status="measured", kernels=reported))
+    db_arm(db, "run1", model, ArmRun("mlx-lm", ["mlx_lm.server"], {}, status="measured"))
+    db["runs"].insert({"run_id": "run1", "kind": "trials"})
+    arms = export_run(db, "run1")["models"][0]["arms"]
+    assert arms[0]["kernels"] == reported and arms[1]["kernels"] is None
+
+
+def test_the_summary_shows_the_reported_tier_not_the_arm_name():
+    run = make_run(make_arm_record("engine-fast", {"tier": EXACT, "requested": FAST}), make_arm_record("mlx-lm"))
+    assert [r["kernels"] for r in rows(run)] == [EXACT, None]
