@@ -3,7 +3,8 @@
 - `exact`: MLX's operations, the graph mlx-lm runs; bit-exact with mlx-lm.
 - `fast`: this package's kernels where their gates pass (affine-quantized
   GEMV / small-M GEMM in `quantized_gemv`, chunked Gated DeltaNet prefill in
-  `gated_delta_chunked`); the sums run in another order, so results agree
+  `gated_delta_chunked`, the compiled DeltaNet decode step in
+  `gated_delta_decode`); the sums run in another order, so results agree
   with the exact tier to rounding, not bit for bit.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
@@ -20,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.gated_delta_decode import fused_decode
 from engine.kernels.quantized_gemv import KernelQuantizedLinear
 
 EXACT, FAST = "exact", "fast"
@@ -75,7 +77,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     linears = _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas = _set_delta_rule(model, chunked_gated_delta if use_fast else None)
+    deltas = _set_delta_rules(model, use_fast)
     return KernelSet(
         tier=FAST if use_fast else EXACT,
         requested=tier,
@@ -118,10 +120,11 @@ def _plain(q: KernelQuantizedLinear) -> nn.QuantizedLinear:
     return new
 
 
-def _set_delta_rule(model: nn.Module, rule) -> int:
+def _set_delta_rules(model: nn.Module, fast: bool) -> int:
     count = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
-            module.chunked_rule = rule
+            module.chunked_rule = chunked_gated_delta if fast else None
+            module.fused_decode = fused_decode if fast else None
             count += 1
     return count

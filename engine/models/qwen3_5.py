@@ -151,7 +151,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros(self.num_v_heads)
         self.norm = RMSNormGated(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
-        self.chunked_rule = None  # set by engine.kernels.install for the kernel tier
+        # The fast tier's replacements, set by engine.kernels.install (None: the exact path).
+        self.chunked_rule = None
+        self.fused_decode = None
 
     def _conv(self, qkv: mx.array, mask, cache) -> mx.array:
         b, s, _ = qkv.shape
@@ -175,6 +177,10 @@ class GatedDeltaNet(nn.Module):
         return nn.silu(self.conv1d(conv_input))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.fused_decode is not None:
+            out = self.fused_decode(self, x, mask, cache)
+            if out is not None:
+                return self.out_proj(out)
         b, s, _ = x.shape
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(b, s, self.num_v_heads, self.head_v_dim)

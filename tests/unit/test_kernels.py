@@ -151,3 +151,47 @@ def test_kernel_layer_runs_the_compiled_kernel():
         x = mx.random.normal((1, m, 512)).astype(mx.bfloat16)
         want = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4) if m <= 4 else q(x)
         assert mx.array_equal(layer(x), want).item()
+
+
+def _decode_states(model, ids, steps):
+    cache = model.make_cache()
+    logits = model(mx.array([ids]), cache)
+    out = []
+    for _ in range(steps):
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        logits = model(token, cache)
+        out.append(logits[0, -1])
+    mx.eval(out, [c.state for c in cache])
+    return out, cache
+
+
+def test_fused_decode_step_matches_the_layer_path():
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
+    ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
+    exact, exact_cache = _decode_states(model, ids, 12)
+    assert install(model, FAST, force=True).chunked_delta_layers > 0
+    fast, fast_cache = _decode_states(model, ids, 12)
+    install(model, EXACT)
+    # float32 model: the fused step computes the same float32 math with other roundings (the conv as a
+    # multiply-sum, fused elementwise chains), so logits and states agree to float32 rounding.
+    assert max(mx.abs(a - b).max().item() for a, b in zip(exact, fast)) < 1e-3
+    for e, f in zip(exact_cache, fast_cache):
+        for a, b in zip(e.state, f.state):
+            assert mx.abs(a - b).max().item() < 1e-4
+
+
+def test_fused_decode_leaves_batched_and_traced_steps_to_the_layer():
+    from engine.cache import RecurrentCache
+    from engine.kernels.gated_delta_decode import applies
+
+    x = mx.zeros((1, 1, 8))
+    cache = RecurrentCache()
+    assert not applies(x, None, cache)  # no states yet: the layer builds them
+    cache[0], cache[1] = mx.zeros((1, 3, 8)), mx.zeros((1, 2, 4, 4))
+    assert applies(x, None, cache)
+    assert not applies(mx.zeros((1, 2, 8)), None, cache)
+    assert not applies(x, mx.ones((1, 1), dtype=mx.bool_), cache)
+    cache.lengths = [1]
+    assert not applies(x, None, cache)

@@ -1,0 +1,61 @@
+"""Host cost of one decode step: how long building the step's graph takes, per kernel tier.
+
+    python harness/gpu/diag_decode_host.py [--model qwen27b] [--steps 16]
+
+The model is built lazily from the registry geometry (quantized as the
+registry says) and never evaluated, so this runs on the CPU for qwen27b too:
+what is timed is only the Python and graph construction of each decode step
+(the part the pipelined decode loop must hide behind device work). Off CUDA
+the fast tier's GEMV layers build MLX's op instead of the kernel.
+"""
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kernels import EXACT, FAST, install
+from engine.models import model_module
+from engine.registry import get_spec
+from harness.kernel_bench import model_args
+
+
+def lazy_model(name: str):
+    spec = get_spec(name)
+    model = model_module(spec.model_type).Model(model_args(spec))
+    if spec.quantization:
+        nn.quantize(model, group_size=spec.quantization.group_size, bits=spec.quantization.bits)
+    return model
+
+
+def step_build_ms(model, steps: int) -> list[float]:
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3, 4]]), cache)  # a short prefill, never evaluated
+    token = mx.array([[5]])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model(token, cache)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen27b")
+    p.add_argument("--steps", type=int, default=16)
+    args = p.parse_args()
+    model = lazy_model(args.model)
+    for tier in (EXACT, FAST):
+        ks = install(model, tier, force=True)
+        times = step_build_ms(model, args.steps)[2:]
+        print(f"{args.model} {tier}: {statistics.median(times):.2f} ms per decode step graph "
+              f"(min {min(times):.2f}, {ks.quantized_linears} quantized layers, "
+              f"{ks.chunked_delta_layers} delta layers)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
