@@ -88,6 +88,43 @@ class DeltaResult:
         return self.builtin_ms / self.kernel_ms
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One of the issue's done-criteria, checked on a run's results."""
+
+    criterion: str
+    measured: Optional[float]
+    target: float
+    ok: Optional[bool]  # None: not measured here (e.g. no CUDA)
+
+
+def _check(criterion: str, measured: Optional[float], target: float, at_least: bool = True) -> Verdict:
+    ok = None if measured is None else (measured >= target if at_least else measured <= target)
+    return Verdict(criterion, measured, target, ok)
+
+
+def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult]) -> list[Verdict]:
+    """GEMV at M = 1 on the model's main matrix (the largest shape used by more than one layer):
+    >= 2500 GB/s and >= 7x MLX; M = 8 at most 1.5x the M = 1 time; 1024-token chunked
+    DeltaNet prefill >= 20x the recurrence."""
+    out = []
+    shared = [r for r in gemv if r.layers > 1]
+    if shared:
+        n, k = max(((r.n, r.k, r.layers) for r in shared), key=lambda t: (t[0] * t[1], t[2]))[:2]
+        by_m = {r.m: r for r in shared if (r.n, r.k) == (n, k)}
+        one, eight = by_m.get(1), by_m.get(8)
+        if one:
+            out.append(_check(f"GEMV {n}x{k} M=1 GB/s", one.gbs(one.kernel_us), 2500))
+            out.append(_check(f"GEMV {n}x{k} M=1 speedup vs MLX", one.speedup, 7))
+        if one and eight:
+            ratio = eight.kernel_us / one.kernel_us if one.kernel_us and eight.kernel_us else None
+            out.append(_check(f"GEMV {n}x{k} M=8 time / M=1 time", ratio, 1.5, at_least=False))
+    for r in delta:
+        if r.tokens == 1024:
+            out.append(_check("chunked DeltaNet 1024-token prefill speedup", r.speedup, 20))
+    return out
+
+
 def time_us(fn: Callable[[], mx.array], cfg: BenchConfig) -> float:
     """Median microseconds per call."""
     for _ in range(cfg.warmup):

@@ -48,7 +48,7 @@ def cmd_kernels(args) -> int:
 
     from engine.errors import UnknownModelError
     from engine.registry import get_spec
-    from harness.kernel_bench import BenchConfig, DeltaResult, run_kernel_bench
+    from harness.kernel_bench import BenchConfig, DeltaResult, run_kernel_bench, verdicts
 
     try:
         spec = get_spec(args.shapes)
@@ -80,8 +80,13 @@ def cmd_kernels(args) -> int:
             d.add_row(str(r.tokens), f"{r.heads_k}/{r.heads_v}", _fmt(r.builtin_ms, ".2f"), _fmt(r.kernel_ms, ".2f"),
                       _fmt(r.speedup, ".1f"), _fmt(r.max_abs_diff_y, ".2e"), _fmt(r.max_abs_diff_state, ".2e"))  # fmt: skip
         stdout.print(d)
+    checks = verdicts(gemv, delta)
+    for v in checks:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[v.ok]
+        stdout.print(f"{v.criterion}: {_fmt(v.measured, '.2f')} (target {v.target:g}) {mark}")
     record = {
         "shapes": spec.name,
+        "verdicts": [vars(v) for v in checks],
         "device": str(mx.default_device()),
         "peak_gbs": cfg.peak_gbs,
         "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],

@@ -1,0 +1,69 @@
+"""harness kernels: shapes from the registry, the done-criteria verdicts, the gate, the command (CPU)."""
+
+import json
+
+import mlx.core as mx
+
+from harness.cli import main
+from harness.kernel_bench import BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, verdicts
+from harness.kernel_gate import KL_BOUND, run_gate
+from engine.registry import get_spec
+
+
+def gemv(n, k, m, layers, builtin_us, kernel_us):
+    return GemvResult(n=n, k=k, m=m, bits=4, group_size=64, layers=layers, builtin_us=builtin_us,
+                      kernel_us=kernel_us, bytes_moved=n * k // 2, max_abs_diff=0.0, max_abs_ref=1.0)  # fmt: skip
+
+
+def test_linear_shapes_come_from_the_geometry_without_weights():
+    shapes = linear_shapes(get_spec("qwen27b"))  # 27B parameters, built lazily: nothing is allocated
+    assert shapes[(17408, 5120)] == 130  # gate and up projections of 64 layers + the MTP layer
+    assert shapes[(5120, 17408)] == 65
+    assert shapes[(248320, 5120)] == 1
+
+
+def test_verdicts_check_the_main_matrix_and_the_prefill():
+    results = [
+        gemv(248320, 5120, 1, 1, 700.0, 100.0),  # the head: one layer, not the main matrix
+        gemv(17408, 5120, 1, 130, 140.0, 17.0),
+        gemv(17408, 5120, 8, 130, 50.0, 30.0),
+        gemv(1024, 5120, 1, 34, 9.0, None),
+    ]
+    delta = [DeltaResult(1024, 16, 48, 128, 128, builtin_ms=70.0, kernel_ms=2.5, max_abs_diff_y=0.0,
+                         max_abs_diff_state=0.0)]  # fmt: skip
+    got = {v.criterion: v for v in verdicts(results, delta)}
+    assert got["GEMV 17408x5120 M=1 GB/s"].ok is True  # 44.6 MB in 17 us
+    assert got["GEMV 17408x5120 M=1 speedup vs MLX"].ok is True
+    assert got["GEMV 17408x5120 M=8 time / M=1 time"].ok is False  # 30 / 17 > 1.5
+    assert got["chunked DeltaNet 1024-token prefill speedup"].ok is True
+    off_cuda = verdicts([gemv(17408, 5120, 1, 130, 140.0, None)], [])
+    assert [v.ok for v in off_cuda] == [None, None]
+
+
+def test_delta_bench_agrees_with_the_recurrence():
+    r = bench_delta(32, 2, 4, 16, 16, BenchConfig(repeats=1, warmup=0))
+    assert r.max_abs_diff_state < 1e-5 and r.builtin_ms > 0 and r.kernel_ms > 0
+
+
+def test_gate_on_a_tiny_model_with_the_chunked_rule_forced():
+    from engine.engine import Engine
+
+    eng = Engine.load("tiny-qwen35-f32", with_tokenizer=False)
+    gate = run_gate(eng.model, 4096, steps=4, prompt_lengths=(7, 40), force=True)
+    assert [p.prompt_len for p in gate.prompts] == [7, 40]
+    assert gate.kl_bound == KL_BOUND
+    assert all(0 <= p.mean_kl < 1e-6 and p.greedy_equal_steps == 4 for p in gate.prompts)  # f32: rounding only
+    assert gate.passed
+    assert eng.kernels.tier == "exact" and type(eng.model.layers[0].linear_attn.chunked_rule) is type(None)
+
+
+def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    code = main(["kernels", "--shapes", "tiny-qwen35", "--rows", "1", "--tokens", "16", "--repeats", "1",
+                 "--max-shapes", "2", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["device"] == str(mx.default_device())
+    assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
+    assert record["delta"][0]["tokens"] == 16
+    assert "not measured" in capsys.readouterr().out
