@@ -34,7 +34,7 @@ class KernelSet:
 
     tier: str
     requested: str
-    quantized_linears: int = 0
+    quantized_linears: int = 0  # layers that run the GEMV kernel (0 off CUDA)
     chunked_delta_layers: int = 0
     reason: str = ""
 
@@ -98,16 +98,16 @@ def _children(module: nn.Module):
 
 
 def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> int:
-    """Replace every nn.QuantizedLinear by the kernel form (or back); returns how many."""
+    """Replace every nn.QuantizedLinear by the kernel form (or back); returns how many run the kernel."""
     count = 0
     for parent, key, child in list(_children(module)):
         if isinstance(child, nn.QuantizedLinear):
             is_kernel = isinstance(child, KernelQuantizedLinear)
             if fast and not is_kernel:
                 parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
+                count += parent[key].use_kernel
             elif not fast and is_kernel:
                 parent[key] = _plain(child)
-            count += 1
         else:
             count += _swap_quantized_linears(child, fast, use_kernel)
     return count

@@ -53,7 +53,7 @@ def main() -> None:
         ks = install(model, tier, force=True)
         times = step_build_ms(model, args.steps)[2:]
         print(f"{args.model} {tier}: {statistics.median(times):.2f} ms per decode step graph "
-              f"(min {min(times):.2f}, {ks.quantized_linears} quantized layers, "
+              f"(min {min(times):.2f}, {ks.quantized_linears} kernel GEMV layers, "
               f"{ks.chunked_delta_layers} delta layers)", flush=True)
 
 

@@ -26,8 +26,8 @@ def make_quantized(n=64, k=128, bits=4, group_size=64, dtype=mx.bfloat16, seed=0
 class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj = make_quantized()
-        self.layers = [make_quantized(seed=1), nn.Linear(8, 8)]
+        self.proj = make_quantized(n=2048)
+        self.layers = [make_quantized(seed=1), nn.Linear(8, 8)]  # 64 outputs: stays on MLX's kernel
 
 
 def test_fast_tier_off_cuda_keeps_exact_and_says_why():
@@ -44,7 +44,7 @@ def test_install_swaps_quantized_layers_and_back_without_copying_weights():
     m = Tiny()
     weight = m.proj.weight
     ks = install(m, FAST, force=True)
-    assert ks.tier == FAST and ks.quantized_linears == 2
+    assert ks.tier == FAST and ks.quantized_linears == (1 if on_cuda() else 0)  # off CUDA every layer falls back
     assert isinstance(m.proj, KernelQuantizedLinear) and isinstance(m.layers[0], KernelQuantizedLinear)
     assert type(m.layers[1]) is nn.Linear
     assert m.proj.weight is weight
