@@ -72,7 +72,8 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kernels", choices=TIERS, default=default_tier(),
         help="kernel tier: exact = MLX's operations, bit-exact with mlx-lm; fast = the engine's custom CUDA kernels "
-        "(quantized GEMV, chunked DeltaNet prefill), equal to exact up to rounding, on MLX's CUDA backend only: "
+        "(quantized GEMV, chunked DeltaNet prefill, compiled DeltaNet decode step), equal to exact up to "
+        "rounding, on MLX's CUDA backend only: "
         f"elsewhere the exact tier runs and the reason is printed (default {default_tier()})",
     )  # fmt: skip
 
