@@ -193,10 +193,17 @@ def refusal(x: mx.array, w: mx.array, scales: mx.array, group_size: int, bits: i
 
 
 def quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int, rows: Optional[int] = None
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    rows: Optional[int] = None,
+    prefetch: int = PREFETCH_STEPS,
 ) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only).
-    `rows` overrides the rows per warp (for tuning)."""
+    `rows` (rows per warp) and `prefetch` (loads in flight per lane) override the tuned values."""
     k = x.shape[-1]
     n = w.shape[0]
     m = x.size // k
@@ -204,7 +211,7 @@ def quantized_matmul(
     warps = (n + r - 1) // r
     (out,) = _kernel()(
         inputs=[x.reshape(m, k), w, scales, biases],
-        template=[("K", k), ("N", n), ("M", m), ("R", r), ("BITS", bits), ("GS", group_size), ("PREFETCH", PREFETCH_STEPS)],
+        template=[("K", k), ("N", n), ("M", m), ("R", r), ("BITS", bits), ("GS", group_size), ("PREFETCH", prefetch)],
         grid=(warps * 32, 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
         output_shapes=[(m, n)],
