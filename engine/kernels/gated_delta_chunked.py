@@ -32,6 +32,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.models.gated_delta import repeat_heads
+
 CHUNK = 64
 
 
@@ -94,10 +96,7 @@ def chunked_gated_delta(
     g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
     returns (y [B, T, Hv, Dv] in q's dtype, final state)."""
     out_dtype = q.dtype
-    hk, hv = q.shape[2], v.shape[2]
-    if hv > hk:
-        q = mx.repeat(q, hv // hk, -2)
-        k = mx.repeat(k, hv // hk, -2)
+    q, k = repeat_heads(q, k, v.shape[2])
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     g = g.astype(mx.float32)

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.activations import precise_swiglu
-from engine.models.gated_delta import _step, decay, normalize_qk
+from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
 
 
 def applies(x: mx.array, mask, cache) -> bool:
@@ -50,9 +50,7 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
         k = conv[:, key_dim : 2 * key_dim].reshape(batch, 1, hk, dk)
         v = conv[:, 2 * key_dim :].reshape(batch, hv, dv)
         q, k = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
-        if hv > hk:
-            q = mx.repeat(q, hv // hk, -2)
-            k = mx.repeat(k, hv // hk, -2)
+        q, k = repeat_heads(q, k, hv)
         g = decay(A_log, a, dt_bias)[:, 0]
         y, state = _step(q[:, 0], k[:, 0], v, g, mx.sigmoid(b)[:, 0], state)
         out = precise_swiglu(y, z[:, 0], mx.fast.rms_norm(y, norm_w, norm_eps))

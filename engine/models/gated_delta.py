@@ -49,16 +49,22 @@ def _step(q, k, v, g, beta, state, mask=None):
     return y.astype(q.dtype), state
 
 
+def repeat_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array, mx.array]:
+    """Repeat the key heads (axis -2) of q and k to the value heads' count."""
+    hk = q.shape[-2]
+    if value_heads > hk:
+        q = mx.repeat(q, value_heads // hk, -2)
+        k = mx.repeat(k, value_heads // hk, -2)
+    return q, k
+
+
 def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, trace: Optional[list] = None):
     """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv].
 
     `trace`, when given, receives the state after every token (speculative
     decoding keeps the one after the last accepted token).
     """
-    hk, hv = q.shape[2], v.shape[2]
-    if hv > hk:
-        q = mx.repeat(q, hv // hk, -2)
-        k = mx.repeat(k, hv // hk, -2)
+    q, k = repeat_heads(q, k, v.shape[2])
     ys = []
     for t in range(q.shape[1]):
         y, state = _step(
