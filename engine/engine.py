@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, StepTap, generate
-from engine.kernels import EXACT, TIERS, KernelSet, install
+from engine.kernels import EXACT, KernelSet, check_tier, install
 from engine.loading import load_model
 from engine.model_source import resolve_model_dir
 from engine.types import GeneratedToken, SamplingParams, StopCriteria
@@ -65,8 +65,8 @@ class Engine:
         the exact tier and `Engine.kernels.reason` says why; an unknown tier is
         a ValueError.
         """
-        if kernels is not None and kernels not in TIERS:  # before loading: a big model takes a while
-            raise ValueError(f"unknown kernel tier {kernels!r} (choose from {', '.join(TIERS)})")
+        if kernels is not None:
+            check_tier(kernels)  # before loading: a big model takes a while
         path = resolve_model_dir(model, model_path, seed=seed)
         net, config = load_model(path, lazy=lazy)
         kernel_set = install(net, kernels)

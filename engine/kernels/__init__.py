@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import fused_decode
-from engine.kernels.quantized_gemv import KernelQuantizedLinear
+from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
 
 EXACT, FAST = "exact", "fast"
 TIERS = (EXACT, FAST)
@@ -46,6 +46,12 @@ class KernelSet:
             "chunked_delta_layers": self.chunked_delta_layers,
             "reason": self.reason,
         }
+
+
+def check_tier(tier: str) -> None:
+    """ValueError for a name that is not a tier."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown kernel tier {tier!r} (choose from {', '.join(TIERS)})")
 
 
 def on_cuda() -> bool:
@@ -72,8 +78,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     to MLX's operation when not on CUDA.
     """
     tier = tier or default_tier()
-    if tier not in TIERS:
-        raise ValueError(f"unknown kernel tier {tier!r} (choose from {', '.join(TIERS)})")
+    check_tier(tier)
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     linears = _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
@@ -107,17 +112,10 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
                 parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
                 count += parent[key].use_kernel
             elif not fast and is_kernel:
-                parent[key] = _plain(child)
+                parent[key] = retyped(child, nn.QuantizedLinear)
         else:
             count += _swap_quantized_linears(child, fast, use_kernel)
     return count
-
-
-def _plain(q: KernelQuantizedLinear) -> nn.QuantizedLinear:
-    new = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-    new.__dict__.update(q.__dict__)
-    dict.update(new, q)
-    return new
 
 
 def _set_delta_rules(model: nn.Module, fast: bool) -> int:

@@ -227,6 +227,14 @@ def _compiled(group_size: int, bits: int):
     return mx.compile(lambda x, w, scales, biases: quantized_matmul(x, w, scales, biases, group_size, bits))
 
 
+def retyped(q: nn.QuantizedLinear, cls: type) -> nn.QuantizedLinear:
+    """The same layer (same arrays, no copies) as an instance of `cls`, a QuantizedLinear class."""
+    new = cls.__new__(cls)
+    new.__dict__.update(q.__dict__)
+    dict.update(new, q)
+    return new
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear that runs the kernel above where it applies and MLX's op elsewhere.
 
@@ -236,9 +244,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
     @classmethod
     def from_module(cls, q: nn.QuantizedLinear, use_kernel: bool) -> "KernelQuantizedLinear":
-        new = cls.__new__(cls)
-        new.__dict__.update(q.__dict__)
-        dict.update(new, q)
+        new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
         if new.kernel_refusal is None and q["weight"].shape[0] < LAYER_MIN_OUTPUTS:
             new.kernel_refusal = f"{q['weight'].shape[0]} outputs (MLX's kernel is faster below {LAYER_MIN_OUTPUTS})"
