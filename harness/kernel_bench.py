@@ -144,10 +144,18 @@ def model_args(spec: ModelSpec):
     return model_module(spec.model_type).ModelArgs.from_dict(config)
 
 
-def linear_shapes(spec: ModelSpec) -> Counter:
-    """[N, K] of every linear layer -> how many layers have it. The model is
-    built lazily and never evaluated, so no weights are made."""
+def lazy_model(spec: ModelSpec, quantized: bool = False) -> nn.Module:
+    """The registry model built from its geometry, never evaluated: no weights are made, so
+    shapes and graph building can be looked at for qwen27b on any machine."""
     model = model_module(spec.model_type).Model(model_args(spec))
+    if quantized and spec.quantization:
+        nn.quantize(model, group_size=spec.quantization.group_size, bits=spec.quantization.bits)
+    return model
+
+
+def linear_shapes(spec: ModelSpec) -> Counter:
+    """[N, K] of every linear layer -> how many layers have it."""
+    model = lazy_model(spec)
     shapes: Counter = Counter()
     for _, module in model.named_modules():
         if isinstance(module, nn.Linear):

@@ -14,20 +14,10 @@ import statistics
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from engine.kernels import EXACT, FAST, install
-from engine.models import model_module
 from engine.registry import get_spec
-from harness.kernel_bench import model_args
-
-
-def lazy_model(name: str):
-    spec = get_spec(name)
-    model = model_module(spec.model_type).Model(model_args(spec))
-    if spec.quantization:
-        nn.quantize(model, group_size=spec.quantization.group_size, bits=spec.quantization.bits)
-    return model
+from harness.kernel_bench import lazy_model
 
 
 def step_build_ms(model, steps: int) -> list[float]:
@@ -48,7 +38,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--steps", type=int, default=16)
     args = p.parse_args()
-    model = lazy_model(args.model)
+    model = lazy_model(get_spec(args.model), quantized=True)
     for tier in (EXACT, FAST):
         ks = install(model, tier, force=True)
         times = step_build_ms(model, args.steps)[2:]
