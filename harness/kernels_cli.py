@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.cli_common import CliError, console, csv_ints
 from harness.cli_common import out as stdout
 from harness.cli_common import positive as _positive
+from harness.summary import fmt
 
 
 def add_kernels(sub) -> None:
@@ -38,10 +39,6 @@ def add_kernels(sub) -> None:
     p.set_defaults(func=cmd_kernels)  # fmt: skip
 
 
-def _fmt(v, spec=".1f"):
-    return "-" if v is None else format(v, spec)
-
-
 def cmd_kernels(args) -> int:
     import mlx.core as mx
     from rich.table import Table
@@ -68,22 +65,22 @@ def cmd_kernels(args) -> int:
         t.add_column(col)
     for r in gemv:
         gbs = r.gbs(r.kernel_us)
-        t.add_row(f"{r.n}x{r.k}", str(r.m), str(r.layers), _fmt(r.builtin_us), _fmt(r.gbs(r.builtin_us), ".0f"),
-                  _fmt(r.kernel_us), _fmt(gbs, ".0f"), _fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
-                  _fmt(r.speedup, ".2f"), _fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
+        t.add_row(f"{r.n}x{r.k}", str(r.m), str(r.layers), fmt(r.builtin_us), fmt(r.gbs(r.builtin_us), ".0f"),
+                  fmt(r.kernel_us), fmt(gbs, ".0f"), fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
+                  fmt(r.speedup, ".2f"), fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
     stdout.print(t)
     if delta:
         d = Table(title="Gated DeltaNet prefill: per-token recurrence vs chunked")
         for col in ("tokens", "heads k/v", "recurrence ms", "chunked ms", "speedup", "max|diff| y", "max|diff| state"):
             d.add_column(col)
         for r in delta:
-            d.add_row(str(r.tokens), f"{r.heads_k}/{r.heads_v}", _fmt(r.builtin_ms, ".2f"), _fmt(r.kernel_ms, ".2f"),
-                      _fmt(r.speedup, ".1f"), _fmt(r.max_abs_diff_y, ".2e"), _fmt(r.max_abs_diff_state, ".2e"))  # fmt: skip
+            d.add_row(str(r.tokens), f"{r.heads_k}/{r.heads_v}", fmt(r.builtin_ms, ".2f"), fmt(r.kernel_ms, ".2f"),
+                      fmt(r.speedup, ".1f"), fmt(r.max_abs_diff_y, ".2e"), fmt(r.max_abs_diff_state, ".2e"))  # fmt: skip
         stdout.print(d)
     checks = verdicts(gemv, delta)
     for v in checks:
         mark = {True: "met", False: "NOT met", None: "not measured"}[v.ok]
-        stdout.print(f"{v.criterion}: {_fmt(v.measured, '.2f')} (target {v.target:g}) {mark}")
+        stdout.print(f"{v.criterion}: {fmt(v.measured, '.2f')} (target {v.target:g}) {mark}")
     record = {
         "shapes": spec.name,
         "verdicts": [vars(v) for v in checks],

@@ -89,18 +89,19 @@ def rows(run: dict) -> list[dict]:
     return out
 
 
-def _fmt(x, spec: str = ".1f") -> str:
+def fmt(x, spec: str = ".1f") -> str:
+    """A number for a table cell; - when it is missing."""
     return "-" if x is None else format(x, spec)
 
 
 def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[str]:
     parity = {True: "same", False: "DIFFERS", None: "-"}[r["parity"]]
-    ratio = _fmt(r["vs_mlx_lm"], ".3f") if r["vs_mlx_lm"] is not None else (
+    ratio = fmt(r["vs_mlx_lm"], ".3f") if r["vs_mlx_lm"] is not None else (
         "-" if r["arm"] == "mlx-lm" else f"withheld ({r['vs_mlx_lm_note']})")
-    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], _fmt(r["decode_tps"]), _fmt(r["ttft_cold_ms"], ".0f"),
-            _fmt(r["ttft_warm_ms"], ".0f"), *[_fmt(r["aggregate_tps"].get(c)) for c in concurrency],
-            _fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
-            _fmt(r["roofline"], ".1%"), parity, r.get("kernels") or "-"]  # fmt: skip
+    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], fmt(r["decode_tps"]), fmt(r["ttft_cold_ms"], ".0f"),
+            fmt(r["ttft_warm_ms"], ".0f"), *[fmt(r["aggregate_tps"].get(c)) for c in concurrency],
+            fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
+            fmt(r["roofline"], ".1%"), parity, r.get("kernels") or "-"]  # fmt: skip
 
 
 def headers(concurrency: list[str], blocks: bool = False) -> list[str]:
