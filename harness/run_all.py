@@ -147,11 +147,11 @@ class Runner:
             return
         arm.load_to_ready_s = round(server.load_to_ready_s, 3)
         try:
-            if spec.is_engine:
-                arm.kernels = server_kernels(server)
-                tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
-                self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
             with RssSampler(server.proc.pid) as rss, server.client(self.settings.request_timeout_s) as client:
+                if spec.is_engine:
+                    arm.kernels = server_kernels(client)
+                    tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
+                    self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
                 for phase in phases:
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     if not server.alive:
@@ -217,11 +217,10 @@ class Runner:
         db_run(self.db, self.record, self.out)
 
 
-def server_kernels(server: ServerProcess) -> Optional[dict]:
+def server_kernels(client: httpx.Client) -> Optional[dict]:
     """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
     try:
-        with server.client(timeout=30) as client:
-            r = client.get("/stats")
+        r = client.get("/stats")
         kernels = r.json().get("kernels") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):  # no answer, not JSON, not an object
         return None
