@@ -35,3 +35,10 @@ def positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return n
+
+
+def non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return n

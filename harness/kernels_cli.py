@@ -7,7 +7,7 @@ from pathlib import Path
 
 from harness.cli_common import CliError, console, csv_ints
 from harness.cli_common import out as stdout
-from harness.cli_common import positive as _positive
+from harness.cli_common import non_negative, positive as _positive
 from harness.summary import fmt
 
 
@@ -30,6 +30,9 @@ def add_kernels(sub) -> None:
     p.add_argument("--repeats", type=_positive, default=7, help="timed repetitions, median reported (default 7)")
     p.add_argument("--peak-gbs", type=float, default=4800.0, help="the machine's memory bandwidth in GB/s for the "
                    "fraction-of-limit column (default 4800, an H200)")
+    p.add_argument("--cold-mb", type=non_negative, default=256, help="MB of weight copies the GEMV calls rotate over, so "
+                   "each reads from memory as in a decode step (default 256, 5x the H200's L2); 0 times one copy, "
+                   "cache-warm")
     p.add_argument("--gate-model", default=None, help="registry model for the whole-model numerics gate "
                    "(exact vs fast tier); omitted: no gate")
     p.add_argument("--gate-steps", type=_positive, default=64, help="decode steps per gate prompt (default 64)")
@@ -52,7 +55,7 @@ def cmd_kernels(args) -> int:
     except UnknownModelError as e:
         raise CliError(str(e)) from None
     cfg = BenchConfig(rows=tuple(args.rows), tokens=tuple(args.tokens), repeats=args.repeats,
-                      peak_gbs=args.peak_gbs, max_shapes=args.max_shapes)  # fmt: skip
+                      peak_gbs=args.peak_gbs, max_shapes=args.max_shapes, cold_bytes=args.cold_mb << 20)  # fmt: skip
     with console.status("timing") as status:
         def progress(r):
             label = f"T={r.tokens}" if isinstance(r, DeltaResult) else f"{r.n}x{r.k} M={r.m}"

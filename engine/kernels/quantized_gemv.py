@@ -1,21 +1,28 @@
-"""Affine-quantized matrix times a few activation rows, as one CUDA kernel.
+"""Affine-quantized matrix times a few activation rows, on the tensor cores.
 
 `y = x @ dequantize(w).T` for M = 1..16 rows of bf16 activations against
 4-bit or 8-bit affine weights (group 32 or 64): what decoding (M = 1) and a
-speculative verify window (M = 2..16) spend most of a step on. MLX's built-in
-kernel reaches a tenth of the H200's bandwidth at M = 1 and gets slower with
-M; here one warp streams R weight rows once, dequantizes each 128-bit load in
-registers and multiplies it with all M rows, so small M costs about what
-M = 1 does.
+speculative verify window (M = 2..16) spend most of a step on. MLX's
+built-in kernel reads a 4-bit matrix at ~0.85 TB/s at M = 1 on the H200 and
+at a quarter of that at M = 4; this one reads the weights once for all M
+rows, so M = 8 costs about what M = 1 does.
 
-Layout per warp: lane l takes 32 (4-bit) or 16 (8-bit) consecutive values of
-each row per step, one 16-byte load, so a group's scale and bias are one
-load per lane and step. All steps are unrolled so every load is issued
-before the first multiply (the kernel is bound by bytes in flight). A nibble
-becomes a float by OR-ing it into the mantissa of 2^23 and subtracting 2^23
-(exact, and cheaper than an integer conversion). Sums are float32:
-sum_g(scale * sum(q * x) + bias * sum(x)); the order differs from MLX's
-kernel, so results agree to rounding, not bit for bit (the fast tier).
+The weights go through `mma.sync` (m16n8k16, bf16 in, float32 out) as
+exact small integers: a nibble becomes bf16 128 + q by OR-ing it into the
+mantissa, minus 128. The activations are the 16x8 B operand (M <= 8 in one
+column block, two from M = 9). Lane (g, t) of a warp feeds rows g and g + 8
+of a 16-row tile with its own 1-2 words of each row; the dot product's order
+over k is free, so its B slots take the activations in the order its weight
+pairs come, and no data moves between lanes. Each k-tile lies in one
+quantization group: the tile's products are summed on the tensor core, then
+`acc += scale * sum(q * x) + bias * sum(x)` in float32, where sum(x) comes
+from a second mma against ones: the same formula as MLX's kernel, in another
+order, so results agree to rounding, not bit for bit (the fast tier).
+
+A block's W warps split K; `U` k-tiles of loads are issued before the first
+multiply; the partial products meet in shared memory. Configurations were
+chosen by timing on the H200 with weights rotated past the L2
+(harness/gpu/diag_gemv_mma.py).
 """
 
 from __future__ import annotations
@@ -27,111 +34,202 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 16  # the kernel's limit
-# Where the layer uses it: measured on the H200 (harness kernels), MLX's own
-# kernels win from M = 8 on (they switch to a tiled GEMM there).
-LAYER_MAX_ROWS = 4
+# Where the layer uses it (H200, qwen27b shapes, cold weights): at M = 16 MLX's tiled GEMM is as fast.
+LAYER_MAX_ROWS = 8
 # Small matrices (qwen27b's 48- and 1024-row projections) run faster in MLX's
-# kernel: too few warps to hide the latency of ours (measured 0.5-0.7x there).
+# kernel: too few blocks to keep the memory busy (measured 0.5x at 1024 rows).
 LAYER_MIN_OUTPUTS = 2048
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
-THREADS_PER_BLOCK = 128
-PREFETCH_STEPS = 8  # 16-byte loads in flight per lane (divided among a warp's rows)
 
-HEADER = """
+HEADER = r"""
 #include <cuda_bf16.h>
-__device__ __forceinline__ float engine_q2f(uint32_t word, int shift, uint32_t mask) {
-  // the integer value of (word >> shift) & mask, exactly, via the float 2^23 + q
-  return __uint_as_float(((word >> shift) & mask) | 0x4B000000u) - 8388608.0f;
+template <int WL> struct engine_words { using type = uint2; };
+template <> struct engine_words<1> { using type = uint32_t; };
+template <int U> struct engine_scale_vec { using type = uint2; };   // 4 bf16
+template <> struct engine_scale_vec<8> { using type = uint4; };     // 8 bf16
+__device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  // d (16x8 float32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <int BITS>
+__device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
+  // values j and j + 16 / BITS of a 32-bit word as two exact bf16 integers (low half: value j)
+  if constexpr (BITS == 4) {
+    uint32_t v = ((word >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
+    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    uint32_t v = word >> (8 * j);
+    __nv_bfloat162 r = __floats2bfloat162_rn((float)(v & 0xFFu), (float)((v >> 16) & 0xFFu));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
 }
 """
 
-SOURCE = """
-  constexpr int VPL = 128 / BITS;            // values per lane per step: one 16-byte load
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr int SPAN = 32 * VPL;             // values per warp per step
-  constexpr int STEPS = (K + SPAN - 1) / SPAN;
-  constexpr int WORDS_PER_ROW = K / PER_WORD;
+SOURCE = r"""
+  // Threads: W warps, all on the same 16 * RT weight rows, splitting K. Lane (g, t) = (lane / 4, lane % 4).
+  constexpr int PW = 32 / BITS;                     // values per 32-bit word
+  constexpr int HALF = PW / 2;
+  constexpr int SPW = PW / 4;                       // mma steps (16 k values) per word
+  constexpr int WL = GS * BITS / 128 < 2 ? GS * BITS / 128 : 2;  // words per lane per row in one k-tile
+  constexpr int TILE_K = 4 * WL * PW;               // a k-tile: 4 lanes x WL words, inside one group
+  constexpr int KT = K / TILE_K;
+  constexpr int STEPS = WL * SPW;
+  constexpr int XR = WL * PW / 2;                   // activation registers (bf16 pairs) per lane and tile
+  constexpr int NB = M > 8 ? 2 : 1;                 // 8-column blocks of activation rows
+  constexpr int WORDS_PER_ROW = K / PW;
   constexpr int GROUPS_PER_ROW = K / GS;
-  constexpr uint32_t QMASK = (1u << BITS) - 1u;
+  using Words = typename engine_words<WL>::type;
+  // Scales and biases of a batch in one load when each k-tile is one group and batches stay aligned.
+  constexpr bool VEC_SCALES = TILE_K == GS && (U == 4 || U == 8) && GROUPS_PER_ROW % U == 0;
+  using ScaleVec = typename engine_scale_vec<U>::type;
 
+  const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (row0 >= N) return;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_base = blockIdx.x * 16 * RT;
+  const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
 
-  float acc[R][M];
+  float acc[RT][NB][4];
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-  }
+    for (int nb = 0; nb < NB; ++nb)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
 
-  // Issue BATCH steps of loads before the first multiply; bounded so the
-  // registers holding them do not spill at K = 17408.
-  constexpr int BATCH = STEPS < PREFETCH / R ? STEPS : PREFETCH / R;
+  // Warp w takes U consecutive k-tiles at a time, every W * U tiles; all loads of a batch are issued
+  // before the first multiply.
   #pragma unroll 1
-  for (int s0 = 0; s0 < STEPS; s0 += BATCH) {
-    uint4 wq[BATCH][R];
-    float sc[BATCH][R];
-    float bi[BATCH][R];
+  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+    Words wq[U][RT][2];
+    __nv_bfloat16 sc[U][RT][2], bi[U][RT][2];
     #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int k0 = (s0 + b) * SPAN + lane * VPL;
+    for (int u = 0; u < U; ++u) {
+      const int kt = kt0 + u;
+      if (kt < KT) {
+        #pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
+            wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
+            if constexpr (!VEC_SCALES) {
+              sc[u][r][h] = scales[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+              bi[u][r][h] = biases[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+            }
+          }
+        }
+      }
+    }
+    if constexpr (VEC_SCALES) {  // one k-tile per group and U groups per batch: one vector load per row
       #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, N - 1);
-        if (s0 + b < STEPS && k0 < K) {
-          wq[b][r] = __ldcs(reinterpret_cast<const uint4*>(w + (size_t)row * WORDS_PER_ROW + k0 / PER_WORD));
-          sc[b][r] = __bfloat162float(scales[(size_t)row * GROUPS_PER_ROW + k0 / GS]);
-          bi[b][r] = __bfloat162float(biases[(size_t)row * GROUPS_PER_ROW + k0 / GS]);
+      for (int r = 0; r < RT; ++r) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
+          ScaleVec sv = *reinterpret_cast<const ScaleVec*>(scales + row * GROUPS_PER_ROW + kt0);
+          ScaleVec bv = *reinterpret_cast<const ScaleVec*>(biases + row * GROUPS_PER_ROW + kt0);
+          #pragma unroll
+          for (int u = 0; u < U; ++u) {
+            sc[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&sv)[u];
+            bi[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&bv)[u];
+          }
         }
       }
     }
     #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const int k0 = (s0 + b) * SPAN + lane * VPL;
-      if (s0 + b < STEPS && k0 < K) {
+    for (int u = 0; u < U; ++u) {
+      const int kt = kt0 + u;
+      if (kt < KT) {
+        // The activations as mma B fragments. The dot product's k order is free: lane t's k-tile values
+        // (its own WL words) feed its four B slots of each step in the order the weights' pairs come.
+        uint32_t xb[NB][STEPS][2];
         #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float xf[VPL];
-          float xsum = 0.0f;
-          const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-          #pragma unroll
-          for (int j = 0; j < VPL / 8; ++j) {
-            uint4 xv = __ldg(xp + j);
-            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&xv);
+        for (int nb = 0; nb < NB; ++nb) {
+          const int m = g + 8 * nb;
+          uint32_t xr[XR];
+          if (m < M) {
+            const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + kt * TILE_K + t * WL * PW);
             #pragma unroll
-            for (int h = 0; h < 4; ++h) {
-              float2 f = __bfloat1622float2(pairs[h]);
-              xf[j * 8 + 2 * h] = f.x;
-              xf[j * 8 + 2 * h + 1] = f.y;
-              xsum += f.x + f.y;
+            for (int j = 0; j < XR / 4; ++j) {
+              uint4 v = __ldg(xp + j);
+              xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
             }
+          } else {
+            #pragma unroll
+            for (int j = 0; j < XR; ++j) xr[j] = 0u;
           }
           #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint32_t* words = reinterpret_cast<const uint32_t*>(&wq[b][r]);
-            float dot = 0.0f;
+          for (int wi = 0; wi < WL; ++wi)
             #pragma unroll
-            for (int i = 0; i < VPL; ++i) {
-              dot = fmaf(engine_q2f(words[i / PER_WORD], (i % PER_WORD) * BITS, QMASK), xf[i], dot);
+            for (int h = 0; h < SPW; ++h) {
+              const int a = wi * PW / 2 + h;
+              xb[nb][wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
+              xb[nb][wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
             }
-            acc[r][m] = fmaf(sc[b][r], dot, fmaf(bi[b][r], xsum, acc[r][m]));
+        }
+        // sum(x) over the tile per activation row, in the accumulator layout: the bias term
+        float xs[NB][4];
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) xs[nb][i] = 0.0f;
+          #pragma unroll
+          for (int s = 0; s < STEPS; ++s) engine_mma(xs[nb], ones, ones, ones, ones, xb[nb][s][0], xb[nb][s][1]);
+        }
+        #pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          float d[NB][4];
+          #pragma unroll
+          for (int nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) d[nb][i] = 0.0f;
+          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&wq[u][r][0]);
+          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&wq[u][r][1]);
+          #pragma unroll
+          for (int wi = 0; wi < WL; ++wi)
+            #pragma unroll
+            for (int h = 0; h < SPW; ++h) {
+              const uint32_t a0 = engine_pair<BITS>(w0[wi], 2 * h), a2 = engine_pair<BITS>(w0[wi], 2 * h + 1);
+              const uint32_t a1 = engine_pair<BITS>(w1[wi], 2 * h), a3 = engine_pair<BITS>(w1[wi], 2 * h + 1);
+              #pragma unroll
+              for (int nb = 0; nb < NB; ++nb) engine_mma(d[nb], a0, a1, a2, a3, xb[nb][wi * SPW + h][0], xb[nb][wi * SPW + h][1]);
+            }
+          const float s0 = __bfloat162float(sc[u][r][0]), s1 = __bfloat162float(sc[u][r][1]);
+          const float b0 = __bfloat162float(bi[u][r][0]), b1 = __bfloat162float(bi[u][r][1]);
+          #pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            acc[r][nb][0] = fmaf(s0, d[nb][0], fmaf(b0, xs[nb][0], acc[r][nb][0]));
+            acc[r][nb][1] = fmaf(s0, d[nb][1], fmaf(b0, xs[nb][1], acc[r][nb][1]));
+            acc[r][nb][2] = fmaf(s1, d[nb][2], fmaf(b1, xs[nb][2], acc[r][nb][2]));
+            acc[r][nb][3] = fmaf(s1, d[nb][3], fmaf(b1, xs[nb][3], acc[r][nb][3]));
           }
         }
       }
     }
   }
 
+  // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
+  __shared__ float red[W][16 * RT][8 * NB];
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
+    for (int nb = 0; nb < NB; ++nb)
       #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0 && row0 + r < N) out[(size_t)m * N + row0 + r] = __float2bfloat16(v);
-    }
+      for (int i = 0; i < 4; ++i) red[warp][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nb][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < 16 * RT * M; idx += W * 32) {
+    const int rl = idx / M, m = idx % M;
+    float v = 0.0f;
+    #pragma unroll
+    for (int ww = 0; ww < W; ++ww) v += red[ww][rl][m];
+    const int row = row_base + rl;
+    if (row < N) out[(size_t)m * N + row] = __float2bfloat16(v);
   }
 """
 
@@ -139,7 +237,7 @@ SOURCE = """
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(
-        name="engine_affine_qgemv",
+        name="engine_affine_qmm",
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],
         source=SOURCE,
@@ -147,16 +245,21 @@ def _kernel():
     )
 
 
-def rows_per_warp(m: int, n: int) -> int:
-    """Weight rows one warp streams: more rows reuse each activation load and
-    keep more bytes in flight, but leave fewer warps. Measured on the H200
-    (harness/gpu/diag_gemv_rows.py, qwen27b shapes): 8 rows win from N = 16K
-    on, 4 below; at M = 4 more rows win too."""
-    if m > 4:
-        return 1
-    if n >= 16384:
-        return 8
-    return 4 if n >= 2048 else 1
+def tile_k(group_size: int, bits: int) -> int:
+    """Input values one k-tile covers: 4 lanes x 1-2 words, inside one group."""
+    return 4 * min(group_size * bits // 128, 2) * (32 // bits)
+
+
+def launch_config(m: int, k: int, group_size: int, bits: int) -> tuple[int, int, int]:
+    """(warps splitting K, 16-row tiles per block, k-tiles per load batch), timed on the H200 for
+    qwen27b's shapes (cold weights): K = 17408 best at (2, 1, 4) for M = 1 and (4, 2, 4) for M = 8;
+    K = 5120 at (4, 2, 4) for M = 1 and (4, 2, 8) for M = 8."""
+    tiles = k // tile_k(group_size, bits)
+    if tiles >= 256:
+        return (2, 1, 4) if m <= 4 else (4, 2, 4)
+    if tiles >= 64:
+        return (4, 2, 4) if m <= 4 else (4, 2, 8)
+    return (2 if tiles >= 16 else 1), 1, 4
 
 
 def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
@@ -199,24 +302,24 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     bits: int,
-    rows: Optional[int] = None,
-    prefetch: int = PREFETCH_STEPS,
+    config: Optional[tuple[int, int, int]] = None,
 ) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only).
-    `rows` (rows per warp) and `prefetch` (loads in flight per lane) override the tuned values."""
+    `config` (warps, row tiles, batch) overrides `launch_config`."""
     k = x.shape[-1]
     n = w.shape[0]
     m = x.size // k
-    r = rows or rows_per_warp(m, n)
-    warps = (n + r - 1) // r
+    warps, row_tiles, batch = config or launch_config(m, k, group_size, bits)
+    blocks = (n + 16 * row_tiles - 1) // (16 * row_tiles)
     (out,) = _kernel()(
         inputs=[x.reshape(m, k), w, scales, biases],
-        template=[("K", k), ("N", n), ("M", m), ("R", r), ("BITS", bits), ("GS", group_size), ("PREFETCH", prefetch)],
-        grid=(warps * 32, 1, 1),
-        threadgroup=(THREADS_PER_BLOCK, 1, 1),
+        template=[("K", k), ("N", n), ("M", m), ("BITS", bits), ("GS", group_size), ("W", warps), ("RT", row_tiles),
+                  ("U", batch)],
+        grid=(blocks * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],
-    )
+    )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -256,3 +359,5 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             return super().__call__(x)
         y = _compiled(self.group_size, self.bits)(x, self["weight"], self["scales"], self["biases"])
         return y + self["bias"] if "bias" in self else y
+
+

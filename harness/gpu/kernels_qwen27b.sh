@@ -19,7 +19,6 @@ case "$PART" in
     python3 -m harness kernels --shapes qwen27b ${KERNELS_ARGS:-} --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     ;;
   gate)
-    python3 harness/gpu/diag_gemv_rows.py 2>&1 | tee "$OUT/gemv-rows.txt" || true
     synth
     python3 -m harness kernels --shapes qwen27b --rows 1 --tokens 1024 --max-shapes 1 --gate-model qwen27b \
         --json "$OUT/gate-qwen27b.json" 2>&1 | tee "$OUT/gate-qwen27b.txt"

@@ -5,7 +5,7 @@ import json
 import mlx.core as mx
 
 from harness.cli import main
-from harness.kernel_bench import BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, verdicts
+from harness.kernel_bench import BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, verdicts, weight_copies
 from harness.kernel_gate import KL_BOUND, run_gate
 from engine.registry import get_spec
 
@@ -67,3 +67,16 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
     assert record["delta"][0]["tokens"] == 16
     assert "not measured" in capsys.readouterr().out
+
+
+def test_weight_copies_cover_the_cold_bytes_round_robin():
+    w, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=4)
+    nbytes = w.nbytes + s.nbytes + b.nbytes
+    nxt = weight_copies(w, s, b, BenchConfig(cold_bytes=3 * nbytes - 1))
+    seen = [nxt() for _ in range(6)]
+    assert [c[0] is seen[0][0] for c in seen] == [True, False, False, True, False, False]  # 3 copies, cycled
+    assert seen[0][0] is w and mx.array_equal(seen[1][0], w).item() and mx.array_equal(seen[2][1], s).item()
+    assert len({id(c[0]) for c in seen}) == 3
+    assert weight_copies(w, s, b, BenchConfig(cold_bytes=0))()[0] is w
+    capped = weight_copies(w, s, b, BenchConfig(cold_bytes=100 * nbytes, max_copies=2))
+    assert [capped()[0] is w for _ in range(4)] == [True, False, True, False]

@@ -9,7 +9,7 @@ import pytest
 
 from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels.quantized_gemv import KernelQuantizedLinear, quantized_matmul, refusal
+from engine.kernels.quantized_gemv import BITS, GROUP_SIZES, LAYER_MAX_ROWS, KernelQuantizedLinear, quantized_matmul, refusal, tile_k
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
 
@@ -90,6 +90,15 @@ def test_gate_of_the_gemv_kernel(shape, dtype, bits, group, expect):
     assert why == expect if expect is None else expect in why
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUP_SIZES)
+def test_gemv_k_tiles_fit_inside_one_group(bits, group):
+    # The kernel scales each k-tile's products by one group's scale: a tile must not straddle groups, and any
+    # input size MLX can quantize (a multiple of the group size) must be whole tiles.
+    assert group % tile_k(group, bits) == 0
+
+
+
 @pytest.mark.parametrize("t, hk, hv, masked", [(1, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)])
 def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
     q, k, v, g, beta, state = delta_inputs(t, hk, hv, 32, 16, dtype=mx.float32, seed=t)
@@ -147,9 +156,9 @@ def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
 def test_kernel_layer_runs_the_compiled_kernel():
     q = make_quantized(n=2048, k=512)
     layer = KernelQuantizedLinear.from_module(q, use_kernel=True)
-    for m in (1, 4, 5):
+    for m in (1, LAYER_MAX_ROWS, LAYER_MAX_ROWS + 1):
         x = mx.random.normal((1, m, 512)).astype(mx.bfloat16)
-        want = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4) if m <= 4 else q(x)
+        want = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4) if m <= LAYER_MAX_ROWS else q(x)
         assert mx.array_equal(layer(x), want).item()
 
 

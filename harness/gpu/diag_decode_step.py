@@ -1,0 +1,71 @@
+"""Where a B=1 decode step of a real model goes, per kernel configuration: host graph build, a
+synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
+
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import mlx.core as mx
+
+from engine.engine import Engine
+from engine.kernels import EXACT, FAST, install
+
+
+def measure(eng: Engine, prompt: list, tokens: int) -> dict:
+    list(eng.generate(prompt, max_tokens=8, ignore_eos=True))  # warm: compiles this shape's kernels
+    stamps = []
+    for _ in eng.generate(prompt, max_tokens=tokens, ignore_eos=True):
+        stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    model = eng.model
+    cache = eng.make_cache()
+    logits = model(mx.array([prompt]), cache)
+    mx.eval(logits)
+    token = mx.argmax(logits[:, -1:], axis=-1)
+    build, step = [], []
+    for _ in range(24):
+        t0 = time.perf_counter()
+        logits = model(token, cache)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        t1 = time.perf_counter()
+        mx.eval(token)
+        t2 = time.perf_counter()
+        build.append((t1 - t0) * 1e3)
+        step.append((t2 - t0) * 1e3)
+    return {
+        "pipelined_ms": statistics.median(gaps) * 1e3,
+        "tok_s": 1 / statistics.median(gaps),
+        "build_ms": statistics.median(build[4:]),
+        "sync_step_ms": statistics.median(step[4:]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen27b")
+    p.add_argument("--tokens", type=int, default=96)
+    args = p.parse_args()
+    eng = Engine.load(args.model, with_tokenizer=False)
+    prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
+    results = {}
+    for name in (EXACT, FAST, EXACT, FAST):  # twice, alternating: the machine drifts
+        ks = install(eng.model, name)
+        r = measure(eng, prompt, args.tokens)
+        r["gemv_layers"] = ks.quantized_linears
+        results.setdefault(name, []).append(r)
+        print(f"{args.model} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
+              f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
+              f"{ks.quantized_linears} kernel layers", flush=True)
+        out = os.environ.get("OUT", "/tmp/out")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"decode-step-{args.model}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Launch configurations of the quantized matmul kernel vs MLX on qwen27b's shapes, weights cold (rotated
+over copies larger than the L2), after checking its numerics against a float32 CPU reference on edge
+shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this.
+
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_configs.py [--quick] [--no-numerics]
+FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
+"""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+
+from engine.kernels.quantized_gemv import launch_config, quantized_matmul
+from harness.kernel_bench import BenchConfig, time_us, weight_copies
+
+out_dir = os.environ.get("OUT", "/tmp/out")
+quick = "--quick" in sys.argv
+rows = []
+
+
+def numerics():
+    bad = 0
+    for bits in (4, 8):
+        for gs in (32, 64):
+            for n, k in ((1000, 1024), (4096, 5120)):
+                wf = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+                w, s, b = mx.quantize(wf, group_size=gs, bits=bits)
+                for m in (1, 2, 3, 5, 8, 9, 16):
+                    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+                    out = quantized_matmul(x, w, s, b, gs, bits).astype(mx.float32)
+                    mx.eval(out)
+                    with mx.stream(mx.cpu):
+                        f32 = mx.float32  # weights dequantized in float32, as the kernel test does (MLX's rounds them to bf16)
+                        exact = x.astype(f32) @ mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits).T
+                        mx.eval(exact)
+                    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+                    ok = mx.all(mx.abs(out - exact) <= tol).item()
+                    bad += not ok
+                    if not ok or (m in (1, 16) and n == 4096):
+                        print(f"numerics bits={bits} gs={gs} {n}x{k} M={m}: {'ok' if ok else 'FAIL'} "
+                              f"max|diff| {mx.abs(out - exact).max().item():.2e} max|ref| {mx.abs(exact).max().item():.2f}", flush=True)
+    print(f"numerics: {bad} failures", flush=True)
+    return bad
+
+
+def timing():
+    cfg = BenchConfig(calls=50, repeats=5)
+    warm = BenchConfig(calls=50, repeats=5, cold_bytes=0)
+    shapes = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (5120, 6144), (1024, 5120),
+              (248320, 5120)]
+    first = int(os.environ.get('FIRST_SHAPE', '0'))
+    for n, k in shapes[first:2] if quick else shapes[first:]:
+        w, s, b = mx.quantize((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16), group_size=64, bits=4)
+        mx.eval(w, s, b)
+        nbytes = w.nbytes + s.nbytes + b.nbytes
+        weights = weight_copies(w, s, b, cfg)
+        main = (n, k) in shapes[:2]
+        for m in (1, 4, 8, 16) if main else (1,):
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            mx.eval(x)
+            res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6}
+            res["mlx"] = time_us(lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), cfg)
+            res["kernel"] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4), cfg)
+            res["config"] = launch_config(m, k, 64, 4)
+            if main and m == 1:
+                res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
+                res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
+            if main and m in (1, 8):
+                for wv in (2, 4, 8) if m == 1 else (4, 8):
+                    for rt in (1, 2):
+                        for u in (4, 8):
+                            res[f"W{wv} RT{rt} U{u}"] = time_us(
+                                lambda: quantized_matmul(x, *weights(), 64, 4, config=(wv, rt, u)), cfg)
+            ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
+            best = ranked[0]
+            print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)
+            print(f"{n}x{k} M={m} ({nbytes / 1e6:.1f} MB): mlx {res['mlx']:.1f} us "
+                  f"({nbytes / res['mlx'] / 1e3:.0f} GB/s) | kernel {res['kernel']:.1f} us "
+                  f"({nbytes / res['kernel'] / 1e3:.0f} GB/s) | best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)"
+                  + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""), flush=True)
+            rows.append(res)
+            with open(os.path.join(out_dir, "gemv-configs.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.makedirs(out_dir, exist_ok=True)
+    if '--no-numerics' in sys.argv or numerics() == 0 or "--time-anyway" in sys.argv:
+        timing()
