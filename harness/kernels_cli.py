@@ -62,7 +62,8 @@ def cmd_kernels(args) -> int:
             status.update(f"timed {label}")
 
         gemv, delta = run_kernel_bench(spec, cfg, on_result=progress)
-    t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()})")
+    weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
+    t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
     for col in ("N x K", "M", "layers", "mlx us", "mlx GB/s", "kernel us", "kernel GB/s", "of limit", "speedup",
                 "max|diff|", "note"):
         t.add_column(col)
@@ -89,6 +90,7 @@ def cmd_kernels(args) -> int:
         "verdicts": [vars(v) for v in checks],
         "device": str(mx.default_device()),
         "peak_gbs": cfg.peak_gbs,
+        "cold_bytes": cfg.cold_bytes,
         "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],
         "delta": [dict(vars(r), speedup=r.speedup) for r in delta],
     }

@@ -60,13 +60,14 @@ def test_gate_on_a_tiny_model_with_the_chunked_rule_forced():
 def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     out = tmp_path / "k.json"
     code = main(["kernels", "--shapes", "tiny-qwen35", "--rows", "1", "--tokens", "16", "--repeats", "1",
-                 "--max-shapes", "2", "--json", str(out)])  # fmt: skip
+                 "--max-shapes", "2", "--cold-mb", "1", "--json", str(out)])  # fmt: skip
     assert code == 0
     record = json.loads(out.read_text())
-    assert record["device"] == str(mx.default_device())
+    assert record["device"] == str(mx.default_device()) and record["cold_bytes"] == 1 << 20
     assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
     assert record["delta"][0]["tokens"] == 16
-    assert "not measured" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "not measured" in printed and "rotated over 1 MB" in printed
 
 
 def test_weight_copies_cover_the_cold_bytes_round_robin():
