@@ -16,13 +16,14 @@ over k is free, so its B slots take the activations in the order its weight
 pairs come, and no data moves between lanes. Each k-tile lies in one
 quantization group: the tile's products are summed on the tensor core, then
 `acc += scale * sum(q * x) + bias * sum(x)` in float32, where sum(x) comes
-from a second mma against ones: the same formula as MLX's kernel, in another
-order, so results agree to rounding, not bit for bit (the fast tier).
+from a second mma against ones. Nothing is rounded before the bf16 output
+(MLX's CUDA kernel rounds the dequantized weights to bf16), so results agree
+with MLX's to rounding, not bit for bit (the fast tier).
 
 A block's W warps split K; `U` k-tiles of loads are issued before the first
 multiply; the partial products meet in shared memory. Configurations were
 chosen by timing on the H200 with weights rotated past the L2
-(harness/gpu/diag_gemv_mma.py).
+(harness/gpu/diag_gemv_configs.py).
 """
 
 from __future__ import annotations
