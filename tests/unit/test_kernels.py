@@ -135,7 +135,9 @@ def test_delta_update_uses_chunked_only_for_long_inputs_without_trace():
 
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+# M: one column block (1, 3, 8) and two (9: the second one partial, 16); N: a partial 16-row tile (48 with two
+# tiles per block, 1000) and K with >= 256 k-tiles (17408, another launch shape). Each case compiles a kernel.
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("n, k", [(48, 5120), (1000, 1536), (4096, 17408)])
 def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
