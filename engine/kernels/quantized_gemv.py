@@ -23,7 +23,10 @@ with MLX's to rounding, not bit for bit (the fast tier).
 A block's W warps split K; `U` k-tiles of loads are issued before the first
 multiply; the partial products meet in shared memory. Configurations were
 chosen by timing on the H200 with weights rotated past the L2
-(harness/gpu/diag_gemv_configs.py).
+(harness/gpu/diag_gemv_configs.py). A pipelined form (`PIPE`: the next
+batch's loads go out before this batch's multiplies, in a second set of
+registers) is built and compile-checked (no spills at U = 4) but not yet
+timed on the GPU, so no configuration uses it.
 """
 
 from __future__ import annotations
@@ -103,12 +106,12 @@ SOURCE = r"""
       #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
 
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles; all loads of a batch are issued
-  // before the first multiply.
-  #pragma unroll 1
-  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+  // A batch: U consecutive k-tiles of this warp's rows, all loads issued before the first multiply.
+  struct Batch {
     Words wq[U][RT][2];
     __nv_bfloat16 sc[U][RT][2], bi[U][RT][2];
+  };
+  auto load = [&](Batch& bt, const int kt0) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
@@ -118,10 +121,10 @@ SOURCE = r"""
           #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
-            wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
+            bt.wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
             if constexpr (!VEC_SCALES) {
-              sc[u][r][h] = scales[row * GROUPS_PER_ROW + kt * TILE_K / GS];
-              bi[u][r][h] = biases[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+              bt.sc[u][r][h] = scales[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+              bt.bi[u][r][h] = biases[row * GROUPS_PER_ROW + kt * TILE_K / GS];
             }
           }
         }
@@ -137,12 +140,14 @@ SOURCE = r"""
           ScaleVec bv = *reinterpret_cast<const ScaleVec*>(biases + row * GROUPS_PER_ROW + kt0);
           #pragma unroll
           for (int u = 0; u < U; ++u) {
-            sc[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&sv)[u];
-            bi[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&bv)[u];
+            bt.sc[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&sv)[u];
+            bt.bi[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&bv)[u];
           }
         }
       }
     }
+  };
+  auto multiply = [&](const Batch& bt, const int kt0) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
@@ -190,8 +195,8 @@ SOURCE = r"""
           for (int nb = 0; nb < NB; ++nb)
             #pragma unroll
             for (int i = 0; i < 4; ++i) d[nb][i] = 0.0f;
-          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&wq[u][r][0]);
-          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&wq[u][r][1]);
+          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][0]);
+          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][1]);
           #pragma unroll
           for (int wi = 0; wi < WL; ++wi)
             #pragma unroll
@@ -201,8 +206,8 @@ SOURCE = r"""
               #pragma unroll
               for (int nb = 0; nb < NB; ++nb) engine_mma(d[nb], a0, a1, a2, a3, xb[nb][wi * SPW + h][0], xb[nb][wi * SPW + h][1]);
             }
-          const float s0 = __bfloat162float(sc[u][r][0]), s1 = __bfloat162float(sc[u][r][1]);
-          const float b0 = __bfloat162float(bi[u][r][0]), b1 = __bfloat162float(bi[u][r][1]);
+          const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
+          const float b0 = __bfloat162float(bt.bi[u][r][0]), b1 = __bfloat162float(bt.bi[u][r][1]);
           #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
             acc[r][nb][0] = fmaf(s0, d[nb][0], fmaf(b0, xs[nb][0], acc[r][nb][0]));
@@ -212,6 +217,27 @@ SOURCE = r"""
           }
         }
       }
+    }
+  };
+
+  // Warp w takes U consecutive k-tiles at a time, every W * U tiles. With PIPE the next batch's loads are
+  // issued before this batch's multiplies (two batches of registers), so no warp waits a whole memory round
+  // trip per batch.
+  if constexpr (PIPE) {
+    Batch cur, nxt;
+    if (warp * U < KT) load(cur, warp * U);
+    #pragma unroll 1
+    for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+      if (kt0 + W * U < KT) load(nxt, kt0 + W * U);
+      multiply(cur, kt0);
+      cur = nxt;
+    }
+  } else {
+    #pragma unroll 1
+    for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+      Batch bt;
+      load(bt, kt0);
+      multiply(bt, kt0);
     }
   }
 
@@ -251,16 +277,16 @@ def tile_k(group_size: int, bits: int) -> int:
     return 4 * min(group_size * bits // 128, 2) * (32 // bits)
 
 
-def launch_config(m: int, k: int, group_size: int, bits: int) -> tuple[int, int, int]:
-    """(warps splitting K, 16-row tiles per block, k-tiles per load batch), timed on the H200 for
+def launch_config(m: int, k: int, group_size: int, bits: int) -> tuple[int, int, int, int]:
+    """(warps splitting K, 16-row tiles per block, k-tiles per load batch, pipelined), timed on the H200 for
     qwen27b's shapes (cold weights): K = 17408 best at (2, 1, 4) for M = 1 and (4, 2, 4) for M = 8;
     K = 5120 at (4, 2, 4) for M = 1 and (4, 2, 8) for M = 8."""
     tiles = k // tile_k(group_size, bits)
     if tiles >= 256:
-        return (2, 1, 4) if m <= 4 else (4, 2, 4)
+        return (2, 1, 4, 0) if m <= 4 else (4, 2, 4, 0)
     if tiles >= 64:
-        return (4, 2, 4) if m <= 4 else (4, 2, 8)
-    return (2 if tiles >= 16 else 1), 1, 4
+        return (4, 2, 4, 0) if m <= 4 else (4, 2, 8, 0)
+    return (2 if tiles >= 16 else 1), 1, 4, 0
 
 
 def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
@@ -303,19 +329,19 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     bits: int,
-    config: Optional[tuple[int, int, int]] = None,
+    config: Optional[tuple[int, int, int, int]] = None,
 ) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only).
-    `config` (warps, row tiles, batch) overrides `launch_config`."""
+    `config` (warps, row tiles, batch, pipelined) overrides `launch_config`."""
     k = x.shape[-1]
     n = w.shape[0]
     m = x.size // k
-    warps, row_tiles, batch = config or launch_config(m, k, group_size, bits)
+    warps, row_tiles, batch, pipe = config or launch_config(m, k, group_size, bits)
     blocks = (n + 16 * row_tiles - 1) // (16 * row_tiles)
     (out,) = _kernel()(
         inputs=[x.reshape(m, k), w, scales, biases],
         template=[("K", k), ("N", n), ("M", m), ("BITS", bits), ("GS", group_size), ("W", warps), ("RT", row_tiles),
-                  ("U", batch)],
+                  ("U", batch), ("PIPE", pipe)],
         grid=(blocks * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(m, n)],

@@ -71,8 +71,11 @@ def timing():
                 for wv in (2, 4, 8) if m == 1 else (4, 8):
                     for rt in (1, 2):
                         for u in (4, 8):
-                            res[f"W{wv} RT{rt} U{u}"] = time_us(
-                                lambda: quantized_matmul(x, *weights(), 64, 4, config=(wv, rt, u)), cfg)
+                            for pipe in (0, 1):
+                                if pipe and (wv == 8 or (rt == 2 and u == 8)):
+                                    continue  # two batches of registers: these spill or leave too few blocks
+                                res[f"W{wv} RT{rt} U{u}" + (" pipelined" if pipe else "")] = time_us(
+                                    lambda: quantized_matmul(x, *weights(), 64, 4, config=(wv, rt, u, pipe)), cfg)
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)

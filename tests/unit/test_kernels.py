@@ -155,6 +155,19 @@ def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
 
 
 @cuda_only
+@pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
+@pytest.mark.parametrize("m, n, k", [(1, 1000, 1536), (9, 1000, 1536), (1, 4096, 17408)])
+@pytest.mark.parametrize("config", [(2, 1, 4, 1), (4, 2, 4, 1)])
+def test_pipelined_gemv_equals_the_plain_one(bits, group, m, n, k, config):
+    # Pipelining only moves loads earlier: the same products in the same order, so the results are identical.
+    q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    plain = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits, config=config[:3] + (0,))
+    piped = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits, config=config)
+    assert mx.array_equal(plain, piped).item()
+
+
+@cuda_only
 def test_kernel_layer_runs_the_compiled_kernel():
     q = make_quantized(n=2048, k=512)
     layer = KernelQuantizedLinear.from_module(q, use_kernel=True)
