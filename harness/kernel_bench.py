@@ -181,12 +181,17 @@ def weight_copies(w: mx.array, scales: mx.array, biases: mx.array, cfg: BenchCon
     return lambda: next(turn)
 
 
+def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(w, scales, biases) of a random [N, K] bf16 matrix with a linear layer's scale, evaluated."""
+    quantized = mx.quantize((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16), group_size=group_size, bits=bits)
+    mx.eval(quantized)
+    return tuple(quantized)
+
+
 def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, cfg: BenchConfig) -> GemvResult:
-    w_full = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
-    w, scales, biases = mx.quantize(w_full, group_size=group_size, bits=bits)
+    w, scales, biases = random_quantized(n, k, bits, group_size)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
-    mx.eval(w, scales, biases, x)
-    del w_full
+    mx.eval(x)
     weights = weight_copies(w, scales, biases, cfg)
 
     def builtin():

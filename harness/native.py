@@ -99,8 +99,7 @@ class NativeResult:
 
     def as_record(self) -> dict:
         return {
-            **asdict(self),
-            "kernels": self.kernels.as_record(),
+            **asdict(self),  # `kernels` included: asdict recurses into the KernelSet
             "decode_ratio": self.decode_ratio,
             "prefill_ratio": self.prefill_ratio,
             "paired_decode_ratios": self.paired_decode_ratios(),

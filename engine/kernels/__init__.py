@@ -14,7 +14,7 @@ loaded model in place (no copy of its weights) and returns what it did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -39,13 +39,7 @@ class KernelSet:
     reason: str = ""
 
     def as_record(self) -> dict:
-        return {
-            "tier": self.tier,
-            "requested": self.requested,
-            "quantized_linears": self.quantized_linears,
-            "chunked_delta_layers": self.chunked_delta_layers,
-            "reason": self.reason,
-        }
+        return asdict(self)
 
 
 def check_tier(tier: str) -> None:

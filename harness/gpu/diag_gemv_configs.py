@@ -13,7 +13,7 @@ import sys
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import launch_config, quantized_matmul
-from harness.kernel_bench import BenchConfig, time_us, weight_copies
+from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
 out_dir = os.environ.get("OUT", "/tmp/out")
 quick = "--quick" in sys.argv
@@ -25,8 +25,7 @@ def numerics():
     for bits in (4, 8):
         for gs in (32, 64):
             for n, k in ((1000, 1024), (4096, 5120)):
-                wf = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
-                w, s, b = mx.quantize(wf, group_size=gs, bits=bits)
+                w, s, b = random_quantized(n, k, bits, gs)
                 for m in (1, 2, 3, 5, 8, 9, 16):
                     x = mx.random.normal((m, k)).astype(mx.bfloat16)
                     out = quantized_matmul(x, w, s, b, gs, bits).astype(mx.float32)
@@ -52,8 +51,7 @@ def timing():
               (248320, 5120)]
     first = int(os.environ.get('FIRST_SHAPE', '0'))
     for n, k in shapes[first:2] if quick else shapes[first:]:
-        w, s, b = mx.quantize((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16), group_size=64, bits=4)
-        mx.eval(w, s, b)
+        w, s, b = random_quantized(n, k, 4, 64)
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
         main = (n, k) in shapes[:2]

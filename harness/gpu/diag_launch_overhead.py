@@ -8,7 +8,7 @@ call is all overhead. The GEMV kernel's time per matrix on qwen27b is ~16 us abo
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import quantized_matmul
-from harness.kernel_bench import BenchConfig, time_us
+from harness.kernel_bench import BenchConfig, random_quantized, time_us
 
 cfg = BenchConfig(calls=50, repeats=7, cold_bytes=0)
 trivial = mx.fast.cuda_kernel(
@@ -16,7 +16,7 @@ trivial = mx.fast.cuda_kernel(
     source="if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = a[0];",
 )
 a = mx.ones((16,), dtype=mx.float32)
-w, s, b = mx.quantize(mx.random.normal((16, 512)).astype(mx.bfloat16), group_size=64, bits=4)
+w, s, b = random_quantized(16, 512, 4, 64)
 x = mx.random.normal((1, 512)).astype(mx.bfloat16)
 mx.eval(a, w, s, b, x)
 rows = {
