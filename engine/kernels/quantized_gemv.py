@@ -23,14 +23,16 @@ with MLX's to rounding, not bit for bit (the fast tier).
 A block's W warps split K; `U` k-tiles of loads are issued before the first
 multiply; the partial products meet in shared memory. Configurations were
 chosen by timing on the H200 with weights rotated past the L2
-(harness/gpu/diag_gemv_configs.py). A pipelined form (`PIPE`: the next
-batch's loads go out before this batch's multiplies, in a second set of
-registers) is built and compile-checked (no spills at U = 4) but not yet
-timed on the GPU, so no configuration uses it.
+(harness/gpu/diag_gemv_configs.py). Two ways of keeping more bytes in
+flight measured no faster there and were removed: a pipelined form (the next
+batch's loads before this batch's multiplies, in a second register set) and
+a bulk L2 prefetch of the block's rows at its start
+(reports/gpu/gemv-configs-pipelined-prefetch-qwen27b.txt).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
@@ -220,25 +222,12 @@ SOURCE = r"""
     }
   };
 
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles. With PIPE the next batch's loads are
-  // issued before this batch's multiplies (two batches of registers), so no warp waits a whole memory round
-  // trip per batch.
-  if constexpr (PIPE) {
-    Batch cur, nxt;
-    if (warp * U < KT) load(cur, warp * U);
-    #pragma unroll 1
-    for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
-      if (kt0 + W * U < KT) load(nxt, kt0 + W * U);
-      multiply(cur, kt0);
-      cur = nxt;
-    }
-  } else {
-    #pragma unroll 1
-    for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
-      Batch bt;
-      load(bt, kt0);
-      multiply(bt, kt0);
-    }
+  // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
+  #pragma unroll 1
+  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+    Batch bt;
+    load(bt, kt0);
+    multiply(bt, kt0);
   }
 
   // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
@@ -277,16 +266,27 @@ def tile_k(group_size: int, bits: int) -> int:
     return 4 * min(group_size * bits // 128, 2) * (32 // bits)
 
 
-def launch_config(m: int, k: int, group_size: int, bits: int) -> tuple[int, int, int, int]:
-    """(warps splitting K, 16-row tiles per block, k-tiles per load batch, pipelined), timed on the H200 for
-    qwen27b's shapes (cold weights): K = 17408 best at (2, 1, 4) for M = 1 and (4, 2, 4) for M = 8;
-    K = 5120 at (4, 2, 4) for M = 1 and (4, 2, 8) for M = 8."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is laid out on the GPU."""
+
+    warps: int  # warps of a block, splitting K
+    row_tiles: int  # 16-row tiles per block
+    batch: int  # k-tiles per load batch (U)
+
+    def template(self) -> list[tuple[str, int]]:
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)]
+
+
+def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
+    """Timed on the H200 for qwen27b's shapes (cold weights): K = 17408 best at (2, 1, 4) for M = 1 and
+    (4, 2, 4) for M = 8; K = 5120 at (4, 2, 4) for M = 1 and (4, 2, 8) for M = 8."""
     tiles = k // tile_k(group_size, bits)
     if tiles >= 256:
-        return (2, 1, 4, 0) if m <= 4 else (4, 2, 4, 0)
+        return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)
     if tiles >= 64:
-        return (4, 2, 4, 0) if m <= 4 else (4, 2, 8, 0)
-    return (2 if tiles >= 16 else 1), 1, 4, 0
+        return LaunchConfig(4, 2, 4) if m <= 4 else LaunchConfig(4, 2, 8)
+    return LaunchConfig(2 if tiles >= 16 else 1, 1, 4)
 
 
 def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
@@ -329,21 +329,20 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     bits: int,
-    config: Optional[tuple[int, int, int, int]] = None,
+    config: Optional[LaunchConfig] = None,
 ) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only).
-    `config` (warps, row tiles, batch, pipelined) overrides `launch_config`."""
+    `config` overrides `launch_config`."""
     k = x.shape[-1]
     n = w.shape[0]
     m = x.size // k
-    warps, row_tiles, batch, pipe = config or launch_config(m, k, group_size, bits)
-    blocks = (n + 16 * row_tiles - 1) // (16 * row_tiles)
+    config = config or launch_config(m, k, group_size, bits)
+    blocks = (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles)
     (out,) = _kernel()(
         inputs=[x.reshape(m, k), w, scales, biases],
-        template=[("K", k), ("N", n), ("M", m), ("BITS", bits), ("GS", group_size), ("W", warps), ("RT", row_tiles),
-                  ("U", batch), ("PIPE", pipe)],
-        grid=(blocks * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
+        template=[("K", k), ("N", n), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template(),
+        grid=(blocks * config.warps * 32, 1, 1),
+        threadgroup=(config.warps * 32, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],
     )  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import launch_config, quantized_matmul
+from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
 out_dir = os.environ.get("OUT", "/tmp/out")
@@ -44,6 +44,15 @@ def numerics():
     return bad
 
 
+def label(c: LaunchConfig) -> str:
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}"
+
+
+def candidates(m: int):
+    shapes = [(2, 1, 4), (4, 1, 4), (4, 2, 4), (2, 1, 8), (8, 1, 4), (4, 1, 2)] if m == 1 else [(4, 1, 4), (4, 2, 4), (4, 2, 8)]
+    return [LaunchConfig(*shape) for shape in shapes]
+
+
 def timing():
     cfg = BenchConfig(calls=50, repeats=5)
     warm = BenchConfig(calls=50, repeats=5, cold_bytes=0)
@@ -55,25 +64,19 @@ def timing():
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
         main = (n, k) in shapes[:2]
-        for m in (1, 4, 8, 16) if main else (1,):
+        for m in ((1, 8) if quick else (1, 4, 8, 16)) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
             res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6}
             res["mlx"] = time_us(lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), cfg)
             res["kernel"] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4), cfg)
-            res["config"] = launch_config(m, k, 64, 4)
+            res_config = launch_config(m, k, 64, 4)
+            res["config"] = label(res_config)
             if main and m == 1:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
-            if main and m in (1, 8):
-                for wv in (2, 4, 8) if m == 1 else (4, 8):
-                    for rt in (1, 2):
-                        for u in (4, 8):
-                            for pipe in (0, 1):
-                                if pipe and (wv == 8 or (rt == 2 and u == 8)):
-                                    continue  # two batches of registers: these spill or leave too few blocks
-                                res[f"W{wv} RT{rt} U{u}" + (" pipelined" if pipe else "")] = time_us(
-                                    lambda: quantized_matmul(x, *weights(), 64, 4, config=(wv, rt, u, pipe)), cfg)
+            for c in candidates(m) if main else ():
+                res[label(c)] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4, config=c), cfg)
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)
