@@ -66,11 +66,12 @@ def fused_decode(layer, x: mx.array, mask, cache) -> Optional[mx.array]:
         return None
     b = x.shape[0]
     core = _core(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.norm.eps)
+    qkv, z, beta_logits, a = layer.input_projections(x)
     out, cache[0], cache[1] = core(
-        layer.in_proj_qkv(x),
-        layer.in_proj_z(x).reshape(b, 1, layer.num_v_heads, layer.head_v_dim),
-        layer.in_proj_a(x),
-        layer.in_proj_b(x),
+        qkv,
+        z.reshape(b, 1, layer.num_v_heads, layer.head_v_dim),
+        a,
+        beta_logits,
         cache[0],
         cache[1],
         layer.conv1d.weight,

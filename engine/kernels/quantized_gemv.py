@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -97,7 +97,7 @@ SOURCE = r"""
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int row_base = blockIdx.x * 16 * RT;
+  const int row_base = blk * 16 * RT;
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
 
   float acc[RT][NB][4];
@@ -250,13 +250,25 @@ SOURCE = r"""
 """
 
 
-@lru_cache(maxsize=1)
-def _kernel():
+def _prologue(count: int) -> str:
+    """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
+    block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk)."""
+    lines = ["  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
+             "  int N, blk = blockIdx.x;"]
+    for i in range(count):
+        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
+        lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
+                     f"N = N{i}; blk -= BLK{i}; }}")
+    return "\n".join(lines) + "\n"
+
+
+@lru_cache(maxsize=None)
+def _kernel(count: int):
     return mx.fast.cuda_kernel(
-        name="engine_affine_qmm",
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["out"],
-        source=SOURCE,
+        name=f"engine_affine_qmm{count}",
+        input_names=["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")],
+        output_names=[f"out{i}" for i in range(count)],
+        source=_prologue(count) + SOURCE,
         header=HEADER,
     )
 
@@ -322,6 +334,35 @@ def refusal(x: mx.array, w: mx.array, scales: mx.array, group_size: int, bits: i
     return None
 
 
+def quantized_matmuls(
+    x: mx.array,
+    matrices: Sequence[tuple[mx.array, mx.array, mx.array]],
+    group_size: int,
+    bits: int,
+    config: Optional[LaunchConfig] = None,
+) -> list[mx.array]:
+    """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
+    launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
+    `config` overrides `launch_config`."""
+    k = x.shape[-1]
+    m = x.size // k
+    config = config or launch_config(m, k, group_size, bits)
+    rows = [w.shape[0] for w, _, _ in matrices]
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles))
+    outs = _kernel(len(matrices))(
+        inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple],
+        template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
+                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
+        grid=(starts[-1] * config.warps * 32, 1, 1),
+        threadgroup=(config.warps * 32, 1, 1),
+        output_shapes=[(m, n) for n in rows],
+        output_dtypes=[mx.bfloat16] * len(rows),
+    )  # fmt: skip
+    return [out.reshape(*x.shape[:-1], n) for out, n in zip(outs, rows)]
+
+
 def quantized_matmul(
     x: mx.array,
     w: mx.array,
@@ -331,29 +372,18 @@ def quantized_matmul(
     bits: int,
     config: Optional[LaunchConfig] = None,
 ) -> mx.array:
-    """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only).
-    `config` overrides `launch_config`."""
-    k = x.shape[-1]
-    n = w.shape[0]
-    m = x.size // k
-    config = config or launch_config(m, k, group_size, bits)
-    blocks = (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles)
-    (out,) = _kernel()(
-        inputs=[x.reshape(m, k), w, scales, biases],
-        template=[("K", k), ("N", n), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template(),
-        grid=(blocks * config.warps * 32, 1, 1),
-        threadgroup=(config.warps * 32, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[mx.bfloat16],
-    )  # fmt: skip
-    return out.reshape(*x.shape[:-1], n)
+    """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only)."""
+    return quantized_matmuls(x, [(w, scales, biases)], group_size, bits, config)[0]
 
 
 @lru_cache(maxsize=None)
-def _compiled(group_size: int, bits: int):
+def _compiled(group_size: int, bits: int, count: int = 1):
     # Traced once per input shape: later calls skip building the kernel call (template list, source
     # text) on the host, which at ~450 calls per decode step of a 27B model is what bounds the step.
-    return mx.compile(lambda x, w, scales, biases: quantized_matmul(x, w, scales, biases, group_size, bits))
+    def run(x, *arrays):
+        return quantized_matmuls(x, [arrays[i : i + 3] for i in range(0, len(arrays), 3)], group_size, bits)
+
+    return mx.compile(run)
 
 
 def retyped(q: nn.QuantizedLinear, cls: type) -> nn.QuantizedLinear:
@@ -375,15 +405,35 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def from_module(cls, q: nn.QuantizedLinear, use_kernel: bool) -> "KernelQuantizedLinear":
         new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
+        new.groupable = use_kernel and new.kernel_refusal is None  # may share one launch with other layers
         if new.kernel_refusal is None and q["weight"].shape[0] < LAYER_MIN_OUTPUTS:
             new.kernel_refusal = f"{q['weight'].shape[0]} outputs (MLX's kernel is faster below {LAYER_MIN_OUTPUTS})"
         new.use_kernel = use_kernel and new.kernel_refusal is None
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.use_kernel or x.dtype != mx.bfloat16 or x.size > LAYER_MAX_ROWS * x.shape[-1]:
+        if not self.use_kernel or not _kernel_rows(x):
             return super().__call__(x)
-        y = _compiled(self.group_size, self.bits)(x, self["weight"], self["scales"], self["biases"])
+        (y,) = _compiled(self.group_size, self.bits)(x, self["weight"], self["scales"], self["biases"])
         return y + self["bias"] if "bias" in self else y
 
+    @staticmethod
+    def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
+        """Each layer applied to x, in one launch where the kernel takes them all (the projections that
+        share an input: gate and up, q/k/v, a DeltaNet's inputs); small ones then ride along with the rest."""
+        first = layers[0]
+        together = (
+            len(layers) > 1
+            and _kernel_rows(x)
+            and all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits) for q in layers)
+            and sum(q["weight"].shape[0] for q in layers) >= LAYER_MIN_OUTPUTS
+        )
+        if not together:
+            return tuple(q(x) for q in layers)
+        arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
+        ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
+        return tuple(y + q["bias"] if "bias" in q else y for y, q in zip(ys, layers))
 
+
+def _kernel_rows(x: mx.array) -> bool:
+    return x.dtype == mx.bfloat16 and x.size <= LAYER_MAX_ROWS * x.shape[-1]

@@ -22,6 +22,13 @@ class BaseModelArgs:
         return cls(**{k: v for k, v in params.items() if k in known})
 
 
+def project(x: mx.array, *layers) -> tuple:
+    """Each layer applied to x, in order. The fast tier's quantized layers run the ones that share this
+    input as one kernel launch (`project_together`); every other layer runs on its own, as mlx-lm's do."""
+    together = getattr(layers[0], "project_together", None)
+    return together(x, layers) if together is not None else tuple(layer(x) for layer in layers)
+
+
 def causal_mask(
     n: int,
     offset: int = 0,

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.models.activations import swiglu
-from engine.models.base import attention_mask, scaled_dot_product_attention
+from engine.models.base import attention_mask, project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
 
@@ -57,9 +57,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         b, length, _ = x.shape
-        q = self.q_proj(x).reshape(b, length, self.n_heads, -1)
-        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(b, length, self.n_heads, -1)
+        k = k.reshape(b, length, self.n_kv_heads, -1)
+        v = v.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
@@ -81,7 +82,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*project(x, self.gate_proj, self.up_proj)))
 
 
 class TransformerBlock(nn.Module):

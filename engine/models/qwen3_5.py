@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, RecurrentCache
 from engine.models.activations import precise_swiglu
-from engine.models.base import BaseModelArgs, attention_mask, recurrent_mask, scaled_dot_product_attention
+from engine.models.base import BaseModelArgs, attention_mask, project, recurrent_mask, scaled_dot_product_attention
 from engine.models.dense import MLP
 from engine.models.gated_delta import gated_delta_update, normalize_qk
 from engine.models.rope import make_rope
@@ -109,9 +109,9 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         b, length, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(b, length, self.n_heads, -1), 2, axis=-1)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = mx.split(q.reshape(b, length, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(b, length, -1)
-        k, v = self.k_proj(x), self.v_proj(x)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(b, length, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -155,6 +155,10 @@ class GatedDeltaNet(nn.Module):
         self.chunked_rule = None
         self.fused_decode = None
 
+    def input_projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """qkv, z, beta logits and a, in this order (mlx-lm's)."""
+        return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
     def _conv(self, qkv: mx.array, mask, cache) -> mx.array:
         b, s, _ = qkv.shape
         keep = self.conv_kernel_size - 1
@@ -182,10 +186,8 @@ class GatedDeltaNet(nn.Module):
             if out is not None:
                 return self.out_proj(out)
         b, s, _ = x.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(b, s, self.num_v_heads, self.head_v_dim)
-        beta_logits = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        qkv, z, beta_logits, a = self.input_projections(x)
+        z = z.reshape(b, s, self.num_v_heads, self.head_v_dim)
         conv_out = self._conv(qkv, mask, cache)
         q, k, v = [
             t.reshape(b, s, heads, dim)

@@ -10,8 +10,10 @@ import pytest
 from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    BITS, GROUP_SIZES, LAYER_MAX_ROWS, KernelQuantizedLinear, quantized_matmul, refusal, tile_k,
+    BITS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear, quantized_matmul, quantized_matmuls,
+    refusal, tile_k,
 )
+from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
 
@@ -72,6 +74,21 @@ def test_kernel_layer_falls_back_to_mlx_off_cuda_bit_exact():
     q = make_quantized()
     x = mx.random.normal((1, 3, 128)).astype(mx.bfloat16)
     assert mx.array_equal(KernelQuantizedLinear.from_module(q, use_kernel=False)(x), q(x)).item()
+
+
+def test_projections_off_cuda_run_each_layer_as_mlx_does():
+    # Off CUDA (and in the exact tier) `project` is each layer's own call: the graph mlx-lm builds.
+    layers = [make_quantized(n=n, seed=n) for n in (2048, 64, 48)]
+    x = mx.random.normal((1, 2, 128)).astype(mx.bfloat16)
+    want = [q(x) for q in layers]
+    for got in (project(x, *layers), project(x, *[KernelQuantizedLinear.from_module(q, use_kernel=False) for q in layers])):
+        assert len(got) == 3 and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
+def test_small_matrices_may_join_a_group():
+    small = KernelQuantizedLinear.from_module(make_quantized(n=48), use_kernel=True)
+    assert small.groupable and not small.use_kernel
+    assert not KernelQuantizedLinear.from_module(make_quantized(n=48), use_kernel=False).groupable
 
 
 @pytest.mark.parametrize(
@@ -164,6 +181,23 @@ def test_kernel_layer_runs_the_compiled_kernel():
         x = mx.random.normal((1, m, 512)).astype(mx.bfloat16)
         want = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4) if m <= LAYER_MAX_ROWS else q(x)
         assert mx.array_equal(layer(x), want).item()
+
+
+@cuda_only
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, 32)])
+@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("rows", [(2048, 1024), (1500, 512, 48, 48), (4096,)])
+def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
+    # Each matrix's blocks compute exactly what its own launch does: identical results.
+    qs = [make_quantized(n=n, k=1536, bits=bits, group_size=group, seed=i) for i, n in enumerate(rows)]
+    x = mx.random.normal((1, m, 1536)).astype(mx.bfloat16)
+    together = quantized_matmuls(x, [(q.weight, q.scales, q.biases) for q in qs], group, bits)
+    for q, y in zip(qs, together):
+        assert mx.array_equal(y, quantized_matmul(x, q.weight, q.scales, q.biases, group, bits)).item()
+    layers = [KernelQuantizedLinear.from_module(q, use_kernel=True) for q in qs]
+    projected = project(x, *layers)
+    want = together if m <= LAYER_MAX_ROWS and sum(rows) >= LAYER_MIN_OUTPUTS else [q(x) for q in layers]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(projected, want))
 
 
 def _decode_states(model, ids, steps):

@@ -1,0 +1,59 @@
+"""One launch for the projections that share an input, against one launch each, on qwen27b's groups
+(weights cold): MLX's kernel per matrix; ours per matrix where the layer used it (>= 2048 outputs, MLX's
+below); ours for the whole group (`quantized_matmuls`).
+
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py
+Lines go to stdout, rows to $OUT/gemv-groups.json.
+"""
+
+import json
+import os
+
+import mlx.core as mx
+
+from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, quantized_matmul, quantized_matmuls
+from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
+
+GROUPS = {
+    "mlp gate+up": [17408, 17408],
+    "deltanet in_proj qkv/z/b/a": [10240, 6144, 48, 48],
+    "attention q/k/v": [12288, 1024, 1024],
+}
+K = 5120
+
+
+def main() -> None:
+    cfg = BenchConfig(calls=20, repeats=7)
+    rows = []
+    for name, sizes in GROUPS.items():
+        copies = [weight_copies(*random_quantized(n, K, 4, 64), cfg) for n in sizes]
+        nbytes = sum(sum(a.nbytes for a in c()) for c in copies)
+        for m in (1, 8):
+            x = mx.random.normal((m, K)).astype(mx.bfloat16)
+            mx.eval(x)
+
+            def mlx_each():
+                return [mx.quantized_matmul(x, *c(), transpose=True, group_size=64, bits=4) for c in copies]
+
+            def ours_each():
+                return [quantized_matmul(x, *c(), 64, 4) if n >= LAYER_MIN_OUTPUTS
+                        else mx.quantized_matmul(x, *c(), transpose=True, group_size=64, bits=4)
+                        for n, c in zip(sizes, copies)]  # fmt: skip
+
+            def ours_group():
+                return quantized_matmuls(x, [c() for c in copies], 64, 4)
+
+            r = {"group": name, "m": m, "mb": nbytes / 1e6}
+            for label, fn in (("mlx_each", mlx_each), ("ours_each", ours_each), ("ours_group", ours_group)):
+                r[label] = time_us(fn, cfg)
+            rows.append(r)
+            print(f"{name} M={m} ({r['mb']:.1f} MB): MLX each {r['mlx_each']:.1f} us | ours each {r['ours_each']:.1f} | "
+                  f"ours one launch {r['ours_group']:.1f} ({nbytes / r['ours_group'] / 1e3:.0f} GB/s)", flush=True)
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gemv-groups.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
