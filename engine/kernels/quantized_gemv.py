@@ -291,9 +291,12 @@ class LaunchConfig:
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
-    """Timed on the H200 for qwen27b's shapes (cold weights): K = 17408 best at (2, 1, 4) for M = 1 and
-    (4, 2, 4) for M = 8; K = 5120 at (4, 2, 4) for M = 1 and (4, 2, 8) for M = 8."""
+    """Timed on the H200 for qwen27b's shapes, weights cold: M = 1 best at (4, 1, 4) for K = 5120 and
+    17408 (reports/gpu/gemv-configs-m1-qwen27b.txt); M = 8 at (4, 2, 4) for K = 17408 and (4, 2, 8) for
+    K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4 choices, not timed since."""
     tiles = k // tile_k(group_size, bits)
+    if tiles >= 64 and m == 1:
+        return LaunchConfig(4, 1, 4)
     if tiles >= 256:
         return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)
     if tiles >= 64:

@@ -3,6 +3,7 @@ over copies larger than the L2), after checking its numerics against a float32 C
 shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_configs.py [--quick] [--no-numerics]
+--quick: the two 50 MB matrices at M = 1 only.
 FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
 """
 
@@ -49,13 +50,15 @@ def label(c: LaunchConfig) -> str:
 
 
 def candidates(m: int):
-    shapes = [(2, 1, 4), (4, 1, 4), (4, 2, 4), (2, 1, 8), (8, 1, 4), (4, 1, 2)] if m == 1 else [(4, 1, 4), (4, 2, 4), (4, 2, 8)]
+    if m > 1:
+        return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
+    shapes = [(1, 1, 4), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 1, 8), (2, 2, 4), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4)]
     return [LaunchConfig(*shape) for shape in shapes]
 
 
 def timing():
-    cfg = BenchConfig(calls=50, repeats=5)
-    warm = BenchConfig(calls=50, repeats=5, cold_bytes=0)
+    cfg = BenchConfig(calls=50, repeats=9)
+    warm = BenchConfig(calls=50, repeats=9, cold_bytes=0)
     shapes = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (5120, 6144), (1024, 5120),
               (248320, 5120)]
     first = int(os.environ.get('FIRST_SHAPE', '0'))
@@ -64,7 +67,7 @@ def timing():
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
         main = (n, k) in shapes[:2]
-        for m in ((1, 8) if quick else (1, 4, 8, 16)) if main else (1,):
+        for m in ((1,) if quick else (1, 4, 8, 16)) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
             res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6}
