@@ -5,8 +5,6 @@ synchronous step (build + device), and the pipelined rate the engine's decode lo
 """
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -14,6 +12,7 @@ import mlx.core as mx
 
 from engine.engine import Engine
 from engine.kernels import EXACT, FAST, install
+from harness.gpu.results import save_json
 
 
 def measure(eng: Engine, prompt: list, tokens: int) -> dict:
@@ -61,10 +60,7 @@ def main() -> None:
         print(f"{args.model} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
               f"{ks.quantized_linears} kernel layers", flush=True)
-        out = os.environ.get("OUT", "/tmp/out")
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"decode-step-{args.model}.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        save_json(f"decode-step-{args.model}.json", results)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ Run it with MLX_ENABLE_TF32=0 too: MLX runs float32 matmuls (the chunked form's)
 """
 
 import argparse
-import json
 import os
 
 from engine.engine import Engine
 from engine.kernels import EXACT, FAST, _swap_quantized_linears, install
+from harness.gpu.results import save_json
 from harness.kernel_gate import _kl, teacher_forced
 from harness.parity import PROMPT_LENGTHS, vocab_size
 from harness.prompts import frozen_prompt_ids
@@ -56,10 +56,7 @@ def main() -> None:
             f"{r['prompt_len']} ids: KL {r['mean_kl']:.1e} equal {r['greedy_equal_steps']}/{args.steps}" for r in per_prompt),
             flush=True)
     install(eng.model, EXACT)
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"gate-parts-{args.model}-tf32-{rows['tf32']}.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    save_json(f"gate-parts-{args.model}-tf32-{rows['tf32']}.json", rows)
 
 
 if __name__ == "__main__":

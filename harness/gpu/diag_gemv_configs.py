@@ -7,16 +7,15 @@ shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choic
 FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
 """
 
-import json
 import os
 import sys
 
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul
+from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
-out_dir = os.environ.get("OUT", "/tmp/out")
 quick = "--quick" in sys.argv
 rows = []
 
@@ -88,11 +87,9 @@ def timing():
                   f"({nbytes / res['kernel'] / 1e3:.0f} GB/s) | best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)"
                   + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""), flush=True)
             rows.append(res)
-            with open(os.path.join(out_dir, "gemv-configs.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+            save_json("gemv-configs.json", rows)
 
 
 if __name__ == "__main__":
-    os.makedirs(out_dir, exist_ok=True)
     if '--no-numerics' in sys.argv or numerics() == 0 or "--time-anyway" in sys.argv:
         timing()

@@ -6,12 +6,11 @@ below); ours for the whole group (`quantized_matmuls`).
 Lines go to stdout, rows to $OUT/gemv-groups.json.
 """
 
-import json
-import os
 
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, quantized_matmul, quantized_matmuls
+from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
 GROUPS = {
@@ -49,10 +48,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name} M={m} ({r['mb']:.1f} MB): MLX each {r['mlx_each']:.1f} us | ours each {r['ours_each']:.1f} | "
                   f"ours one launch {r['ours_group']:.1f} ({nbytes / r['ours_group'] / 1e3:.0f} GB/s)", flush=True)
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gemv-groups.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    save_json("gemv-groups.json", rows)
 
 
 if __name__ == "__main__":
