@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels.gated_delta_decode import fused_decode
+from engine.kernels.gated_delta_decode import layer_step
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
 
 EXACT, FAST = "exact", "fast"
@@ -117,6 +117,7 @@ def _set_delta_rules(model: nn.Module, fast: bool) -> int:
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
-            module.fused_decode = fused_decode if fast else None
             count += 1
+        if getattr(module, "is_linear", False) and hasattr(module, "fused_step"):
+            module.fused_step = layer_step(module) if fast else None
     return count

@@ -1,11 +1,15 @@
-"""A Gated DeltaNet layer's decode step (one token) as one compiled function.
+"""A Gated DeltaNet decoder layer's decode step (one token) as one compiled function.
 
 Between its input projections and its output projection a DeltaNet layer runs
 ~20 small operations per token: the conv tail update, the depthwise conv and
-SiLU, q/k normalization, the gates, the delta step and the gated RMS norm.
-Each is a graph node the host builds and a kernel the device launches; for a
-27B hybrid that is ~1,000 of a decode step's ~2,000 operations. Compiled
-together, the host builds one call and MLX fuses the elementwise chains.
+SiLU, q/k normalization, the gates, the delta step and the gated RMS norm;
+around them come the norms, the residual adds and the MLP. Each is a graph
+node the host builds and a kernel MLX launches, at a few microseconds of host
+time each (reports/gpu/launch-overhead.txt), which is what bounds a B=1 decode
+step on the H200. Compiled as one call, the host builds one node per layer and
+MLX fuses the elementwise chains. (The ~20 is a count of the exact graph's
+operations; how many CUDA launches remain after fusion was not counted on the
+GPU.)
 
 The depthwise conv over the K = 4 positions is written as a multiply and a sum
 (one output position), which fuses; the rest are the exact tier's functions.
@@ -16,7 +20,7 @@ the fast tier: equal to the exact step up to rounding.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,25 +63,33 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
     return mx.compile(core)
 
 
-def fused_decode(layer, x: mx.array, mask, cache) -> Optional[mx.array]:
-    """The layer's output for one token (before `out_proj`), updating `cache` as
-    the layer does; None where the step does not apply (the layer's own path runs)."""
-    if not applies(x, mask, cache):
-        return None
-    b = x.shape[0]
-    core = _core(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.norm.eps)
-    qkv, z, beta_logits, a = layer.input_projections(x)
-    out, cache[0], cache[1] = core(
-        qkv,
-        z.reshape(b, 1, layer.num_v_heads, layer.head_v_dim),
-        a,
-        beta_logits,
-        cache[0],
-        cache[1],
-        layer.conv1d.weight,
-        layer.A_log,
-        layer.dt_bias,
-        layer.norm.weight,
-    )
-    cache.advance(1)
-    return out
+def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+    """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
+    projections (one launch in the fast tier), the core above, the output projection, the residual, the
+    MLP and its residual. Returns `step(x, mask, cache)`: the layer's output for one token, updating
+    `cache` as the layer does, or None where the step does not apply (the layer's own path runs).
+
+    The layer's weights are read when the step is first traced and held by the compiled graph (no
+    copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
+    lin = layer.linear_attn
+    core = _core(lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.norm.eps)
+
+    def body(x, conv_state, state):
+        qkv, z, beta_logits, a = lin.input_projections(layer.input_layernorm(x))
+        z = z.reshape(x.shape[0], 1, lin.num_v_heads, lin.head_v_dim)
+        out, conv_state, state = core(
+            qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
+        )
+        h = x + lin.out_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h)), conv_state, state
+
+    compiled = mx.compile(body)
+
+    def step(x: mx.array, mask, cache) -> Optional[mx.array]:
+        if not applies(x, mask, cache):
+            return None
+        h, cache[0], cache[1] = compiled(x, cache[0], cache[1])
+        cache.advance(1)
+        return h
+
+    return step

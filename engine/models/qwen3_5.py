@@ -153,7 +153,6 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         # The fast tier's replacements, set by engine.kernels.install (None: the exact path).
         self.chunked_rule = None
-        self.fused_decode = None
 
     def input_projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """qkv, z, beta logits and a, in this order (mlx-lm's)."""
@@ -181,10 +180,6 @@ class GatedDeltaNet(nn.Module):
         return nn.silu(self.conv1d(conv_input))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if self.fused_decode is not None:
-            out = self.fused_decode(self, x, mask, cache)
-            if out is not None:
-                return self.out_proj(out)
         b, s, _ = x.shape
         qkv, z, beta_logits, a = self.input_projections(x)
         z = z.reshape(b, s, self.num_v_heads, self.head_v_dim)
@@ -221,8 +216,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        # The fast tier's one-call decode step of a DeltaNet layer, set by engine.kernels.install (None: the
+        # exact path); it returns None where it does not apply.
+        self.fused_step = None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.fused_step is not None:
+            h = self.fused_step(x, mask, cache)
+            if h is not None:
+                return h
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))

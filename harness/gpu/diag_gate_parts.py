@@ -1,5 +1,5 @@
 """Which part of the fast tier moves the logits: the numerics gate's KL and greedy agreement with one part
-on at a time (the GEMV layers, the chunked DeltaNet prefill, the fused DeltaNet decode step), then all.
+on at a time (the GEMV layers, the chunked DeltaNet prefill, the compiled DeltaNet layer decode step), then all.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_gate_parts.py [--model qwen27b] [--steps 16]
 Run it with MLX_ENABLE_TF32=0 too: MLX runs float32 matmuls (the chunked form's) as TF32 by default.
@@ -15,7 +15,7 @@ from harness.kernel_gate import _kl, teacher_forced
 from harness.parity import PROMPT_LENGTHS, vocab_size
 from harness.prompts import frozen_prompt_ids
 
-PARTS = ("gemv", "chunked_rule", "fused_decode", "all")
+PARTS = ("gemv", "chunked_rule", "fused_step", "all")
 
 
 def only(model, part: str) -> None:
@@ -24,10 +24,9 @@ def only(model, part: str) -> None:
     if part not in ("gemv", "all"):
         _swap_quantized_linears(model, fast=False, use_kernel=False)
     for _, module in model.named_modules():
-        if hasattr(module, "chunked_rule"):
-            for attr in ("chunked_rule", "fused_decode"):
-                if part not in (attr, "all"):
-                    setattr(module, attr, None)
+        for attr in ("chunked_rule", "fused_step"):
+            if hasattr(module, attr) and part not in (attr, "all"):
+                setattr(module, attr, None)
 
 
 def main() -> None:

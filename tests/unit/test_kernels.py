@@ -219,8 +219,11 @@ def test_fused_decode_step_matches_the_layer_path():
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
     exact, exact_cache = _decode_states(model, ids, 12)
     assert install(model, FAST, force=True).chunked_delta_layers > 0
+    steps = [layer for layer in model.layers if layer.fused_step is not None]
+    assert steps and all(layer.is_linear for layer in steps)
     fast, fast_cache = _decode_states(model, ids, 12)
     install(model, EXACT)
+    assert all(layer.fused_step is None for layer in model.layers)
     # float32 model: the fused step computes the same float32 math with other roundings (the conv as a
     # multiply-sum, fused elementwise chains), so logits and states agree to float32 rounding.
     assert max(mx.abs(a - b).max().item() for a, b in zip(exact, fast)) < 1e-3
