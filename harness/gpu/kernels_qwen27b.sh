@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Device call 2 (after `bash .device-kit/a/hold.sh`), from the repo root:
 #   source .device-kit/b/env.sh && PART=tests bash harness/gpu/kernels_qwen27b.sh
-# PART=tests:  the kernel numerics tests on CUDA, then `harness kernels` on qwen27b's shapes
+# PART=tests:  the kernel numerics tests on CUDA, then `harness kernels` on qwen27b's shapes. The tests
+#              compile ~80 kernel instances (~7 min): TESTS_K="matches_mlx" and TESTS_K="not matches_mlx"
+#              split them over two device calls (pytest -k).
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
 # PART=all:    native, then the kernel table, then the tests (-x)
@@ -15,7 +17,7 @@ synth() { [ -f "/tmp/ehc/models/qwen27b-s0/manifest.json" ] || { time python3 -m
 case "$PART" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -20 | tee "$OUT/test_kernels.txt" || true
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -20 | tee "$OUT/test_kernels.txt" || true
     python3 -m harness kernels --shapes qwen27b ${KERNELS_ARGS:-} --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     ;;
   gate)
