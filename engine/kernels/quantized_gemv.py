@@ -20,6 +20,12 @@ from a second mma against ones. Nothing is rounded before the bf16 output
 (MLX's CUDA kernel rounds the dequantized weights to bf16), so results agree
 with MLX's to rounding, not bit for bit (the fast tier).
 
+Matrices that share the input run in one launch (`quantized_matmuls`): the
+blocks take them one after another, each block computing exactly what it
+would in that matrix's own launch, so small matrices (a DeltaNet layer's
+48-row gate projections) ride along with large ones instead of paying a
+launch each.
+
 A block's W warps split K; `U` k-tiles of loads are issued before the first
 multiply; the partial products meet in shared memory. Configurations were
 chosen by timing on the H200 with weights rotated past the L2
@@ -382,7 +388,8 @@ def quantized_matmul(
 @lru_cache(maxsize=None)
 def _compiled(group_size: int, bits: int, count: int = 1):
     # Traced once per input shape: later calls skip building the kernel call (template list, source
-    # text) on the host, which at ~450 calls per decode step of a 27B model is what bounds the step.
+    # text) on the host: ~10 us a call uncompiled, ~2 compiled (reports/gpu/launch-overhead.txt), at
+    # hundreds of calls per decode step of a 27B model.
     def run(x, *arrays):
         return quantized_matmuls(x, [arrays[i : i + 3] for i in range(0, len(arrays), 3)], group_size, bits)
 
@@ -415,7 +422,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.use_kernel or not _kernel_rows(x):
+        if not self.use_kernel or not _takes(x, self):
             return super().__call__(x)
         (y,) = _compiled(self.group_size, self.bits)(x, self["weight"], self["scales"], self["biases"])
         return y + self["bias"] if "bias" in self else y
@@ -427,8 +434,8 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         first = layers[0]
         together = (
             len(layers) > 1
-            and _kernel_rows(x)
-            and all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits) for q in layers)
+            and all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits)
+                    and _takes(x, q) for q in layers)
             and sum(q["weight"].shape[0] for q in layers) >= LAYER_MIN_OUTPUTS
         )
         if not together:
@@ -438,5 +445,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         return tuple(y + q["bias"] if "bias" in q else y for y, q in zip(ys, layers))
 
 
-def _kernel_rows(x: mx.array) -> bool:
-    return x.dtype == mx.bfloat16 and x.size <= LAYER_MAX_ROWS * x.shape[-1]
+def _takes(x: mx.array, q: nn.QuantizedLinear) -> bool:
+    """Whether the kernel computes q(x): bf16 activations, at most LAYER_MAX_ROWS rows, q's input size."""
+    k = x.shape[-1]
+    return x.dtype == mx.bfloat16 and x.size <= LAYER_MAX_ROWS * k and q["weight"].shape[1] * 32 // q.bits == k

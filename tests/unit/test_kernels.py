@@ -11,7 +11,7 @@ from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear, quantized_matmul, quantized_matmuls,
-    refusal, tile_k,
+    _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -83,6 +83,14 @@ def test_projections_off_cuda_run_each_layer_as_mlx_does():
     want = [q(x) for q in layers]
     for got in (project(x, *layers), project(x, *[KernelQuantizedLinear.from_module(q, use_kernel=False) for q in layers])):
         assert len(got) == 3 and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
+def test_kernel_layer_takes_bf16_rows_up_to_the_limit_of_its_input_size():
+    q = make_quantized(n=2048, k=128)
+    assert _takes(mx.zeros((1, LAYER_MAX_ROWS, 128), dtype=mx.bfloat16), q)
+    assert not _takes(mx.zeros((1, LAYER_MAX_ROWS + 1, 128), dtype=mx.bfloat16), q)
+    assert not _takes(mx.zeros((1, 128), dtype=mx.float32), q)
+    assert not _takes(mx.zeros((1, 256), dtype=mx.bfloat16), q)
 
 
 def test_small_matrices_may_join_a_group():
