@@ -7,12 +7,16 @@ registry model's exact shapes.
   effective GB/s (weights, scales, biases, activations and output bytes once
   each), the fraction of the machine's bandwidth, max |difference| against
   the built-in result.
+- Projections that share an input (gate and up, q/k/v, a DeltaNet layer's
+  four inputs): MLX's operation once per matrix vs ours once for the group,
+  as the fast tier runs them (`engine.models.base.project`).
 - Gated DeltaNet prefill: the per-token recurrence (the exact tier, as mlx-lm
   runs it off Apple GPUs) vs the chunked form, T tokens with the model's head
   geometry; median time, speedup, max |difference| of outputs and state.
 
 Timing: `calls` independent calls per `mx.eval`, after `warmup` evaluations
-(the first call compiles kernels), median over `repeats`. The GEMV calls
+(the first call compiles kernels), median over `repeats`; the clock covers
+the evaluation of calls built beforehand (`time_us`). The GEMV calls
 rotate over copies of the weights, at least `cold_bytes` of them, so no
 matrix is timed from the L2 (50 MB on the H200): a decode step streams the
 whole model from HBM. (On qwen27b's 47 MB matrices it changed little: MLX
@@ -34,7 +38,7 @@ import mlx.nn as nn
 
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels.quantized_gemv import quantized_matmul, refusal
+from engine.kernels.quantized_gemv import LAYER_MAX_ROWS, quantized_matmul, quantized_matmuls, refusal
 from engine.models import model_module
 from engine.models.gated_delta import normalize_qk, recurrence
 from engine.registry import ModelSpec
@@ -55,8 +59,19 @@ class BenchConfig:
     max_shapes: Optional[int] = None
 
 
+class _Rates:
+    """Effective GB/s and speedup of a result with builtin_us, kernel_us and bytes_moved."""
+
+    def gbs(self, us: Optional[float]) -> Optional[float]:
+        return None if us is None else self.bytes_moved / us / 1e3
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return None if self.kernel_us is None else self.builtin_us / self.kernel_us
+
+
 @dataclass(frozen=True)
-class GemvResult:
+class GemvResult(_Rates):
     n: int
     k: int
     m: int
@@ -70,12 +85,20 @@ class GemvResult:
     max_abs_ref: float
     note: str = ""
 
-    def gbs(self, us: Optional[float]) -> Optional[float]:
-        return None if us is None else self.bytes_moved / us / 1e3
 
-    @property
-    def speedup(self) -> Optional[float]:
-        return None if self.kernel_us is None else self.builtin_us / self.kernel_us
+@dataclass(frozen=True)
+class GroupResult(_Rates):
+    """Matrices that share an input: MLX's operation once per matrix vs one launch of ours for all."""
+
+    label: str
+    rows: tuple[int, ...]  # N of each matrix
+    k: int
+    m: int
+    layers: int  # how many of the model's modules have this group
+    builtin_us: float
+    kernel_us: Optional[float]
+    bytes_moved: int
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -177,6 +200,27 @@ def linear_shapes(spec: ModelSpec) -> Counter:
     return shapes
 
 
+# The layers the models pass together to engine.models.base.project (one launch in the fast tier).
+PROJECTION_GROUPS = {
+    "gate+up": ("gate_proj", "up_proj"),
+    "q/k/v": ("q_proj", "k_proj", "v_proj"),
+    "DeltaNet inputs": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
+
+
+def projection_groups(spec: ModelSpec) -> Counter:
+    """(label, (N of each matrix), K) of every group of linear layers that share an input -> how many
+    modules have it."""
+    model = lazy_model(spec)
+    groups: Counter = Counter()
+    for _, module in model.named_modules():
+        for label, names in PROJECTION_GROUPS.items():
+            layers = [getattr(module, name, None) for name in names]
+            if all(isinstance(layer, nn.Linear) for layer in layers):
+                groups[(label, tuple(layer.weight.shape[0] for layer in layers), layers[0].weight.shape[1])] += 1
+    return groups
+
+
 def weight_copies(w: mx.array, scales: mx.array, biases: mx.array, cfg: BenchConfig) -> Callable[[], tuple]:
     """A function returning the next of enough separate copies of (w, scales, biases) to cover
     `cfg.cold_bytes`, round robin: each call then reads its weights from memory, not from cache."""
@@ -222,6 +266,26 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
     )  # fmt: skip
 
 
+def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, group_size: int, layers: int,
+                cfg: BenchConfig) -> GroupResult:  # fmt: skip
+    matrices = [random_quantized(n, k, bits, group_size) for n in rows]
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    mx.eval(x)
+    # Each matrix rotates over its own copies; the small ones stop at max_copies, so they may stay cached.
+    copies = [weight_copies(*matrix, cfg) for matrix in matrices]
+
+    def builtin():
+        return [mx.quantized_matmul(x, *c(), transpose=True, group_size=group_size, bits=bits) for c in copies]
+
+    moved = sum(a.nbytes for matrix in matrices for a in matrix) + x.nbytes + 2 * m * sum(rows)
+    builtin_us = time_us(builtin, cfg)
+    why = next(filter(None, (refusal(x, w, s, group_size, bits) for w, s, _ in matrices)), None)
+    why = why or (None if on_cuda() else "needs MLX's CUDA backend")
+    kernel_us = None if why else time_us(lambda: quantized_matmuls(x, [c() for c in copies], group_size, bits), cfg)
+    return GroupResult(label=label, rows=tuple(rows), k=k, m=m, layers=layers, builtin_us=builtin_us,
+                       kernel_us=kernel_us, bytes_moved=moved, note=why or "")  # fmt: skip
+
+
 def delta_inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype=mx.bfloat16, seed: int = 0):
     """Random inputs with the model's ranges: normalized q, k; decays in (0, 1); beta in (0, 1)."""
     key = mx.random.key(seed)
@@ -251,30 +315,39 @@ def bench_delta(tokens: int, hk: int, hv: int, dk: int, dv: int, cfg: BenchConfi
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class KernelBench:
+    gemv: list[GemvResult]
+    groups: list[GroupResult]
+    delta: list[DeltaResult]
+
+
 def run_kernel_bench(
     spec: ModelSpec,
     cfg: BenchConfig,
     on_result: Optional[Callable[[object], None]] = None,
-) -> tuple[list[GemvResult], list[DeltaResult]]:
+) -> KernelBench:
     quant = spec.quantization
     bits, group = (quant.bits, quant.group_size) if quant else (4, 64)
+    out = KernelBench([], [], [])
+
+    def done(results: list, r) -> None:
+        results.append(r)
+        if on_result:
+            on_result(r)
+
     shapes: Sequence = sorted(linear_shapes(spec).items(), key=lambda kv: -kv[0][0] * kv[0][1])
     if cfg.max_shapes:
         shapes = shapes[: cfg.max_shapes]
-    gemv = []
     for (n, k), layers in shapes:
         for m in cfg.rows:
-            r = bench_gemv(n, k, m, bits, group, layers, cfg)
-            gemv.append(r)
-            if on_result:
-                on_result(r)
-    delta = []
+            done(out.gemv, bench_gemv(n, k, m, bits, group, layers, cfg))
+    for (label, rows, k), layers in projection_groups(spec).items():
+        for m in (m for m in cfg.rows if m <= LAYER_MAX_ROWS):  # above it the layers run MLX's op one by one
+            done(out.groups, bench_group(label, rows, k, m, bits, group, layers, cfg))
     g = spec.geometry
     if g.linear_num_value_heads:
         for t in cfg.tokens:
-            r = bench_delta(t, g.linear_num_key_heads, g.linear_num_value_heads, g.linear_key_head_dim,
-                            g.linear_value_head_dim, cfg)  # fmt: skip
-            delta.append(r)
-            if on_result:
-                on_result(r)
-    return gemv, delta
+            done(out.delta, bench_delta(t, g.linear_num_key_heads, g.linear_num_value_heads, g.linear_key_head_dim,
+                                        g.linear_value_head_dim, cfg))  # fmt: skip
+    return out

@@ -16,8 +16,9 @@ def add_kernels(sub) -> None:
         "kernels",
         help="microbenchmark the fast tier's kernels on a model's shapes; optionally its whole-model numerics gate",
         description="Time each fast-tier kernel against MLX's built-in operation on the exact shapes of a registry "
-        "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count, and "
-        "the chunked Gated DeltaNet prefill against the per-token recurrence. Prints median time, effective "
+        "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count, the "
+        "projections that share an input in one launch (M <= 8, as the fast tier runs them), and the chunked "
+        "Gated DeltaNet prefill against the per-token recurrence. Prints median time, effective "
         "GB/s and the fraction of --peak-gbs, speedups, and max |difference| against the built-in result. "
         "Off CUDA only the built-in side runs. With --gate-model, also loads that model and runs the numerics "
         "gate: exact vs fast tier over the parity prompts, greedy agreement and mean KL against the bound.",
@@ -48,7 +49,7 @@ def cmd_kernels(args) -> int:
 
     from engine.errors import UnknownModelError
     from engine.registry import get_spec
-    from harness.kernel_bench import BenchConfig, DeltaResult, run_kernel_bench, verdicts
+    from harness.kernel_bench import BenchConfig, DeltaResult, GroupResult, run_kernel_bench, verdicts
 
     try:
         spec = get_spec(args.shapes)
@@ -58,10 +59,14 @@ def cmd_kernels(args) -> int:
                       peak_gbs=args.peak_gbs, max_shapes=args.max_shapes, cold_bytes=args.cold_mb << 20)  # fmt: skip
     with console.status("timing") as status:
         def progress(r):
-            label = f"T={r.tokens}" if isinstance(r, DeltaResult) else f"{r.n}x{r.k} M={r.m}"
+            if isinstance(r, DeltaResult):
+                label = f"T={r.tokens}"
+            else:
+                label = f"{r.label} M={r.m}" if isinstance(r, GroupResult) else f"{r.n}x{r.k} M={r.m}"
             status.update(f"timed {label}")
 
-        gemv, delta = run_kernel_bench(spec, cfg, on_result=progress)
+        bench = run_kernel_bench(spec, cfg, on_result=progress)
+    gemv, groups, delta = bench.gemv, bench.groups, bench.delta
     weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
     t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
     for col in ("N x K", "M", "layers", "mlx us", "mlx GB/s", "kernel us", "kernel GB/s", "of limit", "speedup",
@@ -73,6 +78,17 @@ def cmd_kernels(args) -> int:
                   fmt(r.kernel_us), fmt(gbs, ".0f"), fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
                   fmt(r.speedup, ".2f"), fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
     stdout.print(t)
+    if groups:
+        gt = Table(title="projections that share an input: MLX's op once per matrix vs the kernel once for all")
+        for col in ("group", "N each", "K", "M", "modules", "mlx us", "kernel us", "kernel GB/s", "of limit",
+                    "speedup", "note"):
+            gt.add_column(col)
+        for r in groups:
+            gbs = r.gbs(r.kernel_us)
+            gt.add_row(r.label, "+".join(map(str, r.rows)), str(r.k), str(r.m), str(r.layers), fmt(r.builtin_us),
+                       fmt(r.kernel_us), fmt(gbs, ".0f"), fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
+                       fmt(r.speedup, ".2f"), r.note)  # fmt: skip
+        stdout.print(gt)
     if delta:
         d = Table(title="Gated DeltaNet prefill: per-token recurrence vs chunked")
         for col in ("tokens", "heads k/v", "recurrence ms", "chunked ms", "speedup", "max|diff| y", "max|diff| state"):
@@ -92,6 +108,7 @@ def cmd_kernels(args) -> int:
         "peak_gbs": cfg.peak_gbs,
         "cold_bytes": cfg.cold_bytes,
         "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],
+        "groups": [dict(vars(r), kernel_gbs=r.gbs(r.kernel_us), speedup=r.speedup) for r in groups],
         "delta": [dict(vars(r), speedup=r.speedup) for r in delta],
     }
     code = 0

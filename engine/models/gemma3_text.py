@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, RotatingKVCache
 from engine.models.activations import clip_residual
-from engine.models.base import BaseModelArgs, attention_mask, scaled_dot_product_attention
+from engine.models.base import BaseModelArgs, attention_mask, project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
 
@@ -75,9 +75,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         b, length, _ = x.shape
-        q = self.q_proj(x).reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
             q = self.rope(q, offset=cache.offset)
@@ -97,7 +98,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(nn.gelu_approx(gate) * up)
 
 
 class TransformerBlock(nn.Module):

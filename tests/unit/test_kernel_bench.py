@@ -5,7 +5,9 @@ import json
 import mlx.core as mx
 
 from harness.cli import main
-from harness.kernel_bench import BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, verdicts, weight_copies
+from harness.kernel_bench import (
+    BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, projection_groups, verdicts, weight_copies,
+)
 from harness.kernel_gate import KL_BOUND, run_gate
 from engine.registry import get_spec
 
@@ -20,6 +22,14 @@ def test_linear_shapes_come_from_the_geometry_without_weights():
     assert shapes[(17408, 5120)] == 130  # gate and up projections of 64 layers + the MTP layer
     assert shapes[(5120, 17408)] == 65
     assert shapes[(248320, 5120)] == 1
+
+
+def test_projection_groups_are_the_layers_that_share_an_input():
+    groups = projection_groups(get_spec("qwen27b"))
+    assert groups[("gate+up", (17408, 17408), 5120)] == 65  # 64 layers + the MTP layer
+    assert groups[("q/k/v", (12288, 1024, 1024), 5120)] == 17  # 16 attention layers + the MTP layer
+    assert groups[("DeltaNet inputs", (10240, 6144, 48, 48), 5120)] == 48
+    assert len(groups) == 3
 
 
 def test_verdicts_check_the_main_matrix_and_the_prefill():
@@ -66,6 +76,8 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     assert record["device"] == str(mx.default_device()) and record["cold_bytes"] == 1 << 20
     assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
     assert record["delta"][0]["tokens"] == 16
+    assert {g["label"] for g in record["groups"]} == {"gate+up", "q/k/v", "DeltaNet inputs"}
+    assert all(g["kernel_us"] is None and g["builtin_us"] > 0 for g in record["groups"])
     printed = capsys.readouterr().out
     assert "not measured" in printed and "rotated over 1 MB" in printed
 
