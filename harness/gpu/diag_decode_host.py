@@ -6,13 +6,18 @@ The model is built from the registry geometry (quantized as the registry
 says) with zero stand-ins for its weights and never run, so this runs on the
 CPU for qwen27b too:
 what is timed is only the Python and graph construction of each decode step
-(the part the pipelined decode loop must hide behind device work). Off CUDA
-the fast tier's GEMV layers build MLX's op instead of the kernel.
+(the part the pipelined decode loop must hide behind device work), and the
+operations in the step's graph, each of which MLX handles on the host when it
+evaluates the step. Off CUDA the fast tier's GEMV layers build MLX's op
+instead of the kernel.
 """
 
 import argparse
+import io
+import re
 import statistics
 import time
+from collections import Counter
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -35,6 +40,23 @@ def step_build_ms(model, steps: int) -> list[float]:
     return times
 
 
+# Operations that only make a view of their input: nodes the host handles, but no kernel runs.
+VIEWS = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "Split", "Flatten", "Unflatten"}
+
+
+def step_nodes(model) -> Counter:
+    """Operations in one decode step's graph (after a short evaluated prefill), by primitive name.
+    Compiled functions appear as their fused nodes; off the GPU, MLX's fast ops (RMS norm, RoPE,
+    attention) appear as the operations of their fallbacks."""
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3, 4]]), cache)
+    mx.eval([c.state for c in cache])
+    logits = model(mx.array([[5]]), cache)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, logits, *[a for c in cache for a in c.state])
+    return Counter(re.findall(r'label\s*=\s*"([A-Za-z_]+)', dot.getvalue()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen27b")
@@ -49,9 +71,12 @@ def main() -> None:
     for tier in (EXACT, FAST):
         ks = install(model, tier, force=True)
         times = step_build_ms(model, args.steps)[2:]
+        nodes = step_nodes(model)
+        views = sum(n for name, n in nodes.items() if name in VIEWS)
         print(f"{args.model} {tier}: {statistics.median(times):.2f} ms per decode step graph "
               f"(min {min(times):.2f}, {ks.quantized_linears} kernel GEMV layers, "
-              f"{ks.chunked_delta_layers} delta layers)", flush=True)
+              f"{ks.chunked_delta_layers} delta layers); {sum(nodes.values())} operations, {views} of them views; "
+              f"most: {', '.join(f'{name} {n}' for name, n in nodes.most_common(6))}", flush=True)
 
 
 if __name__ == "__main__":
