@@ -1,0 +1,176 @@
+"""A Gated DeltaNet layer's one-token core as one CUDA kernel (not yet run on a GPU).
+
+What `gated_delta_decode._core` computes between a DeltaNet layer's input
+and output projections, for one token: the depthwise causal conv over the
+last K positions and its SiLU, the conv tail update, q/k L2 normalization,
+the decay and beta gates, the delta-rule state update and readout, and the
+gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
+(reductions and state-sized temporaries MLX does not fuse), each a launch the
+host pays a few microseconds for (reports/gpu/launch-overhead.txt); here it
+is one launch per layer, and the float32 state is read and written once.
+
+One block per (batch row, value head), one thread per value channel: the
+block computes its heads' q and k channels (recomputed by each value head of
+a key head's group: 2 x 128 multiply-adds), its v channels, then each warp
+walks state rows with its lanes across the key dimension. The roundings of
+the compiled core are kept where it rounds to bf16 (the conv output, the
+normalized q and k, y before the norm, the norm before the gate), so the
+two agree to float32 summation order.
+
+Status: written and compile-checked with nvcc for sm_90; not yet run on the
+H200, so `layer_step` does not use it. `tests/unit/test_kernels.py` holds its
+CUDA test against the compiled core.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+HEADER = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ bool engine_is_bf16(const __nv_bfloat16*) { return true; }
+__device__ __forceinline__ bool engine_is_bf16(const float*) { return false; }
+"""
+
+SOURCE = r"""
+  // Block (b, h): batch row b, value head h; thread t: value channel t (and key channel t for q and k).
+  const int b = blockIdx.x / HV, h = blockIdx.x % HV;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  constexpr int KD = HK * DK;           // key channels; conv channels are q (KD), k (KD), v (HV * DV)
+  constexpr int C = 2 * KD + HV * DV;
+  constexpr int GROUP = HV / HK;        // value heads per key head
+  const int hk = h / GROUP;
+  __shared__ float qs[DK], ks[DK], vs[DV], red[2][DV / 32];
+
+  auto conv = [&](int c) -> float {     // depthwise conv over the K - 1 stored positions and the new one, SiLU
+    float acc = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < KS - 1; ++j)
+      acc += (float)conv_state[((size_t)b * (KS - 1) + j) * C + c] * (float)conv_w[(size_t)c * KS + j];
+    acc += (float)qkv[(size_t)b * C + c] * (float)conv_w[(size_t)c * KS + KS - 1];
+    const float s = acc / (1.0f + __expf(-acc));
+    return __bfloat162float(__float2bfloat16(s));
+  };
+  auto shift = [&](int c) {             // the conv tail: the last K - 1 positions, the new one at the end
+    #pragma unroll
+    for (int j = 0; j < KS - 2; ++j)
+      new_conv[((size_t)b * (KS - 1) + j) * C + c] = conv_state[((size_t)b * (KS - 1) + j + 1) * C + c];
+    new_conv[((size_t)b * (KS - 1) + KS - 2) * C + c] = qkv[(size_t)b * C + c];
+  };
+  auto block_sum = [&](float v, int slot) -> float {  // sum over the block's DV threads
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[slot][warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < DV / 32; ++w) total += red[slot][w];
+    return total;
+  };
+
+  if (t < DK) {
+    qs[t] = conv(hk * DK + t);
+    ks[t] = conv(KD + hk * DK + t);
+    if (h % GROUP == 0) { shift(hk * DK + t); shift(KD + hk * DK + t); }
+  }
+  vs[t] = conv(2 * KD + h * DV + t);
+  shift(2 * KD + h * DV + t);
+  __syncthreads();
+
+  // q, k: RMS-normalized (eps folded as the compiled core does), times Dk^-1 and Dk^-0.5, rounded to bf16 twice
+  {
+    const float inv = rsqrtf((float)DK);
+    const float qv = t < DK ? qs[t] : 0.0f, kv = t < DK ? ks[t] : 0.0f;
+    const float qss = block_sum(qv * qv, 0), kss = block_sum(kv * kv, 1);
+    const float eps = params[0] * inv * inv;
+    if (t < DK) {  // each thread reads and writes only its own channel here
+      const float qn = __bfloat162float(__float2bfloat16(qv * rsqrtf(qss / DK + eps)));
+      const float kn = __bfloat162float(__float2bfloat16(kv * rsqrtf(kss / DK + eps)));
+      qs[t] = __bfloat162float(__float2bfloat16(qn * inv * inv));
+      ks[t] = __bfloat162float(__float2bfloat16(kn * inv));
+    }
+  }
+  __syncthreads();
+
+  // gates: g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b); a + dt_bias and its softplus
+  // are bf16 in the compiled core when dt_bias is
+  const bool bf16_bias = engine_is_bf16(dt_bias);
+  auto round_like_bias = [&](float x) { return bf16_bias ? __bfloat162float(__float2bfloat16(x)) : x; };
+  const float av = round_like_bias((float)a[(size_t)b * HV + h] + (float)dt_bias[h]);
+  const float sp = round_like_bias(av > 20.0f ? av : log1pf(__expf(av)));
+  const float g = __expf(-__expf((float)A_log[h]) * sp);
+  const float bl = (float)beta_logits[(size_t)b * HV + h];
+  const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-bl))));
+
+  // the delta rule: warp w takes rows w, w + DV / 32 * ..., lanes across the key dimension
+  const float* s_in = state + ((size_t)b * HV + h) * DV * DK;
+  float* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
+  for (int i = warp; i < DV; i += DV / 32) {
+    float s[DK / 32];
+    float kv_mem = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < DK / 32; ++j) {
+      s[j] = s_in[(size_t)i * DK + lane + 32 * j] * g;
+      kv_mem += s[j] * ks[lane + 32 * j];
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) kv_mem += __shfl_xor_sync(0xffffffffu, kv_mem, o);
+    const float delta = (vs[i] - kv_mem) * beta;
+    float y = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < DK / 32; ++j) {
+      s[j] += ks[lane + 32 * j] * delta;
+      s_out[(size_t)i * DK + lane + 32 * j] = s[j];
+      y += s[j] * qs[lane + 32 * j];
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+    if (lane == 0) vs[i] = __bfloat162float(__float2bfloat16(y));  // row i's v is no longer needed
+  }
+  __syncthreads();
+
+  // gated RMS norm: bf16(y * rsqrt(mean(y^2) + eps) * w), then silu(z) times it, in float32
+  const float y = vs[t];
+  const float yss = block_sum(y * y, 0);
+  const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + params[1]) * (float)norm_w[t]));
+  const float zv = (float)z[((size_t)b * HV + h) * DV + t];
+  out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
+"""
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="engine_gated_delta_step",
+        input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state",
+                     "params"],
+        output_names=["out", "new_conv", "new_state"],
+        source=SOURCE,
+        header=HEADER,
+    )  # fmt: skip
+
+
+def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias, norm_w, norm_eps: float,
+               heads_k: int, dk: int, qk_eps: float = 1e-6):  # fmt: skip
+    """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv, Dv], a and
+    beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
+    (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32 (a
+    thread per value channel computes the key channel of the same index)."""
+    batch, hv, dv, _ = state.shape
+    if dk > dv or dk % 32 or dv % 32 or dv > 1024:
+        raise ValueError(f"key dim {dk} and value dim {dv}: both multiples of 32, key <= value <= 1024")
+    ks = conv_w.shape[1]
+    c = qkv.shape[-1]
+    out, new_conv, new_state = _kernel()(
+        inputs=[qkv.reshape(batch, c), conv_state, conv_w.reshape(c, ks), z.reshape(batch, hv * dv),
+                a.reshape(batch, hv), beta_logits.reshape(batch, hv), A_log, dt_bias, norm_w, state,
+                mx.array([qk_eps, norm_eps], dtype=mx.float32)],
+        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks)],
+        grid=(batch * hv * dv, 1, 1),
+        threadgroup=(dv, 1, 1),
+        output_shapes=[(batch, hv * dv), conv_state.shape, state.shape],
+        output_dtypes=[mx.bfloat16, conv_state.dtype, mx.float32],
+    )  # fmt: skip
+    return out.reshape(batch, 1, hv * dv), new_conv, new_state
