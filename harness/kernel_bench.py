@@ -239,6 +239,12 @@ def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.arr
     return tuple(quantized)
 
 
+def _kernel_refusal(x: mx.array, matrices: Sequence[tuple], group_size: int, bits: int) -> Optional[str]:
+    """Why our kernel's side of a comparison is not timed here (None when it is)."""
+    why = next(filter(None, (refusal(x, w, s, group_size, bits) for w, s, _ in matrices)), None)
+    return why or (None if on_cuda() else "needs MLX's CUDA backend")
+
+
 def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, cfg: BenchConfig) -> GemvResult:
     w, scales, biases = random_quantized(n, k, bits, group_size)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
@@ -251,7 +257,7 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
     ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     moved = w.nbytes + scales.nbytes + biases.nbytes + x.nbytes + ref.nbytes
     builtin_us = time_us(builtin, cfg)
-    why = refusal(x, w, scales, group_size, bits) or (None if on_cuda() else "needs MLX's CUDA backend")
+    why = _kernel_refusal(x, [(w, scales, biases)], group_size, bits)
     kernel_us = diff = None
     if why is None:
         def kernel():
@@ -279,8 +285,7 @@ def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, grou
 
     moved = sum(a.nbytes for matrix in matrices for a in matrix) + x.nbytes + 2 * m * sum(rows)
     builtin_us = time_us(builtin, cfg)
-    why = next(filter(None, (refusal(x, w, s, group_size, bits) for w, s, _ in matrices)), None)
-    why = why or (None if on_cuda() else "needs MLX's CUDA backend")
+    why = _kernel_refusal(x, matrices, group_size, bits)
     kernel_us = None if why else time_us(lambda: quantized_matmuls(x, [c() for c in copies], group_size, bits), cfg)
     return GroupResult(label=label, rows=tuple(rows), k=k, m=m, layers=layers, builtin_us=builtin_us,
                        kernel_us=kernel_us, bytes_moved=moved, note=why or "")  # fmt: skip

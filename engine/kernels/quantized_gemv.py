@@ -424,8 +424,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if not self.use_kernel or not _takes(x, self):
             return super().__call__(x)
-        (y,) = _compiled(self.group_size, self.bits)(x, self["weight"], self["scales"], self["biases"])
-        return y + self["bias"] if "bias" in self else y
+        return _run_kernel(x, [self])[0]
 
     @staticmethod
     def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
@@ -438,11 +437,15 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
                     and _takes(x, q) for q in layers)
             and sum(q["weight"].shape[0] for q in layers) >= LAYER_MIN_OUTPUTS
         )
-        if not together:
-            return tuple(q(x) for q in layers)
-        arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-        ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
-        return tuple(y + q["bias"] if "bias" in q else y for y, q in zip(ys, layers))
+        return _run_kernel(x, layers) if together else tuple(q(x) for q in layers)
+
+
+def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> tuple[mx.array, ...]:
+    """The layers (same bits and group size) applied to x in one compiled launch, biases added."""
+    first = layers[0]
+    arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
+    ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
+    return tuple(y + q["bias"] if "bias" in q else y for y, q in zip(ys, layers))
 
 
 def _takes(x: mx.array, q: nn.QuantizedLinear) -> bool:
