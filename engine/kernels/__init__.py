@@ -2,10 +2,11 @@
 
 - `exact`: MLX's operations, the graph mlx-lm runs; bit-exact with mlx-lm.
 - `fast`: this package's kernels where their gates pass (affine-quantized
-  GEMV / small-M GEMM in `quantized_gemv`, chunked Gated DeltaNet prefill in
-  `gated_delta_chunked`, the compiled DeltaNet decode step in
-  `gated_delta_decode`); the sums run in another order, so results agree
-  with the exact tier to rounding, not bit for bit.
+  GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
+  `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
+  the compiled DeltaNet decode step in `gated_delta_decode`, its core one
+  CUDA kernel from `gated_delta_step`); the sums run in another order, so
+  results agree with the exact tier to rounding, not bit for bit.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
 keeps the exact tier and `KernelSet.reason` says why. `install` changes a
@@ -21,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels.gated_delta_decode import layer_step
+from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
 
 EXACT, FAST = "exact", "fast"
@@ -104,8 +105,9 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
             is_kernel = isinstance(child, KernelQuantizedLinear)
             if fast and not is_kernel:
                 parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
+            if fast:  # counted when already in place too: installing the tier twice reports the same
                 count += parent[key].use_kernel
-            elif not fast and is_kernel:
+            elif is_kernel:
                 parent[key] = retyped(child, nn.QuantizedLinear)
         else:
             count += _swap_quantized_linears(child, fast, use_kernel)
@@ -119,5 +121,6 @@ def _set_delta_rules(model: nn.Module, fast: bool) -> int:
             module.chunked_rule = chunked_gated_delta if fast else None
             count += 1
         if getattr(module, "is_linear", False) and hasattr(module, "fused_step"):
-            module.fused_step = layer_step(module) if fast else None
+            kernel = on_cuda() and step_kernel_applies(module)
+            module.fused_step = layer_step(module, kernel) if fast else None
     return count

@@ -19,14 +19,20 @@ the fast tier: equal to the exact step up to rounding.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.activations import precise_swiglu
+from engine.kernels import gated_delta_step
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
+
+# Whether the step runs the core as gated_delta_step's single CUDA kernel (on CUDA, where the head sizes
+# suit it) instead of the compiled MLX operations below. H200, qwen27b, B = 1 decode
+# (reports/gpu/decode-step-qwen27b.json): 96-98 tok/s with it, 58-60 without.
+USE_STEP_KERNEL = True
 
 
 def applies(x: mx.array, mask, cache) -> bool:
@@ -63,16 +69,25 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
     return mx.compile(core)
 
 
-def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+def step_kernel_applies(layer) -> bool:
+    lin = layer.linear_attn
+    return USE_STEP_KERNEL and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
+
+
+def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
     MLP and its residual. Returns `step(x, mask, cache)`: the layer's output for one token, updating
     `cache` as the layer does, or None where the step does not apply (the layer's own path runs).
+    `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see `step_kernel_applies`).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
     lin = layer.linear_attn
-    core = _core(lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.norm.eps)
+    if kernel:
+        core = partial(gated_delta_step.delta_step, norm_eps=lin.norm.eps, heads_k=lin.num_k_heads, dk=lin.head_k_dim)
+    else:
+        core = _core(lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.norm.eps)
 
     def body(x, conv_state, state):
         qkv, z, beta_logits, a = lin.input_projections(layer.input_layernorm(x))

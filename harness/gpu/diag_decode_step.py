@@ -1,5 +1,6 @@
-"""Where a B=1 decode step of a real model goes, per kernel configuration: host graph build, a
-synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
+"""Where a B=1 decode step of a real model goes, per kernel configuration (exact tier, fast tier, fast tier
+with the DeltaNet core as one CUDA kernel): host graph build, a synchronous step (build + device), and
+the pipelined rate the engine's decode loop reaches.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
 """
@@ -11,7 +12,7 @@ import time
 import mlx.core as mx
 
 from engine.engine import Engine
-from engine.kernels import EXACT, FAST, install
+from engine.kernels import EXACT, FAST, gated_delta_decode, install
 from harness.gpu.results import save_json
 
 
@@ -52,8 +53,10 @@ def main() -> None:
     eng = Engine.load(args.model, with_tokenizer=False)
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {}
-    for name in (EXACT, FAST, EXACT, FAST):  # twice, alternating: the machine drifts
-        ks = install(eng.model, name)
+    configs = {EXACT: (EXACT, False), FAST: (FAST, False), "fast_step_kernel": (FAST, True)}
+    for name in list(configs) * 2:  # twice, alternating: the machine drifts
+        tier, gated_delta_decode.USE_STEP_KERNEL = configs[name]
+        ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears
         results.setdefault(name, []).append(r)

@@ -6,6 +6,7 @@
 #              split them over two device calls (pytest -k); with TESTS_K set the kernel table is skipped.
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
+# PART=diag:   the DeltaNet step kernel's CUDA tests, then diag_decode_step.py and diag_prefill.py on qwen27b
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -32,11 +33,18 @@ case "$PART" in
         --decode-tokens "${DECODE:-128}" --samples "${SAMPLES:-5}" --warmup 1 \
         --json "$OUT/native-qwen27b-fast.json" 2>&1 | tee "$OUT/native-qwen27b-fast.txt"
     ;;
+  diag)
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "fused or layer_runs" 2>&1 | tail -20 \
+        | tee "$OUT/test_kernels_fused.txt" || true
+    synth
+    python3 harness/gpu/diag_decode_step.py --tokens 64 2>&1 | tee "$OUT/decode-step.txt" || true
+    python3 harness/gpu/diag_prefill.py 2>&1 | tee "$OUT/prefill.txt" || true
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag or all" >&2; exit 2 ;;
 esac

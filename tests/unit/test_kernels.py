@@ -10,8 +10,8 @@ import pytest
 from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    BITS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear, quantized_matmul, quantized_matmuls,
-    _takes, refusal, tile_k,
+    BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
+    dense_matmul, quantized_matmul, quantized_matmuls, _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -179,6 +179,31 @@ def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     # ~5e-3 off at K = 5120 on this data, which is why the fast tier is not bit-exact with it either way.)
     tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
     assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
+
+
+def test_dense_matmul_computes_the_quantized_layer():
+    q = make_quantized(n=256, k=128, dtype=mx.float32)  # float32: both sides sum in float32
+    x = mx.random.normal((3, 40, 128))
+    want = q(x)
+    assert mx.abs(dense_matmul(x, q) - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
+def test_prompt_chunks_through_large_matrices_take_the_dense_path(monkeypatch):
+    import engine.kernels.quantized_gemv as qg
+
+    calls = []
+    monkeypatch.setattr(qg, "dense_matmul", lambda x, q: calls.append(x.shape) or x)
+    large = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=True)
+    small = KernelQuantizedLinear.from_module(make_quantized(n=48, k=64), use_kernel=True)
+    off_cuda = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=False)
+    chunk = mx.zeros((1, DENSE_MIN_ROWS, 64), dtype=mx.bfloat16)
+    for layer in (small, off_cuda):
+        layer(chunk)
+    assert calls == []
+    large(chunk[:, :-1])  # one row short: MLX's quantized matmul
+    assert calls == []
+    large(chunk)
+    assert calls == [chunk.shape]
 
 
 @cuda_only
