@@ -3,9 +3,14 @@ with the DeltaNet core as one CUDA kernel): host graph build, a synchronous step
 the pipelined rate the engine's decode loop reaches.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
+
+MLX's CUDA backend records kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER operations (default 20) and
+keeps MLX_CUDA_GRAPH_CACHE_SIZE instantiated graphs (default 100, all dropped when it overflows); both are
+read once per process, so `PART=graphs bash harness/gpu/kernels_qwen27b.sh` runs this once per setting.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -14,6 +19,9 @@ import mlx.core as mx
 from engine.engine import Engine
 from engine.kernels import EXACT, FAST, gated_delta_decode, install
 from harness.gpu.results import save_json
+
+
+CONFIGS = {EXACT: (EXACT, False), FAST: (FAST, False), "fast_step_kernel": (FAST, True)}  # tier, step kernel
 
 
 def measure(eng: Engine, prompt: list, tokens: int) -> dict:
@@ -49,21 +57,23 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--configs", default="exact,fast,fast_step_kernel", help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--label", default="", help="added to the JSON's name (e.g. the MLX_* settings of the run)")
     args = p.parse_args()
+    configs = args.configs.split(",")
     eng = Engine.load(args.model, with_tokenizer=False)
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
-    results = {}
-    configs = {EXACT: (EXACT, False), FAST: (FAST, False), "fast_step_kernel": (FAST, True)}
-    for name in list(configs) * 2:  # twice, alternating: the machine drifts
-        tier, gated_delta_decode.USE_STEP_KERNEL = configs[name]
+    results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
+    for name in configs * 2:  # twice, alternating: the machine drifts
+        tier, gated_delta_decode.USE_STEP_KERNEL = CONFIGS[name]
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears
         results.setdefault(name, []).append(r)
-        print(f"{args.model} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
+        print(f"{args.model} {args.label} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
               f"{ks.quantized_linears} kernel layers", flush=True)
-        save_json(f"decode-step-{args.model}.json", results)
+        save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)
 
 
 if __name__ == "__main__":

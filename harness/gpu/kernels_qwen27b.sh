@@ -7,6 +7,7 @@
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
 # PART=diag:   the DeltaNet step kernel's CUDA tests, then diag_decode_step.py and diag_prefill.py on qwen27b
+# PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -40,11 +41,20 @@ case "$PART" in
     python3 harness/gpu/diag_decode_step.py --tokens 64 2>&1 | tee "$OUT/decode-step.txt" || true
     python3 harness/gpu/diag_prefill.py 2>&1 | tee "$OUT/prefill.txt" || true
     ;;
+  graphs)  # decode rate by MLX's CUDA graph settings, one process each (they are read once)
+    synth
+    for setting in "default" "MLX_CUDA_GRAPH_CACHE_SIZE=1000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000" \
+        "MLX_MAX_OPS_PER_BUFFER=200 MLX_CUDA_GRAPH_CACHE_SIZE=1000" "MLX_USE_CUDA_GRAPHS=0"; do
+      label=$(echo "$setting" | tr ' =' '_-')
+      env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 64 \
+          --configs exact,fast_step_kernel --label "$label" 2>&1 | tee -a "$OUT/decode-graphs.txt" || true
+    done
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs or all" >&2; exit 2 ;;
 esac
