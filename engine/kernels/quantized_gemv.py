@@ -63,6 +63,8 @@ LAYER_MIN_OUTPUTS = 2048
 # 48-row matrices are slower this way (55 us against 46).
 DENSE_MIN_ROWS: Optional[int] = 512
 DENSE_MIN_OUTPUTS = 1024
+# Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
+DENSE_DTYPES = (mx.bfloat16, mx.float16)
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -431,7 +433,10 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if new.kernel_refusal is None and q["weight"].shape[0] < LAYER_MIN_OUTPUTS:
             new.kernel_refusal = f"{q['weight'].shape[0]} outputs (MLX's kernel is faster below {LAYER_MIN_OUTPUTS})"
         new.use_kernel = use_kernel and new.kernel_refusal is None
-        new.dense_prefill = use_kernel and q.mode == "affine" and q["weight"].shape[0] >= DENSE_MIN_OUTPUTS
+        new.dense_prefill = (
+            use_kernel and q.mode == "affine" and q["weight"].shape[0] >= DENSE_MIN_OUTPUTS
+            and q["scales"].dtype in DENSE_DTYPES
+        )  # fmt: skip
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
