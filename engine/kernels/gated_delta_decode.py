@@ -70,8 +70,14 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
 
 
 def step_kernel_applies(layer) -> bool:
+    """Whether the step may run the kernel: head sizes it takes, and a bf16 layer (the kernel rounds to bf16
+    where the compiled core does for bf16 inputs; a float32 layer's core rounds nowhere)."""
     lin = layer.linear_attn
-    return USE_STEP_KERNEL and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
+    return (
+        USE_STEP_KERNEL
+        and lin.conv1d.weight.dtype == mx.bfloat16
+        and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
+    )
 
 
 def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:

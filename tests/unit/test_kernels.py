@@ -324,3 +324,14 @@ def test_fused_decode_leaves_batched_and_traced_steps_to_the_layer():
     assert not applies(x, mx.ones((1, 1), dtype=mx.bool_), cache)
     cache.lengths = [1]
     assert not applies(x, None, cache)
+
+
+def test_the_step_kernel_is_chosen_for_bf16_layers_only():
+    from engine.engine import Engine
+    from engine.kernels.gated_delta_decode import step_kernel_applies
+
+    def delta_layer(name):
+        return next(layer for layer in Engine.load(name, with_tokenizer=False).model.layers if layer.is_linear)
+
+    assert step_kernel_applies(delta_layer("tiny-qwen35"))  # bf16, key and value heads of 32
+    assert not step_kernel_applies(delta_layer("tiny-qwen35-f32"))
