@@ -77,7 +77,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     linears = _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas = _set_delta_rules(model, use_fast)
+    deltas = _set_delta_paths(model, use_fast)
     return KernelSet(
         tier=FAST if use_fast else EXACT,
         requested=tier,
@@ -114,7 +114,9 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
     return count
 
 
-def _set_delta_rules(model: nn.Module, fast: bool) -> int:
+def _set_delta_paths(model: nn.Module, fast: bool) -> int:
+    """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
+    applies) in every DeltaNet layer, or neither; returns how many layers have the chunked rule."""
     count = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):

@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.models.activations import precise_swiglu
 from engine.kernels import gated_delta_step
+from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
 
 # Whether the step runs the core as gated_delta_step's single CUDA kernel (on CUDA, where the head sizes
