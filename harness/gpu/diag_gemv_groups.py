@@ -2,14 +2,23 @@
 (weights cold): MLX's kernel per matrix; ours per matrix where the layer used it (>= 2048 outputs, MLX's
 below); ours for the whole group (`quantized_matmuls`).
 
-    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py [--sweep]
 Lines go to stdout, rows to $OUT/gemv-groups.json.
+
+`--sweep`: also time each group's one launch at M = 1 under each launch shape of
+`diag_gemv_configs.candidates(1)`. The shapes were chosen on single 50 MB matrices; a group's block
+count differs, and with 72-78 registers a thread (nvcc -Xptxas -v, sm_90) 6-7 blocks of 4 warps fit on
+an SM, 792-924 on the H200: the DeltaNet inputs' 1030 blocks then take two waves, the second a tenth
+full, gate+up's 2176 three.
 """
 
+
+import sys
 
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, quantized_matmul, quantized_matmuls
+from harness.gpu.diag_gemv_configs import candidates, label
 from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
@@ -43,11 +52,16 @@ def main() -> None:
                 return quantized_matmuls(x, [c() for c in copies], 64, 4)
 
             r = {"group": name, "m": m, "mb": nbytes / 1e6}
-            for label, fn in (("mlx_each", mlx_each), ("ours_each", ours_each), ("ours_group", ours_group)):
-                r[label] = time_us(fn, cfg)
+            for arm, fn in (("mlx_each", mlx_each), ("ours_each", ours_each), ("ours_group", ours_group)):
+                r[arm] = time_us(fn, cfg)
             rows.append(r)
             print(f"{name} M={m} ({r['mb']:.1f} MB): MLX each {r['mlx_each']:.1f} us | ours each {r['ours_each']:.1f} | "
                   f"ours one launch {r['ours_group']:.1f} ({nbytes / r['ours_group'] / 1e3:.0f} GB/s)", flush=True)
+            if "--sweep" in sys.argv and m == 1:
+                r["sweep"] = {label(c): time_us(lambda c=c: quantized_matmuls(x, [cp() for cp in copies], 64, 4, config=c), cfg)
+                              for c in candidates(1)}  # fmt: skip
+                print("    one launch by shape: " + " | ".join(f"{k} {v:.1f}" for k, v in sorted(r["sweep"].items(), key=lambda kv: kv[1])),
+                      flush=True)  # fmt: skip
     save_json("gemv-groups.json", rows)
 
 
