@@ -36,7 +36,9 @@ class KernelSet:
     tier: str
     requested: str
     quantized_linears: int = 0  # layers that run the GEMV kernel (0 off CUDA)
+    dense_prefill_linears: int = 0  # layers that run prompt chunks as dequantize + GEMM (0 off CUDA)
     chunked_delta_layers: int = 0
+    step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
     reason: str = ""
 
     def as_record(self) -> dict:
@@ -76,13 +78,16 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     check_tier(tier)
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
-    linears = _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas = _set_delta_paths(model, use_fast)
+    _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
+    deltas, step_kernels = _set_delta_paths(model, use_fast)
+    linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
     return KernelSet(
         tier=FAST if use_fast else EXACT,
         requested=tier,
-        quantized_linears=linears if use_fast else 0,
+        quantized_linears=sum(q.use_kernel for q in linears),
+        dense_prefill_linears=sum(q.dense_prefill for q in linears),
         chunked_delta_layers=deltas if use_fast else 0,
+        step_kernel_layers=step_kernels,
         reason=reason or "",
     )
 
@@ -97,32 +102,30 @@ def _children(module: nn.Module):
                     yield child, i, item
 
 
-def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> int:
-    """Replace every nn.QuantizedLinear by the kernel form (or back); returns how many run the kernel."""
-    count = 0
+def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> None:
+    """Replace every nn.QuantizedLinear by the kernel form (or back)."""
     for parent, key, child in list(_children(module)):
         if isinstance(child, nn.QuantizedLinear):
             is_kernel = isinstance(child, KernelQuantizedLinear)
             if fast and not is_kernel:
                 parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
-            if fast:  # counted when already in place too: installing the tier twice reports the same
-                count += parent[key].use_kernel
-            elif is_kernel:
+            elif not fast and is_kernel:
                 parent[key] = retyped(child, nn.QuantizedLinear)
         else:
-            count += _swap_quantized_linears(child, fast, use_kernel)
-    return count
+            _swap_quantized_linears(child, fast, use_kernel)
 
 
-def _set_delta_paths(model: nn.Module, fast: bool) -> int:
+def _set_delta_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
-    applies) in every DeltaNet layer, or neither; returns how many layers have the chunked rule."""
-    count = 0
+    applies) in every DeltaNet layer, or neither; returns how many layers have the chunked rule and how
+    many steps run the kernel."""
+    count = kernels = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
             count += 1
         if getattr(module, "is_linear", False) and hasattr(module, "fused_step"):
-            kernel = on_cuda() and step_kernel_applies(module)
+            kernel = fast and on_cuda() and step_kernel_applies(module)
             module.fused_step = layer_step(module, kernel) if fast else None
-    return count
+            kernels += kernel
+    return count, kernels

@@ -39,7 +39,10 @@ def test_stats_carry_the_kernel_set(fast_server):
     stats = fast_server.stats()
     k = stats["kernels"]
     assert (k["tier"], k["requested"]) == (RAN, FAST)
-    assert set(k) == {"tier", "requested", "quantized_linears", "chunked_delta_layers", "reason"}
+    assert set(k) == {
+        "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
+        "reason",
+    }
     assert ("CUDA" in k["reason"]) == (RAN == EXACT)
     assert {"batch", "prompt_cache", "totals"} <= set(stats)  # the rest of /stats is unchanged
 

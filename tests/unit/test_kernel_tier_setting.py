@@ -110,7 +110,10 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
     assert rc == 0
     (rec,) = json.loads(out.read_text())
     assert rec["kernels"]["tier"] == RAN and rec["kernels"]["requested"] == FAST
-    assert set(rec["kernels"]) == {"tier", "requested", "quantized_linears", "chunked_delta_layers", "reason"}
+    assert set(rec["kernels"]) == {
+        "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
+        "reason",
+    }
     assert "kernels" in capsys.readouterr().out  # the table's column
 
 
