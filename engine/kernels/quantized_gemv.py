@@ -282,14 +282,23 @@ def _prologue(count: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _launch_bounds(threads: int, min_blocks: int) -> str:
+    """Header lines that give the kernel MLX generates next `__launch_bounds__(threads, min_blocks)`:
+    MLX writes the signature itself, so `__global__` is redefined (as CUDA's headers define it, plus the
+    bounds) for the rest of the source, which holds only this kernel."""
+    if not min_blocks:
+        return ""
+    return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
+
+
 @lru_cache(maxsize=None)
-def _kernel(count: int):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0):
     return mx.fast.cuda_kernel(
         name=f"engine_affine_qmm{count}",
         input_names=["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")],
         output_names=[f"out{i}" for i in range(count)],
         source=_prologue(count) + SOURCE,
-        header=HEADER,
+        header=HEADER + _launch_bounds(threads, min_blocks),
     )
 
 
@@ -305,9 +314,20 @@ class LaunchConfig:
     warps: int  # warps of a block, splitting K
     row_tiles: int  # 16-row tiles per block
     batch: int  # k-tiles per load batch (U)
+    # Blocks an SM must hold at once (0: as many as the registers allow): caps the registers a thread
+    # uses. At M = 1 (4, 1, 4) uses 72-78 registers (nvcc sm_90), so 6-7 blocks fit on an SM and
+    # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
+    # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
+    min_blocks: int = 0
 
     def template(self) -> list[tuple[str, int]]:
-        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)]
+        # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
+            [("MINB", self.min_blocks)] if self.min_blocks else []
+        )
+
+    def kernel(self, count: int):
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks)
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
@@ -374,7 +394,7 @@ def quantized_matmuls(
     starts = [0]
     for n in rows:
         starts.append(starts[-1] + (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles))
-    outs = _kernel(len(matrices))(
+    outs = config.kernel(len(matrices))(
         inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple],
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],

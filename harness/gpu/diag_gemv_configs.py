@@ -45,13 +45,14 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}"
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
 def candidates(m: int):
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
-    shapes = [(1, 1, 4), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 1, 8), (2, 2, 4), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4)]
+    shapes = [(1, 1, 4), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 1, 8), (2, 2, 4), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4),
+              (4, 1, 4, 8), (4, 1, 4, 9), (4, 2, 4, 5)]  # fmt: skip
     return [LaunchConfig(*shape) for shape in shapes]
 
 

@@ -8,6 +8,8 @@
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
 # PART=diag:   the DeltaNet step kernel's CUDA tests, then diag_decode_step.py and diag_prefill.py on qwen27b
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
+# PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
+#              matrices, then each projection group as one launch)
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -50,11 +52,17 @@ case "$PART" in
           --configs exact,fast_step_kernel --label "$label" 2>&1 | tee -a "$OUT/decode-graphs.txt" || true
     done
     ;;
+  gemv)
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "register_cap" 2>&1 | tail -5 \
+        | tee "$OUT/test_kernels_capped.txt" || true
+    python3 harness/gpu/diag_gemv_configs.py --quick --no-numerics 2>&1 | tee "$OUT/gemv-configs.txt" || true
+    python3 harness/gpu/diag_gemv_groups.py --sweep 2>&1 | tee "$OUT/gemv-groups.txt" || true
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv or all" >&2; exit 2 ;;
 esac

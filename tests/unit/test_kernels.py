@@ -11,7 +11,7 @@ from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    dense_matmul, quantized_matmul, quantized_matmuls, _takes, refusal, tile_k,
+    LaunchConfig, dense_matmul, quantized_matmul, quantized_matmuls, _launch_bounds, _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -236,6 +236,24 @@ def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
     projected = project(x, *layers)
     want = together if m <= LAYER_MAX_ROWS and sum(rows) >= LAYER_MIN_OUTPUTS else [q(x) for q in layers]
     assert all(mx.array_equal(a, b).item() for a, b in zip(projected, want))
+
+
+def test_a_register_cap_names_its_kernel_apart():
+    # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
+    plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
+    assert plain.template() != capped.template()
+    assert "__launch_bounds__(128, 8)" in _launch_bounds(128, 8) and _launch_bounds(128, 0) == ""
+
+
+@cuda_only
+@pytest.mark.parametrize("config", [LaunchConfig(4, 1, 4, 8), LaunchConfig(4, 1, 4, 9), LaunchConfig(4, 2, 4, 5)])
+def test_register_capped_gemv_equals_the_plain_one(config):
+    # The cap changes register allocation (and spills), not the arithmetic: identical results.
+    q = make_quantized(n=3000, k=5120)
+    x = mx.random.normal((1, 1, 5120)).astype(mx.bfloat16)
+    plain = LaunchConfig(config.warps, config.row_tiles, config.batch)
+    args = (x, q.weight, q.scales, q.biases, 64, 4)
+    assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
 def _decode_states(model, ids, steps):
