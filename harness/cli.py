@@ -381,6 +381,10 @@ def cmd_native(args) -> int:
     out.print(table)
     out.print("medians per side and their ratio (engine / mlx-lm); paired: geometric mean \\[min-max] of "
               "per-request ratios, each engine request against the mlx-lm request beside it in time")
+    for r in results:
+        for when, snap in r.machine.items():
+            for problem in snap["problems"]:
+                console.print(f"[yellow]{r.model}: {when} the samples, {problem}: its rates may be the machine's[/]")
     if args.json:
         args.json.write_text(json.dumps([r.as_record() for r in results], indent=2))
     return 0 if all(r.tokens_identical or not r.is_exact for r in results) else 1

@@ -14,7 +14,9 @@ exact tier wherever the fast one cannot run.
 
 Medians of two noisy series can disagree with what happened pair by pair, so
 each measured engine request is also paired with the mlx-lm request next to it
-in time; the geometric mean and range of those paired ratios are reported.
+in time; the geometric mean and range of those paired ratios are reported. The
+record keeps the machine's load before and after the samples (`machine`), and
+the command prints any problem `harness.preflight` sees there.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from engine.generate import generate
 from engine.kernels import EXACT, KernelSet, install
 from engine.types import StopCriteria
 from engine.loading import load_model
+from harness import preflight
 from harness.parity import vocab_size
 from harness.prompts import frozen_prompt_ids
 from oracles import reference
 
 ENGINE, MLX_LM = "engine", "mlx-lm"
+PREFLIGHT_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class NativeResult:
     mlx_lm: ArmSummary
     tokens_identical: bool
     kernels: KernelSet  # what the engine side ran
+    # harness.preflight snapshots just before the first sample and just after the last: both sides are
+    # host-bound at B = 1 on CUDA, so a busy host moves the rates (reports/gpu/decode-graphs-qwen27b.txt)
+    machine: dict = field(default_factory=dict)
 
     @property
     def is_exact(self) -> bool:
@@ -168,6 +175,7 @@ def run_native(
         for arm in (ENGINE, MLX_LM):
             _time(arm, arms[arm])
     samples: dict[str, list[Sample]] = {ENGINE: [], MLX_LM: []}
+    before = preflight.check(PREFLIGHT_INTERVAL_S).as_record()
     for i in range(cfg.samples):
         order = (ENGINE, MLX_LM) if i % 2 == 0 else (MLX_LM, ENGINE)
         for arm in order:
@@ -185,4 +193,5 @@ def run_native(
         mlx_lm=_summarize(MLX_LM, samples[MLX_LM], cfg.prompt_tokens, n),
         tokens_identical=identical,
         kernels=kernels,
+        machine={"before": before, "after": preflight.check(PREFLIGHT_INTERVAL_S).as_record()},
     )

@@ -115,6 +115,8 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
         "reason",
     }
     assert "kernels" in capsys.readouterr().out  # the table's column
+    assert set(rec["machine"]) == {"before", "after"}  # the host's load around the samples
+    assert all(snap["cpu_count"] > 0 and isinstance(snap["problems"], list) for snap in rec["machine"].values())
 
 
 def test_native_rejects_a_bad_tier():
