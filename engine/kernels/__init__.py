@@ -5,7 +5,8 @@
   GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
   `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
   the compiled DeltaNet decode step in `gated_delta_decode`, its core one
-  CUDA kernel from `gated_delta_step`); the sums run in another order, so
+  CUDA kernel from `gated_delta_step`; the compiled parts of a gated-attention
+  decode step in `attention_decode`); the sums run in another order, so
   results agree with the exact tier to rounding, not bit for bit.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
@@ -21,6 +22,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.kernels import attention_decode
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
@@ -79,7 +81,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas, step_kernels = _set_delta_paths(model, use_fast)
+    deltas, step_kernels = _set_layer_paths(model, use_fast)
     linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
     return KernelSet(
         tier=FAST if use_fast else EXACT,
@@ -115,17 +117,21 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
             _swap_quantized_linears(child, fast, use_kernel)
 
 
-def _set_delta_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
+def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
-    applies) in every DeltaNet layer, or neither; returns how many layers have the chunked rule and how
-    many steps run the kernel."""
+    applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer, or none of
+    them; returns how many layers have the chunked rule and how many steps run the kernel."""
     count = kernels = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
             count += 1
-        if getattr(module, "is_linear", False) and hasattr(module, "fused_step"):
+        if not hasattr(module, "fused_step"):
+            continue
+        if getattr(module, "is_linear", False):
             kernel = fast and on_cuda() and step_kernel_applies(module)
             module.fused_step = layer_step(module, kernel) if fast else None
             kernels += kernel
+        else:
+            module.fused_step = attention_decode.layer_step(module) if fast and attention_decode.applies(module) else None
     return count, kernels

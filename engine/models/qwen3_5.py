@@ -108,6 +108,13 @@ class Attention(nn.Module):
         self.rope = make_rope(int(hd * args.partial_rotary_factor), args.rope_theta, False, args.rope_scaling)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        q, k, v, gate = self.inputs(x)
+        return self.output(self.attend(q, k, v, mask, cache), gate)
+
+    # The stages, for the fast tier's compiled decode step (engine/kernels/attention_decode.py), which
+    # compiles the per-token ones around `attend`.
+    def inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """q, k, v [B, heads, L, D] (normed, before rope) and the output gate [B, L, heads * D]."""
         b, length, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         q, gate = mx.split(q.reshape(b, length, self.n_heads, -1), 2, axis=-1)
@@ -115,13 +122,20 @@ class Attention(nn.Module):
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(b, length, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = v.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return q, k, v, gate
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask, cache) -> mx.array:
+        """Rope at the cache's offset, the cache update, attention: [B, heads, L, D]."""
         if cache is not None:
             q = self.rope(q, offset=cache.offset)
             k = self.rope(k, offset=cache.offset)
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+
+    def output(self, out: mx.array, gate: mx.array) -> mx.array:
+        b, _, length, _ = out.shape
         out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
@@ -216,8 +230,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        # The fast tier's one-call decode step of a DeltaNet layer, set by engine.kernels.install (None: the
-        # exact path); it returns None where it does not apply.
+        # The fast tier's compiled decode step of the layer, set by engine.kernels.install (None: the exact
+        # path); it returns None where it does not apply.
         self.fused_step = None
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:

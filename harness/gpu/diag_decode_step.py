@@ -1,6 +1,6 @@
-"""Where a B=1 decode step of a real model goes, per kernel configuration (exact tier, fast tier, fast tier
-with the DeltaNet core as one CUDA kernel): host graph build, a synchronous step (build + device), and
-the pipelined rate the engine's decode loop reaches.
+"""Where a B=1 decode step of a real model goes, per kernel configuration (exact tier; fast tier without
+the DeltaNet step kernel, with it, with it and the compiled attention step): host graph build, a
+synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
 
@@ -17,11 +17,17 @@ import time
 import mlx.core as mx
 
 from engine.engine import Engine
-from engine.kernels import EXACT, FAST, gated_delta_decode, install
+from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install
 from harness.gpu.results import save_json
 
 
-CONFIGS = {EXACT: (EXACT, False), FAST: (FAST, False), "fast_step_kernel": (FAST, True)}  # tier, step kernel
+# tier, the DeltaNet step kernel, the compiled attention step
+CONFIGS = {
+    EXACT: (EXACT, False, False),
+    FAST: (FAST, False, False),
+    "fast_step_kernel": (FAST, True, False),
+    "fast_step_kernel_attention": (FAST, True, True),
+}
 
 
 def measure(eng: Engine, prompt: list, tokens: int) -> dict:
@@ -57,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--configs", default="exact,fast,fast_step_kernel", help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="exact,fast_step_kernel,fast_step_kernel_attention", help="comma-separated, of " + ", ".join(CONFIGS))
     p.add_argument("--label", default="", help="added to the JSON's name (e.g. the MLX_* settings of the run)")
     args = p.parse_args()
     configs = args.configs.split(",")
@@ -65,12 +71,12 @@ def main() -> None:
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     for name in configs * 2:  # twice, alternating: the machine drifts
-        tier, gated_delta_decode.USE_STEP_KERNEL = CONFIGS[name]
+        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED = CONFIGS[name]
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears
         results.setdefault(name, []).append(r)
-        print(f"{args.model} {args.label} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
+        print(f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
               f"{ks.quantized_linears} kernel layers", flush=True)
         save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)

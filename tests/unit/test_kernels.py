@@ -275,8 +275,7 @@ def test_fused_decode_step_matches_the_layer_path():
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
     exact, exact_cache = _decode_states(model, ids, 12)
     assert install(model, FAST, force=True).chunked_delta_layers > 0
-    steps = [layer for layer in model.layers if layer.fused_step is not None]
-    assert steps and all(layer.is_linear for layer in steps)
+    assert all(layer.fused_step is not None for layer in model.layers)  # DeltaNet and attention layers
     fast, fast_cache = _decode_states(model, ids, 12)
     install(model, EXACT)
     assert all(layer.fused_step is None for layer in model.layers)
@@ -353,3 +352,35 @@ def test_the_step_kernel_is_chosen_for_bf16_layers_only():
 
     assert step_kernel_applies(delta_layer("tiny-qwen35"))  # bf16, key and value heads of 32
     assert not step_kernel_applies(delta_layer("tiny-qwen35-f32"))
+
+
+def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
+    # Batched decode (a mask, per-row offsets, rows of different lengths): the attention step compiles only
+    # the per-token parts around the layer's own attention, so it takes the batch's caches as they are.
+    from engine.batch.batcher import ContinuousBatcher
+    from engine.batch.scheduler import SchedulerConfig
+    from engine.engine import Engine
+    from engine.types import CollectingSink, GenerationRequest, StopCriteria
+
+    model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
+
+    def run():
+        logits = {}
+        batcher = ContinuousBatcher(model, SchedulerConfig(max_rows=4),
+                                    tap=lambda rid, x: logits.setdefault(rid, []).append(x))  # fmt: skip
+        sinks = {}
+        for rid, n in (("a", 9), ("b", 3), ("c", 6)):
+            sinks[rid] = CollectingSink()
+            request = GenerationRequest(rid, tuple(range(3, 3 + n)), stop=StopCriteria(max_tokens=6, ignore_eos=True))
+            batcher.submit(request, sinks[rid])
+        batcher.run_until_idle()
+        return {rid: s.token_ids for rid, s in sinks.items()}, logits
+
+    exact_tokens, exact = run()
+    install(model, FAST, force=True)
+    fast_tokens, fast = run()
+    install(model, EXACT)
+    assert fast_tokens == exact_tokens
+    # float32 model: fused elementwise chains round differently, so logits agree to float32 rounding
+    diffs = [mx.abs(a - b).max().item() for rid in exact for a, b in zip(exact[rid], fast[rid])]
+    assert diffs and max(diffs) < 1e-3

@@ -1,0 +1,56 @@
+"""A Qwen3.5 full-attention decoder layer's decode step (one token a row) as two compiled calls.
+
+What a token does in such a layer before and after the attention itself is
+the same each step and has fixed shapes: the input norm, the q/k/v
+projections (one launch in the fast tier), the q/k norms and the gate split;
+then the output gate, the output projection, the residual, the MLP and its
+residual. Each part is compiled once per batch size, so the host replays two
+graphs instead of building ~30 operations in Python, and MLX fuses the
+elementwise ones (the sigmoid gate, the residual adds). Between them the
+layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
+the cache update, attention), so any cache the layer takes, serial or
+batched, works here too.
+
+Fusion keeps float32 intermediates where the layer's graph rounds, so this is
+the fast tier: equal to the layer's step up to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+# Whether `engine.kernels.install` gives the fast tier's attention layers this step (diagnostics compare).
+ENABLED = True
+
+
+def applies(layer) -> bool:
+    """A layer whose attention has the stages the step compiles around (Qwen3.5's gated attention)."""
+    attn = getattr(layer, "self_attn", None)
+    return ENABLED and all(hasattr(attn, stage) for stage in ("inputs", "attend", "output"))
+
+
+def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+    """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
+    or None for several tokens a row (the layer's own path runs). The weights are held by the compiled
+    graphs from their first trace (no copies), so `engine.kernels.install` makes a new step each time it
+    changes the layer."""
+    attn = layer.self_attn
+
+    def before(x):
+        return attn.inputs(layer.input_layernorm(x))
+
+    def after(x, out, gate):
+        h = x + attn.output(out, gate)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    before_c, after_c = mx.compile(before), mx.compile(after)
+
+    def step(x: mx.array, mask, cache) -> Optional[mx.array]:
+        if x.shape[1] != 1:
+            return None
+        q, k, v, gate = before_c(x)
+        return after_c(x, attn.attend(q, k, v, mask, cache), gate)
+
+    return step
