@@ -10,6 +10,9 @@ registry model's exact shapes.
 - Projections that share an input (gate and up, q/k/v, a DeltaNet layer's
   four inputs): MLX's operation once per matrix vs ours once for the group,
   as the fast tier runs them (`engine.models.base.project`).
+- Prompt chunks (`tokens - 1` rows) through each matrix the fast tier runs as
+  dequantize + one GEMM (`dense_matmul`): MLX's quantized matmul vs that;
+  median time, TFLOP/s, max |difference|.
 - Gated DeltaNet prefill: the per-token recurrence (the exact tier, as mlx-lm
   runs it off Apple GPUs) vs the chunked form, T tokens with the model's head
   geometry; median time, speedup, max |difference| of outputs and state.
@@ -38,7 +41,9 @@ import mlx.nn as nn
 
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels.quantized_gemv import LAYER_MAX_ROWS, quantized_matmul, quantized_matmuls, refusal
+from engine.kernels.quantized_gemv import (
+    DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, quantized_matmul, quantized_matmuls, refusal,
+)
 from engine.models import model_module
 from engine.models.gated_delta import normalize_qk, recurrence
 from engine.registry import ModelSpec
@@ -99,6 +104,27 @@ class GroupResult(_Rates):
     kernel_us: Optional[float]
     bytes_moved: int
     note: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prompt chunk through one matrix: MLX's quantized matmul vs dequantize + one GEMM (`dense_matmul`)."""
+
+    n: int
+    k: int
+    m: int
+    layers: int
+    builtin_us: float
+    kernel_us: Optional[float]
+    max_abs_diff: Optional[float]
+    note: str = ""
+
+    def tflops(self, us: Optional[float]) -> Optional[float]:
+        return None if us is None else 2 * self.n * self.k * self.m / us / 1e6
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return None if self.kernel_us is None else self.builtin_us / self.kernel_us
 
 
 @dataclass(frozen=True)
@@ -291,6 +317,24 @@ def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, grou
                        kernel_us=kernel_us, bytes_moved=moved, note=why or "")  # fmt: skip
 
 
+def bench_prefill(n: int, k: int, m: int, bits: int, group_size: int, layers: int, cfg: BenchConfig) -> PrefillResult:
+    w, scales, biases = random_quantized(n, k, bits, group_size)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    mx.eval(x)
+    once = dataclasses.replace(cfg, calls=1, warmup=1)  # compute-bound: one copy of the weights, one call a sample
+
+    def builtin():
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+    builtin_us = time_us(builtin, once)
+    why = None if on_cuda() else "the fast tier runs it only on MLX's CUDA backend"
+    if why:
+        return PrefillResult(n, k, m, layers, builtin_us, None, None, why)
+    kernel_us = time_us(lambda: dense_matmul(x, w, scales, biases, group_size, bits), once)
+    diff = mx.abs(dense_matmul(x, w, scales, biases, group_size, bits).astype(mx.float32) - builtin().astype(mx.float32))
+    return PrefillResult(n, k, m, layers, builtin_us, kernel_us, diff.max().item())
+
+
 def delta_inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype=mx.bfloat16, seed: int = 0):
     """Random inputs with the model's ranges: normalized q, k; decays in (0, 1); beta in (0, 1)."""
     key = mx.random.key(seed)
@@ -324,6 +368,7 @@ def bench_delta(tokens: int, hk: int, hv: int, dk: int, dv: int, cfg: BenchConfi
 class KernelBench:
     gemv: list[GemvResult]
     groups: list[GroupResult]
+    prefill: list[PrefillResult]
     delta: list[DeltaResult]
 
 
@@ -334,7 +379,7 @@ def run_kernel_bench(
 ) -> KernelBench:
     quant = spec.quantization
     bits, group = (quant.bits, quant.group_size) if quant else (4, 64)
-    out = KernelBench([], [], [])
+    out = KernelBench([], [], [], [])
 
     def done(results: list, r) -> None:
         results.append(r)
@@ -351,6 +396,13 @@ def run_kernel_bench(
         for m in (m for m in cfg.rows if m <= LAYER_MAX_ROWS):  # above it the layers run MLX's op one by one
             done(out.groups, bench_group(label, rows, k, m, bits, group, layers, cfg))
     g = spec.geometry
+    # Prompt chunks of `tokens - 1` rows (the last prompt token runs as the first decode step) through the
+    # matrices the fast tier runs as dequantize + GEMM; not the head, which a prefill runs on one position.
+    chunk_rows = [t - 1 for t in cfg.tokens if DENSE_MIN_ROWS is not None and t - 1 >= DENSE_MIN_ROWS]
+    for (n, k), layers in shapes:
+        if n >= DENSE_MIN_OUTPUTS and n != g.vocab_size:
+            for m in chunk_rows:
+                done(out.prefill, bench_prefill(n, k, m, bits, group, layers, cfg))
     if g.linear_num_value_heads:
         for t in cfg.tokens:
             done(out.delta, bench_delta(t, g.linear_num_key_heads, g.linear_num_value_heads, g.linear_key_head_dim,

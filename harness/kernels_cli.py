@@ -17,7 +17,8 @@ def add_kernels(sub) -> None:
         help="microbenchmark the fast tier's kernels on a model's shapes; optionally its whole-model numerics gate",
         description="Time each fast-tier kernel against MLX's built-in operation on the exact shapes of a registry "
         "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count, the "
-        "projections that share an input in one launch (M <= 8, as the fast tier runs them), and the chunked "
+        "projections that share an input in one launch (M <= 8, as the fast tier runs them), prompt chunks "
+        "(--tokens minus one rows) as dequantize + one GEMM against MLX's quantized matmul, and the chunked "
         "Gated DeltaNet prefill against the per-token recurrence. Prints median time, effective "
         "GB/s and the fraction of --peak-gbs, speedups, and max |difference| against the built-in result. "
         "Off CUDA only the built-in side runs. With --gate-model, also loads that model and runs the numerics "
@@ -25,8 +26,8 @@ def add_kernels(sub) -> None:
     )
     p.add_argument("--shapes", default="qwen27b", help="registry model whose shapes to use (default qwen27b)")
     p.add_argument("--rows", type=csv_ints, default=[1, 2, 4, 8, 16], help="activation rows M (default 1,2,4,8,16)")
-    p.add_argument("--tokens", type=csv_ints, default=[64, 1024], help="prefill lengths for Gated DeltaNet "
-                   "(default 64,1024)")
+    p.add_argument("--tokens", type=csv_ints, default=[64, 1024], help="prefill lengths for Gated DeltaNet, "
+                   "and for the prompt-chunk table where long enough for the fast tier's dense path (default 64,1024)")
     p.add_argument("--max-shapes", type=_positive, default=None, help="only the N largest linear shapes")
     p.add_argument("--repeats", type=_positive, default=7, help="timed repetitions, median reported (default 7)")
     p.add_argument("--peak-gbs", type=float, default=4800.0, help="the machine's memory bandwidth in GB/s for the "
@@ -49,7 +50,7 @@ def cmd_kernels(args) -> int:
 
     from engine.errors import UnknownModelError
     from engine.registry import get_spec
-    from harness.kernel_bench import BenchConfig, DeltaResult, GroupResult, run_kernel_bench, verdicts
+    from harness.kernel_bench import BenchConfig, DeltaResult, GroupResult, PrefillResult, run_kernel_bench, verdicts
 
     try:
         spec = get_spec(args.shapes)
@@ -61,12 +62,14 @@ def cmd_kernels(args) -> int:
         def progress(r):
             if isinstance(r, DeltaResult):
                 label = f"T={r.tokens}"
+            elif isinstance(r, GroupResult):
+                label = f"{r.label} M={r.m}"
             else:
-                label = f"{r.label} M={r.m}" if isinstance(r, GroupResult) else f"{r.n}x{r.k} M={r.m}"
+                label = f"{r.n}x{r.k} M={r.m}" + (" (prompt chunk)" if isinstance(r, PrefillResult) else "")
             status.update(f"timed {label}")
 
         bench = run_kernel_bench(spec, cfg, on_result=progress)
-    gemv, groups, delta = bench.gemv, bench.groups, bench.delta
+    gemv, groups, prefill, delta = bench.gemv, bench.groups, bench.prefill, bench.delta
     weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
     t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
     for col in ("N x K", "M", "layers", "mlx us", "mlx GB/s", "kernel us", "kernel GB/s", "of limit", "speedup",
@@ -89,6 +92,16 @@ def cmd_kernels(args) -> int:
                        fmt(r.kernel_us), fmt(gbs, ".0f"), fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
                        fmt(r.speedup, ".2f"), r.note)  # fmt: skip
         stdout.print(gt)
+    if prefill:
+        pt = Table(title="prompt chunks: MLX's quantized matmul vs dequantize + one GEMM")
+        for col in ("N x K", "M", "layers", "mlx us", "mlx TFLOP/s", "dense us", "dense TFLOP/s", "speedup",
+                    "max|diff|", "note"):
+            pt.add_column(col)
+        for r in prefill:
+            pt.add_row(f"{r.n}x{r.k}", str(r.m), str(r.layers), fmt(r.builtin_us), fmt(r.tflops(r.builtin_us), ".0f"),
+                       fmt(r.kernel_us), fmt(r.tflops(r.kernel_us), ".0f"), fmt(r.speedup, ".2f"),
+                       fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
+        stdout.print(pt)
     if delta:
         d = Table(title="Gated DeltaNet prefill: per-token recurrence vs chunked")
         for col in ("tokens", "heads k/v", "recurrence ms", "chunked ms", "speedup", "max|diff| y", "max|diff| state"):
@@ -109,6 +122,8 @@ def cmd_kernels(args) -> int:
         "cold_bytes": cfg.cold_bytes,
         "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],
         "groups": [dict(vars(r), kernel_gbs=r.gbs(r.kernel_us), speedup=r.speedup) for r in groups],
+        "prefill": [dict(vars(r), builtin_tflops=r.tflops(r.builtin_us), kernel_tflops=r.tflops(r.kernel_us),
+                         speedup=r.speedup) for r in prefill],  # fmt: skip
         "delta": [dict(vars(r), speedup=r.speedup) for r in delta],
     }
     code = 0

@@ -6,9 +6,12 @@ import mlx.core as mx
 
 from harness.cli import main
 from harness.kernel_bench import (
-    BenchConfig, DeltaResult, GemvResult, bench_delta, linear_shapes, projection_groups, verdicts, weight_copies,
+    BenchConfig, DeltaResult, GemvResult, bench_delta, bench_prefill, linear_shapes, projection_groups, verdicts,
+    weight_copies,
 )
 from harness.kernel_gate import KL_BOUND, run_gate
+from engine.kernels import on_cuda
+from engine.kernels.quantized_gemv import DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS
 from engine.registry import get_spec
 
 
@@ -78,8 +81,19 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     assert record["delta"][0]["tokens"] == 16
     assert {g["label"] for g in record["groups"]} == {"gate+up", "q/k/v", "DeltaNet inputs"}
     assert all(g["kernel_us"] is None and g["builtin_us"] > 0 for g in record["groups"])
+    assert record["prefill"] == []  # 16 tokens is no prompt chunk the dense path takes
     printed = capsys.readouterr().out
     assert "not measured" in printed and "rotated over 1 MB" in printed
+
+
+def test_prompt_chunk_bench_times_mlx_and_the_dense_path_where_the_fast_tier_runs_it():
+    r = bench_prefill(n=DENSE_MIN_OUTPUTS, k=128, m=DENSE_MIN_ROWS, bits=4, group_size=64, layers=3,
+                      cfg=BenchConfig(repeats=1))  # fmt: skip
+    assert r.builtin_us > 0 and r.tflops(r.builtin_us) > 0 and r.layers == 3
+    if on_cuda():
+        assert r.kernel_us > 0 and r.max_abs_diff is not None
+    else:
+        assert r.kernel_us is None and r.speedup is None and "CUDA" in r.note
 
 
 def test_weight_copies_cover_the_cold_bytes_round_robin():

@@ -189,14 +189,15 @@ def test_dense_matmul_computes_the_quantized_layer():
     # 5e-5 of max on the H200, bounded here by TF32's unit roundoff. The layer never takes this path in
     # float32 (DENSE_DTYPES); bf16 layers equal MLX's quantized matmul there (reports/gpu/prefill-qwen27b.json).
     bound = 2.0**-11 if on_cuda() else 1e-5
-    assert mx.abs(dense_matmul(x, q) - want).max().item() <= bound * mx.abs(want).max().item()
+    got = dense_matmul(x, q.weight, q.scales, q.biases, q.group_size, q.bits)
+    assert mx.abs(got - want).max().item() <= bound * mx.abs(want).max().item()
 
 
 def test_prompt_chunks_through_large_matrices_take_the_dense_path(monkeypatch):
     import engine.kernels.quantized_gemv as qg
 
     calls = []
-    monkeypatch.setattr(qg, "dense_matmul", lambda x, q: calls.append(x.shape) or x)
+    monkeypatch.setattr(qg, "dense_matmul", lambda x, *_: calls.append(x.shape) or x)
     large = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=True)
     small = KernelQuantizedLinear.from_module(make_quantized(n=48, k=64), use_kernel=True)
     off_cuda = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=False)
