@@ -110,10 +110,11 @@ def cmd_kernels(args) -> int:
             d.add_row(str(r.tokens), f"{r.heads_k}/{r.heads_v}", fmt(r.builtin_ms, ".2f"), fmt(r.kernel_ms, ".2f"),
                       fmt(r.speedup, ".1f"), fmt(r.max_abs_diff_y, ".2e"), fmt(r.max_abs_diff_state, ".2e"))  # fmt: skip
         stdout.print(d)
-    checks = verdicts(gemv, delta)
+    checks = verdicts(gemv, delta, cfg.peak_gbs)
     for v in checks:
         mark = {True: "met", False: "NOT met", None: "not measured"}[v.ok]
-        stdout.print(f"{v.criterion}: {fmt(v.measured, '.2f')} (target {v.target:g}) {mark}")
+        stdout.print(f"{v.criterion}: {fmt(v.measured, '.2f')} (target {v.target:g}) {mark}"
+                     + (f" ({v.note})" if v.note else ""))  # fmt: skip
     record = {
         "shapes": spec.name,
         "verdicts": [vars(v) for v in checks],

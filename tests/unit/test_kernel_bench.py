@@ -53,6 +53,13 @@ def test_verdicts_check_the_main_matrix_and_the_prefill():
     assert [v.ok for v in off_cuda] == [None, None]
 
 
+def test_a_speedup_target_above_the_machines_bandwidth_says_so():
+    main = gemv(17408, 5120, 1, 130, 60.0, 25.0)  # 44.6 MB: MLX 743 GB/s, 7x is 5199
+    speedup = lambda peak: next(v for v in verdicts([main], [], peak) if "speedup" in v.criterion)  # noqa: E731
+    assert "unreachable" in speedup(4800).note and "5199 GB/s" in speedup(4800).note
+    assert speedup(8000).note == "" and speedup(None).note == ""
+
+
 def test_delta_bench_agrees_with_the_recurrence():
     r = bench_delta(32, 2, 4, 16, 16, BenchConfig(repeats=1, warmup=0))
     assert r.max_abs_diff_state < 1e-5 and r.builtin_ms > 0 and r.kernel_ms > 0
