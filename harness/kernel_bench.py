@@ -333,13 +333,14 @@ def bench_prefill(n: int, k: int, m: int, bits: int, group_size: int, layers: in
     def builtin():
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
+    def dense():
+        return dense_matmul(x, w, scales, biases, group_size, bits)
+
     builtin_us = time_us(builtin, once)
-    why = None if on_cuda() else "the fast tier runs it only on MLX's CUDA backend"
-    if why:
-        return PrefillResult(n, k, m, layers, builtin_us, None, None, why)
-    kernel_us = time_us(lambda: dense_matmul(x, w, scales, biases, group_size, bits), once)
-    diff = mx.abs(dense_matmul(x, w, scales, biases, group_size, bits).astype(mx.float32) - builtin().astype(mx.float32))
-    return PrefillResult(n, k, m, layers, builtin_us, kernel_us, diff.max().item())
+    if not on_cuda():
+        return PrefillResult(n, k, m, layers, builtin_us, None, None, "the fast tier runs it only on MLX's CUDA backend")
+    diff = mx.abs(dense().astype(mx.float32) - builtin().astype(mx.float32)).max().item()
+    return PrefillResult(n, k, m, layers, builtin_us, time_us(dense, once), diff)
 
 
 def delta_inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, dtype=mx.bfloat16, seed: int = 0):

@@ -132,6 +132,8 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
             kernel = fast and on_cuda() and step_kernel_applies(module)
             module.fused_step = layer_step(module, kernel) if fast else None
             kernels += kernel
+        elif fast and attention_decode.applies(module):
+            module.fused_step = attention_decode.layer_step(module)
         else:
-            module.fused_step = attention_decode.layer_step(module) if fast and attention_decode.applies(module) else None
+            module.fused_step = None
     return count, kernels

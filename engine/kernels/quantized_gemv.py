@@ -462,7 +462,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if self.dense_prefill and DENSE_MIN_ROWS is not None and x.size >= DENSE_MIN_ROWS * x.shape[-1]:
             y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-            return y + self["bias"] if "bias" in self else y
+            return _with_bias(y, self)
         if not self.use_kernel or not _takes(x, self):
             return super().__call__(x)
         return _run_kernel(x, [self])[0]
@@ -496,7 +496,11 @@ def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> tuple[mx.a
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
     ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
-    return tuple(y + q["bias"] if "bias" in q else y for y, q in zip(ys, layers))
+    return tuple(_with_bias(y, q) for y, q in zip(ys, layers))
+
+
+def _with_bias(y: mx.array, q: nn.QuantizedLinear) -> mx.array:
+    return y + q["bias"] if "bias" in q else y
 
 
 def _takes(x: mx.array, q: nn.QuantizedLinear) -> bool:

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine.engine import Engine
 from engine.kernels import EXACT, FAST, install, quantized_gemv
+from engine.kernels.quantized_gemv import dense_matmul
 from engine.registry import get_spec
 from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, linear_shapes, random_quantized, time_us, weight_copies
@@ -35,7 +36,7 @@ def shape_times(n: int, k: int, m: int, cfg: BenchConfig) -> dict:
         return mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4)
 
     def dequant_gemm():
-        return x @ mx.dequantize(*weights(), group_size=64, bits=4).T
+        return dense_matmul(x, *weights(), 64, 4)
 
     def gemm_only():
         return x @ dense.T
