@@ -23,8 +23,11 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-# Whether `engine.kernels.install` gives the fast tier's attention layers this step (diagnostics compare).
-ENABLED = True
+# Whether `engine.kernels.install` gives the fast tier's attention layers this step. Off: on the H200 its
+# batched test (test_compiled_attention_step_in_a_batch_matches_the_layer_path, float32 tiny model) was
+# 2.2e-3 off the layer path against a 1e-3 bound, where the CPU stays inside it; the cause is not known
+# yet (reports/gpu/test-kernels-cuda-session8.txt).
+ENABLED = False
 
 
 def applies(layer) -> bool:

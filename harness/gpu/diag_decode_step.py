@@ -28,7 +28,7 @@ CONFIGS = {
     FAST: (FAST, False, False, True),
     "fast_step_kernel": (FAST, True, False, True),
     "fast_step_kernel_attention": (FAST, True, True, True),
-    "fast_unpacked": (FAST, True, True, False),
+    "fast_step_kernel_unpacked": (FAST, True, False, False),
 }
 
 
@@ -65,14 +65,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--configs", default="exact,fast_step_kernel,fast_step_kernel_attention", help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="exact,fast_step_kernel,fast_step_kernel_unpacked", help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--rounds", type=int, default=2, help="times through the configurations, alternating (the machine drifts)")
     p.add_argument("--label", default="", help="added to the JSON's name (e.g. the MLX_* settings of the run)")
     args = p.parse_args()
     configs = args.configs.split(",")
     eng = Engine.load(args.model, with_tokenizer=False)
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
-    for name in configs * 2:  # twice, alternating: the machine drifts
+    for name in configs * args.rounds:
         tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED, quantized_gemv.PACK = CONFIGS[name]
         install(eng.model, EXACT)  # back to MLX's layout: the next install packs (or not) afresh
         ks = install(eng.model, tier)

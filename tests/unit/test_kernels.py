@@ -322,8 +322,11 @@ def _decode_states(model, ids, steps):
     return out, cache
 
 
-def test_fused_decode_step_matches_the_layer_path():
+def test_fused_decode_step_matches_the_layer_path(monkeypatch):
     from engine.engine import Engine
+    from engine.kernels import attention_decode
+
+    monkeypatch.setattr(attention_decode, "ENABLED", True)  # off by default (see there); its mechanism is tested
 
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
@@ -408,14 +411,16 @@ def test_the_step_kernel_is_chosen_for_bf16_layers_only():
     assert not step_kernel_applies(delta_layer("tiny-qwen35-f32"))
 
 
-def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
+def test_compiled_attention_step_in_a_batch_matches_the_layer_path(monkeypatch):
     # Batched decode (a mask, per-row offsets, rows of different lengths): the attention step compiles only
     # the per-token parts around the layer's own attention, so it takes the batch's caches as they are.
     from engine.batch.batcher import ContinuousBatcher
     from engine.batch.scheduler import SchedulerConfig
     from engine.engine import Engine
+    from engine.kernels import attention_decode
     from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
+    monkeypatch.setattr(attention_decode, "ENABLED", True)
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
 
     def run():
