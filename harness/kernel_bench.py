@@ -41,10 +41,8 @@ import mlx.nn as nn
 
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
-from engine.kernels import quantized_gemv
 from engine.kernels.quantized_gemv import (
-    DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, pack, packable, quantized_matmul, quantized_matmuls,
-    refusal,
+    DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, quantized_matmul, quantized_matmuls, refusal,
 )
 from engine.models import model_module
 from engine.models.gated_delta import normalize_qk, recurrence
@@ -274,22 +272,6 @@ def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.arr
     return tuple(quantized)
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightLayout:
-    """The layout a fast-tier layer holds a weight in (`quantized_gemv.pack` where it applies)."""
-
-    packed: bool
-    group_size: int
-    bits: int
-
-    def __call__(self, w: mx.array) -> mx.array:
-        return pack(w, self.group_size, self.bits) if self.packed else w
-
-
-def layer_layout(w: mx.array, group_size: int, bits: int) -> WeightLayout:
-    return WeightLayout(quantized_gemv.PACK and packable(w, group_size, bits), group_size, bits)
-
-
 def _kernel_refusal(x: mx.array, matrices: Sequence[tuple], group_size: int, bits: int) -> Optional[str]:
     """Why our kernel's side of a comparison is not timed here (None when it is)."""
     why = next(filter(None, (refusal(x, w, s, group_size, bits) for w, s, _ in matrices)), None)
@@ -311,13 +293,10 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
     why = _kernel_refusal(x, [(w, scales, biases)], group_size, bits)
     kernel_us = diff = None
     if why is None:
-        layout = layer_layout(w, group_size, bits)
-        ours_weights = weight_copies(layout(w), scales, biases, cfg)
-
         def kernel():
-            return quantized_matmul(x, *ours_weights(), group_size, bits, packed=layout.packed)
+            return quantized_matmul(x, *weights(), group_size, bits)
 
-        ours = quantized_matmul(x, layout(w), scales, biases, group_size, bits, packed=layout.packed)
+        ours = quantized_matmul(x, w, scales, biases, group_size, bits)
         diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         kernel_us = time_us(kernel, cfg)
     return GemvResult(
@@ -340,12 +319,7 @@ def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, grou
     moved = sum(a.nbytes for matrix in matrices for a in matrix) + x.nbytes + 2 * m * sum(rows)
     builtin_us = time_us(builtin, cfg)
     why = _kernel_refusal(x, matrices, group_size, bits)
-    kernel_us = None
-    if why is None:
-        layouts = [layer_layout(w, group_size, bits) for w, _, _ in matrices]
-        ours = [weight_copies(layout(w), s, b, cfg) for layout, (w, s, b) in zip(layouts, matrices)]
-        packed = [layout.packed for layout in layouts]
-        kernel_us = time_us(lambda: quantized_matmuls(x, [c() for c in ours], group_size, bits, packed=packed), cfg)
+    kernel_us = None if why else time_us(lambda: quantized_matmuls(x, [c() for c in copies], group_size, bits), cfg)
     return GroupResult(label=label, rows=tuple(rows), k=k, m=m, layers=layers, builtin_us=builtin_us,
                        kernel_us=kernel_us, bytes_moved=moved, note=why or "")  # fmt: skip
 

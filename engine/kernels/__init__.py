@@ -37,7 +37,7 @@ class KernelSet:
 
     tier: str
     requested: str
-    quantized_linears: int = 0  # layers whose decode rows run the GEMV kernel, alone or in a group (0 off CUDA)
+    quantized_linears: int = 0  # layers that run the GEMV kernel (0 off CUDA)
     dense_prefill_linears: int = 0  # layers that run prompt chunks as dequantize + GEMM (0 off CUDA)
     chunked_delta_layers: int = 0
     step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
@@ -86,7 +86,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     return KernelSet(
         tier=FAST if use_fast else EXACT,
         requested=tier,
-        quantized_linears=sum(q.use_kernel or q.packed for q in linears),
+        quantized_linears=sum(q.use_kernel for q in linears),
         dense_prefill_linears=sum(q.dense_prefill for q in linears),
         chunked_delta_layers=deltas if use_fast else 0,
         step_kernel_layers=step_kernels,
@@ -112,7 +112,7 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
             if fast and not is_kernel:
                 parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
             elif not fast and is_kernel:
-                parent[key] = retyped(child.unpacked(), nn.QuantizedLinear)
+                parent[key] = retyped(child, nn.QuantizedLinear)
         else:
             _swap_quantized_linears(child, fast, use_kernel)
 

@@ -65,8 +65,6 @@ DENSE_MIN_ROWS: Optional[int] = 512
 DENSE_MIN_OUTPUTS = 1024
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
-# Whether the layers the kernel runs hold their weights in its layout (`pack`).
-PACK = True
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -74,8 +72,6 @@ HEADER = r"""
 #include <cuda_bf16.h>
 template <int WL> struct engine_words { using type = uint2; };
 template <> struct engine_words<1> { using type = uint32_t; };
-template <int WL> struct engine_packed { using type = uint4; };    // a lane's words of both rows, packed
-template <> struct engine_packed<1> { using type = uint2; };
 template <int U> struct engine_scale_vec { using type = uint2; };   // 4 bf16
 template <> struct engine_scale_vec<8> { using type = uint4; };     // 8 bf16
 __device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -114,7 +110,6 @@ SOURCE = r"""
   constexpr int WORDS_PER_ROW = K / PW;
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
-  using Packed = typename engine_packed<WL>::type;
   // Scales and biases of a batch in one load when each k-tile is one group and batches stay aligned.
   constexpr bool VEC_SCALES = TILE_K == GS && (U == 4 || U == 8) && GROUPS_PER_ROW % U == 0;
   using ScaleVec = typename engine_scale_vec<U>::type;
@@ -145,17 +140,10 @@ SOURCE = r"""
       if (kt < KT) {
         #pragma unroll
         for (int r = 0; r < RT; ++r) {
-          if (packed) {  // `pack`'s layout: the warp's 32 lanes read one contiguous 16 * 2 * WL-word run
-            const size_t tile = min(row_base / 16 + r, N / 16 - 1);
-            const Packed p = __ldcs(reinterpret_cast<const Packed*>(w) + (tile * KT + kt) * 32 + lane);
-            bt.wq[u][r][0] = reinterpret_cast<const Words*>(&p)[0];
-            bt.wq[u][r][1] = reinterpret_cast<const Words*>(&p)[1];
-          }
           #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
-            if (!packed)
-              bt.wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
+            bt.wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
             if constexpr (!VEC_SCALES) {
               bt.sc[u][r][h] = scales[row * GROUPS_PER_ROW + kt * TILE_K / GS];
               bt.bi[u][r][h] = biases[row * GROUPS_PER_ROW + kt * TILE_K / GS];
@@ -284,14 +272,13 @@ SOURCE = r"""
 
 def _prologue(count: int) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
-    block BLK{i}; sets the pointers, the row count and the layout the body reads (w, scales, biases, out, N,
-    packed, blk)."""
+    block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk)."""
     lines = ["  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
-             "  int N, blk = blockIdx.x; bool packed;"]
+             "  int N, blk = blockIdx.x;"]
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
         lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
-                     f"N = N{i}; packed = P{i}; blk -= BLK{i}; }}")
+                     f"N = N{i}; blk -= BLK{i}; }}")
     return "\n".join(lines) + "\n"
 
 
@@ -396,13 +383,10 @@ def quantized_matmuls(
     group_size: int,
     bits: int,
     config: Optional[LaunchConfig] = None,
-    packed: Sequence[bool] = (),
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
-    `config` overrides `launch_config`; `packed[i]` says matrix i's weight is in `pack`'s layout (same
-    results, bit for bit)."""
-    packed = tuple(packed) or (False,) * len(matrices)
+    `config` overrides `launch_config`."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits)
@@ -413,8 +397,7 @@ def quantized_matmuls(
     outs = config.kernel(len(matrices))(
         inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple],
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
-                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
-                 + [(f"P{i}", bool(p)) for i, p in enumerate(packed)],
+                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
         output_shapes=[(m, n) for n in rows],
@@ -431,46 +414,18 @@ def quantized_matmul(
     group_size: int,
     bits: int,
     config: Optional[LaunchConfig] = None,
-    packed: bool = False,
 ) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only)."""
-    return quantized_matmuls(x, [(w, scales, biases)], group_size, bits, config, (packed,))[0]
-
-
-def _tiles(w: mx.array, group_size: int, bits: int) -> tuple[int, int, int]:
-    """(16-row tiles, k-tiles, words per lane and row in a k-tile) of a quantized weight."""
-    wl = min(group_size * bits // 128, 2)
-    return w.shape[0] // 16, w.shape[1] // (4 * wl), wl
-
-
-def packable(w: mx.array, group_size: int, bits: int) -> bool:
-    """Whether `pack` can lay out this weight: whole 16-row tiles (the kernel takes any other weight as it is)."""
-    return w.ndim == 2 and w.shape[0] % 16 == 0 and w.shape[1] % (4 * _tiles(w, group_size, bits)[2]) == 0
-
-
-def pack(w: mx.array, group_size: int, bits: int) -> mx.array:
-    """The weight's words in the order the kernel's lanes read them, same shape: for each 16-row tile and
-    k-tile, lane (g, t)'s words of row g, then of row g + 8, lane after lane. A warp's load is then one
-    contiguous run (512 bytes at 4 bits, group 64) instead of 32 bytes from each of 16 rows, 2.5 KB
-    apart. A transpose; `unpack` undoes it."""
-    rt, kt, wl = _tiles(w, group_size, bits)
-    return w.reshape(rt, 2, 8, kt, 4, wl).transpose(0, 3, 2, 4, 1, 5).reshape(w.shape)
-
-
-def unpack(p: mx.array, group_size: int, bits: int) -> mx.array:
-    """MLX's layout of a weight `pack` laid out (what its own operations read)."""
-    rt, kt, wl = _tiles(p, group_size, bits)
-    return p.reshape(rt, kt, 8, 4, 2, wl).transpose(0, 4, 2, 1, 3, 5).reshape(p.shape)
+    return quantized_matmuls(x, [(w, scales, biases)], group_size, bits, config)[0]
 
 
 @lru_cache(maxsize=None)
-def _compiled(group_size: int, bits: int, packed: tuple[bool, ...]):
+def _compiled(group_size: int, bits: int, count: int = 1):
     # Traced once per input shape: later calls skip building the kernel call (template list, source
     # text) on the host: ~10 us a call uncompiled, ~2 compiled (reports/gpu/launch-overhead.txt), at
     # hundreds of calls per decode step of a 27B model.
     def run(x, *arrays):
-        triples = [arrays[i : i + 3] for i in range(0, len(arrays), 3)]
-        return quantized_matmuls(x, triples, group_size, bits, packed=packed)
+        return quantized_matmuls(x, [arrays[i : i + 3] for i in range(0, len(arrays), 3)], group_size, bits)
 
     return mx.compile(run)
 
@@ -502,38 +457,15 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             use_kernel and q.mode == "affine" and q["weight"].shape[0] >= DENSE_MIN_OUTPUTS
             and q["scales"].dtype in DENSE_DTYPES
         )  # fmt: skip
-        # Every layer the kernel can read keeps its weight in the kernel's layout (`pack`, in place: no
-        # second copy), so a launch's matrices share one layout (a per-matrix choice costs the M = 1
-        # kernel 89 registers against 76). MLX's operations get the weight back per call (`mlx_weight`),
-        # at a prompt chunk's rows where that copy costs little next to the matmul; at decode rows a
-        # packed layer runs the kernel even below LAYER_MIN_OUTPUTS (alone only outside a projection group).
-        new.packed = PACK and new.groupable and packable(q["weight"], q.group_size, q.bits)
-        if new.packed:
-            new["weight"] = pack(q["weight"], q.group_size, q.bits)
-            mx.eval(new["weight"])  # one matrix at a time: the original goes with `q`
         return new
-
-    def unpacked(self) -> "KernelQuantizedLinear":
-        """This layer with its weight back in MLX's layout, in place (before it leaves the fast tier)."""
-        if self.packed:
-            self["weight"] = self.mlx_weight()
-            mx.eval(self["weight"])
-            self.packed = False
-        return self
-
-    def mlx_weight(self) -> mx.array:
-        """The weight in MLX's layout (a transpose when it is packed)."""
-        return unpack(self["weight"], self.group_size, self.bits) if self.packed else self["weight"]
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.dense_prefill and DENSE_MIN_ROWS is not None and x.size >= DENSE_MIN_ROWS * x.shape[-1]:
-            y = dense_matmul(x, self.mlx_weight(), self["scales"], self["biases"], self.group_size, self.bits)
+            y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return _with_bias(y, self)
-        if (self.use_kernel or self.packed) and _takes(x, self):
-            return _run_kernel(x, [self])[0]
-        y = mx.quantized_matmul(x, self.mlx_weight(), self["scales"], self.get("biases"), transpose=True,
-                                group_size=self.group_size, bits=self.bits, mode=self.mode)  # fmt: skip
-        return _with_bias(y, self)
+        if not self.use_kernel or not _takes(x, self):
+            return super().__call__(x)
+        return _run_kernel(x, [self])[0]
 
     @staticmethod
     def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
@@ -563,7 +495,7 @@ def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> tuple[mx.a
     """The layers (same bits and group size) applied to x in one compiled launch, biases added."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    ys = _compiled(first.group_size, first.bits, tuple(getattr(q, "packed", False) for q in layers))(x, *arrays)
+    ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
     return tuple(_with_bias(y, q) for y, q in zip(ys, layers))
 
 

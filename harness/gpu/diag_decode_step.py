@@ -1,6 +1,5 @@
 """Where a B=1 decode step of a real model goes, per kernel configuration (exact tier; fast tier without
-the DeltaNet step kernel, with it, with it and the compiled attention step, and that with the weights in
-MLX's layout instead of the GEMV kernel's): host graph build, a
+the DeltaNet step kernel, with it, with it and the compiled attention step): host graph build, a
 synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
@@ -18,17 +17,16 @@ import time
 import mlx.core as mx
 
 from engine.engine import Engine
-from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install, quantized_gemv
+from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install
 from harness.gpu.results import save_json
 
 
-# tier, the DeltaNet step kernel, the compiled attention step, weights in the GEMV kernel's layout
+# tier, the DeltaNet step kernel, the compiled attention step
 CONFIGS = {
-    EXACT: (EXACT, False, False, False),
-    FAST: (FAST, False, False, True),
-    "fast_step_kernel": (FAST, True, False, True),
-    "fast_step_kernel_attention": (FAST, True, True, True),
-    "fast_step_kernel_unpacked": (FAST, True, False, False),
+    EXACT: (EXACT, False, False),
+    FAST: (FAST, False, False),
+    "fast_step_kernel": (FAST, True, False),
+    "fast_step_kernel_attention": (FAST, True, True),
 }
 
 
@@ -65,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--configs", default="exact,fast_step_kernel,fast_step_kernel_unpacked", help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default="exact,fast_step_kernel", help="comma-separated, of " + ", ".join(CONFIGS))
     p.add_argument("--rounds", type=int, default=2, help="times through the configurations, alternating (the machine drifts)")
     p.add_argument("--label", default="", help="added to the JSON's name (e.g. the MLX_* settings of the run)")
     args = p.parse_args()
@@ -74,8 +72,7 @@ def main() -> None:
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     for name in configs * args.rounds:
-        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED, quantized_gemv.PACK = CONFIGS[name]
-        install(eng.model, EXACT)  # back to MLX's layout: the next install packs (or not) afresh
+        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED = CONFIGS[name]
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears

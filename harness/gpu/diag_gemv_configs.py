@@ -12,7 +12,7 @@ import sys
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import LaunchConfig, launch_config, pack, quantized_matmul
+from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul
 from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
@@ -44,19 +44,16 @@ def numerics():
     return bad
 
 
-def label(c: LaunchConfig, packed: bool = False) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "") + (" P" if packed else "")
+def label(c: LaunchConfig) -> str:
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
-# M = 1 launch shapes, each with the weight in MLX's layout and packed (`quantized_gemv.pack`). B: blocks an
-# SM must hold (a register cap): 9 puts 17408x5120's 1088 blocks and the DeltaNet inputs' 1030 in one wave.
-M1_SHAPES = ((4, 1, 4), (4, 1, 4, 9), (2, 1, 4), (8, 1, 4), (8, 1, 4, 4), (4, 2, 4, 5))
-
-
-def candidates(m: int, shapes=M1_SHAPES) -> list[tuple[LaunchConfig, bool]]:
+def candidates(m: int):
     if m > 1:
-        return [(LaunchConfig(*shape), packed) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8)) for packed in (False, True)]
-    return [(LaunchConfig(*shape), packed) for shape in shapes for packed in (False, True)]
+        return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
+    shapes = [(1, 1, 4), (1, 1, 8), (1, 2, 4), (2, 1, 4), (2, 1, 8), (2, 2, 4), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4),
+              (4, 1, 4, 8), (4, 1, 4, 9), (4, 2, 4, 5)]  # fmt: skip
+    return [LaunchConfig(*shape) for shape in shapes]
 
 
 def timing():
@@ -69,7 +66,6 @@ def timing():
         w, s, b = random_quantized(n, k, 4, 64)
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
-        packed_weights = weight_copies(pack(w, 64, 4), s, b, cfg)
         main = (n, k) in shapes[:2]
         for m in ((1,) if quick else (1, 4, 8, 16)) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
@@ -82,9 +78,8 @@ def timing():
             if main and m == 1:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
-            for c, packed in candidates(m) if main else ():
-                source = packed_weights if packed else weights
-                res[label(c, packed)] = time_us(lambda: quantized_matmul(x, *source(), 64, 4, config=c, packed=packed), cfg)
+            for c in candidates(m) if main else ():
+                res[label(c)] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4, config=c), cfg)
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)

@@ -5,8 +5,8 @@ below); ours for the whole group (`quantized_matmuls`).
     source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py [--sweep]
 Lines go to stdout, rows to $OUT/gemv-groups.json.
 
-`--sweep`: also time each group's one launch at M = 1 under each launch shape of GROUP_SHAPES, weights
-in MLX's layout and packed. The shapes were chosen on single 50 MB matrices; a group's block
+`--sweep`: also time each group's one launch at M = 1 under each launch shape of
+`diag_gemv_configs.candidates(1)`. The shapes were chosen on single 50 MB matrices; a group's block
 count differs, and with 72-78 registers a thread (nvcc -Xptxas -v, sm_90) 6-7 blocks of 4 warps fit on
 an SM, 792-924 on the H200: the DeltaNet inputs' 1030 blocks then take two waves, the second a tenth
 full, gate+up's 2176 three.
@@ -17,7 +17,7 @@ import sys
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, pack, quantized_matmul, quantized_matmuls
+from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, quantized_matmul, quantized_matmuls
 from harness.gpu.diag_gemv_configs import candidates, label
 from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
@@ -28,17 +28,13 @@ GROUPS = {
     "attention q/k/v": [12288, 1024, 1024],
 }
 K = 5120
-GROUP_SHAPES = ((4, 1, 4), (4, 1, 4, 9), (8, 1, 4, 4))
 
 
 def main() -> None:
     cfg = BenchConfig(calls=20, repeats=7)
     rows = []
     for name, sizes in GROUPS.items():
-        matrices = [random_quantized(n, K, 4, 64) for n in sizes]
-        copies = [weight_copies(*matrix, cfg) for matrix in matrices]
-        packed_copies = [weight_copies(pack(w, 64, 4), s, b, cfg) for w, s, b in matrices]
-        every = (True,) * len(sizes)
+        copies = [weight_copies(*random_quantized(n, K, 4, 64), cfg) for n in sizes]
         nbytes = sum(sum(a.nbytes for a in c()) for c in copies)
         for m in (1, 8):
             x = mx.random.normal((m, K)).astype(mx.bfloat16)
@@ -62,12 +58,8 @@ def main() -> None:
             print(f"{name} M={m} ({r['mb']:.1f} MB): MLX each {r['mlx_each']:.1f} us | ours each {r['ours_each']:.1f} | "
                   f"ours one launch {r['ours_group']:.1f} ({nbytes / r['ours_group'] / 1e3:.0f} GB/s)", flush=True)
             if "--sweep" in sys.argv and m == 1:
-                r["sweep"] = {
-                    label(c, packed): time_us(lambda c=c, packed=packed: quantized_matmuls(
-                        x, [cp() for cp in (packed_copies if packed else copies)], 64, 4, config=c,
-                        packed=every if packed else ()), cfg)
-                    for c, packed in candidates(1, GROUP_SHAPES)
-                }  # fmt: skip
+                r["sweep"] = {label(c): time_us(lambda c=c: quantized_matmuls(x, [cp() for cp in copies], 64, 4, config=c), cfg)
+                              for c in candidates(1)}  # fmt: skip
                 print("    one launch by shape: " + " | ".join(f"{k} {v:.1f}" for k, v in sorted(r["sweep"].items(), key=lambda kv: kv[1])),
                       flush=True)  # fmt: skip
     save_json("gemv-groups.json", rows)

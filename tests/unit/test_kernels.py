@@ -11,8 +11,7 @@ from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    LaunchConfig, dense_matmul, pack, packable, quantized_matmul, quantized_matmuls, unpack, _launch_bounds, _takes,
-    refusal, tile_k,
+    LaunchConfig, dense_matmul, quantized_matmul, quantized_matmuls, _launch_bounds, _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -240,38 +239,6 @@ def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
     assert all(mx.array_equal(a, b).item() for a, b in zip(projected, want))
 
 
-@pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
-def test_pack_puts_each_lanes_words_where_the_kernel_reads_them(bits, group):
-    # The kernel reads lane (g, t)'s 2 * WL words of (16-row tile, k-tile) at ((tile * KT + kt) * 32 + lane)
-    # * 2 * WL: first its WL words of row g at word kt * 4 * WL + t * WL, then those of row g + 8.
-    n, k = 48, 4 * group
-    w = mx.arange(n * k * bits // 32, dtype=mx.uint32).reshape(n, k * bits // 32)
-    assert packable(w, group, bits) and not packable(w[:40], group, bits)
-    p = pack(w, group, bits)
-    wl = min(group * bits // 128, 2)
-    kt_count = w.shape[1] // (4 * wl)
-    flat, rows = p.reshape(-1).tolist(), w.tolist()
-    for tile in range(n // 16):
-        for kt in range(kt_count):
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                at = ((tile * kt_count + kt) * 32 + lane) * 2 * wl
-                for h in range(2):
-                    start = kt * 4 * wl + t * wl
-                    assert flat[at + h * wl : at + (h + 1) * wl] == rows[tile * 16 + g + 8 * h][start : start + wl]
-    assert p.shape == w.shape and mx.array_equal(unpack(p, group, bits), w).item()
-
-
-def test_a_packed_layer_runs_mlx_and_leaves_the_fast_tier_as_it_came():
-    q = make_quantized(n=LAYER_MIN_OUTPUTS, k=128)
-    layer = KernelQuantizedLinear.from_module(q, use_kernel=True)
-    assert layer.packed and not mx.array_equal(layer["weight"], q["weight"]).item()
-    x = mx.random.normal((1, LAYER_MAX_ROWS + 1, 128)).astype(mx.bfloat16)
-    assert mx.array_equal(layer(x), q(x)).item()  # MLX's op on the weight unpacked
-    assert not KernelQuantizedLinear.from_module(q, use_kernel=False).packed
-    assert mx.array_equal(layer.unpacked()["weight"], q["weight"]).item() and not layer.packed
-
-
 def test_a_register_cap_names_its_kernel_apart():
     # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
     plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
@@ -288,26 +255,6 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     plain = LaunchConfig(config.warps, config.row_tiles, config.batch)
     args = (x, q.weight, q.scales, q.biases, 64, 4)
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
-
-
-@cuda_only
-@pytest.mark.parametrize("bits, group, m", [(4, 64, 1), (4, 32, 9), (8, 64, 3)])  # ~6 kernels compiled a case
-def test_packed_weights_give_the_same_results(bits, group, m):
-    # Same arithmetic in the same order, only the loads differ: identical results, alone and in a group
-    # that mixes both layouts.
-    qs = [make_quantized(n=n, k=1536, bits=bits, group_size=group, seed=i) for i, n in enumerate((2048, 1024, 48))]
-    x = mx.random.normal((1, m, 1536)).astype(mx.bfloat16)
-    plain = quantized_matmuls(x, [(q.weight, q.scales, q.biases) for q in qs], group, bits)
-    packed = [pack(q.weight, group, bits) for q in qs]
-    for q, p, want in zip(qs, packed, plain):
-        assert mx.array_equal(quantized_matmul(x, p, q.scales, q.biases, group, bits, packed=True), want).item()
-    mixed = quantized_matmuls(x, [(packed[0], qs[0].scales, qs[0].biases)] + [(q.weight, q.scales, q.biases) for q in qs[1:]],
-                              group, bits, packed=(True, False, False))  # fmt: skip
-    assert all(mx.array_equal(a, b).item() for a, b in zip(mixed, plain))
-    layers = [KernelQuantizedLinear.from_module(q, use_kernel=True) for q in qs]
-    assert all(q.packed for q in layers)
-    want = plain if m <= LAYER_MAX_ROWS else [q(x) for q in qs]
-    assert all(mx.array_equal(a, b).item() for a, b in zip(project(x, *layers), want))
 
 
 def _decode_states(model, ids, steps):
