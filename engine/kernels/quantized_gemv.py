@@ -50,6 +50,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.activations import swiglu
+
 MAX_ROWS = 16  # the kernel's limit
 # Where the layer uses it (H200, qwen27b shapes, cold weights): at M = 16 MLX's tiled GEMM is as fast.
 LAYER_MAX_ROWS = 8
@@ -65,6 +67,9 @@ DENSE_MIN_ROWS: Optional[int] = 512
 DENSE_MIN_OUTPUTS = 1024
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
+# Whether a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
+# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection).
+FUSE = True
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -80,6 +85,25 @@ __device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, u
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float2 engine_bf16x2(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ uint32_t engine_to_bf16x2(float a, float b) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t engine_norm2(uint32_t x, uint32_t w, float r) {
+  // two values of MLX's rms_norm: w * bf16(x * r), rounded to bf16
+  const float2 xf = engine_bf16x2(x), wf = engine_bf16x2(w);
+  const float2 n = engine_bf16x2(engine_to_bf16x2(xf.x * r, xf.y * r));
+  return engine_to_bf16x2(wf.x * n.x, wf.y * n.y);
+}
+__device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
+  // two values of silu(gate) * up as bf16 operations: silu rounded to bf16, then the product
+  const float2 gf = engine_bf16x2(g), uf = engine_bf16x2(u);
+  const float2 s = engine_bf16x2(engine_to_bf16x2(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y))));
+  return engine_to_bf16x2(s.x * uf.x, s.y * uf.y);
 }
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
@@ -119,6 +143,7 @@ SOURCE = r"""
   const int g = lane >> 2, t = lane & 3;
   const int row_base = blk * 16 * RT;
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
+  // FUSED STAGES
 
   float acc[RT][NB][4];
   #pragma unroll
@@ -182,10 +207,10 @@ SOURCE = r"""
           const int m = g + 8 * nb;
           uint32_t xr[XR];
           if (m < M) {
-            const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + kt * TILE_K + t * WL * PW);
+            const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
             #pragma unroll
             for (int j = 0; j < XR / 4; ++j) {
-              uint4 v = __ldg(xp + j);
+              const uint4 v = activations(k0 + 8 * j, m);
               xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
             }
           } else {
@@ -265,7 +290,7 @@ SOURCE = r"""
     #pragma unroll
     for (int ww = 0; ww < W; ++ww) v += red[ww][rl][m];
     const int row = row_base + rl;
-    if (row < N) out[(size_t)m * N + row] = __float2bfloat16(v);
+    if (row < N) out[(size_t)m * N + row] = output(v, (size_t)m * N + row);
   }
 """
 
@@ -282,6 +307,62 @@ def _prologue(count: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """Work a launch does around its matrix products, which would otherwise be launches of their own:
+    `norm`, x is the residual stream and the activations are its RMS norm (inputs `norm_w`, `norm_eps`;
+    each block computes the rows' norms itself); `swiglu`, x is the gate and the activations are
+    silu(gate) * up (input `up`); `residual`, one matrix, whose output is added to `residual` (input)."""
+
+    norm: bool = False
+    swiglu: bool = False
+    residual: bool = False
+
+    def inputs(self) -> list[str]:
+        return ["norm_w", "norm_eps"] * self.norm + ["up"] * self.swiglu + ["residual"] * self.residual
+
+    def tag(self) -> str:
+        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual
+
+    def source(self) -> str:
+        """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
+        and the norms' prologue."""
+        lines = []
+        if self.norm:
+            lines.append("""  __shared__ float rnorm[M];
+  for (int m = warp; m < M; m += W) {
+    float ss = 0.0f;
+    for (int i = lane; i < K / 8; i += 32) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K) + i);
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(&v);
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) { const float2 f = engine_bf16x2(p[j]); ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss)); }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) rnorm[m] = rsqrtf(ss / K + norm_eps[0]);
+  }
+  __syncthreads();""")
+        lines.append("  auto activations = [&](const size_t i, const int m) -> uint4 {")
+        lines.append("    uint4 v = __ldg(reinterpret_cast<const uint4*>(x + i));")
+        if self.swiglu:
+            lines.append("    const uint4 u = __ldg(reinterpret_cast<const uint4*>(up + i));")
+            lines.append("    v = make_uint4(engine_swiglu2(v.x, u.x), engine_swiglu2(v.y, u.y), "
+                         "engine_swiglu2(v.z, u.z), engine_swiglu2(v.w, u.w));")
+        if self.norm:
+            lines.append("    const uint4 w8 = __ldg(reinterpret_cast<const uint4*>(norm_w + i % K));")
+            lines.append("    const float r = rnorm[m];")
+            lines.append("    v = make_uint4(engine_norm2(v.x, w8.x, r), engine_norm2(v.y, w8.y, r), "
+                         "engine_norm2(v.z, w8.z, r), engine_norm2(v.w, w8.w, r));")
+        lines.append("    return v;\n  };")
+        if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
+            lines.append("  auto output = [&](const float v, const size_t i) {\n    return __float2bfloat16("
+                         "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };")
+        else:
+            lines.append("  auto output = [&](const float v, const size_t) { return __float2bfloat16(v); };")
+        return "\n".join(lines) + "\n"
+
+
 def _launch_bounds(threads: int, min_blocks: int) -> str:
     """Header lines that give the kernel MLX generates next `__launch_bounds__(threads, min_blocks)`:
     MLX writes the signature itself, so `__global__` is redefined (as CUDA's headers define it, plus the
@@ -292,12 +373,12 @@ def _launch_bounds(threads: int, min_blocks: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(count: int, threads: int = 0, min_blocks: int = 0):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}",
-        input_names=["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")],
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
+        input_names=["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs(),
         output_names=[f"out{i}" for i in range(count)],
-        source=_prologue(count) + SOURCE,
+        source=_prologue(count) + SOURCE.replace("  // FUSED STAGES\n", fusion.source()),
         header=HEADER + _launch_bounds(threads, min_blocks),
     )
 
@@ -326,8 +407,8 @@ class LaunchConfig:
             [("MINB", self.min_blocks)] if self.min_blocks else []
         )
 
-    def kernel(self, count: int):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks)
+    def kernel(self, count: int, fusion: "Fusion" = None):
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion or Fusion())
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
@@ -383,19 +464,31 @@ def quantized_matmuls(
     group_size: int,
     bits: int,
     config: Optional[LaunchConfig] = None,
+    *,
+    norm: Optional[tuple[mx.array, float]] = None,
+    up: Optional[mx.array] = None,
+    residual: Optional[mx.array] = None,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
-    `config` overrides `launch_config`."""
+    `config` overrides `launch_config`. In the same launch (`Fusion`), to rounding what the separate
+    operations give: `norm` (weight [K], eps) multiplies by the RMS norm of x, i.e.
+    `mx.fast.rms_norm(x, weight, eps)`; `up` takes `silu(x) * up` for x; `residual` ([..., N], one
+    matrix) is added to the product."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits)
+    fusion = Fusion(norm is not None, up is not None, residual is not None)
+    if fusion.residual and len(matrices) != 1:
+        raise ValueError("a residual goes with one matrix")
+    extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
+        [up.reshape(m, k)] if up is not None else []) + ([residual.reshape(m, -1)] if residual is not None else [])
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
     for n in rows:
         starts.append(starts[-1] + (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles))
-    outs = config.kernel(len(matrices))(
-        inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple],
+    outs = config.kernel(len(matrices), fusion)(
+        inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple] + extra,
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
         grid=(starts[-1] * config.warps * 32, 1, 1),
@@ -420,12 +513,17 @@ def quantized_matmul(
 
 
 @lru_cache(maxsize=None)
-def _compiled(group_size: int, bits: int, count: int = 1):
+def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusion(), eps: float = 0.0):
     # Traced once per input shape: later calls skip building the kernel call (template list, source
     # text) on the host: ~10 us a call uncompiled, ~2 compiled (reports/gpu/launch-overhead.txt), at
     # hundreds of calls per decode step of a 27B model.
     def run(x, *arrays):
-        return quantized_matmuls(x, [arrays[i : i + 3] for i in range(0, len(arrays), 3)], group_size, bits)
+        triples = [arrays[i : i + 3] for i in range(0, 3 * count, 3)]
+        extra = list(arrays[3 * count :])
+        norm = (extra.pop(0), eps) if fusion.norm else None
+        up = extra.pop(0) if fusion.swiglu else None
+        residual = extra.pop(0) if fusion.residual else None
+        return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual)
 
     return mx.compile(run)
 
@@ -471,14 +569,49 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
         """Each layer applied to x, in one launch where the kernel takes them all (the projections that
         share an input: gate and up, q/k/v, a DeltaNet's inputs); small ones then ride along with the rest."""
-        first = layers[0]
-        together = (
-            len(layers) > 1
-            and all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits)
-                    and _takes(x, q) for q in layers)
-            and sum(q["weight"].shape[0] for q in layers) >= LAYER_MIN_OUTPUTS
-        )
+        together = len(layers) > 1 and _one_launch(x, layers)
         return _run_kernel(x, layers) if together else tuple(q(x) for q in layers)
+
+
+def _one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
+    """Whether the kernel takes all the layers with x in one launch (same bits and group size, enough rows)."""
+    first = layers[0]
+    return (
+        all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits)
+            and _takes(x, q) for q in layers)
+        and sum(q["weight"].shape[0] for q in layers) >= LAYER_MIN_OUTPUTS
+    )  # fmt: skip
+
+
+def _no_bias(layers: Sequence[nn.Module]) -> bool:
+    return not any("bias" in q for q in layers)
+
+
+def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
+    """Each layer applied to `norm(x)`: with FUSE, one launch for the RMS norm and all the layers where the
+    kernel takes them (`Fusion.norm`); otherwise the norm, then the layers as `project` runs them."""
+    if FUSE and isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16 and _one_launch(x, layers) \
+            and _no_bias(layers):  # fmt: skip
+        return _run_kernel(x, layers, norm=(norm.weight, norm.eps))
+    normed = norm(x)
+    together = getattr(layers[0], "project_together", None)
+    return together(normed, layers) if together is not None else tuple(q(normed) for q in layers)
+
+
+def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
+    """`residual + layer(x)`; with FUSE one launch where the kernel takes it (`Fusion.residual`)."""
+    if FUSE and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer]):
+        return _run_kernel(x, [layer], residual=residual)[0]
+    return residual + layer(x)
+
+
+def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
+    """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE one launch
+    where the kernel takes it (`Fusion.swiglu`, `Fusion.residual`)."""
+    if FUSE and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and _one_launch(gate, [layer]) \
+            and _no_bias([layer]):  # fmt: skip
+        return _run_kernel(gate, [layer], up=up, residual=residual)[0]
+    return residual + layer(swiglu(gate, up))
 
 
 def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -491,11 +624,16 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
 
 
-def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> tuple[mx.array, ...]:
-    """The layers (same bits and group size) applied to x in one compiled launch, biases added."""
+def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
+                up: Optional[mx.array] = None, residual: Optional[mx.array] = None) -> tuple[mx.array, ...]:  # fmt: skip
+    """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
+    stages take layers without bias)."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    ys = _compiled(first.group_size, first.bits, len(layers))(x, *arrays)
+    fusion = Fusion(norm is not None, up is not None, residual is not None)
+    extra = ([norm[0]] if norm else []) + ([up] if up is not None else []) + ([residual] if residual is not None else [])
+    run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
+    ys = run(x, *arrays, *extra)
     return tuple(_with_bias(y, q) for y, q in zip(ys, layers))
 
 

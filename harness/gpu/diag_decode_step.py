@@ -1,5 +1,6 @@
 """Where a B=1 decode step of a real model goes, per kernel configuration (exact tier; fast tier without
-the DeltaNet step kernel, with it, with it and the compiled attention step): host graph build, a
+the DeltaNet step kernel, with it, with it and the compiled attention step, with it and the norms, SwiGLU
+and residual adds apart from the GEMV launches): host graph build, a
 synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
@@ -17,16 +18,17 @@ import time
 import mlx.core as mx
 
 from engine.engine import Engine
-from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install
+from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install, quantized_gemv
 from harness.gpu.results import save_json
 
 
-# tier, the DeltaNet step kernel, the compiled attention step
+# tier, the DeltaNet step kernel, the compiled attention step, norms / SwiGLU / residuals in the GEMV launches
 CONFIGS = {
-    EXACT: (EXACT, False, False),
-    FAST: (FAST, False, False),
-    "fast_step_kernel": (FAST, True, False),
-    "fast_step_kernel_attention": (FAST, True, True),
+    EXACT: (EXACT, False, False, False),
+    FAST: (FAST, False, False, True),
+    "fast_step_kernel": (FAST, True, False, True),
+    "fast_step_kernel_attention": (FAST, True, True, True),
+    "fast_step_kernel_unfused": (FAST, True, False, False),
 }
 
 
@@ -72,7 +74,8 @@ def main() -> None:
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     for name in configs * args.rounds:
-        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED = CONFIGS[name]
+        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED, quantized_gemv.FUSE = CONFIGS[name]
+        install(eng.model, EXACT)  # the next install traces its layer steps afresh (FUSE is read then)
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears

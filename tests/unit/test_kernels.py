@@ -239,6 +239,41 @@ def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
     assert all(mx.array_equal(a, b).item() for a, b in zip(projected, want))
 
 
+@cuda_only
+@pytest.mark.parametrize("m", [1, 5])
+def test_fused_stages_match_the_separate_operations(m):
+    # The norm, the SwiGLU and the residual add inside the GEMV launch against the same operations apart
+    # (MLX's rms_norm / swiglu / add around the same kernel). Each side rounds its activations to bf16
+    # (the norm twice, the SwiGLU twice) and may land an ulp apart in any of them, so the products may
+    # differ by 2^-7 of sum |w| |a| (two ulps, 2^-8 each, a bound for every term at once); the bf16
+    # outputs add an ulp each (2^-7 of |y| for both).
+    from engine.models.activations import swiglu
+
+    k = 1536
+    qs = [make_quantized(n=n, k=k, seed=i) for i, n in enumerate((2048, 1024, 48))]
+    x = (4 * mx.random.normal((1, m, k))).astype(mx.bfloat16)
+    norm_w = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+    triples = [(q.weight, q.scales, q.biases) for q in qs]
+
+    def bound(q, a, y):
+        with mx.stream(mx.cpu):
+            w = mx.abs(mx.dequantize(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), 64, 4))
+            return 2.0**-7 * (mx.abs(a.astype(mx.float32)) @ w.T) + 2.0**-7 * mx.abs(y.astype(mx.float32))
+
+    normed = mx.fast.rms_norm(x, norm_w, 1e-6)
+    fused = quantized_matmuls(x, triples, 64, 4, norm=(norm_w, 1e-6))
+    for q, y, want in zip(qs, fused, quantized_matmuls(normed, triples, 64, 4)):
+        assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(q, normed, want)).item()
+
+    gate, up = mx.random.normal((1, m, k)).astype(mx.bfloat16), mx.random.normal((1, m, k)).astype(mx.bfloat16)
+    residual = mx.random.normal((1, m, 2048)).astype(mx.bfloat16)
+    a = swiglu(gate, up)
+    want = residual + quantized_matmul(a, *triples[0], 64, 4)
+    y = quantized_matmuls(gate, triples[:1], 64, 4, up=up, residual=residual)[0]
+    assert y.shape == want.shape
+    assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(qs[0], a, want)).item()
+
+
 def test_a_register_cap_names_its_kernel_apart():
     # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
     plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
