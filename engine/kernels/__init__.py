@@ -5,9 +5,10 @@
   GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
   `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
   the compiled DeltaNet decode step in `gated_delta_decode`, its core one
-  CUDA kernel from `gated_delta_step`; the compiled parts of a gated-attention
-  decode step in `attention_decode`); the sums run in another order, so
-  results agree with the exact tier to rounding, not bit for bit.
+  CUDA kernel from `gated_delta_step`, its norms, SwiGLU and residual adds
+  inside the GEMV launches; the compiled parts of a gated-attention decode
+  step in `attention_decode`, off by default); the sums run in another order,
+  so results agree with the exact tier to rounding, not bit for bit.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
 keeps the exact tier and `KernelSet.reason` says why. `install` changes a

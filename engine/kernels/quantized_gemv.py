@@ -25,6 +25,13 @@ matrix and runs one bf16 GEMM instead (`dense_matmul`), which on the H200
 runs the linear layers of a 1K-token prefill 2.5x faster than MLX's
 quantized matmul.
 
+A launch may also do the work around its products that would otherwise be
+launches of their own (`Fusion`): the RMS norm of its input, the SwiGLU of an
+MLP's gate and up outputs, a residual add. The fast tier's DeltaNet decode
+step uses them: on CUDA a decode step costs ~11 us a launch besides the bytes
+it reads (the kernel table's M = 1 times fit 11 us + bytes / 2.9 TB/s; MLX's
+own kernel 8 us + bytes / 1.0 TB/s), so launches matter as much as bandwidth.
+
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
 would in that matrix's own launch, so small matrices (a DeltaNet layer's

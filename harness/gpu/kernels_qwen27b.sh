@@ -6,8 +6,9 @@
 #              split them over two device calls (pytest -k); with TESTS_K set the kernel table is skipped.
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
-# PART=diag:   the compiled decode steps' and the DeltaNet step kernel's CUDA tests, then diag_decode_step.py
-#              and diag_prefill.py on qwen27b
+# PART=diag:   the compiled decode steps', the DeltaNet step kernel's and the fused stages' CUDA tests, then
+#              diag_decode_step.py (the fast tier with and without the fused stages, 3 rounds) and
+#              diag_prefill.py on qwen27b
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
@@ -41,7 +42,8 @@ case "$PART" in
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "fused or layer_runs or compiled_attention or dense" 2>&1 | tail -20 \
         | tee "$OUT/test_kernels_fused.txt" || true
     synth
-    python3 harness/gpu/diag_decode_step.py --tokens 64 2>&1 | tee "$OUT/decode-step.txt" || true
+    python3 harness/gpu/diag_decode_step.py --tokens 64 --rounds 3 --configs fast_step_kernel,fast_step_kernel_unfused 2>&1 \
+        | tee "$OUT/decode-step.txt" || true
     python3 harness/gpu/diag_prefill.py 2>&1 | tee "$OUT/prefill.txt" || true
     ;;
   graphs)  # decode rate by MLX's CUDA graph settings, one process each (they are read once)
@@ -50,7 +52,7 @@ case "$PART" in
         "MLX_MAX_OPS_PER_BUFFER=200 MLX_CUDA_GRAPH_CACHE_SIZE=1000" "MLX_USE_CUDA_GRAPHS=0"; do
       label=$(echo "$setting" | tr ' =' '_-')
       env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 64 \
-          --configs exact,fast_step_kernel_attention --label "$label" 2>&1 | tee -a "$OUT/decode-graphs.txt" || true
+          --configs exact,fast_step_kernel --label "$label" 2>&1 | tee -a "$OUT/decode-graphs.txt" || true
     done
     ;;
   gemv)
