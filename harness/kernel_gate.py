@@ -13,6 +13,15 @@ accepts as rounding: the same prompt prefilled in 256-token chunks instead of
 2048 changes the order of the sums inside the exact graph (mlx-lm's own
 chunked prefill does the same). `floor_kl` measures that per prompt; the gate
 is `mean_kl <= KL_BOUND` with KL_BOUND fixed below from those measurements.
+
+Two more references say how far an equally valid computation of the exact
+tier itself moves: the chunked prefill's own greedy agreement
+(`floor_greedy_equal_steps`), and the exact tier with every linear layer's
+sum over its inputs split in two halves added in float32 (`reordered`: the
+products are the same, only their order and the rounding of the sum change,
+at every decode step; `reorder_kl`, `reorder_greedy_equal_steps`). They are
+measured, not gated: they show what no tier that is not bit-exact can beat on
+the model at hand.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ class PromptGate:
     mean_kl: float
     max_kl: float
     floor_kl: float  # exact tier vs itself prefilled in smaller chunks
+    floor_greedy_equal_steps: int = -1  # that run's leading steps with the exact tier's tokens (-1: not measured)
+    reorder_kl: float = -1.0  # exact tier vs itself with every linear layer's sum split in two (-1: not measured)
+    reorder_greedy_equal_steps: int = -1
 
 
 @dataclass(frozen=True)
@@ -98,10 +110,80 @@ def _kl(p_log: mx.array, q_log: mx.array) -> float:
     return mx.sum(mx.exp(p_log) * (p_log - q_log)).item()
 
 
-def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = False) -> PromptGate:
+def _leading_equal(choices: Sequence[int], tokens: Sequence[int]) -> int:
+    return next((i for i, (c, t) in enumerate(zip(choices, tokens)) if c != t), len(tokens))
+
+
+def _mean_kl(exact: Sequence[mx.array], other: Sequence[mx.array]) -> float:
+    return sum(_kl(e, f) for e, f in zip(exact, other)) / len(exact)
+
+
+class SplitSum(nn.Module):
+    """A linear layer (plain or quantized) computed as two halves of its input sum, split at a group
+    boundary, each in float32, added and rounded once: the same products in another order."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        q, f32 = self.layer, mx.float32
+        k = x.shape[-1]
+        if isinstance(q, nn.QuantizedLinear):
+            gs, per_word = q.group_size, 32 // q.bits
+            h = k // gs // 2 * gs or k  # fewer than two groups: one part (float32 all the same)
+            w, scales, biases = q["weight"], q["scales"].astype(f32), q["biases"].astype(f32)
+
+            def part(lo, hi):
+                return mx.quantized_matmul(x[..., lo:hi].astype(f32), w[:, lo // per_word : hi // per_word],
+                                           scales[:, lo // gs : hi // gs], biases[:, lo // gs : hi // gs],
+                                           transpose=True, group_size=gs, bits=q.bits)  # fmt: skip
+        else:
+            h = k // 2 or k
+
+            def part(lo, hi):
+                return x[..., lo:hi].astype(f32) @ q["weight"][:, lo:hi].astype(f32).T
+
+        y = (part(0, h) + part(h, k) if h < k else part(0, k)).astype(x.dtype)
+        return y + q["bias"] if "bias" in q else y
+
+
+def reordered(model: nn.Module, on: bool) -> None:
+    """Every linear layer of `model` as SplitSum (on) or back (off), in place."""
+    def swap(module):
+        if on and isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+            return SplitSum(module)
+        if not on and isinstance(module, SplitSum):
+            return module.layer
+        return None
+
+    def walk(container, keys):
+        for key in keys:
+            child = container[key]
+            if isinstance(child, list):
+                walk(child, range(len(child)))
+            elif isinstance(child, nn.Module):
+                new = swap(child)
+                if new is None:
+                    walk(child, list(child.keys()))
+                else:
+                    container[key] = new
+
+    walk(model, list(model.keys()))
+
+
+def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = False,
+                reorder: bool = True) -> PromptGate:  # fmt: skip
     install(model, EXACT)
     tokens, exact = teacher_forced(model, ids, steps)
-    _, floor = teacher_forced(model, ids, steps, forced=tokens, prefill_step=256)
+    floor_choices, floor = teacher_forced(model, ids, steps, forced=tokens, prefill_step=256)
+    reorder_choices = reorder_lps = None
+    if reorder:
+        reordered(model, True)
+        try:
+            reorder_choices, reorder_lps = teacher_forced(model, ids, steps, forced=tokens)
+        finally:
+            reordered(model, False)
     install(model, FAST, force=force)
     try:
         choices, fast = teacher_forced(model, ids, steps, forced=tokens)
@@ -109,15 +191,17 @@ def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = 
         install(model, EXACT)
     kls = [_kl(e, f) for e, f in zip(exact, fast)]
     equal = [c == t for c, t in zip(choices, tokens)]
-    leading = next((i for i, e in enumerate(equal) if not e), steps)
     return PromptGate(
         prompt_len=len(ids),
         steps=steps,
-        greedy_equal_steps=leading,
+        greedy_equal_steps=_leading_equal(choices, tokens),
         agreement=sum(equal) / steps,
         mean_kl=sum(kls) / steps,
         max_kl=max(kls),
-        floor_kl=sum(_kl(e, f) for e, f in zip(exact, floor)) / steps,
+        floor_kl=_mean_kl(exact, floor),
+        floor_greedy_equal_steps=_leading_equal(floor_choices, tokens),
+        reorder_kl=_mean_kl(exact, reorder_lps) if reorder else -1.0,
+        reorder_greedy_equal_steps=_leading_equal(reorder_choices, tokens) if reorder else -1,
     )
 
 
