@@ -6,8 +6,9 @@ projections (one launch in the fast tier), the q/k norms and the gate split;
 then the output gate, the output projection, the residual, the MLP and its
 residual. Each part is compiled once per batch size, so the host replays two
 graphs instead of building ~25 operations in Python (counted in the code),
-and MLX fuses the elementwise ones (the sigmoid gate, the residual adds).
-On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
+and MLX fuses the elementwise ones (the sigmoid gate); where the GEMV kernel
+runs, the norms, the SwiGLU and the residual adds ride in its launches
+(`quantized_gemv.Fusion`). On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
 to ~2.5-3.3 ms with it (noisy; not yet measured on a GPU). Between them the
 layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
 the cache update, attention), so any cache the layer takes, serial or
@@ -23,6 +24,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
+
 # Whether `engine.kernels.install` gives the fast tier's attention layers this step. Off: on the H200 its
 # batched test (test_compiled_attention_step_in_a_batch_matches_the_layer_path, float32 tiny model) was
 # 2.2e-3 off the layer path against a 1e-3 bound, where the CPU stays inside it
@@ -35,7 +38,7 @@ ENABLED = False
 def applies(layer) -> bool:
     """A layer whose attention has the stages the step compiles around (Qwen3.5's gated attention)."""
     attn = getattr(layer, "self_attn", None)
-    return ENABLED and all(hasattr(attn, stage) for stage in ("inputs", "attend", "output"))
+    return ENABLED and all(hasattr(attn, stage) for stage in ("heads", "attend", "gated"))
 
 
 def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
@@ -45,12 +48,13 @@ def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[
     changes the layer."""
     attn = layer.self_attn
 
+    # Where the GEMV kernel runs (quantized_gemv.FUSE), the input norm rides in the q/k/v launch and the
+    # residual adds, the post-attention norm and the SwiGLU in the o_proj, gate+up and down launches.
     def before(x):
-        return attn.inputs(layer.input_layernorm(x))
+        return attn.heads(*normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
 
     def after(x, out, gate):
-        h = x + attn.output(out, gate)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return mlp_half(layer, residual_projection(attn.gated(out, gate), attn.o_proj, x))
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 

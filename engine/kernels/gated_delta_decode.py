@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
-from engine.kernels.quantized_gemv import normed_projections, residual_projection, swiglu_projection
+from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
 
@@ -96,8 +96,6 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
     else:
         core = _core(lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.norm.eps)
 
-    mlp = layer.mlp
-    dense_mlp = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))  # swiglu(gate, up)
     inputs = [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]  # input_projections' order
 
     def body(x, conv_state, state):
@@ -108,11 +106,7 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )
-        h = residual_projection(out, lin.out_proj, x)
-        if not dense_mlp:
-            return h + mlp(layer.post_attention_layernorm(h)), conv_state, state
-        gate, up = normed_projections(h, layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
-        return swiglu_projection(gate, up, mlp.down_proj, h), conv_state, state
+        return mlp_half(layer, residual_projection(out, lin.out_proj, x)), conv_state, state
 
     compiled = mx.compile(body)
 

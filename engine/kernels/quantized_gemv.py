@@ -621,6 +621,16 @@ def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: 
     return residual + layer(swiglu(gate, up))
 
 
+def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
+    """A decoder layer's second half, `h + layer.mlp(layer.post_attention_layernorm(h))`, for an MLP of
+    gate, up and down projections (SwiGLU): with FUSE two launches where the kernel takes them."""
+    mlp = layer.mlp
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+        return h + mlp(layer.post_attention_layernorm(h))
+    gate, up = normed_projections(h, layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
+    return swiglu_projection(gate, up, mlp.down_proj, h)
+
+
 def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` as the weights dequantized to their
     scales' dtype, then one matrix multiply (cuBLAS on CUDA).

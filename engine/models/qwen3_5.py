@@ -115,8 +115,11 @@ class Attention(nn.Module):
     # compiles the per-token ones around `attend`.
     def inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """q, k, v [B, heads, L, D] (normed, before rope) and the output gate [B, L, heads * D]."""
-        b, length, _ = x.shape
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return self.heads(*project(x, self.q_proj, self.k_proj, self.v_proj))
+
+    def heads(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """`inputs` from the three projections [B, L, *]."""
+        b, length, _ = q.shape
         q, gate = mx.split(q.reshape(b, length, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(b, length, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)
@@ -135,9 +138,12 @@ class Attention(nn.Module):
         return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
 
     def output(self, out: mx.array, gate: mx.array) -> mx.array:
+        return self.o_proj(self.gated(out, gate))
+
+    def gated(self, out: mx.array, gate: mx.array) -> mx.array:
+        """The attention output [B, heads, L, D] as o_proj's input [B, L, heads * D], gated."""
         b, _, length, _ = out.shape
-        out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        return out.transpose(0, 2, 1, 3).reshape(b, length, -1) * mx.sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
