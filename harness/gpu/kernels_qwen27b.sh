@@ -7,7 +7,8 @@
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
 # PART=diag:   the compiled decode steps', the DeltaNet step kernel's and the fused stages' CUDA tests, then
-#              diag_decode_step.py (the fast tier with and without the fused stages, 3 rounds) and
+#              diag_decode_step.py (the fast tier with and without the fused stages, and with the compiled
+#              attention step, 3 rounds) and
 #              diag_prefill.py on qwen27b
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
@@ -45,7 +46,7 @@ case "$PART" in
     MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "compiled_attention" 2>&1 \
         | tail -5 | tee -a "$OUT/test_kernels_fused.txt" || true
     synth
-    python3 harness/gpu/diag_decode_step.py --tokens 64 --rounds 3 --configs fast_step_kernel,fast_step_kernel_unfused 2>&1 \
+    python3 harness/gpu/diag_decode_step.py --tokens 64 --rounds 3 --configs fast_step_kernel,fast_step_kernel_unfused,fast_step_kernel_attention 2>&1 \
         | tee "$OUT/decode-step.txt" || true
     python3 harness/gpu/diag_prefill.py 2>&1 | tee "$OUT/prefill.txt" || true
     ;;
