@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import prefill
-from engine.kernels import EXACT, FAST, install
+from engine.kernels import EXACT, FAST, install, replace_modules
 from harness.parity import PROMPT_LENGTHS
 from harness.prompts import frozen_prompt_ids
 
@@ -157,19 +157,7 @@ def reordered(model: nn.Module, on: bool) -> None:
             return module.layer
         return None
 
-    def walk(container, keys):
-        for key in keys:
-            child = container[key]
-            if isinstance(child, list):
-                walk(child, range(len(child)))
-            elif isinstance(child, nn.Module):
-                new = swap(child)
-                if new is None:
-                    walk(child, list(child.keys()))
-                else:
-                    container[key] = new
-
-    walk(model, list(model.keys()))
+    replace_modules(model, swap)
 
 
 def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = False,

@@ -18,7 +18,7 @@ loaded model in place (no copy of its weights) and returns what it did.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,17 +105,30 @@ def _children(module: nn.Module):
                     yield child, i, item
 
 
+def replace_modules(module: nn.Module, replace: Callable[[nn.Module], Optional[nn.Module]]) -> None:
+    """Walk `module`'s submodules (in lists too), in place: where `replace(child)` returns a module, it takes
+    the child's place and the walk does not go into it; where it returns None, the walk goes on inside."""
+    for parent, key, child in list(_children(module)):
+        new = replace(child)
+        if new is None:
+            replace_modules(child, replace)
+        elif new is not child:
+            parent[key] = new
+
+
 def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> None:
     """Replace every nn.QuantizedLinear by the kernel form (or back)."""
-    for parent, key, child in list(_children(module)):
-        if isinstance(child, nn.QuantizedLinear):
-            is_kernel = isinstance(child, KernelQuantizedLinear)
-            if fast and not is_kernel:
-                parent[key] = KernelQuantizedLinear.from_module(child, use_kernel)
-            elif not fast and is_kernel:
-                parent[key] = retyped(child, nn.QuantizedLinear)
-        else:
-            _swap_quantized_linears(child, fast, use_kernel)
+    def swap(child: nn.Module) -> Optional[nn.Module]:
+        if not isinstance(child, nn.QuantizedLinear):
+            return None
+        is_kernel = isinstance(child, KernelQuantizedLinear)
+        if fast and not is_kernel:
+            return KernelQuantizedLinear.from_module(child, use_kernel)
+        if not fast and is_kernel:
+            return retyped(child, nn.QuantizedLinear)
+        return child
+
+    replace_modules(module, swap)
 
 
 def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
