@@ -58,6 +58,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.models.activations import swiglu
+from engine.models.base import project
 
 MAX_ROWS = 16  # the kernel's limit
 # Where the layer uses it (H200, qwen27b shapes, cold weights): at M = 16 MLX's tiled GEMM is as fast.
@@ -325,6 +326,11 @@ class Fusion:
     swiglu: bool = False
     residual: bool = False
 
+    @classmethod
+    def of(cls, norm, up, residual) -> "Fusion":
+        """The stages `quantized_matmuls`' arguments ask for (None: not asked)."""
+        return cls(norm is not None, up is not None, residual is not None)
+
     def inputs(self) -> list[str]:
         return ["norm_w", "norm_eps"] * self.norm + ["up"] * self.swiglu + ["residual"] * self.residual
 
@@ -414,8 +420,8 @@ class LaunchConfig:
             [("MINB", self.min_blocks)] if self.min_blocks else []
         )
 
-    def kernel(self, count: int, fusion: "Fusion" = None):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion or Fusion())
+    def kernel(self, count: int, fusion: Fusion = Fusion()):
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
@@ -485,7 +491,7 @@ def quantized_matmuls(
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits)
-    fusion = Fusion(norm is not None, up is not None, residual is not None)
+    fusion = Fusion.of(norm, up, residual)
     if fusion.residual and len(matrices) != 1:
         raise ValueError("a residual goes with one matrix")
     extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
@@ -600,9 +606,7 @@ def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]
     if FUSE and isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16 and _one_launch(x, layers) \
             and _no_bias(layers):  # fmt: skip
         return _run_kernel(x, layers, norm=(norm.weight, norm.eps))
-    normed = norm(x)
-    together = getattr(layers[0], "project_together", None)
-    return together(normed, layers) if together is not None else tuple(q(normed) for q in layers)
+    return project(norm(x), *layers)
 
 
 def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
@@ -647,7 +651,7 @@ def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optiona
     stages take layers without bias)."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    fusion = Fusion(norm is not None, up is not None, residual is not None)
+    fusion = Fusion.of(norm, up, residual)
     extra = ([norm[0]] if norm else []) + ([up] if up is not None else []) + ([residual] if residual is not None else [])
     run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
     ys = run(x, *arrays, *extra)
