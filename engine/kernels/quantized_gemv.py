@@ -113,6 +113,15 @@ __device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
   const float2 s = engine_bf16x2(engine_to_bf16x2(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y))));
   return engine_to_bf16x2(s.x * uf.x, s.y * uf.y);
 }
+__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
+  // 16 bytes global -> shared without passing through registers (cp.async, L1 bypassed)
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void engine_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void engine_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
   // values j and j + 16 / BITS of a 32-bit word as two exact bf16 integers (low half: value j)
@@ -128,7 +137,8 @@ __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
 }
 """
 
-SOURCE = r"""
+_BODY_START = r"""
+
   // Threads: W warps, all on the same 16 * RT weight rows, splitting K. Lane (g, t) = (lane / 4, lane % 4).
   constexpr int PW = 32 / BITS;                     // values per 32-bit word
   constexpr int HALF = PW / 2;
@@ -166,6 +176,9 @@ SOURCE = r"""
     Words wq[U][RT][2];
     __nv_bfloat16 sc[U][RT][2], bi[U][RT][2];
   };
+"""
+
+_LOAD_REGISTERS = r"""
   auto load = [&](Batch& bt, const int kt0) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -202,6 +215,9 @@ SOURCE = r"""
       }
     }
   };
+"""
+
+_MULTIPLY = r"""
   auto multiply = [&](const Batch& bt, const int kt0) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -275,6 +291,9 @@ SOURCE = r"""
     }
   };
 
+"""
+
+_LOOP_REGISTERS = r"""
   // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
   #pragma unroll 1
   for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
@@ -283,6 +302,73 @@ SOURCE = r"""
     multiply(bt, kt0);
   }
 
+"""
+
+_LOAD_STAGED = r"""
+  // Staged (ST > 0): the block's rows reach shared memory by cp.async a chunk at a time (CT = W * U k-tiles
+  // of every row), ST chunks in flight, so a block keeps ~9 KB a chunk in flight without registers to
+  // hold it; warp w computes k-tiles w * U .. w * U + U - 1 of each chunk from shared memory.
+  constexpr int CT = W * U;
+  constexpr int CHUNKS = (KT + CT - 1) / CT;
+  constexpr int ROW_WORDS = CT * 4 * WL;            // a row's words in one chunk
+  constexpr int ROW_STRIDE = ROW_WORDS + 8;         // padded: the 8 rows one load reads fall in different banks
+  constexpr int CG = CT * TILE_K / GS;              // a row's groups in one chunk (a multiple of 8)
+  constexpr int CG_STRIDE = CG + 8;
+  __shared__ __align__(16) uint32_t sw[ST][16 * RT][ROW_STRIDE];
+  __shared__ __align__(16) __nv_bfloat16 ssc[ST][16 * RT][CG_STRIDE];
+  __shared__ __align__(16) __nv_bfloat16 sbi[ST][16 * RT][CG_STRIDE];
+  auto issue = [&](const int c) {  // chunk c's copies, into stage c % ST
+    const int s = c % ST;
+    for (int i = threadIdx.x; i < 16 * RT * ROW_WORDS / 4; i += W * 32) {
+      const int rl = i / (ROW_WORDS / 4), word = 4 * (i % (ROW_WORDS / 4));
+      if (c * ROW_WORDS + word < WORDS_PER_ROW)
+        engine_cp16(&sw[s][rl][word], w + (size_t)min(row_base + rl, N - 1) * WORDS_PER_ROW + c * ROW_WORDS + word);
+    }
+    for (int i = threadIdx.x; i < 2 * 16 * RT * CG / 8; i += W * 32) {
+      const int half = i / (16 * RT * CG / 8), rest = i % (16 * RT * CG / 8);
+      const int rl = rest / (CG / 8), grp = 8 * (rest % (CG / 8));
+      if (c * CG + grp < GROUPS_PER_ROW) {
+        const size_t at = (size_t)min(row_base + rl, N - 1) * GROUPS_PER_ROW + c * CG + grp;
+        if (half) engine_cp16(&sbi[s][rl][grp], biases + at);
+        else engine_cp16(&ssc[s][rl][grp], scales + at);
+      }
+    }
+  };
+  auto load = [&](Batch& bt, const int kt0) {  // kt0: this warp's first k-tile, in a chunk that has landed
+    const int c = kt0 / CT, s = c % ST, k0 = kt0 - c * CT;
+    #pragma unroll
+    for (int u = 0; u < U; ++u)
+      #pragma unroll
+      for (int r = 0; r < RT; ++r)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rl = r * 16 + g + 8 * h;
+          bt.wq[u][r][h] = *reinterpret_cast<const Words*>(&sw[s][rl][(k0 + u) * 4 * WL + t * WL]);
+          bt.sc[u][r][h] = ssc[s][rl][(k0 + u) * TILE_K / GS];
+          bt.bi[u][r][h] = sbi[s][rl][(k0 + u) * TILE_K / GS];
+        }
+  };
+"""
+
+_LOOP_STAGED = r"""
+  #pragma unroll 1
+  for (int c = 0; c < ST - 1; ++c) {
+    if (c < CHUNKS) issue(c);
+    engine_cp_commit();
+  }
+  #pragma unroll 1
+  for (int c = 0; c < CHUNKS; ++c) {
+    engine_cp_wait<ST - 2>();  // this thread's copies of chunk c have landed
+    __syncthreads();           // everyone's have, and everyone is done with chunk c - 1, whose stage is refilled
+    if (c + ST - 1 < CHUNKS) issue(c + ST - 1);
+    engine_cp_commit();
+    Batch bt;
+    load(bt, c * CT + warp * U);
+    multiply(bt, c * CT + warp * U);
+  }
+"""
+
+_REDUCE = r"""
   // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
   __shared__ float red[W][16 * RT][8 * NB];
   #pragma unroll
@@ -301,6 +387,7 @@ SOURCE = r"""
     if (row < N) out[(size_t)m * N + row] = output(v, (size_t)m * N + row);
   }
 """
+
 
 
 def _prologue(count: int) -> str:
@@ -385,13 +472,25 @@ def _launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
+def kernel_source(count: int, fusion: Fusion = Fusion(), staged: bool = False) -> str:
+    """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads (from
+    registers, or staged through shared memory), the products, the sum over warps."""
+    loads, loop = (_LOAD_STAGED, _LOOP_STAGED) if staged else (_LOAD_REGISTERS, _LOOP_REGISTERS)
+    start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
+    return _prologue(count) + start + loads + _MULTIPLY + loop + _REDUCE
+
+
+def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
+    return ["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs()
+
+
 @lru_cache(maxsize=None)
-def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion(), staged: bool = False):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}",
-        input_names=["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs(),
+        name=f"engine_affine_qmm{count}{fusion.tag()}{'_st' * staged}",
+        input_names=input_names(count, fusion),
         output_names=[f"out{i}" for i in range(count)],
-        source=_prologue(count) + SOURCE.replace("  // FUSED STAGES\n", fusion.source()),
+        source=kernel_source(count, fusion, staged),
         header=HEADER + _launch_bounds(threads, min_blocks),
     )
 
@@ -413,15 +512,39 @@ class LaunchConfig:
     # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
     # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
     min_blocks: int = 0
+    # Chunks of W * U k-tiles a block keeps in flight through shared memory (0: loads into registers).
+    stages: int = 0
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
         return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
-        )
+        ) + ([("ST", self.stages)] if self.stages else [])
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, self.stages > 0)
+
+    def refusal(self, k: int, group_size: int, bits: int) -> Optional[str]:
+        """Why this layout cannot run for input size k (None when it can): the staged loads copy 16-byte
+        pieces of 8 scales, so a row's groups and a chunk's must come in eights, and shared memory holds
+        at most 48 KB."""
+        if not self.stages:
+            return None
+        chunk = self.warps * self.batch * tile_k(group_size, bits)
+        groups = (k // group_size, chunk // group_size)
+        if self.stages < 2 or chunk % group_size or any(n % 8 for n in groups):
+            return f"staged loads need a chunk of whole groups in eights (groups {groups}, {self.stages} stages)"
+        if self.shared_bytes(group_size, bits) > 48 << 10:
+            return f"{self.shared_bytes(group_size, bits)} bytes of shared memory (at most 48 KB)"
+        return None
+
+    def shared_bytes(self, group_size: int, bits: int) -> int:
+        """The staged loads' shared memory: per stage, each row's chunk of words and of scales and biases,
+        both padded by 32 bytes (bank spread), plus the warps' sums."""
+        chunk = self.warps * self.batch * tile_k(group_size, bits)
+        rows = 16 * self.row_tiles
+        per_stage = rows * (chunk * bits // 8 + 32) + 2 * rows * (2 * (chunk // group_size) + 16)
+        return self.stages * per_stage + self.warps * rows * 8 * 2 * 4
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
@@ -496,12 +619,24 @@ def quantized_matmuls(
         raise ValueError("a residual goes with one matrix")
     extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
         [up.reshape(m, k)] if up is not None else []) + ([residual.reshape(m, -1)] if residual is not None else [])
+    why = config.refusal(k, group_size, bits)
+    if why:
+        raise ValueError(why)
+    outs = config.kernel(len(matrices), fusion)(**launch_arguments(x.reshape(m, k), matrices, group_size, bits, config, extra))
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
+
+
+def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
+                     config: LaunchConfig, extra: Sequence[mx.array] = ()) -> dict:  # fmt: skip
+    """The kernel call's arguments for x [M, K] and the matrices: blocks matrix after matrix, matrix i's
+    from block BLK{i}, one block per 16 * row_tiles rows."""
+    m, k = x.shape
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
     for n in rows:
         starts.append(starts[-1] + (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles))
-    outs = config.kernel(len(matrices), fusion)(
-        inputs=[x.reshape(m, k)] + [a for triple in matrices for a in triple] + extra,
+    return dict(
+        inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
         grid=(starts[-1] * config.warps * 32, 1, 1),
@@ -509,7 +644,6 @@ def quantized_matmuls(
         output_shapes=[(m, n) for n in rows],
         output_dtypes=[mx.bfloat16] * len(rows),
     )  # fmt: skip
-    return [out.reshape(*x.shape[:-1], n) for out, n in zip(outs, rows)]
 
 
 def quantized_matmul(

@@ -13,6 +13,8 @@
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
+# PART=clock:  diag_gemv_clock.py (the GEMV's device time from inside it, register vs staged loads), then the
+#              staged layouts' CUDA tests
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -65,11 +67,17 @@ case "$PART" in
     python3 harness/gpu/diag_gemv_configs.py --quick --no-numerics 2>&1 | tee "$OUT/gemv-configs.txt" || true
     python3 harness/gpu/diag_gemv_groups.py --sweep 2>&1 | tee "$OUT/gemv-groups.txt" || true
     ;;
+  clock)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+    timeout 420 python3 harness/gpu/diag_gemv_clock.py ${CLOCK_ARGS:-} 2>&1 | tee "$OUT/gemv-clock.txt" || true
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "staged" 2>&1 | tail -8 \
+        | tee "$OUT/test_kernels_staged.txt" || true
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock or all" >&2; exit 2 ;;
 esac
