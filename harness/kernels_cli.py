@@ -30,6 +30,9 @@ def add_kernels(sub) -> None:
                    "and for the prompt-chunk table where long enough for the fast tier's dense path (default 64,1024)")
     p.add_argument("--max-shapes", type=_positive, default=None, help="only the N largest linear shapes")
     p.add_argument("--repeats", type=_positive, default=7, help="timed repetitions, median reported (default 7)")
+    p.add_argument("--calls", type=_positive, default=400, help="GEMV calls per evaluation (default 400; a decode step "
+                   "evaluates ~800 operations at once): each evaluation also pays MLX's own cost of a few hundred us on "
+                   "CUDA, which at 50 calls adds 4-10 us to every call")
     p.add_argument("--peak-gbs", type=float, default=4800.0, help="the machine's memory bandwidth in GB/s for the "
                    "fraction-of-limit column (default 4800, an H200)")
     p.add_argument("--cold-mb", type=non_negative, default=256, help="MB of weight copies the GEMV calls rotate over, so "
@@ -56,7 +59,7 @@ def cmd_kernels(args) -> int:
         spec = get_spec(args.shapes)
     except UnknownModelError as e:
         raise CliError(str(e)) from None
-    cfg = BenchConfig(rows=tuple(args.rows), tokens=tuple(args.tokens), repeats=args.repeats,
+    cfg = BenchConfig(rows=tuple(args.rows), tokens=tuple(args.tokens), repeats=args.repeats, calls=args.calls,
                       peak_gbs=args.peak_gbs, max_shapes=args.max_shapes, cold_bytes=args.cold_mb << 20)  # fmt: skip
     with console.status("timing") as status:
         def progress(r):

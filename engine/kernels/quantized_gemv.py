@@ -27,10 +27,11 @@ quantized matmul.
 
 A launch may also do the work around its products that would otherwise be
 launches of their own (`Fusion`): the RMS norm of its input, the SwiGLU of an
-MLP's gate and up outputs, a residual add. The fast tier's DeltaNet decode
-step uses them: on CUDA a decode step costs ~11 us a launch besides the bytes
-it reads (the kernel table's M = 1 times fit 11 us + bytes / 2.9 TB/s; MLX's
-own kernel 8 us + bytes / 1.0 TB/s), so launches matter as much as bandwidth.
+MLP's gate and up outputs, a residual add. It saves launches but measured
+slower in the model (H200, qwen27b, fast tier, alternating: 61.5 / 57.1 tok/s
+fused against 83.6 / 92.0 unfused; every block then computes the norm over
+the whole input before its first weight load, and the SwiGLU of every input
+value it reads), so it is off (`FUSE`); the tests keep it correct.
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -76,8 +77,9 @@ DENSE_MIN_OUTPUTS = 1024
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
 # Whether a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
-# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection).
-FUSE = True
+# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection). Off:
+# slower in the model (reports/gpu/decode-step-fusion-qwen27b.txt).
+FUSE = False
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -112,15 +114,6 @@ __device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
   const float2 gf = engine_bf16x2(g), uf = engine_bf16x2(u);
   const float2 s = engine_bf16x2(engine_to_bf16x2(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y))));
   return engine_to_bf16x2(s.x * uf.x, s.y * uf.y);
-}
-__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
-  // 16 bytes global -> shared without passing through registers (cp.async, L1 bypassed)
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(src) : "memory");
-}
-__device__ __forceinline__ void engine_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void engine_cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
@@ -304,70 +297,6 @@ _LOOP_REGISTERS = r"""
 
 """
 
-_LOAD_STAGED = r"""
-  // Staged (ST > 0): the block's rows reach shared memory by cp.async a chunk at a time (CT = W * U k-tiles
-  // of every row), ST chunks in flight, so a block keeps ~9 KB a chunk in flight without registers to
-  // hold it; warp w computes k-tiles w * U .. w * U + U - 1 of each chunk from shared memory.
-  constexpr int CT = W * U;
-  constexpr int CHUNKS = (KT + CT - 1) / CT;
-  constexpr int ROW_WORDS = CT * 4 * WL;            // a row's words in one chunk
-  constexpr int ROW_STRIDE = ROW_WORDS + 8;         // padded: the 8 rows one load reads fall in different banks
-  constexpr int CG = CT * TILE_K / GS;              // a row's groups in one chunk (a multiple of 8)
-  constexpr int CG_STRIDE = CG + 8;
-  __shared__ __align__(16) uint32_t sw[ST][16 * RT][ROW_STRIDE];
-  __shared__ __align__(16) __nv_bfloat16 ssc[ST][16 * RT][CG_STRIDE];
-  __shared__ __align__(16) __nv_bfloat16 sbi[ST][16 * RT][CG_STRIDE];
-  auto issue = [&](const int c) {  // chunk c's copies, into stage c % ST
-    const int s = c % ST;
-    for (int i = threadIdx.x; i < 16 * RT * ROW_WORDS / 4; i += W * 32) {
-      const int rl = i / (ROW_WORDS / 4), word = 4 * (i % (ROW_WORDS / 4));
-      if (c * ROW_WORDS + word < WORDS_PER_ROW)
-        engine_cp16(&sw[s][rl][word], w + (size_t)min(row_base + rl, N - 1) * WORDS_PER_ROW + c * ROW_WORDS + word);
-    }
-    for (int i = threadIdx.x; i < 2 * 16 * RT * CG / 8; i += W * 32) {
-      const int half = i / (16 * RT * CG / 8), rest = i % (16 * RT * CG / 8);
-      const int rl = rest / (CG / 8), grp = 8 * (rest % (CG / 8));
-      if (c * CG + grp < GROUPS_PER_ROW) {
-        const size_t at = (size_t)min(row_base + rl, N - 1) * GROUPS_PER_ROW + c * CG + grp;
-        if (half) engine_cp16(&sbi[s][rl][grp], biases + at);
-        else engine_cp16(&ssc[s][rl][grp], scales + at);
-      }
-    }
-  };
-  auto load = [&](Batch& bt, const int kt0) {  // kt0: this warp's first k-tile, in a chunk that has landed
-    const int c = kt0 / CT, s = c % ST, k0 = kt0 - c * CT;
-    #pragma unroll
-    for (int u = 0; u < U; ++u)
-      #pragma unroll
-      for (int r = 0; r < RT; ++r)
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int rl = r * 16 + g + 8 * h;
-          bt.wq[u][r][h] = *reinterpret_cast<const Words*>(&sw[s][rl][(k0 + u) * 4 * WL + t * WL]);
-          bt.sc[u][r][h] = ssc[s][rl][(k0 + u) * TILE_K / GS];
-          bt.bi[u][r][h] = sbi[s][rl][(k0 + u) * TILE_K / GS];
-        }
-  };
-"""
-
-_LOOP_STAGED = r"""
-  #pragma unroll 1
-  for (int c = 0; c < ST - 1; ++c) {
-    if (c < CHUNKS) issue(c);
-    engine_cp_commit();
-  }
-  #pragma unroll 1
-  for (int c = 0; c < CHUNKS; ++c) {
-    engine_cp_wait<ST - 2>();  // this thread's copies of chunk c have landed
-    __syncthreads();           // everyone's have, and everyone is done with chunk c - 1, whose stage is refilled
-    if (c + ST - 1 < CHUNKS) issue(c + ST - 1);
-    engine_cp_commit();
-    Batch bt;
-    load(bt, c * CT + warp * U);
-    multiply(bt, c * CT + warp * U);
-  }
-"""
-
 _REDUCE = r"""
   // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
   __shared__ float red[W][16 * RT][8 * NB];
@@ -472,12 +401,11 @@ def _launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-def kernel_source(count: int, fusion: Fusion = Fusion(), staged: bool = False) -> str:
-    """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads (from
-    registers, or staged through shared memory), the products, the sum over warps."""
-    loads, loop = (_LOAD_STAGED, _LOOP_STAGED) if staged else (_LOAD_REGISTERS, _LOOP_REGISTERS)
+def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
+    """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
+    products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
-    return _prologue(count) + start + loads + _MULTIPLY + loop + _REDUCE
+    return _prologue(count) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + _REDUCE
 
 
 def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -485,12 +413,12 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion(), staged: bool = False):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}{'_st' * staged}",
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
         output_names=[f"out{i}" for i in range(count)],
-        source=kernel_source(count, fusion, staged),
+        source=kernel_source(count, fusion),
         header=HEADER + _launch_bounds(threads, min_blocks),
     )
 
@@ -512,39 +440,14 @@ class LaunchConfig:
     # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
     # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
     min_blocks: int = 0
-    # Chunks of W * U k-tiles a block keeps in flight through shared memory (0: loads into registers).
-    stages: int = 0
-
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
         return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
-        ) + ([("ST", self.stages)] if self.stages else [])
+        )
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, self.stages > 0)
-
-    def refusal(self, k: int, group_size: int, bits: int) -> Optional[str]:
-        """Why this layout cannot run for input size k (None when it can): the staged loads copy 16-byte
-        pieces of 8 scales, so a row's groups and a chunk's must come in eights, and shared memory holds
-        at most 48 KB."""
-        if not self.stages:
-            return None
-        chunk = self.warps * self.batch * tile_k(group_size, bits)
-        groups = (k // group_size, chunk // group_size)
-        if self.stages < 2 or chunk % group_size or any(n % 8 for n in groups):
-            return f"staged loads need a chunk of whole groups in eights (groups {groups}, {self.stages} stages)"
-        if self.shared_bytes(group_size, bits) > 48 << 10:
-            return f"{self.shared_bytes(group_size, bits)} bytes of shared memory (at most 48 KB)"
-        return None
-
-    def shared_bytes(self, group_size: int, bits: int) -> int:
-        """The staged loads' shared memory: per stage, each row's chunk of words and of scales and biases,
-        both padded by 32 bytes (bank spread), plus the warps' sums."""
-        chunk = self.warps * self.batch * tile_k(group_size, bits)
-        rows = 16 * self.row_tiles
-        per_stage = rows * (chunk * bits // 8 + 32) + 2 * rows * (2 * (chunk // group_size) + 16)
-        return self.stages * per_stage + self.warps * rows * 8 * 2 * 4
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
@@ -619,9 +522,6 @@ def quantized_matmuls(
         raise ValueError("a residual goes with one matrix")
     extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
         [up.reshape(m, k)] if up is not None else []) + ([residual.reshape(m, -1)] if residual is not None else [])
-    why = config.refusal(k, group_size, bits)
-    if why:
-        raise ValueError(why)
     outs = config.kernel(len(matrices), fusion)(**launch_arguments(x.reshape(m, k), matrices, group_size, bits, config, extra))
     return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
 

@@ -1,15 +1,15 @@
 """The GEMV kernel's own time on the GPU, read from the global timer (%globaltimer, ns) inside it, beside
-the wall time per call that `harness kernels` measures (50 calls an evaluation, weights cold).
+the wall time per call that `harness kernels` measures (`calls` calls an evaluation, weights cold).
 
-Each block records when it started and ended; per call that gives the kernel's device time (first block
-start to last block end), the gap to the next call's first block (what MLX's launches cost on the device),
-when the last block started (waves), and the tail (from 90% of blocks done to the last). The kernel table's
-fit of M = 1 times (11 us a launch + bytes at 2.9 TB/s) does not say which of these the 11 us is.
+Each block records when it started and ended. Per call that gives the kernel's device time (first block
+start to last block end), when its last block started (waves) and its tail (90% of blocks done to the
+last); per evaluation, the time the device was busy with these calls at all (the union of their spans,
+over the calls) and the idle gaps between them. Consecutive independent calls overlap on the device (MLX's
+CUDA graphs let them), so busy time per call, not one call's span, is what the kernel costs in a stream.
+A read-only kernel (16-byte streaming loads, nothing else) over the same weights calibrates what this
+machine's memory delivers to a kernel measured this way.
 
-Layouts: the register loads (`LaunchConfig(W, RT, U)`) and the staged ones through shared memory
-(`stages` > 0); the staged results must equal the register ones bit for bit (same sums in the same order).
-
-    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_clock.py [--quick]
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_clock.py [--quick] [--calls 50,200]
 """
 
 import argparse
@@ -35,31 +35,79 @@ CLOCK_END = r"""  __syncthreads();
   }
 """
 ANCHOR = "  const int warp = threadIdx.x >> 5;\n"
+READ_UNROLL = 4
+READ = r"""
+  // Streams the array once: each thread READ_UNROLL 16-byte loads, a warp's load one contiguous 512 bytes.
+  const int warp = threadIdx.x >> 5;
+""" + CLOCK_START + r"""
+  const uint4* p = reinterpret_cast<const uint4*>(a);
+  const size_t base = (size_t)blockIdx.x * blockDim.x * READ_UNROLL + threadIdx.x;
+  uint4 v[READ_UNROLL];
+  #pragma unroll
+  for (int u = 0; u < READ_UNROLL; ++u) {
+    const size_t i = base + (size_t)u * blockDim.x;
+    v[u] = i < NV ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+  }
+  uint32_t x = 0;
+  #pragma unroll
+  for (int u = 0; u < READ_UNROLL; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  if (x == 0x9E3779B9u) out[0] = x;  // keeps the loads
+""" + CLOCK_END
 
 
 @lru_cache(maxsize=None)
-def clocked(staged: bool):
-    source = qg.kernel_source(1, qg.Fusion(), staged)
+def clocked_gemv():
+    source = qg.kernel_source(1, qg.Fusion())
     assert ANCHOR in source
     return mx.fast.cuda_kernel(
-        name="engine_qmm_clocked" + "_st" * staged, input_names=qg.input_names(1), output_names=["out0", "clock"],
+        name="engine_qmm_clocked", input_names=qg.input_names(1), output_names=["out0", "clock"],
         source=source.replace(ANCHOR, CLOCK_START + ANCHOR) + CLOCK_END, header=qg.HEADER,
     )
 
 
-def clocked_call(x, triple, config):
+@lru_cache(maxsize=None)
+def clocked_read():
+    return mx.fast.cuda_kernel(name="engine_read_clocked", input_names=["a"], output_names=["out", "clock"], source=READ)
+
+
+def gemv_call(x, triple, config):
     args = qg.launch_arguments(x, [triple], 64, 4, config)
     blocks = args["grid"][0] // args["threadgroup"][0]
     args["output_shapes"].append((2 * blocks,))
     args["output_dtypes"].append(mx.uint64)
-    return clocked(config.stages > 0)(**args)
+    return clocked_gemv()(**args)[1]
 
 
-def device_times(x, weights, config, calls: int, repeats: int) -> dict:
-    """Median over calls and repeats of each call's device time and what surrounds it, in us."""
-    rows = {"device_us": [], "gap_us": [], "last_start_us": [], "tail_us": [], "block_us": []}
+def read_call(triple):
+    a = triple[0]
+    nv = a.size // 4
+    blocks = -(-nv // (256 * READ_UNROLL))
+    return clocked_read()(inputs=[a], template=[("NV", nv), ("READ_UNROLL", READ_UNROLL)], grid=(blocks * 256, 1, 1),
+                          threadgroup=(256, 1, 1), output_shapes=[(1,), (2 * blocks,)],
+                          output_dtypes=[mx.uint32, mx.uint64])[1]  # fmt: skip
+
+
+def union_us(spans) -> tuple[float, list]:
+    """Total time covered by the (start, end) spans, and the idle gaps between them, in us."""
+    busy, gaps = 0, []
+    cur_start, cur_end = spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end) / 1e3)
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return (busy + cur_end - cur_start) / 1e3, gaps
+
+
+def device_times(call, weights, calls: int, repeats: int) -> dict:
+    """Per call, in us: busy (the union of the calls' spans over the calls), span (first start to last
+    end, over the calls), and medians of one call's span, its last block's start and its tail; the idle
+    gaps of more than 2 us between calls (count and sum per evaluation)."""
+    rows = {k: [] for k in ("busy_us", "span_us", "call_us", "last_start_us", "tail_us", "idle_gaps", "idle_us")}
     for rep in range(repeats + 1):
-        clocks = [clocked_call(x, weights(), config)[1] for _ in range(calls)]
+        clocks = [call(weights()) for _ in range(calls)]
         mx.eval(clocks)
         if rep == 0:
             continue  # compiles
@@ -68,55 +116,56 @@ def device_times(x, weights, config, calls: int, repeats: int) -> dict:
             t = np.array(c).astype(np.int64).reshape(-1, 2)
             start, end = t[:, 0].min(), t[:, 1].max()
             spans.append((start, end))
-            rows["device_us"].append((end - start) / 1e3)
+            rows["call_us"].append((end - start) / 1e3)
             rows["last_start_us"].append((t[:, 0].max() - start) / 1e3)
             rows["tail_us"].append((end - np.percentile(t[:, 1], 90)) / 1e3)
-            rows["block_us"].append(float(np.median(t[:, 1] - t[:, 0])) / 1e3)
         spans.sort()
-        rows["gap_us"] += [(b[0] - a[1]) / 1e3 for a, b in zip(spans, spans[1:])]
-    return {k: round(statistics.median(v), 2) for k, v in rows.items()}
+        busy, gaps = union_us(spans)
+        rows["busy_us"].append(busy / calls)
+        rows["span_us"].append((spans[-1][1] - spans[0][0]) / 1e3 / calls)
+        rows["idle_gaps"].append(sum(g > 2 for g in gaps))
+        rows["idle_us"].append(sum(g for g in gaps if g > 2))
+    return {k: round(float(statistics.median(v)), 2) for k, v in rows.items()}
 
 
 def label(c: qg.LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" ST{c.stages}" if c.stages else "")
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true", help="17408x5120 at M = 1 only")
-    p.add_argument("--rounds", type=int, default=2, help="times through the layouts (the machine drifts)")
+    p.add_argument("--quick", action="store_true", help="the two 50 MB matrices at M = 1 only")
+    p.add_argument("--calls", default="50,200", help="calls per evaluation, comma-separated")
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    cfg = BenchConfig(calls=50, repeats=7)
-    m1 = [qg.LaunchConfig(4, 1, 4)] + [qg.LaunchConfig(*s) for s in
-                                       ((4, 1, 4, 0, 4), (4, 1, 4, 0, 3), (2, 1, 8, 0, 4), (4, 1, 2, 0, 4),
-                                        (8, 1, 2, 0, 4), (2, 1, 4, 0, 4), (4, 1, 2, 0, 3))]  # fmt: skip
-    m8 = [qg.LaunchConfig(4, 2, 4), qg.LaunchConfig(4, 2, 8), qg.LaunchConfig(4, 1, 4, 0, 4), qg.LaunchConfig(4, 1, 2, 0, 4)]
-    cases = [(17408, 5120, 1, m1), (5120, 17408, 1, m1), (248320, 5120, 1, m1[:4]), (6144, 5120, 1, m1[:5]),
-             (17408, 5120, 8, m8), (5120, 17408, 8, m8)]  # fmt: skip
+    cases = [(17408, 5120, 1), (5120, 17408, 1), (248320, 5120, 1), (6144, 5120, 1), (17408, 5120, 8)]
     results = []
-    for n, k, m, configs in cases[:1] if args.quick else cases:
-        w, s, b = random_quantized(n, k, 4, 64)
-        nbytes = w.nbytes + s.nbytes + b.nbytes
-        weights = weight_copies(w, s, b, cfg)
-        x = mx.random.normal((m, k)).astype(mx.bfloat16)
-        mx.eval(x)
-        configs = [c for c in configs if c.refusal(k, 64, 4) is None]
-        plain = qg.quantized_matmul(x, w, s, b, 64, 4, config=configs[0])
-        for c in configs[1:]:
-            same = mx.array_equal(qg.quantized_matmul(x, w, s, b, 64, 4, config=c), plain).item()
-            print(f"{n}x{k} M={m} {label(c)}: {'equal' if same else 'DIFFERENT'} to {label(configs[0])}", flush=True)
-        mlx_us = time_us(lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), cfg)
-        print(f"{n}x{k} M={m} ({nbytes / 1e6:.1f} MB): MLX {mlx_us:.1f} us wall ({nbytes / mlx_us / 1e3:.0f} GB/s)", flush=True)
-        for rnd in range(args.rounds):
-            for c in configs:
-                wall = time_us(lambda: qg.quantized_matmul(x, *weights(), 64, 4, config=c), cfg)
-                dev = device_times(x, weights, c, cfg.calls, 3)
-                row = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6, "config": label(c), "round": rnd, "wall_us": round(wall, 2),
-                       "mlx_us": round(mlx_us, 2), **dev}  # fmt: skip
+    for n, k, m in cases[:2] if args.quick else cases:
+        for calls in map(int, args.calls.split(",")):
+            cfg = BenchConfig(calls=calls, repeats=args.repeats)
+            w, s, b = random_quantized(n, k, 4, 64)
+            nbytes = w.nbytes + s.nbytes + b.nbytes
+            weights = weight_copies(w, s, b, cfg)
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            mx.eval(x)
+            config = qg.launch_config(m, k, 64, 4)
+            timed = {
+                "mlx": (nbytes, lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), None),
+                "kernel": (nbytes, lambda: qg.quantized_matmul(x, *weights(), 64, 4), lambda t: gemv_call(x, t, config)),
+                "read": (w.nbytes, lambda: read_call(weights()), read_call),
+            }
+            for name, (size, fn, call) in timed.items():
+                wall = time_us(fn, cfg)
+                dev = device_times(call, weights, calls, args.repeats) if call else {}
+                row = {"n": n, "k": k, "m": m, "calls": calls, "what": name, "config": label(config), "mb": size / 1e6,
+                       "wall_us": round(wall, 2), **dev}  # fmt: skip
                 results.append(row)
-                print(f"  {label(c):16s} wall {wall:6.1f} us {nbytes / wall / 1e3:5.0f} GB/s | device {dev['device_us']:6.1f} us "
-                      f"{nbytes / dev['device_us'] / 1e3:5.0f} GB/s, gap {dev['gap_us']:5.1f}, last block starts "
-                      f"{dev['last_start_us']:5.1f}, tail {dev['tail_us']:4.1f}, block {dev['block_us']:5.1f}", flush=True)
+                line = f"{n}x{k} M={m} {calls:3d} calls {name:6s} ({size / 1e6:5.1f} MB): wall {wall:6.1f} us {size / wall / 1e3:5.0f} GB/s"
+                if dev:
+                    line += (f" | busy {dev['busy_us']:6.1f} us {size / dev['busy_us'] / 1e3:5.0f} GB/s, span {dev['span_us']:6.1f}, "
+                             f"one call {dev['call_us']:6.1f} (last block starts {dev['last_start_us']:5.1f}, tail "
+                             f"{dev['tail_us']:4.1f}), idle gaps {dev['idle_gaps']:.0f} = {dev['idle_us']:.0f} us")
+                print(line, flush=True)
                 save_json("gemv-clock.json", results)
 
 

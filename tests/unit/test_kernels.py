@@ -292,51 +292,6 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
-def test_staged_layouts_say_when_they_cannot_run():
-    staged = LaunchConfig(4, 1, 4, stages=4)
-    assert staged.refusal(5120, 64, 4) is None and staged.refusal(17408, 64, 4) is None
-    assert LaunchConfig(4, 1, 4).refusal(100, 64, 4) is None  # register loads take any tile count
-    assert "eights" in staged.refusal(5120 + 64, 64, 4)  # 81 groups a row
-    assert "eights" in LaunchConfig(4, 1, 4, stages=1).refusal(5120, 64, 4)
-    assert "48 KB" in LaunchConfig(4, 1, 8, stages=4).refusal(5120, 64, 4)
-    assert staged.shared_bytes(64, 4) == 45056 and staged.template()[-1] == ("ST", 4)
-    q = make_quantized(n=32, k=5184)
-    with pytest.raises(ValueError, match="eights"):  # said before any kernel is built, so on every backend
-        quantized_matmul(mx.zeros((1, 5184), mx.bfloat16), q.weight, q.scales, q.biases, 64, 4, config=staged)
-
-
-@cuda_only
-@pytest.mark.parametrize("config,k,bits,group", [
-    (LaunchConfig(4, 1, 4, stages=4), 5120, 4, 64), (LaunchConfig(4, 1, 4, stages=3), 17408, 4, 64),
-    (LaunchConfig(2, 1, 8, stages=4), 5632, 4, 64),  # 88 k-tiles in chunks of 16: a partial last chunk
-    (LaunchConfig(4, 1, 2, stages=4), 4096, 4, 32), (LaunchConfig(4, 1, 4, stages=3), 4096, 8, 64),
-    (LaunchConfig(2, 1, 4, stages=2), 2048, 8, 32),
-])  # fmt: skip
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_staged_gemv_equals_the_register_one(config, k, bits, group, m):
-    # Staging through shared memory moves the same words into the same sums in the same order: identical.
-    q = make_quantized(n=1000, k=k, bits=bits, group_size=group)
-    x = mx.random.normal((1, m, k)).astype(mx.bfloat16)
-    plain = LaunchConfig(config.warps, config.row_tiles, config.batch)
-    args = (x, q.weight, q.scales, q.biases, group, bits)
-    assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
-
-
-@cuda_only
-def test_staged_gemv_with_fused_stages_equals_the_register_one():
-    qs = [make_quantized(n=n, k=5120, seed=i) for i, n in enumerate((2048, 48))]
-    triples = [(q.weight, q.scales, q.biases) for q in qs]
-    x = mx.random.normal((1, 1, 5120)).astype(mx.bfloat16)
-    norm = (mx.random.uniform(0.5, 1.5, (5120,)).astype(mx.bfloat16), 1e-6)
-    staged, plain = LaunchConfig(4, 1, 4, stages=4), LaunchConfig(4, 1, 4)
-    for a, b in zip(quantized_matmuls(x, triples, 64, 4, staged, norm=norm), quantized_matmuls(x, triples, 64, 4, plain, norm=norm)):
-        assert mx.array_equal(a, b).item()
-    residual = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
-    one = triples[:1]
-    assert mx.array_equal(quantized_matmuls(x, one, 64, 4, staged, up=x, residual=residual)[0],
-                          quantized_matmuls(x, one, 64, 4, plain, up=x, residual=residual)[0]).item()
-
-
 def _decode_states(model, ids, steps):
     cache = model.make_cache()
     logits = model(mx.array([ids]), cache)
