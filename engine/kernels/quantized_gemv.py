@@ -450,13 +450,16 @@ class LaunchConfig:
         return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
 
-def launch_config(m: int, k: int, group_size: int, bits: int) -> LaunchConfig:
-    """Timed on the H200 for qwen27b's shapes, weights cold: M = 1 best at (4, 1, 4) for K = 5120 and
-    17408 (reports/gpu/gemv-configs-m1-qwen27b.txt); M = 8 at (4, 2, 4) for K = 17408 and (4, 2, 8) for
+def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> LaunchConfig:
+    """Timed on the H200 for qwen27b's shapes, weights cold, 400 calls an evaluation: M = 1 best at
+    (4, 2, 4) on both 50 MB matrices (17408x5120 20.0 us against 21.7 at (4, 1, 4), 5120x17408 20.3 against
+    21.4; reports/gpu/gemv-configs-m1-400-qwen27b.txt), used from 32 MB of 4-bit weights (`rows` in all the
+    launch's matrices x k); below, half the blocks would leave SMs idle, so (4, 1, 4) as timed at 50
+    calls an evaluation (gemv-configs-m1-qwen27b.txt). M = 8 at (4, 2, 4) for K = 17408 and (4, 2, 8) for
     K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4 choices, not timed since."""
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
-        return LaunchConfig(4, 1, 4)
+        return LaunchConfig(4, 2 if rows * k >= 64 << 20 else 1, 4)
     if tiles >= 256:
         return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)
     if tiles >= 64:
@@ -516,7 +519,7 @@ def quantized_matmuls(
     matrix) is added to the product."""
     k = x.shape[-1]
     m = x.size // k
-    config = config or launch_config(m, k, group_size, bits)
+    config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
     fusion = Fusion.of(norm, up, residual)
     if fusion.residual and len(matrices) != 1:
         raise ValueError("a residual goes with one matrix")

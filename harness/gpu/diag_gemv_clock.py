@@ -9,6 +9,12 @@ CUDA graphs let them), so busy time per call, not one call's span, is what the k
 A read-only kernel (16-byte streaming loads, nothing else) over the same weights calibrates what this
 machine's memory delivers to a kernel measured this way.
 
+Caveat, measured on the H200 (reports/gpu/gemv-clock-calls-qwen27b.txt): reading the timer perturbs what
+it measures. Evaluations of clocked calls took up to 3x the wall time of the same calls unclocked (busy
+per call above wall per call) where a launch has many blocks (17408x5120: 1088 blocks; the read kernel:
+2722), and agreed where it has few (5120x17408: 320). Use it for the order of events (calls overlapping,
+waves, tails), not for rates; the wall times are the rates.
+
     source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_clock.py [--quick] [--calls 50,200]
 """
 
@@ -148,7 +154,7 @@ def main() -> None:
             weights = weight_copies(w, s, b, cfg)
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
-            config = qg.launch_config(m, k, 64, 4)
+            config = qg.launch_config(m, k, 64, 4, n)
             timed = {
                 "mlx": (nbytes, lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), None),
                 "kernel": (nbytes, lambda: qg.quantized_matmul(x, *weights(), 64, 4), lambda t: gemv_call(x, t, config)),

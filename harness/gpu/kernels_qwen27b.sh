@@ -13,8 +13,8 @@
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
-# PART=clock:  diag_gemv_clock.py (the GEMV's device time from inside it, register vs staged loads), then the
-#              staged layouts' CUDA tests
+# PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
+#              device from a timer read inside the kernel), then the row-tile CUDA tests
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -70,8 +70,8 @@ case "$PART" in
   clock)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
     timeout 420 python3 harness/gpu/diag_gemv_clock.py ${CLOCK_ARGS:-} 2>&1 | tee "$OUT/gemv-clock.txt" || true
-    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "staged" 2>&1 | tail -8 \
-        | tee "$OUT/test_kernels_staged.txt" || true
+    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "row_tile" 2>&1 | tail -8 \
+        | tee "$OUT/test_kernels_rows.txt" || true
     ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
