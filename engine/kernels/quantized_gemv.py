@@ -131,7 +131,6 @@ __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
 """
 
 _BODY_START = r"""
-
   // Threads: W warps, all on the same 16 * RT weight rows, splitting K. Lane (g, t) = (lane / 4, lane % 4).
   constexpr int PW = 32 / BITS;                     // values per 32-bit word
   constexpr int HALF = PW / 2;
@@ -318,7 +317,6 @@ _REDUCE = r"""
 """
 
 
-
 def _prologue(count: int) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
     block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk)."""
@@ -409,6 +407,7 @@ def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
 
 
 def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
+    """The kernel's inputs, in the order `launch_arguments` passes them."""
     return ["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs()
 
 
@@ -440,6 +439,7 @@ class LaunchConfig:
     # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
     # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
     min_blocks: int = 0
+
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
         return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
