@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kernels import quantized_gemv as qg
+from harness.gpu.diag_gemv_configs import label
 from harness.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
 
@@ -44,7 +45,6 @@ ANCHOR = "  const int warp = threadIdx.x >> 5;\n"
 READ_UNROLL = 4
 READ = r"""
   // Streams the array once: each thread READ_UNROLL 16-byte loads, a warp's load one contiguous 512 bytes.
-  const int warp = threadIdx.x >> 5;
 """ + CLOCK_START + r"""
   const uint4* p = reinterpret_cast<const uint4*>(a);
   const size_t base = (size_t)blockIdx.x * blockDim.x * READ_UNROLL + threadIdx.x;
@@ -134,10 +134,6 @@ def device_times(call, weights, calls: int, repeats: int) -> dict:
     return {k: round(float(statistics.median(v)), 2) for k, v in rows.items()}
 
 
-def label(c: qg.LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}"
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="the two 50 MB matrices at M = 1 only")
@@ -147,14 +143,14 @@ def main() -> None:
     cases = [(17408, 5120, 1), (5120, 17408, 1), (248320, 5120, 1), (6144, 5120, 1), (17408, 5120, 8)]
     results = []
     for n, k, m in cases[:2] if args.quick else cases:
+        w, s, b = random_quantized(n, k, 4, 64)
+        nbytes = w.nbytes + s.nbytes + b.nbytes
+        weights = weight_copies(w, s, b, BenchConfig())  # the copies depend only on cold_bytes
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        mx.eval(x)
+        config = qg.launch_config(m, k, 64, 4, n)
         for calls in map(int, args.calls.split(",")):
             cfg = BenchConfig(calls=calls, repeats=args.repeats)
-            w, s, b = random_quantized(n, k, 4, 64)
-            nbytes = w.nbytes + s.nbytes + b.nbytes
-            weights = weight_copies(w, s, b, cfg)
-            x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            mx.eval(x)
-            config = qg.launch_config(m, k, 64, 4, n)
             timed = {
                 "mlx": (nbytes, lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), None),
                 "kernel": (nbytes, lambda: qg.quantized_matmul(x, *weights(), 64, 4), lambda t: gemv_call(x, t, config)),
