@@ -58,7 +58,34 @@ def measure(eng: Engine, prompt: list, tokens: int) -> dict:
         "tok_s": 1 / statistics.median(gaps),
         "build_ms": statistics.median(build[4:]),
         "sync_step_ms": statistics.median(step[4:]),
+        **pipelined_parts(model, cache, token),
     }
+
+
+def pipelined_parts(model, cache, token: mx.array, steps: int = 24) -> dict:
+    """The engine's pipelined loop (build step n+1, submit it, then wait for step n's token) with each part
+    timed. A wait near zero means the host is the bound: the device finishes a step before the host has
+    built and submitted the next one. Submitting (`mx.async_eval`) is where MLX encodes and launches the
+    step's kernels on the host."""
+    def build(tok):
+        return mx.argmax(model(tok, cache)[:, -1:], axis=-1)
+
+    current = build(token)
+    mx.async_eval(current)
+    parts = {"build": [], "submit": [], "wait": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        following = build(current)
+        t1 = time.perf_counter()
+        mx.async_eval(following)
+        t2 = time.perf_counter()
+        current.item()
+        t3 = time.perf_counter()
+        for name, value in (("build", t1 - t0), ("submit", t2 - t1), ("wait", t3 - t2)):
+            parts[name].append(value * 1e3)
+        current = following
+    mx.eval(current)
+    return {f"loop_{name}_ms": statistics.median(values[4:]) for name, values in parts.items()}
 
 
 def main() -> None:
@@ -82,6 +109,7 @@ def main() -> None:
         results.setdefault(name, []).append(r)
         print(f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
+              f"loop: build {r['loop_build_ms']:.2f} + submit {r['loop_submit_ms']:.2f} + wait {r['loop_wait_ms']:.2f} ms, "
               f"{ks.quantized_linears} kernel layers", flush=True)
         save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)
 

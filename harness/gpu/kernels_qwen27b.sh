@@ -14,6 +14,9 @@
 #              matrices, then each projection group as one launch)
 # PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
 #              device from a timer read inside the kernel), then the row-tile CUDA tests
+# PART=profile: diag_decode_step.py with the pipelined loop's host / device split, then (where Nsight
+#              Systems is installed) each of PROFILE_CONFIGS' decode steps kernel by kernel
+#              (diag_decode_kernels.py)
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -69,11 +72,27 @@ case "$PART" in
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "row_tile" 2>&1 | tail -8 \
         | tee "$OUT/test_kernels_rows.txt" || true
     ;;
+  profile)
+    synth
+    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys 2>/dev/null | head -1 || true)
+    echo "nsys: ${nsys:-not installed}" | tee "$OUT/profile.txt"
+    python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds "${ROUNDS:-2}" \
+        --configs "${STEP_CONFIGS:-fast_step_kernel,fast_step_kernel_attention}" 2>&1 | tee "$OUT/decode-step.txt" || true
+    [ -n "$nsys" ] || exit 0
+    for config in ${PROFILE_CONFIGS:-fast_step_kernel_attention}; do
+      "$nsys" profile --capture-range=cudaProfilerApi --capture-range-end=stop --cuda-graph-trace=node -t cuda \
+          -f true -o "/tmp/decode-$config" python3 harness/gpu/diag_decode_kernels.py --config "$config" 2>&1 | tail -5
+      "$nsys" stats --report cuda_gpu_trace --format csv --output "/tmp/decode-$config" "/tmp/decode-$config.nsys-rep" >/dev/null
+      echo "== $config" | tee -a "$OUT/profile.txt"
+      python3 harness/gpu/diag_decode_kernels.py --summarize "/tmp/decode-${config}_cuda_gpu_trace.csv" 2>&1 | tee -a "$OUT/profile.txt"
+      gzip -c "/tmp/decode-${config}_cuda_gpu_trace.csv" > "$OUT/decode-trace-$config.csv.gz"
+    done
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile or all" >&2; exit 2 ;;
 esac
