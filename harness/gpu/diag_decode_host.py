@@ -22,7 +22,7 @@ from collections import Counter
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from engine.kernels import EXACT, FAST, install
+from engine.kernels import EXACT, FAST, attention_decode, install
 from engine.registry import get_spec
 from harness.kernel_bench import lazy_model
 
@@ -61,6 +61,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--all-operations", action="store_true", help="list every operation's count, not the six commonest")
     args = p.parse_args()
     model = lazy_model(get_spec(args.model), quantized=True)
     # Evaluated stand-ins for the weights, each a zero broadcast to its shape (no memory): compiled steps
@@ -68,15 +69,17 @@ def main() -> None:
     # every call of the step.
     model.update(tree_map(lambda a: mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape), model.parameters()))
     mx.eval(model.parameters())
-    for tier in (EXACT, FAST):
+    for tier, attention_decode.ENABLED in ((EXACT, False), (FAST, False), (FAST, True)):
         ks = install(model, tier, force=True)
         times = step_build_ms(model, args.steps)[2:]
         nodes = step_nodes(model)
         views = sum(n for name, n in nodes.items() if name in VIEWS)
-        print(f"{args.model} {tier}: {statistics.median(times):.2f} ms per decode step graph "
+        label = tier + (" with the compiled attention step" if attention_decode.ENABLED else "")
+        shown = nodes.most_common(None if args.all_operations else 6)
+        print(f"{args.model} {label}: {statistics.median(times):.2f} ms per decode step graph "
               f"(min {min(times):.2f}, {ks.quantized_linears} kernel GEMV layers, "
               f"{ks.chunked_delta_layers} delta layers); {sum(nodes.values())} operations, {views} of them views; "
-              f"most: {', '.join(f'{name} {n}' for name, n in nodes.most_common(6))}", flush=True)
+              f"{'' if args.all_operations else 'most: '}{', '.join(f'{name} {n}' for name, n in shown)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 # PART=diag:   the compiled decode steps', the DeltaNet step kernel's and the fused stages' CUDA tests, then
 #              diag_decode_step.py (the fast tier with and without the compiled attention step, 3 rounds)
 #              and diag_prefill.py on qwen27b
-# PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (MLX_MAX_OPS_PER_BUFFER, ...)
+# PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (GRAPH_SETTINGS: MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
 # PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
@@ -53,11 +53,12 @@ case "$PART" in
     ;;
   graphs)  # decode rate by MLX's CUDA graph settings, one process each (they are read once)
     synth
-    for setting in "default" "MLX_CUDA_GRAPH_CACHE_SIZE=1000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000" \
-        "MLX_MAX_OPS_PER_BUFFER=200 MLX_CUDA_GRAPH_CACHE_SIZE=1000" "MLX_USE_CUDA_GRAPHS=0"; do
+    for setting in ${GRAPH_SETTINGS:-"default" "MLX_MAX_OPS_PER_BUFFER=50" "MLX_MAX_OPS_PER_BUFFER=100" \
+        "MLX_MAX_OPS_PER_BUFFER=200" "MLX_USE_CUDA_GRAPHS=0"}; do
       label=$(echo "$setting" | tr ' =' '_-')
-      env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 64 \
-          --configs exact,fast_step_kernel --label "$label" 2>&1 | tee -a "$OUT/decode-graphs.txt" || true
+      env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 48 \
+          --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_step_kernel_attention}" --label "$label" 2>&1 \
+          | tee -a "$OUT/decode-graphs.txt" || true
     done
     ;;
   gemv)
