@@ -7,8 +7,7 @@ then the output gate, the output projection, the residual, the MLP and its
 residual. Each part is compiled once per batch size, so the host replays two
 graphs instead of building ~25 operations in Python (counted in the code),
 and MLX fuses the elementwise ones (the sigmoid gate); where the GEMV kernel
-runs, the norms, the SwiGLU and the residual adds ride in its launches
-(`quantized_gemv.Fusion`). On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
+runs, the stages `quantized_gemv.FUSE` names ride in its launches. On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
 to ~2.5-3.3 ms with it (noisy; not yet measured on a GPU). Between them the
 layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
 the cache update, attention), so any cache the layer takes, serial or
@@ -48,8 +47,8 @@ def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[
     changes the layer."""
     attn = layer.self_attn
 
-    # Where the GEMV kernel runs (quantized_gemv.FUSE), the input norm rides in the q/k/v launch and the
-    # residual adds, the post-attention norm and the SwiGLU in the o_proj, gate+up and down launches.
+    # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the residual
+    # adds in the o_proj and down launches, the SwiGLU in the gate+up launch).
     def before(x):
         return attn.heads(*normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
 

@@ -99,8 +99,8 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
     inputs = [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]  # input_projections' order
 
     def body(x, conv_state, state):
-        # Where the GEMV kernel runs (quantized_gemv.FUSE), the norms, the SwiGLU and the residual adds
-        # ride in its launches: 5 launches a layer instead of 10. Elsewhere the same operations run apart.
+        # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the
+        # residual adds and the MLP's SwiGLU: 7 launches a layer instead of 10). Elsewhere they run apart.
         qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs)
         z = z.reshape(x.shape[0], 1, lin.num_v_heads, lin.head_v_dim)
         out, conv_state, state = core(

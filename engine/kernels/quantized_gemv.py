@@ -26,12 +26,15 @@ runs the linear layers of a 1K-token prefill 2.5x faster than MLX's
 quantized matmul.
 
 A launch may also do the work around its products that would otherwise be
-launches of their own (`Fusion`): the RMS norm of its input, the SwiGLU of an
-MLP's gate and up outputs, a residual add. It saves launches but measured
-slower in the model (H200, qwen27b, fast tier, alternating: 61.5 / 57.1 tok/s
-fused against 83.6 / 92.0 unfused; every block then computes the norm over
-the whole input before its first weight load, and the SwiGLU of every input
-value it reads), so it is off (`FUSE`); the tests keep it correct.
+launches of their own (`Fusion`): on its input, the RMS norm or the SwiGLU of
+an MLP's gate and up outputs; on its output rows, a residual add, or (gate
+and up in one launch) the SwiGLU itself. A B=1 decode step on the H200 is
+bound by the host, which spends ~10 us on each launch, so fewer launches is
+the lever; but the stages on the input measured slower in the model (H200,
+qwen27b, fast tier, alternating: 61.5 / 57.1 tok/s fused against 83.6 / 92.0
+unfused; every block then computes the norm over the whole input before its
+first weight load, and the SwiGLU of every input value it reads), so only
+the stages on the output rows are on (`FUSE`).
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -51,7 +54,7 @@ a bulk L2 prefetch of the block's rows at its start
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -76,10 +79,6 @@ DENSE_MIN_ROWS: Optional[int] = 512
 DENSE_MIN_OUTPUTS = 1024
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
-# Whether a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
-# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection). Off:
-# slower in the model (reports/gpu/decode-step-fusion-qwen27b.txt).
-FUSE = False
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -151,7 +150,7 @@ _BODY_START = r"""
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int row_base = blk * 16 * RT;
+  const int row_base = blk * 16 * RTO;
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
   // FUSED STAGES
 
@@ -180,11 +179,11 @@ _LOAD_REGISTERS = r"""
         for (int r = 0; r < RT; ++r) {
           #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
-            bt.wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(w + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
+            const size_t row = min(tile_row(r) + g + 8 * h, N - 1);
+            bt.wq[u][r][h] = __ldcs(reinterpret_cast<const Words*>(tile_w(r) + row * WORDS_PER_ROW + kt * 4 * WL + t * WL));
             if constexpr (!VEC_SCALES) {
-              bt.sc[u][r][h] = scales[row * GROUPS_PER_ROW + kt * TILE_K / GS];
-              bt.bi[u][r][h] = biases[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+              bt.sc[u][r][h] = tile_scales(r)[row * GROUPS_PER_ROW + kt * TILE_K / GS];
+              bt.bi[u][r][h] = tile_biases(r)[row * GROUPS_PER_ROW + kt * TILE_K / GS];
             }
           }
         }
@@ -195,9 +194,9 @@ _LOAD_REGISTERS = r"""
       for (int r = 0; r < RT; ++r) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const size_t row = min(row_base + r * 16 + g + 8 * h, N - 1);
-          ScaleVec sv = *reinterpret_cast<const ScaleVec*>(scales + row * GROUPS_PER_ROW + kt0);
-          ScaleVec bv = *reinterpret_cast<const ScaleVec*>(biases + row * GROUPS_PER_ROW + kt0);
+          const size_t row = min(tile_row(r) + g + 8 * h, N - 1);
+          ScaleVec sv = *reinterpret_cast<const ScaleVec*>(tile_scales(r) + row * GROUPS_PER_ROW + kt0);
+          ScaleVec bv = *reinterpret_cast<const ScaleVec*>(tile_biases(r) + row * GROUPS_PER_ROW + kt0);
           #pragma unroll
           for (int u = 0; u < U; ++u) {
             bt.sc[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&sv)[u];
@@ -306,26 +305,48 @@ _REDUCE = r"""
       #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nb][i];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < 16 * RT * M; idx += W * 32) {
+  for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
     const int rl = idx / M, m = idx % M;
-    float v = 0.0f;
+    float v = 0.0f, v_up = 0.0f;  // v_up: the up projection's sum beside the gate's (GATED)
     #pragma unroll
-    for (int ww = 0; ww < W; ++ww) v += red[ww][rl][m];
+    for (int ww = 0; ww < W; ++ww) {
+      v += red[ww][rl][m];
+      if constexpr (GATED) v_up += red[ww][rl + 16 * RTO][m];
+    }
     const int row = row_base + rl;
-    if (row < N) out[(size_t)m * N + row] = output(v, (size_t)m * N + row);
+    if (row < N) out[(size_t)m * N + row] = output(v, v_up, (size_t)m * N + row);
   }
 """
 
 
-def _prologue(count: int) -> str:
+def _prologue(count: int, gated: bool = False) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
-    block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk)."""
-    lines = ["  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
+    block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk), the
+    output row tiles of a block (RTO) and where row tile r reads (tile_row, tile_w, tile_scales,
+    tile_biases). `gated` (two matrices, gate and up): every block takes the same rows of both, its first
+    RT / 2 row tiles from the gate, the rest from up, and writes one output (`Fusion.gated`)."""
+    if gated:
+        return """  constexpr bool GATED = true;
+  constexpr int RTO = RT / 2;
+  static_assert(RT % 2 == 0, "a gated launch takes row tiles in pairs");
+  const int N = N0, blk = blockIdx.x;
+  __nv_bfloat16* out = out0;
+  auto tile_row = [&](const int r) { return blk * 16 * RTO + (r % RTO) * 16; };
+  auto tile_w = [&](const int r) { return r < RTO ? w0 : w1; };
+  auto tile_scales = [&](const int r) { return r < RTO ? scales0 : scales1; };
+  auto tile_biases = [&](const int r) { return r < RTO ? biases0 : biases1; };
+"""
+    lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;",
+             "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
              "  int N, blk = blockIdx.x;"]
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
         lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
                      f"N = N{i}; blk -= BLK{i}; }}")
+    lines += ["  auto tile_row = [&](const int r) { return blk * 16 * RT + r * 16; };",
+              "  auto tile_w = [&](const int) { return w; };",
+              "  auto tile_scales = [&](const int) { return scales; };",
+              "  auto tile_biases = [&](const int) { return biases; };"]
     return "\n".join(lines) + "\n"
 
 
@@ -334,22 +355,27 @@ class Fusion:
     """Work a launch does around its matrix products, which would otherwise be launches of their own:
     `norm`, x is the residual stream and the activations are its RMS norm (inputs `norm_w`, `norm_eps`;
     each block computes the rows' norms itself); `swiglu`, x is the gate and the activations are
-    silu(gate) * up (input `up`); `residual`, one matrix, whose output is added to `residual` (input)."""
+    silu(gate) * up (input `up`); `residual`, one matrix, whose output is added to `residual` (input);
+    `gated`, two matrices, an MLP's gate and up projections, and one output, silu(gate) * up.
+
+    The first two work on the input, so every block repeats them over all of it before its first
+    product; the last two work on the block's own output rows."""
 
     norm: bool = False
     swiglu: bool = False
     residual: bool = False
+    gated: bool = False
 
     @classmethod
-    def of(cls, norm, up, residual) -> "Fusion":
+    def of(cls, norm, up, residual, gated: bool = False) -> "Fusion":
         """The stages `quantized_matmuls`' arguments ask for (None: not asked)."""
-        return cls(norm is not None, up is not None, residual is not None)
+        return cls(norm is not None, up is not None, residual is not None, gated)
 
     def inputs(self) -> list[str]:
         return ["norm_w", "norm_eps"] * self.norm + ["up"] * self.swiglu + ["residual"] * self.residual
 
     def tag(self) -> str:
-        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual
+        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated
 
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
@@ -383,11 +409,23 @@ class Fusion:
                          "engine_norm2(v.z, w8.z, r), engine_norm2(v.w, w8.w, r));")
         lines.append("    return v;\n  };")
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
-            lines.append("  auto output = [&](const float v, const size_t i) {\n    return __float2bfloat16("
+            lines.append("  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
                          "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };")
+        elif self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
+            lines.append("  auto output = [&](const float v, const float v_up, const size_t) {\n"
+                         "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
+                         "    const float silu = __bfloat162float(__float2bfloat16(gate / (1.0f + expf(-gate))));\n"
+                         "    return __float2bfloat16(silu * up);\n  };")
         else:
-            lines.append("  auto output = [&](const float v, const size_t) { return __float2bfloat16(v); };")
+            lines.append("  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };")
         return "\n".join(lines) + "\n"
+
+
+# Which of a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
+# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection,
+# mlp_half). The stages on the input (norm, swiglu) are off: slower in the model
+# (reports/gpu/decode-step-fusion-qwen27b.txt). Set before `engine.kernels.install`, which traces the steps.
+FUSE = Fusion(residual=True, gated=True)
 
 
 def _launch_bounds(threads: int, min_blocks: int) -> str:
@@ -403,7 +441,7 @@ def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
     products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
-    return _prologue(count) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + _REDUCE
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + _REDUCE
 
 
 def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -416,7 +454,7 @@ def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = 
     return mx.fast.cuda_kernel(
         name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
-        output_names=[f"out{i}" for i in range(count)],
+        output_names=[f"out{i}" for i in range(1 if fusion.gated else count)],
         source=kernel_source(count, fusion),
         header=HEADER + _launch_bounds(threads, min_blocks),
     )
@@ -510,42 +548,51 @@ def quantized_matmuls(
     norm: Optional[tuple[mx.array, float]] = None,
     up: Optional[mx.array] = None,
     residual: Optional[mx.array] = None,
+    gated: bool = False,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
     `config` overrides `launch_config`. In the same launch (`Fusion`), to rounding what the separate
     operations give: `norm` (weight [K], eps) multiplies by the RMS norm of x, i.e.
     `mx.fast.rms_norm(x, weight, eps)`; `up` takes `silu(x) * up` for x; `residual` ([..., N], one
-    matrix) is added to the product."""
+    matrix) is added to the product; `gated` (two matrices of equal rows, gate and up) gives one result,
+    silu(gate product) * up product, i.e. `swiglu` of the two results."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
-    fusion = Fusion.of(norm, up, residual)
+    fusion = Fusion.of(norm, up, residual, gated)
     if fusion.residual and len(matrices) != 1:
         raise ValueError("a residual goes with one matrix")
+    if gated:
+        if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual:
+            raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
+        config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
         [up.reshape(m, k)] if up is not None else []) + ([residual.reshape(m, -1)] if residual is not None else [])
-    outs = config.kernel(len(matrices), fusion)(**launch_arguments(x.reshape(m, k), matrices, group_size, bits, config, extra))
+    arguments = launch_arguments(x.reshape(m, k), matrices, group_size, bits, config, extra, gated)
+    outs = config.kernel(len(matrices), fusion)(**arguments)
     return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
 def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
-                     config: LaunchConfig, extra: Sequence[mx.array] = ()) -> dict:  # fmt: skip
+                     config: LaunchConfig, extra: Sequence[mx.array] = (), gated: bool = False) -> dict:  # fmt: skip
     """The kernel call's arguments for x [M, K] and the matrices: blocks matrix after matrix, matrix i's
-    from block BLK{i}, one block per 16 * row_tiles rows."""
+    from block BLK{i}, one block per 16 * row_tiles rows. `gated`: one block per 16 * row_tiles / 2 rows
+    of both matrices, one output."""
     m, k = x.shape
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
-    for n in rows:
-        starts.append(starts[-1] + (n + 16 * config.row_tiles - 1) // (16 * config.row_tiles))
+    for n in rows[:1] if gated else rows:
+        tile_rows = 16 * config.row_tiles // (2 if gated else 1)
+        starts.append(starts[-1] + (n + tile_rows - 1) // tile_rows)
     return dict(
         inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
-        output_shapes=[(m, n) for n in rows],
-        output_dtypes=[mx.bfloat16] * len(rows),
+        output_shapes=[(m, n) for n in rows[: len(starts) - 1]],
+        output_dtypes=[mx.bfloat16] * (len(starts) - 1),
     )  # fmt: skip
 
 
@@ -573,7 +620,7 @@ def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusio
         norm = (extra.pop(0), eps) if fusion.norm else None
         up = extra.pop(0) if fusion.swiglu else None
         residual = extra.pop(0) if fusion.residual else None
-        return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual)
+        return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual, gated=fusion.gated)
 
     return mx.compile(run)
 
@@ -638,37 +685,43 @@ def _no_bias(layers: Sequence[nn.Module]) -> bool:
 
 
 def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
-    """Each layer applied to `norm(x)`: with FUSE, one launch for the RMS norm and all the layers where the
+    """Each layer applied to `norm(x)`: with FUSE.norm, one launch for the RMS norm and all the layers where the
     kernel takes them (`Fusion.norm`); otherwise the norm, then the layers as `project` runs them."""
-    if FUSE and isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16 and _one_launch(x, layers) \
+    if FUSE.norm and isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16 and _one_launch(x, layers) \
             and _no_bias(layers):  # fmt: skip
         return _run_kernel(x, layers, norm=(norm.weight, norm.eps))
     return project(norm(x), *layers)
 
 
 def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
-    """`residual + layer(x)`; with FUSE one launch where the kernel takes it (`Fusion.residual`)."""
-    if FUSE and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer]):
+    """`residual + layer(x)`; with FUSE.residual one launch where the kernel takes it."""
+    if FUSE.residual and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer]):
         return _run_kernel(x, [layer], residual=residual)[0]
     return residual + layer(x)
 
 
 def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
-    """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE one launch
-    where the kernel takes it (`Fusion.swiglu`, `Fusion.residual`)."""
-    if FUSE and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and _one_launch(gate, [layer]) \
+    """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE.swiglu one
+    launch where the kernel takes it (`Fusion.swiglu` and `Fusion.residual`)."""
+    if FUSE.swiglu and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and _one_launch(gate, [layer]) \
             and _no_bias([layer]):  # fmt: skip
         return _run_kernel(gate, [layer], up=up, residual=residual)[0]
-    return residual + layer(swiglu(gate, up))
+    return residual_projection(swiglu(gate, up), layer, residual)
 
 
 def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
     """A decoder layer's second half, `h + layer.mlp(layer.post_attention_layernorm(h))`, for an MLP of
-    gate, up and down projections (SwiGLU): with FUSE two launches where the kernel takes them."""
+    gate, up and down projections (SwiGLU). With FUSE.gated the gate and up launch gives the SwiGLU
+    itself (`Fusion.gated`): the norm, that launch, then the down projection (and its residual, with
+    FUSE.residual) where the kernel takes them."""
     mlp = layer.mlp
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
         return h + mlp(layer.post_attention_layernorm(h))
-    gate, up = normed_projections(h, layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
+    pair = [mlp.gate_proj, mlp.up_proj]
+    if FUSE.gated and _one_launch(h, pair) and _no_bias(pair) and pair[0]["weight"].shape == pair[1]["weight"].shape:
+        act = _run_kernel(layer.post_attention_layernorm(h), pair, gated=True)[0]
+        return residual_projection(act, mlp.down_proj, h)
+    gate, up = normed_projections(h, layer.post_attention_layernorm, pair)
     return swiglu_projection(gate, up, mlp.down_proj, h)
 
 
@@ -683,12 +736,13 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
 
 
 def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
-                up: Optional[mx.array] = None, residual: Optional[mx.array] = None) -> tuple[mx.array, ...]:  # fmt: skip
+                up: Optional[mx.array] = None, residual: Optional[mx.array] = None,
+                gated: bool = False) -> tuple[mx.array, ...]:  # fmt: skip
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
     stages take layers without bias)."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    fusion = Fusion.of(norm, up, residual)
+    fusion = Fusion.of(norm, up, residual, gated)
     extra = ([norm[0]] if norm else []) + ([up] if up is not None else []) + ([residual] if residual is not None else [])
     run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
     ys = run(x, *arrays, *extra)

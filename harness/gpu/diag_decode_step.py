@@ -19,16 +19,20 @@ import mlx.core as mx
 
 from engine.engine import Engine
 from engine.kernels import EXACT, FAST, attention_decode, gated_delta_decode, install, quantized_gemv
+from engine.kernels.quantized_gemv import Fusion
+from harness.gpu.diag_decode_host import VIEWS, step_nodes
 from harness.gpu.results import save_json
 
 
-# tier, the DeltaNet step kernel, the compiled attention step, norms / SwiGLU / residuals in the GEMV launches
+UNFUSED, EPILOGUES = Fusion(), Fusion(residual=True, gated=True)
+# tier, the DeltaNet step kernel, the compiled attention step, the stages inside the GEMV launches
 CONFIGS = {
-    EXACT: (EXACT, False, False, False),
-    FAST: (FAST, False, False, False),
-    "fast_step_kernel": (FAST, True, False, False),
-    "fast_step_kernel_attention": (FAST, True, True, False),
-    "fast_step_kernel_fused": (FAST, True, False, True),
+    EXACT: (EXACT, False, False, UNFUSED),
+    FAST: (FAST, False, False, UNFUSED),
+    "fast_step_kernel": (FAST, True, False, UNFUSED),
+    "fast_step_kernel_attention": (FAST, True, True, UNFUSED),
+    "fast_step_kernel_fused": (FAST, True, False, Fusion(norm=True, swiglu=True, residual=True)),
+    "fast_epilogues": (FAST, True, True, EPILOGUES),  # residual adds and the SwiGLU after the products
 }
 
 
@@ -106,11 +110,14 @@ def main() -> None:
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
         r["gemv_layers"] = ks.quantized_linears
+        nodes = step_nodes(eng.model)
+        r["operations"], r["views"] = sum(nodes.values()), sum(n for op, n in nodes.items() if op in VIEWS)
+        r["operation_counts"] = dict(nodes.most_common())
         results.setdefault(name, []).append(r)
         print(f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
               f"loop: build {r['loop_build_ms']:.2f} + submit {r['loop_submit_ms']:.2f} + wait {r['loop_wait_ms']:.2f} ms, "
-              f"{ks.quantized_linears} kernel layers", flush=True)
+              f"{ks.quantized_linears} kernel layers, {r['operations']} operations ({r['views']} views)", flush=True)
         save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)
 
 

@@ -291,6 +291,37 @@ def test_fused_stages_match_the_separate_operations(m):
     assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(qs[0], a, want)).item()
 
 
+@cuda_only
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, 32)])
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_gated_launch_gives_the_swiglu_of_both_products(bits, group, m):
+    # A block computes the same gate and up rows it would in a plain launch (same sums, bit for bit), then
+    # rounds them to bf16, silu(gate) to bf16 and the product to bf16: two roundings of 2^-8 each from
+    # silu(gate) * up computed in float32 on the bf16 products (expf's error is far below).
+    gate_q, up_q = (make_quantized(n=2048, k=1536, bits=bits, group_size=group, seed=s) for s in (1, 2))
+    pair = [(q.weight, q.scales, q.biases) for q in (gate_q, up_q)]
+    x = mx.random.normal((1, m, 1536)).astype(mx.bfloat16)
+    gate, up = quantized_matmuls(x, pair, group, bits)
+    (y,) = quantized_matmuls(x, pair, group, bits, gated=True)
+    assert y.shape == gate.shape and y.dtype == mx.bfloat16
+    g32, u32 = gate.astype(mx.float32), up.astype(mx.float32)
+    want = g32 * mx.sigmoid(g32) * u32
+    assert mx.all(mx.abs(y.astype(mx.float32) - want) <= 2.0**-7 * mx.abs(want)).item()
+    with pytest.raises(ValueError, match="two matrices of one shape"):
+        quantized_matmuls(x, pair[:1], group, bits, gated=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 5])
+def test_residual_in_the_launch_equals_the_add_after_it(m):
+    # The product rounded to bf16, added to the residual in float32 and rounded: what MLX's bf16 add does.
+    q = make_quantized(n=2048, k=1536)
+    x = mx.random.normal((1, m, 1536)).astype(mx.bfloat16)
+    residual = mx.random.normal((1, m, 2048)).astype(mx.bfloat16)
+    (y,) = quantized_matmuls(x, [(q.weight, q.scales, q.biases)], 64, 4, residual=residual)
+    assert mx.array_equal(y, residual + quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4)).item()
+
+
 def test_a_register_cap_names_its_kernel_apart():
     # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
     plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
