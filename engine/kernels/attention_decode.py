@@ -8,7 +8,7 @@ residual. Each part is compiled once per batch size, so the host replays two
 graphs instead of building ~25 operations in Python (counted in the code),
 and MLX fuses the elementwise ones (the sigmoid gate); where the GEMV kernel
 runs, the stages `quantized_gemv.FUSE` names ride in its launches. On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
-to ~2.5-3.3 ms with it (noisy; not yet measured on a GPU). Between them the
+to ~2.5-3.3 ms with it; on the H200 from 4.0-5.9 to 2.9-4.2 ms. Between them the
 layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
 the cache update, attention), so any cache the layer takes, serial or
 batched, works here too.
@@ -25,13 +25,15 @@ import mlx.core as mx
 
 from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
 
-# Whether `engine.kernels.install` gives the fast tier's attention layers this step. Off until it is timed
-# in the model. Its batched test (test_compiled_attention_step_in_a_batch_matches_the_layer_path, float32
-# tiny model) failed on the H200 at 2.2e-3 off the layer path against a 1e-3 bound and passes there with
-# MLX_ENABLE_TF32=0 (reports/gpu/test-attention-tf32-session9.txt): CUDA runs that model's float32
-# matmuls as TF32 (10-bit mantissas in), where a 1-ulp float32 difference in an activation (the compiled
-# chains round differently) can move the rounding by 2^-10. The test now checks float32 numerics there.
-ENABLED = False
+# Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
+# alternating (reports/gpu/decode-step-epilogues-session10.txt): 91.5 / 89.1 / 58.2 tok/s with it against
+# 69.6 / 52.9 / 83.9 without; the step's host build 2.9-4.2 ms against 4.0-5.9. Its batched test
+# (test_compiled_attention_step_in_a_batch_matches_the_layer_path, float32 tiny model) fails on the H200
+# under TF32 (2.2e-3 off the layer path against a 1e-3 bound) and passes with MLX_ENABLE_TF32=0
+# (reports/gpu/test-attention-tf32-session9.txt): CUDA runs that model's float32 matmuls as TF32 (10-bit
+# mantissas in), where a 1-ulp float32 difference in an activation (the compiled chains round differently)
+# can move the rounding by 2^-10. The test checks float32 numerics there.
+ENABLED = True
 
 
 def applies(layer) -> bool:
