@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import prefill
-from engine.kernels import EXACT, FAST, install, replace_modules
+from engine.kernels import EXACT, FAST, install, on_cuda, replace_modules
 from harness.parity import PROMPT_LENGTHS
 from harness.prompts import frozen_prompt_ids
 
@@ -135,9 +135,15 @@ class SplitSum(nn.Module):
             w, scales, biases = q["weight"], q["scales"].astype(f32), q["biases"].astype(f32)
 
             def part(lo, hi):
-                return mx.quantized_matmul(x[..., lo:hi].astype(f32), w[:, lo // per_word : hi // per_word],
-                                           scales[:, lo // gs : hi // gs], biases[:, lo // gs : hi // gs],
-                                           transpose=True, group_size=gs, bits=q.bits)  # fmt: skip
+                wp = w[:, lo // per_word : hi // per_word]
+                if on_cuda():  # MLX's CUDA quantized matmul takes no float32 activations. Its own weights
+                    # (dequantized and rounded to bf16, as its kernel does) times bf16 activations: products
+                    # exact in float32, and in TF32 too.
+                    wd = mx.dequantize(wp, q["scales"][:, lo // gs : hi // gs], q["biases"][:, lo // gs : hi // gs],
+                                       group_size=gs, bits=q.bits)  # fmt: skip
+                    return x[..., lo:hi].astype(f32) @ wd.astype(f32).T
+                return mx.quantized_matmul(x[..., lo:hi].astype(f32), wp, scales[:, lo // gs : hi // gs],
+                                           biases[:, lo // gs : hi // gs], transpose=True, group_size=gs, bits=q.bits)  # fmt: skip
         else:
             h = k // 2 or k
 
