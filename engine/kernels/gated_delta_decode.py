@@ -55,6 +55,7 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
 
     def core(qkv, z, a, b, conv_state, state, conv_w, A_log, dt_bias, norm_w):
         batch = qkv.shape[0]
+        z = z.reshape(batch, 1, hv, dv)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K, C]
         conv = nn.silu((conv_input * conv_w[:, :, 0].T).sum(axis=1))  # [B, C]
         q = conv[:, :key_dim].reshape(batch, 1, hk, dk)
@@ -101,8 +102,7 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
     def body(x, conv_state, state):
         # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the
         # residual adds and the MLP's SwiGLU: 7 launches a layer instead of 10). Elsewhere they run apart.
-        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs)
-        z = z.reshape(x.shape[0], 1, lin.num_v_heads, lin.head_v_dim)
+        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs)  # z [B, 1, Hv * Dv]
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )

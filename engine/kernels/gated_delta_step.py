@@ -164,24 +164,23 @@ def refusal(dk: int, dv: int) -> Optional[str]:
 
 def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias, norm_w, norm_eps: float,
                heads_k: int, dk: int, qk_eps: float = 1e-6):  # fmt: skip
-    """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv, Dv], a and
+    """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv * Dv], a and
     beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
     (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32 (a
-    thread per value channel computes the key channel of the same index)."""
+    thread per value channel computes the key channel of the same index). The kernel reads its inputs as
+    flat arrays, so none is reshaped (a reshape is a graph node the host handles every step)."""
     batch, hv, dv, _ = state.shape
     why = refusal(dk, dv)
     if why:
         raise ValueError(why)
     ks = conv_w.shape[1]
-    c = qkv.shape[-1]
     out, new_conv, new_state = _kernel()(
-        inputs=[qkv.reshape(batch, c), conv_state, conv_w.reshape(c, ks), z.reshape(batch, hv * dv),
-                a.reshape(batch, hv), beta_logits.reshape(batch, hv), A_log, dt_bias, norm_w, state,
+        inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state,
                 mx.array([qk_eps, norm_eps], dtype=mx.float32)],
         template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks)],
         grid=(batch * hv * dv, 1, 1),
         threadgroup=(dv, 1, 1),
-        output_shapes=[(batch, hv * dv), conv_state.shape, state.shape],
+        output_shapes=[(batch, 1, hv * dv), conv_state.shape, state.shape],
         output_dtypes=[mx.bfloat16, conv_state.dtype, mx.float32],
     )  # fmt: skip
-    return out.reshape(batch, 1, hv * dv), new_conv, new_state
+    return out, new_conv, new_state

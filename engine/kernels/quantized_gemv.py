@@ -569,19 +569,20 @@ def quantized_matmuls(
         if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
+    # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
+    # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
     extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
-        [up.reshape(m, k)] if up is not None else []) + ([residual.reshape(m, -1)] if residual is not None else [])
-    arguments = launch_arguments(x.reshape(m, k), matrices, group_size, bits, config, extra, gated)
-    outs = config.kernel(len(matrices), fusion)(**arguments)
-    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
+        [up] if up is not None else []) + ([residual] if residual is not None else [])
+    return config.kernel(len(matrices), fusion)(**launch_arguments(x, matrices, group_size, bits, config, extra, gated))
 
 
 def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
                      config: LaunchConfig, extra: Sequence[mx.array] = (), gated: bool = False) -> dict:  # fmt: skip
-    """The kernel call's arguments for x [M, K] and the matrices: blocks matrix after matrix, matrix i's
-    from block BLK{i}, one block per 16 * row_tiles rows. `gated`: one block per 16 * row_tiles / 2 rows
-    of both matrices, one output."""
-    m, k = x.shape
+    """The kernel call's arguments for x [..., K] (M rows in all) and the matrices, each result [..., N_i]:
+    blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles rows. `gated`:
+    one block per 16 * row_tiles / 2 rows of both matrices, one result."""
+    k = x.shape[-1]
+    m = x.size // k
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
     for n in rows[:1] if gated else rows:
@@ -593,7 +594,7 @@ def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, m
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
-        output_shapes=[(m, n) for n in rows[: len(starts) - 1]],
+        output_shapes=[(*x.shape[:-1], n) for n in rows[: len(starts) - 1]],
         output_dtypes=[mx.bfloat16] * (len(starts) - 1),
     )  # fmt: skip
 
