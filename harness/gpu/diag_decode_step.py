@@ -1,7 +1,9 @@
-"""Where a B=1 decode step of a real model goes, per kernel configuration (exact tier; fast tier without
-the DeltaNet step kernel, with it, with it and the compiled attention step, with it and the norms, SwiGLU
-and residual adds inside the GEMV launches): host graph build, a
-synchronous step (build + device), and the pipelined rate the engine's decode loop reaches.
+"""Where a B=1 decode step of a real model goes, per kernel configuration (`CONFIGS`: the exact tier; the
+fast tier without the DeltaNet step kernel, with it, with it and the compiled attention step, with the
+norms and SwiGLU on the GEMV launches' inputs, or with the residual adds and SwiGLU on their outputs):
+host graph build, a synchronous step (build + device), the pipelined rate the engine's decode loop
+reaches, that loop's parts (build, submit, wait: a wait near zero means the host is the bound) and the
+step's graph nodes by operation.
 
     source .device-kit/b/env.sh && python3 harness/gpu/diag_decode_step.py [--model qwen27b]
 

@@ -7,16 +7,15 @@
 # PART=gate:   synthesizes qwen27b and runs the whole-model numerics gate (exact vs fast tier)
 # PART=native: `harness native --kernels fast` on qwen27b (synthesized if missing)
 # PART=diag:   the compiled decode steps', the DeltaNet step kernel's and the fused stages' CUDA tests, then
-#              diag_decode_step.py (the fast tier with and without the compiled attention step, 3 rounds)
+#              diag_decode_step.py (the fast tier with and without the GEMV epilogues, 3 rounds)
 #              and diag_prefill.py on qwen27b
 # PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (GRAPH_SETTINGS: MLX_MAX_OPS_PER_BUFFER, ...)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
 # PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
 #              device from a timer read inside the kernel), then the row-tile CUDA tests
-# PART=profile: diag_decode_step.py with the pipelined loop's host / device split, then (where Nsight
-#              Systems is installed) each of PROFILE_CONFIGS' decode steps kernel by kernel
-#              (diag_decode_kernels.py)
+# PART=profile: diag_decode_step.py on STEP_CONFIGS, ROUNDS rounds: rates, the pipelined loop's host / device
+#              split (build, submit, wait) and the step's graph nodes
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -47,7 +46,7 @@ case "$PART" in
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "fused or layer_runs or compiled_attention or dense" 2>&1 | tail -20 \
         | tee "$OUT/test_kernels_fused.txt" || true
     synth
-    python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds 3 --configs fast_step_kernel,fast_step_kernel_attention 2>&1 \
+    python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds 3 --configs fast_step_kernel_attention,fast_epilogues 2>&1 \
         | tee "$OUT/decode-step.txt" || true
     python3 harness/gpu/diag_prefill.py 2>&1 | tee "$OUT/prefill.txt" || true
     ;;
@@ -57,7 +56,7 @@ case "$PART" in
         "MLX_MAX_OPS_PER_BUFFER=200" "MLX_USE_CUDA_GRAPHS=0"}; do
       label=$(echo "$setting" | tr ' =' '_-')
       env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 48 \
-          --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_step_kernel_attention}" --label "$label" 2>&1 \
+          --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_epilogues}" --label "$label" 2>&1 \
           | tee -a "$OUT/decode-graphs.txt" || true
     done
     ;;
@@ -75,19 +74,8 @@ case "$PART" in
     ;;
   profile)
     synth
-    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys 2>/dev/null | head -1 || true)
-    echo "nsys: ${nsys:-not installed}" | tee "$OUT/profile.txt"
     python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds "${ROUNDS:-2}" \
-        --configs "${STEP_CONFIGS:-fast_step_kernel,fast_step_kernel_attention}" 2>&1 | tee "$OUT/decode-step.txt" || true
-    [ -n "$nsys" ] || exit 0
-    for config in ${PROFILE_CONFIGS:-fast_step_kernel_attention}; do
-      "$nsys" profile --capture-range=cudaProfilerApi --capture-range-end=stop --cuda-graph-trace=node -t cuda \
-          -f true -o "/tmp/decode-$config" python3 harness/gpu/diag_decode_kernels.py --config "$config" 2>&1 | tail -5
-      "$nsys" stats --report cuda_gpu_trace --format csv --output "/tmp/decode-$config" "/tmp/decode-$config.nsys-rep" >/dev/null
-      echo "== $config" | tee -a "$OUT/profile.txt"
-      python3 harness/gpu/diag_decode_kernels.py --summarize "/tmp/decode-${config}_cuda_gpu_trace.csv" 2>&1 | tee -a "$OUT/profile.txt"
-      gzip -c "/tmp/decode-${config}_cuda_gpu_trace.csv" > "$OUT/decode-trace-$config.csv.gz"
-    done
+        --configs "${STEP_CONFIGS:-fast_step_kernel_attention,fast_epilogues}" 2>&1 | tee "$OUT/decode-step.txt" || true
     ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
