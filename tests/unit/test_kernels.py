@@ -374,7 +374,7 @@ def test_fused_decode_step_matches_the_layer_path(monkeypatch):
     from engine.engine import Engine
     from engine.kernels import attention_decode
 
-    monkeypatch.setattr(attention_decode, "ENABLED", True)  # off by default (see there); its mechanism is tested
+    monkeypatch.setattr(attention_decode, "ENABLED", True)  # the default, pinned
 
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
