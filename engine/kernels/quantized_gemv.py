@@ -34,7 +34,11 @@ the lever; but the stages on the input measured slower in the model (H200,
 qwen27b, fast tier, alternating: 61.5 / 57.1 tok/s fused against 83.6 / 92.0
 unfused; every block then computes the norm over the whole input before its
 first weight load, and the SwiGLU of every input value it reads), so only
-the stages on the output rows are on (`FUSE`).
+the stages on the output rows are on (`FUSE`). The RMS norm can also be
+taken after the products (`Fusion.norm_scale`: the activations times the
+norm's weight, each row's sums scaled by the norm's rsqrt, whose sum of
+squares the block gathers from the loads it makes anyway); compile-checked,
+not yet run on a GPU, so off.
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -107,6 +111,19 @@ __device__ __forceinline__ uint32_t engine_norm2(uint32_t x, uint32_t w, float r
   const float2 xf = engine_bf16x2(x), wf = engine_bf16x2(w);
   const float2 n = engine_bf16x2(engine_to_bf16x2(xf.x * r, xf.y * r));
   return engine_to_bf16x2(wf.x * n.x, wf.y * n.y);
+}
+__device__ __forceinline__ uint32_t engine_mul2(uint32_t x, uint32_t w) {
+  // two products x * w of bf16 values, rounded to bf16
+  const float2 xf = engine_bf16x2(x), wf = engine_bf16x2(w);
+  return engine_to_bf16x2(xf.x * wf.x, xf.y * wf.y);
+}
+__device__ __forceinline__ float engine_sumsq8(const uint4 v) {
+  // the sum of the squares of 8 bf16 values, in float32
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(&v);
+  float s = 0.0f;
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) { const float2 f = engine_bf16x2(p[j]); s = fmaf(f.x, f.x, fmaf(f.y, f.y, s)); }
+  return s;
 }
 __device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
   // two values of silu(gate) * up as bf16 operations: silu rounded to bf16, then the product
@@ -296,6 +313,7 @@ _LOOP_REGISTERS = r"""
 """
 
 _REDUCE = r"""
+  // ROW SCALE
   // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
   __shared__ float red[W][16 * RT][8 * NB];
   #pragma unroll
@@ -307,6 +325,7 @@ _REDUCE = r"""
   __syncthreads();
   for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
     const int rl = idx / M, m = idx % M;
+    const float rs = row_scale(m);
     float v = 0.0f, v_up = 0.0f;  // v_up: the up projection's sum beside the gate's (GATED)
     #pragma unroll
     for (int ww = 0; ww < W; ++ww) {
@@ -314,8 +333,31 @@ _REDUCE = r"""
       if constexpr (GATED) v_up += red[ww][rl + 16 * RTO][m];
     }
     const int row = row_base + rl;
-    if (row < N) out[(size_t)m * N + row] = output(v, v_up, (size_t)m * N + row);
+    if (row < N) out[(size_t)m * N + row] = output(v * rs, v_up * rs, (size_t)m * N + row);
   }
+"""
+
+
+_NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
+
+# Fusion.norm_scale: the four lanes of a row (t = 0..3) hold its sums of squares over their k values; the
+# warps' totals go through shared memory (written before _REDUCE's barrier), so row m's scale is
+# rsqrt(sum over warps / K + eps).
+_NORM_SCALE_REDUCE = r"""
+  __shared__ float ssr[W][8 * NB];
+  #pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    float s = ssq[nb];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (t == 0) ssr[warp][g + 8 * nb] = s;
+  }
+  auto row_scale = [&](const int m) {
+    float s = 0.0f;
+    #pragma unroll
+    for (int ww = 0; ww < W; ++ww) s += ssr[ww][m];
+    return rsqrtf(s / K + norm_eps[0]);
+  };
 """
 
 
@@ -356,31 +398,39 @@ class Fusion:
     `norm`, x is the residual stream and the activations are its RMS norm (inputs `norm_w`, `norm_eps`;
     each block computes the rows' norms itself); `swiglu`, x is the gate and the activations are
     silu(gate) * up (input `up`); `residual`, one matrix, whose output is added to `residual` (input);
-    `gated`, two matrices, an MLP's gate and up projections, and one output, silu(gate) * up.
+    `gated`, two matrices, an MLP's gate and up projections, and one output, silu(gate) * up;
+    `norm_scale`, the RMS norm again (inputs `norm_w`, `norm_eps`), as the products of x times the norm's
+    weight, each row's sums then scaled by its rsqrt(mean(x^2) + eps), whose sum of squares the block
+    gathers from the activations it loads anyway.
 
-    The first two work on the input, so every block repeats them over all of it before its first
-    product; the last two work on the block's own output rows."""
+    `norm` and `swiglu` work on the input, so every block repeats them over all of it before its first
+    product; the others work on the block's own output rows."""
 
     norm: bool = False
     swiglu: bool = False
     residual: bool = False
     gated: bool = False
+    norm_scale: bool = False
 
     @classmethod
-    def of(cls, norm, up, residual, gated: bool = False) -> "Fusion":
+    def of(cls, norm, up, residual, gated: bool = False, norm_scale: bool = False) -> "Fusion":
         """The stages `quantized_matmuls`' arguments ask for (None: not asked)."""
-        return cls(norm is not None, up is not None, residual is not None, gated)
+        return cls(norm is not None and not norm_scale, up is not None, residual is not None, gated,
+                   norm is not None and norm_scale)  # fmt: skip
 
     def inputs(self) -> list[str]:
-        return ["norm_w", "norm_eps"] * self.norm + ["up"] * self.swiglu + ["residual"] * self.residual
+        return (["norm_w", "norm_eps"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu
+                + ["residual"] * self.residual)  # fmt: skip
 
     def tag(self) -> str:
-        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated
+        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale
 
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
         and the norms' prologue."""
         lines = []
+        if self.norm_scale:  # each thread's sum of squares of the activations it loads, per row block
+            lines.append("  float ssq[NB];\n  #pragma unroll\n  for (int nb = 0; nb < NB; ++nb) ssq[nb] = 0.0f;")
         if self.norm:
             lines.append("""  __shared__ float rnorm[M];
   for (int m = warp; m < M; m += W) {
@@ -407,6 +457,11 @@ class Fusion:
             lines.append("    const float r = rnorm[m];")
             lines.append("    v = make_uint4(engine_norm2(v.x, w8.x, r), engine_norm2(v.y, w8.y, r), "
                          "engine_norm2(v.z, w8.z, r), engine_norm2(v.w, w8.w, r));")
+        if self.norm_scale:  # row m = g + 8 * nb
+            lines.append("    const uint4 w8 = __ldg(reinterpret_cast<const uint4*>(norm_w + i % K));")
+            lines.append("    ssq[m >> 3] += engine_sumsq8(v);")
+            lines.append("    v = make_uint4(engine_mul2(v.x, w8.x), engine_mul2(v.y, w8.y), engine_mul2(v.z, w8.z), "
+                         "engine_mul2(v.w, w8.w));")
         lines.append("    return v;\n  };")
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
             lines.append("  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
@@ -426,7 +481,9 @@ class Fusion:
 # mlp_half). The stages on the output rows are on: H200, qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4
 # tok/s against 91.5 / 89.1 / 58.2 without, a step's operations other than views 614 against 806
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
-# in the model (decode-step-fusion-qwen27b.txt). Set before `engine.kernels.install`, which traces the steps.
+# in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step) is off until
+# its CUDA test (test_norm_scale_takes_the_norm_after_the_products) has run and it is timed in the model
+# (diag_decode_step's fast_norm_scale). Set before `engine.kernels.install`, which traces the steps.
 FUSE = Fusion(residual=True, gated=True)
 
 
@@ -443,7 +500,8 @@ def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
     products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
-    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + _REDUCE
+    reduce = _REDUCE.replace("  // ROW SCALE\n", _NORM_SCALE_REDUCE if fusion.norm_scale else _NO_ROW_SCALE)
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
 
 
 def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -551,6 +609,7 @@ def quantized_matmuls(
     up: Optional[mx.array] = None,
     residual: Optional[mx.array] = None,
     gated: bool = False,
+    norm_scale: bool = False,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
@@ -558,11 +617,14 @@ def quantized_matmuls(
     operations give: `norm` (weight [K], eps) multiplies by the RMS norm of x, i.e.
     `mx.fast.rms_norm(x, weight, eps)`; `up` takes `silu(x) * up` for x; `residual` ([..., N], one
     matrix) is added to the product; `gated` (two matrices of equal rows, gate and up) gives one result,
-    silu(gate product) * up product, i.e. `swiglu` of the two results."""
+    silu(gate product) * up product, i.e. `swiglu` of the two results; `norm_scale` (with `norm`) takes
+    the norm as `Fusion.norm_scale` does, after the products instead of before them."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
-    fusion = Fusion.of(norm, up, residual, gated)
+    if norm_scale and norm is None:
+        raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
+    fusion = Fusion.of(norm, up, residual, gated, norm_scale)
     if fusion.residual and len(matrices) != 1:
         raise ValueError("a residual goes with one matrix")
     if gated:
@@ -620,10 +682,11 @@ def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusio
     def run(x, *arrays):
         triples = [arrays[i : i + 3] for i in range(0, 3 * count, 3)]
         extra = list(arrays[3 * count :])
-        norm = (extra.pop(0), eps) if fusion.norm else None
+        norm = (extra.pop(0), eps) if fusion.norm or fusion.norm_scale else None
         up = extra.pop(0) if fusion.swiglu else None
         residual = extra.pop(0) if fusion.residual else None
-        return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual, gated=fusion.gated)
+        return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual, gated=fusion.gated,
+                                 norm_scale=fusion.norm_scale)  # fmt: skip
 
     return mx.compile(run)
 
@@ -687,12 +750,16 @@ def _no_bias(layers: Sequence[nn.Module]) -> bool:
     return not any("bias" in q for q in layers)
 
 
+def _fusable_norm(norm: nn.Module) -> bool:
+    """A norm a launch can take (`Fusion.norm`, `Fusion.norm_scale`): RMS with a bf16 weight."""
+    return isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16
+
+
 def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
-    """Each layer applied to `norm(x)`: with FUSE.norm, one launch for the RMS norm and all the layers where the
-    kernel takes them (`Fusion.norm`); otherwise the norm, then the layers as `project` runs them."""
-    if FUSE.norm and isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16 and _one_launch(x, layers) \
-            and _no_bias(layers):  # fmt: skip
-        return _run_kernel(x, layers, norm=(norm.weight, norm.eps))
+    """Each layer applied to `norm(x)`: with FUSE.norm or FUSE.norm_scale, one launch for the RMS norm and all
+    the layers where the kernel takes them; otherwise the norm, then the layers as `project` runs them."""
+    if (FUSE.norm or FUSE.norm_scale) and _fusable_norm(norm) and _one_launch(x, layers) and _no_bias(layers):
+        return _run_kernel(x, layers, norm=(norm.weight, norm.eps), norm_scale=not FUSE.norm)
     return project(norm(x), *layers)
 
 
@@ -715,16 +782,19 @@ def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: 
 def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
     """A decoder layer's second half, `h + layer.mlp(layer.post_attention_layernorm(h))`, for an MLP of
     gate, up and down projections (SwiGLU). With FUSE.gated the gate and up launch gives the SwiGLU
-    itself (`Fusion.gated`): the norm, that launch, then the down projection (and its residual, with
-    FUSE.residual) where the kernel takes them."""
+    itself (`Fusion.gated`), and with FUSE.norm_scale the norm too: the norm, that launch, then the down
+    projection (and its residual, with FUSE.residual) where the kernel takes them."""
     mlp = layer.mlp
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
         return h + mlp(layer.post_attention_layernorm(h))
-    pair = [mlp.gate_proj, mlp.up_proj]
+    pair, norm = [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm
     if FUSE.gated and _one_launch(h, pair) and _no_bias(pair) and pair[0]["weight"].shape == pair[1]["weight"].shape:
-        act = _run_kernel(layer.post_attention_layernorm(h), pair, gated=True)[0]
+        if FUSE.norm_scale and _fusable_norm(norm):
+            act = _run_kernel(h, pair, norm=(norm.weight, norm.eps), gated=True, norm_scale=True)[0]
+        else:
+            act = _run_kernel(norm(h), pair, gated=True)[0]
         return residual_projection(act, mlp.down_proj, h)
-    gate, up = normed_projections(h, layer.post_attention_layernorm, pair)
+    gate, up = normed_projections(h, norm, pair)
     return swiglu_projection(gate, up, mlp.down_proj, h)
 
 
@@ -740,12 +810,12 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
 
 def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
                 up: Optional[mx.array] = None, residual: Optional[mx.array] = None,
-                gated: bool = False) -> tuple[mx.array, ...]:  # fmt: skip
+                gated: bool = False, norm_scale: bool = False) -> tuple[mx.array, ...]:  # fmt: skip
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
     stages take layers without bias)."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    fusion = Fusion.of(norm, up, residual, gated)
+    fusion = Fusion.of(norm, up, residual, gated, norm_scale)
     extra = ([norm[0]] if norm else []) + ([up] if up is not None else []) + ([residual] if residual is not None else [])
     run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
     ys = run(x, *arrays, *extra)

@@ -1,6 +1,7 @@
 """Where a B=1 decode step of a real model goes, per kernel configuration (`CONFIGS`: the exact tier; the
 fast tier without the DeltaNet step kernel, with it, with it and the compiled attention step, with the
-norms and SwiGLU on the GEMV launches' inputs, or with the residual adds and SwiGLU on their outputs):
+norms and SwiGLU on the GEMV launches' inputs, with the residual adds and SwiGLU on their outputs, or
+those and the norms' scale on their outputs):
 host graph build, a synchronous step (build + device), the pipelined rate the engine's decode loop
 reaches, that loop's parts (build, submit, wait: a wait near zero means the host is the bound) and the
 step's graph nodes by operation.
@@ -35,6 +36,7 @@ CONFIGS = {
     "fast_step_kernel_attention": (FAST, True, True, UNFUSED),
     "fast_step_kernel_fused": (FAST, True, False, Fusion(norm=True, swiglu=True, residual=True)),
     "fast_epilogues": (FAST, True, True, EPILOGUES),  # residual adds and the SwiGLU after the products
+    "fast_norm_scale": (FAST, True, True, Fusion(residual=True, gated=True, norm_scale=True)),  # and the norms
 }
 
 

@@ -307,8 +307,54 @@ def test_gated_launch_gives_the_swiglu_of_both_products(bits, group, m):
     g32, u32 = gate.astype(mx.float32), up.astype(mx.float32)
     want = g32 * mx.sigmoid(g32) * u32
     assert mx.all(mx.abs(y.astype(mx.float32) - want) <= 2.0**-7 * mx.abs(want)).item()
+
+
+def test_fused_stages_refuse_what_they_cannot_take():
+    # Checked before any kernel is built, so on every backend.
+    qs = [make_quantized(n=n, k=128, seed=i) for i, n in enumerate((64, 64, 32))]
+    triples = [(q.weight, q.scales, q.biases) for q in qs]
+    x = mx.zeros((1, 1, 128), dtype=mx.bfloat16)
     with pytest.raises(ValueError, match="two matrices of one shape"):
-        quantized_matmuls(x, pair[:1], group, bits, gated=True)
+        quantized_matmuls(x, triples[:1], 64, 4, gated=True)
+    with pytest.raises(ValueError, match="two matrices of one shape"):
+        quantized_matmuls(x, triples[1:], 64, 4, gated=True)
+    with pytest.raises(ValueError, match="norm_scale takes the norm"):
+        quantized_matmuls(x, triples[:2], 64, 4, norm_scale=True)
+    with pytest.raises(ValueError, match="a residual goes with one matrix"):
+        quantized_matmuls(x, triples[:2], 64, 4, residual=mx.zeros((1, 1, 64), dtype=mx.bfloat16))
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_norm_scale_takes_the_norm_after_the_products(m):
+    # Fusion.norm_scale: r * sum_k w_k bf16(x_k nw_k), r = rsqrt(mean(x^2) + eps) from the block's own loads,
+    # against the products of MLX's rms_norm output a_k = bf16(nw_k bf16(x_k r)) (as engine_norm2 rounds).
+    # Both approximate x_k nw_k r: a_k within two bf16 roundings (2^-8 each), r bf16(x_k nw_k) within one, so
+    # the products differ by at most 3 * 2^-8 < 2^-6 of sum |w| |a| (float32 sums and rsqrt far below), and
+    # the bf16 outputs add an ulp each (2^-7 of |y| for both). Also with the gated SwiGLU after it.
+    k = 1536
+    qs = [make_quantized(n=n, k=k, seed=i) for i, n in enumerate((2048, 2048, 1024))]
+    triples = [(q.weight, q.scales, q.biases) for q in qs]
+    x = (4 * mx.random.normal((1, m, k))).astype(mx.bfloat16)
+    norm_w = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+    normed = mx.fast.rms_norm(x, norm_w, 1e-6)
+
+    def bound(q, a, y):
+        with mx.stream(mx.cpu):
+            w = mx.abs(mx.dequantize(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), 64, 4))
+            return 2.0**-6 * (mx.abs(a.astype(mx.float32)) @ w.T) + 2.0**-7 * mx.abs(y.astype(mx.float32))
+
+    fused = quantized_matmuls(x, triples, 64, 4, norm=(norm_w, 1e-6), norm_scale=True)
+    for q, y, want in zip(qs, fused, quantized_matmuls(normed, triples, 64, 4)):
+        assert y.shape == want.shape
+        assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(q, normed, want)).item()
+
+    # gated: a block sums and scales the gate and up rows as the launch above does (same loads, same order),
+    # so against silu(gate) * up of its results the bound is test_gated_launch's
+    (y,) = quantized_matmuls(x, triples[:2], 64, 4, norm=(norm_w, 1e-6), gated=True, norm_scale=True)
+    g32, u32 = fused[0].astype(mx.float32), fused[1].astype(mx.float32)
+    want = g32 * mx.sigmoid(g32) * u32
+    assert mx.all(mx.abs(y.astype(mx.float32) - want) <= 2.0**-7 * mx.abs(want)).item()
 
 
 @cuda_only
