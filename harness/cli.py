@@ -26,7 +26,7 @@ from harness import kernels_cli, report_cli, run_cli, spec_cli
 from harness.cli_common import CliError, console, out
 from harness.cli_common import csv as _csv
 from harness.cli_common import csv_ints as _csv_ints
-from harness.cli_common import positive as _positive
+from harness.cli_common import at_least_two, positive as _positive
 
 def _model_source(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_source(nat)
     nat.add_argument("--prompt-tokens", type=_positive, default=1024, help="prompt length (default 1024)")
-    nat.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
+    nat.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens generated, at least 2 (default 128)")
     nat.add_argument("--samples", type=_positive, default=5, help="measured requests per side (default 5)")
     nat.add_argument("--warmup", type=int, default=1, help="warmup requests per side (default 1)")
     nat.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
@@ -382,6 +382,10 @@ def cmd_native(args) -> int:
     out.print("medians per side and their ratio (engine / mlx-lm); paired: geometric mean \\[min-max] of "
               "per-request ratios, each engine request against the mlx-lm request beside it in time")
     for r in results:
+        for arm in (r.engine, r.mlx_lm):
+            out.print(f"{r.model} {arm.arm} decode steps per sample: median "
+                      f"{', '.join(f'{v:.1f}' for v in arm.samples_median_step_ms)} ms, slowest "
+                      f"{', '.join(f'{v:.1f}' for v in arm.samples_slowest_step_ms)} ms")
         for when, snap in r.machine.items():
             for problem in snap["problems"]:
                 console.print(f"[yellow]{r.model}: {when} the samples, {problem}: its rates may be the machine's[/]")

@@ -37,6 +37,13 @@ def positive(value: str) -> int:
     return n
 
 
+def at_least_two(value: str) -> int:
+    n = int(value)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (a decode rate needs a gap between two tokens), got {value}")
+    return n
+
+
 def non_negative(value: str) -> int:
     n = int(value)
     if n < 0:

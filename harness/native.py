@@ -52,6 +52,10 @@ class NativeConfig:
     seed: int = 0
     kernels: str = EXACT  # the engine side's kernel tier
 
+    def __post_init__(self):
+        if self.decode_tokens < 2:
+            raise ValueError(f"decode_tokens must be at least 2 (a decode rate needs two tokens), got {self.decode_tokens}")
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -59,6 +63,15 @@ class Sample:
     ttft_s: float
     decode_s: float
     tokens: tuple[int, ...]
+    steps_s: tuple[float, ...] = ()  # the gaps between consecutive tokens after the first
+
+    @property
+    def median_step_ms(self) -> float:
+        return statistics.median(self.steps_s) * 1000 if self.steps_s else float("nan")
+
+    @property
+    def slowest_step_ms(self) -> float:
+        return max(self.steps_s) * 1000 if self.steps_s else float("nan")
 
 
 @dataclass
@@ -69,6 +82,10 @@ class ArmSummary:
     ttft_ms: float
     samples_prefill_tps: list[float] = field(default_factory=list)
     samples_decode_tps: list[float] = field(default_factory=list)
+    # per sample: the median gap between tokens and the slowest one. A decode rate well below
+    # 1000 / median step means a few long stalls; near it, uniformly slower steps (a slower host).
+    samples_median_step_ms: list[float] = field(default_factory=list)
+    samples_slowest_step_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -121,13 +138,13 @@ def geomean(values: list[float]) -> float:
 def _time(arm: str, run: Callable[[], Iterator[int]]) -> Sample:
     mx.synchronize()
     start = time.perf_counter()
-    it = run()
-    first = next(it)
-    t_first = time.perf_counter()
-    rest = list(it)
-    end = time.perf_counter()
+    tokens, stamps = [], []
+    for token in run():
+        stamps.append(time.perf_counter())
+        tokens.append(token)
     mx.synchronize()
-    return Sample(arm, t_first - start, end - t_first, (first, *rest))
+    steps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+    return Sample(arm, stamps[0] - start, stamps[-1] - stamps[0], tuple(tokens), steps)
 
 
 def _engine_tokens(model, ids: Sequence[int], n: int):
@@ -153,6 +170,8 @@ def _summarize(arm: str, samples: list[Sample], prompt_tokens: int, decode_token
         ttft_ms=statistics.median(s.ttft_s for s in samples) * 1000,
         samples_prefill_tps=prefill,
         samples_decode_tps=decode,
+        samples_median_step_ms=[s.median_step_ms for s in samples],
+        samples_slowest_step_ms=[s.slowest_step_ms for s in samples],
     )
 
 

@@ -117,11 +117,20 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
     assert "kernels" in capsys.readouterr().out  # the table's column
     assert set(rec["machine"]) == {"before", "after"}  # the host's load around the samples
     assert all(snap["cpu_count"] > 0 and isinstance(snap["problems"], list) for snap in rec["machine"].values())
+    for arm in ("engine", "mlx_lm"):  # each sample's median and slowest gap between tokens
+        median, slowest = rec[arm]["samples_median_step_ms"], rec[arm]["samples_slowest_step_ms"]
+        assert len(median) == len(slowest) == 1 and 0 < median[0] <= slowest[0]
 
 
 def test_native_rejects_a_bad_tier():
     with pytest.raises(SystemExit) as e:
         harness_main(["native", "--models", MODEL, "--kernels", "turbo"])
+    assert e.value.code == 2
+
+
+def test_native_needs_two_decode_tokens_for_a_rate():
+    with pytest.raises(SystemExit) as e:
+        harness_main(["native", "--models", MODEL, "--decode-tokens", "1"])
     assert e.value.code == 2
 
 
