@@ -14,12 +14,19 @@ PROJECT = "engine-harness"
 _VARS = {
     "ENGINE_HARNESS_CACHE": "where synthesized models live (default ~/.cache/engine-harness)",
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
+    "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (norm, swiglu, residual, "
+                   "gated, norm_scale; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
 }
 _SECRETS = {"ENGINE_API_KEY"}
 
 
 def api_key() -> str | None:
     return os.environ.get("ENGINE_API_KEY") or None
+
+
+def fuse_stages() -> str | None:
+    """ENGINE_FUSE as given (None when unset); `quantized_gemv` parses and checks it."""
+    return os.environ.get("ENGINE_FUSE")
 
 
 def cache_root() -> Path:

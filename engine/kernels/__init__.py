@@ -5,10 +5,11 @@
   GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
   `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
   the compiled DeltaNet decode step in `gated_delta_decode`, its core one
-  CUDA kernel from `gated_delta_step`, its norms, SwiGLU and residual adds
-  inside the GEMV launches; the compiled parts of a gated-attention decode
-  step in `attention_decode`, off by default); the sums run in another order,
-  so results agree with the exact tier to rounding, not bit for bit.
+  CUDA kernel from `gated_delta_step`; the compiled parts of a gated-attention
+  decode step in `attention_decode`; in both steps the stages
+  `quantized_gemv.FUSE` names inside the GEMV launches); the sums run in
+  another order, so results agree with the exact tier to rounding, not bit
+  for bit.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
 keeps the exact tier and `KernelSet.reason` says why. `install` changes a
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import attention_decode
+from engine.kernels import attention_decode, quantized_gemv
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
@@ -42,6 +43,8 @@ class KernelSet:
     dense_prefill_linears: int = 0  # layers that run prompt chunks as dequantize + GEMM (0 off CUDA)
     chunked_delta_layers: int = 0
     step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
+    attention_step_layers: int = 0  # gated-attention layers with the compiled decode step
+    fused_stages: str = "none"  # quantized_gemv.FUSE where the GEMV kernel runs (Fusion.names)
     reason: str = ""
 
     def as_record(self) -> dict:
@@ -82,15 +85,18 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas, step_kernels = _set_layer_paths(model, use_fast)
+    deltas, step_kernels, attention_steps = _set_layer_paths(model, use_fast)
     linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
+    gemv_layers = sum(q.use_kernel for q in linears)
     return KernelSet(
         tier=FAST if use_fast else EXACT,
         requested=tier,
-        quantized_linears=sum(q.use_kernel for q in linears),
+        quantized_linears=gemv_layers,
         dense_prefill_linears=sum(q.dense_prefill for q in linears),
         chunked_delta_layers=deltas if use_fast else 0,
         step_kernel_layers=step_kernels,
+        attention_step_layers=attention_steps,
+        fused_stages=quantized_gemv.FUSE.names() if gemv_layers else "none",
         reason=reason or "",
     )
 
@@ -131,11 +137,12 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
     replace_modules(module, swap)
 
 
-def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
+def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer, or none of
-    them; returns how many layers have the chunked rule and how many steps run the kernel."""
-    count = kernels = 0
+    them; returns how many layers have the chunked rule, how many steps run the kernel and how many
+    attention layers have the compiled step."""
+    count = kernels = attention = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
@@ -148,6 +155,7 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int]:
             kernels += kernel
         elif fast and attention_decode.applies(module):
             module.fused_step = attention_decode.layer_step(module)
+            attention += 1
         else:
             module.fused_step = None
-    return count, kernels
+    return count, kernels, attention

@@ -65,6 +65,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import env
 from engine.models.activations import swiglu
 from engine.models.base import project
 
@@ -422,6 +423,21 @@ class Fusion:
         return (["norm_w", "norm_eps"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu
                 + ["residual"] * self.residual)  # fmt: skip
 
+    @classmethod
+    def parse(cls, text: str) -> "Fusion":
+        """Stages by name, comma-separated ('none' or '' for none), as ENGINE_FUSE gives them."""
+        names = {n.strip() for n in text.split(",")} - {"", "none"}
+        unknown = names - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown GEMV stages {sorted(unknown)} (choose from {', '.join(cls.__dataclass_fields__)})")
+        if {"norm", "norm_scale"} <= names:
+            raise ValueError("norm and norm_scale are two ways to take the same norm: name one")
+        return cls(**{n: True for n in names})
+
+    def names(self) -> str:
+        """The stages that are on, comma-separated ('none' when none): what `parse` reads."""
+        return ",".join(n for n in self.__dataclass_fields__ if getattr(self, n)) or "none"
+
     def tag(self) -> str:
         return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale
 
@@ -483,8 +499,9 @@ class Fusion:
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
 # in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step) is off until
 # its CUDA test (test_norm_scale_takes_the_norm_after_the_products) has run and it is timed in the model
-# (diag_decode_step's fast_norm_scale). Set before `engine.kernels.install`, which traces the steps.
-FUSE = Fusion(residual=True, gated=True)
+# (diag_decode_step's fast_norm_scale). ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
+# Set before `engine.kernels.install`, which traces the steps.
+FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
 
 
 def _launch_bounds(threads: int, min_blocks: int) -> str:

@@ -368,6 +368,29 @@ def test_residual_in_the_launch_equals_the_add_after_it(m):
     assert mx.array_equal(y, residual + quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4)).item()
 
 
+def test_gemv_stages_by_name():
+    from engine.kernels.quantized_gemv import Fusion
+
+    assert Fusion.parse("residual, gated") == Fusion(residual=True, gated=True)
+    assert Fusion.parse("none") == Fusion.parse("") == Fusion()
+    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(norm=True, swiglu=True)):
+        assert Fusion.parse(f.names()) == f
+    with pytest.raises(ValueError, match="unknown GEMV stages"):
+        Fusion.parse("residual,fused")
+    with pytest.raises(ValueError, match="name one"):
+        Fusion.parse("norm,norm_scale")
+
+
+def test_engine_fuse_sets_the_stages_a_process_runs():
+    code = "import engine.kernels.quantized_gemv as q; print(q.FUSE.names())"
+    env = {**os.environ, "ENGINE_FUSE": "gated,norm_scale"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "gated,norm_scale"
+    env["ENGINE_FUSE"] = "turbo"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown GEMV stages ['turbo']" in bad.stderr
+
+
 def test_a_register_cap_names_its_kernel_apart():
     # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
     plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
