@@ -118,19 +118,21 @@ __device__ __forceinline__ uint32_t engine_mul2(uint32_t x, uint32_t w) {
   const float2 xf = engine_bf16x2(x), wf = engine_bf16x2(w);
   return engine_to_bf16x2(xf.x * wf.x, xf.y * wf.y);
 }
-__device__ __forceinline__ float engine_sumsq8(const uint4 v) {
-  // the sum of the squares of 8 bf16 values, in float32
+__device__ __forceinline__ float engine_sumsq8(const uint4 v, float s) {
+  // s plus the squares of 8 bf16 values, in float32
   const uint32_t* p = reinterpret_cast<const uint32_t*>(&v);
-  float s = 0.0f;
   #pragma unroll
   for (int j = 0; j < 4; ++j) { const float2 f = engine_bf16x2(p[j]); s = fmaf(f.x, f.x, fmaf(f.y, f.y, s)); }
   return s;
 }
+__device__ __forceinline__ float engine_silu_bf16(float g) {
+  // silu(g), rounded to bf16
+  return __bfloat162float(__float2bfloat16(g / (1.0f + expf(-g))));
+}
 __device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
   // two values of silu(gate) * up as bf16 operations: silu rounded to bf16, then the product
   const float2 gf = engine_bf16x2(g), uf = engine_bf16x2(u);
-  const float2 s = engine_bf16x2(engine_to_bf16x2(gf.x / (1.0f + expf(-gf.x)), gf.y / (1.0f + expf(-gf.y))));
-  return engine_to_bf16x2(s.x * uf.x, s.y * uf.y);
+  return engine_to_bf16x2(engine_silu_bf16(gf.x) * uf.x, engine_silu_bf16(gf.y) * uf.y);
 }
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
@@ -169,6 +171,7 @@ _BODY_START = r"""
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row_base = blk * 16 * RTO;
+  auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };  // row tile r's first row
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
   // FUSED STAGES
 
@@ -365,16 +368,16 @@ _NORM_SCALE_REDUCE = r"""
 def _prologue(count: int, gated: bool = False) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
     block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk), the
-    output row tiles of a block (RTO) and where row tile r reads (tile_row, tile_w, tile_scales,
-    tile_biases). `gated` (two matrices, gate and up): every block takes the same rows of both, its first
-    RT / 2 row tiles from the gate, the rest from up, and writes one output (`Fusion.gated`)."""
+    output row tiles of a block (RTO) and which matrix row tile r reads (tile_w, tile_scales, tile_biases;
+    the body's tile_row gives its rows). `gated` (two matrices, gate and up): every block takes the same
+    rows of both, its first RT / 2 row tiles from the gate, the rest from up, and writes one output
+    (`Fusion.gated`)."""
     if gated:
         return """  constexpr bool GATED = true;
   constexpr int RTO = RT / 2;
   static_assert(RT % 2 == 0, "a gated launch takes row tiles in pairs");
   const int N = N0, blk = blockIdx.x;
   __nv_bfloat16* out = out0;
-  auto tile_row = [&](const int r) { return blk * 16 * RTO + (r % RTO) * 16; };
   auto tile_w = [&](const int r) { return r < RTO ? w0 : w1; };
   auto tile_scales = [&](const int r) { return r < RTO ? scales0 : scales1; };
   auto tile_biases = [&](const int r) { return r < RTO ? biases0 : biases1; };
@@ -386,8 +389,7 @@ def _prologue(count: int, gated: bool = False) -> str:
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
         lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
                      f"N = N{i}; blk -= BLK{i}; }}")
-    lines += ["  auto tile_row = [&](const int r) { return blk * 16 * RT + r * 16; };",
-              "  auto tile_w = [&](const int) { return w; };",
+    lines += ["  auto tile_w = [&](const int) { return w; };",
               "  auto tile_scales = [&](const int) { return scales; };",
               "  auto tile_biases = [&](const int) { return biases; };"]
     return "\n".join(lines) + "\n"
@@ -452,10 +454,7 @@ class Fusion:
   for (int m = warp; m < M; m += W) {
     float ss = 0.0f;
     for (int i = lane; i < K / 8; i += 32) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K) + i);
-      const uint32_t* p = reinterpret_cast<const uint32_t*>(&v);
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) { const float2 f = engine_bf16x2(p[j]); ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss)); }
+      ss = engine_sumsq8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K) + i), ss);
     }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -475,7 +474,7 @@ class Fusion:
                          "engine_norm2(v.z, w8.z, r), engine_norm2(v.w, w8.w, r));")
         if self.norm_scale:  # row m = g + 8 * nb
             lines.append("    const uint4 w8 = __ldg(reinterpret_cast<const uint4*>(norm_w + i % K));")
-            lines.append("    ssq[m >> 3] += engine_sumsq8(v);")
+            lines.append("    ssq[m >> 3] = engine_sumsq8(v, ssq[m >> 3]);")
             lines.append("    v = make_uint4(engine_mul2(v.x, w8.x), engine_mul2(v.y, w8.y), engine_mul2(v.z, w8.z), "
                          "engine_mul2(v.w, w8.w));")
         lines.append("    return v;\n  };")
@@ -485,8 +484,7 @@ class Fusion:
         elif self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
             lines.append("  auto output = [&](const float v, const float v_up, const size_t) {\n"
                          "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
-                         "    const float silu = __bfloat162float(__float2bfloat16(gate / (1.0f + expf(-gate))));\n"
-                         "    return __float2bfloat16(silu * up);\n  };")
+                         "    return __float2bfloat16(engine_silu_bf16(gate) * up);\n  };")
         else:
             lines.append("  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };")
         return "\n".join(lines) + "\n"
