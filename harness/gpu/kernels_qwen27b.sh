@@ -9,7 +9,8 @@
 # PART=diag:   the compiled decode steps', the DeltaNet step kernel's and the fused stages' CUDA tests, then
 #              diag_decode_step.py (the fast tier with and without the GEMV epilogues, 3 rounds)
 #              and diag_prefill.py on qwen27b
-# PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (GRAPH_SETTINGS: MLX_MAX_OPS_PER_BUFFER, ...)
+# PART=graphs: diag_decode_step.py once per MLX CUDA graph setting (GRAPH_SETTINGS: space-separated settings,
+#              each VAR=value[,VAR=value...], e.g. MLX_MAX_MB_PER_BUFFER=100000,MLX_MAX_OPS_PER_BUFFER=1000)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch)
 # PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
@@ -54,8 +55,8 @@ case "$PART" in
     synth
     for setting in ${GRAPH_SETTINGS:-"default" "MLX_MAX_OPS_PER_BUFFER=50" "MLX_MAX_OPS_PER_BUFFER=100" \
         "MLX_MAX_OPS_PER_BUFFER=200" "MLX_USE_CUDA_GRAPHS=0"}; do
-      label=$(echo "$setting" | tr ' =' '_-')
-      env $([ "$setting" = default ] || echo "$setting") python3 harness/gpu/diag_decode_step.py --tokens 48 \
+      label=$(echo "$setting" | tr ' ,=' '_+-')
+      env $([ "$setting" = default ] || echo "$setting" | tr ',' ' ') python3 harness/gpu/diag_decode_step.py --tokens 48 \
           --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_epilogues}" --label "$label" 2>&1 \
           | tee -a "$OUT/decode-graphs.txt" || true
     done
