@@ -48,6 +48,12 @@ class KVCache(OffsetTrimmed):
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.append(keys, values)
+        return self.fetch()
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Write `keys`/`values` [B, heads, n, D] at the offset (growing the buffers a step at a time); the
+        first `offset` positions of `self.keys`/`self.values` are then the cache."""
         prev = self.offset
         n = keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
@@ -67,7 +73,6 @@ class KVCache(OffsetTrimmed):
         self.offset += n
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
-        return self.fetch()
 
     def fetch(self):
         if self.offset < self.keys.shape[2]:

@@ -5,8 +5,9 @@
   GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
   `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
   the compiled DeltaNet decode step in `gated_delta_decode`, its core one
-  CUDA kernel from `gated_delta_step`; the compiled parts of a gated-attention
-  decode step in `attention_decode`; in both steps the stages
+  CUDA kernel from `gated_delta_step`; the gated-attention decode step in
+  `attention_decode`, its attention two CUDA kernels from `attention_step`
+  and the rest compiled; in both steps the stages
   `quantized_gemv.FUSE` names inside the GEMV launches); the sums run in
   another order, so results agree with the exact tier to rounding, not bit
   for bit.
@@ -44,6 +45,7 @@ class KernelSet:
     chunked_delta_layers: int = 0
     step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
     attention_step_layers: int = 0  # gated-attention layers with the compiled decode step
+    attention_kernel_layers: int = 0  # of them, those whose attention runs attention_step's kernels (0 off CUDA)
     fused_stages: str = "none"  # quantized_gemv.FUSE where the GEMV kernel runs (Fusion.names)
     reason: str = ""
 
@@ -85,7 +87,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
     reason = fast_refusal(force) if tier == FAST else None
     use_fast = tier == FAST and reason is None
     _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas, step_kernels, attention_steps = _set_layer_paths(model, use_fast)
+    deltas, step_kernels, attention_steps, attention_kernels = _set_layer_paths(model, use_fast)
     linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
     gemv_layers = sum(q.use_kernel for q in linears)
     return KernelSet(
@@ -96,6 +98,7 @@ def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False
         chunked_delta_layers=deltas if use_fast else 0,
         step_kernel_layers=step_kernels,
         attention_step_layers=attention_steps,
+        attention_kernel_layers=attention_kernels,
         fused_stages=quantized_gemv.FUSE.names() if gemv_layers else "none",
         reason=reason or "",
     )
@@ -137,12 +140,12 @@ def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> 
     replace_modules(module, swap)
 
 
-def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int]:
+def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer, or none of
     them; returns how many layers have the chunked rule, how many steps run the kernel and how many
-    attention layers have the compiled step."""
-    count = kernels = attention = 0
+    attention layers have the compiled step, of them how many run the attention kernels."""
+    count = kernels = attention = attention_kernels = 0
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
@@ -154,8 +157,10 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int]:
             module.fused_step = layer_step(module, kernel) if fast else None
             kernels += kernel
         elif fast and attention_decode.applies(module):
-            module.fused_step = attention_decode.layer_step(module)
+            kernel = attention_decode.kernel_applies(module)
+            module.fused_step = attention_decode.layer_step(module, kernel)
             attention += 1
+            attention_kernels += kernel
         else:
             module.fused_step = None
-    return count, kernels, attention
+    return count, kernels, attention, attention_kernels

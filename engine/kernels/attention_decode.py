@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from engine.cache.kv import KVCache
+from engine.kernels import attention_step
 from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
 
 # Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
@@ -35,6 +37,10 @@ from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual
 # can move the rounding by 2^-10. The test checks float32 numerics there.
 ENABLED = True
 
+# Whether the step runs the attention itself as `attention_step`'s CUDA kernels where they apply (q/k norms,
+# rope, attention over the cache and the gate in two launches instead of ~30 graph nodes).
+KERNELS = True
+
 
 def applies(layer) -> bool:
     """A layer whose attention has the stages the step compiles around (Qwen3.5's gated attention)."""
@@ -42,12 +48,22 @@ def applies(layer) -> bool:
     return ENABLED and all(hasattr(attn, stage) for stage in ("heads", "attend", "gated"))
 
 
-def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+def kernel_applies(layer) -> bool:
+    """Whether the layer's attention can run `attention_step`'s CUDA kernels here (for a bf16 token and a
+    plain KV cache; the step checks those each call)."""
+    return KERNELS and mx.cuda.is_available() and mx.default_device() == mx.gpu \
+        and attention_step.refusal(layer.self_attn) is None  # fmt: skip
+
+
+def layer_step(layer, kernels: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
     """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
-    or None for several tokens a row (the layer's own path runs). The weights are held by the compiled
+    or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
+    with a plain `KVCache` and no mask takes `attention_step`'s kernels between the projections; anything
+    else the compiled parts around the layer's own attention. The weights are held by the compiled
     graphs from their first trace (no copies), so `engine.kernels.install` makes a new step each time it
     changes the layer."""
     attn = layer.self_attn
+    fpar = attention_step.float_params(attn) if kernels else None
 
     # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the residual
     # adds in the o_proj and down launches, the SwiGLU in the gate+up launch).
@@ -59,9 +75,18 @@ def layer_step(layer) -> Callable[[mx.array, Optional[mx.array], Any], Optional[
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
+    def kernel_step(x: mx.array, cache: KVCache) -> mx.array:
+        q, k, v = normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
+        n = cache.offset + 1
+        cache.append(*attention_step.keys(attn, k, v, n, fpar))
+        out = attention_step.attend(attn, q, cache.keys, cache.values, n, fpar)
+        return mlp_half(layer, residual_projection(out, attn.o_proj, x))
+
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if x.shape[1] != 1:
             return None
+        if kernels and mask is None and type(cache) is KVCache and x.dtype == mx.bfloat16:
+            return kernel_step(x, cache)
         q, k, v, gate = before_c(x)
         return after_c(x, attn.attend(q, k, v, mask, cache), gate)
 

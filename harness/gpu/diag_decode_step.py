@@ -28,15 +28,19 @@ from harness.gpu.results import save_json
 
 
 UNFUSED, EPILOGUES = Fusion(), Fusion(residual=True, gated=True)
-# tier, the DeltaNet step kernel, the compiled attention step, the stages inside the GEMV launches
+NORM_SCALE = Fusion(residual=True, gated=True, norm_scale=True)
+# The attention layers' decode step: none, compiled around MLX's attention, or with the attention kernels
+OFF, COMPILED, KERNELS = "off", "compiled", "kernels"
+# tier, the DeltaNet step kernel, the attention step, the stages inside the GEMV launches
 CONFIGS = {
-    EXACT: (EXACT, False, False, UNFUSED),
-    FAST: (FAST, False, False, UNFUSED),
-    "fast_step_kernel": (FAST, True, False, UNFUSED),
-    "fast_step_kernel_attention": (FAST, True, True, UNFUSED),
-    "fast_step_kernel_fused": (FAST, True, False, Fusion(norm=True, swiglu=True, residual=True)),
-    "fast_epilogues": (FAST, True, True, EPILOGUES),  # residual adds and the SwiGLU after the products
-    "fast_norm_scale": (FAST, True, True, Fusion(residual=True, gated=True, norm_scale=True)),  # and the norms
+    EXACT: (EXACT, False, OFF, UNFUSED),
+    FAST: (FAST, False, OFF, UNFUSED),
+    "fast_step_kernel": (FAST, True, OFF, UNFUSED),
+    "fast_step_kernel_attention": (FAST, True, COMPILED, UNFUSED),
+    "fast_step_kernel_fused": (FAST, True, OFF, Fusion(norm=True, swiglu=True, residual=True)),
+    "fast_epilogues": (FAST, True, COMPILED, EPILOGUES),  # residual adds and the SwiGLU after the products
+    "fast_norm_scale": (FAST, True, COMPILED, NORM_SCALE),  # and the norms
+    "fast_attention_kernels": (FAST, True, KERNELS, NORM_SCALE),  # and the attention as two kernels
 }
 
 
@@ -109,7 +113,8 @@ def main() -> None:
     prompt = [(i * 7919) % 50000 + 10 for i in range(256)]
     results = {"env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     for name in configs * args.rounds:
-        tier, gated_delta_decode.USE_STEP_KERNEL, attention_decode.ENABLED, quantized_gemv.FUSE = CONFIGS[name]
+        tier, gated_delta_decode.USE_STEP_KERNEL, attention, quantized_gemv.FUSE = CONFIGS[name]
+        attention_decode.ENABLED, attention_decode.KERNELS = attention != OFF, attention == KERNELS
         install(eng.model, EXACT)  # the next install traces its layer steps afresh (FUSE is read then)
         ks = install(eng.model, tier)
         r = measure(eng, prompt, args.tokens)
@@ -121,7 +126,8 @@ def main() -> None:
         print(f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
               f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
               f"loop: build {r['loop_build_ms']:.2f} + submit {r['loop_submit_ms']:.2f} + wait {r['loop_wait_ms']:.2f} ms, "
-              f"{ks.quantized_linears} kernel layers, {r['operations']} operations ({r['views']} views)", flush=True)
+              f"{ks.quantized_linears} kernel layers, {ks.attention_kernel_layers} attention kernel layers, "
+              f"{r['operations']} operations ({r['views']} views)", flush=True)
         save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)
 
 

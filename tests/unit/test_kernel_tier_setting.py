@@ -112,7 +112,7 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
     assert rec["kernels"]["tier"] == RAN and rec["kernels"]["requested"] == FAST
     assert set(rec["kernels"]) == {
         "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
-        "attention_step_layers", "fused_stages",
+        "attention_step_layers", "attention_kernel_layers", "fused_stages",
         "reason",
     }
     assert "kernels" in capsys.readouterr().out  # the table's column

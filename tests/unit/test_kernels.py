@@ -562,3 +562,124 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path(monkeypatch):
     # float32 model: fused elementwise chains round differently, so logits agree to float32 rounding
     diffs = [mx.abs(a - b).max().item() for rid in exact for a, b in zip(exact[rid], fast[rid])]
     assert diffs and max(diffs) < 1e-3
+
+
+# The gated-attention decode kernels (engine/kernels/attention_step.py) and references for them in MLX
+# operations: `_keys_reference` is the layer's own path for the new k and v (its norm, rope and layout);
+# `_attend_reference` is the layer's q path, then attention in float32 elementwise operations (not matmuls:
+# CUDA runs float32 matmuls as TF32) and the layer's output gate.
+def _keys_reference(attn, k, v, n):
+    b, d = k.shape[0], attn.k_norm.weight.shape[0]
+    kn = attn.k_norm(k.reshape(b, 1, attn.n_kv_heads, d)).transpose(0, 2, 1, 3)
+    return attn.rope(kn, offset=n - 1), v.reshape(b, 1, attn.n_kv_heads, d).transpose(0, 2, 1, 3)
+
+
+def _attend_reference(attn, q, keys, values, n):
+    b, d, h, f32 = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads, mx.float32
+    qh, gate = mx.split(q.reshape(b, 1, h, 2 * d), 2, axis=-1)
+    qr = attn.rope(attn.q_norm(qh).transpose(0, 2, 1, 3), offset=n - 1).astype(f32) * attn.scale  # [b, h, 1, d]
+    group = h // attn.n_kv_heads
+    k = mx.repeat(keys[:, :, :n].astype(f32), group, axis=1)
+    v = mx.repeat(values[:, :, :n].astype(f32), group, axis=1)
+    p = mx.softmax(mx.sum(qr * k, axis=-1), axis=-1)  # [b, h, n]
+    o = mx.sum(p[..., None] * v, axis=2).astype(mx.bfloat16)  # [b, h, d]
+    return o.reshape(b, 1, h * d) * mx.sigmoid(gate.reshape(b, 1, h * d))
+
+
+class _Attn(nn.Module):
+    """The attention module's parts the kernels read, at any geometry."""
+
+    def __init__(self, h, hkv, d, rope_dims, traditional=False, dtype=mx.bfloat16):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.scale = h, hkv, d**-0.5
+        self.q_norm, self.k_norm = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+        mx.random.seed(1)
+        self.q_norm.weight = (1 + 0.2 * mx.random.normal((d,))).astype(dtype)
+        self.k_norm.weight = (1 + 0.2 * mx.random.normal((d,))).astype(dtype)
+        self.rope = nn.RoPE(rope_dims, traditional=traditional, base=1e7)
+
+
+def test_attention_kernels_refuse_what_they_cannot_take():
+    from engine.kernels.attention_step import refusal
+
+    assert refusal(_Attn(24, 4, 256, 64)) is None
+    assert refusal(_Attn(4, 2, 64, 16)) is None
+    assert "non-traditional" in refusal(_Attn(4, 2, 64, 16, traditional=True))
+    assert "head dim 48" in refusal(_Attn(4, 2, 48, 16))
+    assert "head dim 512" in refusal(_Attn(4, 2, 512, 64))
+    assert "multiple of kv heads" in refusal(_Attn(5, 2, 64, 16))
+    assert "bf16" in refusal(_Attn(4, 2, 64, 16, dtype=mx.float32))
+
+
+def test_attention_kernels_are_chosen_on_cuda_only():
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35", with_tokenizer=False).model
+    ks = install(model, FAST, force=True)
+    install(model, EXACT)
+    assert ks.attention_step_layers > 0
+    assert ks.attention_kernel_layers == (ks.attention_step_layers if on_cuda() else 0)
+
+
+def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
+    # The step's own plumbing (the flat projections, the cache append, n, the output into o_proj) on any
+    # backend, with the kernels replaced by the references above, against the compiled step around the
+    # layer's attention. Both decode the same forced tokens.
+    from engine.engine import Engine
+    from engine.kernels import attention_decode, attention_step
+
+    monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, n, fpar: _keys_reference(attn, k, v, n))
+    monkeypatch.setattr(attention_step, "attend", lambda attn, q, k, v, n, fpar: _attend_reference(attn, q, k, v, n))
+    model = Engine.load("tiny-qwen35", with_tokenizer=False).model  # bf16
+
+    def decode(kernels: bool):
+        monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: kernels)
+        ks = install(model, FAST, force=True)
+        cache = model.make_cache()
+        model(mx.array([list(range(3, 11))]), cache)
+        logits = [model(mx.array([[t]]), cache)[0, -1] for t in range(20, 32)]
+        mx.eval(logits, [c.state for c in cache])
+        install(model, EXACT)
+        return ks, logits, cache
+
+    _, compiled, compiled_cache = decode(False)
+    ks, kernel, kernel_cache = decode(True)
+    assert ks.attention_kernel_layers == ks.attention_step_layers > 0
+    # Each attention layer's cache is the layer's own k and v (the same operations) where its inputs agree:
+    # in the first attention layer (the layers before it run the same operations in both).
+    first = next(i for i, layer in enumerate(model.layers) if not layer.is_linear)
+    for a, b in zip(compiled_cache[first].state, kernel_cache[first].state):
+        assert mx.array_equal(a, b).item()
+    # MLX's attention rounds q * scale, the scores and the probabilities to bf16, the reference does not:
+    # the logits differ by a few bf16 ulps (2^-8 relative each) of their largest magnitude.
+    worst = max((mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(compiled, kernel))
+    assert worst < 2**-5
+
+
+@cuda_only
+@pytest.mark.parametrize("h, hkv, d, rope_dims, b, n", [(24, 4, 256, 64, 1, 1), (24, 4, 256, 64, 1, 300),
+                                                        (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37)])  # fmt: skip
+def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
+    from engine.kernels.attention_step import attend, float_params, keys
+
+    attn, bf = _Attn(h, hkv, d, rope_dims), mx.bfloat16
+    mx.random.seed(2)
+    q = mx.random.normal((b, 1, h * 2 * d)).astype(bf)
+    k, v = mx.random.normal((b, 1, hkv * d)).astype(bf), mx.random.normal((b, 1, hkv * d)).astype(bf)
+    cap = (n + 255) // 256 * 256
+    keys_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
+    values_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
+    fpar = float_params(attn)
+    got_k, got_v = keys(attn, k, v, n, fpar)
+    want_k, want_v = _keys_reference(attn, k, v, n)
+    assert mx.array_equal(got_v, want_v).item()
+    # The same roundings as the layer (the norm, then rope, to bf16); the sum of squares in another order can
+    # move the normed channel (and so the rope's pair) by one bf16 ulp.
+    assert (mx.abs(got_k.astype(mx.float32) - want_k) <= 2**-7 * mx.abs(want_k).max()).all().item()
+    keys_buf[:, :, n - 1 : n] = want_k
+    values_buf[:, :, n - 1 : n] = want_v
+    got = attend(attn, q, keys_buf, values_buf, n, fpar).astype(mx.float32)
+    want = _attend_reference(attn, q, keys_buf, values_buf, n).astype(mx.float32)
+    # Both round the attention output and the gated output to bf16 (one ulp each: 2^-8 of the value) from
+    # float32 values that differ only by summation order and __expf.
+    assert (mx.abs(got - want) <= 2**-7 * mx.abs(want) + 2**-12 * mx.abs(want).max()).all().item()

@@ -1,0 +1,246 @@
+"""A gated-attention layer's one-token attention as two CUDA kernels.
+
+Between its q/k/v projections and its output projection, a Qwen3.5
+full-attention layer does for one token: split q from the output gate, the
+q and k RMS norms, rope on both at the cache's offset, the cache update,
+attention over the cache, and the sigmoid gate. As MLX operations that is
+~30 graph nodes a layer each step (reshapes, transposes, the norms, two
+ropes of two launches each, the cache's slices, MLX's attention for head dim
+256 at one query as unflatten, matmul, softmax, matmul, flatten, the gate),
+and the host handles every one of them each step. Here it is:
+
+- `keys`: one launch for the new token's k (norm and rope) and v, in the
+  cache's [B, kv heads, 1, D] layout;
+- the cache's own update (two slice updates, as the layer's path makes);
+- `attend`: one launch for q's norm and rope, attention over the cache's
+  first n positions and the output gate, written as o_proj's input.
+
+Numerics: the roundings of the layer's path are kept where it rounds to the
+activation dtype (bf16) before a value is stored or reused: the normed q and
+k, the roped q and k, the attention output, the sigmoid gate. The layer's
+path also rounds q * scale, the scores and the probabilities to bf16; here
+they stay float32 (online softmax over the cache in one pass), so the
+result is the layer's to bf16 rounding of those, not bit for bit: the fast
+tier.
+
+One block per (batch row, q head), 8 warps: each warp walks positions
+j = warp, warp + 8, ... with its lanes across the head dimension (D / 32
+channels a lane, one 16-byte load a lane for D = 256), keeps a running max,
+sum and weighted values, and the warps are merged at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+WARPS = 8  # warps a block of `attend`
+MAX_HEAD_DIM = WARPS * 32  # one thread per channel in the block-wide stages
+
+HEADER = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ float engine_bf16r(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// The sum of v over the block (all threads call it), to every thread; red holds a float a warp.
+__device__ __forceinline__ float engine_block_sum(float v, float* red) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += red[w];
+  __syncthreads();
+  return total;
+}
+
+// Channel t of a head after rope (MLX's non-traditional form: channel i < R/2 pairs with i + R/2) at
+// position pos; channels from R on pass unchanged. xs: the head's D channels.
+template <int R>
+__device__ __forceinline__ float engine_rope(const float* xs, int t, int pos, float log2_base, float scale) {
+  constexpr int HALF = R / 2;
+  if (t >= R) return xs[t];
+  const int i = t < HALF ? t : t - HALF;
+  const float inv_freq = exp2f(-((float)i / (float)HALF) * log2_base);
+  const float theta = (scale * (float)pos) * inv_freq;
+  const float c = cosf(theta), s = sinf(theta);
+  const float x1 = xs[i], x2 = xs[i + HALF];
+  return t < HALF ? x1 * c - x2 * s : x1 * s + x2 * c;
+}
+
+// The RMS norm of the block's D channels as MLX's RMSNorm rounds it: bf16(w * bf16(x * rsqrt(ms + eps))).
+template <int D>
+__device__ __forceinline__ float engine_head_norm(float x, const __nv_bfloat16* w, float eps, float* red) {
+  const int t = threadIdx.x;
+  const float ss = engine_block_sum(t < D ? x * x : 0.0f, red);
+  return t < D ? engine_bf16r((float)w[t] * engine_bf16r(x * rsqrtf(ss / D + eps))) : 0.0f;
+}
+
+// E consecutive bf16 values as floats (16-byte loads where E allows).
+template <int E>
+__device__ __forceinline__ void engine_load_row(const __nv_bfloat16* p, float (&out)[E]) {
+  if constexpr (E % 8 == 0) {
+    #pragma unroll
+    for (int c = 0; c < E / 8; ++c) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[c];
+      const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&u);
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pair[i]);
+        out[8 * c + 2 * i] = f.x;
+        out[8 * c + 2 * i + 1] = f.y;
+      }
+    }
+  } else {
+    #pragma unroll
+    for (int i = 0; i < E; ++i) out[i] = __bfloat162float(p[i]);
+  }
+}
+"""
+
+# ipar: [n, cap] (positions after this token's update, the cache buffer's length); fpar: [eps, log2 base,
+# rope scale, attention scale]
+KEYS_SOURCE = r"""
+  // Block (b, g): batch row b, kv head g; thread t: channel t.
+  const int t = threadIdx.x;
+  __shared__ float xs[D];
+  __shared__ float red[D / 32];
+  const size_t row = (size_t)blockIdx.x * D;  // [B, 1, HKV * D] in, [B, HKV, 1, D] out: the same offsets
+  v_out[row + t] = v[row + t];
+  xs[t] = engine_head_norm<D>((float)k[row + t], k_norm_w, fpar[0], red);
+  __syncthreads();
+  k_out[row + t] = __float2bfloat16(engine_rope<R>(xs, t, ipar[0] - 1, fpar[1], fpar[2]));
+"""
+
+ATTEND_SOURCE = r"""
+  // Block (b, h): batch row b, q head h of kv head g; WARPS warps; channels split over lanes, E a lane.
+  constexpr int E = D / 32;
+  const int b = blockIdx.x / H, h = blockIdx.x % H, g = h / (H / HKV);
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int n = ipar[0], cap = ipar[1];
+  __shared__ float qs[D];
+  __shared__ float red[WARPS], wm[WARPS], wl[WARPS];
+  __shared__ float wacc[WARPS][D];
+
+  // q (the first D of the head's 2 D projected channels; the gate is the second D): norm, rope, scale
+  const size_t qrow = ((size_t)b * H + h) * 2 * D;
+  const float qn = engine_head_norm<D>(t < D ? (float)q[qrow + t] : 0.0f, q_norm_w, fpar[0], red);
+  if (t < D) qs[t] = qn;
+  __syncthreads();
+  const float qr = t < D ? engine_bf16r(engine_rope<R>(qs, t, n - 1, fpar[1], fpar[2])) : 0.0f;
+  __syncthreads();
+  if (t < D) qs[t] = qr * fpar[3];
+  __syncthreads();
+  float qv[E];
+  #pragma unroll
+  for (int e = 0; e < E; ++e) qv[e] = qs[lane * E + e];
+
+  // one pass over positions 0..n-1 with a running max m, sum l and weighted values acc
+  const size_t head = ((size_t)b * HKV + g) * (size_t)cap * D + lane * E;
+  float m = -INFINITY, l = 0.0f, acc[E];
+  #pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  for (int j = warp; j < n; j += WARPS) {
+    float kr[E], vr[E];
+    engine_load_row<E>(keys + head + (size_t)j * D, kr);
+    engine_load_row<E>(values + head + (size_t)j * D, vr);
+    float s = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) s += qv[e] * kr[e];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float mn = fmaxf(m, s);
+    const float corr = __expf(m - mn), p = __expf(s - mn);
+    l = l * corr + p;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * vr[e];
+    m = mn;
+  }
+  if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+  #pragma unroll
+  for (int e = 0; e < E; ++e) wacc[warp][lane * E + e] = acc[e];
+  __syncthreads();
+
+  // merge the warps; the attention output rounded to bf16, then the sigmoid gate
+  if (t < D) {
+    float top = -INFINITY;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
+    float total = 0.0f, o = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
+      total += wl[w] * f;
+      o += wacc[w][t] * f;
+    }
+    const float gate = (float)q[qrow + D + t];
+    const float sig = engine_bf16r(1.0f / (1.0f + __expf(-gate)));
+    out[((size_t)b * H + h) * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
+  }
+"""
+
+
+@lru_cache(maxsize=1)
+def _keys_kernel():
+    return mx.fast.cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "ipar", "fpar"],
+                               output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def _attend_kernel():
+    return mx.fast.cuda_kernel(name="engine_attention_attend",
+                               input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
+                               output_names=["out"], source=ATTEND_SOURCE, header=HEADER)  # fmt: skip
+
+
+def refusal(attn: nn.Module) -> Optional[str]:
+    """Why the kernels cannot run this attention module (None when they can)."""
+    rope, d = getattr(attn, "rope", None), attn.q_norm.weight.shape[0]
+    if type(rope) is not nn.RoPE or rope.traditional:
+        return "only MLX's default, non-traditional RoPE"
+    if d % 32 or d > MAX_HEAD_DIM or rope.dims % 2 or rope.dims > d:
+        return f"head dim {d} with rope dims {rope.dims}: a multiple of 32 up to {MAX_HEAD_DIM}, rope dims even"
+    if attn.n_heads % attn.n_kv_heads:
+        return "q heads must be a multiple of kv heads"
+    if any(w.dtype != mx.bfloat16 for w in (attn.q_norm.weight, attn.k_norm.weight)):
+        return "bf16 norm weights only"
+    if attn.q_norm.eps != attn.k_norm.eps:
+        return "the q and k norms must share their eps"
+    return None
+
+
+def float_params(attn) -> mx.array:
+    """The kernels' float parameters for `attn`: [norm eps, log2 of the rope base, rope scale, attention scale]."""
+    rope = attn.rope
+    log2_base = math.log2(float(mx.array(rope.base, dtype=mx.float32).item()))
+    return mx.array([attn.q_norm.eps, log2_base, rope.scale, attn.scale], dtype=mx.float32)
+
+
+def _template(attn, d: int) -> list:
+    return [("H", attn.n_heads), ("HKV", attn.n_kv_heads), ("D", d), ("R", attn.rope.dims), ("WARPS", WARPS)]
+
+
+def keys(attn, k: mx.array, v: mx.array, n: int, fpar: mx.array) -> tuple[mx.array, mx.array]:
+    """The new token's k (normed, roped at position n - 1) and v, from the projections [B, 1, kv heads * D],
+    as [B, kv heads, 1, D] bf16."""
+    b, d = k.shape[0], attn.k_norm.weight.shape[0]
+    shape = (b, attn.n_kv_heads, 1, d)
+    return tuple(_keys_kernel()(
+        inputs=[k, v, attn.k_norm.weight, mx.array([n, 0], dtype=mx.int32), fpar],
+        template=_template(attn, d), grid=(b * attn.n_kv_heads * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[shape, shape], output_dtypes=[mx.bfloat16, mx.bfloat16],
+    ))  # fmt: skip
+
+
+def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, n: int, fpar: mx.array) -> mx.array:
+    """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
+    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D]."""
+    b, d = q.shape[0], attn.q_norm.weight.shape[0]
+    return _attend_kernel()(
+        inputs=[q, keys_buf, values_buf, attn.q_norm.weight, mx.array([n, keys_buf.shape[2]], dtype=mx.int32), fpar],
+        template=_template(attn, d), grid=(b * attn.n_heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(b, 1, attn.n_heads * d)], output_dtypes=[mx.bfloat16],
+    )[0]  # fmt: skip
