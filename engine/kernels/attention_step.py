@@ -27,6 +27,12 @@ One block per (batch row, q head), 8 warps: each warp walks positions
 j = warp, warp + 8, ... with its lanes across the head dimension (D / 32
 channels a lane, one 16-byte load a lane for D = 256), keeps a running max,
 sum and weighted values, and the warps are merged at the end.
+
+On the H200 (reports/gpu/test-attention-kernels-session11.txt) the CUDA
+tests pass against MLX-operation references (largest error 0.0105-0.0133 of
+the value, bound 2^-6); in qwen27b's B = 1 decode step they take the graph
+from 841 to 409 operations, and the two launches take 11.9 and 4.6 us a
+layer at a 64-token context (reports/gpu/step-kernels-session11.txt).
 """
 
 from __future__ import annotations

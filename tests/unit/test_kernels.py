@@ -680,6 +680,9 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     values_buf[:, :, n - 1 : n] = want_v
     got = attend(attn, q, keys_buf, values_buf, n, fpar).astype(mx.float32)
     want = _attend_reference(attn, q, keys_buf, values_buf, n).astype(mx.float32)
-    # Both round the attention output and the gated output to bf16 (one ulp each: 2^-8 of the value) from
-    # float32 values that differ only by summation order and __expf.
-    assert (mx.abs(got - want) <= 2**-7 * mx.abs(want) + 2**-12 * mx.abs(want).max()).all().item()
+    # Both round the attention output and the gated output to bf16 from float32 values that differ only by
+    # summation order and __expf: a rounding that falls the other way is one bf16 ulp, up to 2^-7 of the
+    # value, at each of the two.
+    err = mx.abs(got - want) / (mx.abs(want) + 2**-6 * mx.abs(want).max())
+    print(f"largest error / |value|: {err.max().item():.3g} (bound 2^-6 = {2**-6:.3g})")
+    assert (err <= 2**-6).all().item()
