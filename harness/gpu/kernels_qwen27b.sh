@@ -17,6 +17,7 @@
 #              device from a timer read inside the kernel), then the row-tile CUDA tests
 # PART=profile: diag_decode_step.py on STEP_CONFIGS, ROUNDS rounds: rates, the pipelined loop's host / device
 #              split (build, submit, wait) and the step's graph nodes
+# PART=ncu:    diag_step_kernels.py under Nsight Compute: each kernel's device time in STEPS decode steps
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -78,11 +79,17 @@ case "$PART" in
     python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds "${ROUNDS:-2}" \
         --configs "${STEP_CONFIGS:-fast_step_kernel_attention,fast_epilogues}" 2>&1 | tee "$OUT/decode-step.txt" || true
     ;;
+  ncu)  # each kernel's device time in a fast decode step (Nsight Compute), summed per step and by name
+    synth
+    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \
+        --log-file "$OUT/ncu-step.csv" python3 harness/gpu/diag_step_kernels.py --steps "${STEPS:-3}" 2>&1 | tail -5
+    python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step.csv" --top 30 2>&1 | tee "$OUT/step-kernels.txt"
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu or all" >&2; exit 2 ;;
 esac
