@@ -12,7 +12,10 @@ is one launch per layer, and the float32 state is read and written once.
 One block per (batch row, value head), one thread per value channel: the
 block computes its heads' q and k channels (recomputed by each value head of
 a key head's group: 2 x 128 multiply-adds), its v channels, then each warp
-walks state rows with its lanes across the key dimension. The roundings of
+walks state rows, four at a time, with its lanes across the key dimension.
+One row at a time it took 30.2 us a layer under Nsight Compute on the H200
+(reports/gpu/step-kernels-session11.txt: 3.1 MB of state read and written,
+so the loads' latency, not bandwidth); four at a time is not timed yet. The roundings of
 the compiled core are kept where it rounds to bf16 (the conv output, the
 normalized q and k, y before the norm, the norm before the gate), so the
 two agree to float32 summation order.
@@ -106,30 +109,55 @@ SOURCE = r"""
   const float bl = (float)beta_logits[(size_t)b * HV + h];
   const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-bl))));
 
-  // the delta rule: warp w takes rows w, w + DV / 32 * ..., lanes across the key dimension
+  // the delta rule: warp w takes rows w, w + NW, w + 2 NW, ... (NW = DV / 32 warps), RB at a time so their
+  // loads and reductions overlap (one row at a time the loop waits on each load: 30 us a layer on the H200),
+  // lanes across the key dimension; each row's sums run in the same order either way
+  constexpr int NW = DV / 32, RB = 4;
+  static_assert(32 % RB == 0, "a warp's 32 rows in groups of RB");
   const float* s_in = state + ((size_t)b * HV + h) * DV * DK;
   float* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
-  for (int i = warp; i < DV; i += DV / 32) {
-    float s[DK / 32];
-    float kv_mem = 0.0f;
+  for (int i0 = warp; i0 < DV; i0 += RB * NW) {
+    float s[RB][DK / 32], kv_mem[RB], y[RB];
     #pragma unroll
-    for (int j = 0; j < DK / 32; ++j) {
-      s[j] = s_in[(size_t)i * DK + lane + 32 * j] * g;
-      kv_mem += s[j] * ks[lane + 32 * j];
+    for (int r = 0; r < RB; ++r) {
+      #pragma unroll
+      for (int j = 0; j < DK / 32; ++j) s[r][j] = s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
     }
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) kv_mem += __shfl_xor_sync(0xffffffffu, kv_mem, o);
-    const float delta = (vs[i] - kv_mem) * beta;
-    float y = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < DK / 32; ++j) {
-      s[j] += ks[lane + 32 * j] * delta;
-      s_out[(size_t)i * DK + lane + 32 * j] = s[j];
-      y += s[j] * qs[lane + 32 * j];
+    for (int r = 0; r < RB; ++r) {
+      kv_mem[r] = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < DK / 32; ++j) {
+        s[r][j] *= g;
+        kv_mem[r] += s[r][j] * ks[lane + 32 * j];
+      }
     }
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
-    if (lane == 0) vs[i] = __bfloat162float(__float2bfloat16(y));  // row i's v is no longer needed
+    for (int o = 16; o > 0; o >>= 1) {
+      #pragma unroll
+      for (int r = 0; r < RB; ++r) kv_mem[r] += __shfl_xor_sync(0xffffffffu, kv_mem[r], o);
+    }
+    #pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const int i = i0 + r * NW;
+      const float delta = (vs[i] - kv_mem[r]) * beta;
+      y[r] = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < DK / 32; ++j) {
+        s[r][j] += ks[lane + 32 * j] * delta;
+        s_out[(size_t)i * DK + lane + 32 * j] = s[r][j];
+        y[r] += s[r][j] * qs[lane + 32 * j];
+      }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      #pragma unroll
+      for (int r = 0; r < RB; ++r) y[r] += __shfl_xor_sync(0xffffffffu, y[r], o);
+    }
+    if (lane == 0) {
+      #pragma unroll
+      for (int r = 0; r < RB; ++r) vs[i0 + r * NW] = __bfloat162float(__float2bfloat16(y[r]));  // v no longer needed
+    }
   }
   __syncthreads();
 
