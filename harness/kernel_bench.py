@@ -19,7 +19,13 @@ registry model's exact shapes.
 
 Timing: `calls` independent calls per `mx.eval`, after `warmup` evaluations
 (the first call compiles kernels), median over `repeats`; the clock covers
-the evaluation of calls built beforehand (`time_us`). The GEMV calls
+the evaluation of calls built beforehand (`time_us`). Independent calls can
+run side by side on the device (MLX's CUDA graphs order only what depends),
+which hides a launch that leaves SMs idle; in a decode step each matrix
+waits for the one before. So at M = 1 the GEMV is also timed serially
+(`serial_us`): each call adds its product to the previous call's output, as
+a residual layer does (MLX: the matmul and an add; ours: the residual in the
+launch, as the fast tier runs o_proj and down). The GEMV calls
 rotate over copies of the weights, at least `cold_bytes` of them, so no
 matrix is timed from the L2 (50 MB on the H200): a decode step streams the
 whole model from HBM. (On qwen27b's 47 MB matrices it changed little: MLX
@@ -92,6 +98,8 @@ class GemvResult(_Rates):
     max_abs_diff: Optional[float]
     max_abs_ref: float
     note: str = ""
+    serial_builtin_us: Optional[float] = None  # each call waiting for the one before (M = 1 only)
+    serial_kernel_us: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,18 @@ def time_us(fn: Callable[[], mx.array], cfg: BenchConfig, include_build: bool = 
     return statistics.median(samples)
 
 
+def serial_us(step: Callable[[mx.array], mx.array], start: mx.array, cfg: BenchConfig) -> float:
+    """Median microseconds per call of `cfg.calls` calls, each `step` taking the previous call's output
+    (the first `start`): none can start before the one before it ends, as in a decode step."""
+    def chain() -> mx.array:
+        out = start
+        for _ in range(cfg.calls):
+            out = step(out)
+        return out
+
+    return time_us(chain, dataclasses.replace(cfg, calls=1)) / cfg.calls
+
+
 def model_args(spec: ModelSpec):
     config = dataclasses.asdict(spec.geometry)
     return model_module(spec.model_type).ModelArgs.from_dict(config)
@@ -293,8 +313,10 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
     ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     moved = w.nbytes + scales.nbytes + biases.nbytes + x.nbytes + ref.nbytes
     builtin_us = time_us(builtin, cfg)
+    serial = m == 1
+    serial_builtin = serial_us(lambda r: r + builtin(), ref, cfg) if serial else None
     why = _kernel_refusal(x, [(w, scales, biases)], group_size, bits)
-    kernel_us = diff = None
+    kernel_us = diff = serial_kernel = None
     if why is None:
         def kernel():
             return quantized_matmul(x, *weights(), group_size, bits)
@@ -302,9 +324,12 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
         ours = quantized_matmul(x, w, scales, biases, group_size, bits)
         diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         kernel_us = time_us(kernel, cfg)
+        if serial:
+            serial_kernel = serial_us(lambda r: quantized_matmuls(x, [weights()], group_size, bits, residual=r)[0], ref, cfg)
     return GemvResult(
         n=n, k=k, m=m, bits=bits, group_size=group_size, layers=layers, builtin_us=builtin_us, kernel_us=kernel_us,
         bytes_moved=moved, max_abs_diff=diff, max_abs_ref=mx.abs(ref).max().item(), note=why or "",
+        serial_builtin_us=serial_builtin, serial_kernel_us=serial_kernel,
     )  # fmt: skip
 
 

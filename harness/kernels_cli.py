@@ -16,7 +16,8 @@ def add_kernels(sub) -> None:
         "kernels",
         help="microbenchmark the fast tier's kernels on a model's shapes; optionally its whole-model numerics gate",
         description="Time each fast-tier kernel against MLX's built-in operation on the exact shapes of a registry "
-        "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count, the "
+        "model: the quantized GEMV / small-M GEMM on every distinct linear-layer shape for each row count (at one row "
+        "also serially: each call waiting for the one before, as in a decode step), the "
         "projections that share an input in one launch (M <= 8, as the fast tier runs them), prompt chunks "
         "(--tokens minus one rows) as dequantize + one GEMM against MLX's quantized matmul, and the chunked "
         "Gated DeltaNet prefill against the per-token recurrence. Prints median time, effective "
@@ -76,14 +77,18 @@ def cmd_kernels(args) -> int:
     weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
     t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
     for col in ("N x K", "M", "layers", "mlx us", "mlx GB/s", "kernel us", "kernel GB/s", "of limit", "speedup",
-                "max|diff|", "note"):
+                "serial us mlx / kernel", "serial GB/s", "max|diff|", "note"):
         t.add_column(col)
     for r in gemv:
         gbs = r.gbs(r.kernel_us)
+        serial = f"{fmt(r.serial_builtin_us)} / {fmt(r.serial_kernel_us)}" if r.serial_builtin_us else ""
         t.add_row(f"{r.n}x{r.k}", str(r.m), str(r.layers), fmt(r.builtin_us), fmt(r.gbs(r.builtin_us), ".0f"),
                   fmt(r.kernel_us), fmt(gbs, ".0f"), fmt(gbs and gbs / cfg.peak_gbs, ".0%"),
-                  fmt(r.speedup, ".2f"), fmt(r.max_abs_diff, ".2e"), r.note)  # fmt: skip
+                  fmt(r.speedup, ".2f"), serial, fmt(r.gbs(r.serial_kernel_us), ".0f"), fmt(r.max_abs_diff, ".2e"),
+                  r.note)  # fmt: skip
     stdout.print(t)
+    stdout.print("serial: each call adds to the previous call's output, so it waits for it (as in a decode step); "
+                 "the other columns time independent calls, which the device may overlap")
     if groups:
         gt = Table(title="projections that share an input: MLX's op once per matrix vs the kernel once for all")
         for col in ("group", "N each", "K", "M", "modules", "mlx us", "kernel us", "kernel GB/s", "of limit",
@@ -124,7 +129,8 @@ def cmd_kernels(args) -> int:
         "device": str(mx.default_device()),
         "peak_gbs": cfg.peak_gbs,
         "cold_bytes": cfg.cold_bytes,
-        "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us)) for r in gemv],
+        "gemv": [dict(vars(r), builtin_gbs=r.gbs(r.builtin_us), kernel_gbs=r.gbs(r.kernel_us),
+                      serial_kernel_gbs=r.gbs(r.serial_kernel_us)) for r in gemv],
         "groups": [dict(vars(r), kernel_gbs=r.gbs(r.kernel_us), speedup=r.speedup) for r in groups],
         "prefill": [dict(vars(r), builtin_tflops=r.tflops(r.builtin_us), kernel_tflops=r.tflops(r.kernel_us),
                          speedup=r.speedup) for r in prefill],  # fmt: skip

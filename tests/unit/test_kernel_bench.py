@@ -110,12 +110,13 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["device"] == str(mx.default_device()) and record["cold_bytes"] == 1 << 20
     assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
+    assert record["gemv"][0]["serial_builtin_us"] > 0 and record["gemv"][0]["serial_kernel_us"] is None
     assert record["delta"][0]["tokens"] == 16
     assert {g["label"] for g in record["groups"]} == {"gate+up", "q/k/v", "DeltaNet inputs"}
     assert all(g["kernel_us"] is None and g["builtin_us"] > 0 for g in record["groups"])
     assert record["prefill"] == []  # 16 tokens is no prompt chunk the dense path takes
     printed = capsys.readouterr().out
-    assert "not measured" in printed and "rotated over 1 MB" in printed
+    assert "not measured" in printed and "rotated over 1 MB" in printed and "serial" in printed
 
 
 def test_prompt_chunk_bench_times_mlx_and_the_dense_path_where_the_fast_tier_runs_it():
@@ -139,3 +140,18 @@ def test_weight_copies_cover_the_cold_bytes_round_robin():
     assert weight_copies(w, s, b, BenchConfig(cold_bytes=0))()[0] is w
     capped = weight_copies(w, s, b, BenchConfig(cold_bytes=100 * nbytes, max_copies=2))
     assert [capped()[0] is w for _ in range(4)] == [True, False, True, False]
+
+
+def test_serial_timing_chains_each_call_on_the_one_before():
+    from harness.kernel_bench import BenchConfig, serial_us
+
+    seen = []
+
+    def step(prev):
+        seen.append(prev)
+        return prev + 1
+
+    us = serial_us(step, mx.array(0), BenchConfig(warmup=1, repeats=2, calls=5))
+    assert us > 0
+    # each evaluation's calls form one chain from the start: 0, 1, 2, 3, 4
+    assert [a.item() for a in seen[:5]] == [0, 1, 2, 3, 4]
