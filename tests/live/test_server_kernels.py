@@ -41,7 +41,7 @@ def test_stats_carry_the_kernel_set(fast_server):
     assert (k["tier"], k["requested"]) == (RAN, FAST)
     assert set(k) == {
         "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
-        "attention_step_layers", "fused_stages",
+        "attention_step_layers", "attention_kernel_layers", "fused_stages",
         "reason",
     }
     assert ("CUDA" in k["reason"]) == (RAN == EXACT)
