@@ -2,8 +2,11 @@
 over copies larger than the L2), after checking its numerics against a float32 CPU reference on edge
 shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this.
 
-    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_configs.py [--quick] [--no-numerics]
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_configs.py [--quick] [--no-numerics] [--serial]
 --quick: the two 50 MB matrices at M = 1 only.
+--serial: each call adds its product to the previous call's output (the residual in the launch), so it waits
+for it, as in a decode step; independent calls may run side by side, which hides launches of few blocks
+(harness.kernel_bench.serial_us). M = 1 only; every candidate on every shape.
 FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
 """
 
@@ -12,11 +15,12 @@ import sys
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul
+from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
 from harness.gpu.results import save_json
-from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
+from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
 
 quick = "--quick" in sys.argv
+serial = "--serial" in sys.argv
 rows = []
 
 
@@ -67,20 +71,37 @@ def timing():
         w, s, b = random_quantized(n, k, 4, 64)
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
-        main = (n, k) in shapes[:2]
-        for m in ((1,) if quick else (1, 4, 8, 16)) if main else (1,):
+        main = (n, k) in shapes[:2] or serial
+        for m in ((1,) if quick or serial else (1, 4, 8, 16)) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
-            res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6}
-            res["mlx"] = time_us(lambda: mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4), cfg)
-            res["kernel"] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4), cfg)
+            res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6, "serial": serial}
+            zeros = mx.zeros((m, n), dtype=mx.bfloat16)
+
+            def mlx_call():
+                return mx.quantized_matmul(x, *weights(), transpose=True, group_size=64, bits=4)
+
+            def kernel_call(config=None, residual=None):
+                return quantized_matmuls(x, [weights()], 64, 4, config, residual=residual)[0]
+
+            # serial: each call adds to the previous output (an add after MLX's; the residual in our launch)
+            def mlx_us():
+                return serial_us(lambda r: r + mlx_call(), zeros, cfg) if serial else time_us(mlx_call, cfg)
+
+            def kernel_us(config=None):
+                if serial:
+                    return serial_us(lambda r: kernel_call(config, r), zeros, cfg)
+                return time_us(lambda: kernel_call(config), cfg)
+
+            res["mlx"] = mlx_us()
+            res["kernel"] = kernel_us()
             res_config = launch_config(m, k, 64, 4, n)
             res["config"] = label(res_config)
-            if main and m == 1:
+            if main and m == 1 and not serial:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
             for c in candidates(m) if main else ():
-                res[label(c)] = time_us(lambda: quantized_matmul(x, *weights(), 64, 4, config=c), cfg)
+                res[label(c)] = kernel_us(c)
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)
@@ -89,7 +110,7 @@ def timing():
                   f"({nbytes / res['kernel'] / 1e3:.0f} GB/s) | best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)"
                   + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""), flush=True)
             rows.append(res)
-            save_json("gemv-configs.json", rows)
+            save_json("gemv-configs-serial.json" if serial else "gemv-configs.json", rows)
 
 
 if __name__ == "__main__":
