@@ -54,8 +54,9 @@ def applies(layer) -> bool:
 def kernel_applies(layer) -> bool:
     """Whether the layer's attention can run `attention_step`'s CUDA kernels here (for a bf16 token and a
     plain KV cache; the step checks those each call)."""
-    return KERNELS and mx.cuda.is_available() and mx.default_device() == mx.gpu \
-        and attention_step.refusal(layer.self_attn) is None  # fmt: skip
+    from engine.kernels import on_cuda  # the package imports this module before it defines on_cuda
+
+    return KERNELS and on_cuda() and attention_step.refusal(layer.self_attn) is None
 
 
 def layer_step(layer, kernels: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
