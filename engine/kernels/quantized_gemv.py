@@ -28,17 +28,17 @@ quantized matmul.
 A launch may also do the work around its products that would otherwise be
 launches of their own (`Fusion`): on its input, the RMS norm or the SwiGLU of
 an MLP's gate and up outputs; on its output rows, a residual add, or (gate
-and up in one launch) the SwiGLU itself. A B=1 decode step on the H200 is
-bound by the host, which spends ~10 us on each launch, so fewer launches is
-the lever; but the stages on the input measured slower in the model (H200,
+and up in one launch) the SwiGLU itself. Each launch the host submits and
+the device runs in a decode step costs time on both, so fewer launches is
+one lever; but the stages on the input measured slower in the model (H200,
 qwen27b, fast tier, alternating: 61.5 / 57.1 tok/s fused against 83.6 / 92.0
 unfused; every block then computes the norm over the whole input before its
 first weight load, and the SwiGLU of every input value it reads), so only
 the stages on the output rows are on (`FUSE`). The RMS norm can also be
 taken after the products (`Fusion.norm_scale`: the activations times the
 norm's weight, each row's sums scaled by the norm's rsqrt, whose sum of
-squares the block gathers from the loads it makes anyway); compile-checked,
-not yet run on a GPU, so off.
+squares the block gathers from the loads it makes anyway); its CUDA test
+passes, and it is off until it is timed faster in the model (`FUSE`).
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -495,9 +495,11 @@ class Fusion:
 # mlp_half). The stages on the output rows are on: H200, qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4
 # tok/s against 91.5 / 89.1 / 58.2 without, a step's operations other than views 614 against 806
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
-# in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step) is off until
-# its CUDA test (test_norm_scale_takes_the_norm_after_the_products) has run and it is timed in the model
-# (diag_decode_step's fast_norm_scale). ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
+# in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step, whose RMS
+# norms take 0.55 ms of device time: reports/gpu/step-kernels-session11.txt) passes its CUDA test
+# (test_norm_scale_takes_the_norm_after_the_products) but was not faster in the model within the noise
+# (79.3 / 75.9 / 79.3 tok/s against 108.5 / 71.9 / 69.1, decode-step-norm-scale-session11.txt), so it is
+# off until a device-time measurement decides. ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
 # Set before `engine.kernels.install`, which traces the steps.
 FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
 
@@ -648,8 +650,8 @@ def quantized_matmuls(
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
-    extra = ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm is not None else []) + (
-        [up] if up is not None else []) + ([residual] if residual is not None else [])
+    eps = mx.array([norm[1]], dtype=mx.float32) if norm is not None else None
+    extra = _present(norm and norm[0], eps, up, residual)  # in Fusion.inputs' order
     return config.kernel(len(matrices), fusion)(**launch_arguments(x, matrices, group_size, bits, config, extra, gated))
 
 
@@ -831,10 +833,15 @@ def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optiona
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
     fusion = Fusion.of(norm, up, residual, gated, norm_scale)
-    extra = ([norm[0]] if norm else []) + ([up] if up is not None else []) + ([residual] if residual is not None else [])
+    extra = _present(norm and norm[0], up, residual)  # `run`'s order: eps is a constant of the trace
     run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
     ys = run(x, *arrays, *extra)
     return tuple(_with_bias(y, q) for y, q in zip(ys, layers))
+
+
+def _present(*arrays: Optional[mx.array]) -> list[mx.array]:
+    """The fused stages' extra inputs that are given (None: the stage is not asked for)."""
+    return [a for a in arrays if a is not None]
 
 
 def _with_bias(y: mx.array, q: nn.QuantizedLinear) -> mx.array:
