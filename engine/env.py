@@ -16,6 +16,8 @@ _VARS = {
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
     "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (norm, swiglu, residual, "
                    "gated, norm_scale; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
+    "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
+                          "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
 _SECRETS = {"ENGINE_API_KEY"}
 
@@ -27,6 +29,11 @@ def api_key() -> str | None:
 def fuse_stages() -> str | None:
     """ENGINE_FUSE as given (None when unset); `quantized_gemv` parses and checks it."""
     return os.environ.get("ENGINE_FUSE")
+
+
+def gemv_launch() -> str | None:
+    """ENGINE_GEMV_LAUNCH as given (None when unset); `quantized_gemv` parses and checks it."""
+    return os.environ.get("ENGINE_GEMV_LAUNCH")
 
 
 def cache_root() -> Path:

@@ -13,7 +13,8 @@ and the host handles every one of them each step. Here it is:
   cache's [B, kv heads, 1, D] layout;
 - the cache's own update (two slice updates, as the layer's path makes);
 - `attend`: one launch for q's norm and rope, attention over the cache's
-  first n positions and the output gate, written as o_proj's input.
+  first n positions and the output gate, written as o_proj's input (two
+  for a long cache: chunks of the positions, then their merge).
 
 Numerics: the roundings of the layer's path are kept where it rounds to the
 activation dtype (bf16) before a value is stored or reused: the normed q and
@@ -25,8 +26,12 @@ tier.
 
 One block per (batch row, q head), 8 warps: each warp walks positions
 j = warp, warp + 8, ... with its lanes across the head dimension (D / 32
-channels a lane, one 16-byte load a lane for D = 256), keeps a running max,
-sum and weighted values, and the warps are merged at the end.
+channels a lane, one 16-byte load a lane for D = 256), loading 4 positions
+before folding them into a running max, sum and weighted values; the warps
+are merged at the end. Past 64 positions the positions are split into
+chunks (`splits`, up to 16), a block per (row, head, chunk), and a third
+launch merges the chunks as the warps are merged: one block walking a 1K
+cache would wait on ~32 loads in a row per warp.
 
 On the H200 (reports/gpu/test-attention-kernels-session11.txt) the CUDA
 tests pass against MLX-operation references (largest error 0.0105-0.0133 of
@@ -121,12 +126,16 @@ KEYS_SOURCE = r"""
   k_out[row + t] = __float2bfloat16(engine_rope<R>(xs, t, ipar[0] - 1, fpar[1], fpar[2]));
 """
 
-ATTEND_SOURCE = r"""
-  // Block (b, h): batch row b, q head h of kv head g; WARPS warps; channels split over lanes, E a lane.
+# ipar of `attend`: [n, cap, chunk, splits]: the block's positions are chunk c of `splits` (chunk positions each,
+# the last up to n)
+_ATTEND_BODY = r"""
+  // Block (b, h, c): batch row b, q head h of kv head g, chunk c of the positions; WARPS warps; channels
+  // split over lanes, E a lane.
   constexpr int E = D / 32;
-  const int b = blockIdx.x / H, h = blockIdx.x % H, g = h / (H / HKV);
+  const int n = ipar[0], cap = ipar[1], chunk = ipar[2], splits = ipar[3];
+  const int bh = blockIdx.x / splits, c = blockIdx.x % splits;
+  const int b = bh / H, h = bh % H, g = h / (H / HKV);
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int n = ipar[0], cap = ipar[1];
   __shared__ float qs[D];
   __shared__ float red[WARPS], wm[WARPS], wl[WARPS];
   __shared__ float wacc[WARPS][D];
@@ -144,49 +153,107 @@ ATTEND_SOURCE = r"""
   #pragma unroll
   for (int e = 0; e < E; ++e) qv[e] = qs[lane * E + e];
 
-  // one pass over positions 0..n-1 with a running max m, sum l and weighted values acc
+  // one pass over the chunk's positions with a running max m, sum l and weighted values acc: warp w takes
+  // positions w, w + WARPS, ... in order, loading P of them before folding them in
+  constexpr int P = 4;
+  const int start = c * chunk, end = min(n, start + chunk);
   const size_t head = ((size_t)b * HKV + g) * (size_t)cap * D + lane * E;
   float m = -INFINITY, l = 0.0f, acc[E];
   #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  for (int j = warp; j < n; j += WARPS) {
-    float kr[E], vr[E];
-    engine_load_row<E>(keys + head + (size_t)j * D, kr);
-    engine_load_row<E>(values + head + (size_t)j * D, vr);
-    float s = 0.0f;
+  for (int j0 = start + warp; j0 < end; j0 += P * WARPS) {
+    float kr[P][E], vr[P][E];
     #pragma unroll
-    for (int e = 0; e < E; ++e) s += qv[e] * kr[e];
+    for (int p = 0; p < P; ++p) {
+      if (j0 + p * WARPS < end) {
+        engine_load_row<E>(keys + head + (size_t)(j0 + p * WARPS) * D, kr[p]);
+        engine_load_row<E>(values + head + (size_t)(j0 + p * WARPS) * D, vr[p]);
+      }
+    }
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    const float mn = fmaxf(m, s);
-    const float corr = __expf(m - mn), p = __expf(s - mn);
-    l = l * corr + p;
-    #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * vr[e];
-    m = mn;
+    for (int p = 0; p < P; ++p) {
+      if (j0 + p * WARPS < end) {
+        float s = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) s += qv[e] * kr[p][e];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float mn = fmaxf(m, s);
+        const float corr = __expf(m - mn), pr = __expf(s - mn);
+        l = l * corr + pr;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + pr * vr[p][e];
+        m = mn;
+      }
+    }
   }
   if (lane == 0) { wm[warp] = m; wl[warp] = l; }
   #pragma unroll
   for (int e = 0; e < E; ++e) wacc[warp][lane * E + e] = acc[e];
   __syncthreads();
 
-  // merge the warps; the attention output rounded to bf16, then the sigmoid gate
+  // merge the warps (a warp with no positions has m = -inf and adds nothing)
+  float top = -INFINITY, total = 0.0f, o = 0.0f;
   if (t < D) {
-    float top = -INFINITY;
     #pragma unroll
     for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
-    float total = 0.0f, o = 0.0f;
     #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
       total += wl[w] * f;
       o += wacc[w][t] * f;
     }
+  }
+"""
+
+# one chunk: the attention output rounded to bf16, then the sigmoid gate
+_ATTEND_OUTPUT = r"""
+  if (t < D) {
     const float gate = (float)q[qrow + D + t];
     const float sig = engine_bf16r(1.0f / (1.0f + __expf(-gate)));
     out[((size_t)b * H + h) * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
   }
 """
+
+# several: the chunk's max, sum and weighted values for `MERGE_SOURCE`
+_ATTEND_PARTIAL = r"""
+  if (t < D) part_acc[(size_t)blockIdx.x * D + t] = o;
+  if (t == 0) { part_ml[2 * blockIdx.x] = top; part_ml[2 * blockIdx.x + 1] = total; }
+"""
+
+ATTEND_SOURCE = _ATTEND_BODY + _ATTEND_OUTPUT
+PARTIAL_SOURCE = _ATTEND_BODY + _ATTEND_PARTIAL
+
+MERGE_SOURCE = r"""
+  // Block (b, h): the chunks' partial results merged as the warps' are; thread t: channel t.
+  const int splits = ipar[3];
+  const int bh = blockIdx.x, t = threadIdx.x;
+  float top = -INFINITY, total = 0.0f, o = 0.0f;
+  for (int c = 0; c < splits; ++c) top = fmaxf(top, part_ml[2 * (bh * splits + c)]);
+  for (int c = 0; c < splits; ++c) {
+    const float mc = part_ml[2 * (bh * splits + c)];
+    const float f = mc == -INFINITY ? 0.0f : __expf(mc - top);
+    total += part_ml[2 * (bh * splits + c) + 1] * f;
+    o += part_acc[(size_t)(bh * splits + c) * D + t] * f;
+  }
+  const float gate = (float)q[(size_t)bh * 2 * D + D + t];
+  const float sig = engine_bf16r(1.0f / (1.0f + __expf(-gate)));
+  out[(size_t)bh * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
+"""
+
+# Positions are split over blocks (`splits`) when there are more than SPLIT_POSITIONS: one block per q head
+# walks them otherwise, 8 warps one position each at a time (11.9 us a layer at 64 positions on the H200,
+# latency-bound: reports/gpu/step-kernels-session11.txt), and a cache of 1K positions would take ~16 times that.
+SPLIT_POSITIONS = 64
+MAX_SPLITS = 16
+
+
+def splits(n: int) -> int:
+    """Chunks of positions for a cache of n: a power of two, at most MAX_SPLITS, of about SPLIT_POSITIONS or more."""
+    s = 1
+    while s < MAX_SPLITS and s * SPLIT_POSITIONS < n:
+        s *= 2
+    return s
 
 
 @lru_cache(maxsize=1)
@@ -195,11 +262,18 @@ def _keys_kernel():
                                output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
 
 
-@lru_cache(maxsize=1)
-def _attend_kernel():
-    return mx.fast.cuda_kernel(name="engine_attention_attend",
+@lru_cache(maxsize=None)
+def _attend_kernel(partial: bool):
+    return mx.fast.cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
                                input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
-                               output_names=["out"], source=ATTEND_SOURCE, header=HEADER)  # fmt: skip
+                               output_names=["part_ml", "part_acc"] if partial else ["out"],
+                               source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def _merge_kernel():
+    return mx.fast.cuda_kernel(name="engine_attention_merge", input_names=["q", "part_ml", "part_acc", "ipar"],
+                               output_names=["out"], source=MERGE_SOURCE, header=HEADER)  # fmt: skip
 
 
 def refusal(attn: nn.Module) -> Optional[str]:
@@ -243,10 +317,19 @@ def keys(attn, k: mx.array, v: mx.array, n: int, fpar: mx.array) -> tuple[mx.arr
 
 def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, n: int, fpar: mx.array) -> mx.array:
     """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
-    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D]."""
-    b, d = q.shape[0], attn.q_norm.weight.shape[0]
-    return _attend_kernel()(
-        inputs=[q, keys_buf, values_buf, attn.q_norm.weight, mx.array([n, keys_buf.shape[2]], dtype=mx.int32), fpar],
-        template=_template(attn, d), grid=(b * attn.n_heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(b, 1, attn.n_heads * d)], output_dtypes=[mx.bfloat16],
+    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D]: one
+    launch, or for a long cache (`splits`) one over chunks of the positions and one that merges them."""
+    b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
+    s = splits(n)
+    ipar = mx.array([n, keys_buf.shape[2], -(-n // s), s], dtype=mx.int32)
+    inputs = [q, keys_buf, values_buf, attn.q_norm.weight, ipar, fpar]
+    launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
+    if s == 1:
+        return _attend_kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
+                                     **launch)[0]  # fmt: skip
+    ml, acc = _attend_kernel(True)(inputs=inputs, output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
+                                   output_dtypes=[mx.float32, mx.float32], **launch)  # fmt: skip
+    return _merge_kernel()(
+        inputs=[q, ml, acc, ipar], template=[("D", d)], grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
     )[0]  # fmt: skip

@@ -9,16 +9,20 @@ gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
 host pays a few microseconds for (reports/gpu/launch-overhead.txt); here it
 is one launch per layer, and the float32 state is read and written once.
 
-One block per (batch row, value head), one thread per value channel: the
-block computes its heads' q and k channels (recomputed by each value head of
-a key head's group: 2 x 128 multiply-adds), its v channels, then each warp
-walks state rows, four at a time, with its lanes across the key dimension.
-One row at a time it took 30.2 us a layer under Nsight Compute on the H200
-(reports/gpu/step-kernels-session11.txt: 3.1 MB of state read and written,
-so the loads' latency, not bandwidth); four at a time is not timed yet. The roundings of
-the compiled core are kept where it rounds to bf16 (the conv output, the
-normalized q and k, y before the norm, the norm before the gate), so the
-two agree to float32 summation order.
+One block per (batch row, value head). Its first threads take a value
+channel each: they compute the heads' q and k channels (recomputed by each
+value head of a key head's group: 2 x 128 multiply-adds) and the v
+channels. For the delta rule each warp takes several state rows at once
+with its lanes across the key dimension (`launch_shape`): at qwen27b's heads
+a block of 512 threads holds the head's whole 64 KB state in registers after
+one round of loads, issued at the kernel's start so that they overlap the
+conv. One warp per 32 rows, walking them one at a time, took 30.2 us a layer
+under Nsight Compute on the H200 (reports/gpu/step-kernels-session11.txt:
+3.1 MB of state read and written a step, so the loads' latency, not
+bandwidth). Each row's sums run in the same order however the rows are
+dealt out. The roundings of the compiled core are kept where it rounds to
+bf16 (the conv output, the normalized q and k, y before the norm, the norm
+before the gate), so the two agree to float32 summation order.
 
 On the H200 its CUDA test (`tests/unit/test_kernels.py`) passes against the
 compiled core, and with it a qwen27b B = 1 decode step takes 10.2-10.4 ms
@@ -33,6 +37,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.kernels.quantized_gemv import launch_bounds
+
 HEADER = r"""
 #include <cuda_bf16.h>
 __device__ __forceinline__ bool engine_is_bf16(const __nv_bfloat16*) { return true; }
@@ -46,8 +52,25 @@ SOURCE = r"""
   constexpr int KD = HK * DK;           // key channels; conv channels are q (KD), k (KD), v (HV * DV)
   constexpr int C = 2 * KD + HV * DV;
   constexpr int GROUP = HV / HK;        // value heads per key head
+  constexpr int NW = NT / 32;           // warps: the first DV / 32 hold a value channel a thread
+  constexpr int VW = DV / 32;
+  constexpr int ROUNDS = DV / (RB * NW);
+  static_assert(DV % (RB * NW) == 0, "the state's rows in rounds of RB a warp");
   const int hk = h / GROUP;
-  __shared__ float qs[DK], ks[DK], vs[DV], red[2][DV / 32];
+  __shared__ float qs[DK], ks[DK], vs[DV], red[2][NW];
+
+  // The delta rule's state rows: warp w takes rows w + NW * r (r < RB) in each round, lanes across the key
+  // dimension. The first round's loads are issued here, before the conv, so their latency overlaps it.
+  const float* s_in = state + ((size_t)b * HV + h) * DV * DK;
+  float* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
+  float s[RB][DK / 32];
+  auto load_rows = [&](const int i0) {
+    #pragma unroll
+    for (int r = 0; r < RB; ++r)
+      #pragma unroll
+      for (int j = 0; j < DK / 32; ++j) s[r][j] = s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
+  };
+  load_rows(warp);
 
   auto conv = [&](int c) -> float {     // depthwise conv over the K - 1 stored positions and the new one, SiLU
     float acc = 0.0f;
@@ -55,8 +78,7 @@ SOURCE = r"""
     for (int j = 0; j < KS - 1; ++j)
       acc += (float)conv_state[((size_t)b * (KS - 1) + j) * C + c] * (float)conv_w[(size_t)c * KS + j];
     acc += (float)qkv[(size_t)b * C + c] * (float)conv_w[(size_t)c * KS + KS - 1];
-    const float s = acc / (1.0f + __expf(-acc));
-    return __bfloat162float(__float2bfloat16(s));
+    return __bfloat162float(__float2bfloat16(acc / (1.0f + __expf(-acc))));
   };
   auto shift = [&](int c) {             // the conv tail: the last K - 1 positions, the new one at the end
     #pragma unroll
@@ -64,14 +86,14 @@ SOURCE = r"""
       new_conv[((size_t)b * (KS - 1) + j) * C + c] = conv_state[((size_t)b * (KS - 1) + j + 1) * C + c];
     new_conv[((size_t)b * (KS - 1) + KS - 2) * C + c] = qkv[(size_t)b * C + c];
   };
-  auto block_sum = [&](float v, int slot) -> float {  // sum over the block's DV threads
+  auto block_sum = [&](float v, int slot) -> float {  // sum over the first DV threads (the rest pass 0)
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if (lane == 0) red[slot][warp] = v;
     __syncthreads();
     float total = 0.0f;
     #pragma unroll
-    for (int w = 0; w < DV / 32; ++w) total += red[slot][w];
+    for (int w = 0; w < VW; ++w) total += red[slot][w];
     return total;
   };
 
@@ -80,8 +102,10 @@ SOURCE = r"""
     ks[t] = conv(KD + hk * DK + t);
     if (h % GROUP == 0) { shift(hk * DK + t); shift(KD + hk * DK + t); }
   }
-  vs[t] = conv(2 * KD + h * DV + t);
-  shift(2 * KD + h * DV + t);
+  if (t < DV) {
+    vs[t] = conv(2 * KD + h * DV + t);
+    shift(2 * KD + h * DV + t);
+  }
   __syncthreads();
 
   // q, k: RMS-normalized (eps folded as the compiled core does), times Dk^-1 and Dk^-0.5, rounded to bf16 twice
@@ -109,20 +133,12 @@ SOURCE = r"""
   const float bl = (float)beta_logits[(size_t)b * HV + h];
   const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-bl))));
 
-  // the delta rule: warp w takes rows w, w + NW, w + 2 NW, ... (NW = DV / 32 warps), RB at a time so their
-  // loads and reductions overlap (one row at a time the loop waits on each load: 30 us a layer on the H200),
-  // lanes across the key dimension; each row's sums run in the same order either way
-  constexpr int NW = DV / 32, RB = 4;
-  static_assert(32 % RB == 0, "a warp's 32 rows in groups of RB");
-  const float* s_in = state + ((size_t)b * HV + h) * DV * DK;
-  float* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
-  for (int i0 = warp; i0 < DV; i0 += RB * NW) {
-    float s[RB][DK / 32], kv_mem[RB], y[RB];
-    #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-      #pragma unroll
-      for (int j = 0; j < DK / 32; ++j) s[r][j] = s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
-    }
+  // the delta rule, RB rows of a warp at a time so their loads and reductions overlap; each row's sums run
+  // in the same order however the rows are dealt out
+  for (int round = 0; round < ROUNDS; ++round) {
+    const int i0 = warp + round * RB * NW;
+    if (round > 0) load_rows(i0);
+    float kv_mem[RB], y[RB];
     #pragma unroll
     for (int r = 0; r < RB; ++r) {
       kv_mem[r] = 0.0f;
@@ -162,23 +178,26 @@ SOURCE = r"""
   __syncthreads();
 
   // gated RMS norm: bf16(y * rsqrt(mean(y^2) + eps) * w), then silu(z) times it, in float32
-  const float y = vs[t];
+  const float y = t < DV ? vs[t] : 0.0f;
   const float yss = block_sum(y * y, 0);
-  const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + params[1]) * (float)norm_w[t]));
-  const float zv = (float)z[((size_t)b * HV + h) * DV + t];
-  out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
+  if (t < DV) {
+    const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + params[1]) * (float)norm_w[t]));
+    const float zv = (float)z[((size_t)b * HV + h) * DV + t];
+    out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
+  }
 """
 
 
-@lru_cache(maxsize=1)
-def _kernel():
+@lru_cache(maxsize=None)
+def _kernel(threads: int):
+    # the bounds cap the registers a thread takes so that `threads` fit on an SM (64 at 1024)
     return mx.fast.cuda_kernel(
-        name="engine_gated_delta_step",
+        name=f"engine_gated_delta_step_{threads}",
         input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state",
                      "params"],
         output_names=["out", "new_conv", "new_state"],
         source=SOURCE,
-        header=HEADER,
+        header=HEADER + launch_bounds(threads, 1),
     )  # fmt: skip
 
 
@@ -188,6 +207,17 @@ def refusal(dk: int, dv: int) -> Optional[str]:
     if dk > dv or dk % 32 or dv % 32 or dv > 1024:
         return f"key dim {dk} and value dim {dv}: both multiples of 32, key <= value <= 1024"
     return None
+
+
+def launch_shape(dk: int, dv: int) -> tuple[int, int]:
+    """(threads of a block, state rows a warp takes at once): up to 4 threads per value channel, up to 512
+    in all (at least one per channel), and as many rows as keep a warp's share of them in 32 registers a
+    thread, so at qwen27b's heads (128 x 128) the 16 warps of a block load the head's whole state at once."""
+    per_channel = max(1, min(4, 512 // dv))
+    rows = 32 // per_channel
+    while rows > 1 and rows * dk > 1024:
+        rows //= 2
+    return dv * per_channel, rows
 
 
 def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias, norm_w, norm_eps: float,
@@ -202,12 +232,13 @@ def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias
     if why:
         raise ValueError(why)
     ks = conv_w.shape[1]
-    out, new_conv, new_state = _kernel()(
+    threads, rows = launch_shape(dk, dv)
+    out, new_conv, new_state = _kernel(threads)(
         inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state,
                 mx.array([qk_eps, norm_eps], dtype=mx.float32)],
-        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks)],
-        grid=(batch * hv * dv, 1, 1),
-        threadgroup=(dv, 1, 1),
+        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks), ("NT", threads), ("RB", rows)],
+        grid=(batch * hv * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(batch, 1, hv * dv), conv_state.shape, state.shape],
         output_dtypes=[mx.bfloat16, conv_state.dtype, mx.float32],
     )  # fmt: skip

@@ -504,7 +504,7 @@ class Fusion:
 FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
 
 
-def _launch_bounds(threads: int, min_blocks: int) -> str:
+def launch_bounds(threads: int, min_blocks: int) -> str:
     """Header lines that give the kernel MLX generates next `__launch_bounds__(threads, min_blocks)`:
     MLX writes the signature itself, so `__global__` is redefined (as CUDA's headers define it, plus the
     bounds) for the rest of the source, which holds only this kernel."""
@@ -533,7 +533,7 @@ def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = 
         input_names=input_names(count, fusion),
         output_names=[f"out{i}" for i in range(1 if fusion.gated else count)],
         source=kernel_source(count, fusion),
-        header=HEADER + _launch_bounds(threads, min_blocks),
+        header=HEADER + launch_bounds(threads, min_blocks),
     )
 
 
@@ -565,6 +565,26 @@ class LaunchConfig:
         return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
 
+def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
+    table = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            shape, _, numbers = item.partition("=")
+            rows, k = (int(v) for v in shape.lower().split("x"))
+            values = [int(v) for v in numbers.split(",")]
+            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
+        table[(rows, k)] = LaunchConfig(*values)
+    return table
+
+
+# One-row launch shapes in place of launch_config's, from ENGINE_GEMV_LAUNCH (for tuning runs on a device)
+LAUNCHES = parse_launches(env.gemv_launch() or "")
+
+
 def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> LaunchConfig:
     """Timed on the H200 for qwen27b's shapes, weights cold, 400 calls an evaluation: M = 1 best at
     (4, 2, 4) on both 50 MB matrices (17408x5120 20.0 us against 21.7 at (4, 1, 4), 5120x17408 20.3 against
@@ -572,6 +592,8 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> 
     launch's matrices x k); below, half the blocks would leave SMs idle, so (4, 1, 4) as timed at 50
     calls an evaluation (gemv-configs-m1-qwen27b.txt). M = 8 at (4, 2, 4) for K = 17408 and (4, 2, 8) for
     K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4 choices, not timed since."""
+    if m == 1 and (rows, k) in LAUNCHES:
+        return LAUNCHES[(rows, k)]
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
         return LaunchConfig(4, 2 if rows * k >= 64 << 20 else 1, 4)

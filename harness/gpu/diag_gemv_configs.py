@@ -6,7 +6,9 @@ shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choic
 --quick: the two 50 MB matrices at M = 1 only.
 --serial: each call adds its product to the previous call's output (the residual in the launch), so it waits
 for it, as in a decode step; independent calls may run side by side, which hides launches of few blocks
-(harness.kernel_bench.serial_us). M = 1 only; every candidate on every shape.
+(harness.kernel_bench.serial_us). M = 1 only; every candidate on every shape. At the end it prints the
+ENGINE_GEMV_LAUNCH setting that takes each shape's fastest candidate where that beats launch_config's by 3%
+or more, and writes it to $OUT/gemv-launch.txt.
 FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
 """
 
@@ -22,6 +24,7 @@ from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_
 quick = "--quick" in sys.argv
 serial = "--serial" in sys.argv
 rows = []
+configs = {}  # label: LaunchConfig
 
 
 def numerics():
@@ -58,6 +61,8 @@ def candidates(m: int):
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
     shapes = [(2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4), (5, 1, 4), (5, 1, 8), (10, 1, 4), (10, 1, 8),
               (20, 1, 4), (16, 1, 4), (8, 1, 8)]  # fmt: skip
+    if serial:  # more warps a block for the N = 5120 shapes' few blocks, some with their registers capped
+        shapes += [(6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2), (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2)]
     return [LaunchConfig(*shape) for shape in shapes]
 
 
@@ -102,6 +107,7 @@ def timing():
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
             for c in candidates(m) if main else ():
                 res[label(c)] = kernel_us(c)
+                configs[label(c)] = c
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)
@@ -113,6 +119,23 @@ def timing():
             save_json("gemv-configs-serial.json" if serial else "gemv-configs.json", rows)
 
 
+def suggestion() -> str:
+    """ENGINE_GEMV_LAUNCH taking each shape's fastest candidate where it beats launch_config's by 3% or more."""
+    items = []
+    for res in rows:
+        timed = [(res[key], key) for key in configs if key in res]
+        if timed and min(timed)[0] <= 0.97 * res["kernel"]:
+            c = configs[min(timed)[1]]
+            values = [c.warps, c.row_tiles, c.batch] + ([c.min_blocks] if c.min_blocks else [])
+            items.append(f"{res['n']}x{res['k']}=" + ",".join(map(str, values)))
+    return ";".join(items)
+
+
 if __name__ == "__main__":
     if '--no-numerics' in sys.argv or numerics() == 0 or "--time-anyway" in sys.argv:
         timing()
+        if serial:
+            setting = suggestion()
+            print(f"ENGINE_GEMV_LAUNCH={setting!r}", flush=True)
+            with open(os.path.join(os.environ.get("OUT", "."), "gemv-launch.txt"), "w") as f:
+                f.write(setting + "\n")

@@ -15,7 +15,7 @@ from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, _launch_bounds, _takes, refusal, tile_k,
+    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -395,7 +395,7 @@ def test_a_register_cap_names_its_kernel_apart():
     # MLX caches compiled kernels by name and template values: a capped kernel must not reuse the plain one.
     plain, capped = LaunchConfig(4, 1, 4), LaunchConfig(4, 1, 4, min_blocks=8)
     assert plain.template() != capped.template()
-    assert "__launch_bounds__(128, 8)" in _launch_bounds(128, 8) and _launch_bounds(128, 0) == ""
+    assert "__launch_bounds__(128, 8)" in launch_bounds(128, 8) and launch_bounds(128, 0) == ""
 
 
 @cuda_only
@@ -414,6 +414,20 @@ def test_large_m1_launches_take_two_row_tiles_a_block():
     assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
     assert launch_config(1, 5120, 64, 4, rows=12288) == LaunchConfig(4, 1, 4)
     assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(4, 2, 4)
+
+
+def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
+    import engine.kernels.quantized_gemv as qg
+
+    table = qg.parse_launches(" 5120x17408=8,1,4 ; 5120x6144=16,1,4,2;")
+    assert table == {(5120, 17408): LaunchConfig(8, 1, 4), (5120, 6144): LaunchConfig(16, 1, 4, 2)}
+    monkeypatch.setattr(qg, "LAUNCHES", table)
+    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
+    assert launch_config(2, 17408, 64, 4, rows=5120) == LaunchConfig(2, 1, 4)  # one-row launches only
+    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
+    for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,1", "axb=1,1,1"):
+        with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
+            qg.parse_launches(bad)
 
 
 @cuda_only
@@ -473,6 +487,18 @@ def _delta_core_inputs(b, hk, hv, dk, dv, ks, bias_dtype):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("dk, dv", [(32, 32), (64, 128), (128, 128), (256, 256), (96, 384), (128, 512), (1024, 1024)])
+def test_fused_delta_kernel_deals_every_state_row_once(dk, dv):
+    from engine.kernels.gated_delta_step import launch_shape
+
+    threads, rows = launch_shape(dk, dv)
+    warps = threads // 32
+    assert threads % 32 == 0 and dv <= threads <= max(512, dv) and rows * dk <= max(1024, dk)
+    assert dv % (rows * warps) == 0  # the kernel's rounds: warp w, round i takes rows w + warps * (r + rows * i)
+    dealt = sorted(w + warps * (r + rows * i) for i in range(dv // (rows * warps)) for w in range(warps) for r in range(rows))
+    assert dealt == list(range(dv))
+
+
 def test_fused_delta_kernel_refuses_key_dims_above_value_dims():
     from engine.kernels.gated_delta_step import delta_step
 
@@ -483,12 +509,14 @@ def test_fused_delta_kernel_refuses_key_dims_above_value_dims():
 
 @cuda_only
 @pytest.mark.parametrize("bias_dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("b, hk, hv", [(1, 16, 48), (3, 2, 4)])
-def test_fused_delta_kernel_matches_the_compiled_core(bias_dtype, b, hk, hv):
+# qwen27b's heads (one round of state rows); batch rows; key dim below value dim; two value dims with more
+# than one round of rows a warp (launch_shape)
+@pytest.mark.parametrize("b, hk, hv, dk, dv", [(1, 16, 48, 128, 128), (3, 2, 4, 128, 128), (1, 2, 4, 64, 128),
+                                               (2, 1, 2, 256, 256), (1, 1, 1, 128, 512)])  # fmt: skip
+def test_fused_delta_kernel_matches_the_compiled_core(bias_dtype, b, hk, hv, dk, dv):
     from engine.kernels.gated_delta_decode import _core
     from engine.kernels.gated_delta_step import delta_step
 
-    dk = dv = 128
     args = _delta_core_inputs(b, hk, hv, dk, dv, 4, bias_dtype)
     want = _core(hk, hv, dk, dv, 1e-6)(*(args[n] for n in ("qkv", "z", "a", "beta_logits", "conv_state", "state",
                                                             "conv_w", "A_log", "dt_bias", "norm_w")))
@@ -611,6 +639,16 @@ def test_attention_kernels_refuse_what_they_cannot_take():
     assert "bf16" in refusal(_Attn(4, 2, 64, 16, dtype=mx.float32))
 
 
+def test_attention_positions_split_into_chunks_that_cover_them():
+    from engine.kernels.attention_step import MAX_SPLITS, SPLIT_POSITIONS, splits
+
+    for n in (1, 37, 64, 65, 300, 1024, 1100, 5000, 100_000):
+        s = splits(n)
+        chunk = -(-n // s)  # as `attend` passes it
+        assert s & (s - 1) == 0 and s <= MAX_SPLITS and (s == 1) == (n <= SPLIT_POSITIONS)
+        assert (s - 1) * chunk < n <= s * chunk  # every chunk but the last full, none empty
+
+
 def test_attention_kernels_are_chosen_on_cuda_only():
     from engine.engine import Engine
 
@@ -657,8 +695,10 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
 
 
 @cuda_only
+# one launch (n = 1, 37), positions in 8 and 16 chunks (300, 1100), 4 chunks with two batch rows (200)
 @pytest.mark.parametrize("h, hkv, d, rope_dims, b, n", [(24, 4, 256, 64, 1, 1), (24, 4, 256, 64, 1, 300),
-                                                        (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37)])  # fmt: skip
+                                                        (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37),
+                                                        (4, 2, 64, 16, 2, 200)])  # fmt: skip
 def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     from engine.kernels.attention_step import attend, float_params, keys
 
