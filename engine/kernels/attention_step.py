@@ -28,7 +28,7 @@ One block per (batch row, q head), 8 warps: each warp walks positions
 j = warp, warp + 8, ... with its lanes across the head dimension (D / 32
 channels a lane, one 16-byte load a lane for D = 256), loading 4 positions
 before folding them into a running max, sum and weighted values; the warps
-are merged at the end. Past 64 positions the positions are split into
+are merged at the end. Past 512 positions the positions are split into
 chunks (`splits`, up to 16), a block per (row, head, chunk), and a third
 launch merges the chunks as the warps are merged: one block walking a 1K
 cache would wait on ~32 loads in a row per warp.
@@ -36,8 +36,12 @@ cache would wait on ~32 loads in a row per warp.
 On the H200 (reports/gpu/test-attention-kernels-session11.txt) the CUDA
 tests pass against MLX-operation references (largest error 0.0105-0.0133 of
 the value, bound 2^-6); in qwen27b's B = 1 decode step they take the graph
-from 841 to 409 operations, and the two launches take 11.9 and 4.6 us a
-layer at a 64-token context (reports/gpu/step-kernels-session11.txt).
+from 841 to 409 operations, and at a ~70-token context `attend` takes 7.3 us
+a layer and `keys` 4.8 (reports/gpu/step-kernels-norm-scale-session12.txt;
+11.9 before the 4-position loads, step-kernels-session11.txt). Calls timed
+one after another (harness/gpu/diag_attend.py, attend-session12.txt): 15.9
+us in 16 chunks against 26.4 in one block a head at 1024 positions, 23.9
+against 116.8 at 4096.
 """
 
 from __future__ import annotations
@@ -241,17 +245,21 @@ MERGE_SOURCE = r"""
   out[(size_t)bh * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
 """
 
-# Positions are split over blocks (`splits`) when there are more than SPLIT_POSITIONS: one block per q head
-# walks them otherwise, 8 warps one position each at a time (11.9 us a layer at 64 positions on the H200,
-# latency-bound: reports/gpu/step-kernels-session11.txt), and a cache of 1K positions would take ~16 times that.
+# A cache of more than SPLIT_MIN positions is split into chunks of about SPLIT_POSITIONS, a block each. H200,
+# qwen27b's heads, B = 1, calls one after another (reports/gpu/attend-session12.txt): one block a head 26.4 us
+# at 1024 positions and 116.8 at 4096, against 15.9 and 23.9 in 16 chunks; at 256, 2.6 against 21.9 in 4
+# chunks (the second launch; times net of a 12.7 us concatenate that chains the calls, so the short ones are
+# rough). SPLIT_MIN lies between the two lengths measured either side; 512 itself was not timed.
+SPLIT_MIN = 512
 SPLIT_POSITIONS = 64
 MAX_SPLITS = 16
 
 
 def splits(n: int) -> int:
-    """Chunks of positions for a cache of n: a power of two, at most MAX_SPLITS, of about SPLIT_POSITIONS or more."""
+    """Chunks of positions for a cache of n: 1 up to SPLIT_MIN, then a power of two, at most MAX_SPLITS, of
+    about SPLIT_POSITIONS or more."""
     s = 1
-    while s < MAX_SPLITS and s * SPLIT_POSITIONS < n:
+    while n > SPLIT_MIN and s < MAX_SPLITS and s * SPLIT_POSITIONS < n:
         s *= 2
     return s
 

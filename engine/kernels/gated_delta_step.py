@@ -16,10 +16,10 @@ channels. For the delta rule each warp takes several state rows at once
 with its lanes across the key dimension (`launch_shape`): at qwen27b's heads
 a block of 512 threads holds the head's whole 64 KB state in registers after
 one round of loads, issued at the kernel's start so that they overlap the
-conv. One warp per 32 rows, walking them one at a time, took 30.2 us a layer
-under Nsight Compute on the H200 (reports/gpu/step-kernels-session11.txt:
-3.1 MB of state read and written a step, so the loads' latency, not
-bandwidth). Each row's sums run in the same order however the rows are
+conv. Under Nsight Compute on the H200 that takes 13.9 us a layer
+(reports/gpu/step-kernels-session12.txt) against 30.2 with a warp per 32
+rows walking them one at a time (step-kernels-session11.txt): 3.1 MB of
+state read and written a step, so the loads' latency, not bandwidth. Each row's sums run in the same order however the rows are
 dealt out. The roundings of the compiled core are kept where it rounds to
 bf16 (the conv output, the normalized q and k, y before the norm, the norm
 before the gate), so the two agree to float32 summation order.

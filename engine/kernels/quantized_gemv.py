@@ -38,7 +38,8 @@ the stages on the output rows are on (`FUSE`). The RMS norm can also be
 taken after the products (`Fusion.norm_scale`: the activations times the
 norm's weight, each row's sums scaled by the norm's rsqrt, whose sum of
 squares the block gathers from the loads it makes anyway); its CUDA test
-passes, and it is off until it is timed faster in the model (`FUSE`).
+passes, but it makes the launches it joins slower than what it saves, so it
+is off (`FUSE`).
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -497,9 +498,10 @@ class Fusion:
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
 # in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step, whose RMS
 # norms take 0.55 ms of device time: reports/gpu/step-kernels-session11.txt) passes its CUDA test
-# (test_norm_scale_takes_the_norm_after_the_products) but was not faster in the model within the noise
-# (79.3 / 75.9 / 79.3 tok/s against 108.5 / 71.9 / 69.1, decode-step-norm-scale-session11.txt), so it is
-# off until a device-time measurement decides. ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
+# (test_norm_scale_takes_the_norm_after_the_products) but is off: under Nsight Compute the launches it joins
+# took nearly twice as long (gate+up 70.1 against 43.6 us, DeltaNet inputs 42.0 against 23.1, q/k/v 42.3
+# against 22.6), a step's device time 11.2 against 8.8 ms (step-kernels-norm-scale-session12.txt against
+# step-kernels-session12.txt). ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
 # Set before `engine.kernels.install`, which traces the steps.
 FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
 
@@ -586,16 +588,23 @@ LAUNCHES = parse_launches(env.gemv_launch() or "")
 
 
 def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> LaunchConfig:
-    """Timed on the H200 for qwen27b's shapes, weights cold, 400 calls an evaluation: M = 1 best at
-    (4, 2, 4) on both 50 MB matrices (17408x5120 20.0 us against 21.7 at (4, 1, 4), 5120x17408 20.3 against
-    21.4; reports/gpu/gemv-configs-m1-400-qwen27b.txt), used from 32 MB of 4-bit weights (`rows` in all the
-    launch's matrices x k); below, half the blocks would leave SMs idle, so (4, 1, 4) as timed at 50
-    calls an evaluation (gemv-configs-m1-qwen27b.txt). M = 8 at (4, 2, 4) for K = 17408 and (4, 2, 8) for
-    K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4 choices, not timed since."""
+    """Timed on the H200 for qwen27b's shapes, weights cold, 400 calls an evaluation. M = 1 from 64 k-tiles:
+    each call adding to the one before, as in a decode step (diag_gemv_configs.py --serial,
+    reports/gpu/gemv-configs-serial-session12.json), launches of up to 8192 rows are fastest at (8, 1, 4):
+    5120x17408 30.3 us against 42.2 at (4, 2, 4), 5120x6144 15.1 against 16.9, 6144x5120 13.3 against 15.6
+    (their few blocks leave SMs idle; more warps a block keep more loads in flight); in the model, under Nsight
+    Compute, the down projection went from 41.2 to 28.0 us and o_proj / out from 15.3 to 12.5
+    (step-kernels-session12.txt). Larger launches take (4, 1, 4), and (4, 2, 4) from 32 MB of 4-bit weights
+    (`rows` in all the launch's matrices x k), as timed with independent calls (gemv-configs-m1-400-qwen27b.txt;
+    the serial sweep has 17408x5120 at 27.0 us with one row tile against 28.6 with two). M = 8 at (4, 2, 4)
+    for K = 17408 and (4, 2, 8) for K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4
+    choices, not timed since. ENGINE_GEMV_LAUNCH replaces the one-row choice for given shapes (LAUNCHES)."""
     if m == 1 and (rows, k) in LAUNCHES:
         return LAUNCHES[(rows, k)]
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
+        if rows <= 8192:
+            return LaunchConfig(8, 1, 4)
         return LaunchConfig(4, 2 if rows * k >= 64 << 20 else 1, 4)
     if tiles >= 256:
         return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)

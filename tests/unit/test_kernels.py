@@ -409,11 +409,13 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
-def test_large_m1_launches_take_two_row_tiles_a_block():
-    # (4, 2, 4) timed faster at M = 1 on qwen27b's 50 MB matrices; smaller launches keep (4, 1, 4).
+def test_one_row_launch_shapes_by_size():
+    # H200 timings at M = 1: launches of few rows take more warps a block; large ones two row tiles a block;
+    # the rest (4, 1, 4).
     assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
     assert launch_config(1, 5120, 64, 4, rows=12288) == LaunchConfig(4, 1, 4)
-    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(4, 2, 4)
+    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
+    assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
 
 
 def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
@@ -423,6 +425,7 @@ def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
     assert table == {(5120, 17408): LaunchConfig(8, 1, 4), (5120, 6144): LaunchConfig(16, 1, 4, 2)}
     monkeypatch.setattr(qg, "LAUNCHES", table)
     assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
+    assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(16, 1, 4, 2)
     assert launch_config(2, 17408, 64, 4, rows=5120) == LaunchConfig(2, 1, 4)  # one-row launches only
     assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
     for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,1", "axb=1,1,1"):
@@ -640,12 +643,12 @@ def test_attention_kernels_refuse_what_they_cannot_take():
 
 
 def test_attention_positions_split_into_chunks_that_cover_them():
-    from engine.kernels.attention_step import MAX_SPLITS, SPLIT_POSITIONS, splits
+    from engine.kernels.attention_step import MAX_SPLITS, SPLIT_MIN, splits
 
-    for n in (1, 37, 64, 65, 300, 1024, 1100, 5000, 100_000):
+    for n in (1, 37, 64, 65, 300, 512, 513, 600, 1024, 1100, 5000, 100_000):
         s = splits(n)
         chunk = -(-n // s)  # as `attend` passes it
-        assert s & (s - 1) == 0 and s <= MAX_SPLITS and (s == 1) == (n <= SPLIT_POSITIONS)
+        assert s & (s - 1) == 0 and s <= MAX_SPLITS and (s == 1) == (n <= SPLIT_MIN)
         assert (s - 1) * chunk < n <= s * chunk  # every chunk but the last full, none empty
 
 
@@ -695,10 +698,10 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
 
 
 @cuda_only
-# one launch (n = 1, 37), positions in 8 and 16 chunks (300, 1100), 4 chunks with two batch rows (200)
+# one launch (n = 1, 300, 37), positions in 16 chunks (1100; 600 with two batch rows and the last chunk short)
 @pytest.mark.parametrize("h, hkv, d, rope_dims, b, n", [(24, 4, 256, 64, 1, 1), (24, 4, 256, 64, 1, 300),
                                                         (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37),
-                                                        (4, 2, 64, 16, 2, 200)])  # fmt: skip
+                                                        (4, 2, 64, 16, 2, 600)])  # fmt: skip
 def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     from engine.kernels.attention_step import attend, float_params, keys
 
