@@ -8,7 +8,7 @@ shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choic
 for it, as in a decode step; independent calls may run side by side, which hides launches of few blocks
 (harness.kernel_bench.serial_us). M = 1 only; every candidate on every shape. At the end it prints the
 ENGINE_GEMV_LAUNCH setting that takes each shape's fastest candidate where that beats launch_config's by 3%
-or more, and writes it to $OUT/gemv-launch.txt.
+or more; $OUT/gemv-launch.txt holds it, rewritten after each shape.
 FIRST_SHAPE=i skips the first i shapes. Lines go to stdout, rows to $OUT/gemv-configs.json.
 """
 
@@ -55,15 +55,19 @@ def label(c: LaunchConfig) -> str:
     return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
+# More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped:
+# timed in the serial sweeps only.
+SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
+                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
+
+
 def candidates(m: int):
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
     shapes = [(2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4), (5, 1, 4), (5, 1, 8), (10, 1, 4), (10, 1, 8),
               (20, 1, 4), (16, 1, 4), (8, 1, 8)]  # fmt: skip
-    if serial:  # more warps a block for the N = 5120 shapes' few blocks, some with their registers capped
-        shapes += [(6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2), (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2)]
-    return [LaunchConfig(*shape) for shape in shapes]
+    return [LaunchConfig(*shape) for shape in shapes] + (SERIAL_EXTRA if serial else [])
 
 
 def timing():
@@ -117,25 +121,35 @@ def timing():
                   + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""), flush=True)
             rows.append(res)
             save_json("gemv-configs-serial.json" if serial else "gemv-configs.json", rows)
+            if serial:
+                save_setting(serial_setting())
 
 
-def suggestion() -> str:
-    """ENGINE_GEMV_LAUNCH taking each shape's fastest candidate where it beats launch_config's by 3% or more."""
+def launch_setting(entries) -> str:
+    """ENGINE_GEMV_LAUNCH taking each shape's fastest candidate where it beats launch_config's by 3% or more;
+    entries: (launch rows, k, launch_config's us, {candidate label: us})."""
     items = []
-    for res in rows:
-        timed = [(res[key], key) for key in configs if key in res]
-        if timed and min(timed)[0] <= 0.97 * res["kernel"]:
-            c = configs[min(timed)[1]]
+    for n, k, default_us, timed in entries:
+        best = min(timed, key=timed.get, default=None)
+        if best is not None and timed[best] <= 0.97 * default_us:
+            c = configs[best]
             values = [c.warps, c.row_tiles, c.batch] + ([c.min_blocks] if c.min_blocks else [])
-            items.append(f"{res['n']}x{res['k']}=" + ",".join(map(str, values)))
+            items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
+
+
+def save_setting(setting: str, name: str = "gemv-launch.txt") -> None:
+    """Write the setting to $OUT/name (after each shape, so a call that runs out of time keeps it)."""
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
+        f.write(setting + "\n")
+
+
+def serial_setting() -> str:
+    return launch_setting((r["n"], r["k"], r["kernel"], {key: r[key] for key in configs if key in r}) for r in rows)
 
 
 if __name__ == "__main__":
     if '--no-numerics' in sys.argv or numerics() == 0 or "--time-anyway" in sys.argv:
         timing()
         if serial:
-            setting = suggestion()
-            print(f"ENGINE_GEMV_LAUNCH={setting!r}", flush=True)
-            with open(os.path.join(os.environ.get("OUT", "."), "gemv-launch.txt"), "w") as f:
-                f.write(setting + "\n")
+            print(f"ENGINE_GEMV_LAUNCH={serial_setting()!r}", flush=True)

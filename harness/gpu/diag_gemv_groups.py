@@ -2,8 +2,14 @@
 (weights cold): MLX's kernel per matrix; ours per matrix where the layer used it (>= 2048 outputs, MLX's
 below); ours for the whole group (`quantized_matmuls`).
 
-    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py [--sweep]
+    source .device-kit/b/env.sh && python3 harness/gpu/diag_gemv_groups.py [--sweep | --serial]
 Lines go to stdout, rows to $OUT/gemv-groups.json.
+
+`--serial`: only each group's one launch at M = 1 as the fast tier's decode step makes it (gate+up with
+the SwiGLU in the launch), each call taking the previous call's output as its input, as in a decode
+step, under launch_config's shape and each shape of `diag_gemv_configs.candidates(1)`; writes the
+ENGINE_GEMV_LAUNCH setting that takes each group's fastest shape (3% or more better) to
+$OUT/gemv-launch-groups.txt, rows to $OUT/gemv-groups-serial.json.
 
 `--sweep`: also time each group's one launch at M = 1 under each launch shape of
 `diag_gemv_configs.candidates(1)`. The shapes were chosen on single 50 MB matrices; a group's block
@@ -17,17 +23,49 @@ import sys
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, quantized_matmul, quantized_matmuls
-from harness.gpu.diag_gemv_configs import candidates, label
+from engine.kernels.quantized_gemv import LAYER_MIN_OUTPUTS, launch_config, quantized_matmul, quantized_matmuls
+from harness.gpu import diag_gemv_configs
+from harness.gpu.diag_gemv_configs import candidates, label, launch_setting, save_setting
 from harness.gpu.results import save_json
-from harness.kernel_bench import BenchConfig, random_quantized, time_us, weight_copies
+from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
 
 GROUPS = {
     "mlp gate+up": [17408, 17408],
     "deltanet in_proj qkv/z/b/a": [10240, 6144, 48, 48],
     "attention q/k/v": [12288, 1024, 1024],
 }
+GATED = {"mlp gate+up"}  # one result, silu(gate) * up, as the fast tier's MLP step launches it
 K = 5120
+
+
+def serial() -> None:
+    """Each group's one launch at M = 1, calls chained through their outputs' first K values (a view at one row)."""
+    cfg, rows, entries = BenchConfig(repeats=9), [], []
+    shapes = list(dict.fromkeys(candidates(1) + diag_gemv_configs.SERIAL_EXTRA))
+    for name, sizes in GROUPS.items():
+        copies = [weight_copies(*random_quantized(n, K, 4, 64), cfg) for n in sizes]
+        nbytes = sum(sum(a.nbytes for a in c()) for c in copies)
+        x = mx.random.normal((1, K)).astype(mx.bfloat16)
+        mx.eval(x)
+        gated = name in GATED
+
+        def us(config=None):
+            return serial_us(lambda prev: quantized_matmuls(prev[..., :K], [c() for c in copies], 64, 4, config,
+                                                            gated=gated)[0], x, cfg)  # fmt: skip
+
+        r = {"group": name, "rows": sum(sizes), "mb": nbytes / 1e6, "gated": gated, "kernel": us(),
+             "config": label(launch_config(1, K, 64, 4, sum(sizes)))}  # fmt: skip
+        r["shapes"] = {label(c): us(c) for c in shapes}
+        diag_gemv_configs.configs.update({label(c): c for c in shapes})
+        rows.append(r)
+        entries.append((r["rows"], K, r["kernel"], r["shapes"]))
+        ranked = sorted(r["shapes"].items(), key=lambda kv: kv[1])
+        print(f"{name} ({r['mb']:.1f} MB, serial): {r['config']} {r['kernel']:.1f} us "
+              f"({nbytes / r['kernel'] / 1e3:.0f} GB/s) | best {ranked[0][0]} {ranked[0][1]:.1f}", flush=True)
+        print("   ", " | ".join(f"{k} {v:.1f}" for k, v in ranked), flush=True)
+        save_json("gemv-groups-serial.json", rows)
+        save_setting(launch_setting(entries), "gemv-launch-groups.txt")
+    print(f"ENGINE_GEMV_LAUNCH={launch_setting(entries)!r}", flush=True)
 
 
 def main() -> None:
@@ -66,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serial() if "--serial" in sys.argv else main()

@@ -13,7 +13,9 @@
 #              each VAR=value[,VAR=value...], e.g. MLX_MAX_MB_PER_BUFFER=100000,MLX_MAX_OPS_PER_BUFFER=1000)
 # PART=gemv:   the register-capped GEMV's CUDA test, then the M = 1 launch-shape sweeps (single 50 MB
 #              matrices, then each projection group as one launch); GEMV_ARGS="--serial --no-numerics"
-#              sweeps every shape with each call waiting for the one before, as in a decode step
+#              sweeps every shape with each call waiting for the one before, as in a decode step, and
+#              GROUPS_ARGS=--serial the groups' launches that way (gate+up gated); each writes the
+#              ENGINE_GEMV_LAUNCH setting it prefers ($OUT/gemv-launch.txt, gemv-launch-groups.txt)
 # PART=clock:  diag_gemv_clock.py (wall time per call by calls an evaluation; the order of events on the
 #              device from a timer read inside the kernel), then the row-tile CUDA tests
 # PART=profile: diag_decode_step.py on STEP_CONFIGS, ROUNDS rounds: rates, the pipelined loop's host / device
@@ -67,7 +69,7 @@ case "$PART" in
     python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "register_cap" 2>&1 | tail -5 \
         | tee "$OUT/test_kernels_capped.txt" || true
     python3 harness/gpu/diag_gemv_configs.py ${GEMV_ARGS:---quick --no-numerics} 2>&1 | tee "$OUT/gemv-configs.txt" || true
-    python3 harness/gpu/diag_gemv_groups.py --sweep 2>&1 | tee "$OUT/gemv-groups.txt" || true
+    python3 harness/gpu/diag_gemv_groups.py ${GROUPS_ARGS:---sweep} 2>&1 | tee "$OUT/gemv-groups.txt" || true
     ;;
   clock)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
