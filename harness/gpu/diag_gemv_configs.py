@@ -52,13 +52,14 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "") + (" XS" if c.stage_x else "")
 
 
-# More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped:
-# timed in the serial sweeps only.
+# More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped, and
+# the activations staged in shared memory (XS): timed in the serial sweeps only.
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
-                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
+                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2),
+                                                   (4, 1, 4, 0, 1), (4, 2, 4, 0, 1), (8, 1, 4, 0, 1))]  # fmt: skip
 
 
 def candidates(m: int):
@@ -133,7 +134,8 @@ def launch_setting(entries) -> str:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
             c = configs[best]
-            values = [c.warps, c.row_tiles, c.batch] + ([c.min_blocks] if c.min_blocks else [])
+            values = [c.warps, c.row_tiles, c.batch] + ([c.min_blocks, c.stage_x] if c.stage_x else
+                                                        [c.min_blocks] if c.min_blocks else [])  # fmt: skip
             items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
 
