@@ -6,8 +6,8 @@ Run under `ncu` (the lent machine has Nsight Compute but not Nsight Systems):
         --log-file ncu.csv python3 harness/gpu/diag_step_kernels.py
     python3 harness/gpu/diag_step_kernels.py --summarize ncu.csv
 
-The first command loads the model (fast tier), prefills, warms the decode step, then evaluates `--steps`
-decode steps one at a time with a marker kernel after each. The second reads ncu's CSV: each step's kernels
+The first command loads the model (fast tier), prefills `--prompt-tokens` (64), warms the decode step, then
+evaluates `--steps` decode steps one at a time with a marker kernel after each. The second reads ncu's CSV: each step's kernels
 are those between two markers; it prints the sum of their durations per step (the device's busy time,
 kernels serialized by ncu, clocks and caches as the application leaves them) and the kernels that take the
 most, by name. Set against the pipelined step time (`diag_decode_step.py`), the sum says whether the device
@@ -33,7 +33,7 @@ def _marker():
                             output_dtypes=[x.dtype])[0]  # fmt: skip
 
 
-def run(model_name: str, steps: int, tier: str) -> None:
+def run(model_name: str, steps: int, tier: str, prompt_tokens: int = 64) -> None:
     import mlx.core as mx
 
     from engine.engine import Engine
@@ -44,7 +44,7 @@ def run(model_name: str, steps: int, tier: str) -> None:
     print(f"{model_name}: {ks}", flush=True)
     marker = _marker()
     cache = eng.make_cache()
-    logits = eng.model(mx.array([[(i * 7919) % 50000 + 10 for i in range(64)]]), cache)
+    logits = eng.model(mx.array([[(i * 7919) % 50000 + 10 for i in range(prompt_tokens)]]), cache)
     token = mx.argmax(logits[:, -1:], axis=-1)
     for _ in range(3):  # warm: compiles the step's kernels
         token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
@@ -88,13 +88,15 @@ def main() -> None:
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tier", default="fast")
+    p.add_argument("--prompt-tokens", type=int, default=64,
+                   help="the context the decode steps attend over (native's is 1024 and more)")
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
-        run(args.model, args.steps, args.tier)
+        run(args.model, args.steps, args.tier, args.prompt_tokens)
 
 
 if __name__ == "__main__":

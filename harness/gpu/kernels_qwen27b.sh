@@ -21,6 +21,7 @@
 # PART=profile: diag_decode_step.py on STEP_CONFIGS, ROUNDS rounds: rates, the pipelined loop's host / device
 #              split (build, submit, wait) and the step's graph nodes
 # PART=ncu:    diag_step_kernels.py under Nsight Compute: each kernel's device time in STEPS decode steps
+#              after a PROMPT-token prefill (64; 1024 to see attention at native's context)
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -85,7 +86,8 @@ case "$PART" in
   ncu)  # each kernel's device time in a fast decode step (Nsight Compute), summed per step and by name
     synth
     ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \
-        --log-file "$OUT/ncu-step.csv" python3 harness/gpu/diag_step_kernels.py --steps "${STEPS:-3}" 2>&1 | tail -5
+        --log-file "$OUT/ncu-step.csv" python3 harness/gpu/diag_step_kernels.py --steps "${STEPS:-3}" \
+        --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
     python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step.csv" --top 30 2>&1 | tee "$OUT/step-kernels.txt"
     ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
