@@ -7,7 +7,8 @@ Lines go to stdout, rows to $OUT/gemv-groups.json.
 
 `--serial`: only each group's one launch at M = 1 as the fast tier's decode step makes it (gate+up with
 the SwiGLU in the launch), each call taking the previous call's output as its input, as in a decode
-step, under launch_config's shape and each shape of `diag_gemv_configs.candidates(1)`; writes the
+step, under launch_config's shape and each shape of `diag_gemv_configs.candidates(1)` (the gated launch
+takes row tiles in pairs, so its RT 1 shapes run as RT 2, as they would in the model); writes the
 ENGINE_GEMV_LAUNCH setting that takes each group's fastest shape (3% or more better) to
 $OUT/gemv-launch-groups.txt, rows to $OUT/gemv-groups-serial.json.
 
