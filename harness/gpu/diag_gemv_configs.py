@@ -128,14 +128,13 @@ def timing():
 
 def launch_setting(entries) -> str:
     """ENGINE_GEMV_LAUNCH taking each shape's fastest candidate where it beats launch_config's by 3% or more;
-    entries: (launch rows, k, launch_config's us, {candidate label: us})."""
+    entries: (launch rows, k, launch_config's us, {candidate LaunchConfig: us})."""
     items = []
     for n, k, default_us, timed in entries:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
-            c = configs[best]
-            values = [c.warps, c.row_tiles, c.batch] + ([c.min_blocks, c.stage_x] if c.stage_x else
-                                                        [c.min_blocks] if c.min_blocks else [])  # fmt: skip
+            values = [best.warps, best.row_tiles, best.batch] + ([best.min_blocks, best.stage_x] if best.stage_x else
+                                                                 [best.min_blocks] if best.min_blocks else [])  # fmt: skip
             items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
 
@@ -147,7 +146,7 @@ def save_setting(setting: str, name: str = "gemv-launch.txt") -> None:
 
 
 def serial_setting() -> str:
-    return launch_setting((r["n"], r["k"], r["kernel"], {key: r[key] for key in configs if key in r}) for r in rows)
+    return launch_setting((r["n"], r["k"], r["kernel"], {c: r[key] for key, c in configs.items() if key in r}) for r in rows)
 
 
 if __name__ == "__main__":

@@ -56,10 +56,10 @@ def serial() -> None:
 
         r = {"group": name, "rows": sum(sizes), "mb": nbytes / 1e6, "gated": gated, "kernel": us(),
              "config": label(launch_config(1, K, 64, 4, sum(sizes)))}  # fmt: skip
-        r["shapes"] = {label(c): us(c) for c in shapes}
-        diag_gemv_configs.configs.update({label(c): c for c in shapes})
+        timed = {c: us(c) for c in shapes}
+        r["shapes"] = {label(c): t for c, t in timed.items()}
         rows.append(r)
-        entries.append((r["rows"], K, r["kernel"], r["shapes"]))
+        entries.append((r["rows"], K, r["kernel"], timed))
         ranked = sorted(r["shapes"].items(), key=lambda kv: kv[1])
         print(f"{name} ({r['mb']:.1f} MB, serial): {r['config']} {r['kernel']:.1f} us "
               f"({nbytes / r['kernel'] / 1e3:.0f} GB/s) | best {ranked[0][0]} {ranked[0][1]:.1f}", flush=True)
