@@ -22,6 +22,9 @@
 #              split (build, submit, wait) and the step's graph nodes
 # PART=ncu:    diag_step_kernels.py under Nsight Compute: each kernel's device time in STEPS decode steps
 #              after a PROMPT-token prefill (64; 1024 to see attention at native's context)
+# PART=detail: Nsight Compute's full set of sections (stall reasons, memory throughput, occupancy, source
+#              counters) on DETAIL_COUNT (8) GEMV launches of a fast decode step's third step (the first two
+#              layers' launches), a report and its details page in $OUT; DETAIL_KERNELS (a regex) picks others
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -90,11 +93,20 @@ case "$PART" in
         --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
     python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step.csv" --top 30 2>&1 | tee "$OUT/step-kernels.txt"
     ;;
+  detail)  # why the GEMV launches read slower than a streaming kernel: stalls, bytes in flight, waves
+    synth
+    ncu --set full --import-source no --clock-control none -k "regex:${DETAIL_KERNELS:-engine_affine_qmm}" \
+        --launch-skip "${DETAIL_SKIP:-514}" --launch-count "${DETAIL_COUNT:-8}" -o "$OUT/ncu-detail" \
+        python3 harness/gpu/diag_step_kernels.py --steps 1 --prompt-tokens 64 2>&1 | tail -5
+    ncu --import "$OUT/ncu-detail.ncu-rep" --page details > "$OUT/ncu-detail.txt" 2>&1 || true
+    grep -E 'engine_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per SM|Block Limit|Warp Cycles Per Issued|Long Scoreboard|L2 Hit' \
+        "$OUT/ncu-detail.txt" | head -200
+    ;;
   all)  # what one device call can hold after hold.sh: native first, then the kernel table, then the tests
     synth
     PART=native bash "$0"
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu, detail or all" >&2; exit 2 ;;
 esac
