@@ -9,16 +9,20 @@ rows, so M = 8 costs about what M = 1 does.
 
 The weights go through `mma.sync` (m16n8k16, bf16 in, float32 out) as
 exact small integers: a nibble becomes bf16 128 + q by OR-ing it into the
-mantissa, minus 128. The activations are the 16x8 B operand (M <= 8 in one
-column block, two from M = 9). Lane (g, t) of a warp feeds rows g and g + 8
-of a 16-row tile with its own 1-2 words of each row; the dot product's order
-over k is free, so its B slots take the activations in the order its weight
-pairs come, and no data moves between lanes. Each k-tile lies in one
-quantization group: the tile's products are summed on the tensor core, then
-`acc += scale * sum(q * x) + bias * sum(x)` in float32, where sum(x) comes
-from a second mma against ones. Nothing is rounded before the bf16 output
-(MLX's CUDA kernel rounds the dequantized weights to bf16), so results agree
-with MLX's to rounding, not bit for bit (the fast tier).
+mantissa (one LOP3 a pair of values). The activations are the 16x8 B operand
+(M <= 8 in one column block, two from M = 9). Lane (g, t) of a warp feeds
+rows g and g + 8 of a 16-row tile with its own 1-2 words of each row; the
+dot product's order over k is free, so its B slots take the activations in
+the order its weight pairs come, and no data moves between lanes. Each
+k-tile lies in one quantization group: the tile's products are summed on
+the tensor core, then `acc += scale * sum((128 + q) * x) + (bias - 128 *
+scale) * sum(x)` in float32, where sum(x) comes from a second mma against
+ones: the 128 leaves once a k-tile instead of by a subtraction from every
+pair of values (H200, qwen27b, under Nsight Compute: a decode step's device
+time 8.81 -> 8.28 ms; reports/gpu/step-kernels-session13.txt). Nothing is
+rounded before the bf16 output (MLX's CUDA kernel rounds the dequantized
+weights to bf16), so results agree with MLX's to rounding, not bit for bit
+(the fast tier).
 
 For prompt chunks (`DENSE_MIN_ROWS` rows and more) the layer dequantizes the
 matrix and runs one bf16 GEMM instead (`dense_matmul`), which on the H200
@@ -142,13 +146,18 @@ __device__ __forceinline__ uint32_t engine_swiglu2(uint32_t g, uint32_t u) {
   const float2 gf = engine_bf16x2(g), uf = engine_bf16x2(u);
   return engine_to_bf16x2(engine_silu_bf16(gf.x) * uf.x, engine_silu_bf16(gf.y) * uf.y);
 }
+// What engine_pair adds to every weight value (BITS = 4: bf16 128 + q; BITS = 8: q). The offset is taken out
+// once a k-tile through the bias term, as (bias - OFFSET * scale) * sum(x), not from every value.
+template <int BITS> struct engine_offset { static constexpr float value = BITS == 4 ? 128.0f : 0.0f; };
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
-  // values j and j + 16 / BITS of a 32-bit word as two exact bf16 integers (low half: value j)
+  // values j and j + 16 / BITS of a 32-bit word as two exact bf16 integers plus engine_offset (low half: value j)
   if constexpr (BITS == 4) {
-    uint32_t v = ((word >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
-    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
-    return *reinterpret_cast<uint32_t*>(&r);
+    // (word >> 4j) & 0x000F000F | 0x43004300 in one LOP3: the constants in registers, as one instruction has
+    // room for one immediate (two LOP3s otherwise)
+    uint32_t v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(word >> (4 * j)), "r"(0x000F000Fu), "r"(0x43004300u));
+    return v;
   } else {
     uint32_t v = word >> (8 * j);
     __nv_bfloat162 r = __floats2bfloat162_rn((float)(v & 0xFFu), (float)((v >> 16) & 0xFFu));
@@ -300,7 +309,9 @@ _MULTIPLY = r"""
               for (int nb = 0; nb < NB; ++nb) engine_mma(d[nb], a0, a1, a2, a3, xb[nb][wi * SPW + h][0], xb[nb][wi * SPW + h][1]);
             }
           const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
-          const float b0 = __bfloat162float(bt.bi[u][r][0]), b1 = __bfloat162float(bt.bi[u][r][1]);
+          // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
+          constexpr float o = engine_offset<BITS>::value;
+          const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
           #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
             acc[r][nb][0] = fmaf(s0, d[nb][0], fmaf(b0, xs[nb][0], acc[r][nb][0]));
