@@ -60,9 +60,10 @@ batch's loads before this batch's multiplies, in a second register set) and
 a bulk L2 prefetch of the block's rows at its start
 (reports/gpu/gemv-configs-pipelined-prefetch-qwen27b.txt). A third, the
 activations copied into shared memory once a block after its first weight
-loads are issued (`LaunchConfig.stage_x`, so a k-tile's activations are not
-an L2 round trip after its weights), gives the same bits; it is not timed
-yet and off.
+loads are issued (so a k-tile's activations are not an L2 round trip after
+its weights), gave the same bits and was slower in every grouped launch and
+in the model (a decode step's device time 9.37 against 8.81 ms;
+reports/gpu/step-kernels-xs-session13.txt): removed.
 """
 
 from __future__ import annotations
@@ -95,9 +96,6 @@ DENSE_MIN_OUTPUTS = 1024
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
-# Activations a block may stage in shared memory (LaunchConfig.stage_x): 48 KB of static shared memory a
-# block, less the sum over warps' (W x 16 RT x 8 NB floats: 4 KB at (4, 2, 4), M <= 8).
-XS_MAX_BYTES = 36 << 10
 
 HEADER = r"""
 #include <cuda_bf16.h>
@@ -190,8 +188,6 @@ _BODY_START = r"""
   const int row_base = blk * 16 * RTO;
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };  // row tile r's first row
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
-  // XS: the M x K activations staged in shared memory once a block (LaunchConfig.stage_x)
-  __shared__ __align__(16) __nv_bfloat16 xsh[XS ? M * K : 8];
   // FUSED STAGES
 
   float acc[RT][NB][4];
@@ -327,18 +323,9 @@ _MULTIPLY = r"""
 """
 
 _LOOP_REGISTERS = r"""
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles. With XS the first batch's weight loads
-  // are issued before the block copies x into shared memory, so the copy waits on L2 while they are in flight.
-  if constexpr (XS) {
-    Batch bt;
-    if (warp * U < KT) load(bt, warp * U);
-    for (int i = threadIdx.x; i < M * K / 8; i += W * 32)
-      reinterpret_cast<uint4*>(xsh)[i] = __ldg(reinterpret_cast<const uint4*>(x) + i);
-    __syncthreads();
-    if (warp * U < KT) multiply(bt, warp * U);
-  }
+  // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
   #pragma unroll 1
-  for (int kt0 = warp * U + (XS ? W * U : 0); kt0 < KT; kt0 += W * U) {
+  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
     Batch bt;
     load(bt, kt0);
     multiply(bt, kt0);
@@ -492,7 +479,7 @@ class Fusion:
   }
   __syncthreads();""")
         lines.append("  auto activations = [&](const size_t i, const int m) -> uint4 {")
-        lines.append("    uint4 v = XS ? *reinterpret_cast<const uint4*>(xsh + i) : __ldg(reinterpret_cast<const uint4*>(x + i));")
+        lines.append("    uint4 v = __ldg(reinterpret_cast<const uint4*>(x + i));")
         if self.swiglu:
             lines.append("    const uint4 u = __ldg(reinterpret_cast<const uint4*>(up + i));")
             lines.append("    v = make_uint4(engine_swiglu2(v.x, u.x), engine_swiglu2(v.y, u.y), "
@@ -585,14 +572,10 @@ class LaunchConfig:
     # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
     # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
     min_blocks: int = 0
-    # 1: the block copies the activations into shared memory after issuing its first weight loads, and reads
-    # them there (the same values, the same sums); 0: each k-tile's activations come from global memory (L2)
-    # after its weights arrive. Up to XS_MAX_BYTES of activations. Not timed yet: `launch_config` sets 0.
-    stage_x: int = 0
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
-        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch), ("XS", self.stage_x)] + (
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
         )
 
@@ -601,17 +584,17 @@ class LaunchConfig:
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
-    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB[,XS]];...', as {(rows, k): config}."""
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
     table = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
             shape, _, numbers = item.partition("=")
             rows, k = (int(v) for v in shape.lower().split("x"))
             values = [int(v) for v in numbers.split(",")]
-            if not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or values[4:] not in ([], [0], [1]):
+            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB[,XS]] (warps 1-32, XS 0 or 1)") from None
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
         table[(rows, k)] = LaunchConfig(*values)
     return table
 
@@ -703,8 +686,6 @@ def quantized_matmuls(
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
-    if config.stage_x and m * k * x.itemsize > XS_MAX_BYTES:
-        raise ValueError(f"stage_x: {m} x {k} activations are more than {XS_MAX_BYTES} bytes of shared memory")
     if norm_scale and norm is None:
         raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
     fusion = Fusion.of(norm, up, residual, gated, norm_scale)

@@ -52,14 +52,13 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "") + (" XS" if c.stage_x else "")
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
-# More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped, and
-# the activations staged in shared memory (XS): timed in the serial sweeps only.
+# More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
+# in the serial sweeps only.
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
-                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2),
-                                                   (4, 1, 4, 0, 1), (4, 2, 4, 0, 1), (8, 1, 4, 0, 1))]  # fmt: skip
+                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
 
 
 def candidates(m: int):
@@ -133,8 +132,7 @@ def launch_setting(entries) -> str:
     for n, k, default_us, timed in entries:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
-            values = [best.warps, best.row_tiles, best.batch] + ([best.min_blocks, best.stage_x] if best.stage_x else
-                                                                 [best.min_blocks] if best.min_blocks else [])  # fmt: skip
+            values = [best.warps, best.row_tiles, best.batch] + ([best.min_blocks] if best.min_blocks else [])
             items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
 
