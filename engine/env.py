@@ -15,7 +15,7 @@ _VARS = {
     "ENGINE_HARNESS_CACHE": "where synthesized models live (default ~/.cache/engine-harness)",
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
     "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (norm, swiglu, residual, "
-                   "gated, norm_scale; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
+                   "gated, norm_scale, norm_out; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
                           "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from engine.cache.kv import KVCache
 from engine.kernels import attention_step
-from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
+from engine.kernels.quantized_gemv import normed_projections, residual_mlp
 
 # Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
 # alternating (reports/gpu/decode-step-epilogues-session10.txt): 91.5 / 89.1 / 58.2 tok/s with it against
@@ -75,7 +75,7 @@ def layer_step(layer, kernels: bool = False) -> Callable[[mx.array, Optional[mx.
         return attn.heads(*normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
 
     def after(x, out, gate):
-        return mlp_half(layer, residual_projection(attn.gated(out, gate), attn.o_proj, x))
+        return residual_mlp(layer, attn.gated(out, gate), attn.o_proj, x)
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
@@ -84,7 +84,7 @@ def layer_step(layer, kernels: bool = False) -> Callable[[mx.array, Optional[mx.
         n = cache.offset + 1
         cache.append(*attention_step.keys(attn, k, v, n, fpar))
         out = attention_step.attend(attn, q, cache.keys, cache.values, n, fpar)
-        return mlp_half(layer, residual_projection(out, attn.o_proj, x))
+        return residual_mlp(layer, out, attn.o_proj, x)
 
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if x.shape[1] != 1:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
-from engine.kernels.quantized_gemv import mlp_half, normed_projections, residual_projection
+from engine.kernels.quantized_gemv import normed_projections, residual_mlp
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
 
@@ -106,7 +106,7 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )
-        return mlp_half(layer, residual_projection(out, lin.out_proj, x)), conv_state, state
+        return residual_mlp(layer, out, lin.out_proj, x), conv_state, state
 
     compiled = mx.compile(body)
 

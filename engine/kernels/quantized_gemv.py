@@ -354,12 +354,45 @@ _REDUCE = r"""
       if constexpr (GATED) v_up += red[ww][rl + 16 * RTO][m];
     }
     const int row = row_base + rl;
-    if (row < N) out[(size_t)m * N + row] = output(v * rs, v_up * rs, (size_t)m * N + row);
+    if (row < N) store(rl, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
   }
+  // AFTER STORES
 """
 
 
 _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
+
+# Fusion.prenormed: x is already the norm's activations (times its weight), and the producing launch left the
+# sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`); warp 0 adds each row's parts in
+# a fixed order (lane-strided, then a butterfly), before _REDUCE's barrier.
+_PRENORMED_REDUCE = r"""
+  __shared__ float rscale[M];
+  if (warp == 0) {
+    for (int m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int p = lane; p < P; p += 32) s += ssq_in[m * P + p];
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) rscale[m] = rsqrtf(s / K + norm_eps[0]);
+    }
+  }
+  auto row_scale = [&](const int m) { return rscale[m]; };
+"""
+
+# Fusion.norm_out: besides its rows of the residual stream, the launch writes them times the next norm's weight
+# (hw, bf16) and its part of each row's sum of squares (ssq_out [M, blocks]: its rows' squares added in row
+# order), so the next launch takes the norm without a launch of its own or any work a k-tile (`prenormed`).
+_NORM_OUT_PROLOGUE = r"""
+  for (int i = threadIdx.x; i < 16 * RTO * M; i += W * 32) sq[i / M][i % M] = 0.0f;
+"""
+_NORM_OUT_AFTER = r"""
+  __syncthreads();
+  for (int m = threadIdx.x; m < M; m += W * 32) {
+    float s = 0.0f;
+    for (int rl = 0; rl < 16 * RTO; ++rl) s += sq[rl][m];
+    ssq_out[(size_t)m * gridDim.x + blockIdx.x] = s;
+  }
+"""
 
 # Fusion.norm_scale: the four lanes of a row (t = 0..3) hold its sums of squares over their k values; the
 # warps' totals go through shared memory (written before _REDUCE's barrier), so row m's scale is
@@ -421,26 +454,34 @@ class Fusion:
     `gated`, two matrices, an MLP's gate and up projections, and one output, silu(gate) * up;
     `norm_scale`, the RMS norm again (inputs `norm_w`, `norm_eps`), as the products of x times the norm's
     weight, each row's sums then scaled by its rsqrt(mean(x^2) + eps), whose sum of squares the block
-    gathers from the activations it loads anyway.
+    gathers from the activations it loads anyway;
+    `norm_out` (with `residual`), the RMS norm of the launch's output taken for the next launch: it also
+    writes its output times the next norm's weight (input `next_norm_w`; output `hw`) and each block's part of
+    the output rows' sums of squares (output `ssq_out`); `prenormed`, that next launch: x is `hw`, and each
+    row's sums are scaled by rsqrt(sum of the parts (input `ssq_in`) / K + eps) as with `norm_scale`.
 
     `norm` and `swiglu` work on the input, so every block repeats them over all of it before its first
-    product; the others work on the block's own output rows."""
+    product; `norm_scale` adds work to every k-tile; the others work on the block's own output rows."""
 
     norm: bool = False
     swiglu: bool = False
     residual: bool = False
     gated: bool = False
     norm_scale: bool = False
+    norm_out: bool = False
+    prenormed: bool = False
 
     @classmethod
-    def of(cls, norm, up, residual, gated: bool = False, norm_scale: bool = False) -> "Fusion":
+    def of(cls, norm, up, residual, gated: bool = False, norm_scale: bool = False, norm_out=None,
+           prenormed=None) -> "Fusion":  # fmt: skip
         """The stages `quantized_matmuls`' arguments ask for (None: not asked)."""
         return cls(norm is not None and not norm_scale, up is not None, residual is not None, gated,
-                   norm is not None and norm_scale)  # fmt: skip
+                   norm is not None and norm_scale, norm_out is not None, prenormed is not None)  # fmt: skip
 
     def inputs(self) -> list[str]:
         return (["norm_w", "norm_eps"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu
-                + ["residual"] * self.residual)  # fmt: skip
+                + ["residual"] * self.residual + ["next_norm_w"] * self.norm_out
+                + ["ssq_in", "norm_eps"] * self.prenormed)  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> "Fusion":
@@ -451,6 +492,8 @@ class Fusion:
             raise ValueError(f"unknown GEMV stages {sorted(unknown)} (choose from {', '.join(cls.__dataclass_fields__)})")
         if {"norm", "norm_scale"} <= names:
             raise ValueError("norm and norm_scale are two ways to take the same norm: name one")
+        if "prenormed" in names:
+            raise ValueError("prenormed is the launch norm_out hands the norm to: name norm_out")
         return cls(**{n: True for n in names})
 
     def names(self) -> str:
@@ -458,7 +501,8 @@ class Fusion:
         return ",".join(n for n in self.__dataclass_fields__ if getattr(self, n)) or "none"
 
     def tag(self) -> str:
-        return "_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale
+        return ("_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale
+                + "_no" * self.norm_out + "_pn" * self.prenormed)  # fmt: skip
 
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
@@ -495,6 +539,15 @@ class Fusion:
             lines.append("    v = make_uint4(engine_mul2(v.x, w8.x), engine_mul2(v.y, w8.y), engine_mul2(v.z, w8.z), "
                          "engine_mul2(v.w, w8.w));")
         lines.append("    return v;\n  };")
+        if self.norm_out:  # each output row also times the next norm's weight, its square kept for the block's sum
+            lines.append("  __shared__ float sq[16 * RTO][M];")
+            lines.append("  auto store = [&](const int rl, const int m, const int row, const __nv_bfloat16 o) {\n"
+                         "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
+                         "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
+                         "    sq[rl][m] = f * f;\n  };")
+        else:
+            lines.append("  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
+                         "{ out[(size_t)m * N + row] = o; };")
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
             lines.append("  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
                          "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };")
@@ -517,7 +570,9 @@ class Fusion:
 # (test_norm_scale_takes_the_norm_after_the_products) but is off: under Nsight Compute the launches it joins
 # took nearly twice as long (gate+up 70.1 against 43.6 us, DeltaNet inputs 42.0 against 23.1, q/k/v 42.3
 # against 22.6), a step's device time 11.2 against 8.8 ms (step-kernels-norm-scale-session12.txt against
-# step-kernels-session12.txt). ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_scale").
+# step-kernels-session12.txt). norm_out (with residual and gated: the MLP norm taken by the output projection's
+# launch for the gate+up launch, 64 fewer launches a qwen27b step, no work added to a k-tile) is off until it
+# is timed on a GPU. ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_out").
 # Set before `engine.kernels.install`, which traces the steps.
 FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
 
@@ -535,8 +590,15 @@ def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
     products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
-    reduce = _REDUCE.replace("  // ROW SCALE\n", _NORM_SCALE_REDUCE if fusion.norm_scale else _NO_ROW_SCALE)
+    scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
+    reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
+    reduce = reduce.replace("  // AFTER STORES\n", _NORM_OUT_AFTER * fusion.norm_out)
     return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
+
+
+def output_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
+    """The kernel's outputs: one a matrix (one in all for a gated launch), then norm_out's two."""
+    return [f"out{i}" for i in range(1 if fusion.gated else count)] + ["hw", "ssq_out"] * fusion.norm_out
 
 
 def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -549,7 +611,7 @@ def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = 
     return mx.fast.cuda_kernel(
         name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
-        output_names=[f"out{i}" for i in range(1 if fusion.gated else count)],
+        output_names=output_names(count, fusion),
         source=kernel_source(count, fusion),
         header=HEADER + launch_bounds(threads, min_blocks),
     )
@@ -674,6 +736,8 @@ def quantized_matmuls(
     residual: Optional[mx.array] = None,
     gated: bool = False,
     norm_scale: bool = False,
+    norm_out: Optional[mx.array] = None,
+    prenormed: Optional[tuple[mx.array, float]] = None,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
@@ -682,24 +746,41 @@ def quantized_matmuls(
     `mx.fast.rms_norm(x, weight, eps)`; `up` takes `silu(x) * up` for x; `residual` ([..., N], one
     matrix) is added to the product; `gated` (two matrices of equal rows, gate and up) gives one result,
     silu(gate product) * up product, i.e. `swiglu` of the two results; `norm_scale` (with `norm`) takes
-    the norm as `Fusion.norm_scale` does, after the products instead of before them."""
+    the norm as `Fusion.norm_scale` does, after the products instead of before them. `norm_out` (the next
+    norm's weight [N], one matrix) adds two results for the launch that takes that norm: the result times
+    the weight ([..., N] bf16) and the blocks' parts of each row's sum of squares ([M, blocks] float32);
+    `prenormed` (those parts, the norm's eps) is that launch, x being the result times the weight: together
+    `Fusion.norm_out` and `Fusion.prenormed`, i.e. `norm=(weight, eps), norm_scale=True` on the first
+    launch's result, to rounding."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
     if norm_scale and norm is None:
         raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
-    fusion = Fusion.of(norm, up, residual, gated, norm_scale)
-    if fusion.residual and len(matrices) != 1:
-        raise ValueError("a residual goes with one matrix")
+    fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed)
+    if (fusion.residual or fusion.norm_out) and len(matrices) != 1:
+        raise ValueError("a residual or norm_out goes with one matrix")
+    if norm_out is not None and norm_out.shape != (matrices[0][0].shape[0],):
+        raise ValueError(f"norm_out: the next norm's weight is {norm_out.shape}, not one value a row")
+    if prenormed is not None and (norm is not None or up is not None or prenormed[0].dtype != mx.float32
+                                  or prenormed[0].ndim != 2 or prenormed[0].shape[0] != m):  # fmt: skip
+        raise ValueError("prenormed takes float32 parts [M, blocks] of the sums of squares, and no norm or up")
     if gated:
-        if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual:
+        if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual or fusion.norm_out:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
-    eps = mx.array([norm[1]], dtype=mx.float32) if norm is not None else None
-    extra = _present(norm and norm[0], eps, up, residual)  # in Fusion.inputs' order
-    return config.kernel(len(matrices), fusion)(**launch_arguments(x, matrices, group_size, bits, config, extra, gated))
+    eps = mx.array([(norm or prenormed)[1]], dtype=mx.float32) if norm or prenormed else None
+    ssq = prenormed[0] if prenormed else None
+    extra = _present(norm and norm[0], norm and eps, up, residual, norm_out, ssq, prenormed and eps)  # Fusion.inputs' order
+    args = launch_arguments(x, matrices, group_size, bits, config, extra, gated)
+    if prenormed:
+        args["template"].append(("P", ssq.shape[-1]))
+    if norm_out is not None:
+        args["output_shapes"] += [args["output_shapes"][0], (m, args["grid"][0] // args["threadgroup"][0])]
+        args["output_dtypes"] += [mx.bfloat16, mx.float32]
+    return config.kernel(len(matrices), fusion)(**args)
 
 
 def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
@@ -749,8 +830,10 @@ def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusio
         norm = (extra.pop(0), eps) if fusion.norm or fusion.norm_scale else None
         up = extra.pop(0) if fusion.swiglu else None
         residual = extra.pop(0) if fusion.residual else None
+        norm_out = extra.pop(0) if fusion.norm_out else None
+        prenormed = (extra.pop(0), eps) if fusion.prenormed else None
         return quantized_matmuls(x, triples, group_size, bits, norm=norm, up=up, residual=residual, gated=fusion.gated,
-                                 norm_scale=fusion.norm_scale)  # fmt: skip
+                                 norm_scale=fusion.norm_scale, norm_out=norm_out, prenormed=prenormed)  # fmt: skip
 
     return mx.compile(run)
 
@@ -849,17 +932,45 @@ def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
     itself (`Fusion.gated`), and with FUSE.norm_scale the norm too: the norm, that launch, then the down
     projection (and its residual, with FUSE.residual) where the kernel takes them."""
     mlp = layer.mlp
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+    if not _swiglu_mlp(mlp):
         return h + mlp(layer.post_attention_layernorm(h))
-    pair, norm = [mlp.gate_proj, mlp.up_proj], layer.post_attention_layernorm
-    if FUSE.gated and _one_launch(h, pair) and _no_bias(pair) and pair[0]["weight"].shape == pair[1]["weight"].shape:
+    pair, norm = _gated_pair(mlp, h), layer.post_attention_layernorm
+    if pair:
         if FUSE.norm_scale and _fusable_norm(norm):
             act = _run_kernel(h, pair, norm=(norm.weight, norm.eps), gated=True, norm_scale=True)[0]
         else:
             act = _run_kernel(norm(h), pair, gated=True)[0]
         return residual_projection(act, mlp.down_proj, h)
-    gate, up = normed_projections(h, norm, pair)
+    gate, up = normed_projections(h, norm, [mlp.gate_proj, mlp.up_proj])
     return swiglu_projection(gate, up, mlp.down_proj, h)
+
+
+def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array) -> mx.array:
+    """A decoder layer's output projection, its residual and its second half:
+    `mlp_half(layer, residual_projection(out, proj, x))`. With FUSE.norm_out (and FUSE.residual, FUSE.gated)
+    the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
+    `Fusion.prenormed`): no RMS norm launch between them, and no norm work in the gate+up launch's loop."""
+    norm = layer.post_attention_layernorm
+    if (FUSE.norm_out and FUSE.residual and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and x.dtype == mx.bfloat16
+            and _one_launch(out, [proj]) and _no_bias([proj])):  # fmt: skip
+        pair = _gated_pair(layer.mlp, x)
+        if pair:
+            h, hw, ssq = _run_kernel(out, [proj], residual=x, norm_out=norm.weight)
+            act = _run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
+            return residual_projection(act, layer.mlp.down_proj, h)
+    return mlp_half(layer, residual_projection(out, proj, x))
+
+
+def _swiglu_mlp(mlp: nn.Module) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _gated_pair(mlp: nn.Module, h: mx.array) -> Optional[list[nn.Module]]:
+    """The MLP's gate and up projections where one launch gives their SwiGLU (FUSE.gated), else None."""
+    pair = [mlp.gate_proj, mlp.up_proj]
+    if FUSE.gated and _one_launch(h, pair) and _no_bias(pair) and pair[0]["weight"].shape == pair[1]["weight"].shape:
+        return pair
+    return None
 
 
 def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -873,17 +984,19 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
 
 
 def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
-                up: Optional[mx.array] = None, residual: Optional[mx.array] = None,
-                gated: bool = False, norm_scale: bool = False) -> tuple[mx.array, ...]:  # fmt: skip
+                up: Optional[mx.array] = None, residual: Optional[mx.array] = None, gated: bool = False,
+                norm_scale: bool = False, norm_out: Optional[mx.array] = None,
+                prenormed: Optional[tuple[mx.array, float]] = None) -> tuple[mx.array, ...]:  # fmt: skip
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
-    stages take layers without bias)."""
+    stages take layers without bias), then norm_out's two results where asked."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
-    fusion = Fusion.of(norm, up, residual, gated, norm_scale)
-    extra = _present(norm and norm[0], up, residual)  # `run`'s order: eps is a constant of the trace
-    run = _compiled(first.group_size, first.bits, len(layers), fusion, norm[1] if norm else 0.0)
+    fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed)
+    # `run`'s order; eps is a constant of the trace
+    extra = _present(norm and norm[0], up, residual, norm_out, prenormed and prenormed[0])
+    run = _compiled(first.group_size, first.bits, len(layers), fusion, (norm or prenormed or (None, 0.0))[1])
     ys = run(x, *arrays, *extra)
-    return tuple(_with_bias(y, q) for y, q in zip(ys, layers))
+    return tuple(_with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 
 
 def _present(*arrays: Optional[mx.array]) -> list[mx.array]:

@@ -320,8 +320,99 @@ def test_fused_stages_refuse_what_they_cannot_take():
         quantized_matmuls(x, triples[1:], 64, 4, gated=True)
     with pytest.raises(ValueError, match="norm_scale takes the norm"):
         quantized_matmuls(x, triples[:2], 64, 4, norm_scale=True)
-    with pytest.raises(ValueError, match="a residual goes with one matrix"):
+    with pytest.raises(ValueError, match="a residual or norm_out goes with one matrix"):
         quantized_matmuls(x, triples[:2], 64, 4, residual=mx.zeros((1, 1, 64), dtype=mx.bfloat16))
+    next_w = mx.ones((64,), dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match="a residual or norm_out goes with one matrix"):
+        quantized_matmuls(x, triples[:2], 64, 4, norm_out=next_w)
+    with pytest.raises(ValueError, match="one value a row"):
+        quantized_matmuls(x, triples[2:], 64, 4, norm_out=next_w)
+    parts = mx.zeros((1, 4), dtype=mx.float32)
+    with pytest.raises(ValueError, match="prenormed takes"):
+        quantized_matmuls(x, triples[:1], 64, 4, prenormed=(parts, 1e-6), norm=(mx.ones((128,), dtype=mx.bfloat16), 1e-6))
+    with pytest.raises(ValueError, match="prenormed takes"):
+        quantized_matmuls(x, triples[:1], 64, 4, prenormed=(parts.astype(mx.bfloat16), 1e-6))
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 5])
+def test_norm_out_hands_the_next_launch_its_norm(m):
+    # Fusion.norm_out: the launch's result is its plain residual launch's, bit for bit; hw is bf16(h * nw) as
+    # engine_mul2 rounds; the blocks' parts of the sums of squares add up to sum(h^2) (float32, another order).
+    # Fusion.prenormed on hw then equals norm_scale on h up to the order of those float32 sums, which moves
+    # the scale by ~2^-20 and so a bf16 output by at most one rounding (2^-7 of |y|).
+    k, n = 1536, 2048
+    proj = make_quantized(n=n, k=k, seed=7)
+    mats = [make_quantized(n=1024, k=n, seed=s) for s in (8, 9)]
+    pair = [(q.weight, q.scales, q.biases) for q in mats]
+    out = mx.random.normal((1, m, k)).astype(mx.bfloat16)
+    x = (4 * mx.random.normal((1, m, n))).astype(mx.bfloat16)
+    nw = (1 + 0.1 * mx.random.normal((n,))).astype(mx.bfloat16)
+    f32 = mx.float32
+    h, hw, ssq = quantized_matmuls(out, [(proj.weight, proj.scales, proj.biases)], 64, 4, residual=x, norm_out=nw)
+    (plain,) = quantized_matmuls(out, [(proj.weight, proj.scales, proj.biases)], 64, 4, residual=x)
+    assert mx.array_equal(h, plain).item()
+    assert mx.array_equal(hw, (h.astype(f32) * nw.astype(f32)).astype(mx.bfloat16)).item()
+    assert ssq.dtype == f32 and ssq.shape[0] == m
+    assert mx.allclose(ssq.sum(axis=-1), (h.astype(f32) ** 2).sum(axis=-1).reshape(m), rtol=1e-5).item()
+
+    got = quantized_matmuls(hw, pair, 64, 4, prenormed=(ssq, 1e-6))
+    want = quantized_matmuls(h, pair, 64, 4, norm=(nw, 1e-6), norm_scale=True)
+    for y, w in zip(got, want):
+        assert mx.all(mx.abs(y.astype(f32) - w.astype(f32)) <= 2.0**-7 * mx.abs(w.astype(f32))).item()
+    # gated: the same sums and scale as the launch above, then silu(gate) * up (test_gated_launch's bound)
+    (y,) = quantized_matmuls(hw, pair, 64, 4, gated=True, prenormed=(ssq, 1e-6))
+    g32, u32 = got[0].astype(f32), got[1].astype(f32)
+    expect = g32 * mx.sigmoid(g32) * u32
+    assert mx.all(mx.abs(y.astype(f32) - expect) <= 2.0**-7 * mx.abs(expect)).item()
+
+
+def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False, norm_scale=False, norm_out=None,
+                      prenormed=None):  # fmt: skip
+    # quantized_gemv._run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
+    # plumbing runs on any backend: norm_out's parts as one block's
+    f32 = mx.float32
+    ys = [q(x) for q in layers]
+    if prenormed is not None:
+        r = mx.rsqrt(prenormed[0].sum(axis=-1) / x.shape[-1] + prenormed[1]).reshape(*x.shape[:-1], 1)
+        ys = [(y.astype(f32) * r).astype(y.dtype) for y in ys]
+    if gated:
+        ys = [nn.silu(ys[0]) * ys[1]]
+    if residual is not None:
+        ys = [residual + ys[0]]
+    if norm_out is not None:
+        h = ys[0]
+        ys += [(h.astype(f32) * norm_out.astype(f32)).astype(h.dtype), (h.astype(f32) ** 2).reshape(-1, h.shape[-1]).sum(axis=-1, keepdims=True)]
+    return tuple(ys)
+
+
+def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
+    # The plumbing of Fusion.norm_out / prenormed in a decoder layer (which launch gets which norm weight, eps,
+    # result and residual), with the launches as MLX operations: against the layer's MLP half after the
+    # residual projection, to the rounding of a norm taken as norm_scale takes it (2^-5 of the values).
+    import engine.kernels.quantized_gemv as qg
+    from engine.engine import Engine
+
+    layer = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model.layers[0]
+    proj = layer.linear_attn.out_proj
+    calls = []
+
+    def launch(x, layers, **stages):
+        calls.append(sorted(k for k, v in stages.items() if v is not None and v is not False))
+        return _reference_launch(x, layers, **stages)
+
+    monkeypatch.setattr(qg, "_run_kernel", launch)
+    monkeypatch.setattr(qg, "_one_launch", lambda x, layers: True)
+    out = mx.random.normal((1, 1, proj.weight.shape[1] * 32 // proj.bits)).astype(mx.bfloat16)
+    x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
+    monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
+    got = qg.residual_mlp(layer, out, proj, x)
+    assert calls == [["norm_out", "residual"], ["gated", "prenormed"], ["residual"]]
+    monkeypatch.setattr(qg, "FUSE", qg.Fusion())
+    want = qg.mlp_half(layer, qg.residual_projection(out, proj, x))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = mx.abs(want.astype(mx.float32)).max()
+    assert mx.all(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) <= 2.0**-5 * scale).item()
 
 
 @cuda_only
@@ -373,12 +464,15 @@ def test_gemv_stages_by_name():
 
     assert Fusion.parse("residual, gated") == Fusion(residual=True, gated=True)
     assert Fusion.parse("none") == Fusion.parse("") == Fusion()
-    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(norm=True, swiglu=True)):
+    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(norm=True, swiglu=True),
+              Fusion(residual=True, gated=True, norm_out=True)):  # fmt: skip
         assert Fusion.parse(f.names()) == f
     with pytest.raises(ValueError, match="unknown GEMV stages"):
         Fusion.parse("residual,fused")
     with pytest.raises(ValueError, match="name one"):
         Fusion.parse("norm,norm_scale")
+    with pytest.raises(ValueError, match="name norm_out"):
+        Fusion.parse("residual,prenormed")
 
 
 def test_engine_fuse_sets_the_stages_a_process_runs():
