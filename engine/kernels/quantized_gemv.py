@@ -774,35 +774,35 @@ def quantized_matmuls(
     eps = mx.array([(norm or prenormed)[1]], dtype=mx.float32) if norm or prenormed else None
     ssq = prenormed[0] if prenormed else None
     extra = _present(norm and norm[0], norm and eps, up, residual, norm_out, ssq, prenormed and eps)  # Fusion.inputs' order
-    args = launch_arguments(x, matrices, group_size, bits, config, extra, gated)
-    if prenormed:
-        args["template"].append(("P", ssq.shape[-1]))
-    if norm_out is not None:
-        args["output_shapes"] += [args["output_shapes"][0], (m, args["grid"][0] // args["threadgroup"][0])]
-        args["output_dtypes"] += [mx.bfloat16, mx.float32]
+    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion, ssq.shape[-1] if prenormed else 0)
     return config.kernel(len(matrices), fusion)(**args)
 
 
 def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
-                     config: LaunchConfig, extra: Sequence[mx.array] = (), gated: bool = False) -> dict:  # fmt: skip
+                     config: LaunchConfig, extra: Sequence[mx.array] = (), fusion: Fusion = Fusion(),
+                     parts: int = 0) -> dict:  # fmt: skip
     """The kernel call's arguments for x [..., K] (M rows in all) and the matrices, each result [..., N_i]:
-    blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles rows. `gated`:
-    one block per 16 * row_tiles / 2 rows of both matrices, one result."""
+    blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles rows. A gated
+    launch: one block per 16 * row_tiles / 2 rows of both matrices, one result. norm_out: its two results
+    after the product (`output_names`); prenormed: `parts` sums of squares a row in its input (template P)."""
     k = x.shape[-1]
     m = x.size // k
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
-    for n in rows[:1] if gated else rows:
-        tile_rows = 16 * config.row_tiles // (2 if gated else 1)
+    for n in rows[:1] if fusion.gated else rows:
+        tile_rows = 16 * config.row_tiles // (2 if fusion.gated else 1)
         starts.append(starts[-1] + (n + tile_rows - 1) // tile_rows)
+    products = len(starts) - 1
+    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, starts[-1])]
     return dict(
         inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
-                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])],
+                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
+                 + fusion.prenormed * [("P", parts)],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
-        output_shapes=[(*x.shape[:-1], n) for n in rows[: len(starts) - 1]],
-        output_dtypes=[mx.bfloat16] * (len(starts) - 1),
+        output_shapes=[(*x.shape[:-1], n) for n in rows[:products]] + norm_out,
+        output_dtypes=[mx.bfloat16] * products + fusion.norm_out * [mx.bfloat16, mx.float32],
     )  # fmt: skip
 
 
@@ -912,9 +912,14 @@ def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]
 
 def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
     """`residual + layer(x)`; with FUSE.residual one launch where the kernel takes it."""
-    if FUSE.residual and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer]):
+    if _residual_launch(x, layer, residual):
         return _run_kernel(x, [layer], residual=residual)[0]
     return residual + layer(x)
+
+
+def _residual_launch(x: mx.array, layer: nn.Module, residual: mx.array) -> bool:
+    """Whether `residual + layer(x)` is one launch (FUSE.residual, `Fusion.residual`)."""
+    return FUSE.residual and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer])
 
 
 def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
@@ -951,8 +956,7 @@ def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array) 
     the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
     `Fusion.prenormed`): no RMS norm launch between them, and no norm work in the gate+up launch's loop."""
     norm = layer.post_attention_layernorm
-    if (FUSE.norm_out and FUSE.residual and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and x.dtype == mx.bfloat16
-            and _one_launch(out, [proj]) and _no_bias([proj])):  # fmt: skip
+    if FUSE.norm_out and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and _residual_launch(out, proj, x):
         pair = _gated_pair(layer.mlp, x)
         if pair:
             h, hw, ssq = _run_kernel(out, [proj], residual=x, norm_out=norm.weight)
