@@ -28,6 +28,7 @@ import mlx.nn as nn
 from engine.kernels import attention_decode, quantized_gemv
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
+from engine.kernels.norm_handoff import layer_links
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
 
 EXACT, FAST = "exact", "fast"
@@ -146,6 +147,7 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int, int]:
     them; returns how many layers have the chunked rule, how many steps run the kernel and how many
     attention layers have the compiled step, of them how many run the attention kernels."""
     count = kernels = attention = attention_kernels = 0
+    links = layer_links(model)
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None
@@ -154,11 +156,11 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int, int]:
             continue
         if getattr(module, "is_linear", False):
             kernel = fast and on_cuda() and step_kernel_applies(module)
-            module.fused_step = layer_step(module, kernel) if fast else None
+            module.fused_step = layer_step(module, kernel, links.get(id(module))) if fast else None
             kernels += kernel
         elif fast and attention_decode.applies(module):
             kernel = attention_decode.kernel_applies(module)
-            module.fused_step = attention_decode.layer_step(module, kernel)
+            module.fused_step = attention_decode.layer_step(module, kernel, links.get(id(module)))
             attention += 1
             attention_kernels += kernel
         else:

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from engine.cache.kv import KVCache
 from engine.kernels import attention_step
+from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import normed_projections, residual_mlp
 
 # Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
@@ -59,39 +60,44 @@ def kernel_applies(layer) -> bool:
     return KERNELS and on_cuda() and attention_step.refusal(layer.self_attn) is None
 
 
-def layer_step(layer, kernels: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+def layer_step(layer, kernels: bool = False,
+               link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
     """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
     or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
     with a plain `KVCache` and no mask takes `attention_step`'s kernels between the projections; anything
-    else the compiled parts around the layer's own attention. The weights are held by the compiled
-    graphs from their first trace (no copies), so `engine.kernels.install` makes a new step each time it
-    changes the layer."""
-    attn = layer.self_attn
+    else the compiled parts around the layer's own attention. `link`: with FUSE.norm_out, the input norm
+    comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
+    weights are held by the compiled graphs from their first trace (no copies), so
+    `engine.kernels.install` makes a new step each time it changes the layer."""
+    attn, link = layer.self_attn, link or LayerLink()
     fpar = attention_step.float_params(attn) if kernels else None
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
 
     # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the residual
-    # adds in the o_proj and down launches, the SwiGLU in the gate+up launch).
-    def before(x):
-        return attn.heads(*normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
+    # adds in the o_proj and down launches, the SwiGLU in the gate+up launch). prenormed: () or the input
+    # norm's parts from the layer before.
+    def before(x, *prenormed):
+        return attn.heads(*normed_projections(x, layer.input_layernorm, projections, prenormed))
 
     def after(x, out, gate):
-        return residual_mlp(layer, attn.gated(out, gate), attn.o_proj, x)
+        return residual_mlp(layer, attn.gated(out, gate), attn.o_proj, x, link.next_norm)
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
-    def kernel_step(x: mx.array, cache: KVCache) -> mx.array:
-        q, k, v = normed_projections(x, layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
+    def kernel_step(x: mx.array, cache: KVCache, prenormed: tuple) -> tuple[mx.array, ...]:
+        q, k, v = normed_projections(x, layer.input_layernorm, projections, prenormed)
         n = cache.offset + 1
         cache.append(*attention_step.keys(attn, k, v, n, fpar))
         out = attention_step.attend(attn, q, cache.keys, cache.values, n, fpar)
-        return residual_mlp(layer, out, attn.o_proj, x)
+        return residual_mlp(layer, out, attn.o_proj, x, link.next_norm)
 
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if x.shape[1] != 1:
             return None
+        prenormed = link.take(x)
         if kernels and mask is None and type(cache) is KVCache and x.dtype == mx.bfloat16:
-            return kernel_step(x, cache)
-        q, k, v, gate = before_c(x)
-        return after_c(x, attn.attend(q, k, v, mask, cache), gate)
+            return link.pass_on(kernel_step(x, cache, prenormed))
+        q, k, v, gate = before_c(x, *prenormed)
+        return link.pass_on(tuple(after_c(x, attn.attend(q, k, v, mask, cache), gate)))
 
     return step

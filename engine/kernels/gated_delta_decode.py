@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
+from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import normed_projections, residual_mlp
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
@@ -82,16 +83,19 @@ def step_kernel_applies(layer) -> bool:
     )
 
 
-def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:
+def layer_step(layer, kernel: bool = False,
+               link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
     MLP and its residual. Returns `step(x, mask, cache)`: the layer's output for one token, updating
     `cache` as the layer does, or None where the step does not apply (the layer's own path runs).
     `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see `step_kernel_applies`).
+    `link`: with FUSE.norm_out, the input norm comes from the layer before and the next layer's from
+    this step's last launch (`norm_handoff`).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
-    lin = layer.linear_attn
+    lin, link = layer.linear_attn, link or LayerLink()
     if kernel:
         core = partial(gated_delta_step.delta_step, norm_eps=lin.norm.eps, heads_k=lin.num_k_heads, dk=lin.head_k_dim)
     else:
@@ -99,22 +103,23 @@ def layer_step(layer, kernel: bool = False) -> Callable[[mx.array, Optional[mx.a
 
     inputs = [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]  # input_projections' order
 
-    def body(x, conv_state, state):
+    def body(x, conv_state, state, *prenormed):
         # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the
         # residual adds and the MLP's SwiGLU: 7 launches a layer instead of 10). Elsewhere they run apart.
-        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs)  # z [B, 1, Hv * Dv]
+        # prenormed: () or the input norm's parts from the layer before (traced apart: another input count)
+        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, prenormed)  # z [B, 1, Hv * Dv]
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )
-        return residual_mlp(layer, out, lin.out_proj, x), conv_state, state
+        return conv_state, state, *residual_mlp(layer, out, lin.out_proj, x, link.next_norm)
 
     compiled = mx.compile(body)
 
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if not applies(x, mask, cache):
             return None
-        h, cache[0], cache[1] = compiled(x, cache[0], cache[1])
+        cache[0], cache[1], *outputs = compiled(x, cache[0], cache[1], *link.take(x))
         cache.advance(1)
-        return h
+        return link.pass_on(tuple(outputs))
 
     return step

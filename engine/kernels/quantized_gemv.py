@@ -363,14 +363,29 @@ _REDUCE = r"""
 _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
 
 # Fusion.prenormed: x is already the norm's activations (times its weight), and the producing launch left the
-# sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`); warp 0 adds each row's parts in
-# a fixed order (lane-strided, then a butterfly), before _REDUCE's barrier.
+# sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`). The block copies the parts to
+# shared memory with cp.async before its first weight load (`_PRENORMED_PREFETCH`: the copy holds no
+# registers over the loop), so they are there by the end; warp 0 then adds each row's parts in a fixed order
+# (lane-strided, then a butterfly), before _REDUCE's barrier. Reading them from global memory only at the
+# end cost every block a chain of dependent loads behind the weight stream: H200, qwen27b, the gate+up
+# launch took 52.4 us a step against 41.1 with the norm as a launch of its own
+# (reports/gpu/step-kernels-norm-out-tail-session14.txt).
+_PRENORMED_PREFETCH = r"""
+  __shared__ float ssq_parts[M * P];
+  for (int i = threadIdx.x; i < M * P; i += W * 32) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(ssq_parts + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(ssq_in + i) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+"""
 _PRENORMED_REDUCE = r"""
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
   __shared__ float rscale[M];
   if (warp == 0) {
     for (int m = 0; m < M; ++m) {
       float s = 0.0f;
-      for (int p = lane; p < P; p += 32) s += ssq_in[m * P + p];
+      for (int p = lane; p < P; p += 32) s += ssq_parts[m * P + p];
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if (lane == 0) rscale[m] = rsqrtf(s / K + norm_eps[0]);
@@ -507,7 +522,7 @@ class Fusion:
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
         and the norms' prologue."""
-        lines = []
+        lines = [_PRENORMED_PREFETCH] if self.prenormed else []
         if self.norm_scale:  # each thread's sum of squares of the activations it loads, per row block
             lines.append("  float ssq[NB];\n  #pragma unroll\n  for (int nb = 0; nb < NB; ++nb) ssq[nb] = 0.0f;")
         if self.norm:
@@ -902,9 +917,15 @@ def _fusable_norm(norm: nn.Module) -> bool:
     return isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16
 
 
-def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
-    """Each layer applied to `norm(x)`: with FUSE.norm or FUSE.norm_scale, one launch for the RMS norm and all
-    the layers where the kernel takes them; otherwise the norm, then the layers as `project` runs them."""
+def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module],
+                       prenormed: tuple[mx.array, ...] = ()) -> tuple[mx.array, ...]:  # fmt: skip
+    """Each layer applied to `norm(x)`: with `prenormed` (x times the norm's weight and the parts of x's sums of
+    squares, from the launch that made x: `Fusion.norm_out`), one launch that scales its sums by the norm
+    (`Fusion.prenormed`) where the kernel takes the layers; with FUSE.norm or FUSE.norm_scale, one launch for
+    the RMS norm and all the layers where the kernel takes them; otherwise the norm, then the layers as
+    `project` runs them."""
+    if prenormed and _fusable_norm(norm) and _one_launch(prenormed[0], layers) and _no_bias(layers):
+        return _run_kernel(prenormed[0], layers, prenormed=(prenormed[1], norm.eps))
     if (FUSE.norm or FUSE.norm_scale) and _fusable_norm(norm) and _one_launch(x, layers) and _no_bias(layers):
         return _run_kernel(x, layers, norm=(norm.weight, norm.eps), norm_scale=not FUSE.norm)
     return project(norm(x), *layers)
@@ -950,19 +971,32 @@ def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
     return swiglu_projection(gate, up, mlp.down_proj, h)
 
 
-def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array) -> mx.array:
+def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array,
+                 next_norm: Optional[nn.Module] = None) -> tuple[mx.array, ...]:  # fmt: skip
     """A decoder layer's output projection, its residual and its second half:
-    `mlp_half(layer, residual_projection(out, proj, x))`. With FUSE.norm_out (and FUSE.residual, FUSE.gated)
-    the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
-    `Fusion.prenormed`): no RMS norm launch between them, and no norm work in the gate+up launch's loop."""
+    `(mlp_half(layer, residual_projection(out, proj, x)),)`. With FUSE.norm_out (and FUSE.residual,
+    FUSE.gated) the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
+    `Fusion.prenormed`): no RMS norm launch between them, and no norm work in the gate+up launch's loop; and
+    the down launch takes `next_norm` (the next layer's input norm) the same way, for the next layer's input
+    projections (`normed_projections`' prenormed): then the result is (h, h * its weight, the parts)."""
     norm = layer.post_attention_layernorm
     if FUSE.norm_out and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and _residual_launch(out, proj, x):
         pair = _gated_pair(layer.mlp, x)
         if pair:
-            h, hw, ssq = _run_kernel(out, [proj], residual=x, norm_out=norm.weight)
+            h, hw, ssq = _residual_norm_out(out, proj, x, norm)
             act = _run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
-            return residual_projection(act, layer.mlp.down_proj, h)
-    return mlp_half(layer, residual_projection(out, proj, x))
+            if next_norm is not None and _fusable_norm(next_norm):
+                return _residual_norm_out(act, layer.mlp.down_proj, h, next_norm)
+            return (residual_projection(act, layer.mlp.down_proj, h),)
+    return (mlp_half(layer, residual_projection(out, proj, x)),)
+
+
+def _residual_norm_out(x: mx.array, layer: nn.Module, residual: mx.array, norm: nn.Module) -> tuple[mx.array, ...]:
+    """`residual + layer(x)` as h, with h times the norm's weight and the launch blocks' parts of the sums of
+    squares of h (`Fusion.norm_out`), where one launch takes the residual; else (h,)."""
+    if _residual_launch(x, layer, residual):
+        return _run_kernel(x, [layer], residual=residual, norm_out=norm.weight)
+    return (residual_projection(x, layer, residual),)
 
 
 def _swiglu_mlp(mlp: nn.Module) -> bool:

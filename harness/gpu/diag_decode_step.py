@@ -29,6 +29,7 @@ from harness.gpu.results import save_json
 
 UNFUSED, EPILOGUES = Fusion(), Fusion(residual=True, gated=True)
 NORM_SCALE = Fusion(residual=True, gated=True, norm_scale=True)
+NORM_OUT = Fusion(residual=True, gated=True, norm_out=True)
 # The attention layers' decode step: none, compiled around MLX's attention, or with the attention kernels
 OFF, COMPILED, KERNELS = "off", "compiled", "kernels"
 # tier, the DeltaNet step kernel, the attention step, the stages inside the GEMV launches
@@ -41,6 +42,8 @@ CONFIGS = {
     "fast_epilogues": (FAST, True, COMPILED, EPILOGUES),  # residual adds and the SwiGLU after the products
     "fast_norm_scale": (FAST, True, COMPILED, NORM_SCALE),  # and the norms
     "fast_attention_kernels": (FAST, True, KERNELS, NORM_SCALE),  # and the attention as two kernels
+    "fast_default": (FAST, True, KERNELS, EPILOGUES),  # the fast tier's defaults (norm_scale measured slower)
+    "fast_norm_out": (FAST, True, KERNELS, NORM_OUT),  # and the MLP norm taken by the output projection
 }
 
 

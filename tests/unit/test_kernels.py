@@ -6,6 +6,7 @@ On the H200: `python3 -m pytest -q tests/unit/test_kernels.py` (see harness/gpu/
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -406,13 +407,99 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
     out = mx.random.normal((1, 1, proj.weight.shape[1] * 32 // proj.bits)).astype(mx.bfloat16)
     x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
     monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
-    got = qg.residual_mlp(layer, out, proj, x)
+    (got,) = qg.residual_mlp(layer, out, proj, x)
     assert calls == [["norm_out", "residual"], ["gated", "prenormed"], ["residual"]]
     monkeypatch.setattr(qg, "FUSE", qg.Fusion())
     want = qg.mlp_half(layer, qg.residual_projection(out, proj, x))
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = mx.abs(want.astype(mx.float32)).max()
     assert mx.all(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) <= 2.0**-5 * scale).item()
+
+
+def _handoff_decode(monkeypatch, launch_as):
+    # A tiny Qwen3.5's decode (6 forced tokens) with the fast tier's layer steps, the epilogues without and
+    # with Fusion.norm_out, every GEMV launch through `launch_as(x, layers, **stages)`: the logits of each,
+    # the stages of the norm_out run's launches and the norm weights its norm_out launches took, in order.
+    # The steps are traced once (mx.compile), so those are one step's launches.
+    import engine.kernels.quantized_gemv as qg
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
+    calls, taken = [], []
+
+    def launch(x, layers, **stages):
+        calls.append(tuple(sorted(k for k, v in stages.items() if v is not None and v is not False)))
+        if stages.get("norm_out") is not None:
+            taken.append(stages["norm_out"])
+        return launch_as(x, layers, **stages)
+
+    monkeypatch.setattr(qg, "_run_kernel", launch)
+
+    def decode(fuse):
+        monkeypatch.setattr(qg, "FUSE", fuse)
+        install(model, FAST, force=True)
+        cache = model.make_cache()
+        model(mx.array([list(range(3, 11))]), cache)
+        calls.clear(), taken.clear()
+        logits = [model(mx.array([[t]]), cache)[0, -1] for t in range(20, 26)]
+        mx.eval(logits)
+        install(model, EXACT)
+        return logits
+
+    want = decode(qg.Fusion(residual=True, gated=True))
+    got = decode(qg.Fusion(residual=True, gated=True, norm_out=True))
+    worst = max((mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(want, got))
+    layers = model.layers
+    # every layer's output projection takes its MLP norm, every down launch but the last the next layer's
+    # input norm; every gate+up launch and every layer's input projections but the first's take one
+    launches = Counter(calls)
+    assert launches[("norm_out", "residual")] == 2 * len(layers) - 1
+    assert launches[("gated", "prenormed")] == len(layers)
+    assert launches[("prenormed",)] == len(layers) - 1
+    norms = [w for a, b in zip(layers, layers[1:]) for w in (a.post_attention_layernorm.weight, b.input_layernorm.weight)]
+    assert [id(w) for w in taken] == [id(w) for w in norms + [layers[-1].post_attention_layernorm.weight]]
+    return worst
+
+
+def test_layers_hand_the_next_layer_its_input_norm(monkeypatch):
+    # Fusion.norm_out across layers (engine.kernels.norm_handoff): each layer step's down launch also takes
+    # the next layer's input norm, and that layer's input projections take it as prenormed. The launches run
+    # as MLX operations (_reference_launch), so the plumbing runs on any backend, against the same steps with
+    # every norm an operation of its own. The norms then scale the products instead of the activations
+    # (one bf16 rounding moved, as norm_scale moves it): through 4 layers and 6 steps the logits measured
+    # 2^-7 of the largest apart; the down launches given their own layer's MLP norm instead measured 0.042.
+    import engine.kernels.quantized_gemv as qg
+
+    monkeypatch.setattr(qg, "_one_launch", lambda x, layers: True)
+    assert _handoff_decode(monkeypatch, _reference_launch) < 2**-5
+
+
+@cuda_only
+def test_layers_hand_the_next_layer_its_input_norm_in_the_kernels(monkeypatch):
+    # The same with the GEMV kernel's launches, the tiny model's (below LAYER_MIN_OUTPUTS rows) included:
+    # the parts come from the blocks of the launch before, and the bound is the one above.
+    import engine.kernels.quantized_gemv as qg
+
+    monkeypatch.setattr(qg, "LAYER_MIN_OUTPUTS", 0)
+    assert _handoff_decode(monkeypatch, qg._run_kernel) < 2**-5
+
+
+def test_a_layer_takes_only_the_norm_left_for_its_own_input():
+    from engine.kernels.norm_handoff import LayerLink, NormSlot
+
+    first, second = nn.RMSNorm(8), nn.RMSNorm(8)
+    slot = NormSlot()
+    giver, taker = LayerLink(slot, first, second), LayerLink(slot, second, None)
+    h, hw, ssq = mx.ones((1, 1, 8)), mx.zeros((1, 1, 8)), mx.zeros((1, 1))
+    assert giver.pass_on((h, hw, ssq)) is h
+    assert taker.take(mx.ones((1, 1, 8))) == ()  # another array, equal or not
+    giver.pass_on((h, hw, ssq))
+    assert LayerLink(slot, first, None).take(h) == ()  # another layer's norm
+    giver.pass_on((h, hw, ssq))
+    parts = taker.take(h)
+    assert len(parts) == 2 and parts[0] is hw and parts[1] is ssq
+    assert taker.take(h) == ()  # taken once
+    assert taker.pass_on((h,)) is h and slot.h is None  # the last layer leaves nothing
 
 
 @cuda_only
