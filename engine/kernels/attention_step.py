@@ -116,7 +116,7 @@ __device__ __forceinline__ void engine_load_row(const __nv_bfloat16* p, float (&
 }
 """
 
-# ipar: [n, cap] (positions after this token's update, the cache buffer's length); fpar: [eps, log2 base,
+# ipar: [n, cap, ...] (positions after this token's update, the cache buffer's length; keys: cap 0); fpar: [eps, log2 base,
 # rope scale, attention scale]
 KEYS_SOURCE = r"""
   // Block (b, g): batch row b, kv head g; thread t: channel t.
@@ -307,6 +307,15 @@ def float_params(attn) -> mx.array:
     return mx.array([attn.q_norm.eps, log2_base, rope.scale, attn.scale], dtype=mx.float32)
 
 
+@lru_cache(maxsize=4)
+def int_params(*values: int) -> mx.array:
+    """The kernels' int parameters as an int32 array, made once for a decode step's attention layers (they
+    share the positions): an array the host makes is managed memory the first kernel to read it waits on
+    while its page moves to the GPU, so 16 layers, two kernels each, wait once instead of 32 times. Four
+    values (16 bytes) keep it out of MLX's pool for arrays of up to 8 bytes (`quantized_gemv.float_bits`)."""
+    return mx.array(values, dtype=mx.int32)
+
+
 def _template(attn, d: int) -> list:
     return [("H", attn.n_heads), ("HKV", attn.n_kv_heads), ("D", d), ("R", attn.rope.dims), ("WARPS", WARPS)]
 
@@ -317,7 +326,7 @@ def keys(attn, k: mx.array, v: mx.array, n: int, fpar: mx.array) -> tuple[mx.arr
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     shape = (b, attn.n_kv_heads, 1, d)
     return tuple(_keys_kernel()(
-        inputs=[k, v, attn.k_norm.weight, mx.array([n, 0], dtype=mx.int32), fpar],
+        inputs=[k, v, attn.k_norm.weight, int_params(n, 0, 0, 0), fpar],
         template=_template(attn, d), grid=(b * attn.n_kv_heads * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[shape, shape], output_dtypes=[mx.bfloat16, mx.bfloat16],
     ))  # fmt: skip
@@ -329,7 +338,7 @@ def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, n: int, 
     launch, or for a long cache (`splits`) one over chunks of the positions and one that merges them."""
     b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
     s = splits(n)
-    ipar = mx.array([n, keys_buf.shape[2], -(-n // s), s], dtype=mx.int32)
+    ipar = int_params(n, keys_buf.shape[2], -(-n // s), s)
     inputs = [q, keys_buf, values_buf, attn.q_norm.weight, ipar, fpar]
     launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:

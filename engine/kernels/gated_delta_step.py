@@ -38,7 +38,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv import launch_bounds
+from engine.kernels.quantized_gemv import float_bits, launch_bounds
 
 HEADER = r"""
 #include <cuda_bf16.h>
@@ -114,7 +114,7 @@ SOURCE = r"""
     const float inv = rsqrtf((float)DK);
     const float qv = t < DK ? qs[t] : 0.0f, kv = t < DK ? ks[t] : 0.0f;
     const float qss = block_sum(qv * qv, 0), kss = block_sum(kv * kv, 1);
-    const float eps = params[0] * inv * inv;
+    const float eps = __int_as_float(QK_EPS) * inv * inv;
     if (t < DK) {  // each thread reads and writes only its own channel here
       const float qn = __bfloat162float(__float2bfloat16(qv * rsqrtf(qss / DK + eps)));
       const float kn = __bfloat162float(__float2bfloat16(kv * rsqrtf(kss / DK + eps)));
@@ -182,7 +182,7 @@ SOURCE = r"""
   const float y = t < DV ? vs[t] : 0.0f;
   const float yss = block_sum(y * y, 0);
   if (t < DV) {
-    const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + params[1]) * (float)norm_w[t]));
+    const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + __int_as_float(NORM_EPS)) * (float)norm_w[t]));
     const float zv = (float)z[((size_t)b * HV + h) * DV + t];
     out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
   }
@@ -194,8 +194,7 @@ def _kernel(threads: int):
     # the bounds cap the registers a thread takes so that `threads` fit on an SM (64 at 1024)
     return mx.fast.cuda_kernel(
         name=f"engine_gated_delta_step_{threads}",
-        input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state",
-                     "params"],
+        input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state"],
         output_names=["out", "new_conv", "new_state"],
         source=SOURCE,
         header=HEADER + launch_bounds(threads, 1),
@@ -235,9 +234,9 @@ def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias
     ks = conv_w.shape[1]
     threads, rows = launch_shape(dk, dv)
     out, new_conv, new_state = _kernel(threads)(
-        inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state,
-                mx.array([qk_eps, norm_eps], dtype=mx.float32)],
-        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks), ("NT", threads), ("RB", rows)],
+        inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state],
+        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks), ("NT", threads), ("RB", rows),
+                  ("QK_EPS", float_bits(qk_eps)), ("NORM_EPS", float_bits(norm_eps))],  # not inputs: see float_bits
         grid=(batch * hv * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(batch, 1, hv * dv), conv_state.shape, state.shape],

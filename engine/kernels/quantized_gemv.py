@@ -68,6 +68,7 @@ reports/gpu/step-kernels-xs-session13.txt): removed.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -388,7 +389,7 @@ _PRENORMED_REDUCE = r"""
       for (int p = lane; p < P; p += 32) s += ssq_parts[m * P + p];
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) rscale[m] = rsqrtf(s / K + norm_eps[0]);
+      if (lane == 0) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
     }
   }
   auto row_scale = [&](const int m) { return rscale[m]; };
@@ -425,7 +426,7 @@ _NORM_SCALE_REDUCE = r"""
     float s = 0.0f;
     #pragma unroll
     for (int ww = 0; ww < W; ++ww) s += ssr[ww][m];
-    return rsqrtf(s / K + norm_eps[0]);
+    return rsqrtf(s / K + __int_as_float(EPS));
   };
 """
 
@@ -494,9 +495,8 @@ class Fusion:
                    norm is not None and norm_scale, norm_out is not None, prenormed is not None)  # fmt: skip
 
     def inputs(self) -> list[str]:
-        return (["norm_w", "norm_eps"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu
-                + ["residual"] * self.residual + ["next_norm_w"] * self.norm_out
-                + ["ssq_in", "norm_eps"] * self.prenormed)  # fmt: skip
+        return (["norm_w"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu + ["residual"] * self.residual
+                + ["next_norm_w"] * self.norm_out + ["ssq_in"] * self.prenormed)  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> "Fusion":
@@ -534,7 +534,7 @@ class Fusion:
     }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) rnorm[m] = rsqrtf(ss / K + norm_eps[0]);
+    if (lane == 0) rnorm[m] = rsqrtf(ss / K + __int_as_float(EPS));
   }
   __syncthreads();""")
         lines.append("  auto activations = [&](const size_t i, const int m) -> uint4 {")
@@ -786,20 +786,31 @@ def quantized_matmuls(
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
-    eps = mx.array([(norm or prenormed)[1]], dtype=mx.float32) if norm or prenormed else None
     ssq = prenormed[0] if prenormed else None
-    extra = _present(norm and norm[0], norm and eps, up, residual, norm_out, ssq, prenormed and eps)  # Fusion.inputs' order
-    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion, ssq.shape[-1] if prenormed else 0)
+    extra = _present(norm and norm[0], up, residual, norm_out, ssq)  # Fusion.inputs' order
+    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion, ssq.shape[-1] if prenormed else 0,
+                            (norm or prenormed or (None, 0.0))[1])  # fmt: skip
     return config.kernel(len(matrices), fusion)(**args)
+
+
+def float_bits(value: float) -> int:
+    """A float32's bits as a signed int: how a kernel takes a constant float (`__int_as_float`) as a template
+    value. A one-value float32 input would live in MLX's CUDA pool for arrays of up to 8 bytes, managed
+    memory advised read-mostly that the host writes whenever it makes a small array (the attention's
+    positions, Python scalars) and reads for every sampled token: each kernel that read one there waited
+    for a page to come back. H200, qwen27b, B = 1 (reports/gpu/step-kernels-norm-out-session14.txt): the
+    launches reading eps that way took 11-15 us longer than the same launches without it, at every size."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
                      config: LaunchConfig, extra: Sequence[mx.array] = (), fusion: Fusion = Fusion(),
-                     parts: int = 0) -> dict:  # fmt: skip
+                     parts: int = 0, eps: float = 0.0) -> dict:  # fmt: skip
     """The kernel call's arguments for x [..., K] (M rows in all) and the matrices, each result [..., N_i]:
     blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles rows. A gated
     launch: one block per 16 * row_tiles / 2 rows of both matrices, one result. norm_out: its two results
-    after the product (`output_names`); prenormed: `parts` sums of squares a row in its input (template P)."""
+    after the product (`output_names`); prenormed: `parts` sums of squares a row in its input (template P).
+    A norm's `eps` is a template value (EPS, its float32 bits), not an input: see `float_bits`."""
     k = x.shape[-1]
     m = x.size // k
     rows = [w.shape[0] for w, _, _ in matrices]
@@ -813,7 +824,8 @@ def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, m
         inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
-                 + fusion.prenormed * [("P", parts)],
+                 + fusion.prenormed * [("P", parts)]
+                 + (fusion.norm or fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(eps))],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n) for n in rows[:products]] + norm_out,
