@@ -367,10 +367,10 @@ _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
 # sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`). The block copies the parts to
 # shared memory with cp.async before its first weight load (`_PRENORMED_PREFETCH`: the copy holds no
 # registers over the loop), so they are there by the end; warp 0 then adds each row's parts in a fixed order
-# (lane-strided, then a butterfly), before _REDUCE's barrier. Reading them from global memory only at the
-# end cost every block a chain of dependent loads behind the weight stream: H200, qwen27b, the gate+up
-# launch took 52.4 us a step against 41.1 with the norm as a launch of its own
-# (reports/gpu/step-kernels-norm-out-tail-session14.txt).
+# (lane-strided, then a butterfly), before _REDUCE's barrier. (The copy was written while the launch was
+# slow for another reason, the eps array that `float_bits` explains; with that gone the gate+up launch
+# takes 42.6 us against the plain one's 41.0, reports/gpu/step-kernels-norm-out-session14.txt. The parts
+# read at the end instead were not timed since.)
 _PRENORMED_PREFETCH = r"""
   __shared__ float ssq_parts[M * P];
   for (int i = threadIdx.x; i < M * P; i += W * 32) {
@@ -585,11 +585,17 @@ class Fusion:
 # (test_norm_scale_takes_the_norm_after_the_products) but is off: under Nsight Compute the launches it joins
 # took nearly twice as long (gate+up 70.1 against 43.6 us, DeltaNet inputs 42.0 against 23.1, q/k/v 42.3
 # against 22.6), a step's device time 11.2 against 8.8 ms (step-kernels-norm-scale-session12.txt against
-# step-kernels-session12.txt). norm_out (with residual and gated: the MLP norm taken by the output projection's
-# launch for the gate+up launch, 64 fewer launches a qwen27b step, no work added to a k-tile) is off until it
-# is timed on a GPU. ENGINE_FUSE replaces the default (e.g. "residual,gated,norm_out").
+# step-kernels-session12.txt; then the eps was an array that made the launches reading it wait: `float_bits`).
+# norm_out is on (with residual and gated: the MLP norm taken by the output projection's launch for the
+# gate+up launch, and each layer's input norm by the layer before's down launch, `norm_handoff`): 127 fewer
+# launches a qwen27b step, no work added to a k-tile. H200, qwen27b, B = 1 under Nsight Compute: 7.52 ms of
+# device time a step in 376 kernels against 7.86 in 503 (step-kernels-norm-out-session14.txt against
+# step-kernels-session14.txt), 410 graph nodes a step against 537. The decode rate, alternating on the busy
+# shared machine (decode-step-norm-out-session14.txt), did not tell them apart: 6 pairs, medians 107 and 107
+# tok/s, each side's runs 82-143. ENGINE_FUSE replaces the default (e.g. "residual,gated" without it).
 # Set before `engine.kernels.install`, which traces the steps.
-FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None else Fusion(residual=True, gated=True)
+FUSE = Fusion.parse(env.fuse_stages()) if env.fuse_stages() is not None \
+    else Fusion(residual=True, gated=True, norm_out=True)  # fmt: skip
 
 
 def launch_bounds(threads: int, min_blocks: int) -> str:
@@ -795,11 +801,13 @@ def quantized_matmuls(
 
 def float_bits(value: float) -> int:
     """A float32's bits as a signed int: how a kernel takes a constant float (`__int_as_float`) as a template
-    value. A one-value float32 input would live in MLX's CUDA pool for arrays of up to 8 bytes, managed
-    memory advised read-mostly that the host writes whenever it makes a small array (the attention's
-    positions, Python scalars) and reads for every sampled token: each kernel that read one there waited
-    for a page to come back. H200, qwen27b, B = 1 (reports/gpu/step-kernels-norm-out-session14.txt): the
-    launches reading eps that way took 11-15 us longer than the same launches without it, at every size."""
+    value. As an input, a one-value float32 array lives in MLX's CUDA pool for arrays of up to 8 bytes:
+    managed memory advised read-mostly, which the host writes whenever it makes a small array and reads for
+    every sampled token, so a kernel reading from it can wait for its page to come back. H200, qwen27b,
+    B = 1 under Nsight Compute: with eps as an array, the launches that read it took 11-15 us longer at
+    every size (gate+up 51.9 us, DeltaNet inputs 35.0, q/k/v 34.7; the DeltaNet step kernel, its two eps
+    in one 8-byte array, 14.3; reports/gpu/step-kernels-norm-out-eps-array-session14.txt); as template
+    values 42.6, 20.9, 20.5 and 7.9 (step-kernels-norm-out-session14.txt)."""
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 

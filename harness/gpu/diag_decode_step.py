@@ -1,7 +1,7 @@
 """Where a B=1 decode step of a real model goes, per kernel configuration (`CONFIGS`: the exact tier; the
 fast tier without the DeltaNet step kernel, with it, with it and the compiled attention step, with the
-norms and SwiGLU on the GEMV launches' inputs, with the residual adds and SwiGLU on their outputs, or
-those and the norms' scale on their outputs):
+norms and SwiGLU on the GEMV launches' inputs, with the residual adds and SwiGLU on their outputs, those
+and the norms' scale on their outputs, or the norms taken by the launches before them):
 host graph build, a synchronous step (build + device), the pipelined rate the engine's decode loop
 reaches, that loop's parts (build, submit, wait: a wait near zero means the host is the bound) and the
 step's graph nodes by operation.
@@ -42,8 +42,8 @@ CONFIGS = {
     "fast_epilogues": (FAST, True, COMPILED, EPILOGUES),  # residual adds and the SwiGLU after the products
     "fast_norm_scale": (FAST, True, COMPILED, NORM_SCALE),  # and the norms
     "fast_attention_kernels": (FAST, True, KERNELS, NORM_SCALE),  # and the attention as two kernels
-    "fast_default": (FAST, True, KERNELS, EPILOGUES),  # the fast tier's defaults (norm_scale measured slower)
-    "fast_norm_out": (FAST, True, KERNELS, NORM_OUT),  # and the MLP norm taken by the output projection
+    "fast_residual_gated": (FAST, True, KERNELS, EPILOGUES),  # "fast_default" in the fourteenth session's files
+    "fast_norm_out": (FAST, True, KERNELS, NORM_OUT),  # and the norms taken by the launches before (the default)
 }
 
 

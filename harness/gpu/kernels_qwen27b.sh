@@ -65,7 +65,7 @@ case "$PART" in
         "MLX_MAX_OPS_PER_BUFFER=200" "MLX_USE_CUDA_GRAPHS=0"}; do
       label=$(echo "$setting" | tr ' ,=' '_+-')
       env $([ "$setting" = default ] || echo "$setting" | tr ',' ' ') python3 harness/gpu/diag_decode_step.py --tokens 48 \
-          --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_default}" --label "$label" 2>&1 \
+          --rounds "${ROUNDS:-2}" --configs "${STEP_CONFIGS:-fast_norm_out}" --label "$label" 2>&1 \
           | tee -a "$OUT/decode-graphs.txt" || true
     done
     ;;
@@ -84,7 +84,7 @@ case "$PART" in
   profile)
     synth
     python3 harness/gpu/diag_decode_step.py --tokens 48 --rounds "${ROUNDS:-2}" \
-        --configs "${STEP_CONFIGS:-fast_default,fast_norm_out}" 2>&1 | tee "$OUT/decode-step.txt" || true
+        --configs "${STEP_CONFIGS:-fast_residual_gated,fast_norm_out}" 2>&1 | tee "$OUT/decode-step.txt" || true
     ;;
   ncu)  # each kernel's device time in a fast decode step (Nsight Compute), summed per step and by name
     synth

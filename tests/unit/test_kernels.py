@@ -373,7 +373,8 @@ def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False,
     # quantized_gemv._run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
     # plumbing runs on any backend: norm_out's parts as one block's
     f32 = mx.float32
-    ys = [q(x) for q in layers]
+    ys = [mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size,
+                              bits=q.bits) for q in layers]  # as q(x) off CUDA (no bias); on CUDA q(x) is a launch  # fmt: skip
     if prenormed is not None:
         r = mx.rsqrt(prenormed[0].sum(axis=-1) / x.shape[-1] + prenormed[1]).reshape(*x.shape[:-1], 1)
         ys = [(y.astype(f32) * r).astype(y.dtype) for y in ys]
