@@ -10,7 +10,7 @@ The first command loads the model (fast tier), prefills `--prompt-tokens` (64), 
 evaluates `--steps` decode steps one at a time with a marker kernel after each. The second reads ncu's CSV: each step's kernels
 are those between two markers; it prints the sum of their durations per step (the device's busy time,
 kernels serialized by ncu, clocks and caches as the application leaves them) and the kernels that take the
-most, by name. Set against the pipelined step time (`diag_decode_step.py`), the sum says whether the device
+most, by name (each one's median, fastest and slowest launch). Set against the pipelined step time (`diag_decode_step.py`), the sum says whether the device
 is busy for the whole step or waits between launches.
 """
 
@@ -78,9 +78,12 @@ def summarize(path: str, top: int) -> None:
     n = len(per_step)
     print(f"{n} steps: {launches[0]} kernels a step; device busy {statistics.median(per_step) / 1e3:.2f} ms a step "
           f"(median; {min(per_step) / 1e3:.2f}-{max(per_step) / 1e3:.2f})")
-    print(f"{'kernel':90s} {'a step':>7s} {'us a step':>10s} {'us each':>9s}")
+    # us each: the median launch, beside the fastest and slowest (a name whose fastest launch is as far above
+    # another build's as its median is slower in every launch; a slow median over a fast minimum, in some)
+    print(f"{'kernel':90s} {'a step':>7s} {'us a step':>10s} {'us each':>9s} {'min':>7s} {'max':>7s}")
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"{name:90s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {statistics.median(times):9.1f}")
+        print(f"{name:90s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {statistics.median(times):9.1f} "
+              f"{min(times):7.1f} {max(times):7.1f}")
 
 
 def main() -> None:
