@@ -73,15 +73,19 @@ class BenchConfig:
     max_shapes: Optional[int] = None
 
 
-class _Rates:
-    """Effective GB/s and speedup of a result with builtin_us, kernel_us and bytes_moved."""
-
-    def gbs(self, us: Optional[float]) -> Optional[float]:
-        return None if us is None else self.bytes_moved / us / 1e3
+class _Speedup:
+    """The speedup of a result with builtin_us and kernel_us (None where the kernel did not run)."""
 
     @property
     def speedup(self) -> Optional[float]:
         return None if self.kernel_us is None else self.builtin_us / self.kernel_us
+
+
+class _Rates(_Speedup):
+    """And the effective GB/s of a result with bytes_moved."""
+
+    def gbs(self, us: Optional[float]) -> Optional[float]:
+        return None if us is None else self.bytes_moved / us / 1e3
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,7 @@ class GroupResult(_Rates):
 
 
 @dataclass(frozen=True)
-class PrefillResult:
+class PrefillResult(_Speedup):
     """A prompt chunk through one matrix: MLX's quantized matmul vs dequantize + one GEMM (`dense_matmul`)."""
 
     n: int
@@ -132,10 +136,6 @@ class PrefillResult:
 
     def tflops(self, us: Optional[float]) -> Optional[float]:
         return None if us is None else 2 * self.n * self.k * self.m / us / 1e6
-
-    @property
-    def speedup(self) -> Optional[float]:
-        return None if self.kernel_us is None else self.builtin_us / self.kernel_us
 
 
 @dataclass(frozen=True)

@@ -132,18 +132,19 @@ class SplitSum(nn.Module):
         if isinstance(q, nn.QuantizedLinear):
             gs, per_word = q.group_size, 32 // q.bits
             h = k // gs // 2 * gs or k  # fewer than two groups: one part (float32 all the same)
-            w, scales, biases = q["weight"], q["scales"].astype(f32), q["biases"].astype(f32)
+            w, scales, biases = q["weight"], q["scales"], q["biases"]
 
             def part(lo, hi):
                 wp = w[:, lo // per_word : hi // per_word]
                 if on_cuda():  # MLX's CUDA quantized matmul takes no float32 activations. Its own weights
                     # (dequantized and rounded to bf16, as its kernel does) times bf16 activations: products
                     # exact in float32, and in TF32 too.
-                    wd = mx.dequantize(wp, q["scales"][:, lo // gs : hi // gs], q["biases"][:, lo // gs : hi // gs],
+                    wd = mx.dequantize(wp, scales[:, lo // gs : hi // gs], biases[:, lo // gs : hi // gs],
                                        group_size=gs, bits=q.bits)  # fmt: skip
                     return x[..., lo:hi].astype(f32) @ wd.astype(f32).T
-                return mx.quantized_matmul(x[..., lo:hi].astype(f32), wp, scales[:, lo // gs : hi // gs],
-                                           biases[:, lo // gs : hi // gs], transpose=True, group_size=gs, bits=q.bits)  # fmt: skip
+                return mx.quantized_matmul(x[..., lo:hi].astype(f32), wp, scales[:, lo // gs : hi // gs].astype(f32),
+                                           biases[:, lo // gs : hi // gs].astype(f32), transpose=True, group_size=gs,
+                                           bits=q.bits)  # fmt: skip
         else:
             h = k // 2 or k
 
