@@ -26,7 +26,7 @@ import mlx.core as mx
 from engine.cache.kv import KVCache
 from engine.kernels import attention_step
 from engine.kernels.norm_handoff import LayerLink
-from engine.kernels.quantized_gemv import normed_projections, residual_mlp
+from engine.kernels.layer_launches import normed_projections, residual_mlp
 
 # Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
 # alternating (reports/gpu/decode-step-epilogues-session10.txt): 91.5 / 89.1 / 58.2 tok/s with it against

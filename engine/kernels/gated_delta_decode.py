@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
 from engine.kernels.norm_handoff import LayerLink
-from engine.kernels.quantized_gemv import normed_projections, residual_mlp
+from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
 

@@ -46,7 +46,7 @@ class LayerLink:
         return parts
 
     def pass_on(self, outputs: tuple[mx.array, ...]) -> mx.array:
-        """The step's h from `quantized_gemv.residual_mlp`'s results ((h,) or (h, hw, ssq)), leaving hw and
+        """The step's h from `layer_launches.residual_mlp`'s results ((h,) or (h, hw, ssq)), leaving hw and
         ssq for the next layer's step."""
         if len(outputs) == 3:
             self.slot.h, self.slot.norm, self.slot.parts = outputs[0], self.next_norm, outputs[1:]

@@ -43,7 +43,10 @@ taken after the products (`Fusion.norm_scale`: the activations times the
 norm's weight, each row's sums scaled by the norm's rsqrt, whose sum of
 squares the block gathers from the loads it makes anyway); its CUDA test
 passes, but it makes the launches it joins slower than what it saves, so it
-is off (`FUSE`).
+is off (`FUSE`). Or the launch before takes it (`Fusion.norm_out`: its output
+rows times the norm's weight, and their sums of squares; `Fusion.prenormed`:
+the next launch scales its rows' sums at the end), which is on.
+`layer_launches` says which launch of a decoder layer takes what.
 
 Matrices that share the input run in one launch (`quantized_matmuls`): the
 blocks take them one after another, each block computing exactly what it
@@ -77,8 +80,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import env
-from engine.models.activations import swiglu
-from engine.models.base import project
 
 MAX_ROWS = 16  # the kernel's limit
 # Where the layer uses it (H200, qwen27b shapes, cold weights): at M = 16 MLX's tiled GEMM is as fast.
@@ -576,8 +577,7 @@ class Fusion:
 
 
 # Which of a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
-# fast tier's layer steps ask for them (normed_projections, residual_projection, swiglu_projection,
-# mlp_half). The stages on the output rows are on: H200, qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4
+# fast tier's layer steps ask for them (`layer_launches`). The stages on the output rows are on: H200, qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4
 # tok/s against 91.5 / 89.1 / 58.2 without, a step's operations other than views 614 against 806
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
 # in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step, whose RMS
@@ -930,105 +930,6 @@ def _one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
 
 def _no_bias(layers: Sequence[nn.Module]) -> bool:
     return not any("bias" in q for q in layers)
-
-
-def _fusable_norm(norm: nn.Module) -> bool:
-    """A norm a launch can take (`Fusion.norm`, `Fusion.norm_scale`): RMS with a bf16 weight."""
-    return isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16
-
-
-def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module],
-                       prenormed: tuple[mx.array, ...] = ()) -> tuple[mx.array, ...]:  # fmt: skip
-    """Each layer applied to `norm(x)`: with `prenormed` (x times the norm's weight and the parts of x's sums of
-    squares, from the launch that made x: `Fusion.norm_out`), one launch that scales its sums by the norm
-    (`Fusion.prenormed`) where the kernel takes the layers; with FUSE.norm or FUSE.norm_scale, one launch for
-    the RMS norm and all the layers where the kernel takes them; otherwise the norm, then the layers as
-    `project` runs them."""
-    if prenormed and _fusable_norm(norm) and _one_launch(prenormed[0], layers) and _no_bias(layers):
-        return _run_kernel(prenormed[0], layers, prenormed=(prenormed[1], norm.eps))
-    if (FUSE.norm or FUSE.norm_scale) and _fusable_norm(norm) and _one_launch(x, layers) and _no_bias(layers):
-        return _run_kernel(x, layers, norm=(norm.weight, norm.eps), norm_scale=not FUSE.norm)
-    return project(norm(x), *layers)
-
-
-def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
-    """`residual + layer(x)`; with FUSE.residual one launch where the kernel takes it."""
-    if _residual_launch(x, layer, residual):
-        return _run_kernel(x, [layer], residual=residual)[0]
-    return residual + layer(x)
-
-
-def _residual_launch(x: mx.array, layer: nn.Module, residual: mx.array) -> bool:
-    """Whether `residual + layer(x)` is one launch (FUSE.residual, `Fusion.residual`)."""
-    return FUSE.residual and residual.dtype == mx.bfloat16 and _one_launch(x, [layer]) and _no_bias([layer])
-
-
-def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
-    """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE.swiglu one
-    launch where the kernel takes it (`Fusion.swiglu` and `Fusion.residual`)."""
-    if FUSE.swiglu and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and _one_launch(gate, [layer]) \
-            and _no_bias([layer]):  # fmt: skip
-        return _run_kernel(gate, [layer], up=up, residual=residual)[0]
-    return residual_projection(swiglu(gate, up), layer, residual)
-
-
-def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
-    """A decoder layer's second half, `h + layer.mlp(layer.post_attention_layernorm(h))`, for an MLP of
-    gate, up and down projections (SwiGLU). With FUSE.gated the gate and up launch gives the SwiGLU
-    itself (`Fusion.gated`), and with FUSE.norm_scale the norm too: the norm, that launch, then the down
-    projection (and its residual, with FUSE.residual) where the kernel takes them."""
-    mlp = layer.mlp
-    if not _swiglu_mlp(mlp):
-        return h + mlp(layer.post_attention_layernorm(h))
-    pair, norm = _gated_pair(mlp, h), layer.post_attention_layernorm
-    if pair:
-        if FUSE.norm_scale and _fusable_norm(norm):
-            act = _run_kernel(h, pair, norm=(norm.weight, norm.eps), gated=True, norm_scale=True)[0]
-        else:
-            act = _run_kernel(norm(h), pair, gated=True)[0]
-        return residual_projection(act, mlp.down_proj, h)
-    gate, up = normed_projections(h, norm, [mlp.gate_proj, mlp.up_proj])
-    return swiglu_projection(gate, up, mlp.down_proj, h)
-
-
-def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array,
-                 next_norm: Optional[nn.Module] = None) -> tuple[mx.array, ...]:  # fmt: skip
-    """A decoder layer's output projection, its residual and its second half:
-    `(mlp_half(layer, residual_projection(out, proj, x)),)`. With FUSE.norm_out (and FUSE.residual,
-    FUSE.gated) the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
-    `Fusion.prenormed`): no RMS norm launch between them, and no norm work in the gate+up launch's loop; and
-    the down launch takes `next_norm` (the next layer's input norm) the same way, for the next layer's input
-    projections (`normed_projections`' prenormed): then the result is (h, h * its weight, the parts)."""
-    norm = layer.post_attention_layernorm
-    if FUSE.norm_out and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and _residual_launch(out, proj, x):
-        pair = _gated_pair(layer.mlp, x)
-        if pair:
-            h, hw, ssq = _residual_norm_out(out, proj, x, norm)
-            act = _run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
-            if next_norm is not None and _fusable_norm(next_norm):
-                return _residual_norm_out(act, layer.mlp.down_proj, h, next_norm)
-            return (residual_projection(act, layer.mlp.down_proj, h),)
-    return (mlp_half(layer, residual_projection(out, proj, x)),)
-
-
-def _residual_norm_out(x: mx.array, layer: nn.Module, residual: mx.array, norm: nn.Module) -> tuple[mx.array, ...]:
-    """`residual + layer(x)` as h, with h times the norm's weight and the launch blocks' parts of the sums of
-    squares of h (`Fusion.norm_out`), where one launch takes the residual; else (h,)."""
-    if _residual_launch(x, layer, residual):
-        return _run_kernel(x, [layer], residual=residual, norm_out=norm.weight)
-    return (residual_projection(x, layer, residual),)
-
-
-def _swiglu_mlp(mlp: nn.Module) -> bool:
-    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
-
-
-def _gated_pair(mlp: nn.Module, h: mx.array) -> Optional[list[nn.Module]]:
-    """The MLP's gate and up projections where one launch gives their SwiGLU (FUSE.gated), else None."""
-    pair = [mlp.gate_proj, mlp.up_proj]
-    if FUSE.gated and _one_launch(h, pair) and _no_bias(pair) and pair[0]["weight"].shape == pair[1]["weight"].shape:
-        return pair
-    return None
 
 
 def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:

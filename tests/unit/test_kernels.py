@@ -394,6 +394,7 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
     # residual projection, to the rounding of a norm taken as norm_scale takes it (2^-5 of the values).
     import engine.kernels.quantized_gemv as qg
     from engine.engine import Engine
+    from engine.kernels import layer_launches
 
     layer = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model.layers[0]
     proj = layer.linear_attn.out_proj
@@ -408,10 +409,10 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
     out = mx.random.normal((1, 1, proj.weight.shape[1] * 32 // proj.bits)).astype(mx.bfloat16)
     x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
     monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
-    (got,) = qg.residual_mlp(layer, out, proj, x)
+    (got,) = layer_launches.residual_mlp(layer, out, proj, x)
     assert calls == [["norm_out", "residual"], ["gated", "prenormed"], ["residual"]]
     monkeypatch.setattr(qg, "FUSE", qg.Fusion())
-    want = qg.mlp_half(layer, qg.residual_projection(out, proj, x))
+    want = layer_launches.mlp_half(layer, layer_launches.residual_projection(out, proj, x))
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = mx.abs(want.astype(mx.float32)).max()
     assert mx.all(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) <= 2.0**-5 * scale).item()
