@@ -147,7 +147,7 @@ def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int, int]:
     them; returns how many layers have the chunked rule, how many steps run the kernel and how many
     attention layers have the compiled step, of them how many run the attention kernels."""
     count = kernels = attention = attention_kernels = 0
-    links = layer_links(model)
+    links = layer_links(model) if fast else {}
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if fast else None

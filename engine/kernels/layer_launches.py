@@ -91,7 +91,7 @@ def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array,
     if qg.FUSE.norm_out and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and _residual_launch(out, proj, x):
         pair = _gated_pair(layer.mlp, x)
         if pair:
-            h, hw, ssq = _residual_norm_out(out, proj, x, norm)
+            h, hw, ssq = qg._run_kernel(out, [proj], residual=x, norm_out=norm.weight)  # the launch checked above
             act = qg._run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
             if next_norm is not None and _fusable_norm(next_norm):
                 return _residual_norm_out(act, layer.mlp.down_proj, h, next_norm)

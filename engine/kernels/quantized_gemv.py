@@ -465,11 +465,11 @@ def _prologue(count: int, gated: bool = False) -> str:
 @dataclass(frozen=True)
 class Fusion:
     """Work a launch does around its matrix products, which would otherwise be launches of their own:
-    `norm`, x is the residual stream and the activations are its RMS norm (inputs `norm_w`, `norm_eps`;
+    `norm`, x is the residual stream and the activations are its RMS norm (input `norm_w`; template EPS;
     each block computes the rows' norms itself); `swiglu`, x is the gate and the activations are
     silu(gate) * up (input `up`); `residual`, one matrix, whose output is added to `residual` (input);
     `gated`, two matrices, an MLP's gate and up projections, and one output, silu(gate) * up;
-    `norm_scale`, the RMS norm again (inputs `norm_w`, `norm_eps`), as the products of x times the norm's
+    `norm_scale`, the RMS norm again (input `norm_w`; template EPS), as the products of x times the norm's
     weight, each row's sums then scaled by its rsqrt(mean(x^2) + eps), whose sum of squares the block
     gathers from the activations it loads anyway;
     `norm_out` (with `residual`), the RMS norm of the launch's output taken for the next launch: it also
@@ -577,8 +577,8 @@ class Fusion:
 
 
 # Which of a decode step's norms, SwiGLU and residual adds ride in the GEMV launches (`Fusion`), where the
-# fast tier's layer steps ask for them (`layer_launches`). The stages on the output rows are on: H200, qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4
-# tok/s against 91.5 / 89.1 / 58.2 without, a step's operations other than views 614 against 806
+# fast tier's layer steps ask for them (`layer_launches`). The stages on the output rows are on: H200,
+# qwen27b, B = 1, alternating, 101.2 / 102.5 / 68.4 tok/s against 91.5 / 89.1 / 58.2 without, a step's operations other than views 614 against 806
 # (reports/gpu/decode-step-epilogues-session10.txt). The stages on the input (norm, swiglu) are off: slower
 # in the model (decode-step-fusion-qwen27b.txt). norm_scale (128 fewer launches a qwen27b step, whose RMS
 # norms take 0.55 ms of device time: reports/gpu/step-kernels-session11.txt) passes its CUDA test
@@ -795,7 +795,7 @@ def quantized_matmuls(
     ssq = prenormed[0] if prenormed else None
     extra = _present(norm and norm[0], up, residual, norm_out, ssq)  # Fusion.inputs' order
     args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion, ssq.shape[-1] if prenormed else 0,
-                            (norm or prenormed or (None, 0.0))[1])  # fmt: skip
+                            _norm_eps(norm, prenormed))  # fmt: skip
     return config.kernel(len(matrices), fusion)(**args)
 
 
@@ -953,9 +953,14 @@ def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optiona
     fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed)
     # `run`'s order; eps is a constant of the trace
     extra = _present(norm and norm[0], up, residual, norm_out, prenormed and prenormed[0])
-    run = _compiled(first.group_size, first.bits, len(layers), fusion, (norm or prenormed or (None, 0.0))[1])
+    run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed))
     ys = run(x, *arrays, *extra)
     return tuple(_with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
+
+
+def _norm_eps(norm: Optional[tuple[mx.array, float]], prenormed: Optional[tuple[mx.array, float]]) -> float:
+    """The eps of the norm a launch takes (`norm` or `prenormed`; 0.0 for none)."""
+    return (norm or prenormed or (None, 0.0))[1]
 
 
 def _present(*arrays: Optional[mx.array]) -> list[mx.array]:
