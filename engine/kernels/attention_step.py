@@ -116,8 +116,8 @@ __device__ __forceinline__ void engine_load_row(const __nv_bfloat16* p, float (&
 }
 """
 
-# ipar: [n, cap, ...] (positions after this token's update, the cache buffer's length; keys: cap 0); fpar: [eps, log2 base,
-# rope scale, attention scale]
+# ipar: [n, cap, ...] (positions after this token's update, the cache buffer's length; keys: cap 0); fpar:
+# [eps, log2 base, rope scale, attention scale]
 KEYS_SOURCE = r"""
   // Block (b, g): batch row b, kv head g; thread t: channel t.
   const int t = threadIdx.x;

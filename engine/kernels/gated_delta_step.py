@@ -182,7 +182,8 @@ SOURCE = r"""
   const float y = t < DV ? vs[t] : 0.0f;
   const float yss = block_sum(y * y, 0);
   if (t < DV) {
-    const float normed = __bfloat162float(__float2bfloat16(y * rsqrtf(yss / DV + __int_as_float(NORM_EPS)) * (float)norm_w[t]));
+    const float rn = rsqrtf(yss / DV + __int_as_float(NORM_EPS));
+    const float normed = __bfloat162float(__float2bfloat16(y * rn * (float)norm_w[t]));
     const float zv = (float)z[((size_t)b * HV + h) * DV + t];
     out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
   }

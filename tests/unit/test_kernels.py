@@ -368,6 +368,11 @@ def test_norm_out_hands_the_next_launch_its_norm(m):
     assert mx.all(mx.abs(y.astype(f32) - expect) <= 2.0**-7 * mx.abs(expect)).item()
 
 
+def _stage_names(stages: dict) -> tuple:
+    # the stages a `_run_kernel` call asks for, by name
+    return tuple(sorted(k for k, v in stages.items() if v is not None and v is not False))
+
+
 def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False, norm_scale=False, norm_out=None,
                       prenormed=None):  # fmt: skip
     # quantized_gemv._run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
@@ -384,7 +389,8 @@ def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False,
         ys = [residual + ys[0]]
     if norm_out is not None:
         h = ys[0]
-        ys += [(h.astype(f32) * norm_out.astype(f32)).astype(h.dtype), (h.astype(f32) ** 2).reshape(-1, h.shape[-1]).sum(axis=-1, keepdims=True)]
+        ssq = (h.astype(f32) ** 2).reshape(-1, h.shape[-1]).sum(axis=-1, keepdims=True)
+        ys += [(h.astype(f32) * norm_out.astype(f32)).astype(h.dtype), ssq]
     return tuple(ys)
 
 
@@ -401,7 +407,7 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
     calls = []
 
     def launch(x, layers, **stages):
-        calls.append(sorted(k for k, v in stages.items() if v is not None and v is not False))
+        calls.append(_stage_names(stages))
         return _reference_launch(x, layers, **stages)
 
     monkeypatch.setattr(qg, "_run_kernel", launch)
@@ -410,7 +416,7 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
     x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
     monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
     (got,) = layer_launches.residual_mlp(layer, out, proj, x)
-    assert calls == [["norm_out", "residual"], ["gated", "prenormed"], ["residual"]]
+    assert calls == [("norm_out", "residual"), ("gated", "prenormed"), ("residual",)]
     monkeypatch.setattr(qg, "FUSE", qg.Fusion())
     want = layer_launches.mlp_half(layer, layer_launches.residual_projection(out, proj, x))
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -430,7 +436,7 @@ def _handoff_decode(monkeypatch, launch_as):
     calls, taken = [], []
 
     def launch(x, layers, **stages):
-        calls.append(tuple(sorted(k for k, v in stages.items() if v is not None and v is not False)))
+        calls.append(_stage_names(stages))
         if stages.get("norm_out") is not None:
             taken.append(stages["norm_out"])
         return launch_as(x, layers, **stages)
