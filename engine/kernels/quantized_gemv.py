@@ -313,9 +313,11 @@ _MULTIPLY = r"""
           #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
             acc[r][nb][0] = fmaf(s0, d[nb][0], fmaf(b0, xs[nb][0], acc[r][nb][0]));
-            acc[r][nb][1] = fmaf(s0, d[nb][1], fmaf(b0, xs[nb][1], acc[r][nb][1]));
             acc[r][nb][2] = fmaf(s1, d[nb][2], fmaf(b1, xs[nb][2], acc[r][nb][2]));
-            acc[r][nb][3] = fmaf(s1, d[nb][3], fmaf(b1, xs[nb][3], acc[r][nb][3]));
+            if constexpr (M > 1) {  // odd accumulators hold columns 2t + 1: never an activation row at M = 1
+              acc[r][nb][1] = fmaf(s0, d[nb][1], fmaf(b0, xs[nb][1], acc[r][nb][1]));
+              acc[r][nb][3] = fmaf(s1, d[nb][3], fmaf(b1, xs[nb][3], acc[r][nb][3]));
+            }
           }
         }
       }
