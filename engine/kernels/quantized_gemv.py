@@ -57,16 +57,19 @@ launch each.
 A block's W warps split K; `U` k-tiles of loads are issued before the first
 multiply; the partial products meet in shared memory. Configurations were
 chosen by timing on the H200 with weights rotated past the L2
-(harness/gpu/diag_gemv_configs.py). Two ways of keeping more bytes in
-flight measured no faster there and were removed: a pipelined form (the next
-batch's loads before this batch's multiplies, in a second register set) and
-a bulk L2 prefetch of the block's rows at its start
-(reports/gpu/gemv-configs-pipelined-prefetch-qwen27b.txt). A third, the
-activations copied into shared memory once a block after its first weight
-loads are issued (so a k-tile's activations are not an L2 round trip after
-its weights), gave the same bits and was slower in every grouped launch and
-in the model (a decode step's device time 9.37 against 8.81 ms;
-reports/gpu/step-kernels-xs-session13.txt): removed.
+(harness/gpu/diag_gemv_configs.py). Ways of keeping more bytes in flight
+measured no faster there and were removed: a pipelined form (the next
+batch's loads before this batch's multiplies, in a second register set); a
+bulk L2 prefetch of the block's rows at its start
+(reports/gpu/gemv-configs-pipelined-prefetch-qwen27b.txt); loads staged
+through shared memory by cp.async, twice (a block's chunks of 16 k-tiles in
+the ninth session; a ring of 2-4 batches a warp, slower on every shape, e.g.
+5120x17408 29.3 us against 25.3: reports/gpu/gemv-configs-ring-session15.txt);
+and the activations copied into shared memory once a block after its first
+weight loads are issued (so a k-tile's activations are not an L2 round trip
+after its weights), which gave the same bits and was slower in every grouped
+launch and in the model (a decode step's device time 9.37 against 8.81 ms;
+reports/gpu/step-kernels-xs-session13.txt).
 """
 
 from __future__ import annotations
@@ -105,13 +108,6 @@ template <int WL> struct engine_words { using type = uint2; };
 template <> struct engine_words<1> { using type = uint32_t; };
 template <int U> struct engine_scale_vec { using type = uint2; };   // 4 bf16
 template <> struct engine_scale_vec<8> { using type = uint4; };     // 8 bf16
-template <> struct engine_scale_vec<2> { using type = uint32_t; };  // 2 bf16
-template <typename T>
-__device__ __forceinline__ void engine_cp_async(T* dst, const T* src) {
-  // copy sizeof(T) (4, 8 or 16) bytes from global to shared memory, asynchronously (cp.async.wait_group)
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(d), "l"(src), "n"(sizeof(T)) : "memory");
-}
 __device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                            uint32_t b0, uint32_t b1) {
   // d (16x8 float32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
@@ -188,7 +184,7 @@ _BODY_START = r"""
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
   // Scales and biases of a batch in one load when each k-tile is one group and batches stay aligned.
-  constexpr bool VEC_SCALES = TILE_K == GS && (U == 2 || U == 4 || U == 8) && GROUPS_PER_ROW % U == 0;
+  constexpr bool VEC_SCALES = TILE_K == GS && (U == 4 || U == 8) && GROUPS_PER_ROW % U == 0;
   using ScaleVec = typename engine_scale_vec<U>::type;
 
   const int warp = threadIdx.x >> 5;
@@ -340,70 +336,6 @@ _LOOP_REGISTERS = r"""
     Batch bt;
     load(bt, kt0);
     multiply(bt, kt0);
-  }
-
-"""
-
-# LaunchConfig.stages: the batches come through a ring of S stages per warp in shared memory, filled by
-# cp.async, so the next S - 1 batches' loads are in flight while one is multiplied, and no registers hold
-# them (the register loop issues a batch's loads only after the last batch's multiplies). Each lane copies and
-# reads back its own weight words, so only the warp syncs; a row's scales and biases are copied once (lanes
-# t == 0) and read by its four lanes. The batches, the products and their order are the register loop's.
-_LOOP_RING = r"""
-  static_assert(VEC_SCALES, "the ring copies a batch's scales and biases as one vector a row");
-  __shared__ Words ring_w[W][S][U * RT * 2][32];
-  __shared__ ScaleVec ring_sb[W][S][RT][2][2][8];  // [warp][stage][row tile][row half][scales, biases][g]
-  auto issue = [&](const int slot, const int kt0) {
-    #pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const size_t row = min(tile_row(r) + g + 8 * h, N - 1);
-        #pragma unroll
-        for (int u = 0; u < U; ++u)
-          engine_cp_async(&ring_w[warp][slot][(u * RT + r) * 2 + h][lane],
-                          reinterpret_cast<const Words*>(tile_w(r) + row * WORDS_PER_ROW + (kt0 + u) * 4 * WL + t * WL));
-        if (t == 0) {
-          engine_cp_async(&ring_sb[warp][slot][r][h][0][g], reinterpret_cast<const ScaleVec*>(tile_scales(r) + row * GROUPS_PER_ROW + kt0));
-          engine_cp_async(&ring_sb[warp][slot][r][h][1][g], reinterpret_cast<const ScaleVec*>(tile_biases(r) + row * GROUPS_PER_ROW + kt0));
-        }
-      }
-    }
-  };
-  auto read = [&](Batch& bt, const int slot) {
-    #pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const ScaleVec sv = ring_sb[warp][slot][r][h][0][g], bv = ring_sb[warp][slot][r][h][1][g];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          bt.wq[u][r][h] = ring_w[warp][slot][(u * RT + r) * 2 + h][lane];
-          bt.sc[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&sv)[u];
-          bt.bi[u][r][h] = reinterpret_cast<const __nv_bfloat16*>(&bv)[u];
-        }
-      }
-    }
-  };
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles, as the register loop; KT % U == 0.
-  const int first = warp * U;
-  const int batches = first < KT ? (KT - first + W * U - 1) / (W * U) : 0;
-  #pragma unroll
-  for (int i = 0; i < S - 1; ++i) {
-    if (i < batches) issue(i, first + i * W * U);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  #pragma unroll 1
-  for (int i = 0; i < batches; ++i) {
-    const int ahead = i + S - 1;
-    if (ahead < batches) issue(ahead % S, first + ahead * W * U);
-    asm volatile("cp.async.commit_group;" ::: "memory");  // one group an iteration, empty or not
-    asm volatile("cp.async.wait_group %0;" :: "n"(S - 1) : "memory");  // batch i's group is in
-    __syncwarp();
-    Batch bt;
-    read(bt, i % S);
-    __syncwarp();  // every lane has read the stage before the next iteration's copies refill it
-    multiply(bt, first + i * W * U);
   }
 
 """
@@ -680,15 +612,14 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-def kernel_source(count: int, fusion: Fusion = Fusion(), ring: bool = False) -> str:
-    """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads (into
-    registers, or through shared memory: `ring`, `LaunchConfig.stages`), the products, the sum over warps."""
+def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
+    """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
+    products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
     scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
     reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
     reduce = reduce.replace("  // AFTER STORES\n", _NORM_OUT_AFTER * fusion.norm_out)
-    loop = _MULTIPLY + _LOOP_RING if ring else _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS
-    return _prologue(count, fusion.gated) + start + loop + reduce
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
 
 
 def output_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -702,12 +633,12 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion(), ring: bool = False):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}" + "_ring" * ring,
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
         output_names=output_names(count, fusion),
-        source=kernel_source(count, fusion, ring),
+        source=kernel_source(count, fusion),
         header=HEADER + launch_bounds(threads, min_blocks),
     )
 
@@ -729,35 +660,29 @@ class LaunchConfig:
     # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
     # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
     min_blocks: int = 0
-    # Batches in flight through shared memory (`_LOOP_RING`; 0: loaded into registers). The ring takes
-    # W x S x (U x RT x 2 x 32 words + RT x 32 scale and bias vectors) of the 48 KB a block may declare,
-    # and a batch's k-tiles must lie in U whole groups (4-bit, group 64 or 32, U 2, 4 or 8).
-    stages: int = 0
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
         return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
-        ) + ([("S", self.stages)] if self.stages else [])
+        )
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, self.stages > 0)
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
-    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB[,S]];...', as {(rows, k): config}."""
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
     table = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
             shape, _, numbers = item.partition("=")
             rows, k = (int(v) for v in shape.lower().split("x"))
             values = [int(v) for v in numbers.split(",")]
-            if (not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0
-                    or values[4:5] == [1]):  # fmt: skip
+            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB[,S]] (warps 1-32, stages 0 or "
-                             "2 and more)") from None
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
         table[(rows, k)] = LaunchConfig(*values)
     return table
 
@@ -790,24 +715,6 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> 
     if tiles >= 64:
         return LaunchConfig(4, 2, 4) if m <= 4 else LaunchConfig(4, 2, 8)
     return LaunchConfig(2 if tiles >= 16 else 1, 1, 4)
-
-
-def ring_refusal(config: LaunchConfig, k: int, m: int, group_size: int, bits: int) -> Optional[str]:
-    """Why the launch cannot take its batches through the shared-memory ring (None when it can, or takes none):
-    a batch's scales and biases are one vector a row, so its k-tiles must be U whole groups; and the ring
-    with the warps' partial sums must fit the 48 KB of shared memory a block may declare."""
-    if not config.stages:
-        return None
-    groups = k // group_size
-    if tile_k(group_size, bits) != group_size or config.batch not in (2, 4, 8) or groups % config.batch:
-        return f"the ring takes k-tiles of one group each, in batches of 2, 4 or 8 that divide {groups} groups"
-    words = 4 * min(group_size * bits // 128, 2)  # bytes a lane loads a row and k-tile
-    rt, nb = config.row_tiles, 2 if m > 8 else 1
-    ring = config.stages * config.warps * rt * (config.batch * 2 * 32 * words + 2 * 2 * 8 * 2 * config.batch)
-    sums = config.warps * 16 * rt * 8 * nb * 4
-    if ring + sums > 46 << 10:  # 2 KB left for the fused stages' few values
-        return f"the ring and the warps' sums take {ring + sums} bytes of shared memory, more than a block may declare"
-    return None
 
 
 def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
@@ -888,9 +795,6 @@ def quantized_matmuls(
         if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual or fusion.norm_out:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
-    why = ring_refusal(config, k, m, group_size, bits)
-    if why:
-        raise ValueError(f"{config}: {why}")
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
     ssq = prenormed[0] if prenormed else None

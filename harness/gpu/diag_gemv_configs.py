@@ -52,16 +52,14 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "") + (
-        f" S{c.stages}" if c.stages else "")
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
 # in the serial sweeps only.
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
                                                    (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
-# CANDIDATES="W,RT,U[,MINB[,S]];..." replaces the M = 1 candidates (and SERIAL_EXTRA), e.g. to time the
-# shared-memory ring's stages against the register loop
+# CANDIDATES="W,RT,U[,MINB];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
 CHOSEN = [LaunchConfig(*map(int, item.split(","))) for item in os.environ.get("CANDIDATES", "").split(";") if item.strip()]
 if CHOSEN:
     SERIAL_EXTRA = []
@@ -118,11 +116,7 @@ def timing():
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
             for c in candidates(m) if main else ():
-                try:
-                    res[label(c)] = kernel_us(c)
-                except ValueError as e:  # a ring that does not fit this shape
-                    print(f"    {label(c)}: {e}", flush=True)
-                    continue
+                res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
@@ -144,8 +138,7 @@ def launch_setting(entries) -> str:
     for n, k, default_us, timed in entries:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
-            values = [best.warps, best.row_tiles, best.batch] + (
-                [best.min_blocks, best.stages] if best.stages else [best.min_blocks] if best.min_blocks else [])
+            values = [best.warps, best.row_tiles, best.batch] + ([best.min_blocks] if best.min_blocks else [])
             items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,8 +16,7 @@ from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    LaunchConfig, dense_matmul, kernel_source, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, _takes,
-    refusal, tile_k,
+    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, _takes, refusal, tile_k,
 )
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -591,55 +589,6 @@ def test_a_register_cap_names_its_kernel_apart():
     assert "__launch_bounds__(128, 8)" in launch_bounds(128, 8) and launch_bounds(128, 0) == ""
 
 
-def test_a_shared_memory_ring_names_its_kernel_apart():
-    # Same name and template values would make MLX run the cached register-loop kernel in its place.
-    plain, ring = LaunchConfig(8, 1, 4), LaunchConfig(8, 1, 4, stages=2)
-    assert plain.template() != ring.template()
-    for text in ("cp.async.wait_group", "ring_w"):
-        assert text not in kernel_source(1) and text in kernel_source(1, ring=True)
-
-
-RINGS = [LaunchConfig(8, 1, 4, stages=2), LaunchConfig(4, 2, 2, stages=4), LaunchConfig(4, 1, 4, stages=3),
-         LaunchConfig(8, 1, 2, stages=4)]  # fmt: skip
-
-
-@cuda_only
-@pytest.mark.parametrize("config", RINGS)
-@pytest.mark.parametrize("m", [1, 5])
-def test_the_shared_memory_ring_equals_register_loads(config, m):
-    # The ring changes when a batch's loads are issued and where they land, not what is multiplied or in
-    # what order: identical results, rows past the last tile and a partial last round of batches included.
-    q = make_quantized(n=3000, k=5120)
-    x = mx.random.normal((1, m, 5120)).astype(mx.bfloat16)
-    args = (x, q.weight, q.scales, q.biases, 64, 4)
-    plain = replace(config, stages=0)
-    assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
-
-
-@cuda_only
-# stages that fit a gated launch's two row tiles in a block's 48 KB
-@pytest.mark.parametrize("config", [LaunchConfig(4, 2, 2, stages=4), LaunchConfig(4, 1, 2, stages=3)])
-def test_the_shared_memory_ring_carries_the_fused_stages(config):
-    # The decode step's launches: a residual with the next norm taken (norm_out), then gate and up in one
-    # launch on its output (gated, prenormed: its own cp.async copy of the parts beside the ring's).
-    proj, gate, up = make_quantized(n=2048, k=6144, seed=1), make_quantized(n=4096, k=2048, seed=2), \
-        make_quantized(n=4096, k=2048, seed=3)  # fmt: skip
-    x = mx.random.normal((1, 1, 6144)).astype(mx.bfloat16)
-    residual = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
-    nw = (1 + 0.1 * mx.random.normal((2048,))).astype(mx.bfloat16)
-    plain = replace(config, stages=0)
-
-    def step(c):
-        h, hw, ssq = quantized_matmuls(x, [(proj.weight, proj.scales, proj.biases)], 64, 4, c, residual=residual,
-                                       norm_out=nw)  # fmt: skip
-        pair = [(q.weight, q.scales, q.biases) for q in (gate, up)]
-        (y,) = quantized_matmuls(hw, pair, 64, 4, c, gated=True, prenormed=(ssq, 1e-6))
-        return h, hw, ssq, y
-
-    for a, b in zip(step(config), step(plain)):
-        assert mx.array_equal(a, b).item()
-
-
 @cuda_only
 @pytest.mark.parametrize("config", [LaunchConfig(4, 1, 4, 8), LaunchConfig(4, 1, 4, 9), LaunchConfig(4, 2, 4, 5)])
 def test_register_capped_gemv_equals_the_plain_one(config):
@@ -670,9 +619,8 @@ def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(16, 1, 4, 2)
     assert launch_config(2, 17408, 64, 4, rows=5120) == LaunchConfig(2, 1, 4)  # one-row launches only
     assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
-    assert qg.parse_launches("5120x17408=8,1,4,0,2") == {(5120, 17408): LaunchConfig(8, 1, 4, stages=2)}
-    for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,0,1", "5120x17408=8,1,4,-1",
-                "5120x17408=8,1,4,0,2,2", "axb=1,1,1"):  # fmt: skip
+    for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,2", "5120x17408=8,1,4,-1",
+                "axb=1,1,1"):  # fmt: skip
         with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
             qg.parse_launches(bad)
 
