@@ -70,6 +70,8 @@ weight loads are issued (so a k-tile's activations are not an L2 round trip
 after its weights), which gave the same bits and was slower in every grouped
 launch and in the model (a decode step's device time 9.37 against 8.81 ms;
 reports/gpu/step-kernels-xs-session13.txt).
+What did pay is fewer waves: a launch whose blocks overflow what the SMs
+hold at once by a few runs a nearly empty last wave (`LaunchConfig.min_blocks`).
 """
 
 from __future__ import annotations
@@ -656,9 +658,9 @@ class LaunchConfig:
     row_tiles: int  # 16-row tiles per block
     batch: int  # k-tiles per load batch (U)
     # Blocks an SM must hold at once (0: as many as the registers allow): caps the registers a thread
-    # uses. At M = 1 (4, 1, 4) uses 72-78 registers (nvcc sm_90), so 6-7 blocks fit on an SM and
-    # 17408x5120's 1088 blocks take two waves on the H200's 132 SMs; 8 caps it at 63 registers, 9 at
-    # 56 with 64 bytes spilled (one wave). Not timed yet: `launch_config` sets none.
+    # uses, so that a launch's blocks take fewer waves. At M = 1 (4, 2, 4) uses 100 registers (nvcc sm_90),
+    # 4 blocks of 128 threads an SM (registers go to a warp in steps of 256), 528 on the H200's 132 SMs:
+    # gate+up's 1088 blocks ran as two full waves and one of 32 blocks. At 5 it takes 96, no spills, 660.
     min_blocks: int = 0
 
     def template(self) -> list[tuple[str, int]]:
@@ -700,7 +702,13 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> 
     Compute, the down projection went from 41.2 to 28.0 us and o_proj / out from 15.3 to 12.5
     (step-kernels-session12.txt). Larger launches take (4, 1, 4), and (4, 2, 4) from 32 MB of 4-bit weights
     (`rows` in all the launch's matrices x k), as timed with independent calls (gemv-configs-m1-400-qwen27b.txt;
-    the serial sweep has 17408x5120 at 27.0 us with one row tile against 28.6 with two). M = 8 at (4, 2, 4)
+    the serial sweep has 17408x5120 at 27.0 us with one row tile against 28.6 with two), capped at five blocks
+    an SM (`LaunchConfig.min_blocks`): in the serial sweep faster on every qwen27b shape than uncapped
+    (17408x5120 22.9 us against 29.9, its 544 blocks one wave instead of 528 and 16; the head 214.9 against
+    224.2; gemv-configs-b5-session15.txt), and in the model under Nsight Compute gate+up 38.3 us against 44.7
+    (a step 7.31 ms against 7.56; step-kernels-gated-b5-session15.txt). The DeltaNet inputs' and q/k/v's
+    launches, one wave either way, take the cap too (not timed in the model); so do 8-bit and group-32
+    weights, which nvcc fits in 96 registers without spills (not timed). M = 8 at (4, 2, 4)
     for K = 17408 and (4, 2, 8) for K = 5120 (gemv-configs-qwen27b.txt). M = 2..4 keep the earlier M <= 4
     choices, not timed since. ENGINE_GEMV_LAUNCH replaces the one-row choice for given shapes (LAUNCHES)."""
     if m == 1 and (rows, k) in LAUNCHES:
@@ -709,7 +717,7 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0) -> 
     if tiles >= 64 and m == 1:
         if rows <= 8192:
             return LaunchConfig(8, 1, 4)
-        return LaunchConfig(4, 2 if rows * k >= 64 << 20 else 1, 4)
+        return LaunchConfig(4, 2, 4, 5) if rows * k >= 64 << 20 else LaunchConfig(4, 1, 4)
     if tiles >= 256:
         return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)
     if tiles >= 64:

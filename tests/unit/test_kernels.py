@@ -601,9 +601,10 @@ def test_register_capped_gemv_equals_the_plain_one(config):
 
 
 def test_one_row_launch_shapes_by_size():
-    # H200 timings at M = 1: launches of few rows take more warps a block; large ones two row tiles a block;
-    # the rest (4, 1, 4).
-    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
+    # H200 timings at M = 1: launches of few rows take more warps a block; large ones two row tiles a block,
+    # at most 96 registers a thread (five blocks an SM); the rest (4, 1, 4).
+    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4, 5)
+    assert launch_config(1, 5120, 64, 4, rows=2 * 17408) == LaunchConfig(4, 2, 4, 5)  # gate + up
     assert launch_config(1, 5120, 64, 4, rows=12288) == LaunchConfig(4, 1, 4)
     assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
@@ -618,7 +619,7 @@ def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
     assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(16, 1, 4, 2)
     assert launch_config(2, 17408, 64, 4, rows=5120) == LaunchConfig(2, 1, 4)  # one-row launches only
-    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4)
+    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4, 5)
     for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,2", "5120x17408=8,1,4,-1",
                 "axb=1,1,1"):  # fmt: skip
         with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
