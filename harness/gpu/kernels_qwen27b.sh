@@ -22,6 +22,9 @@
 #              split (build, submit, wait) and the step's graph nodes
 # PART=ncu:    diag_step_kernels.py under Nsight Compute: each kernel's device time in STEPS decode steps
 #              after a PROMPT-token prefill (64; 1024 to see attention at native's context)
+# PART=launches: PART=ncu once per ENGINE_GEMV_LAUNCH setting in LAUNCH_SETS ('|'-separated; an empty one
+#              is launch_config's choice), STEPS (2) steps each, the summaries in $OUT/step-kernels-launches.txt
+#              (~90 s a setting after synth): launch shapes compared in the model, not in isolation
 # PART=detail: Nsight Compute's full set of sections (stall reasons, memory throughput, occupancy, source
 #              counters) on DETAIL_COUNT (8) GEMV launches of a fast decode step's third step (the first two
 #              layers' launches), a report and its details page in $OUT; DETAIL_KERNELS (a regex) picks others
@@ -93,6 +96,18 @@ case "$PART" in
         --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
     python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step.csv" --top 30 2>&1 | tee "$OUT/step-kernels.txt"
     ;;
+  launches)  # the model's GEMV launches under Nsight Compute, one ENGINE_GEMV_LAUNCH setting after another
+    synth
+    IFS='|' read -ra settings <<< "${LAUNCH_SETS?LAUNCH_SETS: ENGINE_GEMV_LAUNCH settings separated by |}"
+    for i in "${!settings[@]}"; do
+      ENGINE_GEMV_LAUNCH="${settings[$i]}" ncu --metrics gpu__time_duration.sum --csv --cache-control none \
+          --clock-control none --log-file "$OUT/ncu-step-launches-$i.csv" python3 harness/gpu/diag_step_kernels.py \
+          --steps "${STEPS:-2}" --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -2
+      { echo "# ENGINE_GEMV_LAUNCH='${settings[$i]}'"
+        python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step-launches-$i.csv" --top 8; } 2>&1 \
+          | tee -a "$OUT/step-kernels-launches.txt"
+    done
+    ;;
   detail)  # why the GEMV launches read slower than a streaming kernel: stalls, bytes in flight, waves
     synth
     ncu --set full --import-source no --clock-control none -k "regex:${DETAIL_KERNELS:-engine_affine_qmm}" \
@@ -108,5 +123,5 @@ case "$PART" in
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu, detail or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu, launches, detail or all" >&2; exit 2 ;;
 esac
