@@ -35,6 +35,11 @@ export ENGINE_HARNESS_CACHE=/tmp/ehc PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PART=${PART:-tests}
+# each kernel's device time in STEPS ($2 when unset) fast decode steps under Nsight Compute, as csv in $1
+ncu_step() {
+  ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none --log-file "$1" \
+      python3 harness/gpu/diag_step_kernels.py --steps "${STEPS:-$2}" --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
+}
 synth() { [ -f "/tmp/ehc/models/qwen27b-s0/manifest.json" ] || { time python3 -m harness models synth qwen27b ; } 2>&1 | tee -a "$OUT/synth.log"; }
 case "$PART" in
   tests)
@@ -91,18 +96,14 @@ case "$PART" in
     ;;
   ncu)  # each kernel's device time in a fast decode step (Nsight Compute), summed per step and by name
     synth
-    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \
-        --log-file "$OUT/ncu-step.csv" python3 harness/gpu/diag_step_kernels.py --steps "${STEPS:-3}" \
-        --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
+    ncu_step "$OUT/ncu-step.csv" 3
     python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step.csv" --top 30 2>&1 | tee "$OUT/step-kernels.txt"
     ;;
   launches)  # the model's GEMV launches under Nsight Compute, one ENGINE_GEMV_LAUNCH setting after another
     synth
     IFS='|' read -ra settings <<< "${LAUNCH_SETS?LAUNCH_SETS: ENGINE_GEMV_LAUNCH settings separated by |}"
     for i in "${!settings[@]}"; do
-      ENGINE_GEMV_LAUNCH="${settings[$i]}" ncu --metrics gpu__time_duration.sum --csv --cache-control none \
-          --clock-control none --log-file "$OUT/ncu-step-launches-$i.csv" python3 harness/gpu/diag_step_kernels.py \
-          --steps "${STEPS:-2}" --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -2
+      ENGINE_GEMV_LAUNCH="${settings[$i]}" ncu_step "$OUT/ncu-step-launches-$i.csv" 2
       { echo "# ENGINE_GEMV_LAUNCH='${settings[$i]}'"
         python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step-launches-$i.csv" --top 8; } 2>&1 \
           | tee -a "$OUT/step-kernels-launches.txt"
