@@ -60,7 +60,11 @@ def label(c: LaunchConfig) -> str:
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
                                                    (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
 # CANDIDATES="W,RT,U[,MINB];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
-CHOSEN = [LaunchConfig(*map(int, item.split(","))) for item in os.environ.get("CANDIDATES", "").split(";") if item.strip()]
+try:
+    CHOSEN = [LaunchConfig(*map(int, item.split(","))) for item in os.environ.get("CANDIDATES", "").split(";")
+              if item.strip()]  # fmt: skip
+except (TypeError, ValueError):
+    sys.exit(f"CANDIDATES={os.environ['CANDIDATES']!r}: launch shapes W,RT,U[,MINB] separated by ';'")
 if CHOSEN:
     SERIAL_EXTRA = []
 
