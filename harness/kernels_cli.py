@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.bench_config import BenchConfig
 from harness.cli_common import CliError, console, csv_ints
 from harness.cli_common import out as stdout
 from harness.cli_common import non_negative, positive as _positive
@@ -26,19 +27,23 @@ def add_kernels(sub) -> None:
         "gate: exact vs fast tier over the parity prompts, greedy agreement and mean KL against the bound.",
     )
     p.add_argument("--shapes", default="qwen27b", help="registry model whose shapes to use (default qwen27b)")
-    p.add_argument("--rows", type=csv_ints, default=[1, 2, 4, 8, 16], help="activation rows M (default 1,2,4,8,16)")
-    p.add_argument("--tokens", type=csv_ints, default=[64, 1024], help="prefill lengths for Gated DeltaNet, "
-                   "and for the prompt-chunk table where long enough for the fast tier's dense path (default 64,1024)")
+    d = BenchConfig()
+    p.add_argument("--rows", type=csv_ints, default=list(d.rows),
+                   help=f"activation rows M (default {','.join(map(str, d.rows))})")
+    p.add_argument("--tokens", type=csv_ints, default=list(d.tokens), help="prefill lengths for Gated DeltaNet, "
+                   "and for the prompt-chunk table where long enough for the fast tier's dense path "
+                   f"(default {','.join(map(str, d.tokens))})")
     p.add_argument("--max-shapes", type=_positive, default=None, help="only the N largest linear shapes")
-    p.add_argument("--repeats", type=_positive, default=7, help="timed repetitions, median reported (default 7)")
-    p.add_argument("--calls", type=_positive, default=400, help="GEMV calls per evaluation (default 400; a decode step "
+    p.add_argument("--repeats", type=_positive, default=d.repeats,
+                   help=f"timed repetitions, median reported (default {d.repeats})")
+    p.add_argument("--calls", type=_positive, default=d.calls, help=f"GEMV calls per evaluation (default {d.calls}; a decode step "
                    "evaluates ~800 operations at once): each evaluation also pays MLX's own cost of a few hundred us on "
                    "CUDA, which at 50 calls adds 4-10 us to every call")
-    p.add_argument("--peak-gbs", type=float, default=4800.0, help="the machine's memory bandwidth in GB/s for the "
-                   "fraction-of-limit column (default 4800, an H200)")
-    p.add_argument("--cold-mb", type=non_negative, default=256, help="MB of weight copies the GEMV calls rotate over, so "
-                   "each reads from memory as in a decode step (default 256, 5x the H200's L2); 0 times one copy, "
-                   "cache-warm")
+    p.add_argument("--peak-gbs", type=float, default=d.peak_gbs, help="the machine's memory bandwidth in GB/s for the "
+                   f"fraction-of-limit column (default {d.peak_gbs:g}, an H200)")
+    p.add_argument("--cold-mb", type=non_negative, default=d.cold_bytes >> 20, help="MB of weight copies the GEMV calls "
+                   f"rotate over, so each reads from memory as in a decode step (default {d.cold_bytes >> 20}, 5x the "
+                   "H200's L2); 0 times one copy, cache-warm")
     p.add_argument("--gate-model", default=None, help="registry model for the whole-model numerics gate "
                    "(exact vs fast tier); omitted: no gate")
     p.add_argument("--gate-steps", type=_positive, default=64, help="decode steps per gate prompt (default 64)")
