@@ -1,6 +1,6 @@
 """A decoder layer's parts as the fast tier's GEMV launches: which norms, SwiGLUs and residual adds ride
 in which launch (`quantized_gemv.Fusion`), as `quantized_gemv.FUSE` asks, where the kernel takes the layers
-(`quantized_gemv._one_launch`); elsewhere each part runs as its own operations. The fast tier's decode steps
+(`quantized_gemv.one_launch`); elsewhere each part runs as its own operations. The fast tier's decode steps
 (`gated_delta_decode`, `attention_decode`) build their layers from these.
 
 The launches, the stages and FUSE are looked up in `quantized_gemv` at each call, so setting
@@ -31,32 +31,32 @@ def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module]
     (`Fusion.prenormed`) where the kernel takes the layers; with FUSE.norm or FUSE.norm_scale, one launch for
     the RMS norm and all the layers where the kernel takes them; otherwise the norm, then the layers as
     `project` runs them."""
-    if prenormed and _fusable_norm(norm) and qg._one_launch(prenormed[0], layers) and qg._no_bias(layers):
-        return qg._run_kernel(prenormed[0], layers, prenormed=(prenormed[1], norm.eps))
+    if prenormed and _fusable_norm(norm) and qg.one_launch(prenormed[0], layers) and qg.no_bias(layers):
+        return qg.run_kernel(prenormed[0], layers, prenormed=(prenormed[1], norm.eps))
     fuse = qg.FUSE
-    if (fuse.norm or fuse.norm_scale) and _fusable_norm(norm) and qg._one_launch(x, layers) and qg._no_bias(layers):
-        return qg._run_kernel(x, layers, norm=(norm.weight, norm.eps), norm_scale=not fuse.norm)
+    if (fuse.norm or fuse.norm_scale) and _fusable_norm(norm) and qg.one_launch(x, layers) and qg.no_bias(layers):
+        return qg.run_kernel(x, layers, norm=(norm.weight, norm.eps), norm_scale=not fuse.norm)
     return project(norm(x), *layers)
 
 
 def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
     """`residual + layer(x)`; with FUSE.residual one launch where the kernel takes it."""
     if _residual_launch(x, layer, residual):
-        return qg._run_kernel(x, [layer], residual=residual)[0]
+        return qg.run_kernel(x, [layer], residual=residual)[0]
     return residual + layer(x)
 
 
 def _residual_launch(x: mx.array, layer: nn.Module, residual: mx.array) -> bool:
     """Whether `residual + layer(x)` is one launch (FUSE.residual, `Fusion.residual`)."""
-    return qg.FUSE.residual and residual.dtype == mx.bfloat16 and qg._one_launch(x, [layer]) and qg._no_bias([layer])
+    return qg.FUSE.residual and residual.dtype == mx.bfloat16 and qg.one_launch(x, [layer]) and qg.no_bias([layer])
 
 
 def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
     """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE.swiglu one
     launch where the kernel takes it (`Fusion.swiglu` and `Fusion.residual`)."""
-    if qg.FUSE.swiglu and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and qg._one_launch(gate, [layer]) \
-            and qg._no_bias([layer]):  # fmt: skip
-        return qg._run_kernel(gate, [layer], up=up, residual=residual)[0]
+    if qg.FUSE.swiglu and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and qg.one_launch(gate, [layer]) \
+            and qg.no_bias([layer]):  # fmt: skip
+        return qg.run_kernel(gate, [layer], up=up, residual=residual)[0]
     return residual_projection(swiglu(gate, up), layer, residual)
 
 
@@ -71,9 +71,9 @@ def mlp_half(layer: nn.Module, h: mx.array) -> mx.array:
     pair, norm = _gated_pair(mlp, h), layer.post_attention_layernorm
     if pair:
         if qg.FUSE.norm_scale and _fusable_norm(norm):
-            act = qg._run_kernel(h, pair, norm=(norm.weight, norm.eps), gated=True, norm_scale=True)[0]
+            act = qg.run_kernel(h, pair, norm=(norm.weight, norm.eps), gated=True, norm_scale=True)[0]
         else:
-            act = qg._run_kernel(norm(h), pair, gated=True)[0]
+            act = qg.run_kernel(norm(h), pair, gated=True)[0]
         return residual_projection(act, mlp.down_proj, h)
     gate, up = normed_projections(h, norm, [mlp.gate_proj, mlp.up_proj])
     return swiglu_projection(gate, up, mlp.down_proj, h)
@@ -91,8 +91,8 @@ def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array,
     if qg.FUSE.norm_out and _swiglu_mlp(layer.mlp) and _fusable_norm(norm) and _residual_launch(out, proj, x):
         pair = _gated_pair(layer.mlp, x)
         if pair:
-            h, hw, ssq = qg._run_kernel(out, [proj], residual=x, norm_out=norm.weight)  # the launch checked above
-            act = qg._run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
+            h, hw, ssq = qg.run_kernel(out, [proj], residual=x, norm_out=norm.weight)  # the launch checked above
+            act = qg.run_kernel(hw, pair, gated=True, prenormed=(ssq, norm.eps))[0]
             if next_norm is not None and _fusable_norm(next_norm):
                 return _residual_norm_out(act, layer.mlp.down_proj, h, next_norm)
             return (residual_projection(act, layer.mlp.down_proj, h),)
@@ -103,7 +103,7 @@ def _residual_norm_out(x: mx.array, layer: nn.Module, residual: mx.array, norm: 
     """`residual + layer(x)` as h, with h times the norm's weight and the launch blocks' parts of the sums of
     squares of h (`Fusion.norm_out`), where one launch takes the residual; else (h,)."""
     if _residual_launch(x, layer, residual):
-        return qg._run_kernel(x, [layer], residual=residual, norm_out=norm.weight)
+        return qg.run_kernel(x, [layer], residual=residual, norm_out=norm.weight)
     return (residual_projection(x, layer, residual),)
 
 
@@ -115,6 +115,6 @@ def _gated_pair(mlp: nn.Module, h: mx.array) -> Optional[list[nn.Module]]:
     """The MLP's gate and up projections where one launch gives their SwiGLU (FUSE.gated), else None."""
     pair = [mlp.gate_proj, mlp.up_proj]
     same_shape = pair[0]["weight"].shape == pair[1]["weight"].shape
-    if qg.FUSE.gated and same_shape and qg._one_launch(h, pair) and qg._no_bias(pair):
+    if qg.FUSE.gated and same_shape and qg.one_launch(h, pair) and qg.no_bias(pair):
         return pair
     return None

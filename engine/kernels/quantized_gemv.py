@@ -921,17 +921,17 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             return _with_bias(y, self)
         if not self.use_kernel or not _takes(x, self):
             return super().__call__(x)
-        return _run_kernel(x, [self])[0]
+        return run_kernel(x, [self])[0]
 
     @staticmethod
     def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
         """Each layer applied to x, in one launch where the kernel takes them all (the projections that
         share an input: gate and up, q/k/v, a DeltaNet's inputs); small ones then ride along with the rest."""
-        together = len(layers) > 1 and _one_launch(x, layers)
-        return _run_kernel(x, layers) if together else tuple(q(x) for q in layers)
+        together = len(layers) > 1 and one_launch(x, layers)
+        return run_kernel(x, layers) if together else tuple(q(x) for q in layers)
 
 
-def _one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
+def one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
     """Whether the kernel takes all the layers with x in one launch (same bits and group size, enough rows)."""
     first = layers[0]
     return (
@@ -941,7 +941,9 @@ def _one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
     )  # fmt: skip
 
 
-def _no_bias(layers: Sequence[nn.Module]) -> bool:
+def no_bias(layers: Sequence[nn.Module]) -> bool:
+    """Whether none of the layers adds a bias: a launch's fused stages work on its bare products (`run_kernel` adds
+    a bias only to a result the launch returns)."""
     return not any("bias" in q for q in layers)
 
 
@@ -955,7 +957,7 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
 
 
-def _run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
+def run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
                 up: Optional[mx.array] = None, residual: Optional[mx.array] = None, gated: bool = False,
                 norm_scale: bool = False, norm_out: Optional[mx.array] = None,
                 prenormed: Optional[tuple[mx.array, float]] = None) -> tuple[mx.array, ...]:  # fmt: skip

@@ -369,13 +369,13 @@ def test_norm_out_hands_the_next_launch_its_norm(m):
 
 
 def _stage_names(stages: dict) -> tuple:
-    # the stages a `_run_kernel` call asks for, by name
+    # the stages a `run_kernel` call asks for, by name
     return tuple(sorted(k for k, v in stages.items() if v is not None and v is not False))
 
 
 def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False, norm_scale=False, norm_out=None,
                       prenormed=None):  # fmt: skip
-    # quantized_gemv._run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
+    # quantized_gemv.run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
     # plumbing runs on any backend: norm_out's parts as one block's
     f32 = mx.float32
     ys = [mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size,
@@ -410,8 +410,8 @@ def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
         calls.append(_stage_names(stages))
         return _reference_launch(x, layers, **stages)
 
-    monkeypatch.setattr(qg, "_run_kernel", launch)
-    monkeypatch.setattr(qg, "_one_launch", lambda x, layers: True)
+    monkeypatch.setattr(qg, "run_kernel", launch)
+    monkeypatch.setattr(qg, "one_launch", lambda x, layers: True)
     out = mx.random.normal((1, 1, proj.weight.shape[1] * 32 // proj.bits)).astype(mx.bfloat16)
     x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
     monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
@@ -441,7 +441,7 @@ def _handoff_decode(monkeypatch, launch_as):
             taken.append(stages["norm_out"])
         return launch_as(x, layers, **stages)
 
-    monkeypatch.setattr(qg, "_run_kernel", launch)
+    monkeypatch.setattr(qg, "run_kernel", launch)
 
     def decode(fuse):
         monkeypatch.setattr(qg, "FUSE", fuse)
@@ -480,7 +480,7 @@ def test_layers_hand_the_next_layer_its_input_norm(monkeypatch):
     # 2^-7 of the largest apart; the down launches given their own layer's MLP norm instead measured 0.042.
     import engine.kernels.quantized_gemv as qg
 
-    monkeypatch.setattr(qg, "_one_launch", lambda x, layers: True)
+    monkeypatch.setattr(qg, "one_launch", lambda x, layers: True)
     assert _handoff_decode(monkeypatch, _reference_launch) < 2**-5
 
 
@@ -491,7 +491,7 @@ def test_layers_hand_the_next_layer_its_input_norm_in_the_kernels(monkeypatch):
     import engine.kernels.quantized_gemv as qg
 
     monkeypatch.setattr(qg, "LAYER_MIN_OUTPUTS", 0)
-    assert _handoff_decode(monkeypatch, qg._run_kernel) < 2**-5
+    assert _handoff_decode(monkeypatch, qg.run_kernel) < 2**-5
 
 
 def test_a_layer_takes_only_the_norm_left_for_its_own_input():
