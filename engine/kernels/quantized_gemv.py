@@ -805,10 +805,9 @@ def quantized_matmuls(
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
-    ssq = prenormed[0] if prenormed else None
-    extra = _present(norm and norm[0], up, residual, norm_out, ssq)  # Fusion.inputs' order
-    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion, ssq.shape[-1] if prenormed else 0,
-                            _norm_eps(norm, prenormed))  # fmt: skip
+    extra = _stage_arrays(norm, up, residual, norm_out, prenormed)
+    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
+                            prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
     return config.kernel(len(matrices), fusion)(**args)
 
 
@@ -958,16 +957,15 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
 
 
 def run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
-                up: Optional[mx.array] = None, residual: Optional[mx.array] = None, gated: bool = False,
-                norm_scale: bool = False, norm_out: Optional[mx.array] = None,
-                prenormed: Optional[tuple[mx.array, float]] = None) -> tuple[mx.array, ...]:  # fmt: skip
+               up: Optional[mx.array] = None, residual: Optional[mx.array] = None, gated: bool = False,
+               norm_scale: bool = False, norm_out: Optional[mx.array] = None,
+               prenormed: Optional[tuple[mx.array, float]] = None) -> tuple[mx.array, ...]:  # fmt: skip
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
     stages take layers without bias), then norm_out's two results where asked."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
     fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed)
-    # `run`'s order; eps is a constant of the trace
-    extra = _present(norm and norm[0], up, residual, norm_out, prenormed and prenormed[0])
+    extra = _stage_arrays(norm, up, residual, norm_out, prenormed)  # eps is a constant of the trace
     run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed))
     ys = run(x, *arrays, *extra)
     return tuple(_with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
@@ -978,8 +976,11 @@ def _norm_eps(norm: Optional[tuple[mx.array, float]], prenormed: Optional[tuple[
     return (norm or prenormed or (None, 0.0))[1]
 
 
-def _present(*arrays: Optional[mx.array]) -> list[mx.array]:
-    """The fused stages' extra inputs that are given (None: the stage is not asked for)."""
+def _stage_arrays(norm: Optional[tuple[mx.array, float]], up: Optional[mx.array], residual: Optional[mx.array],
+                  norm_out: Optional[mx.array], prenormed: Optional[tuple[mx.array, float]]) -> list[mx.array]:  # fmt: skip
+    """The fused stages' input arrays that are asked for (None: not asked), in `Fusion.inputs`' order: what
+    the kernel call and `_compiled`'s `run` take after the matrices."""
+    arrays = (norm and norm[0], up, residual, norm_out, prenormed and prenormed[0])
     return [a for a in arrays if a is not None]
 
 
