@@ -69,7 +69,11 @@ and the activations copied into shared memory once a block after its first
 weight loads are issued (so a k-tile's activations are not an L2 round trip
 after its weights), which gave the same bits and was slower in every grouped
 launch and in the model (a decode step's device time 9.37 against 8.81 ms;
-reports/gpu/step-kernels-xs-session13.txt).
+reports/gpu/step-kernels-xs-session13.txt); and each launch asking the L2 (`prefetch.global.L2::evict_last`)
+for the first 512-2048 bytes of every row of the next launch's matrices, after its stores or before its
+loads, so the next launch's first loads would not wait on HBM: a chain of qwen27b gate+up and down launches
+took 66.0 us a layer without, 67.8-78.3 with, slower the more it fetched
+(reports/gpu/gemv-prefetch-session16.txt).
 What did pay is fewer waves: a launch whose blocks overflow what the SMs
 hold at once by a few runs a nearly empty last wave (`LaunchConfig.min_blocks`).
 """
@@ -494,21 +498,17 @@ class Fusion:
     norm_scale: bool = False
     norm_out: bool = False
     prenormed: bool = False
-    prefetch: int = 0  # the next launch's matrices whose rows' first bytes the launch prefetches into the L2
-    prefetch_at_start: bool = False  # before the block's own loads (else after its stores)
 
     @classmethod
     def of(cls, norm, up, residual, gated: bool = False, norm_scale: bool = False, norm_out=None,
-           prenormed=None, prefetch=(), prefetch_at_start: bool = False) -> "Fusion":  # fmt: skip
+           prenormed=None) -> "Fusion":  # fmt: skip
         """The stages `quantized_matmuls`' arguments ask for (None: not asked)."""
         return cls(norm is not None and not norm_scale, up is not None, residual is not None, gated,
-                   norm is not None and norm_scale, norm_out is not None, prenormed is not None, len(prefetch),
-                   bool(prefetch) and prefetch_at_start)  # fmt: skip
+                   norm is not None and norm_scale, norm_out is not None, prenormed is not None)  # fmt: skip
 
     def inputs(self) -> list[str]:
         return (["norm_w"] * (self.norm or self.norm_scale) + ["up"] * self.swiglu + ["residual"] * self.residual
-                + ["next_norm_w"] * self.norm_out + ["ssq_in"] * self.prenormed
-                + [f"pf_{name}{i}" for i in range(self.prefetch) for name in ("w", "scales", "biases")])  # fmt: skip
+                + ["next_norm_w"] * self.norm_out + ["ssq_in"] * self.prenormed)  # fmt: skip
 
     @classmethod
     def parse(cls, text: str) -> "Fusion":
@@ -521,8 +521,6 @@ class Fusion:
             raise ValueError("norm and norm_scale are two ways to take the same norm: name one")
         if "prenormed" in names:
             raise ValueError("prenormed is the launch norm_out hands the norm to: name norm_out")
-        if names & {"prefetch", "prefetch_at_start"}:
-            raise ValueError("prefetch names the next launch's matrices, a launch at a time: not a stage")
         return cls(**{n: True for n in names})
 
     def names(self) -> str:
@@ -531,8 +529,7 @@ class Fusion:
 
     def tag(self) -> str:
         return ("_n" * self.norm + "_s" * self.swiglu + "_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale
-                + "_no" * self.norm_out + "_pn" * self.prenormed
-                + (f"_pf{self.prefetch}" + "s" * self.prefetch_at_start) * bool(self.prefetch))  # fmt: skip
+                + "_no" * self.norm_out + "_pn" * self.prenormed)  # fmt: skip
 
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]) and `output(sum, index)`,
@@ -621,52 +618,14 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-def _prefetch_source(count: int) -> str:
-    """The next launch's first PFB bytes of weights a row (and their scales and biases) into the L2, the rows
-    of its `count` matrices (PFN0, ...; K = PFK, this launch's bits and group size) shared out over this
-    launch's blocks: `prefetch.global.L2::evict_last`, one 128-byte line a thread at a time. The next launch's
-    warps read their rows from the start, so its first loads find them there instead of in HBM, and the
-    fetch runs in this launch's ramp or tail, where its own loads leave HBM idle."""
-    select = []
-    for i in range(count):
-        before = " + ".join(f"PFN{j}" for j in range(i)) or "0"
-        test = "" if i == count - 1 else f"if (r < {before} + PFN{i}) "
-        select.append(f"      {'else ' if i else ''}{test}{{ w = pf_w{i}; sc = pf_scales{i}; bi = pf_biases{i}; "
-                      f"r -= {before}; }}")
-    rows = " + ".join(f"PFN{i}" for i in range(count))
-    return f"""  {{
-    constexpr int PF_ROWS = {rows};
-    constexpr int PF_WPR = PFK / (32 / BITS), PF_GPR = PFK / GS;  // words and groups a row
-    constexpr int PF_W_LINES = PFB / 128;
-    constexpr int PF_S_LINES = (PFB * 8 / BITS / GS * 2 + 127) / 128;  // scales (or biases) of those bytes
-    constexpr int PF_PIECES = PF_W_LINES + 2 * PF_S_LINES;
-    const int per_block = (PF_ROWS + gridDim.x - 1) / gridDim.x;
-    for (int i = threadIdx.x; i < per_block * PF_PIECES; i += blockDim.x) {{
-      int r = blockIdx.x * per_block + i / PF_PIECES;
-      const int piece = i % PF_PIECES;
-      if (r >= PF_ROWS) break;
-      const uint32_t* w; const __nv_bfloat16* sc; const __nv_bfloat16* bi;
-{chr(10).join(select)}
-      const char* line = piece < PF_W_LINES ? reinterpret_cast<const char*>(w + (size_t)r * PF_WPR) + 128 * piece
-          : piece < PF_W_LINES + PF_S_LINES ? reinterpret_cast<const char*>(sc + (size_t)r * PF_GPR) + 128 * (piece - PF_W_LINES)
-          : reinterpret_cast<const char*>(bi + (size_t)r * PF_GPR) + 128 * (piece - PF_W_LINES - PF_S_LINES);
-      asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(line));
-    }}
-  }}
-"""
-
-
 def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
-    products, the sum over warps; the next launch's L2 prefetch before or after all that."""
+    products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
     scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
     reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
     reduce = reduce.replace("  // AFTER STORES\n", _NORM_OUT_AFTER * fusion.norm_out)
-    prefetch = _prefetch_source(fusion.prefetch) if fusion.prefetch else ""
-    before, after = (prefetch, "") if fusion.prefetch_at_start else ("", prefetch)
-    return (_prologue(count, fusion.gated) + before + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
-            + after)  # fmt: skip
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
 
 
 def output_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -817,9 +776,6 @@ def quantized_matmuls(
     norm_scale: bool = False,
     norm_out: Optional[mx.array] = None,
     prenormed: Optional[tuple[mx.array, float]] = None,
-    prefetch: Sequence[tuple[mx.array, mx.array, mx.array]] = (),
-    prefetch_bytes: int = 1024,
-    prefetch_at_start: bool = False,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix (weight, scales, biases), transposed, in one
     launch: [..., N_i] bf16 each (CUDA only). Each result equals `quantized_matmul`'s for that matrix alone.
@@ -833,18 +789,13 @@ def quantized_matmuls(
     the weight ([..., N] bf16) and the blocks' parts of each row's sum of squares ([M, blocks] float32);
     `prenormed` (those parts, the norm's eps) is that launch, x being the result times the weight: together
     `Fusion.norm_out` and `Fusion.prenormed`, i.e. `norm=(weight, eps), norm_scale=True` on the first
-    launch's result, to rounding. `prefetch` (the next launch's matrices: same bits and group size, one K)
-    asks the L2 for the first `prefetch_bytes` of each of their rows' weights, with their scales and biases,
-    after the block's stores or, `prefetch_at_start`, before its loads: a hint, the results are the same."""
+    launch's result, to rounding."""
     k = x.shape[-1]
     m = x.size // k
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices))
     if norm_scale and norm is None:
         raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
-    fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed, prefetch, prefetch_at_start)
-    if prefetch and (len(prefetch) > 2 or len({w.shape[1] for w, _, _ in prefetch}) != 1 or prefetch_bytes < 128
-                     or prefetch_bytes % 128 or any(w.dtype != mx.uint32 for w, _, _ in prefetch)):  # fmt: skip
-        raise ValueError("prefetch takes one or two quantized matrices of one K and a multiple of 128 bytes")
+    fusion = Fusion.of(norm, up, residual, gated, norm_scale, norm_out, prenormed)
     if (fusion.residual or fusion.norm_out) and len(matrices) != 1:
         raise ValueError("a residual or norm_out goes with one matrix")
     if norm_out is not None and norm_out.shape != (matrices[0][0].shape[0],):
@@ -858,13 +809,9 @@ def quantized_matmuls(
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
-    extra = _stage_arrays(norm, up, residual, norm_out, prenormed) + [a for triple in prefetch for a in triple]
+    extra = _stage_arrays(norm, up, residual, norm_out, prenormed)
     args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
                             prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
-    if prefetch:
-        k_next = prefetch[0][0].shape[1] * 32 // bits
-        args["template"] += [("PFB", prefetch_bytes), ("PFK", k_next)] + [
-            (f"PFN{i}", w.shape[0]) for i, (w, _, _) in enumerate(prefetch)]
     return config.kernel(len(matrices), fusion)(**args)
 
 

@@ -28,8 +28,6 @@
 # PART=detail: Nsight Compute's full set of sections (stall reasons, memory throughput, occupancy, source
 #              counters) on DETAIL_COUNT (8) GEMV launches of a fast decode step's third step (the first two
 #              layers' launches), a report and its details page in $OUT; DETAIL_KERNELS (a regex) picks others
-# PART=prefetch: the L2 prefetch's CUDA tests, then diag_gemv_prefetch.py (an MLP's gate+up and down launches,
-#              layer after layer, each asking the L2 for the next launch's first bytes a row, or not)
 # PART=all:    native, then the kernel table, then the tests (-x)
 # Results land in $OUT.
 set -euo pipefail
@@ -110,11 +108,6 @@ case "$PART" in
         python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step-launches-$i.csv" --top 8; } 2>&1 \
           | tee -a "$OUT/step-kernels-launches.txt"
     done
-    ;;
-  prefetch)  # does asking the L2 for the next launch's first bytes shorten a chain of launches?
-    python3 -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py -k "prefetch" 2>&1 | tail -5 \
-        | tee "$OUT/test_kernels_prefetch.txt" || true
-    python3 harness/gpu/diag_gemv_prefetch.py 2>&1 | tee "$OUT/gemv-prefetch.txt" || true
     ;;
   detail)  # why the GEMV launches read slower than a streaming kernel: stalls, bytes in flight, waves
     synth

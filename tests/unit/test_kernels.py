@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -599,36 +598,6 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     plain = LaunchConfig(config.warps, config.row_tiles, config.batch)
     args = (x, q.weight, q.scales, q.biases, 64, 4)
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
-
-
-def test_an_l2_prefetch_takes_the_next_launchs_matrices_after_the_stages():
-    # The prefetch reads the next launch's (weight, scales, biases) after the fused stages' inputs; it names
-    # the kernel apart (before the loads or after the stores) and is no stage ENGINE_FUSE can name.
-    import engine.kernels.quantized_gemv as qg
-
-    fusion = qg.Fusion(residual=True, prefetch=2)
-    assert qg.input_names(1, fusion)[-7:] == ["residual", "pf_w0", "pf_scales0", "pf_biases0", "pf_w1",
-                                              "pf_scales1", "pf_biases1"]  # fmt: skip
-    assert len({fusion.tag(), replace(fusion, prefetch_at_start=True).tag(), qg.Fusion(residual=True).tag()}) == 3
-    at_end, at_start = qg.kernel_source(1, fusion), qg.kernel_source(1, replace(fusion, prefetch_at_start=True))
-    assert at_end.index("prefetch.global.L2") > at_end.index("store(rl") and \
-        at_start.index("prefetch.global.L2") < at_start.index("load(bt")  # fmt: skip
-    with pytest.raises(ValueError, match="not a stage"):
-        qg.Fusion.parse("residual,prefetch")
-
-
-@cuda_only
-@pytest.mark.parametrize("at_start", [False, True])
-def test_an_l2_prefetch_changes_no_result(at_start):
-    # A hint to the L2 only: the same bits as without it, the next matrices one or two of another K.
-    q, nxt = make_quantized(n=3000, k=5120), make_quantized(n=700, k=2048)
-    x = mx.random.normal((1, 1, 5120)).astype(mx.bfloat16)
-    triple, others = (q.weight, q.scales, q.biases), [(nxt.weight, nxt.scales, nxt.biases)] * 2
-    plain = quantized_matmuls(x, [triple], 64, 4)[0]
-    for count, nbytes in ((1, 128), (2, 1024)):
-        y = quantized_matmuls(x, [triple], 64, 4, prefetch=others[:count], prefetch_bytes=nbytes,
-                              prefetch_at_start=at_start)[0]  # fmt: skip
-        assert mx.array_equal(y, plain).item()
 
 
 def test_one_row_launch_shapes_by_size():
