@@ -24,7 +24,8 @@
 #              after a PROMPT-token prefill (64; 1024 to see attention at native's context)
 # PART=launches: PART=ncu once per ENGINE_GEMV_LAUNCH setting in LAUNCH_SETS ('|'-separated; an empty one
 #              is launch_config's choice), STEPS (2) steps each, the summaries in $OUT/step-kernels-launches.txt
-#              (~90 s a setting after synth): launch shapes compared in the model, not in isolation
+#              (~90 s a setting after synth): launch shapes compared in the model, not in isolation;
+#              LAUNCH_VAR names another variable for the settings (e.g. ENGINE_GEMV_ACTIVATIONS)
 # PART=detail: Nsight Compute's full set of sections (stall reasons, memory throughput, occupancy, source
 #              counters) on DETAIL_COUNT (8) GEMV launches of a fast decode step's third step (the first two
 #              layers' launches), a report and its details page in $OUT; DETAIL_KERNELS (a regex) picks others
@@ -103,8 +104,9 @@ case "$PART" in
     synth
     IFS='|' read -ra settings <<< "${LAUNCH_SETS?LAUNCH_SETS: ENGINE_GEMV_LAUNCH settings separated by |}"
     for i in "${!settings[@]}"; do
-      ENGINE_GEMV_LAUNCH="${settings[$i]}" ncu_step "$OUT/ncu-step-launches-$i.csv" 2
-      { echo "# ENGINE_GEMV_LAUNCH='${settings[$i]}'"
+      export "${LAUNCH_VAR:-ENGINE_GEMV_LAUNCH}=${settings[$i]}"  # each setting replaces the one before
+      ncu_step "$OUT/ncu-step-launches-$i.csv" 2
+      { echo "# ${LAUNCH_VAR:-ENGINE_GEMV_LAUNCH}='${settings[$i]}'"
         python3 harness/gpu/diag_step_kernels.py --summarize "$OUT/ncu-step-launches-$i.csv" --top 8; } 2>&1 \
           | tee -a "$OUT/step-kernels-launches.txt"
     done
