@@ -36,11 +36,6 @@ def gemv_launch() -> str | None:
     return os.environ.get("ENGINE_GEMV_LAUNCH")
 
 
-def gemv_activations() -> str | None:
-    """ENGINE_GEMV_ACTIVATIONS as given (None when unset); `quantized_gemv` checks it."""
-    return os.environ.get("ENGINE_GEMV_ACTIVATIONS")
-
-
 def cache_root() -> Path:
     root = os.environ.get("ENGINE_HARNESS_CACHE")
     if root:

@@ -73,7 +73,12 @@ reports/gpu/step-kernels-xs-session13.txt); and each launch asking the L2 (`pref
 for the first 512-2048 bytes of every row of the next launch's matrices, after its stores or before its
 loads, so the next launch's first loads would not wait on HBM: a chain of qwen27b gate+up and down launches
 took 66.0 us a layer without, 67.8-78.3 with, slower the more it fetched
-(reports/gpu/gemv-prefetch-session16.txt).
+(reports/gpu/gemv-prefetch-session16.txt). Nor did taking a batch's activation loads off their chain (each
+k-tile's loads wait behind the branch of its bounds check, so after the tile before's products: one L2 round
+trip a tile): asked of the L1 beside the batch's weight loads, a decode step's device time 8.17 ms against
+7.30 under Nsight Compute, every GEMV launch slower (gate+up 44.8 us against 39.1); all loaded before the
+first tile's products, 8.89 ms (more registers: down 98 against 74, gate+up spills at five blocks an SM);
+the same bits either way (reports/gpu/step-kernels-activations-session16.txt).
 What did pay is fewer waves: a launch whose blocks overflow what the SMs
 hold at once by a few runs a nearly empty last wave (`LaunchConfig.min_blocks`).
 """
@@ -192,7 +197,6 @@ _BODY_START = r"""
   // Scales and biases of a batch in one load when each k-tile is one group and batches stay aligned.
   constexpr bool VEC_SCALES = TILE_K == GS && (U == 4 || U == 8) && GROUPS_PER_ROW % U == 0;
   using ScaleVec = typename engine_scale_vec<U>::type;
-  // ACTIVATIONS
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -237,16 +241,6 @@ _LOAD_REGISTERS = r"""
         }
       }
     }
-    if constexpr (ACT_PREFETCH) {  // the batch's activation lines into the L1 while the weights come
-      #pragma unroll
-      for (int u = 0; u < U; ++u)
-        #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const int kt = kt0 + u, m = g + 8 * nb;
-          if (kt < KT && m < M)
-            asm volatile("prefetch.global.L1 [%0];" :: "l"(x + (size_t)m * K + kt * TILE_K + t * WL * PW));
-        }
-    }
     if constexpr (VEC_SCALES) {  // one k-tile per group and U groups per batch: one vector load per row
       #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -268,23 +262,6 @@ _LOAD_REGISTERS = r"""
 
 _MULTIPLY = r"""
   auto multiply = [&](const Batch& bt, const int kt0) {
-    // ACT_HOIST: every k-tile's activations loaded before the first tile's products, not each after the
-    // tile before's (an L2 round trip a tile, one after another)
-    uint32_t xh[ACT_HOIST ? U : 1][NB][XR];
-    if constexpr (ACT_HOIST) {
-      #pragma unroll
-      for (int u = 0; u < U; ++u)
-        #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          const int kt = kt0 + u, m = g + 8 * nb;
-          const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
-          #pragma unroll
-          for (int j = 0; j < XR / 4; ++j) {
-            const uint4 v = kt < KT && m < M ? activations(k0 + 8 * j, m) : make_uint4(0u, 0u, 0u, 0u);
-            xh[u][nb][4 * j] = v.x; xh[u][nb][4 * j + 1] = v.y; xh[u][nb][4 * j + 2] = v.z; xh[u][nb][4 * j + 3] = v.w;
-          }
-        }
-    }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
@@ -296,10 +273,7 @@ _MULTIPLY = r"""
         for (int nb = 0; nb < NB; ++nb) {
           const int m = g + 8 * nb;
           uint32_t xr[XR];
-          if constexpr (ACT_HOIST) {
-            #pragma unroll
-            for (int j = 0; j < XR; ++j) xr[j] = xh[u][nb][j];
-          } else if (m < M) {
+          if (m < M) {
             const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
             #pragma unroll
             for (int j = 0; j < XR / 4; ++j) {
@@ -649,21 +623,10 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-# How a k-tile's activations reach its products (ENGINE_GEMV_ACTIVATIONS): "tile", loaded in the tile's turn,
-# after the tile before's products; "prefetch", the same, the batch's lines asked of the L1 beside its weight
-# loads; "hoist", all the batch's tiles loaded before the first tile's products (more registers).
-ACTIVATION_MODES = ("tile", "prefetch", "hoist")
-ACTIVATIONS = env.gemv_activations() or "tile"
-if ACTIVATIONS not in ACTIVATION_MODES:
-    raise ValueError(f"ENGINE_GEMV_ACTIVATIONS={ACTIVATIONS!r}: choose from {', '.join(ACTIVATION_MODES)}")
-
-
 def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
     products, the sum over warps."""
-    modes = f"  constexpr bool ACT_PREFETCH = {str(ACTIVATIONS == 'prefetch').lower()}, " \
-            f"ACT_HOIST = {str(ACTIVATIONS == 'hoist').lower()};\n"  # fmt: skip
-    start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source()).replace("  // ACTIVATIONS\n", modes)
+    start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
     scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
     reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
     reduce = reduce.replace("  // AFTER STORES\n", _NORM_OUT_AFTER * fusion.norm_out)
@@ -683,7 +646,7 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
 @lru_cache(maxsize=None)
 def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}" + ("" if ACTIVATIONS == "tile" else f"_{ACTIVATIONS}"),
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
         output_names=output_names(count, fusion),
         source=kernel_source(count, fusion),

@@ -600,47 +600,6 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
-@cuda_only
-@pytest.mark.parametrize("mode", ["prefetch", "hoist"])
-def test_activation_load_modes_give_the_same_bits(monkeypatch, mode):
-    # ENGINE_GEMV_ACTIVATIONS moves the activation loads, not the arithmetic: identical results for 1, 3 and 9
-    # rows (one and two column blocks), a K that leaves a batch short, a gated and a residual + norm_out launch.
-    import engine.kernels.quantized_gemv as qg
-
-    q, up, short = make_quantized(n=700, k=5120), make_quantized(n=700, k=5120, seed=1), make_quantized(n=300, k=1088)
-    triple, pair = (q.weight, q.scales, q.biases), [(q.weight, q.scales, q.biases), (up.weight, up.scales, up.biases)]
-    norm_w = mx.random.normal((700,)).astype(mx.bfloat16)
-
-    def results():
-        out = []
-        for m in (1, 3, 9):
-            x = mx.random.normal((m, 5120), key=mx.random.key(m)).astype(mx.bfloat16)
-            out += qg.quantized_matmuls(x, [triple], 64, 4)
-            out += qg.quantized_matmuls(x[:, :1088], [(short.weight, short.scales, short.biases)], 64, 4)
-            out += qg.quantized_matmuls(x, pair, 64, 4, gated=True)
-            out += qg.quantized_matmuls(x, [triple], 64, 4, residual=x[:, :700], norm_out=norm_w)
-        mx.eval(out)
-        return out
-
-    qg._kernel.cache_clear()
-    want = results()
-    monkeypatch.setattr(qg, "ACTIVATIONS", mode)
-    qg._kernel.cache_clear()
-    got = results()
-    qg._kernel.cache_clear()
-    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
-
-
-def test_activation_load_modes_are_checked():
-    code = "import engine.kernels.quantized_gemv as q; print(q.ACTIVATIONS)"
-    env = {**os.environ, "ENGINE_GEMV_ACTIVATIONS": "hoist"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "hoist"
-    env["ENGINE_GEMV_ACTIVATIONS"] = "eager"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "choose from tile, prefetch, hoist" in bad.stderr
-
-
 def test_one_row_launch_shapes_by_size():
     # H200 timings at M = 1: launches of few rows take more warps a block; large ones two row tiles a block,
     # at most 96 registers a thread (five blocks an SM); the rest (4, 1, 4).
