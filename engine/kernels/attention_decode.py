@@ -19,6 +19,7 @@ the fast tier: equal to the layer's step up to rounding.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -84,12 +85,30 @@ def layer_step(layer, kernels: bool = False,
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
-    def kernel_step(x: mx.array, cache: KVCache, prenormed: tuple) -> tuple[mx.array, ...]:
+    # The kernel path in two compiled calls around the cache's update (whose slices move every step): the
+    # positions go in as arrays (`key_params`, `attend_params`), so each call replays its graph at every
+    # step; only the number of chunks `attend` splits the cache into (and the cache buffers' length, every
+    # 256 positions) makes a new trace.
+    def kernel_before(x, kpar, *prenormed):
         q, k, v = normed_projections(x, layer.input_layernorm, projections, prenormed)
+        return (q, *attention_step.keys(attn, k, v, kpar, fpar))
+
+    @lru_cache(maxsize=None)
+    def kernel_after(s: int):
+        def run(x, q, keys_buf, values_buf, apar):
+            out = attention_step.attend(attn, q, keys_buf, values_buf, apar, fpar, s)
+            return residual_mlp(layer, out, attn.o_proj, x, link.next_norm)
+
+        return mx.compile(run)
+
+    kernel_before_c = mx.compile(kernel_before)
+
+    def kernel_step(x: mx.array, cache: KVCache, prenormed: tuple) -> tuple[mx.array, ...]:
         n = cache.offset + 1
-        cache.append(*attention_step.keys(attn, k, v, n, fpar))
-        out = attention_step.attend(attn, q, cache.keys, cache.values, n, fpar)
-        return residual_mlp(layer, out, attn.o_proj, x, link.next_norm)
+        q, k, v = kernel_before_c(x, attention_step.key_params(n), *prenormed)
+        cache.append(k, v)
+        apar, s = attention_step.attend_params(n, cache.keys.shape[2])
+        return tuple(kernel_after(s)(x, q, cache.keys, cache.values, apar))
 
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if x.shape[1] != 1:

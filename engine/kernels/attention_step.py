@@ -322,26 +322,39 @@ def _template(attn, d: int) -> list:
     return [("H", attn.n_heads), ("HKV", attn.n_kv_heads), ("D", d), ("R", attn.rope.dims), ("WARPS", WARPS)]
 
 
-def keys(attn, k: mx.array, v: mx.array, n: int, fpar: mx.array) -> tuple[mx.array, mx.array]:
+def key_params(n: int) -> mx.array:
+    """`keys`' int parameters for a step whose new token is position n - 1."""
+    return int_params(n, 0, 0, 0)
+
+
+def attend_params(n: int, capacity: int) -> tuple[mx.array, int]:
+    """`attend`'s int parameters over the first n positions of cache buffers of `capacity` positions, and
+    the chunks it splits them into (`splits`)."""
+    s = splits(n)
+    return int_params(n, capacity, -(-n // s), s), s
+
+
+def keys(attn, k: mx.array, v: mx.array, kpar: mx.array, fpar: mx.array) -> tuple[mx.array, mx.array]:
     """The new token's k (normed, roped at position n - 1) and v, from the projections [B, 1, kv heads * D],
-    as [B, kv heads, 1, D] bf16."""
+    as [B, kv heads, 1, D] bf16; `kpar` is `key_params(n)`. The position is an input array, not part of the
+    launch, so a compiled step replays for every n."""
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     shape = (b, attn.n_kv_heads, 1, d)
     return tuple(_keys_kernel()(
-        inputs=[k, v, attn.k_norm.weight, int_params(n, 0, 0, 0), fpar],
+        inputs=[k, v, attn.k_norm.weight, kpar, fpar],
         template=_template(attn, d), grid=(b * attn.n_kv_heads * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[shape, shape], output_dtypes=[mx.bfloat16, mx.bfloat16],
     ))  # fmt: skip
 
 
-def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, n: int, fpar: mx.array) -> mx.array:
+def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, fpar: mx.array,
+           s: int) -> mx.array:  # fmt: skip
     """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
-    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D]: one
-    launch, or for a long cache (`splits`) one over chunks of the positions and one that merges them."""
+    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D], where
+    `(apar, s) = attend_params(n, cap)`: one launch, or for a long cache (s > 1 chunks) one over chunks of the
+    positions and one that merges them. Only s shapes the launches; n is in the input `apar`."""
     b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
-    s = splits(n)
-    ipar = int_params(n, keys_buf.shape[2], -(-n // s), s)
-    inputs = [q, keys_buf, values_buf, attn.q_norm.weight, ipar, fpar]
+    inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, fpar]
     launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:
         return _attend_kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
@@ -349,6 +362,6 @@ def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, n: int, 
     ml, acc = _attend_kernel(True)(inputs=inputs, output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
                                    output_dtypes=[mx.float32, mx.float32], **launch)  # fmt: skip
     return _merge_kernel()(
-        inputs=[q, ml, acc, ipar], template=[("D", d)], grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
+        inputs=[q, ml, acc, apar], template=[("D", d)], grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
     )[0]  # fmt: skip

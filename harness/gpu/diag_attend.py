@@ -41,9 +41,10 @@ def main():
         row = {"n": n, "glue_us": glue}
         for label, max_splits in (("one_block_us", 1), ("split_us", 16)):
             attention_step.MAX_SPLITS = max_splits
+            apar, s = attention_step.attend_params(n, cap)
 
             def step(x):
-                out = attention_step.attend(attn, x, keys, values, n, fpar)
+                out = attention_step.attend(attn, x, keys, values, apar, fpar, s)
                 return mx.concatenate([out, out], axis=-1)
 
             row[label] = serial_us(step, q, cfg) - glue

@@ -792,20 +792,25 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path(monkeypatch):
 # operations: `_keys_reference` is the layer's own path for the new k and v (its norm, rope and layout);
 # `_attend_reference` is the layer's q path, then attention in float32 elementwise operations (not matmuls:
 # CUDA runs float32 matmuls as TF32) and the layer's output gate.
-def _keys_reference(attn, k, v, n):
+# Both take the kernels' int parameters (n in their first value) as arrays, as the kernels do, so that a
+# compiled step replays them at every position: rope's offset is that array, and the attention masks the
+# buffer's positions from n on (their probabilities exactly 0) instead of slicing them off.
+def _keys_reference(attn, k, v, kpar):
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     kn = attn.k_norm(k.reshape(b, 1, attn.n_kv_heads, d)).transpose(0, 2, 1, 3)
-    return attn.rope(kn, offset=n - 1), v.reshape(b, 1, attn.n_kv_heads, d).transpose(0, 2, 1, 3)
+    return attn.rope(kn, offset=kpar[0] - 1), v.reshape(b, 1, attn.n_kv_heads, d).transpose(0, 2, 1, 3)
 
 
-def _attend_reference(attn, q, keys, values, n):
+def _attend_reference(attn, q, keys, values, apar):
     b, d, h, f32 = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads, mx.float32
+    n = apar[0]
     qh, gate = mx.split(q.reshape(b, 1, h, 2 * d), 2, axis=-1)
     qr = attn.rope(attn.q_norm(qh).transpose(0, 2, 1, 3), offset=n - 1).astype(f32) * attn.scale  # [b, h, 1, d]
     group = h // attn.n_kv_heads
-    k = mx.repeat(keys[:, :, :n].astype(f32), group, axis=1)
-    v = mx.repeat(values[:, :, :n].astype(f32), group, axis=1)
-    p = mx.softmax(mx.sum(qr * k, axis=-1), axis=-1)  # [b, h, n]
+    k = mx.repeat(keys.astype(f32), group, axis=1)
+    v = mx.repeat(values.astype(f32), group, axis=1)
+    scores = mx.sum(qr * k, axis=-1)  # [b, h, cap]
+    p = mx.softmax(mx.where(mx.arange(keys.shape[2]) < n, scores, -mx.inf), axis=-1)
     o = mx.sum(p[..., None] * v, axis=2).astype(mx.bfloat16)  # [b, h, d]
     return o.reshape(b, 1, h * d) * mx.sigmoid(gate.reshape(b, 1, h * d))
 
@@ -862,8 +867,9 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
     from engine.engine import Engine
     from engine.kernels import attention_decode, attention_step
 
-    monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, n, fpar: _keys_reference(attn, k, v, n))
-    monkeypatch.setattr(attention_step, "attend", lambda attn, q, k, v, n, fpar: _attend_reference(attn, q, k, v, n))
+    monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, kpar, fpar: _keys_reference(attn, k, v, kpar))
+    monkeypatch.setattr(attention_step, "attend",
+                        lambda attn, q, k, v, apar, fpar, s: _attend_reference(attn, q, k, v, apar))  # fmt: skip
     model = Engine.load("tiny-qwen35", with_tokenizer=False).model  # bf16
 
     def decode(kernels: bool):
@@ -896,7 +902,7 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
                                                         (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37),
                                                         (4, 2, 64, 16, 2, 600)])  # fmt: skip
 def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
-    from engine.kernels.attention_step import attend, float_params, keys
+    from engine.kernels.attention_step import attend, attend_params, float_params, key_params, keys
 
     attn, bf = _Attn(h, hkv, d, rope_dims), mx.bfloat16
     mx.random.seed(2)
@@ -906,16 +912,17 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     keys_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
     values_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
     fpar = float_params(attn)
-    got_k, got_v = keys(attn, k, v, n, fpar)
-    want_k, want_v = _keys_reference(attn, k, v, n)
+    got_k, got_v = keys(attn, k, v, key_params(n), fpar)
+    want_k, want_v = _keys_reference(attn, k, v, key_params(n))
     assert mx.array_equal(got_v, want_v).item()
     # The same roundings as the layer (the norm, then rope, to bf16); the sum of squares in another order can
     # move the normed channel (and so the rope's pair) by one bf16 ulp.
     assert (mx.abs(got_k.astype(mx.float32) - want_k) <= 2**-7 * mx.abs(want_k).max()).all().item()
     keys_buf[:, :, n - 1 : n] = want_k
     values_buf[:, :, n - 1 : n] = want_v
-    got = attend(attn, q, keys_buf, values_buf, n, fpar).astype(mx.float32)
-    want = _attend_reference(attn, q, keys_buf, values_buf, n).astype(mx.float32)
+    apar, s = attend_params(n, cap)
+    got = attend(attn, q, keys_buf, values_buf, apar, fpar, s).astype(mx.float32)
+    want = _attend_reference(attn, q, keys_buf, values_buf, apar).astype(mx.float32)
     # Both round the attention output and the gated output to bf16 from float32 values that differ only by
     # summation order and __expf: a rounding that falls the other way is one bf16 ulp, up to 2^-7 of the
     # value, at each of the two.
