@@ -13,6 +13,15 @@ layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
 the cache update, attention), so any cache the layer takes, serial or
 batched, works here too.
 
+With `attention_step`'s kernels (CUDA, a plain serial cache) the step is
+also two compiled calls: the projections and the new k and v, then the
+attention, the output projection and the MLP, with the cache's update
+between them and the positions passed in as arrays. On this project's CPU,
+with every kernel call a stand-in (`diag_decode_host.py
+--stand-in-kernels`), qwen27b's host build of a step went from 2.5 to 0.83
+ms (its 16 attention layers' steps 2.05 -> 0.29 ms); not yet timed on the
+GPU.
+
 Fusion keeps float32 intermediates where the layer's graph rounds, so this is
 the fast tier: equal to the layer's step up to rounding.
 """
