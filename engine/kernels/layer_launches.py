@@ -46,16 +46,20 @@ def residual_projection(x: mx.array, layer: nn.Module, residual: mx.array) -> mx
     return residual + layer(x)
 
 
+def _takes_residual(x: mx.array, layer: nn.Module, residual: mx.array) -> bool:
+    """Whether one launch can give `residual + layer(x)` (`Fusion.residual`), stages on its input aside."""
+    return residual.dtype == mx.bfloat16 and qg.one_launch(x, [layer]) and qg.no_bias([layer])
+
+
 def _residual_launch(x: mx.array, layer: nn.Module, residual: mx.array) -> bool:
     """Whether `residual + layer(x)` is one launch (FUSE.residual, `Fusion.residual`)."""
-    return qg.FUSE.residual and residual.dtype == mx.bfloat16 and qg.one_launch(x, [layer]) and qg.no_bias([layer])
+    return qg.FUSE.residual and _takes_residual(x, layer, residual)
 
 
 def swiglu_projection(gate: mx.array, up: mx.array, layer: nn.Module, residual: mx.array) -> mx.array:
     """`residual + layer(silu(gate) * up)` (an MLP's down projection and its residual); with FUSE.swiglu one
     launch where the kernel takes it (`Fusion.swiglu` and `Fusion.residual`)."""
-    if qg.FUSE.swiglu and residual.dtype == mx.bfloat16 and up.dtype == gate.dtype and qg.one_launch(gate, [layer]) \
-            and qg.no_bias([layer]):  # fmt: skip
+    if qg.FUSE.swiglu and up.dtype == gate.dtype and _takes_residual(gate, layer, residual):
         return qg.run_kernel(gate, [layer], up=up, residual=residual)[0]
     return residual_projection(swiglu(gate, up), layer, residual)
 
