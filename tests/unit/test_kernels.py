@@ -863,13 +863,23 @@ def test_attention_kernels_are_chosen_on_cuda_only():
 def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
     # The step's own plumbing (the flat projections, the cache append, n, the output into o_proj) on any
     # backend, with the kernels replaced by the references above, against the compiled step around the
-    # layer's attention. Both decode the same forced tokens.
+    # layer's attention. Both decode the same forced tokens. The kernel path's two compiled calls are traced
+    # once a layer: the positions are inputs, so no step builds their graphs again.
     from engine.engine import Engine
     from engine.kernels import attention_decode, attention_step
 
-    monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, kpar, fpar: _keys_reference(attn, k, v, kpar))
-    monkeypatch.setattr(attention_step, "attend",
-                        lambda attn, q, k, v, apar, fpar, s: _attend_reference(attn, q, k, v, apar))  # fmt: skip
+    traced = Counter()
+
+    def keys(attn, k, v, kpar, fpar):
+        traced["keys", id(attn)] += 1
+        return _keys_reference(attn, k, v, kpar)
+
+    def attend(attn, q, k, v, apar, fpar, s):
+        traced["attend", id(attn)] += 1
+        return _attend_reference(attn, q, k, v, apar)
+
+    monkeypatch.setattr(attention_step, "keys", keys)
+    monkeypatch.setattr(attention_step, "attend", attend)
     model = Engine.load("tiny-qwen35", with_tokenizer=False).model  # bf16
 
     def decode(kernels: bool):
@@ -885,6 +895,8 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
     _, compiled, compiled_cache = decode(False)
     ks, kernel, kernel_cache = decode(True)
     assert ks.attention_kernel_layers == ks.attention_step_layers > 0
+    # once for each attention layer that ran, over 12 steps (the MTP head's layer does not run here)
+    assert traced and set(traced.values()) == {1} and len(traced) % 2 == 0
     # Each attention layer's cache is the layer's own k and v (the same operations) where its inputs agree:
     # in the first attention layer (the layers before it run the same operations in both).
     first = next(i for i, layer in enumerate(model.layers) if not layer.is_linear)
