@@ -52,19 +52,20 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
+    return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
+            + (f" S{c.splits}" if c.splits > 1 else ""))  # fmt: skip
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
 # in the serial sweeps only.
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
                                                    (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
-# CANDIDATES="W,RT,U[,MINB];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
+# CANDIDATES="W,RT,U[,MINB[,SPLITS]];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
 try:
     CHOSEN = [LaunchConfig(*map(int, item.split(","))) for item in os.environ.get("CANDIDATES", "").split(";")
               if item.strip()]  # fmt: skip
 except (TypeError, ValueError):
-    sys.exit(f"CANDIDATES={os.environ['CANDIDATES']!r}: launch shapes W,RT,U[,MINB] separated by ';'")
+    sys.exit(f"CANDIDATES={os.environ['CANDIDATES']!r}: launch shapes W,RT,U[,MINB[,SPLITS]] separated by ';'")
 if CHOSEN:
     SERIAL_EXTRA = []
 
@@ -142,7 +143,8 @@ def launch_setting(entries) -> str:
     for n, k, default_us, timed in entries:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
-            values = [best.warps, best.row_tiles, best.batch] + ([best.min_blocks] if best.min_blocks else [])
+            values = [best.warps, best.row_tiles, best.batch] + (
+                [best.min_blocks, best.splits] if best.splits > 1 else [best.min_blocks] if best.min_blocks else [])
             items.append(f"{n}x{k}=" + ",".join(map(str, values)))
     return ";".join(items)
 
