@@ -728,7 +728,8 @@ class LaunchConfig:
     # gate+up's 1088 blocks ran as two full waves and one of 32 blocks. At 5 it takes 96, no spills, 660.
     min_blocks: int = 0
     # Blocks a row tile's K is split over (`_SPLIT_REDUCE`): more, shorter blocks for launches of few row
-    # tiles and long K. One matrix, not gated. Timed only through ENGINE_GEMV_LAUNCH so far.
+    # tiles and long K. One matrix, not gated; launches that do not wait for each other must not share
+    # counters (`_split_counters`). Only through ENGINE_GEMV_LAUNCH so far, and not yet timed.
     splits: int = 1
 
     def template(self) -> list[tuple[str, int]]:
@@ -931,7 +932,9 @@ def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, m
 def _split_counters(tiles: int) -> mx.array:
     """A split launch's counters, one a row tile, zero between launches (the last block of each tile sets its
     counter back): made once from a list, so a compiled step holds them as a constant and never remakes them.
-    Launches of one step run one after another, so launches of the same tile count share them."""
+    Split launches of the same tile count share them, so they must not run side by side: each must take the
+    one before's result (as a decode step's launches do) or be evaluated apart. MLX orders launches in its
+    CUDA graphs by the arrays they write and read, and these are only read as far as it knows."""
     return mx.array([0] * tiles, dtype=mx.int32)
 
 

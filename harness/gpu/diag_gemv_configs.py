@@ -120,7 +120,8 @@ def timing():
             if main and m == 1 and not serial:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
-            for c in candidates(m) if main else ():
+            # split launches share counters, so only calls that wait for each other (--serial) may take them
+            for c in [c for c in candidates(m) if serial or c.splits == 1] if main else ():
                 res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
