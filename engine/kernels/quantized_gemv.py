@@ -453,13 +453,13 @@ _NORM_SCALE_REDUCE = r"""
 """
 
 
-def _prologue(count: int, gated: bool = False) -> str:
+def _prologue(count: int, gated: bool = False, split: bool = False) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
     block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk), the
     output row tiles of a block (RTO) and which matrix row tile r reads (tile_w, tile_scales, tile_biases;
     the body's tile_row gives its rows). `gated` (two matrices, gate and up): every block takes the same
     rows of both, its first RT / 2 row tiles from the gate, the rest from up, and writes one output
-    (`Fusion.gated`)."""
+    (`Fusion.gated`). `split` (one matrix): block S * tile + split takes part `split` of row tile `blk`'s K."""
     if gated:
         return """  constexpr bool GATED = true;
   constexpr int RTO = RT / 2;
@@ -472,7 +472,7 @@ def _prologue(count: int, gated: bool = False) -> str:
 """
     lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;",
              "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
-             "  int N, blk = blockIdx.x;"]
+             "  int N, blk = blockIdx.x / S;\n  const int split = blockIdx.x % S;" if split else "  int N, blk = blockIdx.x;"]
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
         lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
@@ -679,11 +679,10 @@ def kernel_source(count: int, fusion: Fusion = Fusion(), split: bool = False) ->
     scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
     reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
     reduce += (_SPLIT_REDUCE if split else _STORES) + _NORM_OUT_AFTER * fusion.norm_out
-    prologue, loop = _prologue(count, fusion.gated), _SPLIT_LOOP if split else _LOOP_REGISTERS
-    if split:  # block S * tile + split; the norm's parts one a tile
-        prologue = prologue.replace("blk = blockIdx.x;", "blk = blockIdx.x / S;\n  const int split = blockIdx.x % S;")
+    if split:  # the norm's parts one a row tile, not a block
         reduce = reduce.replace("ssq_out[(size_t)m * gridDim.x + blockIdx.x]", "ssq_out[(size_t)m * (gridDim.x / S) + blk]")
-    return prologue + start + _LOAD_REGISTERS + _MULTIPLY + loop + reduce
+    loop = _SPLIT_LOOP if split else _LOOP_REGISTERS
+    return _prologue(count, fusion.gated, split) + start + _LOAD_REGISTERS + _MULTIPLY + loop + reduce
 
 
 def output_names(count: int, fusion: Fusion = Fusion(), split: bool = False) -> list[str]:
@@ -740,6 +739,12 @@ class LaunchConfig:
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
         return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, self.splits > 1)
+
+    def setting(self) -> str:
+        """'W,RT,U[,MINB[,SPLITS]]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`)."""
+        values = [self.warps, self.row_tiles, self.batch]
+        values += [self.min_blocks, self.splits] if self.splits > 1 else [self.min_blocks] * bool(self.min_blocks)
+        return ",".join(map(str, values))
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:

@@ -144,9 +144,7 @@ def launch_setting(entries) -> str:
     for n, k, default_us, timed in entries:
         best = min(timed, key=timed.get, default=None)
         if best is not None and timed[best] <= 0.97 * default_us:
-            values = [best.warps, best.row_tiles, best.batch] + (
-                [best.min_blocks, best.splits] if best.splits > 1 else [best.min_blocks] if best.min_blocks else [])
-            items.append(f"{n}x{k}=" + ",".join(map(str, values)))
+            items.append(f"{n}x{k}={best.setting()}")
     return ";".join(items)
 
 

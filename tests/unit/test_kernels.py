@@ -602,6 +602,20 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
+def test_a_split_launch_takes_its_part_of_k_and_its_tile():
+    # Block S * tile + split: the row tile and the part of K come from the block index, and norm_out's
+    # parts of the sums of squares are one a row tile; the other launches' source does not change.
+    import engine.kernels.quantized_gemv as qg
+
+    fusion = qg.Fusion(residual=True, norm_out=True)
+    src, plain = qg.kernel_source(1, fusion, split=True), qg.kernel_source(1, fusion)
+    assert "blk = blockIdx.x / S;" in src and "const int split = blockIdx.x % S;" in src
+    assert "ssq_out[(size_t)m * (gridDim.x / S) + blk]" in src and "atomicAdd(counter, 1)" in src
+    assert "blockIdx.x / S" not in plain and "partials" not in plain
+    with pytest.raises(ValueError, match="one matrix"):
+        qg.kernel_source(2, qg.Fusion(gated=True), split=True)
+
+
 @cuda_only
 @pytest.mark.parametrize("config", [LaunchConfig(4, 1, 4, 8, splits=3), LaunchConfig(2, 1, 4, 16, splits=6),
                                     LaunchConfig(8, 1, 4, splits=2)])  # fmt: skip
@@ -652,6 +666,7 @@ def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
     table = qg.parse_launches(" 5120x17408=8,1,4 ; 5120x6144=16,1,4,2;6144x5120=4,1,4,8,3")
     assert table == {(5120, 17408): LaunchConfig(8, 1, 4), (5120, 6144): LaunchConfig(16, 1, 4, 2),
                      (6144, 5120): LaunchConfig(4, 1, 4, 8, splits=3)}  # fmt: skip
+    assert [c.setting() for c in table.values()] == ["8,1,4", "16,1,4,2", "4,1,4,8,3"]  # as diagnostics write them
     monkeypatch.setattr(qg, "LAUNCHES", table)
     assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(16, 1, 4, 2)
