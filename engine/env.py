@@ -17,7 +17,7 @@ _VARS = {
     "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (norm, swiglu, residual, "
                    "gated, norm_scale, norm_out; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
-                          "'ROWSxK=W,RT,U[,MINB[,SPLITS]];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
+                          "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
 _SECRETS = {"ENGINE_API_KEY"}
 

@@ -79,12 +79,13 @@ trip a tile): asked of the L1 beside the batch's weight loads, a decode step's d
 7.30 under Nsight Compute, every GEMV launch slower (gate+up 44.8 us against 39.1); all loaded before the
 first tile's products, 8.89 ms (more registers: down 98 against 74, gate+up spills at five blocks an SM);
 the same bits either way (reports/gpu/step-kernels-activations-session16.txt).
+Nor did more warps an SM for the launches of only 320 row tiles (down, o_proj / out) by splitting each row
+tile's K over S blocks whose parts the tile's last block added in split order (commit 30ff426, removed):
+with (4, 1, 4) at 8 blocks an SM and S = 3 (960 blocks, one wave), down 29.7 us against 25.0 and o_proj 14.2
+against 12.1, a step's device time 7.67 ms against 7.19; (2, 1, 4) at 16 blocks and S = 6, 7.73
+(reports/gpu/step-kernels-splits-session17.txt). Its CUDA test passed: it was correct, just slower.
 What did pay is fewer waves: a launch whose blocks overflow what the SMs
 hold at once by a few runs a nearly empty last wave (`LaunchConfig.min_blocks`).
-A launch of few row tiles and long K can also split each tile's K over
-several blocks (`LaunchConfig.splits`: more warps an SM, fewer rounds a
-warp), the parts added in a fixed order by the last block of the tile; that
-is opt-in (ENGINE_GEMV_LAUNCH) and not yet timed.
 """
 
 from __future__ import annotations
@@ -344,17 +345,16 @@ _MULTIPLY = r"""
 
 """
 
-_LOOP_BODY = r"""    Batch bt;
+_LOOP_REGISTERS = r"""
+  // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
+  #pragma unroll 1
+  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+    Batch bt;
     load(bt, kt0);
     multiply(bt, kt0);
   }
 
 """
-_LOOP_REGISTERS = r"""
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
-  #pragma unroll 1
-  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
-""" + _LOOP_BODY
 
 _REDUCE = r"""
   // ROW SCALE
@@ -367,8 +367,7 @@ _REDUCE = r"""
       #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nb][i];
   __syncthreads();
-"""
-_STORES = r"""  for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
+  for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
     const int rl = idx / M, m = idx % M;
     const float rs = row_scale(m);
     float v = 0.0f, v_up = 0.0f;  // v_up: the up projection's sum beside the gate's (GATED)
@@ -380,6 +379,7 @@ _STORES = r"""  for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
     const int row = row_base + rl;
     if (row < N) store(rl, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
   }
+  // AFTER STORES
 """
 
 
@@ -453,13 +453,13 @@ _NORM_SCALE_REDUCE = r"""
 """
 
 
-def _prologue(count: int, gated: bool = False, split: bool = False) -> str:
+def _prologue(count: int, gated: bool = False) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
     block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk), the
     output row tiles of a block (RTO) and which matrix row tile r reads (tile_w, tile_scales, tile_biases;
     the body's tile_row gives its rows). `gated` (two matrices, gate and up): every block takes the same
     rows of both, its first RT / 2 row tiles from the gate, the rest from up, and writes one output
-    (`Fusion.gated`). `split` (one matrix): block S * tile + split takes part `split` of row tile `blk`'s K."""
+    (`Fusion.gated`)."""
     if gated:
         return """  constexpr bool GATED = true;
   constexpr int RTO = RT / 2;
@@ -472,7 +472,7 @@ def _prologue(count: int, gated: bool = False, split: bool = False) -> str:
 """
     lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;",
              "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
-             "  int N, blk = blockIdx.x / S;\n  const int split = blockIdx.x % S;" if split else "  int N, blk = blockIdx.x;"]
+             "  int N, blk = blockIdx.x;"]
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
         lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
@@ -628,83 +628,33 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-# A split launch (`LaunchConfig.splits` = S): each row tile's K in S parts of whole batches, block
-# S * tile + split taking part `split`; its warps' sums go to `partials` (float32), and the last of the tile's S
-# blocks to finish (a counter a tile, `counters`, which that block sets back to 0 for the next launch) adds
-# the S parts in split order, so the result does not depend on which finishes last, and runs the epilogue.
-_SPLIT_LOOP = r"""
-  // Split launch: this block's part of K, whole batches (KTS k-tiles); warp w takes U k-tiles every W * U.
-  constexpr int KTS = (KT + S * U - 1) / (S * U) * U;
-  const int k_end = min(KT, (split + 1) * KTS);
-  #pragma unroll 1
-  for (int kt0 = split * KTS + warp * U; kt0 < k_end; kt0 += W * U) {
-""" + _LOOP_BODY
-_SPLIT_REDUCE = r"""
-  constexpr int PART = 16 * RTO * M;
-  for (int idx = threadIdx.x; idx < PART; idx += W * 32) {
-    const int rl = idx / M, m = idx % M;
-    float v = 0.0f;
-    #pragma unroll
-    for (int ww = 0; ww < W; ++ww) v += red[ww][rl][m];
-    partials[((size_t)blk * S + split) * PART + idx] = v;
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (threadIdx.x == 0) {
-    int* counter = const_cast<int*>(counters) + blk;
-    last = atomicAdd(counter, 1) == S - 1;
-    if (last) *counter = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int idx = threadIdx.x; idx < PART; idx += W * 32) {
-    const int rl = idx / M, m = idx % M;
-    const float rs = row_scale(m);
-    float v = 0.0f;
-    for (int sp = 0; sp < S; ++sp) v += __ldcg(partials + ((size_t)blk * S + sp) * PART + idx);
-    const int row = row_base + rl;
-    if (row < N) store(rl, m, row, output(v * rs, 0.0f, (size_t)m * N + row));
-  }
-"""
-
-
-def kernel_source(count: int, fusion: Fusion = Fusion(), split: bool = False) -> str:
+def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
-    products, the sum over warps; `split`, a split launch's (one matrix, not gated)."""
-    if split and (count != 1 or fusion.gated):
-        raise ValueError("a split launch takes one matrix, not gated")
+    products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
     scale = _NORM_SCALE_REDUCE if fusion.norm_scale else _PRENORMED_REDUCE if fusion.prenormed else _NO_ROW_SCALE
     reduce = _REDUCE.replace("  // ROW SCALE\n", scale + _NORM_OUT_PROLOGUE * fusion.norm_out)
-    reduce += (_SPLIT_REDUCE if split else _STORES) + _NORM_OUT_AFTER * fusion.norm_out
-    if split:  # the norm's parts one a row tile, not a block
-        reduce = reduce.replace("ssq_out[(size_t)m * gridDim.x + blockIdx.x]", "ssq_out[(size_t)m * (gridDim.x / S) + blk]")
-    loop = _SPLIT_LOOP if split else _LOOP_REGISTERS
-    return _prologue(count, fusion.gated, split) + start + _LOAD_REGISTERS + _MULTIPLY + loop + reduce
+    reduce = reduce.replace("  // AFTER STORES\n", _NORM_OUT_AFTER * fusion.norm_out)
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
 
 
-def output_names(count: int, fusion: Fusion = Fusion(), split: bool = False) -> list[str]:
-    """The kernel's outputs: one a matrix (one in all for a gated launch), then norm_out's two, then a split
-    launch's partial sums."""
-    return ([f"out{i}" for i in range(1 if fusion.gated else count)] + ["hw", "ssq_out"] * fusion.norm_out
-            + ["partials"] * split)  # fmt: skip
+def output_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
+    """The kernel's outputs: one a matrix (one in all for a gated launch), then norm_out's two."""
+    return [f"out{i}" for i in range(1 if fusion.gated else count)] + ["hw", "ssq_out"] * fusion.norm_out
 
 
-def input_names(count: int, fusion: Fusion = Fusion(), split: bool = False) -> list[str]:
+def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
     """The kernel's inputs, in the order `launch_arguments` passes them."""
-    return (["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs()
-            + ["counters"] * split)  # fmt: skip
+    return ["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs()
 
 
 @lru_cache(maxsize=None)
-def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion(), split: bool = False):
+def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     return mx.fast.cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}" + "_k" * split,
-        input_names=input_names(count, fusion, split),
-        output_names=output_names(count, fusion, split),
-        source=kernel_source(count, fusion, split),
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
+        input_names=input_names(count, fusion),
+        output_names=output_names(count, fusion),
+        source=kernel_source(count, fusion),
         header=HEADER + launch_bounds(threads, min_blocks),
     )
 
@@ -726,40 +676,33 @@ class LaunchConfig:
     # 4 blocks of 128 threads an SM (registers go to a warp in steps of 256), 528 on the H200's 132 SMs:
     # gate+up's 1088 blocks ran as two full waves and one of 32 blocks. At 5 it takes 96, no spills, 660.
     min_blocks: int = 0
-    # Blocks a row tile's K is split over (`_SPLIT_REDUCE`): more, shorter blocks for launches of few row
-    # tiles and long K. One matrix, not gated; launches that do not wait for each other must not share
-    # counters (`_split_counters`). Only through ENGINE_GEMV_LAUNCH so far, and not yet timed.
-    splits: int = 1
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
         return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
-        ) + ([("S", self.splits)] if self.splits > 1 else [])
+        )
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, self.splits > 1)
+        return _kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
     def setting(self) -> str:
-        """'W,RT,U[,MINB[,SPLITS]]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`)."""
-        values = [self.warps, self.row_tiles, self.batch]
-        values += [self.min_blocks, self.splits] if self.splits > 1 else [self.min_blocks] * bool(self.min_blocks)
-        return ",".join(map(str, values))
+        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`)."""
+        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + [self.min_blocks] * bool(self.min_blocks)))
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
-    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB[,SPLITS]];...', as {(rows, k): config}."""
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
     table = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
             shape, _, numbers = item.partition("=")
             rows, k = (int(v) for v in shape.lower().split("x"))
             values = [int(v) for v in numbers.split(",")]
-            if not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0 \
-                    or (len(values) == 5 and values[4] < 1):  # fmt: skip
+            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB[,SPLITS]] (warps 1-32)") from None
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
         table[(rows, k)] = LaunchConfig(*values)
     return table
 
@@ -878,15 +821,12 @@ def quantized_matmuls(
         if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual or fusion.norm_out:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
-    if config.splits > 1 and (len(matrices) != 1 or gated):
-        raise ValueError(f"a launch split over blocks ({config}) takes one matrix, not gated")
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step (~4 a launch, 300 launches).
     extra = _stage_arrays(norm, up, residual, norm_out, prenormed)
     args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
                             prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
-    outputs = config.kernel(len(matrices), fusion)(**args)
-    return outputs[:-1] if config.splits > 1 else outputs  # not the split launch's partial sums
+    return config.kernel(len(matrices), fusion)(**args)
 
 
 def float_bits(value: float) -> int:
@@ -918,29 +858,17 @@ def launch_arguments(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, m
         starts.append(starts[-1] + (n + tile_rows - 1) // tile_rows)
     products = len(starts) - 1
     norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, starts[-1])]
-    split = config.splits > 1  # S blocks a row tile, their sums meeting in `partials` (`_SPLIT_REDUCE`)
-    partials = split * [(starts[-1] * config.splits * 16 * config.row_tiles * m,)]
     return dict(
-        inputs=[x] + [a for triple in matrices for a in triple] + list(extra) + split * [_split_counters(starts[-1])],
+        inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
         template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
                  + fusion.prenormed * [("P", parts)]
                  + (fusion.norm or fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(eps))],
-        grid=(starts[-1] * config.splits * config.warps * 32, 1, 1),
+        grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
-        output_shapes=[(*x.shape[:-1], n) for n in rows[:products]] + norm_out + partials,
-        output_dtypes=[mx.bfloat16] * products + fusion.norm_out * [mx.bfloat16, mx.float32] + split * [mx.float32],
+        output_shapes=[(*x.shape[:-1], n) for n in rows[:products]] + norm_out,
+        output_dtypes=[mx.bfloat16] * products + fusion.norm_out * [mx.bfloat16, mx.float32],
     )  # fmt: skip
-
-
-@lru_cache(maxsize=None)
-def _split_counters(tiles: int) -> mx.array:
-    """A split launch's counters, one a row tile, zero between launches (the last block of each tile sets its
-    counter back): made once from a list, so a compiled step holds them as a constant and never remakes them.
-    Split launches of the same tile count share them, so they must not run side by side: each must take the
-    one before's result (as a decode step's launches do) or be evaluated apart. MLX orders launches in its
-    CUDA graphs by the arrays they write and read, and these are only read as far as it knows."""
-    return mx.array([0] * tiles, dtype=mx.int32)
 
 
 def quantized_matmul(

@@ -52,20 +52,19 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
-            + (f" S{c.splits}" if c.splits > 1 else ""))  # fmt: skip
+    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
 # in the serial sweeps only.
 SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
                                                    (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
-# CANDIDATES="W,RT,U[,MINB[,SPLITS]];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
+# CANDIDATES="W,RT,U[,MINB];..." replaces the M = 1 candidates (and SERIAL_EXTRA): a few shapes in one device call
 try:
     CHOSEN = [LaunchConfig(*map(int, item.split(","))) for item in os.environ.get("CANDIDATES", "").split(";")
               if item.strip()]  # fmt: skip
 except (TypeError, ValueError):
-    sys.exit(f"CANDIDATES={os.environ['CANDIDATES']!r}: launch shapes W,RT,U[,MINB[,SPLITS]] separated by ';'")
+    sys.exit(f"CANDIDATES={os.environ['CANDIDATES']!r}: launch shapes W,RT,U[,MINB] separated by ';'")
 if CHOSEN:
     SERIAL_EXTRA = []
 
@@ -120,8 +119,7 @@ def timing():
             if main and m == 1 and not serial:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
-            # split launches share counters, so only calls that wait for each other (--serial) may take them
-            for c in [c for c in candidates(m) if serial or c.splits == 1] if main else ():
+            for c in candidates(m) if main else ():
                 res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
