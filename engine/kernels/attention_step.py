@@ -53,6 +53,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.kernels.cuda_source import cuda_kernel
+
 WARPS = 8  # warps a block of `attend`
 MAX_HEAD_DIM = WARPS * 32  # one thread per channel in the block-wide stages
 
@@ -266,13 +268,13 @@ def splits(n: int) -> int:
 
 @lru_cache(maxsize=1)
 def _keys_kernel():
-    return mx.fast.cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "ipar", "fpar"],
+    return cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "ipar", "fpar"],
                                output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _attend_kernel(partial: bool):
-    return mx.fast.cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
+    return cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
                                input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
                                output_names=["part_ml", "part_acc"] if partial else ["out"],
                                source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
@@ -280,7 +282,7 @@ def _attend_kernel(partial: bool):
 
 @lru_cache(maxsize=1)
 def _merge_kernel():
-    return mx.fast.cuda_kernel(name="engine_attention_merge", input_names=["q", "part_ml", "part_acc", "ipar"],
+    return cuda_kernel(name="engine_attention_merge", input_names=["q", "part_ml", "part_acc", "ipar"],
                                output_names=["out"], source=MERGE_SOURCE, header=HEADER)  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv import float_bits, launch_bounds
 
 HEADER = r"""
@@ -193,7 +194,7 @@ SOURCE = r"""
 @lru_cache(maxsize=None)
 def _kernel(threads: int):
     # the bounds cap the registers a thread takes so that `threads` fit on an SM (64 at 1024)
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"engine_gated_delta_step_{threads}",
         input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state"],
         output_names=["out", "new_conv", "new_state"],

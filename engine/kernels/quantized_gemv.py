@@ -99,6 +99,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import env
+from engine.kernels.cuda_source import cuda_kernel
 
 MAX_ROWS = 16  # the kernel's limit
 # Where the layer uses it (H200, qwen27b shapes, cold weights): at M = 16 MLX's tiled GEMM is as fast.
@@ -650,7 +651,7 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
 
 @lru_cache(maxsize=None)
 def _kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
         output_names=output_names(count, fusion),
