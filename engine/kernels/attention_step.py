@@ -269,21 +269,21 @@ def splits(n: int) -> int:
 @lru_cache(maxsize=1)
 def _keys_kernel():
     return cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "ipar", "fpar"],
-                               output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
+                       output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _attend_kernel(partial: bool):
     return cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
-                               input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
-                               output_names=["part_ml", "part_acc"] if partial else ["out"],
-                               source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
+                       input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
+                       output_names=["part_ml", "part_acc"] if partial else ["out"],
+                       source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
 
 
 @lru_cache(maxsize=1)
 def _merge_kernel():
     return cuda_kernel(name="engine_attention_merge", input_names=["q", "part_ml", "part_acc", "ipar"],
-                               output_names=["out"], source=MERGE_SOURCE, header=HEADER)  # fmt: skip
+                       output_names=["out"], source=MERGE_SOURCE, header=HEADER)  # fmt: skip
 
 
 def refusal(attn: nn.Module) -> Optional[str]:

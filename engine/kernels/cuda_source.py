@@ -9,7 +9,7 @@ it again whenever it is not replayed from a compiled graph. The GEMV's is
 KB is ~0.06 ms a step. `compact` drops what the compiler ignores: comments
 and the spaces around each line. Lines stay lines (preprocessor directives
 end at a newline), string and character literals are left as they are, and
-the code is the same token for token (`tests/unit/test_kernels.py` checks;
+the code is the same token for token (`tests/unit/test_cuda_source.py` checks;
 nvcc gives the same SASS).
 """
 
