@@ -26,6 +26,8 @@
 #              is launch_config's choice), STEPS (2) steps each, the summaries in $OUT/step-kernels-launches.txt
 #              (~90 s a setting after synth): launch shapes compared in the model, not in isolation;
 #              LAUNCH_VAR names another variable for the settings (e.g. ENGINE_GEMV_ACTIVATIONS)
+# PART=merge:  diag_launch_merge.py: an MLP-sized stand-in as two dependent launches against one launch with a
+#              grid-wide barrier (with and without the second phase's first loads before it); no model needed
 # PART=detail: Nsight Compute's full set of sections (stall reasons, memory throughput, occupancy, source
 #              counters) on DETAIL_COUNT (8) GEMV launches of a fast decode step's third step (the first two
 #              layers' launches), a report and its details page in $OUT; DETAIL_KERNELS (a regex) picks others
@@ -111,6 +113,9 @@ case "$PART" in
           | tee -a "$OUT/step-kernels-launches.txt"
     done
     ;;
+  merge)  # one launch with a grid-wide barrier against two dependent launches (no model needed)
+    python3 harness/gpu/diag_launch_merge.py 2>&1 | tee "$OUT/launch-merge.txt" || true
+    ;;
   detail)  # why the GEMV launches read slower than a streaming kernel: stalls, bytes in flight, waves
     synth
     ncu --set full --import-source no --clock-control none -k "regex:${DETAIL_KERNELS:-engine_affine_qmm}" \
@@ -126,5 +131,5 @@ case "$PART" in
     python3 -m harness kernels --shapes qwen27b --repeats 5 --json "$OUT/kernels-qwen27b.json" 2>&1 | tee "$OUT/kernels-qwen27b.txt"
     python3 -m pytest -x -q -p no:cacheprovider tests/unit/test_kernels.py 2>&1 | tail -60 | tee "$OUT/test_kernels.txt" || true
     ;;
-  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu, launches, detail or all" >&2; exit 2 ;;
+  *) echo "PART must be tests, gate, native, diag, graphs, gemv, clock, profile, ncu, launches, merge, detail or all" >&2; exit 2 ;;
 esac
