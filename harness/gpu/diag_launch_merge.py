@@ -17,7 +17,9 @@ phase) before it waits. This times that against two launches on a stand-in for a
 Variants, each a chain of LAYERS layers a evaluation, none starting before the one before ends:
 `two launches` (a block of W warps per W rows), `two launches, resident` (the same, but SMS x BPS blocks
 looping over the rows, as the merged form must), `merged` (one resident launch: A, a barrier, B) and
-`merged + prefetch` (B's first batch of loads issued before the barrier). Every variant gives the same
+`merged + prefetch` (B's first batch of loads issued before the barrier). `two launches, resident` against
+`merged` is the launch boundary against the barrier, the rest equal (resident warps take 4-5 rows each, so
+both have the same uneven end); against `two launches` it is also the grid's shape. Every variant gives the same
 bits (each row's sum in one order): checked first, so a broken barrier shows. The barrier gives up after
 ~1 s of spinning (blocks not all resident: lower BPS) and says so. Rows go to $OUT/launch-merge.json.
 """
