@@ -19,8 +19,9 @@ attention, the output projection and the MLP, with the cache's update
 between them and the positions passed in as arrays. On this project's CPU,
 with every kernel call a stand-in (`diag_decode_host.py
 --stand-in-kernels`), qwen27b's host build of a step went from 2.5 to 0.83
-ms (its 16 attention layers' steps 2.05 -> 0.29 ms); not yet timed on the
-GPU.
+ms (its 16 attention layers' steps 2.05 -> 0.29 ms); on the H200 the
+pipelined decode loop's build went from 2.8-4.4 to 1.9-2.7 ms a step
+(harness/gpu/README.md, seventeenth session).
 
 Fusion keeps float32 intermediates where the layer's graph rounds, so this is
 the fast tier: equal to the layer's step up to rounding.
