@@ -66,16 +66,24 @@ def _positive(text: str) -> int:
 
 
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
-    """`--kernels {exact,fast}`: the kernel tier the model runs (engine.kernels)."""
-    from engine.kernels import TIERS, default_tier
+    """`--kernels {auto,exact,fast}`: the kernel tier the model runs (engine.kernels)."""
+    from engine.kernels import AUTO, TIERS
 
     p.add_argument(
-        "--kernels", choices=TIERS, default=default_tier(),
+        "--kernels", choices=TIERS, default=AUTO,
         help="kernel tier: exact = MLX's operations, bit-exact with mlx-lm; fast = the engine's custom CUDA kernels "
-        "(quantized GEMV, chunked DeltaNet prefill, compiled DeltaNet decode step), equal to exact up to "
-        "rounding, on MLX's CUDA backend only: "
-        f"elsewhere the exact tier runs and the reason is printed (default {default_tier()})",
+        "(quantized GEMV, chunked DeltaNet prefill, compiled decode steps), equal to exact up to rounding and "
+        "gated against a float32 reference, on MLX's CUDA backend only: elsewhere the exact tier runs and the "
+        "reason is printed; auto = fast on CUDA for model families whose numerics gate passed, else exact "
+        "(default auto). ENGINE_FUSE and ENGINE_GEMV_LAUNCH tune the fast tier (README)",
     )  # fmt: skip
+
+
+def kernel_config(args):
+    """The KernelConfig of `--kernels` and the documented environment variables."""
+    from engine.kernels import KernelConfig
+
+    return KernelConfig.from_env(args.kernels)
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
@@ -170,7 +178,7 @@ def cmd_serve(args) -> int:
             kv_group_size=args.kv_group_size,
             api_key=args.api_key,
             default_max_tokens=args.max_tokens,
-            kernels=args.kernels,
+            kernels=kernel_config(args),
             spec=spec_config(args),
             draft_model=args.draft_model,
             draft_model_path=args.draft_model_path,
@@ -184,7 +192,7 @@ def cmd_generate(args) -> int:
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
-    eng = Engine.load(args.model, args.model_path, seed=args.seed, kernels=args.kernels)
+    eng = Engine.load(args.model, args.model_path, seed=args.seed, kernels=kernel_config(args))
     notice = kernels_notice(eng.kernels)
     if notice:
         print(notice, file=sys.stderr)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, StepTap, generate
-from engine.kernels import EXACT, KernelSet, check_tier, install
+from engine.kernels import EXACT, KernelConfig, KernelSet, install
 from engine.loading import load_model
 from engine.model_source import resolve_model_dir
 from engine.types import GeneratedToken, SamplingParams, StopCriteria
@@ -26,9 +26,11 @@ def _eos_ids(config: dict[str, Any]) -> frozenset[int]:
 
 
 def kernels_notice(kernels: KernelSet) -> Optional[str]:
-    """The one stderr line for a tier that was asked for and does not run (None when it runs)."""
+    """The one stderr line for a tier chosen by `auto` or asked for and not run (None otherwise)."""
     if kernels.tier == kernels.requested:
         return None
+    if kernels.requested == "auto":
+        return f"kernels: {kernels.reason}"
     return f"kernels: {kernels.requested} requested, running {kernels.tier}: {kernels.reason}"
 
 
@@ -36,7 +38,7 @@ def kernels_notice(kernels: KernelSet) -> Optional[str]:
 class Engine:
     """A model ready to generate, with the kernel tier it runs (`kernels`).
 
-    >>> eng = Engine.load("tiny-qwen35")  # the default tier; kernels="fast" for the custom CUDA kernels
+    >>> eng = Engine.load("tiny-qwen35")  # tier auto; kernels="exact" for mlx-lm's bits everywhere
     >>> ids = eng.tokenizer.encode("Hello")
     >>> text = eng.tokenizer.decode(t.token_id for t in eng.generate(ids, max_tokens=8))
     """
@@ -56,20 +58,20 @@ class Engine:
         seed: int = 0,
         lazy: bool = False,
         with_tokenizer: bool = True,
-        kernels: Optional[str] = None,
+        kernels: KernelConfig | str | None = None,
     ) -> "Engine":
-        """Load a registry model or a model directory with the kernel tier `kernels`.
+        """Load a registry model or a model directory with the kernels `kernels`.
 
-        `kernels`: "exact" or "fast" (default: `engine.kernels.default_tier()`).
-        Where the fast tier cannot run (off MLX's CUDA backend) the model keeps
-        the exact tier and `Engine.kernels.reason` says why; an unknown tier is
-        a ValueError.
+        `kernels`: a `KernelConfig`, or a tier name ("auto", "exact", "fast") with the
+        default settings; None is `KernelConfig()` (auto). Where the fast tier cannot
+        run (off MLX's CUDA backend) the model keeps the exact tier and
+        `Engine.kernels.reason` says why; an unknown tier is a ValueError.
         """
-        if kernels is not None:
-            check_tier(kernels)  # before loading: a big model takes a while
+        # before loading: a big model takes a while
+        config_k = KernelConfig(tier=kernels) if isinstance(kernels, str) else kernels or KernelConfig()
         path = resolve_model_dir(model, model_path, seed=seed)
         net, config = load_model(path, lazy=lazy)
-        kernel_set = install(net, kernels)
+        kernel_set = install(net, config_k, family=config.get("model_type"))
         tok = Tokenizer(path, _eos_ids(config)) if with_tokenizer else None
         return cls(model=net, config=config, path=path, tokenizer=tok, kernels=kernel_set)
 

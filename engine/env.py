@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping
 
 PROJECT = "engine-harness"
 
 _VARS = {
     "ENGINE_HARNESS_CACHE": "where synthesized models live (default ~/.cache/engine-harness)",
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
-    "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (norm, swiglu, residual, "
-                   "gated, norm_scale, norm_out; 'none'), in place of the measured default (engine.kernels.quantized_gemv.FUSE)",
+    "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (residual, gated, norm_scale, "
+                   "norm_out; 'none'), in place of the default residual,gated,norm_out (KernelConfig.fusion)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
                           "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -26,14 +27,14 @@ def api_key() -> str | None:
     return os.environ.get("ENGINE_API_KEY") or None
 
 
-def fuse_stages() -> str | None:
-    """ENGINE_FUSE as given (None when unset); `quantized_gemv` parses and checks it."""
-    return os.environ.get("ENGINE_FUSE")
+def fuse_stages(environ: Mapping[str, str] = os.environ) -> str | None:
+    """ENGINE_FUSE as given (None when unset); `KernelConfig.from_env` parses and checks it."""
+    return environ.get("ENGINE_FUSE")
 
 
-def gemv_launch() -> str | None:
-    """ENGINE_GEMV_LAUNCH as given (None when unset); `quantized_gemv` parses and checks it."""
-    return os.environ.get("ENGINE_GEMV_LAUNCH")
+def gemv_launch(environ: Mapping[str, str] = os.environ) -> str | None:
+    """ENGINE_GEMV_LAUNCH as given (None when unset); `KernelConfig.from_env` parses and checks it."""
+    return environ.get("ENGINE_GEMV_LAUNCH")
 
 
 def cache_root() -> Path:

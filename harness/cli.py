@@ -44,7 +44,7 @@ def _targets(args) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.kernels import EXACT, TIERS
+    from engine.kernels import AUTO, TIERS
 
     parser = argparse.ArgumentParser(
         prog="harness",
@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     nat.add_argument("--samples", type=_positive, default=5, help="measured requests per side (default 5)")
     nat.add_argument("--warmup", type=int, default=1, help="warmup requests per side (default 1)")
     nat.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
-    nat.add_argument("--kernels", choices=TIERS, default=EXACT,
+    nat.add_argument("--kernels", choices=TIERS, default=AUTO,
                      help="the engine side's kernel tier: exact = MLX's operations, bit-exact with mlx-lm (tokens "
                      "must match); fast = custom CUDA kernels, equal to rounding (tokens may differ; CUDA only, "
-                     "exact elsewhere with the reason printed) (default exact)")  # fmt: skip
+                     "exact elsewhere with the reason printed); auto = fast on CUDA where its numerics gate "
+                     "passed for the model's family (default auto)")  # fmt: skip
     nat.add_argument("--json", type=Path, help="also write the results here")
     nat.set_defaults(func=cmd_native)
 

@@ -1,4 +1,4 @@
-"""Rebuild a run record (the JSON companion's shape) from the database alone.
+"""Rebuild a run record (the JSON companion's shape) from the database alone, or a run's requests as a table.
 
 What the database does not keep (SSE event arrival times, generated text,
 token ids) comes back empty; everything the report's tables need is there.
@@ -8,16 +8,30 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import sqlite_utils
 
 from harness.records import SCHEMA_VERSION
 
 
-def export_run(db: sqlite_utils.Database, run_id: str) -> dict:
+def requests_frame(db: sqlite_utils.Database, run_id: str) -> pd.DataFrame:
+    """One row per request of a run, in the order they were recorded: the keys (run_id, block, model, arm,
+    phase, attempt, idx), then the requests table's status and metric columns (itl_ms stays a JSON list).
+    Integer columns stay integers where a failed request left them empty."""
+    _run_row(db, run_id)
+    return pd.read_sql("select * from requests where run_id = ? order by rowid", db.conn, params=[run_id],
+                       dtype_backend="numpy_nullable")  # fmt: skip
+
+
+def _run_row(db: sqlite_utils.Database, run_id: str) -> dict:
     rows = list(db.query("select * from runs where run_id = ?", [run_id]))
     if not rows:
         raise KeyError(run_id)
-    r = rows[0]
+    return rows[0]
+
+
+def export_run(db: sqlite_utils.Database, run_id: str) -> dict:
+    r = _run_row(db, run_id)
     models: dict[tuple[int, str], dict] = {}
     for a in db.query("select * from arms where run_id = ? order by rowid", [run_id]):
         key = (a["block"], a["model"])

@@ -33,13 +33,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import prefill
-from engine.kernels import EXACT, FAST, install, on_cuda, replace_modules
+from engine.kernels import EXACT, FAST, KernelConfig, install, on_cuda, replace_modules
 from harness.parity import PROMPT_LENGTHS
 from harness.prompts import frozen_prompt_ids
 
 GATE_STEPS = 64
 # Mean KL(exact || fast) per decode step, nats. Calibrated on the H200 with
-# qwen27b (reports/gpu/gate-qwen27b.json): the exact tier's own change of
+# qwen27b (harness kernels --gate-model qwen27b): the exact tier's own change of
 # prefill chunking (2048 -> 256) gave mean KL 1.96e-3 on the 300-id prompt and
 # 0 on the others (1 and 7 ids fit one chunk either way; 2100 measured 0). A kernel tier
 # passes when it moves the distributions no more than that accepted change.
@@ -169,7 +169,7 @@ def reordered(model: nn.Module, on: bool) -> None:
 
 def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = False,
                 reorder: bool = True) -> PromptGate:  # fmt: skip
-    install(model, EXACT)
+    install(model, KernelConfig(tier=EXACT))
     tokens, exact = teacher_forced(model, ids, steps)
     floor_choices, floor = teacher_forced(model, ids, steps, forced=tokens, prefill_step=256)
     reorder_choices = reorder_lps = None
@@ -179,11 +179,11 @@ def gate_prompt(model: nn.Module, ids: Sequence[int], steps: int, force: bool = 
             reorder_choices, reorder_lps = teacher_forced(model, ids, steps, forced=tokens)
         finally:
             reordered(model, False)
-    install(model, FAST, force=force)
+    install(model, KernelConfig(tier=FAST, force=force))
     try:
         choices, fast = teacher_forced(model, ids, steps, forced=tokens)
     finally:
-        install(model, EXACT)
+        install(model, KernelConfig(tier=EXACT))
     kls = [_kl(e, f) for e, f in zip(exact, fast)]
     equal = [c == t for c, t in zip(choices, tokens)]
     return PromptGate(

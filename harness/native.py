@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 from engine.generate import generate
-from engine.kernels import EXACT, KernelSet, install
+from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
 from engine.types import StopCriteria
 from engine.loading import load_model
 from harness import preflight
@@ -50,7 +50,7 @@ class NativeConfig:
     samples: int = 5
     warmup: int = 1
     seed: int = 0
-    kernels: str = EXACT  # the engine side's kernel tier
+    kernels: str = AUTO  # the engine side's kernel tier (with ENGINE_FUSE / ENGINE_GEMV_LAUNCH where set)
 
     def __post_init__(self):
         if self.decode_tokens < 2:
@@ -103,7 +103,7 @@ class NativeResult:
     tokens_identical: bool
     kernels: KernelSet  # what the engine side ran
     # harness.preflight snapshots just before the first sample and just after the last: both sides are
-    # host-bound at B = 1 on CUDA, so a busy host moves the rates (reports/gpu/decode-graphs-qwen27b.txt)
+    # host-bound at B = 1 on CUDA, so a busy host moves the rates
     machine: dict = field(default_factory=dict)
 
     @property
@@ -185,8 +185,8 @@ def run_native(
     cfg: NativeConfig,
     on_sample: Optional[Callable[[Sample], None]] = None,
 ) -> NativeResult:
-    ours, _ = load_model(path)
-    kernels = install(ours, cfg.kernels)
+    ours, config = load_model(path)
+    kernels = install(ours, KernelConfig.from_env(cfg.kernels), family=config.get("model_type"))
     theirs = reference.load_model(path)
     ids = frozen_prompt_ids(cfg.prompt_tokens, vocab_size(path), cfg.seed)
     n = cfg.decode_tokens

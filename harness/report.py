@@ -13,16 +13,30 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Optional
 
-from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoescape
 
 from harness import stats
 from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED, SCHEMA_VERSION
 from harness.summary import cell_of, metric, ok_requests, same_work
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+def templates() -> Traversable:
+    """The folder holding report.html.j2: the package harness.templates, which pyproject.toml maps onto the
+    repository's top-level templates/ (a wheel ships it as harness/templates/). setuptools' editable finder
+    cannot import a package mapped onto a folder without __init__.py, so an editable install reads the
+    checkout's folder directly."""
+    try:
+        return resources.files("harness.templates")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "templates"
+
+
+TEMPLATES = templates()
 BURST_GAP_MS = 0.1  # stream events closer than this arrived in one read
 
 # (phase or phase prefix, metric key, label, higher is better)
@@ -303,7 +317,8 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
 
 
 def render_html(view: dict) -> str:
-    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"], default=True),
+    loader = FunctionLoader(lambda name: (TEMPLATES / name).read_text(encoding="utf-8"))
+    env = Environment(loader=loader, autoescape=select_autoescape(["html", "j2"], default=True),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)  # fmt: skip
     return env.get_template("report.html.j2").render(**view)
 

@@ -45,14 +45,20 @@ def cmd_report(args) -> int:
 
 
 def add_db(sub) -> None:
-    p = sub.add_parser("db", help="the run database: list runs, export one to JSON")
+    p = sub.add_parser("db", help="the run database: list runs, export one (JSON, or its requests as CSV)")
     dsub = p.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND")
     ls = dsub.add_parser("list", help="runs in the database, newest first")
     ls.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
     ls.set_defaults(func=cmd_db_list)
-    ex = dsub.add_parser("export", help="one run as JSON that `harness report` reads")
+    ex = dsub.add_parser(
+        "export",
+        help="one run as JSON that `harness report` reads, or its requests as CSV",
+        description="json: the run record rebuilt from the database. csv: one row per request (run_id, block, "
+        "model, arm, phase, attempt, idx, then the request's status and metric columns).",
+    )
     ex.add_argument("run_id")
     ex.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
+    ex.add_argument("--format", choices=["json", "csv"], default="json")
     ex.add_argument("--out", type=Path, help="write here (default: stdout)")
     ex.set_defaults(func=cmd_db_export)
 
@@ -84,16 +90,19 @@ def cmd_db_list(args: argparse.Namespace) -> int:
 
 
 def cmd_db_export(args: argparse.Namespace) -> int:
-    from harness.db_export import export_run
+    from harness.db_export import export_run, requests_frame
 
+    db = _open(args.db)
     try:
-        run = export_run(_open(args.db), args.run_id)
+        if args.format == "csv":
+            text = requests_frame(db, args.run_id).to_csv(index=False)
+        else:
+            text = json.dumps(export_run(db, args.run_id), indent=1) + "\n"
     except KeyError:
         raise CliError(f"no run {args.run_id!r} in {args.db} (see `harness db list`)") from None
-    text = json.dumps(run, indent=1)
     if args.out:
         args.out.write_text(text)
         console.print(f"wrote {args.out}")
     else:
-        print(text)
+        print(text, end="")
     return 0

@@ -1,4 +1,4 @@
-"""Shared test setup: a model cache that survives between runs of the suite.
+"""Shared test setup: a model cache that survives between runs of the suite, and the `cuda` marker's skip.
 
 Synthesized tiny models are deterministic, so tests share one cache
 (ENGINE_HARNESS_CACHE if set, else the user's cache) instead of paying for
@@ -10,6 +10,18 @@ from __future__ import annotations
 import pytest
 
 from engine.synth import ensure_model
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need MLX's CUDA backend: skipped on any other device."""
+    from engine.kernels import on_cuda  # lazily: only this hook needs the kernels package
+
+    if on_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs MLX's CUDA backend (the cuda marker)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,11 @@ def _batch_cache(layer: list):
     return BatchKVCache.merge(layer)
 
 
+def merge_rows(singles: Sequence[list]) -> list:
+    """One batch's caches (a list per layer) from each row's single-row caches, as rows join a batch."""
+    return [_batch_cache([s[layer] for s in singles]) for layer in range(len(singles[0]))]
+
+
 @dataclass(frozen=True)
 class Joiner:
     request_id: str
@@ -124,7 +129,7 @@ class BatchRunner:
             raise ValueError("prefix caches do not combine with quantized KV on the batch lane")
         fresh = self.model.make_cache()
         singles = [j.cache if j.cache is not None else fresh for j in joiners]
-        merged = [_batch_cache([s[layer] for s in singles]) for layer in range(len(fresh))]
+        merged = merge_rows(singles)
         if self.joiner_cache is None:
             self.joiner_cache = merged
         else:

@@ -1,16 +1,16 @@
 """Kernel tiers: which implementation of the hot operations a model runs.
 
 - `exact`: MLX's operations, the graph mlx-lm runs; bit-exact with mlx-lm.
-- `fast`: this package's kernels where their gates pass (affine-quantized
-  GEMV / small-M GEMM and, for prompt chunks, dequantize + GEMM in
-  `quantized_gemv`; chunked Gated DeltaNet prefill in `gated_delta_chunked`;
-  the compiled DeltaNet decode step in `gated_delta_decode`, its core one
-  CUDA kernel from `gated_delta_step`; the gated-attention decode step in
-  `attention_decode`, its attention two CUDA kernels from `attention_step`
-  and the rest compiled; in both steps the stages
-  `quantized_gemv.FUSE` names inside the GEMV launches); the sums run in
-  another order, so results agree with the exact tier to rounding, not bit
-  for bit.
+- `fast`: this package's kernels where they apply: the affine-quantized GEMV
+  (`quantized_gemv`, prompt chunks as dequantize + GEMM), the chunked Gated
+  DeltaNet prefill (`gated_delta_chunked`), the compiled DeltaNet decode step
+  (`gated_delta_decode`, its core one CUDA kernel from `gated_delta_step`) and
+  the gated-attention decode step (`attention_decode`, its attention CUDA
+  kernels from `attention_step`). Sums run in another order, so results
+  agree with the exact tier to rounding, not bit for bit; the tier is judged
+  against a float32 reference forward (`harness kernels --gate-model`).
+- `auto`: `fast` on CUDA for the model families in `GATE_PASSED`, `exact`
+  elsewhere.
 
 The fast tier runs only on MLX's CUDA backend: asked for elsewhere, the model
 keeps the exact tier and `KernelSet.reason` says why. `install` changes a
@@ -19,20 +19,25 @@ loaded model in place (no copy of its weights) and returns what it did.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import attention_decode, quantized_gemv
+from engine.kernels import attention_decode
+from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, check_tier
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.norm_handoff import layer_links
-from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped
+from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped, run_kernel
 
-EXACT, FAST = "exact", "fast"
-TIERS = (EXACT, FAST)
+__all__ = ["AUTO", "EXACT", "FAST", "GATE_PASSED", "TIERS", "KernelConfig", "KernelSet", "check_tier", "install",
+           "on_cuda", "replace_modules", "resolve_tier"]  # fmt: skip
+
+# Model families (config.json model_type) whose fast tier passed the numerics gate on CUDA, with the run that
+# shows it: `auto` runs the fast tier for these.
+GATE_PASSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -47,26 +52,16 @@ class KernelSet:
     step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
     attention_step_layers: int = 0  # gated-attention layers with the compiled decode step
     attention_kernel_layers: int = 0  # of them, those whose attention runs attention_step's kernels (0 off CUDA)
-    fused_stages: str = "none"  # quantized_gemv.FUSE where the GEMV kernel runs (Fusion.names)
-    reason: str = ""
+    fused_stages: str = "none"  # the GEMV launches' stages where the kernel runs (Fusion.names)
+    reason: str = ""  # why this tier runs, where it is not simply the one asked for
+    settings: dict = field(default_factory=dict)  # KernelConfig.settings() of the fast tier that runs
 
     def as_record(self) -> dict:
         return asdict(self)
 
 
-def check_tier(tier: str) -> None:
-    """ValueError for a name that is not a tier."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown kernel tier {tier!r} (choose from {', '.join(TIERS)})")
-
-
 def on_cuda() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
-
-
-def default_tier() -> str:
-    """The tier a server or benchmark runs when none is named."""
-    return EXACT
 
 
 def fast_refusal(force: bool = False) -> Optional[str]:
@@ -76,32 +71,42 @@ def fast_refusal(force: bool = False) -> Optional[str]:
     return f"the fast tier needs MLX's CUDA backend (this process runs on {mx.default_device()})"
 
 
-def install(model: nn.Module, tier: Optional[str] = None, *, force: bool = False) -> KernelSet:
-    """Put `tier`'s implementations into `model` (default: `default_tier()`).
+def resolve_tier(config: KernelConfig, family: Optional[str] = None) -> tuple[str, str]:
+    """The tier that runs for `config` on a model of `family` (its model_type) here, and why."""
+    if config.tier == EXACT:
+        return EXACT, ""
+    refusal = fast_refusal(config.force)
+    if config.tier == FAST:
+        return (EXACT, refusal) if refusal else (FAST, "")
+    if refusal:
+        return EXACT, f"auto: exact, {refusal}"
+    if family not in GATE_PASSED:
+        return EXACT, f"auto: exact, no fast-tier numerics gate has passed for {family or 'this model'}"
+    return FAST, f"auto: fast, its numerics gate passed for {family} ({GATE_PASSED[family]})"
 
-    `force` installs the fast tier off CUDA too, for tests: the chunked
-    delta rule is plain MLX and runs anywhere; the quantized layers fall back
-    to MLX's operation when not on CUDA.
+
+def install(model: nn.Module, config: KernelConfig = KernelConfig(), family: Optional[str] = None) -> KernelSet:
+    """Put the implementations of the tier `config` resolves to into `model`, in place.
+
+    `family`: the model's model_type, which `auto` looks up in `GATE_PASSED`.
     """
-    tier = tier or default_tier()
-    check_tier(tier)
-    reason = fast_refusal(force) if tier == FAST else None
-    use_fast = tier == FAST and reason is None
-    _swap_quantized_linears(model, use_fast, use_kernel=on_cuda())
-    deltas, step_kernels, attention_steps, attention_kernels = _set_layer_paths(model, use_fast)
+    tier, reason = resolve_tier(config, family)
+    fast = tier == FAST
+    stand_in = config.gemv_stand_in
+    use_kernel = on_cuda() or stand_in is not None
+    _swap_quantized_linears(model, config if fast else None, use_kernel, stand_in or run_kernel)
+    paths = _set_layer_paths(model, config if fast else None)
     linears = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
     gemv_layers = sum(q.use_kernel for q in linears)
     return KernelSet(
-        tier=FAST if use_fast else EXACT,
-        requested=tier,
+        tier=tier,
+        requested=config.tier,
         quantized_linears=gemv_layers,
         dense_prefill_linears=sum(q.dense_prefill for q in linears),
-        chunked_delta_layers=deltas if use_fast else 0,
-        step_kernel_layers=step_kernels,
-        attention_step_layers=attention_steps,
-        attention_kernel_layers=attention_kernels,
-        fused_stages=quantized_gemv.FUSE.names() if gemv_layers else "none",
-        reason=reason or "",
+        **paths,
+        fused_stages=config.fusion.names() if gemv_layers else "none",
+        reason=reason,
+        settings=config.settings() if fast else {},
     )
 
 
@@ -126,43 +131,45 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module], Optional[n
             parent[key] = new
 
 
-def _swap_quantized_linears(module: nn.Module, fast: bool, use_kernel: bool) -> None:
-    """Replace every nn.QuantizedLinear by the kernel form (or back)."""
+def _swap_quantized_linears(module: nn.Module, config: Optional[KernelConfig], use_kernel: bool, launch) -> None:
+    """Every nn.QuantizedLinear as the kernel form with `config`'s settings (None: back to MLX's)."""
     def swap(child: nn.Module) -> Optional[nn.Module]:
         if not isinstance(child, nn.QuantizedLinear):
             return None
-        is_kernel = isinstance(child, KernelQuantizedLinear)
-        if fast and not is_kernel:
-            return KernelQuantizedLinear.from_module(child, use_kernel)
-        if not fast and is_kernel:
-            return retyped(child, nn.QuantizedLinear)
-        return child
+        if isinstance(child, KernelQuantizedLinear):
+            child = retyped(child, nn.QuantizedLinear)
+        if config is None:
+            return child
+        return KernelQuantizedLinear.from_module(child, use_kernel, min_outputs=config.gemv_min_outputs,
+                                                 dense_min_rows=config.dense_min_rows, launches=config.launches,
+                                                 launch=launch)  # fmt: skip
 
     replace_modules(module, swap)
 
 
-def _set_layer_paths(model: nn.Module, fast: bool) -> tuple[int, int, int, int]:
+def _set_layer_paths(model: nn.Module, config: Optional[KernelConfig]) -> dict[str, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
-    applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer, or none of
-    them; returns how many layers have the chunked rule, how many steps run the kernel and how many
-    attention layers have the compiled step, of them how many run the attention kernels."""
-    count = kernels = attention = attention_kernels = 0
-    links = layer_links(model) if fast else {}
+    applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer (its attention
+    the CUDA kernels where they apply), or none of them (config None); the counts for `KernelSet`."""
+    counts = dict(chunked_delta_layers=0, step_kernel_layers=0, attention_step_layers=0, attention_kernel_layers=0)
+    links = layer_links(model) if config else {}
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
-            module.chunked_rule = chunked_gated_delta if fast else None
-            count += 1
+            module.chunked_rule = chunked_gated_delta if config else None
+            counts["chunked_delta_layers"] += config is not None
         if not hasattr(module, "fused_step"):
             continue
+        module.fused_step = None
+        if config is None:
+            continue
+        link = links.get(id(module))
         if getattr(module, "is_linear", False):
-            kernel = fast and on_cuda() and step_kernel_applies(module)
-            module.fused_step = layer_step(module, kernel, links.get(id(module))) if fast else None
-            kernels += kernel
-        elif fast and attention_decode.applies(module):
-            kernel = attention_decode.kernel_applies(module)
-            module.fused_step = attention_decode.layer_step(module, kernel, links.get(id(module)))
-            attention += 1
-            attention_kernels += kernel
-        else:
-            module.fused_step = None
-    return count, kernels, attention, attention_kernels
+            kernel = config.delta_step_kernel and on_cuda() and step_kernel_applies(module)
+            module.fused_step = layer_step(module, config.fusion, kernel, link)
+            counts["step_kernel_layers"] += kernel
+        elif config.attention_step and attention_decode.applies(module):
+            kernel = config.attention_kernels and attention_decode.kernel_applies(module)
+            module.fused_step = attention_decode.layer_step(module, config.fusion, kernel, link)
+            counts["attention_step_layers"] += 1
+            counts["attention_kernel_layers"] += kernel
+    return counts

@@ -1,27 +1,19 @@
 """A Qwen3.5 full-attention decoder layer's decode step (one token a row) as two compiled calls.
 
-What a token does in such a layer before and after the attention itself is
-the same each step and has fixed shapes: the input norm, the q/k/v
-projections (one launch in the fast tier), the q/k norms and the gate split;
-then the output gate, the output projection, the residual, the MLP and its
-residual. Each part is compiled once per batch size, so the host replays two
-graphs instead of building ~25 operations in Python (counted in the code),
-and MLX fuses the elementwise ones (the sigmoid gate); where the GEMV kernel
-runs, the stages `quantized_gemv.FUSE` names ride in its launches. On this project's 2-core CPU, qwen27b's host build of a step went from ~3.8
-to ~2.5-3.3 ms with it; on the H200 from 4.0-5.9 to 2.9-4.2 ms. Between them the
-layer's own `Attention.attend` runs unchanged (rope at the cache's offset,
-the cache update, attention), so any cache the layer takes, serial or
-batched, works here too.
+What a token does in such a layer before and after the attention itself has
+fixed shapes every step: the input norm, the q/k/v projections (one launch in
+the fast tier), the q/k norms and the gate split; then the output gate, the
+output projection, the residual, the MLP and its residual. Each part is
+compiled once per batch size, so the host replays two graphs instead of
+building ~25 operations in Python, and MLX fuses the elementwise ones.
+Between them the layer's own `Attention.attend` runs unchanged (rope at the
+cache's offset, the cache update, attention), so any cache the layer takes,
+serial or batched, works here too.
 
-With `attention_step`'s kernels (CUDA, a plain serial cache) the step is
-also two compiled calls: the projections and the new k and v, then the
-attention, the output projection and the MLP, with the cache's update
-between them and the positions passed in as arrays. On this project's CPU,
-with every kernel call a stand-in (`diag_decode_host.py
---stand-in-kernels`), qwen27b's host build of a step went from 2.5 to 0.83
-ms (its 16 attention layers' steps 2.05 -> 0.29 ms); on the H200 the
-pipelined decode loop's build went from 2.8-4.4 to 1.9-2.7 ms a step
-(harness/gpu/README.md, seventeenth session).
+With `attention_step`'s kernels (CUDA, a plain serial cache) the step is also
+two compiled calls: the projections and the new k and v, then the attention,
+the output projection and the MLP, with the cache's update between them and
+the positions passed in as arrays, so both replay at every position.
 
 Fusion keeps float32 intermediates where the layer's graph rounds, so this is
 the fast tier: equal to the layer's step up to rounding.
@@ -38,29 +30,12 @@ from engine.cache.kv import KVCache
 from engine.kernels import attention_step
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.layer_launches import normed_projections, residual_mlp
-
-# Whether `engine.kernels.install` gives the fast tier's attention layers this step. H200, qwen27b, B = 1,
-# alternating (reports/gpu/decode-step-epilogues-session10.txt): 91.5 / 89.1 / 58.2 tok/s with it against
-# 69.6 / 52.9 / 83.9 without; the step's host build 2.9-4.2 ms against 4.0-5.9. Its batched test
-# (test_compiled_attention_step_in_a_batch_matches_the_layer_path, float32 tiny model) fails on the H200
-# under TF32 (2.2e-3 off the layer path against a 1e-3 bound) and passes with MLX_ENABLE_TF32=0
-# (reports/gpu/test-attention-tf32-session9.txt): CUDA runs that model's float32 matmuls as TF32 (10-bit
-# mantissas in), where a 1-ulp float32 difference in an activation (the compiled chains round differently)
-# can move the rounding by 2^-10. The test checks float32 numerics there.
-ENABLED = True
-
-# Whether the step runs the attention itself as `attention_step`'s CUDA kernels where they apply (q/k norms,
-# rope, attention over the cache and the gate in two launches instead of ~30 graph nodes). H200, qwen27b,
-# B = 1 (reports/gpu/decode-step-attention-kernels-session11.txt): 409 operations a step against 841, the
-# host's submit 4.2-6.1 ms against 6.0-6.8; the rate the same (80.1 / 79.3 against 81.2 / 79.9 tok/s),
-# because the device is now the bound: the host waits 2.8-5.8 ms a step for it.
-KERNELS = True
-
+from engine.kernels.quantized_gemv import Fusion
 
 def applies(layer) -> bool:
     """A layer whose attention has the stages the step compiles around (Qwen3.5's gated attention)."""
     attn = getattr(layer, "self_attn", None)
-    return ENABLED and all(hasattr(attn, stage) for stage in ("heads", "attend", "gated"))
+    return all(hasattr(attn, stage) for stage in ("heads", "attend", "gated"))
 
 
 def kernel_applies(layer) -> bool:
@@ -68,15 +43,16 @@ def kernel_applies(layer) -> bool:
     plain KV cache; the step checks those each call)."""
     from engine.kernels import on_cuda  # the package imports this module before it defines on_cuda
 
-    return KERNELS and on_cuda() and attention_step.refusal(layer.self_attn) is None
+    return on_cuda() and attention_step.refusal(layer.self_attn) is None
 
 
-def layer_step(layer, kernels: bool = False,
+def layer_step(layer, fusion: Fusion, kernels: bool = False,
                link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
     """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
     or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
     with a plain `KVCache` and no mask takes `attention_step`'s kernels between the projections; anything
-    else the compiled parts around the layer's own attention. `link`: with FUSE.norm_out, the input norm
+    else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV launches.
+    `link`: with `fusion.norm_out`, the input norm
     comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
     weights are held by the compiled graphs from their first trace (no copies), so
     `engine.kernels.install` makes a new step each time it changes the layer."""
@@ -84,14 +60,12 @@ def layer_step(layer, kernels: bool = False,
     fpar = attention_step.float_params(attn) if kernels else None
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
 
-    # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the residual
-    # adds in the o_proj and down launches, the SwiGLU in the gate+up launch). prenormed: () or the input
-    # norm's parts from the layer before.
+    # prenormed: () or the input norm's parts from the layer before
     def before(x, *prenormed):
-        return attn.heads(*normed_projections(x, layer.input_layernorm, projections, prenormed))
+        return attn.heads(*normed_projections(x, layer.input_layernorm, projections, fusion, prenormed))
 
     def after(x, out, gate):
-        return residual_mlp(layer, attn.gated(out, gate), attn.o_proj, x, link.next_norm)
+        return residual_mlp(layer, attn.gated(out, gate), attn.o_proj, x, fusion, link.next_norm)
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
@@ -100,14 +74,14 @@ def layer_step(layer, kernels: bool = False,
     # step; only the number of chunks `attend` splits the cache into (and the cache buffers' length, every
     # 256 positions) makes a new trace.
     def kernel_before(x, kpar, *prenormed):
-        q, k, v = normed_projections(x, layer.input_layernorm, projections, prenormed)
+        q, k, v = normed_projections(x, layer.input_layernorm, projections, fusion, prenormed)
         return (q, *attention_step.keys(attn, k, v, kpar, fpar))
 
     @lru_cache(maxsize=None)
     def kernel_after(s: int):
         def run(x, q, keys_buf, values_buf, apar):
             out = attention_step.attend(attn, q, keys_buf, values_buf, apar, fpar, s)
-            return residual_mlp(layer, out, attn.o_proj, x, link.next_norm)
+            return residual_mlp(layer, out, attn.o_proj, x, fusion, link.next_norm)
 
         return mx.compile(run)
 

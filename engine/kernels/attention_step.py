@@ -31,17 +31,7 @@ before folding them into a running max, sum and weighted values; the warps
 are merged at the end. Past 512 positions the positions are split into
 chunks (`splits`, up to 16), a block per (row, head, chunk), and a third
 launch merges the chunks as the warps are merged: one block walking a 1K
-cache would wait on ~32 loads in a row per warp.
-
-On the H200 (reports/gpu/test-attention-kernels-session11.txt) the CUDA
-tests pass against MLX-operation references (largest error 0.0105-0.0133 of
-the value, bound 2^-6); in qwen27b's B = 1 decode step they take the graph
-from 841 to 409 operations, and at a ~70-token context `attend` takes 7.3 us
-a layer and `keys` 4.8 (reports/gpu/step-kernels-norm-scale-session12.txt;
-11.9 before the 4-position loads, step-kernels-session11.txt). Calls timed
-one after another (harness/gpu/diag_attend.py, attend-session12.txt): 15.9
-us in 16 chunks against 26.4 in one block a head at 1024 positions, 23.9
-against 116.8 at 4096.
+cache would wait on ~32 loads in a row per warp (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -247,11 +237,8 @@ MERGE_SOURCE = r"""
   out[(size_t)bh * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
 """
 
-# A cache of more than SPLIT_MIN positions is split into chunks of about SPLIT_POSITIONS, a block each. H200,
-# qwen27b's heads, B = 1, calls one after another (reports/gpu/attend-session12.txt): one block a head 26.4 us
-# at 1024 positions and 116.8 at 4096, against 15.9 and 23.9 in 16 chunks; at 256, 2.6 against 21.9 in 4
-# chunks (the second launch; times net of a 12.7 us concatenate that chains the calls, so the short ones are
-# rough). SPLIT_MIN lies between the two lengths measured either side; 512 itself was not timed.
+# A cache of more than SPLIT_MIN positions is split into chunks of about SPLIT_POSITIONS, a block each (measured
+# on an H200 at qwen27b's heads: docs/kernels.md, "Attention decode").
 SPLIT_MIN = 512
 SPLIT_POSITIONS = 64
 MAX_SPLITS = 16
@@ -314,9 +301,7 @@ def int_params(*values: int) -> mx.array:
     """The kernels' int parameters as an int32 array, made once for a decode step's attention layers (they
     share the positions): an array the host makes is managed memory whose page moves to the GPU when a
     kernel first reads it, once a step here instead of once a layer and kernel. Four values (16 bytes)
-    keep it out of MLX's pool for arrays of up to 8 bytes (`quantized_gemv.float_bits`). H200, qwen27b
-    (reports/gpu/step-kernels-session14.txt against step-kernels-session13.txt): `keys` 3.2 us a launch
-    against 4.7 with an 8-byte array a layer."""
+    keep it out of MLX's pool for arrays of up to 8 bytes (`quantized_gemv.float_bits`)."""
     return mx.array(values, dtype=mx.int32)
 
 

@@ -1,20 +1,14 @@
 """A Gated DeltaNet decoder layer's decode step (one token) as one compiled function.
 
 Between its input projections and its output projection a DeltaNet layer runs
-~20 small operations per token: the conv tail update, the depthwise conv and
-SiLU, q/k normalization, the gates, the delta step and the gated RMS norm;
-around them come the norms, the residual adds and the MLP. Each is a graph
-node the host builds and a kernel MLX launches, at a few microseconds of host
-time each (reports/gpu/launch-overhead.txt), which is what bounds a B=1 decode
-step on the H200. Compiled as one call, the host builds one node per layer and
-MLX fuses the elementwise chains. (The ~20 is a count of the exact graph's
-operations; how many CUDA launches remain after fusion was not counted on the
-GPU.)
-
-The depthwise conv over the K = 4 positions is written as a multiply and a sum
-(one output position), which fuses; the rest are the exact tier's functions.
-Fusion keeps float32 intermediates where the exact graph rounds, so this is
-the fast tier: equal to the exact step up to rounding.
+~20 small operations a token (the conv tail update, the depthwise conv and
+SiLU, q/k normalization, the gates, the delta step, the gated RMS norm), and
+around them come the norms, the residual adds and the MLP: each a graph node
+the host builds and a kernel MLX launches. Compiled as one call, the host
+builds one node a layer and MLX fuses the elementwise chains. The depthwise
+conv over its K = 4 positions is a multiply and a sum (one output position),
+which fuses; the rest are the exact tier's functions, with float32 kept where
+the exact graph rounds: the fast tier, equal to the exact step to rounding.
 """
 
 from __future__ import annotations
@@ -28,14 +22,9 @@ import mlx.nn as nn
 from engine.kernels import gated_delta_step
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.layer_launches import normed_projections, residual_mlp
+from engine.kernels.quantized_gemv import Fusion
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
-
-# Whether the step runs the core as gated_delta_step's single CUDA kernel (on CUDA, where the head sizes
-# suit it) instead of the compiled MLX operations below. H200, qwen27b, B = 1 decode
-# (reports/gpu/decode-step-qwen27b.json): 96-98 tok/s with it, 58-60 without.
-USE_STEP_KERNEL = True
-
 
 def applies(x: mx.array, mask, cache) -> bool:
     """One token, a plain serial cache that already holds both states, nothing recorded."""
@@ -76,22 +65,18 @@ def step_kernel_applies(layer) -> bool:
     """Whether the step may run the kernel: head sizes it takes, and a bf16 layer (the kernel rounds to bf16
     where the compiled core does for bf16 inputs; a float32 layer's core rounds nowhere)."""
     lin = layer.linear_attn
-    return (
-        USE_STEP_KERNEL
-        and lin.conv1d.weight.dtype == mx.bfloat16
-        and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
-    )
+    return lin.conv1d.weight.dtype == mx.bfloat16 and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
 
 
-def layer_step(layer, kernel: bool = False,
+def layer_step(layer, fusion: Fusion, kernel: bool = False,
                link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
-    MLP and its residual. Returns `step(x, mask, cache)`: the layer's output for one token, updating
-    `cache` as the layer does, or None where the step does not apply (the layer's own path runs).
-    `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see `step_kernel_applies`).
-    `link`: with FUSE.norm_out, the input norm comes from the layer before and the next layer's from
-    this step's last launch (`norm_handoff`).
+    MLP and its residual, with `fusion`'s stages in the GEMV launches. Returns `step(x, mask, cache)`: the
+    layer's output for one token, updating `cache` as the layer does, or None where the step does not
+    apply (the layer's own path runs). `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see
+    `step_kernel_applies`). `link`: with `fusion.norm_out`, the input norm comes from the layer before and
+    the next layer's from this step's last launch (`norm_handoff`).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
@@ -104,14 +89,12 @@ def layer_step(layer, kernel: bool = False,
     inputs = [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]  # input_projections' order
 
     def body(x, conv_state, state, *prenormed):
-        # Where the GEMV kernel runs, the stages quantized_gemv.FUSE names ride in its launches (the
-        # residual adds and the MLP's SwiGLU: 7 launches a layer instead of 10). Elsewhere they run apart.
         # prenormed: () or the input norm's parts from the layer before (traced apart: another input count)
-        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, prenormed)  # z [B, 1, Hv * Dv]
+        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, fusion, prenormed)  # z [B, 1, Hv * Dv]
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )
-        return conv_state, state, *residual_mlp(layer, out, lin.out_proj, x, link.next_norm)
+        return conv_state, state, *residual_mlp(layer, out, lin.out_proj, x, fusion, link.next_norm)
 
     compiled = mx.compile(body)
 

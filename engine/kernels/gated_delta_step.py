@@ -6,8 +6,8 @@ last K positions and its SiLU, the conv tail update, q/k L2 normalization,
 the decay and beta gates, the delta-rule state update and readout, and the
 gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
 (reductions and state-sized temporaries MLX does not fuse), each a launch the
-host pays a few microseconds for (reports/gpu/launch-overhead.txt); here it
-is one launch per layer, and the float32 state is read and written once.
+host pays a few microseconds for; here it is one launch per layer, and the
+float32 state is read and written once.
 
 One block per (batch row, value head). Its first threads take a value
 channel each: they compute the heads' q and k channels (recomputed by each
@@ -15,20 +15,13 @@ value head of a key head's group: 2 x 128 multiply-adds) and the v channels.
 For the delta rule each warp takes several state rows at once with its lanes
 across the key dimension (`launch_shape`): at qwen27b's heads a block of 512
 threads holds the head's whole 64 KB state in registers after one round of
-loads, issued at the kernel's start so that they overlap the conv. Under
-Nsight Compute on the H200 that takes 13.9 us a layer
-(reports/gpu/step-kernels-session12.txt) against 30.2 with a warp per 32
-rows walking them one at a time (step-kernels-session11.txt): 3.1 MB of
-state read and written a step, so the loads' latency, not bandwidth. Each
-row's sums run in the same order however the rows are dealt out. The
+loads, issued at the kernel's start so that they overlap the conv: a step
+reads and writes 3.1 MB of state, so the loads' latency, not bandwidth, sets
+its time (docs/kernels.md). Each row's sums run in the same order however
+the rows are dealt out. The
 roundings of the compiled core are kept where it rounds to bf16 (the conv
 output, the normalized q and k, y before the norm, the norm before the
 gate), so the two agree to float32 summation order.
-
-On the H200 its CUDA test (`tests/unit/test_kernels.py`) passes against the
-compiled core, and with it a qwen27b B = 1 decode step takes 10.2-10.4 ms
-pipelined against 16.6-17.4 ms with the compiled core
-(reports/gpu/decode-step-qwen27b.json).
 """
 
 from __future__ import annotations

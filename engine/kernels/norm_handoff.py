@@ -1,6 +1,6 @@
 """A decoder layer's input norm taken by the layer before it (the fast tier's decode steps).
 
-With `quantized_gemv.FUSE.norm_out`, a layer step's last launch (the MLP's down projection and its
+With the stage `Fusion.norm_out`, a layer step's last launch (the MLP's down projection and its
 residual) can also write what the next layer's input projections need to take its input norm themselves
 (`Fusion.prenormed`): the residual stream h times that norm's weight, and the launch blocks' parts of the
 sums of squares of h. A step returns h to the model's loop as before; the parts go beside it, through a

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.engine import Engine, kernels_notice
+from engine.kernels import KernelConfig
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -50,7 +51,7 @@ class ServeConfig:
     kv_group_size: int = 64
     api_key: Optional[str] = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
-    kernels: Optional[str] = None  # kernel tier, "exact" | "fast"; None: engine.kernels.default_tier()
+    kernels: Optional[KernelConfig] = None  # None: KernelConfig() (tier auto)
     spec: Optional[SpecConfig] = None  # speculative decoding; None: off
     draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
     draft_model_path: Optional[Path] = None
@@ -135,7 +136,7 @@ def serve(cfg: ServeConfig) -> int:
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
     print(
         f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}, "
-        f"kernels {ctx.kernels.tier}, context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
+        f"kernels {ctx.kernels.tier} ({ctx.kernels.requested}), context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
         flush=True,
     )
     server = uvicorn.Server(

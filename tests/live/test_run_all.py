@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.kernels import default_tier
+from engine.kernels import AUTO
 from harness.arms import ArmSpec, standard_arms
 from harness.run_all import Block, Runner, RunSettings
 from harness.workloads import WorkloadSettings, phase_names
@@ -58,7 +58,7 @@ def test_the_json_follows_the_schema(cli_run):
     assert len(model["workload_sha256"]) == 64 and len(model["manifest_sha256"]) == 64
     assert [a["arm"] for a in model["arms"]] == ["engine", "engine-serial", "mlx-lm"]
     assert "oracles.mlx_lm_server" in " ".join(run["commands"]["mlx-lm"])
-    assert [(a["kernels"] or {}).get("requested") for a in model["arms"]] == [default_tier(), default_tier(), None]
+    assert [(a["kernels"] or {}).get("requested") for a in model["arms"]] == [AUTO, AUTO, None]
     phases = ["warmup", "probe", "decode", "cold", "warm", "concurrency-2"]
     for arm in model["arms"]:
         assert arm["status"] == "measured" and arm["load_to_ready_s"] > 0 and arm["peak_rss_bytes"] > 0
@@ -100,7 +100,7 @@ def test_the_database_indexes_the_run(cli_run):
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
     assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2]
     tiers = dict(db.execute("select arm, json_extract(kernels, '$.requested') from arms").fetchall())
-    assert tiers == {"engine": default_tier(), "engine-serial": default_tier(), "mlx-lm": None}
+    assert tiers == {"engine": AUTO, "engine-serial": AUTO, "mlx-lm": None}
 
 
 def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path):

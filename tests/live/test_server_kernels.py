@@ -42,7 +42,7 @@ def test_stats_carry_the_kernel_set(fast_server):
     assert set(k) == {
         "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
         "attention_step_layers", "attention_kernel_layers", "fused_stages",
-        "reason",
+        "reason", "settings",
     }
     assert ("CUDA" in k["reason"]) == (RAN == EXACT)
     assert {"batch", "prompt_cache", "totals"} <= set(stats)  # the rest of /stats is unchanged
@@ -50,7 +50,7 @@ def test_stats_carry_the_kernel_set(fast_server):
 
 def test_startup_says_the_tier_and_why_it_fell_back(fast_server):
     out, err = tail(fast_server.server.stdout_path), tail(fast_server.server.stderr_path, 100_000)
-    assert f"kernels {RAN}," in out.splitlines()[0]
+    assert f"kernels {RAN} (fast)," in out.splitlines()[0]
     fallbacks = [line for line in err.splitlines() if line.startswith("kernels: fast requested")]
     assert fallbacks == ([f"kernels: fast requested, running exact: {fast_refusal()}"] if RAN == EXACT else [])
 

@@ -7,7 +7,7 @@ import pytest
 from engine.cli import build_parser
 from engine.cli import main as engine_main
 from engine.engine import Engine, kernels_notice
-from engine.kernels import EXACT, FAST, KernelSet, default_tier, on_cuda
+from engine.kernels import AUTO, EXACT, FAST, KernelSet, on_cuda
 from harness.arms import standard_arms
 from harness.cli import main as harness_main
 from harness.db_export import export_run
@@ -36,9 +36,9 @@ def make_run(*arms: dict) -> dict:
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_kernels_flag_defaults_to_the_default_tier_and_takes_both_tiers(command):
+def test_kernels_flag_defaults_to_auto_and_takes_every_tier(command):
     base = [command, "--model", MODEL] + (["--prompt", "x"] if command == "generate" else [])
-    assert parse(*base).kernels == default_tier()
+    assert parse(*base).kernels == AUTO
     assert parse(*base, "--kernels", "fast").kernels == FAST
     assert parse(*base, "--kernels", "exact").kernels == EXACT
 
@@ -88,9 +88,10 @@ def test_engine_load_fast_off_cuda_keeps_exact_with_the_reason(tiny_path):
     assert list(eng.generate([1, 2, 3], max_tokens=2, ignore_eos=True))  # it still generates
 
 
-def test_engine_load_defaults_to_the_default_tier(tiny_path):
+def test_engine_load_defaults_to_auto(tiny_path):
     kernels = Engine.load(model_path=tiny_path(MODEL), with_tokenizer=False).kernels
-    assert kernels.requested == default_tier() and kernels.tier in (EXACT, FAST)
+    assert kernels.requested == AUTO and kernels.tier in (EXACT, FAST) and kernels.reason.startswith("auto: ")
+    assert kernels_notice(kernels) == f"kernels: {kernels.reason}"
     assert kernels_notice(KernelSet(EXACT, EXACT)) is None
 
 
@@ -113,7 +114,7 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
     assert set(rec["kernels"]) == {
         "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
         "attention_step_layers", "attention_kernel_layers", "fused_stages",
-        "reason",
+        "reason", "settings",
     }
     assert "kernels" in capsys.readouterr().out  # the table's column
     assert set(rec["machine"]) == {"before", "after"}  # the host's load around the samples

@@ -1,6 +1,6 @@
 """Kernel tiers: selection and fallback (everywhere), the kernels' numerics (CUDA only for the GEMV).
 
-On the H200: `python3 -m pytest -q tests/unit/test_kernels.py` (see harness/gpu/README.md).
+On a CUDA machine: `python3 -m pytest -q tests/unit/test_kernels.py` (harness/gpu/README.md).
 """
 
 import os
@@ -12,17 +12,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.kernels import EXACT, FAST, KernelSet, install, on_cuda
+from engine.kernels import EXACT, FAST, KernelConfig, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, _takes, refusal, tile_k,
+    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, refusal, tile_k,
 )
+from engine.kernels.quantized_gemv.layer import _takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
 
-cuda_only = pytest.mark.skipif(not on_cuda(), reason="the GEMV kernel is built only on MLX's CUDA backend")
+cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
+FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
 
 
 def rerun_without_tf32(test: str) -> bool:
@@ -56,7 +58,7 @@ def test_fast_tier_off_cuda_keeps_exact_and_says_why():
     if on_cuda():
         pytest.skip("on CUDA the fast tier applies")
     m = Tiny()
-    ks = install(m, FAST)
+    ks = install(m, KernelConfig(FAST))
     assert ks == KernelSet(tier=EXACT, requested=FAST, reason=ks.reason)
     assert "CUDA" in ks.reason
     assert type(m.proj) is nn.QuantizedLinear
@@ -65,12 +67,12 @@ def test_fast_tier_off_cuda_keeps_exact_and_says_why():
 def test_install_swaps_quantized_layers_and_back_without_copying_weights():
     m = Tiny()
     weight = m.proj.weight
-    ks = install(m, FAST, force=True)
+    ks = install(m, FAST_ANYWHERE)
     assert ks.tier == FAST and ks.quantized_linears == (1 if on_cuda() else 0)  # off CUDA every layer falls back
     assert isinstance(m.proj, KernelQuantizedLinear) and isinstance(m.layers[0], KernelQuantizedLinear)
     assert type(m.layers[1]) is nn.Linear
     assert m.proj.weight is weight
-    assert install(m, EXACT).tier == EXACT
+    assert install(m, KernelConfig(EXACT)).tier == EXACT
     assert type(m.proj) is nn.QuantizedLinear and m.proj.weight is weight
 
 
@@ -83,7 +85,7 @@ def test_small_matrices_keep_mlx_kernel():
 
 def test_unknown_tier_is_refused():
     with pytest.raises(ValueError, match="unknown kernel tier"):
-        install(Tiny(), "turbo")
+        KernelConfig(tier="turbo")
 
 
 def test_kernel_layer_falls_back_to_mlx_off_cuda_bit_exact():
@@ -205,23 +207,24 @@ def test_dense_matmul_computes_the_quantized_layer():
     want = q(x)
     # On CUDA MLX runs float32 matmuls as TF32 (10-bit mantissas in, unless MLX_ENABLE_TF32=0): measured
     # 5e-5 of max on the H200, bounded here by TF32's unit roundoff. The layer never takes this path in
-    # float32 (DENSE_DTYPES); bf16 layers equal MLX's quantized matmul there (reports/gpu/prefill-qwen27b.json).
+    # float32 (DENSE_DTYPES); bf16 layers measured equal to MLX's quantized matmul on an H200.
     bound = 2.0**-11 if on_cuda() else 1e-5
     got = dense_matmul(x, q.weight, q.scales, q.biases, q.group_size, q.bits)
     assert mx.abs(got - want).max().item() <= bound * mx.abs(want).max().item()
 
 
 def test_prompt_chunks_through_large_matrices_take_the_dense_path(monkeypatch):
-    import engine.kernels.quantized_gemv as qg
+    import engine.kernels.quantized_gemv.layer as layer_module
 
     calls = []
-    monkeypatch.setattr(qg, "dense_matmul", lambda x, *_: calls.append(x.shape) or x)
+    monkeypatch.setattr(layer_module, "dense_matmul", lambda x, *_: calls.append(x.shape) or x)  # a spy
+    never = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), True, dense_min_rows=None)
     large = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=True)
     small = KernelQuantizedLinear.from_module(make_quantized(n=48, k=64), use_kernel=True)
     off_cuda = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=False)
     in_float32 = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64, dtype=mx.float32), True)
     chunk = mx.zeros((1, DENSE_MIN_ROWS, 64), dtype=mx.bfloat16)
-    for layer in (small, off_cuda, in_float32):
+    for layer in (small, off_cuda, in_float32, never):
         layer(chunk)
     assert calls == []
     large(chunk[:, :-1])  # one row short: MLX's quantized matmul
@@ -255,41 +258,6 @@ def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
     projected = project(x, *layers)
     want = together if m <= LAYER_MAX_ROWS and sum(rows) >= LAYER_MIN_OUTPUTS else [q(x) for q in layers]
     assert all(mx.array_equal(a, b).item() for a, b in zip(projected, want))
-
-
-@cuda_only
-@pytest.mark.parametrize("m", [1, 5])
-def test_fused_stages_match_the_separate_operations(m):
-    # The norm, the SwiGLU and the residual add inside the GEMV launch against the same operations apart
-    # (MLX's rms_norm / swiglu / add around the same kernel). Each side rounds its activations to bf16
-    # (the norm twice, the SwiGLU twice) and may land an ulp apart in any of them, so the products may
-    # differ by 2^-7 of sum |w| |a| (two ulps, 2^-8 each, a bound for every term at once); the bf16
-    # outputs add an ulp each (2^-7 of |y| for both).
-    from engine.models.activations import swiglu
-
-    k = 1536
-    qs = [make_quantized(n=n, k=k, seed=i) for i, n in enumerate((2048, 1024, 48))]
-    x = (4 * mx.random.normal((1, m, k))).astype(mx.bfloat16)
-    norm_w = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
-    triples = [(q.weight, q.scales, q.biases) for q in qs]
-
-    def bound(q, a, y):
-        with mx.stream(mx.cpu):
-            w = mx.abs(mx.dequantize(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), 64, 4))
-            return 2.0**-7 * (mx.abs(a.astype(mx.float32)) @ w.T) + 2.0**-7 * mx.abs(y.astype(mx.float32))
-
-    normed = mx.fast.rms_norm(x, norm_w, 1e-6)
-    fused = quantized_matmuls(x, triples, 64, 4, norm=(norm_w, 1e-6))
-    for q, y, want in zip(qs, fused, quantized_matmuls(normed, triples, 64, 4)):
-        assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(q, normed, want)).item()
-
-    gate, up = mx.random.normal((1, m, k)).astype(mx.bfloat16), mx.random.normal((1, m, k)).astype(mx.bfloat16)
-    residual = mx.random.normal((1, m, 2048)).astype(mx.bfloat16)
-    a = swiglu(gate, up)
-    want = residual + quantized_matmul(a, *triples[0], 64, 4)
-    y = quantized_matmuls(gate, triples[:1], 64, 4, up=up, residual=residual)[0]
-    assert y.shape == want.shape
-    assert mx.all(mx.abs(y.astype(mx.float32) - want.astype(mx.float32)) <= bound(qs[0], a, want)).item()
 
 
 @cuda_only
@@ -373,7 +341,7 @@ def _stage_names(stages: dict) -> tuple:
     return tuple(sorted(k for k, v in stages.items() if v is not None and v is not False))
 
 
-def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False, norm_scale=False, norm_out=None,
+def _reference_launch(x, layers, norm=None, residual=None, gated=False, norm_scale=False, norm_out=None,
                       prenormed=None):  # fmt: skip
     # quantized_gemv.run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
     # plumbing runs on any backend: norm_out's parts as one block's
@@ -394,58 +362,59 @@ def _reference_launch(x, layers, norm=None, up=None, residual=None, gated=False,
     return tuple(ys)
 
 
-def test_residual_mlp_takes_the_norm_in_the_projection_launch(monkeypatch):
+def _stand_in(launch_as, calls=None, taken=None):
+    """A fast-tier config whose GEMV launches all go through `launch_as(x, layers, **stages)`, on any backend and
+    for matrices of every size (the tiny models' are below the kernel's minimum); `calls` gets each launch's
+    stages by name, `taken` the norm weights norm_out takes."""
+    def launch(x, layers, **stages):
+        if calls is not None:
+            calls.append(_stage_names(stages))
+        if taken is not None and stages.get("norm_out") is not None:
+            taken.append(stages["norm_out"])
+        return launch_as(x, layers, **stages)
+
+    return KernelConfig(FAST, force=True, gemv_min_outputs=0, gemv_stand_in=launch)
+
+
+def test_residual_mlp_takes_the_norm_in_the_projection_launch():
     # The plumbing of Fusion.norm_out / prenormed in a decoder layer (which launch gets which norm weight, eps,
     # result and residual), with the launches as MLX operations: against the layer's MLP half after the
     # residual projection, to the rounding of a norm taken as norm_scale takes it (2^-5 of the values).
-    import engine.kernels.quantized_gemv as qg
     from engine.engine import Engine
     from engine.kernels import layer_launches
+    from engine.kernels.quantized_gemv import Fusion
 
-    layer = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model.layers[0]
-    proj = layer.linear_attn.out_proj
+    model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
     calls = []
-
-    def launch(x, layers, **stages):
-        calls.append(_stage_names(stages))
-        return _reference_launch(x, layers, **stages)
-
-    monkeypatch.setattr(qg, "run_kernel", launch)
-    monkeypatch.setattr(qg, "one_launch", lambda x, layers: True)
+    install(model, _stand_in(_reference_launch, calls))
+    layer = model.layers[0]
+    proj = layer.linear_attn.out_proj
     out = mx.random.normal((1, 1, proj.weight.shape[1] * 32 // proj.bits)).astype(mx.bfloat16)
     x = mx.random.normal((1, 1, layer.post_attention_layernorm.weight.shape[0])).astype(mx.bfloat16)
-    monkeypatch.setattr(qg, "FUSE", qg.Fusion(residual=True, gated=True, norm_out=True))
-    (got,) = layer_launches.residual_mlp(layer, out, proj, x)
+    (got,) = layer_launches.residual_mlp(layer, out, proj, x, Fusion(residual=True, gated=True, norm_out=True))
     assert calls == [("norm_out", "residual"), ("gated", "prenormed"), ("residual",)]
-    monkeypatch.setattr(qg, "FUSE", qg.Fusion())
-    want = layer_launches.mlp_half(layer, layer_launches.residual_projection(out, proj, x))
+    want = layer_launches.mlp_half(layer, layer_launches.residual_projection(out, proj, x, Fusion()), Fusion())
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = mx.abs(want.astype(mx.float32)).max()
     assert mx.all(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) <= 2.0**-5 * scale).item()
 
 
-def _handoff_decode(monkeypatch, launch_as):
+def _handoff_decode(launch_as):
     # A tiny Qwen3.5's decode (6 forced tokens) with the fast tier's layer steps, the epilogues without and
     # with Fusion.norm_out, every GEMV launch through `launch_as(x, layers, **stages)`: the logits of each,
     # and of the norm_out run's first step (where the compiled steps are traced, and the attention kernels'
     # step runs as it does every step) the launches' stages and the norm weights norm_out took, in order.
-    import engine.kernels.quantized_gemv as qg
+    from dataclasses import replace
+
     from engine.engine import Engine
+    from engine.kernels.quantized_gemv import Fusion
 
     model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
     calls, taken = [], []
+    config = _stand_in(launch_as, calls, taken)
 
-    def launch(x, layers, **stages):
-        calls.append(_stage_names(stages))
-        if stages.get("norm_out") is not None:
-            taken.append(stages["norm_out"])
-        return launch_as(x, layers, **stages)
-
-    monkeypatch.setattr(qg, "run_kernel", launch)
-
-    def decode(fuse):
-        monkeypatch.setattr(qg, "FUSE", fuse)
-        install(model, FAST, force=True)
+    def decode(fusion):
+        install(model, replace(config, fusion=fusion))
         cache = model.make_cache()
         model(mx.array([list(range(3, 11))]), cache)
         calls.clear(), taken.clear()
@@ -453,11 +422,11 @@ def _handoff_decode(monkeypatch, launch_as):
         first = list(calls), list(taken)
         logits += [model(mx.array([[t]]), cache)[0, -1] for t in range(21, 26)]
         mx.eval(logits)
-        install(model, EXACT)
+        install(model, KernelConfig(EXACT))
         return logits, first
 
-    want, _ = decode(qg.Fusion(residual=True, gated=True))
-    got, (first_calls, first_taken) = decode(qg.Fusion(residual=True, gated=True, norm_out=True))
+    want, _ = decode(Fusion(residual=True, gated=True))
+    got, (first_calls, first_taken) = decode(Fusion(residual=True, gated=True, norm_out=True))
     worst = max((mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(want, got))
     layers = model.layers
     # every layer's output projection takes its MLP norm, every down launch but the last the next layer's
@@ -471,27 +440,23 @@ def _handoff_decode(monkeypatch, launch_as):
     return worst
 
 
-def test_layers_hand_the_next_layer_its_input_norm(monkeypatch):
+def test_layers_hand_the_next_layer_its_input_norm():
     # Fusion.norm_out across layers (engine.kernels.norm_handoff): each layer step's down launch also takes
     # the next layer's input norm, and that layer's input projections take it as prenormed. The launches run
     # as MLX operations (_reference_launch), so the plumbing runs on any backend, against the same steps with
     # every norm an operation of its own. The norms then scale the products instead of the activations
     # (one bf16 rounding moved, as norm_scale moves it): through 4 layers and 6 steps the logits measured
     # 2^-7 of the largest apart; the down launches given their own layer's MLP norm instead measured 0.042.
-    import engine.kernels.quantized_gemv as qg
-
-    monkeypatch.setattr(qg, "one_launch", lambda x, layers: True)
-    assert _handoff_decode(monkeypatch, _reference_launch) < 2**-5
+    assert _handoff_decode(_reference_launch) < 2**-5
 
 
 @cuda_only
-def test_layers_hand_the_next_layer_its_input_norm_in_the_kernels(monkeypatch):
-    # The same with the GEMV kernel's launches, the tiny model's (below LAYER_MIN_OUTPUTS rows) included:
+def test_layers_hand_the_next_layer_its_input_norm_in_the_kernels():
+    # The same with the GEMV kernel's launches, the tiny model's (below the kernel's minimum rows) included:
     # the parts come from the blocks of the launch before, and the bound is the one above.
-    import engine.kernels.quantized_gemv as qg
+    from engine.kernels.quantized_gemv import run_kernel
 
-    monkeypatch.setattr(qg, "LAYER_MIN_OUTPUTS", 0)
-    assert _handoff_decode(monkeypatch, qg.run_kernel) < 2**-5
+    assert _handoff_decode(run_kernel) < 2**-5
 
 
 def test_a_layer_takes_only_the_norm_left_for_its_own_input():
@@ -561,25 +526,44 @@ def test_gemv_stages_by_name():
 
     assert Fusion.parse("residual, gated") == Fusion(residual=True, gated=True)
     assert Fusion.parse("none") == Fusion.parse("") == Fusion()
-    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(norm=True, swiglu=True),
-              Fusion(residual=True, gated=True, norm_out=True)):  # fmt: skip
+    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(residual=True, gated=True, norm_out=True)):
         assert Fusion.parse(f.names()) == f
     with pytest.raises(ValueError, match="unknown GEMV stages"):
         Fusion.parse("residual,fused")
-    with pytest.raises(ValueError, match="name one"):
-        Fusion.parse("norm,norm_scale")
+    with pytest.raises(ValueError, match=r"unknown GEMV stages \['norm', 'swiglu'\]"):  # measured slower, not built
+        Fusion.parse("norm,swiglu")
     with pytest.raises(ValueError, match="name norm_out"):
         Fusion.parse("residual,prenormed")
 
 
-def test_engine_fuse_sets_the_stages_a_process_runs():
-    code = "import engine.kernels.quantized_gemv as q; print(q.FUSE.names())"
-    env = {**os.environ, "ENGINE_FUSE": "gated,norm_scale"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "gated,norm_scale"
-    env["ENGINE_FUSE"] = "turbo"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "unknown GEMV stages ['turbo']" in bad.stderr
+def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
+    from engine.kernels.quantized_gemv import DEFAULT_FUSION
+
+    assert KernelConfig.from_env(FAST, {}).fusion == DEFAULT_FUSION and KernelConfig.from_env(FAST, {}).launches == {}
+    config = KernelConfig.from_env(FAST, {"ENGINE_FUSE": "gated,norm_scale", "ENGINE_GEMV_LAUNCH": "5120x17408=8,1,4"})
+    assert config.fusion.names() == "gated,norm_scale" and config.launches == {(5120, 17408): LaunchConfig(8, 1, 4)}
+    assert config.settings()["launches"] == "5120x17408=8,1,4" and config.settings()["fusion"] == "gated,norm_scale"
+    with pytest.raises(ValueError, match=r"unknown GEMV stages \['turbo'\]"):
+        KernelConfig.from_env(FAST, {"ENGINE_FUSE": "turbo"})
+    with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
+        KernelConfig.from_env(FAST, {"ENGINE_GEMV_LAUNCH": "5120x17408=8"})
+
+
+def test_the_installed_layers_take_the_config():
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
+    table = {(2048, 5120): LaunchConfig(8, 1, 4)}
+    ks = install(model, KernelConfig(FAST, force=True, launches=table, dense_min_rows=None, gemv_min_outputs=64))
+    layers = [m for _, m in model.named_modules() if isinstance(m, KernelQuantizedLinear)]
+    assert layers and all(q.launches == frozenset(table.items()) and q.dense_min_rows is None for q in layers)
+    assert all(q.min_outputs == 64 for q in layers)
+    assert ks.settings["dense_min_rows"] is None and ks.settings["launches"] == "2048x5120=8,1,4"
+    ks = install(model, KernelConfig(FAST, force=True, delta_step_kernel=False, attention_step=False))
+    assert ks.attention_step_layers == ks.step_kernel_layers == 0
+    assert all(layer.fused_step is None for layer in model.layers if not layer.is_linear)
+    install(model, KernelConfig(EXACT))
+    assert not any(isinstance(m, KernelQuantizedLinear) for _, m in model.named_modules())
 
 
 def test_a_register_cap_names_its_kernel_apart():
@@ -610,17 +594,17 @@ def test_one_row_launch_shapes_by_size():
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
 
 
-def test_gemv_launch_setting_replaces_one_row_launch_shapes(monkeypatch):
+def test_gemv_launch_setting_replaces_one_row_launch_shapes():
     import engine.kernels.quantized_gemv as qg
 
     table = qg.parse_launches(" 5120x17408=8,1,4 ; 5120x6144=16,1,4,2;")
     assert table == {(5120, 17408): LaunchConfig(8, 1, 4), (5120, 6144): LaunchConfig(16, 1, 4, 2)}
     assert [c.setting() for c in table.values()] == ["8,1,4", "16,1,4,2"]  # as diagnostics write them
-    monkeypatch.setattr(qg, "LAUNCHES", table)
-    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
-    assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(16, 1, 4, 2)
-    assert launch_config(2, 17408, 64, 4, rows=5120) == LaunchConfig(2, 1, 4)  # one-row launches only
-    assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4, 5)
+    assert qg.parse_launches(qg.launches_setting(table)) == table
+    assert launch_config(1, 17408, 64, 4, rows=5120, launches=table) == LaunchConfig(8, 1, 4)
+    assert launch_config(1, 6144, 64, 4, rows=5120, launches=table) == LaunchConfig(16, 1, 4, 2)
+    assert launch_config(2, 17408, 64, 4, rows=5120, launches=table) == LaunchConfig(2, 1, 4)  # one-row launches only
+    assert launch_config(1, 5120, 64, 4, rows=17408, launches=table) == LaunchConfig(4, 2, 4, 5)
     for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,2", "5120x17408=8,1,4,-1",
                 "axb=1,1,1"):  # fmt: skip
         with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
@@ -650,19 +634,16 @@ def _decode_states(model, ids, steps):
     return out, cache
 
 
-def test_fused_decode_step_matches_the_layer_path(monkeypatch):
+def test_fused_decode_step_matches_the_layer_path():
     from engine.engine import Engine
-    from engine.kernels import attention_decode
-
-    monkeypatch.setattr(attention_decode, "ENABLED", True)  # the default, pinned
 
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
     exact, exact_cache = _decode_states(model, ids, 12)
-    assert install(model, FAST, force=True).chunked_delta_layers > 0
+    assert install(model, KernelConfig(FAST, force=True, attention_step=True)).chunked_delta_layers > 0
     assert all(layer.fused_step is not None for layer in model.layers)  # DeltaNet and attention layers
     fast, fast_cache = _decode_states(model, ids, 12)
-    install(model, EXACT)
+    install(model, KernelConfig(EXACT))
     assert all(layer.fused_step is None for layer in model.layers)
     # float32 model: the fused step computes the same float32 math with other roundings (the conv as a
     # multiply-sum, fused elementwise chains), so logits and states agree to float32 rounding.
@@ -753,18 +734,16 @@ def test_the_step_kernel_is_chosen_for_bf16_layers_only():
     assert not step_kernel_applies(delta_layer("tiny-qwen35-f32"))
 
 
-def test_compiled_attention_step_in_a_batch_matches_the_layer_path(monkeypatch):
+def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
     # Batched decode (a mask, per-row offsets, rows of different lengths): the attention step compiles only
     # the per-token parts around the layer's own attention, so it takes the batch's caches as they are.
     from engine.batch.batcher import ContinuousBatcher
     from engine.batch.scheduler import SchedulerConfig
     from engine.engine import Engine
-    from engine.kernels import attention_decode
     from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
     if rerun_without_tf32("test_compiled_attention_step_in_a_batch_matches_the_layer_path"):
-        return  # under TF32 the float32 comparison below measured 2.2e-3 on the H200; see attention_decode
-    monkeypatch.setattr(attention_decode, "ENABLED", True)
+        return  # under TF32 the float32 comparison below measured 2.2e-3 on an H200
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
 
     def run():
@@ -780,9 +759,9 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path(monkeypatch):
         return {rid: s.token_ids for rid, s in sinks.items()}, logits
 
     exact_tokens, exact = run()
-    install(model, FAST, force=True)
+    install(model, FAST_ANYWHERE)
     fast_tokens, fast = run()
-    install(model, EXACT)
+    install(model, KernelConfig(EXACT))
     assert fast_tokens == exact_tokens
     # float32 model: fused elementwise chains round differently, so logits agree to float32 rounding
     diffs = [mx.abs(a - b).max().item() for rid in exact for a, b in zip(exact[rid], fast[rid])]
@@ -855,8 +834,8 @@ def test_attention_kernels_are_chosen_on_cuda_only():
     from engine.engine import Engine
 
     model = Engine.load("tiny-qwen35", with_tokenizer=False).model
-    ks = install(model, FAST, force=True)
-    install(model, EXACT)
+    ks = install(model, FAST_ANYWHERE)
+    install(model, KernelConfig(EXACT))
     assert ks.attention_step_layers > 0
     assert ks.attention_kernel_layers == (ks.attention_step_layers if on_cuda() else 0)
 
@@ -885,12 +864,12 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
 
     def decode(kernels: bool):
         monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: kernels)
-        ks = install(model, FAST, force=True)
+        ks = install(model, FAST_ANYWHERE)
         cache = model.make_cache()
         model(mx.array([list(range(3, 11))]), cache)
         logits = [model(mx.array([[t]]), cache)[0, -1] for t in range(20, 32)]
         mx.eval(logits, [c.state for c in cache])
-        install(model, EXACT)
+        install(model, KernelConfig(EXACT))
         return ks, logits, cache
 
     _, compiled, compiled_cache = decode(False)

@@ -8,6 +8,7 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.cache.prompt_cache import PromptCache
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import generate, prefill
+from engine.kernels import on_cuda
 from engine.loading import load_model
 from engine.types import CachedPrefix, CollectingSink, GenerationRequest, StopCriteria
 
@@ -128,12 +129,15 @@ def test_batched_joiners_mix_cached_and_fresh_prompts(hybrid):
 @pytest.mark.parametrize("cached", [17, 200, 299])
 def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cached, request):
     """On the CPU: a prefix computed in its own forward leaves the same cache and logits as a cold prefill."""
-    if name == "tiny-qwen35" and mx.default_device() != mx.cpu:
-        # Measured on the H200 (harness/gpu/diag_prefix_exactness.py): splitting a 299-token prefill
-        # into 17 + 282 changes the hybrid model's bits on CUDA (f32: the first attention layer's K/V
-        # differ by ~2e-3; bf16: logits by ~3e-3), as kernels are chosen by the chunk's shape there.
-        # The dense models stayed exact. On the CPU every case is exact.
-        request.applymarker(pytest.mark.xfail(reason="CUDA kernels depend on the chunk shape", strict=False))
+    if name == "tiny-qwen35" and on_cuda():
+        # Measured on the H200: splitting a 299-token prefill into 17 + 282 changes the hybrid model's
+        # bits on CUDA (f32: the first attention layer's K/V differ by ~2e-3; bf16: logits by ~3e-3),
+        # as kernels are chosen by the chunk's shape there. The dense models stayed exact. On the CPU
+        # every case is exact.
+        request.applymarker(pytest.mark.xfail(
+            reason="CUDA picks kernels by each chunk's length, so whether a split changes the bits depends on the "
+            "split: only 17 + 282 was measured to differ; the 200 and 299 splits may match by chance, hence not strict",
+            strict=False))  # fmt: skip
     model = load_model(tiny_path(name))[0]
     prompt = tuple(range(50, 350))
 

@@ -1,0 +1,77 @@
+"""Every setting of the kernel tiers, as one value built once and passed to `engine.kernels.install`.
+
+The command line gives the tier (`--kernels`); two documented environment
+variables give the GEMV's fused stages and one-row launch shapes
+(`KernelConfig.from_env`), for tuning runs. What ran is recorded with every
+result (`KernelSet.settings`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from engine import env
+from engine.kernels.quantized_gemv import (
+    DEFAULT_FUSION, DENSE_MIN_ROWS, LAYER_MIN_OUTPUTS, Fusion, LaunchConfig, launches_setting, parse_launches,
+)  # fmt: skip
+from engine.kernels.quantized_gemv.layer import Launch
+
+EXACT, FAST, AUTO = "exact", "fast", "auto"
+TIERS = (AUTO, EXACT, FAST)
+
+
+def check_tier(tier: str) -> None:
+    """ValueError for a name that is not a tier."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown kernel tier {tier!r} (choose from {', '.join(TIERS)})")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The kernel tier and the fast tier's settings.
+
+    `tier`: `exact` (MLX's operations, bit-exact with mlx-lm), `fast` (the engine's CUDA kernels) or `auto`
+    (fast where it runs and its numerics gate passed for the model's family, else exact). The rest only
+    matter to the fast tier: the stages inside the GEMV launches, one-row launch shapes by (rows, K) in
+    place of the measured table, which decode kernels run, the prompt-chunk rows from which a layer
+    dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV.
+    `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
+    layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
+    kernel, on any backend, as `quantized_gemv.run_kernel` is called.
+    """
+
+    tier: str = AUTO
+    fusion: Fusion = DEFAULT_FUSION
+    launches: Mapping[tuple[int, int], LaunchConfig] = field(default_factory=dict)
+    delta_step_kernel: bool = True  # a DeltaNet decode step's core as one CUDA kernel
+    attention_step: bool = True  # the compiled decode step of gated-attention layers
+    attention_kernels: bool = True  # that step's attention as CUDA kernels
+    dense_min_rows: Optional[int] = DENSE_MIN_ROWS
+    gemv_min_outputs: int = LAYER_MIN_OUTPUTS
+    force: bool = False
+    gemv_stand_in: Optional[Launch] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        check_tier(self.tier)
+
+    @classmethod
+    def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> "KernelConfig":
+        """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`) and ENGINE_GEMV_LAUNCH
+        ('ROWSxK=W,RT,U[,MINB];...') where they are set; ValueError for a value they cannot take."""
+        fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
+        return cls(tier=tier, fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
+                   launches=parse_launches(launch or ""))  # fmt: skip
+
+    def settings(self) -> dict:
+        """The fast tier's settings by name, for records."""
+        return {
+            "fusion": self.fusion.names(),
+            "launches": launches_setting(self.launches),
+            "delta_step_kernel": self.delta_step_kernel,
+            "attention_step": self.attention_step,
+            "attention_kernels": self.attention_kernels,
+            "dense_min_rows": self.dense_min_rows,
+            "gemv_min_outputs": self.gemv_min_outputs,
+        }

@@ -1,0 +1,87 @@
+"""How a GEMV call is laid out on the GPU: warps a block, row tiles a block, k-tiles a load batch.
+
+The shapes were timed on an H200 for qwen27b's matrices with the weights
+cold (docs/kernels.md, "Launch shapes"); `launch_config` is that table, and
+a `KernelConfig`'s one-row launch shapes replace it for given matrix sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from engine.kernels.quantized_gemv.fusion import Fusion
+from engine.kernels.quantized_gemv.source import kernel
+
+
+def tile_k(group_size: int, bits: int) -> int:
+    """Input values one k-tile covers: 4 lanes x 1-2 words, inside one group."""
+    return 4 * min(group_size * bits // 128, 2) * (32 // bits)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one call is laid out on the GPU."""
+
+    warps: int  # warps of a block, splitting K
+    row_tiles: int  # 16-row tiles per block
+    batch: int  # k-tiles per load batch (U)
+    # Blocks an SM must hold at once (0: as many as the registers allow): caps the registers a thread uses,
+    # so that a launch's blocks take fewer waves (docs/kernels.md, "The register cap").
+    min_blocks: int = 0
+
+    def template(self) -> list[tuple[str, int]]:
+        # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
+            [("MINB", self.min_blocks)] if self.min_blocks else []
+        )
+
+    def kernel(self, count: int, fusion: Fusion = Fusion()):
+        return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
+
+    def setting(self) -> str:
+        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`)."""
+        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + [self.min_blocks] * bool(self.min_blocks)))
+
+
+Launches = Mapping[tuple[int, int], LaunchConfig]  # one-row launch shapes by (rows of all matrices, K)
+
+
+def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
+    table = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            shape, _, numbers = item.partition("=")
+            rows, k = (int(v) for v in shape.lower().split("x"))
+            values = [int(v) for v in numbers.split(",")]
+            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
+        table[(rows, k)] = LaunchConfig(*values)
+    return table
+
+
+def launches_setting(launches: Launches) -> str:
+    """`parse_launches`' form of a table ('' for none)."""
+    return ";".join(f"{rows}x{k}={c.setting()}" for (rows, k), c in launches.items())
+
+
+def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, launches: Launches = {}) -> LaunchConfig:
+    """The launch for M rows against K inputs and `rows` outputs in all the launch's matrices. One row from 64
+    k-tiles: up to 8192 rows (8, 1, 4), larger (4, 1, 4), and from 32 MB of 4-bit weights (4, 2, 4) at five
+    blocks an SM; M = 8 (4, 2, 4) for K = 17408 and (4, 2, 8) for K = 5120 (docs/kernels.md, "Launch
+    shapes"). `launches` replaces the one-row choice for given (rows, K)."""
+    if m == 1 and (rows, k) in launches:
+        return launches[(rows, k)]
+    tiles = k // tile_k(group_size, bits)
+    if tiles >= 64 and m == 1:
+        if rows <= 8192:
+            return LaunchConfig(8, 1, 4)
+        return LaunchConfig(4, 2, 4, 5) if rows * k >= 64 << 20 else LaunchConfig(4, 1, 4)
+    if tiles >= 256:
+        return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)
+    if tiles >= 64:
+        return LaunchConfig(4, 2, 4) if m <= 4 else LaunchConfig(4, 2, 8)
+    return LaunchConfig(2 if tiles >= 16 else 1, 1, 4)

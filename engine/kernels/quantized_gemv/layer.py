@@ -1,0 +1,102 @@
+"""The fast tier's quantized linear layer: the GEMV kernel where it pays, MLX's operation elsewhere.
+
+Where the layer uses which path was measured on an H200 with qwen27b's shapes
+(docs/kernels.md): the kernel for up to `LAYER_MAX_ROWS` rows through
+matrices of at least 2048 outputs (MLX's kernel wins below, and matches it at
+16 rows); prompt chunks of at least 512 rows through matrices of at least
+`DENSE_MIN_OUTPUTS` outputs as a dequantize and one GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kernels.quantized_gemv.calls import _with_bias, dense_matmul, run_kernel, weight_refusal
+from engine.kernels.quantized_gemv.launch import Launches
+
+LAYER_MAX_ROWS = 8
+LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
+DENSE_MIN_ROWS = 512  # the default of KernelConfig.dense_min_rows
+DENSE_MIN_OUTPUTS = 1024
+# Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
+DENSE_DTYPES = (mx.bfloat16, mx.float16)
+
+# `launch(x, layers, **stages)`: one launch for the layers that share x, as `calls.run_kernel` takes it
+Launch = Callable[..., tuple]
+
+
+def retyped(q: nn.QuantizedLinear, cls: type) -> nn.QuantizedLinear:
+    """The same layer (same arrays, no copies) as an instance of `cls`, a QuantizedLinear class."""
+    new = cls.__new__(cls)
+    new.__dict__.update(q.__dict__)
+    dict.update(new, q)
+    return new
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear that runs the kernel where it applies and MLX's op elsewhere.
+
+    The weights are checked once (`kernel_refusal`); per call only the activations' dtype and row count
+    decide. `launch` is how a launch is computed (`calls.run_kernel`; a test may stand another in),
+    `launches` the one-row launch shapes it takes.
+    """
+
+    @classmethod
+    def from_module(cls, q: nn.QuantizedLinear, use_kernel: bool, *, min_outputs: int = LAYER_MIN_OUTPUTS,
+                    dense_min_rows: Optional[int] = DENSE_MIN_ROWS, launches: Launches = {},
+                    launch: Launch = run_kernel) -> "KernelQuantizedLinear":  # fmt: skip
+        new = retyped(q, cls)
+        new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
+        new.groupable = use_kernel and new.kernel_refusal is None  # may share one launch with other layers
+        if new.kernel_refusal is None and q["weight"].shape[0] < min_outputs:
+            new.kernel_refusal = f"{q['weight'].shape[0]} outputs (MLX's kernel is faster below {min_outputs})"
+        new.use_kernel = use_kernel and new.kernel_refusal is None
+        new.min_outputs = min_outputs
+        new.dense_prefill = (
+            use_kernel and dense_min_rows is not None and q.mode == "affine"
+            and q["weight"].shape[0] >= DENSE_MIN_OUTPUTS and q["scales"].dtype in DENSE_DTYPES
+        )  # fmt: skip
+        new.dense_min_rows = dense_min_rows
+        new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
+        new.launch = launch
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.dense_prefill and x.size >= self.dense_min_rows * x.shape[-1]:
+            y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            return _with_bias(y, self)
+        if not self.use_kernel or not _takes(x, self):
+            return super().__call__(x)
+        return self.launch(x, [self])[0]
+
+    @staticmethod
+    def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:
+        """Each layer applied to x, in one launch where the kernel takes them all (the projections that
+        share an input: gate and up, q/k/v, a DeltaNet's inputs); small ones then ride along with the rest."""
+        together = len(layers) > 1 and one_launch(x, layers)
+        return layers[0].launch(x, layers) if together else tuple(q(x) for q in layers)
+
+
+def one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
+    """Whether the kernel takes all the layers with x in one launch (same bits and group size, enough rows)."""
+    first = layers[0]
+    return (
+        all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits)
+            and _takes(x, q) for q in layers)
+        and sum(q["weight"].shape[0] for q in layers) >= first.min_outputs
+    )  # fmt: skip
+
+
+def no_bias(layers: Sequence[nn.Module]) -> bool:
+    """Whether none of the layers adds a bias: a launch's fused stages work on its bare products (`run_kernel`
+    adds a bias only to a result the launch returns)."""
+    return not any("bias" in q for q in layers)
+
+
+def _takes(x: mx.array, q: nn.QuantizedLinear) -> bool:
+    """Whether the kernel computes q(x): bf16 activations, at most LAYER_MAX_ROWS rows, q's input size."""
+    k = x.shape[-1]
+    return x.dtype == mx.bfloat16 and x.size <= LAYER_MAX_ROWS * k and q["weight"].shape[1] * 32 // q.bits == k
