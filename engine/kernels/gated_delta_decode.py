@@ -47,7 +47,8 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
         batch = qkv.shape[0]
         z = z.reshape(batch, 1, hv, dv)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K, C]
-        conv = nn.silu((conv_input * conv_w[:, :, 0].T).sum(axis=1))  # [B, C]
+        # the conv's products summed in float32 and rounded once, as the layer's conv1d does
+        conv = nn.silu((conv_input.astype(mx.float32) * conv_w[:, :, 0].T.astype(mx.float32)).sum(axis=1).astype(qkv.dtype))
         q = conv[:, :key_dim].reshape(batch, 1, hk, dk)
         k = conv[:, key_dim : 2 * key_dim].reshape(batch, 1, hk, dk)
         v = conv[:, 2 * key_dim :].reshape(batch, hv, dv)

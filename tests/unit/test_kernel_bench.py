@@ -1,10 +1,8 @@
-"""harness kernels: shapes from the registry, the done-criteria verdicts, the gate, the command (CPU)."""
+"""harness kernels: shapes from the registry, the done-criteria verdicts, the command (CPU)."""
 
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
-import pytest
 
 from engine.kernels import on_cuda
 from engine.kernels.quantized_gemv import DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS
@@ -14,7 +12,6 @@ from harness.kernel_bench import (
     BenchConfig, DeltaResult, GemvResult, bench_delta, bench_prefill, linear_shapes, projection_groups, verdicts,
     weight_copies,
 )
-from harness.kernel_gate import KL_BOUND, run_gate
 
 
 def gemv(n, k, m, layers, builtin_us, kernel_us):
@@ -65,41 +62,6 @@ def test_a_speedup_target_above_the_machines_bandwidth_says_so():
 def test_delta_bench_agrees_with_the_recurrence():
     r = bench_delta(32, 2, 4, 16, 16, BenchConfig(repeats=1, warmup=0))
     assert r.max_abs_diff_state < 1e-5 and r.builtin_ms > 0 and r.kernel_ms > 0
-
-
-def test_gate_on_a_tiny_model_with_the_chunked_rule_forced():
-    from engine.engine import Engine
-
-    eng = Engine.load("tiny-qwen35-f32", with_tokenizer=False)
-    gate = run_gate(eng.model, 4096, steps=4, prompt_lengths=(7, 40), force=True)
-    assert [p.prompt_len for p in gate.prompts] == [7, 40]
-    assert gate.kl_bound == KL_BOUND
-    assert all(0 <= p.mean_kl < 1e-6 and p.greedy_equal_steps == 4 for p in gate.prompts)  # f32: rounding only
-    # the references: float32 reorderings of the exact tier move nothing a float32 model shows at these steps
-    assert all(p.floor_greedy_equal_steps == 4 and p.reorder_greedy_equal_steps == 4 and abs(p.reorder_kl) < 1e-6
-               for p in gate.prompts)  # fmt: skip
-    assert gate.passed
-    assert eng.kernels.tier == "exact" and type(eng.model.layers[0].linear_attn.chunked_rule) is type(None)
-
-
-@pytest.mark.parametrize("name", ["tiny-qwen35-4bit", "tiny-qwen35-bf16"])
-def test_the_reordered_reference_splits_every_linear_sum_and_puts_the_layers_back(name):
-    from engine.engine import Engine
-    from harness.kernel_gate import SplitSum, reordered
-
-    model = Engine.load(name, with_tokenizer=False).model
-    linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
-    x = mx.array([[3, 4, 5, 6]])
-    plain = model(x)
-    reordered(model, True)
-    assert sum(isinstance(m, SplitSum) for _, m in model.named_modules()) == len(linears)
-    split = model(x)
-    reordered(model, False)
-    assert [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))] == linears
-    assert mx.array_equal(model(x), plain).item()
-    # Same products, summed in another order in float32 (and, quantized, the weights not rounded to bf16
-    # first): close to the layer's bf16 result, not equal. Bound: a few bf16 ulps of the largest logit.
-    assert 0 < mx.abs(split - plain).max().item() <= 2.0**-5 * mx.abs(plain).max().item()
 
 
 def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):

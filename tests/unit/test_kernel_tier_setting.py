@@ -95,6 +95,22 @@ def test_engine_load_defaults_to_auto(tiny_path):
     assert kernels_notice(KernelSet(EXACT, EXACT)) is None
 
 
+def test_auto_runs_the_fast_tier_only_for_families_whose_gate_passed():
+    from engine.kernels import GATE_PASSED, KernelConfig, resolve_tier
+
+    anywhere = KernelConfig(AUTO, force=True)  # as on CUDA
+    passed = {"qwen3_5": "qwen27b at 1 and 8 rows"}
+    assert resolve_tier(anywhere, "qwen3_5", passed) == (FAST, "auto: fast, its numerics gate passed for qwen3_5 "
+                                                                "(qwen27b at 1 and 8 rows)")  # fmt: skip
+    tier, reason = resolve_tier(anywhere, "llama", passed)
+    assert tier == EXACT and "no fast-tier numerics gate has passed for llama" in reason
+    if not on_cuda():
+        tier, reason = resolve_tier(KernelConfig(AUTO), "qwen3_5", passed)
+        assert tier == EXACT and reason.startswith("auto: exact, the fast tier needs MLX's CUDA backend")
+    assert resolve_tier(KernelConfig(EXACT), "qwen3_5", passed) == (EXACT, "")
+    assert all(isinstance(v, str) and v for v in GATE_PASSED.values())  # each names the run that shows it
+
+
 def test_an_unknown_tier_is_refused_before_loading():
     with pytest.raises(ValueError, match="unknown kernel tier 'turbo'"):
         Engine.load("no-such-model", kernels="turbo")  # the tier is checked first: no UnknownModelError

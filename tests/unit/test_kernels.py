@@ -427,7 +427,6 @@ def _handoff_decode(launch_as):
 
     want, _ = decode(Fusion(residual=True, gated=True))
     got, (first_calls, first_taken) = decode(Fusion(residual=True, gated=True, norm_out=True))
-    worst = max((mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(want, got))
     layers = model.layers
     # every layer's output projection takes its MLP norm, every down launch but the last the next layer's
     # input norm; every gate+up launch and every layer's input projections but the first's take one
@@ -437,26 +436,40 @@ def _handoff_decode(launch_as):
     assert launches[("prenormed",)] == len(layers) - 1
     norms = [w for a, b in zip(layers, layers[1:]) for w in (a.post_attention_layernorm.weight, b.input_layernorm.weight)]
     assert [id(w) for w in first_taken] == [id(w) for w in norms + [layers[-1].post_attention_layernorm.weight]]
-    return worst
+    return want, got
+
+
+def _as_accurate(want, got) -> bool:
+    """Whether the norm_out run is as accurate as the run with every norm an operation of its own, both against
+    the float32 reference of the same forced tokens, by the numerics gate's criterion (harness.kernel_gate)."""
+    from engine.synth import ensure_model
+    from harness.float_reference import reference_logits
+    from harness.kernel_gate import KL_RATIO, KL_SLACK, TOP1_MARGIN, score
+
+    (ref,) = reference_logits(ensure_model("tiny-qwen35-4bit"), [list(range(3, 11)) + list(range(20, 26))], [9], 6)
+    apart, handed = score(ref, mx.stack(want)), score(ref, mx.stack(got))
+    return (handed.mean_kl <= KL_RATIO * apart.mean_kl + KL_SLACK
+            and handed.top1_agreement >= apart.top1_agreement - TOP1_MARGIN)  # fmt: skip
 
 
 def test_layers_hand_the_next_layer_its_input_norm():
     # Fusion.norm_out across layers (engine.kernels.norm_handoff): each layer step's down launch also takes
     # the next layer's input norm, and that layer's input projections take it as prenormed. The launches run
     # as MLX operations (_reference_launch), so the plumbing runs on any backend, against the same steps with
-    # every norm an operation of its own. The norms then scale the products instead of the activations
-    # (one bf16 rounding moved, as norm_scale moves it): through 4 layers and 6 steps the logits measured
-    # 2^-7 of the largest apart; the down launches given their own layer's MLP norm instead measured 0.042.
-    assert _handoff_decode(_reference_launch) < 2**-5
+    # every norm an operation of its own. The norms then scale the products instead of the activations (one
+    # bf16 rounding moved), which on this random-weight model moves the logits by up to 0.035 of the largest
+    # against each other, as far as a wrong norm does (0.042): so each run is scored against the float32
+    # reference (mean KL 6.8e-4 against 6.6e-4 measured), and which norm each launch takes is checked above.
+    assert _as_accurate(*_handoff_decode(_reference_launch))
 
 
 @cuda_only
 def test_layers_hand_the_next_layer_its_input_norm_in_the_kernels():
     # The same with the GEMV kernel's launches, the tiny model's (below the kernel's minimum rows) included:
-    # the parts come from the blocks of the launch before, and the bound is the one above.
+    # the parts come from the blocks of the launch before.
     from engine.kernels.quantized_gemv import run_kernel
 
-    assert _handoff_decode(run_kernel) < 2**-5
+    assert _as_accurate(*_handoff_decode(run_kernel))
 
 
 def test_a_layer_takes_only_the_norm_left_for_its_own_input():
