@@ -37,7 +37,7 @@ __all__ = ["AUTO", "EXACT", "FAST", "GATE_PASSED", "TIERS", "KernelConfig", "Ker
 
 # Model families (config.json model_type) whose fast tier passed the numerics gate on CUDA, with the run that
 # shows it: `auto` runs the fast tier for these.
-GATE_PASSED: dict[str, str] = {}
+GATE_PASSED: dict[str, str] = {"qwen3_5": "qwen27b at 1 and 8 rows on an H200, reports/gpu/qwen27b-gate.json"}
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
-#   tests    TESTS_K (a pytest -k expression, to split the 165 cases), TESTS_TIMEOUT (s, default 1200)
+#   tests    TESTS_K (a pytest -k expression), WORKERS (pytest -n, default 4), TESTS_TIMEOUT (s, default 1200)
 #   kernels  KERNELS_ARGS (more `harness kernels` options, e.g. "--rows 1,8 --tokens 1024")
-#   gate     GATE_ARGS (more `harness kernels --gate-model` options)
-#   native   KERNELS (exact|fast, default fast), PROMPT (1024), DECODE (128), SAMPLES (5)
+#   gate     GATE_ROWS (default 1,8), GATE_ARGS (more `harness kernels --gate-model` options)
+#   native   KERNELS (auto|exact|fast, default auto), PROMPT (1024), DECODE (128), SAMPLES (5)
 #   run-all  TOKENS (64), RUN_ARGS (more `harness run all` options, e.g. "--decode-samples 3")
 #   parity   PARITY_ARGS (more `harness parity` options, e.g. "--batch 2,3,4,8")
 #   ncu      STEPS (3), PROMPT (64), TOP (30): Nsight Compute (`ncu`) over a few fast decode steps
@@ -30,8 +30,8 @@ case "$PART" in
     # TESTS_TIMEOUT interrupts pytest itself, which then prints its summary: a `timeout` around this script would
     # leave pytest running on the GPU into the next command, and a `| tail` keeps nothing of a killed run
     rc=0
-    timeout -s INT "${TESTS_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_kernels.py \
-        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
+    timeout -s INT "${TESTS_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rs -n "${WORKERS:-4}" \
+        tests/unit/test_kernels.py tests/unit/test_cuda_source.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
     tail -20 "$OUT/kernel-tests.txt"
     exit "$rc"
     ;;
@@ -41,12 +41,13 @@ case "$PART" in
     ;;
   gate)
     synth
-    python3 -m harness kernels --gate-model qwen27b ${GATE_ARGS:-} --json "$OUT/qwen27b-gate.json" 2>&1 \
+    python3 -m harness kernels --gate-model qwen27b --gate-rows "${GATE_ROWS:-1,8}" ${GATE_ARGS:-} \
+        --json "$OUT/qwen27b-gate.json" 2>&1 \
         | tee "$OUT/qwen27b-gate.txt"
     ;;
   native)
     synth
-    python3 -m harness native --models qwen27b --kernels "${KERNELS:-fast}" --prompt-tokens "${PROMPT:-1024}" \
+    python3 -m harness native --models qwen27b --kernels "${KERNELS:-auto}" --prompt-tokens "${PROMPT:-1024}" \
         --decode-tokens "${DECODE:-128}" --samples "${SAMPLES:-5}" --warmup 1 --json "$OUT/qwen27b-native.json" 2>&1 \
         | tee "$OUT/qwen27b-native.txt"
     ;;

@@ -13,6 +13,7 @@ from engine.loading import load_model
 from harness.cli import main as harness_main
 from harness.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
 from harness.kernel_gate import TierScore, gate_prompts, run_gate, score
+from tf32 import rerun_without_tf32
 
 FAST_ANYWHERE = KernelConfig(FAST, force=True)
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen35", "tiny-gemma3")
@@ -93,12 +94,15 @@ def test_the_reference_dequantizes_as_mlx_does_in_float32(bits, group):
 
 def test_a_float32_model_is_its_own_reference(tiny_path):
     # An f32 artifact runs the exact tier in float32 already: the reference differs by summation order only.
+    if rerun_without_tf32(__file__, "test_a_float32_model_is_its_own_reference"):
+        return  # under TF32 (CUDA) this process's float32 forward is the less exact side: 0.066 apart on an H200
     path = tiny_path("tiny-llama-f32")
     model, _ = load_model(path)
     seq = list(range(3, 40))
     want = model(mx.array([seq]))[0, 19:29]
     (got,) = reference_logits(path, [seq], [20], 10)
-    assert mx.abs(got - want).max().item() < 1e-4
+    # measured: equal on the CPU; on an H200 without TF32 1.8e-4 apart, 9e-7 of the largest |logit| (196)
+    assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
 
 
 def test_the_child_process_computes_the_same_reference(tiny_path):

@@ -3,9 +3,6 @@
 On a CUDA machine: `python3 -m pytest -q tests/unit/test_kernels.py` (harness/gpu/README.md).
 """
 
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import mlx.core as mx
@@ -22,22 +19,10 @@ from engine.kernels.quantized_gemv.layer import _takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
+from tf32 import rerun_without_tf32
 
 cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
 FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
-
-
-def rerun_without_tf32(test: str) -> bool:
-    """Whether `test` (this file's test function) ran here in a child process with float32 matmuls, and
-    passed there: on CUDA MLX runs float32 matmuls as TF32 (10-bit mantissas in) unless MLX_ENABLE_TF32=0,
-    read when MLX starts, so a test of float32 numerics on CUDA runs in a process started without TF32."""
-    if not on_cuda() or os.environ.get("MLX_ENABLE_TF32") == "0":
-        return False
-    env = {**os.environ, "MLX_ENABLE_TF32": "0"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test}"],
-                           env=env, capture_output=True, text=True)  # fmt: skip
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
-    return True
 
 
 def make_quantized(n=64, k=128, bits=4, group_size=64, dtype=mx.bfloat16, seed=0):
@@ -755,7 +740,7 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
     from engine.engine import Engine
     from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
-    if rerun_without_tf32("test_compiled_attention_step_in_a_batch_matches_the_layer_path"):
+    if rerun_without_tf32(__file__, "test_compiled_attention_step_in_a_batch_matches_the_layer_path"):
         return  # under TF32 the float32 comparison below measured 2.2e-3 on an H200
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
 
