@@ -52,11 +52,11 @@ def ensure_model(name: str, seed: int = 0, progress: Progress | None = None) -> 
     return target
 
 
-def _shards(entries: list[TensorEntry]) -> list[list[TensorEntry]]:
+def _shards(entries: list[TensorEntry], max_bytes: int = MAX_SHARD_BYTES) -> list[list[TensorEntry]]:
     shards: list[list[TensorEntry]] = [[]]
     size = 0
     for e in entries:
-        if shards[-1] and size + e.nbytes > MAX_SHARD_BYTES:
+        if shards[-1] and size + e.nbytes > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(e)
@@ -79,11 +79,12 @@ def parameter_count(spec: ModelSpec) -> int:
     return sum(math.prod(t.shape) for t in P.tensor_plan(spec))
 
 
-def _write_weights(spec: ModelSpec, seed: int, guard: Guard, out: Path, progress: Progress | None):
+def _write_weights(spec: ModelSpec, seed: int, guard: Guard, out: Path, progress: Progress | None,
+                   shard_bytes: int = MAX_SHARD_BYTES):
     entries = [e for t in P.tensor_plan(spec) for e in tensor_entries(t, spec, seed, guard)]
     entries.sort(key=lambda e: e.name)
     total = sum(e.nbytes for e in entries)
-    shards = _shards(entries)
+    shards = _shards(entries, shard_bytes)
     done = 0
     written: list[WrittenFile] = []
     weight_map = {}
@@ -152,8 +153,10 @@ def _manifest(spec: ModelSpec, seed: int, guard: Guard, tok: BuiltTokenizer, out
     }
 
 
-def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None = None) -> Path:
-    """Write the artifact for `spec` into `out` (atomically: a temp dir, then a rename)."""
+def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None = None,
+               shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the artifact for `spec` into `out` (atomically: a temp dir, then a rename), in safetensors
+    shards of at most `shard_bytes`."""
     start = time.perf_counter()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +171,7 @@ def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None 
         _write_json(tmp / "generation_config.json", {"eos_token_id": tok.eos_ids, "do_sample": False})
         (tmp / "tokenizer.json").write_text(json.dumps(tok.tokenizer_json, ensure_ascii=False), encoding="utf-8")
         _write_json(tmp / "tokenizer_config.json", tok.tokenizer_config)
-        weights = _write_weights(spec, seed, guard, tmp, progress)
+        weights = _write_weights(spec, seed, guard, tmp, progress, shard_bytes)
         manifest = _manifest(spec, seed, guard, tok, tmp, weights, time.perf_counter() - start)
         _write_json(tmp / MANIFEST, manifest)
         try:

@@ -74,11 +74,10 @@ def test_planned_bytes_equal_written_bytes(tiny_path):
         assert sum(a.nbytes for a in arrays.values()) == planned_weight_bytes(get_spec(name))
 
 
-def test_large_artifacts_are_sharded_with_an_index(tmp_path, monkeypatch):
+def test_large_artifacts_are_sharded_with_an_index(tmp_path):
     import mlx_lm
 
-    monkeypatch.setattr(artifact, "MAX_SHARD_BYTES", 400_000)
-    path = synthesize(get_spec("tiny-llama"), 0, tmp_path / "m")
+    path = synthesize(get_spec("tiny-llama"), 0, tmp_path / "m", shard_bytes=400_000)
     shards = sorted(p.name for p in path.glob("model-*.safetensors"))
     assert len(shards) > 1 and not (path / "model.safetensors").exists()
     index = json.loads((path / "model.safetensors.index.json").read_text())
