@@ -67,11 +67,11 @@ class Engine:
         run (off MLX's CUDA backend) the model keeps the exact tier and
         `Engine.kernels.reason` says why; an unknown tier is a ValueError.
         """
-        # before loading: a big model takes a while
-        config_k = KernelConfig(tier=kernels) if isinstance(kernels, str) else kernels or KernelConfig()
+        # the tier is checked before loading: a big model takes a while
+        kernel_config = KernelConfig(tier=kernels) if isinstance(kernels, str) else kernels or KernelConfig()
         path = resolve_model_dir(model, model_path, seed=seed)
         net, config = load_model(path, lazy=lazy)
-        kernel_set = install(net, config_k, family=config.get("model_type"))
+        kernel_set = install(net, kernel_config, family=config.get("model_type"))
         tok = Tokenizer(path, _eos_ids(config)) if with_tokenizer else None
         return cls(model=net, config=config, path=path, tokenizer=tok, kernels=kernel_set)
 

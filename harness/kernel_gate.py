@@ -29,7 +29,7 @@ import mlx.nn as nn
 from engine.batch.runner import merge_rows
 from engine.generate import prefill
 from engine.kernels import EXACT, FAST, KernelConfig, install
-from engine.loading import load_config, load_model, vocab_size
+from engine.loading import load_model, vocab_size
 from harness.float_reference import reference_logits
 from harness.parity import PROMPT_LENGTHS
 from harness.prompts import frozen_prompt_ids
@@ -179,7 +179,7 @@ def run_gates(
     say = on_progress or (lambda message: None)
     model, config = load_model(path)
     install(model, KernelConfig(EXACT))
-    vocab = vocab_size(load_config(path))
+    vocab = vocab_size(config)
     specs = {r: gate_prompts(r, vocab, lengths, seed) for r in rows}
     unique = list(dict.fromkeys(spec for r in rows for spec in specs[r]))
     prompts = {spec: frozen_prompt_ids(spec[0], vocab, spec[1]) for spec in unique}

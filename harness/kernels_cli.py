@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from harness.bench_config import BenchConfig
@@ -148,10 +149,15 @@ def cmd_kernels(args) -> int:
                          speedup=r.speedup) for r in prefill],  # fmt: skip
         "delta": [dict(vars(r), speedup=r.speedup) for r in delta],
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+    _save(args.json, record)
     return 0
+
+
+def _save(path, record: dict) -> None:
+    """Write `record` as JSON to `path` (None: nowhere)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
 
 
 def _gate(args) -> int:
@@ -166,9 +172,7 @@ def _gate(args) -> int:
         path = resolve_model_dir(args.gate_model, None)
     except UnknownModelError as e:
         raise CliError(str(e)) from None
-    fast = KernelConfig.from_env(FAST)
-    if args.force:
-        fast = KernelConfig(FAST, fusion=fast.fusion, launches=fast.launches, force=True)
+    fast = replace(KernelConfig.from_env(FAST), force=args.force)
     with console.status(f"gate on {args.gate_model}") as status:
         results = run_gates(path, args.gate_rows, steps=args.gate_steps, fast=fast,
                             on_progress=lambda m: status.update(f"gate on {args.gate_model}: {m}"))  # fmt: skip
@@ -193,7 +197,5 @@ def _gate(args) -> int:
                      f"fast tier ran {gate.fast_kernels['tier']}")  # fmt: skip
     record = {"gate": {"model": args.gate_model, "passed": all(g.passed for g in results),
                        "results": [g.as_record() for g in results]}}  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+    _save(args.json, record)
     return 0 if record["gate"]["passed"] else 1
