@@ -15,9 +15,10 @@ understands (our server refuses unknown fields, mlx-lm ignores them).
 
 from __future__ import annotations
 
+import shlex
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -63,9 +64,36 @@ def standard_arms() -> dict[str, ArmSpec]:
     }  # fmt: skip
 
 
-def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None) -> list[ArmSpec]:
+def with_options(arm: ArmSpec, options: list[str]) -> ArmSpec:
+    """The arm with `options` appended to its server's command line (a later flag wins over the arm's own)."""
+    base = arm.command
+    return replace(arm, command=lambda model_dir, port: base(model_dir, port) + list(options))
+
+
+def parse_arm_options(items: list[str]) -> dict[str, list[str]]:
+    """--arm-args values, 'ARM=OPTIONS' each (OPTIONS split as a shell would), as {arm: options}; ValueError
+    for an item without '=' or an arm named twice."""
+    parsed: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, options = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--arm-args {item!r}: give ARM=OPTIONS, e.g. 'engine=--batch 64'")
+        if name.strip() in parsed:
+            raise ValueError(f"--arm-args names {name.strip()} twice")
+        parsed[name.strip()] = shlex.split(options)
+    return parsed
+
+
+def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
+                 options: Optional[dict[str, list[str]]] = None) -> list[ArmSpec]:  # fmt: skip
+    """The arms by name, each with its server `options` (`parse_arm_options`) appended; ValueError for an
+    unknown arm, or options for an arm not run."""
     known = known or standard_arms()
+    options = options or {}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return [known[n] for n in names]
+    idle = [n for n in options if n not in names]
+    if idle:
+        raise ValueError(f"--arm-args for {', '.join(idle)}, which this run does not run (--arms {','.join(names)})")
+    return [with_options(known[n], options[n]) if n in options else known[n] for n in names]

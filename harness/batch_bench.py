@@ -8,7 +8,13 @@
    length, fixed output length); aggregate output tok/s = all generated
    tokens / wall time from submission to the last token, ours against mlx-lm's
    BatchGenerator as mlx_lm.server runs it (prefill_batch_size 8, the same
-   schedule as ours, so the generated ids must be identical).
+   schedule as ours, so at the exact tier the generated ids must be
+   identical); and the decode step at C rows: the median time between a
+   row's tokens while all C rows decode (after the last one's first token,
+   before the first one's last), beside the one-row step of part 1.
+
+The engine side runs the kernel tier `BatchBenchConfig.kernels` (mlx-lm stays
+stock); off the exact tier the ids may differ by rounding.
 
 Sides alternate sample by sample; medians and per-pair ratios are reported.
 """
@@ -26,6 +32,7 @@ import mlx.core as mx
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.generate import generate
+from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
 from engine.loading import load_model
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 from harness.native import geomean
@@ -43,6 +50,7 @@ class BatchBenchConfig:
     warmup: int = 1
     seed: int = 0
     prefill_batch: int = 8  # both sides (mlx_lm.server's --prompt-concurrency)
+    kernels: str = AUTO  # the engine side's kernel tier (with ENGINE_FUSE / ENGINE_GEMV_LAUNCH where set)
 
 
 @dataclass
@@ -99,32 +107,64 @@ def _lone_batched(model, prompt, n) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def _ours_concurrent(model, prompts, n, prefill_batch: int) -> tuple[float, list[list[int]]]:
+@dataclass
+class Concurrent:
+    """One concurrent run: aggregate tok/s, each row's ids, and the decode step at all rows (ms)."""
+
+    rate: float
+    tokens: list[list[int]]
+    step_ms: float
+
+
+def full_batch_step_ms(stamps: list[list[float]]) -> float:
+    """The median time between a row's consecutive tokens while every row decodes: from the last row's
+    first token to the first row's last (nan where that window holds no two tokens of a row)."""
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= start and b <= end]
+    return statistics.median(gaps) * 1e3 if gaps else float("nan")
+
+
+class _StampSink(CollectingSink):
+    def __init__(self):
+        super().__init__()
+        self.stamps: list[float] = []
+
+    def on_token(self, token):
+        self.stamps.append(time.perf_counter())
+        return super().on_token(token)
+
+
+def _ours_concurrent(model, prompts, n, prefill_batch: int) -> Concurrent:
     b = ContinuousBatcher(model, SchedulerConfig(max_rows=len(prompts), prefill_batch=prefill_batch))
-    sinks = [CollectingSink() for _ in prompts]
+    sinks = [_StampSink() for _ in prompts]
     start = time.perf_counter()
     for i, (p, s) in enumerate(zip(prompts, sinks)):
         b.submit(GenerationRequest(f"c{i}", tuple(p), stop=StopCriteria(max_tokens=n, ignore_eos=True)), s)
     b.run_until_idle()
     wall = time.perf_counter() - start
-    return sum(len(s.tokens) for s in sinks) / wall, [s.token_ids for s in sinks]
+    return Concurrent(sum(len(s.tokens) for s in sinks) / wall, [s.token_ids for s in sinks],
+                      full_batch_step_ms([s.stamps for s in sinks]))  # fmt: skip
 
 
-def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> tuple[float, list[list[int]]]:
+def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> Concurrent:
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=prefill_batch_size, completion_batch_size=32)
+    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=prefill_batch_size,
+                         completion_batch_size=max(32, len(prompts)))  # fmt: skip
     start = time.perf_counter()
     uids = gen.insert([list(p) for p in prompts], max_tokens=[n] * len(prompts))
     out = {u: [] for u in uids}
+    stamps = {u: [] for u in uids}
     done = 0
     while done < len(prompts):
         for r in gen.next_generated():
             out[r.uid].append(r.token)
+            stamps[r.uid].append(time.perf_counter())
             done += r.finish_reason is not None
     wall = time.perf_counter() - start
     gen.close()
-    return sum(len(v) for v in out.values()) / wall, [out[u] for u in uids]
+    return Concurrent(sum(len(v) for v in out.values()) / wall, [out[u] for u in uids],
+                      full_batch_step_ms([stamps[u] for u in uids]))  # fmt: skip
 
 
 def _alternate(sides: dict[str, Callable[[], float]], samples: int, warmup: int) -> dict[str, Series]:
@@ -140,8 +180,13 @@ def _alternate(sides: dict[str, Callable[[], float]], samples: int, warmup: int)
     return series
 
 
-def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Comparison]:
-    ours, theirs = load_model(path)[0], load_reference(path)
+def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None] = lambda _: None,
+                    on_kernels: Callable[[KernelSet], None] = lambda _: None) -> list[Comparison]:  # fmt: skip
+    """The comparisons above on the artifact at `path`; `on_kernels` hears the tier the engine side runs."""
+    ours, config = load_model(path)
+    kernels = install(ours, KernelConfig.from_env(cfg.kernels), family=config.get("model_type"))
+    on_kernels(kernels)
+    theirs = load_reference(path)
     vocab = vocab_size(path)
     n = cfg.decode_tokens
     out = []
@@ -152,16 +197,19 @@ def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None
         cfg.samples, cfg.warmup,
     )
     out.append(Comparison("1 request, decode", "tok/s", s["continuous"], [s["serial"]]))
+    one_row = Series("continuous, 1 row", [1e3 / v for v in s["continuous"].values])
     for c in cfg.concurrency:
         prompts = [frozen_prompt_ids(cfg.prompt_tokens, vocab, cfg.seed + 1 + i) for i in range(c)]
         log(f"{c} concurrent requests: engine vs mlx-lm BatchGenerator")
         tokens: dict[str, list] = {}
+        steps: dict[str, Series] = {"engine": Series("engine"), "mlx-lm": Series("mlx-lm")}
 
         def side(name, fn):
             def run():
-                rate, toks = fn()
-                tokens[name] = toks
-                return rate
+                result = fn()
+                tokens[name] = result.tokens
+                steps[name].values.append(result.step_ms)
+                return result.rate
 
             return run
 
@@ -173,10 +221,9 @@ def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None
             },
             cfg.samples, cfg.warmup,
         )
-        out.append(
-            Comparison(
-                f"{c} concurrent, aggregate", "tok/s", s["engine"], [s["mlx-lm"]],
-                tokens_identical=tokens["engine"] == tokens["mlx-lm"],
-            )
-        )
+        identical = tokens["engine"] == tokens["mlx-lm"]
+        out.append(Comparison(f"{c} concurrent, aggregate", "tok/s", s["engine"], [s["mlx-lm"]], identical))
+        # the warmup's steps are not samples
+        measured = {k: Series(k, v.values[-cfg.samples :]) for k, v in steps.items()}
+        out.append(Comparison(f"{c} rows, decode step", "ms", measured["engine"], [measured["mlx-lm"], one_row]))
     return out

@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler overhead: continuous vs serial lane, and C concurrent requests vs mlx-lm",
         description="In process, on one artifact: (1) one request through the continuous batcher vs the "
         "serial lane (decode tok/s); (2) C requests at once, aggregate output tok/s, ours vs mlx-lm's "
-        "BatchGenerator at the same prefill batch size (8, as mlx_lm.server runs it). Sides alternate.",
+        "BatchGenerator at the same prefill batch size (8, as mlx_lm.server runs it), and the decode step at C "
+        "rows (ms, while all C decode) against mlx-lm's and against the one-row step of (1). Sides alternate. "
+        "--kernels picks the engine side's kernel tier; mlx-lm stays stock.",
     )
     _model_source(bb)
     bb.add_argument("--prompt-tokens", type=_positive, default=128, help="prompt length per request (default 128)")
@@ -128,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--samples", type=_positive, default=3, help="measured runs per side (default 3)")
     bb.add_argument("--warmup", type=int, default=1, help="warmup runs per side (default 1)")
     bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--kernels", choices=TIERS, default=AUTO,
+                    help="the engine side's kernel tier: exact (ids must match mlx-lm's), fast (CUDA kernels, equal "
+                    "to rounding; exact off CUDA, with the reason printed) or auto (default)")  # fmt: skip
     bb.add_argument("--json", type=Path, help="also write the results here")
     bb.set_defaults(func=cmd_batch_bench)
 
@@ -401,23 +406,34 @@ def cmd_batch_bench(args) -> int:
     from harness.batch_bench import BatchBenchConfig, run_batch_bench
     from harness.native import geomean
 
+    from engine.engine import kernels_notice
+    from engine.kernels import EXACT
+
     cfg = BatchBenchConfig(args.prompt_tokens, args.decode_tokens, tuple(args.concurrency), args.samples,
-                           args.warmup, args.seed)
+                           args.warmup, args.seed, kernels=args.kernels)
+    tiers = {}
+
+    def on_kernels(ks, name):
+        tiers[name] = ks.tier
+        console.print(f"{name}: kernels {ks.tier}" + (f" ({kernels_notice(ks)})" if kernels_notice(ks) else ""))
     targets = _targets(args)
     records = []
     table = Table(title=f"scheduler overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode per request)")
-    for col in ("model", "measure", "engine", "baseline", "ratio", "paired", "tokens"):
+    for col in ("model", "kernels", "measure", "engine", "baseline", "ratio", "paired", "tokens"):
         table.add_column(col)
     for name, path in targets:
-        for comp in run_batch_bench(path, cfg, log=lambda m, name=name: console.print(f"{name}: {m}")):
-            records.append({"model": name, **comp.as_record()})
+        comps = run_batch_bench(path, cfg, log=lambda m, name=name: console.print(f"{name}: {m}"),
+                                on_kernels=lambda ks, name=name: on_kernels(ks, name))  # fmt: skip
+        for comp in comps:
+            records.append({"model": name, "kernels": tiers[name], **comp.as_record()})
             for base in comp.baselines:
                 paired = comp.paired(base)
                 table.add_row(
-                    name, comp.label, f"{comp.ours.median:.1f} {comp.unit}", f"{base.name} {base.median:.1f}",
-                    f"{comp.ratio(base):.3f}", f"{geomean(paired):.3f} \\[{min(paired):.2f}-{max(paired):.2f}]",
-                    "-" if comp.tokens_identical is None
-                    else ("identical" if comp.tokens_identical else "[red]DIFFER[/]"),
+                    name, tiers[name], comp.label, f"{comp.ours.median:.1f} {comp.unit}",
+                    f"{base.name} {base.median:.1f}", f"{comp.ratio(base):.3f}",
+                    f"{geomean(paired):.3f} \\[{min(paired):.2f}-{max(paired):.2f}]",
+                    "-" if comp.tokens_identical is None else "identical" if comp.tokens_identical
+                    else "[red]DIFFER[/]" if tiers[name] == EXACT else "differ (fast tier)",
                 )
     out.print(table)
     if args.json:

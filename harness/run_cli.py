@@ -27,6 +27,9 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--arms", type=csv, default=csv(arms_default),
                    help=f"arms to run, from engine, engine-serial, engine-exact, engine-fast (--kernels exact|fast), "
                    f"mlx-lm (default {arms_default})")  # fmt: skip
+    p.add_argument("--arm-args", action="append", default=[], metavar="ARM=OPTIONS",
+                   help="server options for one arm, appended to its command line (recorded with the run); "
+                   "repeat for more arms, e.g. --arm-args 'engine=--batch 64'")  # fmt: skip
     p.add_argument("--tokens", type=positive, default=None, help="output tokens per timed request (default 192)")
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=positive, default=None, help="long-context prompt tokens (default 4096)")
@@ -45,14 +48,14 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
 
 
 def _run_plan(args):
-    from harness.arms import resolve_arms
+    from harness.arms import parse_arm_options, resolve_arms
     from harness.run_all import RunSettings
     from harness.workloads import WorkloadSettings
 
     from engine.model_source import resolve_model_dir
 
     try:
-        arms = resolve_arms(args.arms)
+        arms = resolve_arms(args.arms, options=parse_arm_options(args.arm_args))
     except ValueError as e:
         raise CliError(str(e)) from None
     if len({a.name for a in arms}) != len(arms):

@@ -10,10 +10,11 @@ Between them the layer's own `Attention.attend` runs unchanged (rope at the
 cache's offset, the cache update, attention), so any cache the layer takes,
 serial or batched, works here too.
 
-With `attention_step`'s kernels (CUDA, a plain serial cache) the step is also
-two compiled calls: the projections and the new k and v, then the attention,
-the output projection and the MLP, with the cache's update between them and
-the positions passed in as arrays, so both replay at every position.
+With `attention_step`'s kernels (CUDA; a plain serial cache or the continuous
+batcher's left-padded one) the step is also two compiled calls: the
+projections and the new k and v, then the attention, the output projection
+and the MLP, with the cache's update between them and each row's positions
+passed in as arrays, so both replay at every position.
 
 Fusion keeps float32 intermediates where the layer's graph rounds, so this is
 the fast tier: equal to the layer's step up to rounding.
@@ -26,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from engine.cache.batch_kv import BatchKVCache
 from engine.cache.kv import KVCache
 from engine.kernels import attention_step
 from engine.kernels.norm_handoff import LayerLink
@@ -50,7 +52,8 @@ def layer_step(layer, fusion: Fusion, kernels: bool = False,
                link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
     """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
     or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
-    with a plain `KVCache` and no mask takes `attention_step`'s kernels between the projections; anything
+    with a plain `KVCache` and no mask, or with a `BatchKVCache` (whose mask only hides each row's left
+    padding, which the kernels skip), takes `attention_step`'s kernels between the projections; anything
     else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV launches.
     `link`: with `fusion.norm_out`, the input norm
     comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
@@ -70,35 +73,46 @@ def layer_step(layer, fusion: Fusion, kernels: bool = False,
     before_c, after_c = mx.compile(before), mx.compile(after)
 
     # The kernel path in two compiled calls around the cache's update (whose slices move every step): the
-    # positions go in as arrays (`key_params`, `attend_params`), so each call replays its graph at every
+    # positions go in as arrays (`row_params`, `attend_params`), so each call replays its graph at every
     # step; only the number of chunks `attend` splits the cache into (and the cache buffers' length, every
     # 256 positions) makes a new trace.
-    def kernel_before(x, kpar, *prenormed):
+    def kernel_before(x, rpar, *prenormed):
         q, k, v = normed_projections(x, layer.input_layernorm, projections, fusion, prenormed)
-        return (q, *attention_step.keys(attn, k, v, kpar, fpar))
+        return (q, *attention_step.keys(attn, k, v, rpar, fpar))
 
     @lru_cache(maxsize=None)
     def kernel_after(s: int):
-        def run(x, q, keys_buf, values_buf, apar):
-            out = attention_step.attend(attn, q, keys_buf, values_buf, apar, fpar, s)
+        def run(x, q, keys_buf, values_buf, apar, rpar):
+            out = attention_step.attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s)
             return residual_mlp(layer, out, attn.o_proj, x, fusion, link.next_norm)
 
         return mx.compile(run)
 
     kernel_before_c = mx.compile(kernel_before)
 
-    def kernel_step(x: mx.array, cache: KVCache, prenormed: tuple) -> tuple[mx.array, ...]:
-        n = cache.offset + 1
-        q, k, v = kernel_before_c(x, attention_step.key_params(n), *prenormed)
-        cache.append(k, v)
-        apar, s = attention_step.attend_params(n, cache.keys.shape[2])
-        return tuple(kernel_after(s)(x, q, cache.keys, cache.values, apar))
+    def kernel_step(x: mx.array, cache, prenormed: tuple) -> tuple[mx.array, ...]:
+        rows = x.shape[0]
+        if type(cache) is KVCache:  # every row at the same position, from column 0
+            starts, positions = (0,) * rows, (cache.offset,) * rows
+        else:  # BatchKVCache: row b holds columns [left_padding[b], idx), at position idx - left_padding[b]
+            starts, positions = tuple(cache.left_padding), tuple(cache.offsets)
+        rpar = attention_step.row_params(starts, positions)
+        q, k, v = kernel_before_c(x, rpar, *prenormed)
+        if type(cache) is KVCache:
+            cache.append(k, v)
+            n, buffers = cache.offset, (cache.keys, cache.values)
+        else:
+            cache.update_and_fetch(k, v)  # its views of the columns go unused
+            n, buffers = cache.idx, tuple(cache.parts)
+        apar, s = attention_step.attend_params(n, buffers[0].shape[2])
+        return tuple(kernel_after(s)(x, q, *buffers, apar, rpar))
 
     def step(x: mx.array, mask, cache) -> Optional[mx.array]:
         if x.shape[1] != 1:
             return None
         prenormed = link.take(x)
-        if kernels and mask is None and type(cache) is KVCache and x.dtype == mx.bfloat16:
+        takes = (mask is None and type(cache) is KVCache) or type(cache) is BatchKVCache
+        if kernels and takes and x.dtype == mx.bfloat16:
             return link.pass_on(kernel_step(x, cache, prenormed))
         q, k, v, gate = before_c(x, *prenormed)
         return link.pass_on(tuple(after_c(x, attn.attend(q, k, v, mask, cache), gate)))

@@ -13,8 +13,13 @@ and the host handles every one of them each step. Here it is:
   cache's [B, kv heads, 1, D] layout;
 - the cache's own update (two slice updates, as the layer's path makes);
 - `attend`: one launch for q's norm and rope, attention over the cache's
-  first n positions and the output gate, written as o_proj's input (two
-  for a long cache: chunks of the positions, then their merge).
+  positions and the output gate, written as o_proj's input (two for a long
+  cache: chunks of the positions, then their merge).
+
+Each batch row has its own positions (`row_params`): the cache columns it
+holds, [start, n), and the rope position of its new token. A serial cache's
+rows all start at 0; the continuous batcher's left-padded cache starts each
+row after its padding, so a batch of any mix of lengths is one launch.
 
 Numerics: the roundings of the layer's path are kept where it rounds to the
 activation dtype (bf16) before a value is stored or reused: the normed q and
@@ -108,22 +113,23 @@ __device__ __forceinline__ void engine_load_row(const __nv_bfloat16* p, float (&
 }
 """
 
-# ipar: [n, cap, ...] (positions after this token's update, the cache buffer's length; keys: cap 0); fpar:
-# [eps, log2 base, rope scale, attention scale]
+# ipar: [n, cap, chunk, splits] (the cache columns after this token's update, the buffer's length, the
+# chunks); rpar: [B, 4], a row's first column and its new token's rope position; fpar: [eps, log2 base, rope
+# scale, attention scale]
 KEYS_SOURCE = r"""
   // Block (b, g): batch row b, kv head g; thread t: channel t.
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, b = blockIdx.x / HKV;
   __shared__ float xs[D];
   __shared__ float red[D / 32];
   const size_t row = (size_t)blockIdx.x * D;  // [B, 1, HKV * D] in, [B, HKV, 1, D] out: the same offsets
   v_out[row + t] = v[row + t];
   xs[t] = engine_head_norm<D>((float)k[row + t], k_norm_w, fpar[0], red);
   __syncthreads();
-  k_out[row + t] = __float2bfloat16(engine_rope<R>(xs, t, ipar[0] - 1, fpar[1], fpar[2]));
+  k_out[row + t] = __float2bfloat16(engine_rope<R>(xs, t, rpar[4 * b + 1], fpar[1], fpar[2]));
 """
 
-# ipar of `attend`: [n, cap, chunk, splits]: the block's positions are chunk c of `splits` (chunk positions each,
-# the last up to n)
+# `attend`: the block's columns are chunk c of `splits` (chunk columns each, the last up to n), from the row's
+# first column on
 _ATTEND_BODY = r"""
   // Block (b, h, c): batch row b, q head h of kv head g, chunk c of the positions; WARPS warps; channels
   // split over lanes, E a lane.
@@ -141,7 +147,7 @@ _ATTEND_BODY = r"""
   const float qn = engine_head_norm<D>(t < D ? (float)q[qrow + t] : 0.0f, q_norm_w, fpar[0], red);
   if (t < D) qs[t] = qn;
   __syncthreads();
-  const float qr = t < D ? engine_bf16r(engine_rope<R>(qs, t, n - 1, fpar[1], fpar[2])) : 0.0f;
+  const float qr = t < D ? engine_bf16r(engine_rope<R>(qs, t, rpar[4 * b + 1], fpar[1], fpar[2])) : 0.0f;
   __syncthreads();
   if (t < D) qs[t] = qr * fpar[3];
   __syncthreads();
@@ -152,7 +158,7 @@ _ATTEND_BODY = r"""
   // one pass over the chunk's positions with a running max m, sum l and weighted values acc: warp w takes
   // positions w, w + WARPS, ... in order, loading P of them before folding them in
   constexpr int P = 4;
-  const int start = c * chunk, end = min(n, start + chunk);
+  const int start = max(c * chunk, rpar[4 * b]), end = min(n, c * chunk + chunk);
   const size_t head = ((size_t)b * HKV + g) * (size_t)cap * D + lane * E;
   float m = -INFINITY, l = 0.0f, acc[E];
   #pragma unroll
@@ -255,14 +261,14 @@ def splits(n: int) -> int:
 
 @lru_cache(maxsize=1)
 def _keys_kernel():
-    return cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "ipar", "fpar"],
+    return cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "rpar", "fpar"],
                        output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
 
 
 @lru_cache(maxsize=None)
 def _attend_kernel(partial: bool):
     return cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
-                       input_names=["q", "keys", "values", "q_norm_w", "ipar", "fpar"],
+                       input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
                        output_names=["part_ml", "part_acc"] if partial else ["out"],
                        source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
 
@@ -309,39 +315,42 @@ def _template(attn, d: int) -> list:
     return [("H", attn.n_heads), ("HKV", attn.n_kv_heads), ("D", d), ("R", attn.rope.dims), ("WARPS", WARPS)]
 
 
-def key_params(n: int) -> mx.array:
-    """`keys`' int parameters for a step whose new token is position n - 1."""
-    return int_params(n, 0, 0, 0)
+@lru_cache(maxsize=4)
+def row_params(starts: tuple[int, ...], positions: tuple[int, ...]) -> mx.array:
+    """Each batch row's int parameters, [B, 4] int32: its first cache column and its new token's rope position
+    (made once a step for all attention layers, as `int_params`)."""
+    return mx.array([[s, p, 0, 0] for s, p in zip(starts, positions)], dtype=mx.int32)
 
 
 def attend_params(n: int, capacity: int) -> tuple[mx.array, int]:
-    """`attend`'s int parameters over the first n positions of cache buffers of `capacity` positions, and
-    the chunks it splits them into (`splits`)."""
+    """`attend`'s int parameters over the first n columns of cache buffers of `capacity` columns, and the
+    chunks it splits them into (`splits`)."""
     s = splits(n)
     return int_params(n, capacity, -(-n // s), s), s
 
 
-def keys(attn, k: mx.array, v: mx.array, kpar: mx.array, fpar: mx.array) -> tuple[mx.array, mx.array]:
-    """The new token's k (normed, roped at position n - 1) and v, from the projections [B, 1, kv heads * D],
-    as [B, kv heads, 1, D] bf16; `kpar` is `key_params(n)`. The position is an input array, not part of the
-    launch, so a compiled step replays for every n."""
+def keys(attn, k: mx.array, v: mx.array, rpar: mx.array, fpar: mx.array) -> tuple[mx.array, mx.array]:
+    """The new token's k (normed, roped at its row's position in `rpar`, `row_params`) and v, from the
+    projections [B, 1, kv heads * D], as [B, kv heads, 1, D] bf16. The positions are an input array, not
+    part of the launch, so a compiled step replays for every position."""
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     shape = (b, attn.n_kv_heads, 1, d)
     return tuple(_keys_kernel()(
-        inputs=[k, v, attn.k_norm.weight, kpar, fpar],
+        inputs=[k, v, attn.k_norm.weight, rpar, fpar],
         template=_template(attn, d), grid=(b * attn.n_kv_heads * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[shape, shape], output_dtypes=[mx.bfloat16, mx.bfloat16],
     ))  # fmt: skip
 
 
-def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, fpar: mx.array,
-           s: int) -> mx.array:  # fmt: skip
+def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, rpar: mx.array,
+           fpar: mx.array, s: int) -> mx.array:  # fmt: skip
     """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
-    (q and the gate per head) over the first n positions of the cache buffers [B, kv heads, cap, D], where
-    `(apar, s) = attend_params(n, cap)`: one launch, or for a long cache (s > 1 chunks) one over chunks of the
-    positions and one that merges them. Only s shapes the launches; n is in the input `apar`."""
+    (q and the gate per head) over each row's columns [start, n) of the cache buffers [B, kv heads, cap, D],
+    where `(apar, s) = attend_params(n, cap)` and `rpar = row_params(starts, positions)`: one launch, or for
+    a long cache (s > 1 chunks) one over chunks of the columns and one that merges them. Only s shapes the
+    launches; the positions are in the inputs."""
     b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
-    inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, fpar]
+    inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, rpar, fpar]
     launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:
         return _attend_kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],

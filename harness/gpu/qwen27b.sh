@@ -3,7 +3,7 @@
 # machine with MLX's CUDA backend installed:
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
-#   PART                  tests (default) | kernels | gate | native | run-all | parity | ncu | profile
+#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -12,8 +12,11 @@
 #   gate     GATE_ROWS (default 1,8), GATE_ARGS (more `harness kernels --gate-model` options)
 #   native   KERNELS (auto|exact|fast, default auto), PROMPT (1024), DECODE (128), SAMPLES (5)
 #   run-all  TOKENS (64), RUN_ARGS (more `harness run all` options, e.g. "--decode-samples 3")
+#   batch    ROWS (1,8,16,32,64), CONCURRENCY (8,16,32,64), DECODE (32): the batched step's wall time and its
+#            parts at each row count, then `harness batch-bench --kernels fast` against mlx-lm
 #   parity   PARITY_ARGS (more `harness parity` options, e.g. "--batch 2,3,4,8")
-#   ncu      STEPS (3), PROMPT (64), TOP (30): Nsight Compute (`ncu`) over a few fast decode steps
+#   ncu      ROWS (1), TIERS (fast), STEPS (3), PROMPT (64), TOP (30): the wall step time at each row count
+#            and tier, then Nsight Compute (`ncu`) over a few decode steps of each, summed by kernel name
 #   profile  ROUNDS (2), STEP_CONFIGS (tools/gpu/decode_step.py's --configs)
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -56,13 +59,23 @@ case "$PART" in
     python3 -m harness run all --models qwen27b --tokens "${TOKENS:-64}" --skip-context ${RUN_ARGS:-} \
         --out "$OUT/qwen27b-run-all.json" --db "$OUT/runs.sqlite" 2>&1 | tee "$OUT/qwen27b-run-all.txt"
     ;;
+  batch)
+    synth
+    { python3 -m tools.gpu.step_kernels --rows "${ROWS:-1,8,16,32,64}" --tiers fast --time --steps 16
+      python3 -m tools.gpu.batch_parts --rows "${ROWS:-1,8,16,32,64}"; } 2>&1 | tee "$OUT/qwen27b-batch-steps.txt"
+    python3 -m harness batch-bench --models qwen27b --kernels fast --concurrency "${CONCURRENCY:-8,16,32,64}" \
+        --decode-tokens "${DECODE:-32}" --samples 1 --warmup 1 --json "$OUT/qwen27b-batch-bench.json" 2>&1 \
+        | tee "$OUT/qwen27b-batch-bench.txt"
+    ;;
   parity)  # the tiny models' B=1 gate: CUDA's matrix kernels differ from the CPU's
     python3 -m harness parity ${PARITY_ARGS:-} --json "$OUT/parity-cuda.json" 2>&1 | tee "$OUT/parity-cuda.txt"
     ;;
-  ncu)  # each kernel's device time in STEPS fast decode steps, summed per step and by kernel name
+  ncu)  # each kernel's device time in STEPS decode steps, summed per step and by kernel name
     synth
+    step=(python3 -m tools.gpu.step_kernels --rows "${ROWS:-1}" --tiers "${TIERS:-fast}" --prompt-tokens "${PROMPT:-64}")
+    "${step[@]}" --time --steps 24 2>&1 | tee "$OUT/qwen27b-step-times.txt"
     ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none --log-file "$OUT/ncu-step.csv" \
-        python3 -m tools.gpu.step_kernels --steps "${STEPS:-3}" --prompt-tokens "${PROMPT:-64}" 2>&1 | tail -5
+        "${step[@]}" --steps "${STEPS:-3}" 2>&1 | tail -5
     python3 -m tools.gpu.step_kernels --summarize "$OUT/ncu-step.csv" --top "${TOP:-30}" 2>&1 \
         | tee "$OUT/qwen27b-step-kernels.txt"
     ;;
@@ -71,5 +84,5 @@ case "$PART" in
     python3 -m tools.gpu.decode_step --tokens 48 --rounds "${ROUNDS:-2}" ${STEP_CONFIGS:+--configs "$STEP_CONFIGS"} 2>&1 \
         | tee "$OUT/decode-step.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, parity, ncu or profile (got '$PART')" >&2; exit 2 ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu or profile (got '$PART')" >&2; exit 2 ;;
 esac

@@ -162,6 +162,28 @@ def test_the_engine_arms_include_one_per_tier():
     assert not arms["mlx-lm"].is_engine
 
 
+def test_arm_args_append_server_options_to_one_arm():
+    from harness.arms import parse_arm_options, resolve_arms
+
+    options = parse_arm_options(["engine=--batch 64 --prefill-chunk '512'"])
+    assert options == {"engine": ["--batch", "64", "--prefill-chunk", "512"]}
+    engine, serial = resolve_arms(["engine", "engine-serial"], options=options)
+    assert engine.command("/m", 1234)[-4:] == ["--batch", "64", "--prefill-chunk", "512"]
+    assert serial.command("/m", 1234) == standard_arms()["engine-serial"].command("/m", 1234)
+    for bad, match in ((["engine"], "ARM=OPTIONS"), (["=--batch 2"], "ARM=OPTIONS"),
+                       (["engine=--batch 2", "engine=--batch 3"], "twice")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_arm_options(bad)
+    with pytest.raises(ValueError, match="does not run"):
+        resolve_arms(["engine"], options={"mlx-lm": ["--x"]})
+
+
+def test_run_all_takes_arm_args_in_its_plan(capsys):
+    assert harness_main(["run", "all", "--models", MODEL, "--arms", "engine", "--arm-args", "engine=--batch 64",
+                         "--dry-run"]) == 0  # fmt: skip
+    assert "--batch 64" in capsys.readouterr().out
+
+
 def test_the_arm_record_keeps_the_reported_kernels_through_the_database(tmp_path):
     db = open_db(tmp_path / "runs.sqlite")
     reported = KernelSet(EXACT, FAST, reason="the fast tier needs MLX's CUDA backend").as_record()

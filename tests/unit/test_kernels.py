@@ -81,6 +81,20 @@ def test_kernel_layer_falls_back_to_mlx_off_cuda_bit_exact():
     assert mx.array_equal(KernelQuantizedLinear.from_module(q, use_kernel=False)(x), q(x)).item()
 
 
+def test_rows_past_the_kernel_run_as_one_matrix(monkeypatch):
+    # MLX's quantized matmul takes a batch [B, 1, K] as B one-row products, each reading all the weights:
+    # the layer hands it the rows as one [B, K] matrix.
+    q = make_quantized(n=256, k=128)
+    layer = KernelQuantizedLinear.from_module(q, use_kernel=False)
+    x = mx.random.normal((5, 1, 128)).astype(mx.bfloat16)
+    want = q(x.reshape(5, 128)).reshape(5, 1, 256)
+    shapes, real = [], mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **kw: shapes.append(x.shape) or real(x, *a, **kw))
+    got = layer(x)
+    assert shapes == [(5, 128)] and got.shape == (5, 1, 256)
+    assert mx.array_equal(got, want).item()
+
+
 def test_projections_off_cuda_run_each_layer_as_mlx_does():
     # Off CUDA (and in the exact tier) `project` is each layer's own call: the graph mlx-lm builds.
     layers = [make_quantized(n=n, seed=n) for n in (2048, 64, 48)]
@@ -109,7 +123,7 @@ def test_small_matrices_may_join_a_group():
     [
         ((1, 128), mx.bfloat16, 4, 64, None),
         ((16, 128), mx.bfloat16, 8, 32, None),
-        ((17, 128), mx.bfloat16, 4, 64, "17 rows"),
+        ((65, 128), mx.bfloat16, 4, 64, "65 rows"),
         ((1, 128), mx.float32, 4, 64, "float32 activations"),
         ((1, 128), mx.bfloat16, 4, 128, "group size 128"),
         ((1, 128), mx.bfloat16, 3, 32, "3-bit"),
@@ -167,9 +181,10 @@ def test_delta_update_uses_chunked_only_for_long_inputs_without_trace():
 
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
-# M: one column block (1, 3, 8) and two (9: the second one partial, 16); N: a partial 16-row tile (48 with two
-# tiles per block, 1000) and K with >= 256 k-tiles (17408, another launch shape). Each case compiles a kernel.
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+# M: one column block (1, 3, 8), up to eight (9, 17, 33, 63: the last one partial; 16, 32, 64), the launch
+# shapes of one row, of 2-8 and of row groups from 9; N: a partial 16-row tile (48 with two tiles per block,
+# 1000) and K with >= 256 k-tiles (17408, another launch shape). Each case compiles a kernel.
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 33, 63, 64])
 @pytest.mark.parametrize("n, k", [(48, 5120), (1000, 1536), (4096, 17408)])
 def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
@@ -230,8 +245,8 @@ def test_kernel_layer_runs_the_compiled_kernel():
 
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, 32)])
-@pytest.mark.parametrize("m", [1, 5, 9])
-@pytest.mark.parametrize("rows", [(2048, 1024), (1500, 512, 48, 48), (4096,)])
+@pytest.mark.parametrize("m", [1, 5, 9, 33])
+@pytest.mark.parametrize("rows", [(2048, 1024), (1500, 512, 48, 48), (4096,), (12288, 1024)])
 def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
     # Each matrix's blocks compute exactly what its own launch does: identical results.
     qs = [make_quantized(n=n, k=1536, bits=bits, group_size=group, seed=i) for i, n in enumerate(rows)]
@@ -247,7 +262,7 @@ def test_one_launch_for_several_matrices_equals_one_each(bits, group, m, rows):
 
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (8, 32)])
-@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("m", [1, 5, 9, 17, 64])
 def test_gated_launch_gives_the_swiglu_of_both_products(bits, group, m):
     # A block computes the same gate and up rows it would in a plain launch (same sums, bit for bit), then
     # rounds them to bf16, silu(gate) to bf16 and the product to bf16: two roundings of 2^-8 each from
@@ -289,7 +304,7 @@ def test_fused_stages_refuse_what_they_cannot_take():
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 17, 64])
 def test_norm_out_hands_the_next_launch_its_norm(m):
     # Fusion.norm_out: the launch's result is its plain residual launch's, bit for bit; hw is bf16(h * nw) as
     # engine_mul2 rounds; the blocks' parts of the sums of squares add up to sum(h^2) (float32, another order).
@@ -476,7 +491,7 @@ def test_a_layer_takes_only_the_norm_left_for_its_own_input():
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [1, 5, 9])
+@pytest.mark.parametrize("m", [1, 5, 9, 33])
 def test_norm_scale_takes_the_norm_after_the_products(m):
     # Fusion.norm_scale: r * sum_k w_k bf16(x_k nw_k), r = rsqrt(mean(x^2) + eps) from the block's own loads,
     # against the products of MLX's rms_norm output a_k = bf16(nw_k bf16(x_k r)) (as engine_norm2 rounds).
@@ -509,7 +524,7 @@ def test_norm_scale_takes_the_norm_after_the_products(m):
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 33])
 def test_residual_in_the_launch_equals_the_add_after_it(m):
     # The product rounded to bf16, added to the residual in float32 and rounded: what MLX's bf16 add does.
     q = make_quantized(n=2048, k=1536)
@@ -770,25 +785,28 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
 # operations: `_keys_reference` is the layer's own path for the new k and v (its norm, rope and layout);
 # `_attend_reference` is the layer's q path, then attention in float32 elementwise operations (not matmuls:
 # CUDA runs float32 matmuls as TF32) and the layer's output gate.
-# Both take the kernels' int parameters (n in their first value) as arrays, as the kernels do, so that a
-# compiled step replays them at every position: rope's offset is that array, and the attention masks the
-# buffer's positions from n on (their probabilities exactly 0) instead of slicing them off.
-def _keys_reference(attn, k, v, kpar):
+# Both take the kernels' int parameters (n, and each row's first column and position) as arrays, as the
+# kernels do, so that a compiled step replays them at every position: rope's offset is the rows' positions,
+# and the attention masks each row's buffer columns outside [start, n) (their probabilities exactly 0)
+# instead of slicing them off.
+def _keys_reference(attn, k, v, rpar):
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     kn = attn.k_norm(k.reshape(b, 1, attn.n_kv_heads, d)).transpose(0, 2, 1, 3)
-    return attn.rope(kn, offset=kpar[0] - 1), v.reshape(b, 1, attn.n_kv_heads, d).transpose(0, 2, 1, 3)
+    return attn.rope(kn, offset=rpar[:, 1]), v.reshape(b, 1, attn.n_kv_heads, d).transpose(0, 2, 1, 3)
 
 
-def _attend_reference(attn, q, keys, values, apar):
+def _attend_reference(attn, q, keys, values, apar, rpar):
     b, d, h, f32 = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads, mx.float32
     n = apar[0]
     qh, gate = mx.split(q.reshape(b, 1, h, 2 * d), 2, axis=-1)
-    qr = attn.rope(attn.q_norm(qh).transpose(0, 2, 1, 3), offset=n - 1).astype(f32) * attn.scale  # [b, h, 1, d]
+    qr = attn.rope(attn.q_norm(qh).transpose(0, 2, 1, 3), offset=rpar[:, 1]).astype(f32) * attn.scale  # [b, h, 1, d]
     group = h // attn.n_kv_heads
     k = mx.repeat(keys.astype(f32), group, axis=1)
     v = mx.repeat(values.astype(f32), group, axis=1)
     scores = mx.sum(qr * k, axis=-1)  # [b, h, cap]
-    p = mx.softmax(mx.where(mx.arange(keys.shape[2]) < n, scores, -mx.inf), axis=-1)
+    columns = mx.arange(keys.shape[2])
+    held = (columns < n) & (columns >= rpar[:, :1])  # [b, cap]
+    p = mx.softmax(mx.where(held[:, None, :], scores, -mx.inf), axis=-1)
     o = mx.sum(p[..., None] * v, axis=2).astype(mx.bfloat16)  # [b, h, d]
     return o.reshape(b, 1, h * d) * mx.sigmoid(gate.reshape(b, 1, h * d))
 
@@ -838,23 +856,27 @@ def test_attention_kernels_are_chosen_on_cuda_only():
     assert ks.attention_kernel_layers == (ks.attention_step_layers if on_cuda() else 0)
 
 
-def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
-    # The step's own plumbing (the flat projections, the cache append, n, the output into o_proj) on any
-    # backend, with the kernels replaced by the references above, against the compiled step around the
-    # layer's attention. Both decode the same forced tokens. The kernel path's two compiled calls are traced
-    # once a layer: the positions are inputs, so no step builds their graphs again.
+# one serial row; three rows of a left-padded batch (the continuous batcher's), prompts of three lengths
+@pytest.mark.parametrize("lengths", [(8,), (5, 8, 3)])
+def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
+    # The step's own plumbing (the flat projections, the cache update, n and each row's positions, the output
+    # into o_proj) on any backend, with the kernels replaced by the references above, against the compiled
+    # step around the layer's attention (for a batch: with the batch's mask). Both decode the same forced
+    # tokens. The kernel path's two compiled calls are traced once a layer: the positions are inputs, so no
+    # step builds their graphs again.
+    from engine.batch.runner import merge_rows
     from engine.engine import Engine
     from engine.kernels import attention_decode, attention_step
 
     traced = Counter()
 
-    def keys(attn, k, v, kpar, fpar):
+    def keys(attn, k, v, rpar, fpar):
         traced["keys", id(attn)] += 1
-        return _keys_reference(attn, k, v, kpar)
+        return _keys_reference(attn, k, v, rpar)
 
-    def attend(attn, q, k, v, apar, fpar, s):
+    def attend(attn, q, k, v, apar, rpar, fpar, s):
         traced["attend", id(attn)] += 1
-        return _attend_reference(attn, q, k, v, apar)
+        return _attend_reference(attn, q, k, v, apar, rpar)
 
     monkeypatch.setattr(attention_step, "keys", keys)
     monkeypatch.setattr(attention_step, "attend", attend)
@@ -863,9 +885,12 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
     def decode(kernels: bool):
         monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: kernels)
         ks = install(model, FAST_ANYWHERE)
-        cache = model.make_cache()
-        model(mx.array([list(range(3, 11))]), cache)
-        logits = [model(mx.array([[t]]), cache)[0, -1] for t in range(20, 32)]
+        singles = [model.make_cache() for _ in lengths]
+        for n, single in zip(lengths, singles):
+            model(mx.array([list(range(3, 3 + n))]), single)
+        cache = singles[0] if len(lengths) == 1 else merge_rows(singles)
+        rows = len(lengths)
+        logits = [model(mx.array([[t + r for r in range(rows)]]).T, cache)[:, -1] for t in range(20, 32)]
         mx.eval(logits, [c.state for c in cache])
         install(model, KernelConfig(EXACT))
         return ks, logits, cache
@@ -887,12 +912,14 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch):
 
 
 @cuda_only
-# one launch (n = 1, 300, 37), positions in 16 chunks (1100; 600 with two batch rows and the last chunk short)
+# one launch (n = 1, 300, 37), positions in 16 chunks (1100; 600 with two batch rows and the last chunk short);
+# rows of a left-padded batch, each from its own first column (up to 64 rows, starts past a whole chunk)
 @pytest.mark.parametrize("h, hkv, d, rope_dims, b, n", [(24, 4, 256, 64, 1, 1), (24, 4, 256, 64, 1, 300),
                                                         (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37),
-                                                        (4, 2, 64, 16, 2, 600)])  # fmt: skip
+                                                        (4, 2, 64, 16, 2, 600), (24, 4, 256, 64, 9, 200),
+                                                        (24, 4, 256, 64, 33, 700), (4, 2, 64, 16, 64, 130)])  # fmt: skip
 def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
-    from engine.kernels.attention_step import attend, attend_params, float_params, key_params, keys
+    from engine.kernels.attention_step import attend, attend_params, float_params, keys, row_params
 
     attn, bf = _Attn(h, hkv, d, rope_dims), mx.bfloat16
     mx.random.seed(2)
@@ -902,8 +929,10 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     keys_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
     values_buf = mx.random.normal((b, hkv, cap, d)).astype(bf)
     fpar = float_params(attn)
-    got_k, got_v = keys(attn, k, v, key_params(n), fpar)
-    want_k, want_v = _keys_reference(attn, k, v, key_params(n))
+    starts = tuple((r * 97) % n if b > 2 else 0 for r in range(b))  # a batch of rows: starts up to n - 1
+    rpar = row_params(starts, tuple(n - 1 - start for start in starts))
+    got_k, got_v = keys(attn, k, v, rpar, fpar)
+    want_k, want_v = _keys_reference(attn, k, v, rpar)
     assert mx.array_equal(got_v, want_v).item()
     # The same roundings as the layer (the norm, then rope, to bf16); the sum of squares in another order can
     # move the normed channel (and so the rope's pair) by one bf16 ulp.
@@ -911,8 +940,8 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     keys_buf[:, :, n - 1 : n] = want_k
     values_buf[:, :, n - 1 : n] = want_v
     apar, s = attend_params(n, cap)
-    got = attend(attn, q, keys_buf, values_buf, apar, fpar, s).astype(mx.float32)
-    want = _attend_reference(attn, q, keys_buf, values_buf, apar).astype(mx.float32)
+    got = attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s).astype(mx.float32)
+    want = _attend_reference(attn, q, keys_buf, values_buf, apar, rpar).astype(mx.float32)
     # Both round the attention output and the gated output to bf16 from float32 values that differ only by
     # summation order and __expf: a rounding that falls the other way is one bf16 ulp, up to 2^-7 of the
     # value, at each of the two.

@@ -3,6 +3,7 @@ over copies larger than the L2), after checking its numerics against a float32 C
 shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this.
 
     python3 -m tools.gpu.gemv_configs [--quick] [--no-numerics] [--serial] [--candidates W,RT,U[,MINB];...]
+                                      [--rows 1,4,8,16,32,64]
 
 --serial: each call adds its product to the previous call's output (the residual in the launch), so it waits
 for it, as in a decode step; independent calls may run side by side, which hides launches of few blocks
@@ -27,7 +28,7 @@ def numerics():
         for gs in (32, 64):
             for n, k in ((1000, 1024), (4096, 5120)):
                 w, s, b = random_quantized(n, k, bits, gs)
-                for m in (1, 2, 3, 5, 8, 9, 16):
+                for m in (1, 2, 3, 5, 8, 9, 16, 33, 64):
                     x = mx.random.normal((m, k)).astype(mx.bfloat16)
                     out = quantized_matmul(x, w, s, b, gs, bits).astype(mx.float32)
                     mx.eval(out)
@@ -46,7 +47,8 @@ def numerics():
 
 
 def label(c: LaunchConfig) -> str:
-    return f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
+    return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
+            + (f" WR{c.row_groups}" if c.row_groups > 1 else ""))  # fmt: skip
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
@@ -66,6 +68,10 @@ def launch_shapes(text: str) -> list[LaunchConfig]:
 def candidates(m: int, serial: bool, chosen: list[LaunchConfig]):
     if chosen and m == 1:
         return chosen
+    if m > 8:  # row groups (W, RT, U, WR)
+        shapes = ((4, 1, 4, 4), (4, 1, 2, 4), (4, 1, 4, 2), (4, 1, 2, 2), (8, 1, 2, 4), (8, 1, 4, 8), (8, 1, 2, 8),
+                  (2, 1, 4, 2), (4, 2, 2, 4), (4, 2, 2, 2))  # fmt: skip
+        return [LaunchConfig(w, rt, u, row_groups=wr) for w, rt, u, wr in shapes]
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
@@ -74,7 +80,8 @@ def candidates(m: int, serial: bool, chosen: list[LaunchConfig]):
     return [LaunchConfig(*shape) for shape in shapes] + (SERIAL_EXTRA if serial else [])
 
 
-def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0) -> tuple[list, dict]:
+def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0,
+           rows_m: tuple[int, ...] = (1, 4, 8, 16)) -> tuple[list, dict]:  # fmt: skip
     """Every shape's times; the rows and the candidates timed, by label."""
     rows, configs = [], {}
     cfg = BenchConfig(repeats=9)  # 400 calls an evaluation, as the kernel table
@@ -86,7 +93,7 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
         main = (n, k) in shapes[:2] or serial
-        for m in ((1,) if quick or serial else (1, 4, 8, 16)) if main else (1,):
+        for m in ((1,) if quick or serial else rows_m) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
             res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6, "serial": serial}
@@ -160,9 +167,12 @@ def main() -> None:
     p.add_argument("--time-anyway", action="store_true", help="time even when the numerics check fails")
     p.add_argument("--candidates", type=launch_shapes, default=[], help="M = 1 candidates in place of the sweep's")
     p.add_argument("--first-shape", type=int, default=0, help="skip the first N shapes")
+    p.add_argument("--rows", default="1,4,8,16", help="activation rows M timed on the two 50 MB matrices "
+                                                      "(default 1,4,8,16)")  # fmt: skip
     args = p.parse_args()
     if args.no_numerics or numerics() == 0 or args.time_anyway:
-        rows, configs = timing(args.quick, args.serial, args.candidates, args.first_shape)
+        rows_m = tuple(int(m) for m in args.rows.split(","))
+        rows, configs = timing(args.quick, args.serial, args.candidates, args.first_shape, rows_m)
         if args.serial:
             print(f"ENGINE_GEMV_LAUNCH={serial_setting(rows, configs)!r}", flush=True)
 

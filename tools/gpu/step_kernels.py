@@ -1,17 +1,18 @@
-"""Where a fast decode step's device time goes, kernel by kernel, under Nsight Compute.
+"""Where a decode step's time goes at B rows, kernel by kernel, under Nsight Compute; and its wall time.
 
-Run under `ncu`:
-
+    python3 -m tools.gpu.step_kernels --rows 1,8,9,16,32 --tiers fast,exact --time
     ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \\
-        --log-file ncu.csv python3 -m tools.gpu.step_kernels
+        --log-file ncu.csv python3 -m tools.gpu.step_kernels --rows 8,9,16,32 --tiers fast,exact
     python3 -m tools.gpu.step_kernels --summarize ncu.csv
 
-The first command loads the model (fast tier), prefills `--prompt-tokens` (64), warms the decode step, then
-evaluates `--steps` decode steps one at a time with a marker kernel after each. The second reads ncu's CSV: each step's kernels
-are those between two markers; it prints the sum of their durations per step (the device's busy time,
-kernels serialized by ncu, clocks and caches as the application leaves them) and the kernels that take the
-most, by name (each one's median, fastest and slowest launch). Set against the pipelined step time (`tools.gpu.decode_step`), the sum says whether the device
-is busy for the whole step or waits between launches.
+For each tier and row count the model prefills B rows of `--prompt-tokens` (64) in one batch (the batched
+caches the continuous batcher runs: a left-padded KV cache per attention layer), warms the decode step,
+then evaluates `--steps` decode steps one at a time with a marker kernel after each (its name carries the
+tier and rows). `--time` instead times `--steps` pipelined steps (no ncu) and prints the median step. The
+summary reads ncu's CSV: each step's kernels are those between two markers of the same name; per tier and
+rows it prints the sum of their durations (the device's busy time, kernels serialized by ncu) and the
+kernels that take the most, by name. Set against the wall step time, the sum says whether the device is
+busy for the whole step or waits on the host.
 """
 
 from __future__ import annotations
@@ -19,42 +20,76 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import time
 from collections import defaultdict
 
 MARKER = "engine_step_marker"
 UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
 
-def _marker():
+def _marker(label: str):
     import mlx.core as mx
 
-    kernel = mx.fast.cuda_kernel(name=MARKER, input_names=["x"], output_names=["y"], source="y[0] = x[0];")
+    kernel = mx.fast.cuda_kernel(name=f"{MARKER}_{label}", input_names=["x"], output_names=["y"],
+                                 source="y[0] = x[0];")  # fmt: skip
     return lambda x: kernel(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
                             output_dtypes=[x.dtype])[0]  # fmt: skip
 
 
-def run(model_name: str, steps: int, tier: str, prompt_tokens: int = 64) -> None:
+def batch_state(eng, rows: int, prompt_tokens: int):
+    """A `rows`-row batch after a prefill of distinct prompts: (the batched caches, the next tokens [B, 1])."""
+    import mlx.core as mx
+
+    from engine.batch.runner import merge_rows
+
+    cache = merge_rows([eng.make_cache() for _ in range(rows)]) if rows > 1 else eng.make_cache()
+    prompts = mx.array([[(i * 7919 + r * 104729) % 50000 + 10 for i in range(prompt_tokens)] for r in range(rows)])
+    logits = eng.model(prompts, cache)
+    for c in cache:
+        if hasattr(c, "finalize"):
+            c.finalize()
+    token = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(token)
+    return cache, token
+
+
+def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
+        timed: bool) -> None:  # fmt: skip
     import mlx.core as mx
 
     from engine.engine import Engine
-    from engine.kernels import KernelConfig
+    from engine.kernels import KernelConfig, install
 
-    eng = Engine.load(model_name, with_tokenizer=False, kernels=KernelConfig.from_env(tier))
-    ks = eng.kernels
-    print(f"{model_name}: {ks}", flush=True)
-    marker = _marker()
-    cache = eng.make_cache()
-    logits = eng.model(mx.array([[(i * 7919) % 50000 + 10 for i in range(prompt_tokens)]]), cache)
-    token = mx.argmax(logits[:, -1:], axis=-1)
-    for _ in range(3):  # warm: compiles the step's kernels
-        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-        mx.eval(token)
-    mx.eval(marker(token.reshape(-1)))
-    for _ in range(steps):
-        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-        mx.eval(token)
-        mx.eval(marker(token.reshape(-1)))
-    print(f"{steps} steps done", flush=True)
+    eng = Engine.load(model_name, with_tokenizer=False, kernels=KernelConfig.from_env(tiers[0]))
+    for tier in tiers:
+        ks = install(eng.model, KernelConfig.from_env(tier), eng.config.get("model_type"))
+        print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers", flush=True)
+        for rows in rows_list:
+            cache, token = batch_state(eng, rows, prompt_tokens)
+            for _ in range(3):  # warm: compiles this shape's kernels
+                token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+                mx.eval(token)
+            if timed:
+                mx.synchronize()
+                stamps = []
+                for _ in range(steps):
+                    token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+                    mx.async_eval(token)
+                    stamps.append(time.perf_counter())
+                mx.eval(token)
+                stamps.append(time.perf_counter())
+                gaps = [b - a for a, b in zip(stamps, stamps[1:])][1:]
+                print(f"{tier:6s} rows {rows:3d}: step {statistics.median(gaps) * 1e3:7.2f} ms "
+                      f"({rows / statistics.median(gaps):7.1f} tok/s)", flush=True)  # fmt: skip
+                continue
+            marker = _marker(f"{tier}_{rows}")
+            mx.eval(marker(token.reshape(-1)))
+            for _ in range(steps):
+                token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+                mx.eval(token)
+                mx.eval(marker(token.reshape(-1)))
+            print(f"{tier} rows {rows}: {steps} steps done", flush=True)
+            del cache
 
 
 def summarize(path: str, top: int) -> None:
@@ -65,41 +100,47 @@ def summarize(path: str, top: int) -> None:
         if row.get("Metric Name") == "gpu__time_duration.sum":
             scale = UNITS_US.get(row["Metric Unit"], float("nan"))
             rows.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale))
-    marks = [i for i, (name, _) in enumerate(rows) if MARKER in name]
-    if len(marks) < 2:
+    marks = [(i, name.split("(")[0]) for i, (name, _) in enumerate(rows) if MARKER in name]
+    sections = defaultdict(list)  # marker name: the steps between two of its markers
+    for (a, name_a), (b, name_b) in zip(marks, marks[1:]):
+        if name_a == name_b:
+            sections[name_a].append(rows[a + 1 : b])
+    if not sections:
         raise SystemExit(f"{path}: {len(marks)} markers among {len(rows)} kernels; nothing between two markers")
-    per_step, by_name, launches = [], defaultdict(list), []
-    for a, b in zip(marks, marks[1:]):
-        step = rows[a + 1 : b]
-        per_step.append(sum(us for _, us in step))
-        launches.append(len(step))
-        for name, us in step:
-            by_name[name.split("(")[0][:90]].append(us)
-    n = len(per_step)
-    print(f"{n} steps: {launches[0]} kernels a step; device busy {statistics.median(per_step) / 1e3:.2f} ms a step "
-          f"(median; {min(per_step) / 1e3:.2f}-{max(per_step) / 1e3:.2f})")
-    # us each: the median launch, beside the fastest and slowest (a name whose fastest launch is as far above
-    # another build's as its median is slower in every launch; a slow median over a fast minimum, in some)
-    print(f"{'kernel':90s} {'a step':>7s} {'us a step':>10s} {'us each':>9s} {'min':>7s} {'max':>7s}")
-    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"{name:90s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {statistics.median(times):9.1f} "
-              f"{min(times):7.1f} {max(times):7.1f}")
+    for label, steps in sections.items():
+        per_step = [sum(us for _, us in step) for step in steps]
+        by_name = defaultdict(list)
+        for step in steps:
+            for name, us in step:
+                by_name[name.split("(")[0][:80]].append(us)
+        n = len(steps)
+        print(f"\n{label.removeprefix(MARKER + '_')}: {n} steps, {len(steps[0])} kernels a step; device busy "
+              f"{statistics.median(per_step) / 1e3:.2f} ms a step (median; {min(per_step) / 1e3:.2f}-"
+              f"{max(per_step) / 1e3:.2f})")  # fmt: skip
+        print(f"{'kernel':80s} {'a step':>7s} {'us a step':>10s} {'share':>6s} {'us each':>9s} {'min':>7s} {'max':>7s}")
+        total = statistics.median(per_step)
+        for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            print(f"{name:80s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {sum(times) / n / total:6.1%} "
+                  f"{statistics.median(times):9.1f} {min(times):7.1f} {max(times):7.1f}")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen27b")
+    p.add_argument("--rows", default="1", help="comma-separated batch rows (default 1)")
+    p.add_argument("--tiers", default="fast", help="comma-separated kernel tiers (the fast tier takes ENGINE_FUSE "
+                                                   "and ENGINE_GEMV_LAUNCH)")  # fmt: skip
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tier", default="fast", help="kernel tier (the fast tier takes ENGINE_FUSE and ENGINE_GEMV_LAUNCH)")
-    p.add_argument("--prompt-tokens", type=int, default=64,
-                   help="the context the decode steps attend over (native's is 1024 and more)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="the context the decode steps attend over")
+    p.add_argument("--time", action="store_true", help="time pipelined steps instead of marking them for ncu")
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
-        run(args.model, args.steps, args.tier, args.prompt_tokens)
+        run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
+            args.prompt_tokens, args.time)  # fmt: skip
 
 
 if __name__ == "__main__":

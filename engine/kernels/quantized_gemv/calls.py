@@ -21,7 +21,7 @@ import mlx.nn as nn
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import LaunchConfig, Launches, launch_config
 
-MAX_ROWS = 16  # the kernel's limit
+MAX_ROWS = 64  # the kernel's limit
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
 
@@ -105,12 +105,28 @@ def quantized_matmuls(
         if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual or fusion.norm_out:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
+    config = fitted(config, m, fusion)
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step.
     extra = _stage_arrays(norm, residual, norm_out, prenormed)
     args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
                             prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
     return config.kernel(len(matrices), fusion)(**args)
+
+
+SHARED_BYTES = 40 << 10  # of the 48 KB of static shared memory a block may use; the rest for the stages' own
+
+
+def fitted(config: LaunchConfig, m: int, fusion: Fusion) -> LaunchConfig:
+    """`config` with fewer row groups where the sums' staging (and norm_out's squares) would take more than
+    SHARED_BYTES of shared memory at M rows. Each row's sums run as before: row groups split no sums."""
+    def staged(c: LaunchConfig) -> int:
+        out_rows = 16 * c.row_tiles // (2 if fusion.gated else 1) * c.row_groups
+        return 4 * (c.warps * 16 * c.row_tiles * (8 * -(-m // 8) + 1) + fusion.norm_out * out_rows * (m + 1))
+
+    while config.row_groups > 1 and staged(config) > SHARED_BYTES:
+        config = replace(config, warps=config.warps // 2, row_groups=config.row_groups // 2)
+    return config
 
 
 def float_bits(value: float) -> int:
@@ -125,8 +141,8 @@ def launch_arguments(x: mx.array, matrices: Matrices, group_size: int, bits: int
                      extra: Sequence[mx.array] = (), fusion: Fusion = Fusion(), parts: int = 0,
                      eps: float = 0.0) -> dict:  # fmt: skip
     """The kernel call's arguments for x [..., K] (M rows in all) and the matrices, each result [..., N_i]:
-    blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles rows. A gated
-    launch: one block per 16 * row_tiles / 2 rows of both matrices, one result. norm_out: its two results
+    blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles * row_groups rows.
+    A gated launch: one block per 16 * row_tiles * row_groups / 2 rows of both matrices, one result. norm_out: its two results
     after the product (`source.output_names`); prenormed: `parts` sums of squares a row in its input
     (template P). A norm's `eps` is a template value (EPS, its float32 bits), not an input: `float_bits`."""
     k = x.shape[-1]
@@ -134,7 +150,7 @@ def launch_arguments(x: mx.array, matrices: Matrices, group_size: int, bits: int
     rows = [w.shape[0] for w, _, _ in matrices]
     starts = [0]
     for n in rows[:1] if fusion.gated else rows:
-        tile_rows = 16 * config.row_tiles // (2 if fusion.gated else 1)
+        tile_rows = 16 * config.row_tiles * config.row_groups // (2 if fusion.gated else 1)
         starts.append(starts[-1] + (n + tile_rows - 1) // tile_rows)
     products = len(starts) - 1
     norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, starts[-1])]

@@ -17,10 +17,12 @@ _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
 # sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`). The block copies the parts to
 # shared memory with cp.async before its first weight load (`_PRENORMED_PREFETCH`: the copy holds no
 # registers over the loop), so they are there by the end; warp 0 then adds each row's parts in a fixed order
-# (lane-strided, then a butterfly), before _REDUCE's barrier.
+# (lane-strided, then a butterfly), before _REDUCE's barrier. Parts too many for 8 KB of shared memory (at
+# many rows) are read from global memory there instead.
 _PRENORMED_PREFETCH = r"""
-  __shared__ float ssq_parts[M * P];
-  for (int i = threadIdx.x; i < M * P; i += W * 32) {
+  constexpr bool PREFETCH = M * P <= 2048;
+  __shared__ float ssq_parts[PREFETCH ? M * P : 1];
+  for (int i = threadIdx.x; PREFETCH && i < M * P; i += W * 32) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(ssq_parts + i));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(ssq_in + i) : "memory");
   }
@@ -33,7 +35,7 @@ _PRENORMED_REDUCE = r"""
   if (warp == 0) {
     for (int m = 0; m < M; ++m) {
       float s = 0.0f;
-      for (int p = lane; p < P; p += 32) s += ssq_parts[m * P + p];
+      for (int p = lane; p < P; p += 32) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if (lane == 0) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
@@ -46,20 +48,20 @@ _PRENORMED_REDUCE = r"""
 # (hw, bf16) and its part of each row's sum of squares (ssq_out [M, blocks]: its rows' squares added in row
 # order), so the next launch takes the norm without a launch of its own or any work a k-tile (`prenormed`).
 _NORM_OUT_PROLOGUE = r"""
-  for (int i = threadIdx.x; i < 16 * RTO * M; i += W * 32) sq[i / M][i % M] = 0.0f;
+  for (int i = threadIdx.x; i < WR * 16 * RTO * M; i += W * 32) sq[i / M][i % M] = 0.0f;
 """
 _NORM_OUT_AFTER = r"""
   __syncthreads();
   for (int m = threadIdx.x; m < M; m += W * 32) {
     float s = 0.0f;
-    for (int rl = 0; rl < 16 * RTO; ++rl) s += sq[rl][m];
+    for (int rb = 0; rb < WR * 16 * RTO; ++rb) s += sq[rb][m];
     ssq_out[(size_t)m * gridDim.x + blockIdx.x] = s;
   }
 """
 
 # Fusion.norm_scale: the four lanes of a row (t = 0..3) hold its sums of squares over their k values; the
 # warps' totals go through shared memory (written before _REDUCE's barrier), so row m's scale is
-# rsqrt(sum over warps / K + eps).
+# rsqrt(sum over the first row group's warps, which split K / K + eps).
 _NORM_SCALE_REDUCE = r"""
   __shared__ float ssr[W][8 * NB];
   #pragma unroll
@@ -72,7 +74,7 @@ _NORM_SCALE_REDUCE = r"""
   auto row_scale = [&](const int m) {
     float s = 0.0f;
     #pragma unroll
-    for (int ww = 0; ww < W; ++ww) s += ssr[ww][m];
+    for (int ww = 0; ww < WK; ++ww) s += ssr[ww][m];
     return rsqrtf(s / K + __int_as_float(EPS));
   };
 """
@@ -144,11 +146,11 @@ class Fusion:
                          "engine_mul2(v.w, w8.w));")
         lines.append("    return v;\n  };")
         if self.norm_out:  # each output row also times the next norm's weight, its square kept for the block's sum
-            lines.append("  __shared__ float sq[16 * RTO][M];")
-            lines.append("  auto store = [&](const int rl, const int m, const int row, const __nv_bfloat16 o) {\n"
+            lines.append("  __shared__ float sq[WR * 16 * RTO][M + 1];")
+            lines.append("  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {\n"
                          "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
                          "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
-                         "    sq[rl][m] = f * f;\n  };")
+                         "    sq[rb][m] = f * f;\n  };")
         else:
             lines.append("  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
                          "{ out[(size_t)m * N + row] = o; };")

@@ -23,16 +23,17 @@ def tile_k(group_size: int, bits: int) -> int:
 class LaunchConfig:
     """How one call is laid out on the GPU."""
 
-    warps: int  # warps of a block, splitting K
-    row_tiles: int  # 16-row tiles per block
+    warps: int  # warps of a block: `row_groups` groups, each group's warps splitting K
+    row_tiles: int  # 16-row tiles per row group
     batch: int  # k-tiles per load batch (U)
     # Blocks an SM must hold at once (0: as many as the registers allow): caps the registers a thread uses,
     # so that a launch's blocks take fewer waves (docs/kernels.md, "The register cap").
     min_blocks: int = 0
+    row_groups: int = 1  # groups of warps a block on their own rows (WR), sharing the activations' loads
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
-        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch)] + (
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch), ("WR", self.row_groups)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
         )
 
@@ -40,7 +41,7 @@ class LaunchConfig:
         return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
     def setting(self) -> str:
-        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`)."""
+        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`; one row group)."""
         return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + [self.min_blocks] * bool(self.min_blocks)))
 
 
@@ -72,9 +73,16 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
     """The launch for M rows against K inputs and `rows` outputs in all the launch's matrices. One row from 64
     k-tiles: up to 8192 rows (8, 1, 4), larger (4, 1, 4), and from 32 MB of 4-bit weights (4, 2, 4) at five
     blocks an SM; M = 8 (4, 2, 4) for K = 17408 and (4, 2, 8) for K = 5120 (docs/kernels.md, "Launch
-    shapes"). `launches` replaces the one-row choice for given (rows, K)."""
+    shapes"). From 9 rows, row groups of 16 rows (`LaunchConfig.row_groups`): 4 a block from 12288 output
+    rows, else 2 (a block for every SM), each group's K split over 2 warps from K > 5120, else 1, so
+    that how a matrix's sums run depends on K, not on the matrices it shares a launch with; 2 k-tiles a
+    batch from 33 rows (4 spill registers at 64).
+    `launches` replaces the one-row choice for given (rows, K)."""
     if m == 1 and (rows, k) in launches:
         return launches[(rows, k)]
+    if m > 8:
+        groups, split = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1
+        return LaunchConfig(groups * split, 1, 4 if m <= 32 else 2, row_groups=groups)
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
         if rows <= 8192:

@@ -2,9 +2,11 @@
 
 Where the layer uses which path was measured on an H200 with qwen27b's shapes
 (docs/kernels.md): the kernel for up to `LAYER_MAX_ROWS` rows through
-matrices of at least 2048 outputs (MLX's kernel wins below, and matches it at
-16 rows); prompt chunks of at least 512 rows through matrices of at least
-`DENSE_MIN_OUTPUTS` outputs as a dequantize and one GEMM.
+matrices of at least 2048 outputs (MLX's kernel wins below); prompt chunks of
+at least 512 rows through matrices of at least `DENSE_MIN_OUTPUTS` outputs as
+a dequantize and one GEMM. MLX's operation takes the rows as one matrix:
+given a batch [B, 1, K], it runs B one-row products, each reading all the
+weights.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import mlx.nn as nn
 from engine.kernels.quantized_gemv.calls import _with_bias, dense_matmul, run_kernel, weight_refusal
 from engine.kernels.quantized_gemv.launch import Launches
 
-LAYER_MAX_ROWS = 8
+LAYER_MAX_ROWS = 64
 LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
 DENSE_MIN_ROWS = 512  # the default of KernelConfig.dense_min_rows
 DENSE_MIN_OUTPUTS = 1024
@@ -69,8 +71,14 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return _with_bias(y, self)
         if not self.use_kernel or not _takes(x, self):
-            return super().__call__(x)
+            return self.mlx_matmul(x)
         return self.launch(x, [self])[0]
+
+    def mlx_matmul(self, x: mx.array) -> mx.array:
+        """MLX's operation on x's rows as one [rows, K] matrix."""
+        if x.ndim <= 2:
+            return super().__call__(x)
+        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def project_together(x: mx.array, layers: Sequence[nn.Module]) -> tuple[mx.array, ...]:

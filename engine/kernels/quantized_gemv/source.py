@@ -3,14 +3,17 @@
 The weights go through `mma.sync` (m16n8k16, bf16 in, float32 out) as exact
 small integers: a nibble OR-ed into the mantissa of bf16 128 (one LOP3 a pair
 of values), the 128 taken out once a k-tile through the bias term. The
-activations are the 16x8 B operand (M <= 8 in one column block, two from M =
-9); lane (g, t) of a warp feeds rows g and g + 8 of a 16-row tile with its own
-words of each row, so no data moves between lanes. Each k-tile lies in one
-quantization group: its products are summed on the tensor core, then `acc +=
-scale * sum((128 + q) x) + (bias - 128 * scale) * sum(x)` in float32. A block's
-W warps split K, each issuing U k-tiles of loads before its first multiply;
-the partial sums meet in shared memory. The stages a launch adds around its
-products (`fusion.Fusion`) fill in the marked places.
+activations are the 16x8 B operand, one 8-row column block per 8 activation
+rows (M <= 64: up to 8 blocks); lane (g, t) of a warp feeds rows g and g + 8
+of a 16-row tile with its own words of each row, so no data moves between
+lanes. Each k-tile lies in one quantization group: its products are summed on
+the tensor core, then `acc += scale * sum((128 + q) x) + (bias - 128 * scale)
+* sum(x)` in float32. A block's W warps form WR row groups of W / WR warps:
+a group's warps split K, each issuing U k-tiles of loads before its first
+multiply, and the partial sums meet in shared memory. More row groups a block
+mean fewer blocks reading all M activation rows (from L2), which at 16-64 rows
+outweighs the weights. The stages a launch adds around its products
+(`fusion.Fusion`) fill in the marked places.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
 """
 
 _BODY_START = r"""
-  // Threads: W warps, all on the same 16 * RT weight rows, splitting K. Lane (g, t) = (lane / 4, lane % 4).
+  // Threads: W warps in WR row groups of WK, a group's warps on the same 16 * RT weight rows, splitting K.
+  // Lane (g, t) = (lane / 4, lane % 4).
   constexpr int PW = 32 / BITS;                     // values per 32-bit word
   constexpr int HALF = PW / 2;
   constexpr int SPW = PW / 4;                       // mma steps (16 k values) per word
@@ -86,7 +90,9 @@ _BODY_START = r"""
   constexpr int KT = K / TILE_K;
   constexpr int STEPS = WL * SPW;
   constexpr int XR = WL * PW / 2;                   // activation registers (bf16 pairs) per lane and tile
-  constexpr int NB = M > 8 ? 2 : 1;                 // 8-column blocks of activation rows
+  constexpr int NB = (M + 7) / 8;                   // 8-column blocks of activation rows
+  constexpr int WK = W / WR;                        // warps of a row group, splitting K
+  static_assert(W % WR == 0, "row groups of equal warps");
   constexpr int WORDS_PER_ROW = K / PW;
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
@@ -97,7 +103,9 @@ _BODY_START = r"""
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int row_base = blk * 16 * RTO;
+  const int wr = warp / WK, wk = warp % WK;
+  const int block_base = blk * WR * 16 * RTO;       // the block's first output row
+  const int row_base = block_base + wr * 16 * RTO;  // its row group's
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };  // row tile r's first row
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
   // FUSED STAGES
@@ -162,71 +170,61 @@ _MULTIPLY = r"""
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
       if (kt < KT) {
-        // The activations as mma B fragments. The dot product's k order is free: lane t's k-tile values
-        // (its own WL words) feed its four B slots of each step in the order the weights' pairs come.
-        uint32_t xb[NB][STEPS][2];
+        // One 8-row block of activations at a time, against every row tile: few registers at 64 rows.
         #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          const int m = g + 8 * nb;
-          uint32_t xr[XR];
-          if (m < M) {
-            const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
-            #pragma unroll
-            for (int j = 0; j < XR / 4; ++j) {
-              const uint4 v = activations(k0 + 8 * j, m);
-              xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
-            }
-          } else {
-            #pragma unroll
-            for (int j = 0; j < XR; ++j) xr[j] = 0u;
-          }
-          #pragma unroll
-          for (int wi = 0; wi < WL; ++wi)
-            #pragma unroll
-            for (int h = 0; h < SPW; ++h) {
-              const int a = wi * PW / 2 + h;
-              xb[nb][wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
-              xb[nb][wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
-            }
-        }
-        // sum(x) over the tile per activation row, in the accumulator layout: the bias term
-        float xs[NB][4];
-        #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) xs[nb][i] = 0.0f;
-          #pragma unroll
-          for (int s = 0; s < STEPS; ++s) engine_mma(xs[nb], ones, ones, ones, ones, xb[nb][s][0], xb[nb][s][1]);
-        }
-        #pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          float d[NB][4];
-          #pragma unroll
-          for (int nb = 0; nb < NB; ++nb)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) d[nb][i] = 0.0f;
-          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][0]);
-          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][1]);
-          #pragma unroll
-          for (int wi = 0; wi < WL; ++wi)
-            #pragma unroll
-            for (int h = 0; h < SPW; ++h) {
-              const uint32_t a0 = engine_pair<BITS>(w0[wi], 2 * h), a2 = engine_pair<BITS>(w0[wi], 2 * h + 1);
-              const uint32_t a1 = engine_pair<BITS>(w1[wi], 2 * h), a3 = engine_pair<BITS>(w1[wi], 2 * h + 1);
+          // The activations as mma B fragments. The dot product's k order is free: lane t's k-tile values
+          // (its own WL words) feed its four B slots of each step in the order the weights' pairs come.
+          uint32_t xb[STEPS][2];
+          {
+            const int m = g + 8 * nb;
+            uint32_t xr[XR];
+            if (m < M) {
+              const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
               #pragma unroll
-              for (int nb = 0; nb < NB; ++nb) engine_mma(d[nb], a0, a1, a2, a3, xb[nb][wi * SPW + h][0], xb[nb][wi * SPW + h][1]);
+              for (int j = 0; j < XR / 4; ++j) {
+                const uint4 v = activations(k0 + 8 * j, m);
+                xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
+              }
+            } else {
+              #pragma unroll
+              for (int j = 0; j < XR; ++j) xr[j] = 0u;
             }
-          const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
-          // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
-          constexpr float o = engine_offset<BITS>::value;
-          const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
+            #pragma unroll
+            for (int wi = 0; wi < WL; ++wi)
+              #pragma unroll
+              for (int h = 0; h < SPW; ++h) {
+                const int a = wi * PW / 2 + h;
+                xb[wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
+                xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
+              }
+          }
+          // sum(x) over the tile per activation row, in the accumulator layout: the bias term
+          float xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           #pragma unroll
-          for (int nb = 0; nb < NB; ++nb) {
-            acc[r][nb][0] = fmaf(s0, d[nb][0], fmaf(b0, xs[nb][0], acc[r][nb][0]));
-            acc[r][nb][2] = fmaf(s1, d[nb][2], fmaf(b1, xs[nb][2], acc[r][nb][2]));
+          for (int st = 0; st < STEPS; ++st) engine_mma(xs, ones, ones, ones, ones, xb[st][0], xb[st][1]);
+          #pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][0]);
+            const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][1]);
+            #pragma unroll
+            for (int wi = 0; wi < WL; ++wi)
+              #pragma unroll
+              for (int h = 0; h < SPW; ++h) {
+                const uint32_t a0 = engine_pair<BITS>(w0[wi], 2 * h), a2 = engine_pair<BITS>(w0[wi], 2 * h + 1);
+                const uint32_t a1 = engine_pair<BITS>(w1[wi], 2 * h), a3 = engine_pair<BITS>(w1[wi], 2 * h + 1);
+                engine_mma(d, a0, a1, a2, a3, xb[wi * SPW + h][0], xb[wi * SPW + h][1]);
+              }
+            const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
+            // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
+            constexpr float o = engine_offset<BITS>::value;
+            const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
+            acc[r][nb][0] = fmaf(s0, d[0], fmaf(b0, xs[0], acc[r][nb][0]));
+            acc[r][nb][2] = fmaf(s1, d[2], fmaf(b1, xs[2], acc[r][nb][2]));
             if constexpr (M > 1) {  // odd accumulators hold columns 2t + 1: never an activation row at M = 1
-              acc[r][nb][1] = fmaf(s0, d[nb][1], fmaf(b0, xs[nb][1], acc[r][nb][1]));
-              acc[r][nb][3] = fmaf(s1, d[nb][3], fmaf(b1, xs[nb][3], acc[r][nb][3]));
+              acc[r][nb][1] = fmaf(s0, d[1], fmaf(b0, xs[1], acc[r][nb][1]));
+              acc[r][nb][3] = fmaf(s1, d[3], fmaf(b1, xs[3], acc[r][nb][3]));
             }
           }
         }
@@ -237,9 +235,9 @@ _MULTIPLY = r"""
 """
 
 _LOOP_REGISTERS = r"""
-  // Warp w takes U consecutive k-tiles at a time, every W * U tiles.
+  // Warp wk of a row group takes U consecutive k-tiles at a time, every WK * U tiles.
   #pragma unroll 1
-  for (int kt0 = warp * U; kt0 < KT; kt0 += W * U) {
+  for (int kt0 = wk * U; kt0 < KT; kt0 += WK * U) {
     Batch bt;
     load(bt, kt0);
     multiply(bt, kt0);
@@ -249,8 +247,9 @@ _LOOP_REGISTERS = r"""
 
 _REDUCE = r"""
   // ROW SCALE
-  // Sum the W warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2.
-  __shared__ float red[W][16 * RT][8 * NB];
+  // Sum a row group's WK warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column
+  // 2t + i % 2. A row's columns are one apart (+1: the sums below read a row a thread, without bank conflicts).
+  __shared__ float red[W][16 * RT][8 * NB + 1];
   #pragma unroll
   for (int r = 0; r < RT; ++r)
     #pragma unroll
@@ -258,17 +257,20 @@ _REDUCE = r"""
       #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nb][i];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < 16 * RTO * M; idx += W * 32) {
-    const int rl = idx / M, m = idx % M;
+  // consecutive threads take consecutive output rows of one activation row: coalesced stores
+  constexpr int GROUP_ROWS = 16 * RTO, BLOCK_ROWS = WR * GROUP_ROWS;
+  for (int idx = threadIdx.x; idx < BLOCK_ROWS * M; idx += W * 32) {
+    const int rb = idx % BLOCK_ROWS, m = idx / BLOCK_ROWS;
+    const int grp = rb / GROUP_ROWS, rl = rb % GROUP_ROWS;
     const float rs = row_scale(m);
     float v = 0.0f, v_up = 0.0f;  // v_up: the up projection's sum beside the gate's (GATED)
     #pragma unroll
-    for (int ww = 0; ww < W; ++ww) {
-      v += red[ww][rl][m];
-      if constexpr (GATED) v_up += red[ww][rl + 16 * RTO][m];
+    for (int ww = 0; ww < WK; ++ww) {
+      v += red[grp * WK + ww][rl][m];
+      if constexpr (GATED) v_up += red[grp * WK + ww][rl + GROUP_ROWS][m];
     }
-    const int row = row_base + rl;
-    if (row < N) store(rl, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
+    const int row = block_base + rb;
+    if (row < N) store(rb, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
   }
   // AFTER STORES
 """

@@ -1,0 +1,81 @@
+"""Where a batched decode step of qwen27b goes, part by part: the device time of each part's kernel at M rows.
+
+    python3 -m tools.gpu.batch_parts --rows 1,8,16,32,64
+
+Times (median us a call, many calls an evaluation, weights warm) the fast tier's launches of qwen27b's
+layers at M activation rows ([M, 1, K], as a batched decode step gives them) beside MLX's quantized matmul
+on the same rows as one [M, K] matrix: the MLP's gate and up (one gated launch; MLX: two products), the
+down projection with its residual, a DeltaNet layer's output projection with its residual and its four
+input projections in one launch; and the DeltaNet step kernel at M batch rows. Then the sum a step makes
+of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set against the whole step
+(`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+
+from engine.kernels import gated_delta_step
+from engine.kernels.quantized_gemv import quantized_matmuls
+from harness.kernel_bench import BenchConfig, random_quantized, time_us
+
+HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
+HK, HV, DK, DV = 16, 48, 128, 128  # qwen27b's DeltaNet heads
+
+
+def parts(m: int, cfg: BenchConfig) -> dict[str, float]:
+    def rows(k: int) -> mx.array:
+        return mx.random.normal((m, 1, k)).astype(mx.bfloat16)
+
+    x5, x17, x6 = rows(HIDDEN), rows(INTERMEDIATE), rows(VALUE_DIM)
+    residual = mx.zeros((m, 1, HIDDEN), dtype=mx.bfloat16)
+    gate_up = [random_quantized(INTERMEDIATE, HIDDEN, 4, 64) for _ in range(2)]
+    down = random_quantized(HIDDEN, INTERMEDIATE, 4, 64)
+    out = random_quantized(HIDDEN, VALUE_DIM, 4, 64)
+    inputs = [random_quantized(n, HIDDEN, 4, 64) for n in (2 * HK * DK + HV * DV, HV * DV, HV, HV)]
+    mx.eval(x5, x17, x6, residual)
+
+    def mlx(x, matrices):
+        flat = x.reshape(m, -1)
+        return [mx.quantized_matmul(flat, *w, transpose=True, group_size=64, bits=4) for w in matrices][-1]
+
+    res = {
+        "gate+up": time_us(lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True)[0], cfg),
+        "gate+up MLX": time_us(lambda: mlx(x5, gate_up), cfg),
+        "down+residual": time_us(lambda: quantized_matmuls(x17, [down], 64, 4, residual=residual)[0], cfg),
+        "down MLX": time_us(lambda: mlx(x17, [down]), cfg),
+        "out+residual": time_us(lambda: quantized_matmuls(x6, [out], 64, 4, residual=residual)[0], cfg),
+        "out MLX": time_us(lambda: mlx(x6, [out]), cfg),
+        "inputs": time_us(lambda: quantized_matmuls(x5, inputs, 64, 4)[0], cfg),
+        "inputs MLX": time_us(lambda: mlx(x5, inputs), cfg),
+    }
+    channels = 2 * HK * DK + HV * DV
+    qkv, z = rows(channels), rows(HV * DV)
+    a, b = (mx.random.normal((m, 1, HV)).astype(mx.bfloat16) for _ in range(2))
+    conv_state = mx.random.normal((m, 3, channels)).astype(mx.bfloat16)
+    state = 0.1 * mx.random.normal((m, HV, DV, DK))
+    conv_w = mx.random.normal((channels, 4, 1)).astype(mx.bfloat16)
+    A_log, dt_bias, norm_w = mx.zeros(HV), mx.ones(HV).astype(mx.bfloat16), mx.ones(DV).astype(mx.bfloat16)
+    mx.eval(qkv, z, a, b, conv_state, state, conv_w)
+    res["delta step"] = time_us(lambda: gated_delta_step.delta_step(qkv, z, a, b, conv_state, state, conv_w, A_log,
+                                                                     dt_bias, norm_w, 1e-6, HK, DK)[2], cfg)  # fmt: skip
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,8,16,32,64", help="comma-separated activation rows (default 1,8,16,32,64)")
+    p.add_argument("--calls", type=int, default=50, help="calls an evaluation (default 50)")
+    args = p.parse_args()
+    cfg = BenchConfig(repeats=5, calls=args.calls)
+    for m in (int(v) for v in args.rows.split(",")):
+        res = parts(m, cfg)
+        step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (res["inputs"] + res["delta step"])
+        print(f"M={m}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items()) + f" | these parts a step {step / 1e3:.1f} ms",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
