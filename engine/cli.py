@@ -65,6 +65,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _host_list(text: str) -> frozenset[str]:
+    names = frozenset(n.strip().lower() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give host names separated by commas, or '*' for any")
+    return names
+
+
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     """`--kernels {auto,exact,fast}`: the kernel tier the model runs (engine.kernels)."""
     from engine.kernels import AUTO, TIERS
@@ -129,8 +143,9 @@ def _add_serve(sub) -> None:
         "serve",
         help="run the OpenAI-compatible server",
         description="Serve a model over HTTP: POST /v1/completions, /v1/chat/completions (SSE with stream: true), "
-        "GET /v1/models, /health, /stats. Prints 'engine serve: ready on http://HOST:PORT' when it accepts "
-        "requests; stops cleanly on SIGINT/SIGTERM. See the README for the request extensions.",
+        "GET /v1/models, /health, /stats, /metrics (Prometheus). The port is bound first; /health answers 503 "
+        "until the model is loaded and warm, then 200, and 'engine serve: ready on http://HOST:PORT' is printed. "
+        "Stops cleanly on SIGINT/SIGTERM. See the README for the request extensions and limits.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="registry name, e.g. tiny-qwen35 or qwen27b (synthesized on first use)")
@@ -153,7 +168,18 @@ def _add_serve(sub) -> None:
                    help="affine-quantized KV cache from the first token (turns the prompt cache off)")
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
     p.add_argument("--api-key", default=env.api_key(),
-                   help="require 'Authorization: Bearer KEY' (default: $ENGINE_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $ENGINE_API_KEY, "
+                   "else no key)")
+    p.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
+                   help="Host header names accepted, comma-separated, '*' for any (default: the loopback names "
+                   "for a loopback --host, that address and the loopback names for another, any for 0.0.0.0)")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default="8MiB", metavar="BYTES",
+                   help="largest request body; larger ones get a 413 unread (default 8MiB)")
+    p.add_argument("--max-queued-requests", type=_non_negative, default=256, metavar="N",
+                   help="requests waiting to start at once; more get a 503 with Retry-After (0: no limit; "
+                   "default 256)")
+    p.add_argument("--max-queued-tokens", type=_non_negative, default=0, metavar="N",
+                   help="prompt tokens waiting to start at once, as --max-queued-requests (0: no limit, the default)")
     add_kernels_flag(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
@@ -182,6 +208,10 @@ def cmd_serve(args) -> int:
             spec=spec_config(args),
             draft_model=args.draft_model,
             draft_model_path=args.draft_model_path,
+            max_body_bytes=args.max_body_bytes,
+            allowed_hosts=args.allowed_hosts,
+            max_queued_requests=args.max_queued_requests or None,
+            max_queued_tokens=args.max_queued_tokens or None,
         )
     )
 

@@ -31,6 +31,15 @@ class Tokenizer:
         """Every token string with its id, added tokens included."""
         return self._hf.get_vocab()
 
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: its longest vocabulary string (byte-level
+        and SentencePiece forms spell each byte or character at least once). A text of n characters encodes
+        to at least n / this many tokens, which lets a server refuse a prompt far over its context without
+        tokenizing it."""
+        if not hasattr(self, "_max_token_chars"):
+            self._max_token_chars = max(map(len, self.vocab()), default=1) or 1
+        return self._max_token_chars
+
     @property
     def has_chat_template(self) -> bool:
         return self._hf.chat_template is not None

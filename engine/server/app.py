@@ -3,6 +3,10 @@
 Handlers never touch the model: they tokenize, validate, hand the request to
 the engine thread and relay its events. Bad input is answered with an
 OpenAI-style error body and a 4xx; the server stays up whatever the body.
+Before any of it, a request must name an allowed Host (`HostCheck`, against
+DNS rebinding) and POST a JSON body of at most `AppState.max_body_bytes`.
+Until the model is loaded and warm (`AppState.ctx` unset) every route
+answers 503 and /health says "loading".
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import asyncio
 import json
 import logging
 import secrets
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,9 +31,12 @@ from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
-from engine.server.worker import Accepted, EngineWorker, Ended, Rejected, Stream
+from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected, Stream
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, GenerationRequest, StopCriteria
+
+if TYPE_CHECKING:
+    from engine.server.metrics import Metrics
 
 log = logging.getLogger("engine.server")
 
@@ -45,10 +53,49 @@ class ServerContext:
     api_key: Optional[str]
     created: int
     kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
+    metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
+
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
+
+
+@dataclass
+class AppState:
+    """What the routes read: the limits, set at start, and the context, set once the model is ready."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_hosts: Optional[frozenset[str]] = None  # Host header names accepted; None: any
+    ctx: Optional[ServerContext] = None
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8000" -> "::1", "localhost:80" -> "localhost")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class HostCheck:
+    """ASGI middleware: a JSON 400 for a request whose Host header names no allowed host (a page on another
+    site that resolves its own name to this address, DNS rebinding, cannot reach a local server)."""
+
+    def __init__(self, app, allowed: Optional[frozenset[str]]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.allowed is not None:
+            headers = dict(scope.get("headers") or [])
+            name = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if name not in self.allowed:
+                error = ApiError(400, f"Host '{name}' is not served here (--allowed-hosts)", code="invalid_host")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------ preparation
@@ -62,8 +109,22 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
         raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 
 
+def _too_long(ctx: ServerContext, parsed: ParsedRequest, tokens: int, at_least: bool = False) -> ApiError:
+    return bad(
+        f"the prompt has {'at least ' * at_least}{tokens} tokens but this server's context is {ctx.max_context} "
+        "tokens (prompt and completion together); shorten the prompt",
+        "prompt" if not parsed.is_chat else "messages",
+        "context_length_exceeded",
+    )
+
+
 async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, ...]:
     tok = ctx.tokenizer
+    # A text prompt far over the context is refused before it is tokenized (seconds of CPU for megabytes).
+    chars = len(parsed.prompt_text or "") + sum(len(m["content"]) for m in parsed.messages or ())
+    fewest = -(-chars // tok.max_token_chars())
+    if fewest >= ctx.max_context:
+        raise _too_long(ctx, parsed, fewest, at_least=True)
     if parsed.prompt_ids is not None:
         bad_ids = [t for t in parsed.prompt_ids if not 0 <= t < ctx.vocab_size]
         if bad_ids:
@@ -83,12 +144,7 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, .
 def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str):
     n = len(prompt)
     if n >= ctx.max_context:
-        raise bad(
-            f"the prompt has {n} tokens but this server's context is {ctx.max_context} tokens "
-            "(prompt and completion together); shorten the prompt",
-            "prompt" if not parsed.is_chat else "messages",
-            "context_length_exceeded",
-        )
+        raise _too_long(ctx, parsed, n)
     max_tokens = parsed.max_tokens
     if max_tokens is None:
         max_tokens = min(ctx.default_max_tokens, ctx.max_context - n)
@@ -108,9 +164,30 @@ def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple
     return GenerationRequest(rid, prompt, parsed.sampling, stop)
 
 
-async def _prepare(ctx: ServerContext, request: Request, is_chat: bool):
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's JSON body, read up to `limit` bytes: 413 past it (before reading it, where the length is
+    declared), 415 for another content type."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(415, f"the body must be JSON (Content-Type: application/json), got '{kind or 'none'}'",
+                       code="unsupported_media_type")  # fmt: skip
+    too_large = ApiError(413, f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
+                         code="request_too_large")  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_chat: bool):
     _check_auth(ctx, request)
-    parsed = (parse_chat if is_chat else parse_completion)(parse_json(await request.body()))
+    parsed = (parse_chat if is_chat else parse_completion)(parse_json(await _body(request, state.max_body_bytes)))
     if parsed.model is not None and parsed.model != ctx.model_id and parsed.model not in ctx.model_aliases:
         raise ApiError(404, f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
                        "model", "model_not_found")  # fmt: skip
@@ -122,6 +199,8 @@ async def _prepare(ctx: ServerContext, request: Request, is_chat: bool):
 def _rejection(error: Exception) -> ApiError:
     if isinstance(error, RequestTooLarge):
         return bad(str(error), "max_tokens", "kv_budget_exceeded")
+    if isinstance(error, QueueFull):
+        return ApiError(503, str(error), code="queue_full", headers={"Retry-After": str(error.retry_after_s)})
     if isinstance(error, ValueError):
         return bad(str(error))
     return ApiError(500, f"the engine refused the request: {error!r}")
@@ -141,6 +220,7 @@ class _Relay:
         self.stopper = TextStopper(parsed.stop)
         self.placement = None
         self.result = None
+        self.stop_tokens: Optional[int] = None  # tokens the output kept when a stop string ended it
 
     def text_of(self, token_id: int) -> str:
         return self.ctx.tokenizer.decode([token_id])
@@ -158,7 +238,7 @@ class _Relay:
         while True:
             event = await self.stream.events.get()
             if isinstance(event, Ended):
-                self.result = event.result
+                self.result = self._stopped(event.result)
                 text = self.stopper.push(self.detok.flush()) + self.stopper.flush()
                 self.out.text += text
                 yield text, [], self._finish()
@@ -168,15 +248,21 @@ class _Relay:
                 continue  # a stop string already ended the output; the engine is dropping the row
             tokens = [] if tok.is_stop else [tok]
             text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
-            if self.stopper.stopped:
-                self.cancel()
             self.out.tokens += tokens
             self.out.text += text
+            if self.stopper.stopped:
+                self.stop_tokens = len(self.out.tokens)
+                self.cancel(stop_tokens=self.stop_tokens)
             yield text, tokens, None
 
+    def _stopped(self, result):
+        """The engine's result as the client sees it: a stop string's end is a stop with the tokens up to the
+        one that completed it, however many more the engine made before the cancel reached it."""
+        if self.stop_tokens is None or result.finish_reason is FinishReason.ERROR:
+            return result
+        return replace(result, finish_reason=FinishReason.STOP, generated_tokens=self.stop_tokens)
+
     def _finish(self) -> Optional[str]:
-        if self.stopper.stopped:
-            return "stop"
         reason = self.result.finish_reason
         return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
 
@@ -184,10 +270,11 @@ class _Relay:
         p = self.placement
         return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier)
 
-    def cancel(self) -> None:
+    def cancel(self, stop_tokens: Optional[int] = None) -> None:
+        """Drop the row (`stop_tokens`: a stop string ended the output there, which the engine records)."""
         if self.result is None and self.stream.alive:
             self.stream.alive = False
-            self.ctx.worker.cancel(self.gen.request_id)
+            self.ctx.worker.cancel(self.gen.request_id, stop_tokens)
 
     def log_line(self) -> None:
         r, t = self.result, self.stream.times.as_ms()
@@ -203,21 +290,33 @@ class _Relay:
         return ApiError(500, f"generation failed: {self.result.error}", code="engine_error")
 
 
-async def _complete(ctx: ServerContext, request: Request, is_chat: bool) -> Response:
+async def _cancel_on_disconnect(request: Request, relay: _Relay) -> None:
+    """Wait for the client to go away (the body is read: the next message is the disconnect), then drop the
+    row, as a stream's end does."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    if relay.result is None:
+        log.info("%s cancelled: the client went away before the response", relay.gen.request_id)
+        relay.cancel()
+
+
+async def _complete(ctx: ServerContext, state: AppState, request: Request, is_chat: bool) -> Response:
     try:
-        parsed, gen = await _prepare(ctx, request, is_chat)
+        parsed, gen = await _prepare(ctx, state, request, is_chat)
         relay = _Relay(ctx, parsed, gen)
         await relay.open()
     except ApiError as e:
         return error_response(e)
     if parsed.stream:
         return StreamingResponse(_sse(relay), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watch = asyncio.ensure_future(_cancel_on_disconnect(request, relay))
     try:
         finish = None
         async for _, _, finish in relay.events():
             pass
     finally:
-        relay.cancel()  # no-op once the result is in; otherwise the client left
+        watch.cancel()
+        relay.cancel()  # no-op once the result is in; otherwise the handler itself was cancelled
     relay.log_line()
     if relay.result.finish_reason is FinishReason.ERROR:
         return error_response(relay.failure())
@@ -253,38 +352,65 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
 # ------------------------------------------------------------------ routes
 
 
-def make_app(ctx: ServerContext) -> Starlette:
-    async def completions(request: Request) -> Response:
-        return await _complete(ctx, request, is_chat=False)
+LOADING = ApiError(503, "the server is loading its model; retry when /health answers 200", code="loading",
+                   headers={"Retry-After": "5"})  # fmt: skip
 
-    async def chat(request: Request) -> Response:
-        return await _complete(ctx, request, is_chat=True)
 
-    async def models(request: Request) -> Response:
-        try:
-            _check_auth(ctx, request)
-        except ApiError as e:
-            return error_response(e)
+def make_app(state: AppState) -> Starlette:
+    """The routes over `state` (its context set once the model is ready)."""
+
+    def ready(handler, auth: bool = True):
+        async def route(request: Request) -> Response:
+            ctx = state.ctx
+            if ctx is None:
+                return error_response(LOADING)
+            try:
+                if auth:
+                    _check_auth(ctx, request)
+                return await handler(ctx, request)
+            except ApiError as e:
+                return error_response(e)
+
+        return route
+
+    async def completions(ctx: ServerContext, request: Request) -> Response:
+        return await _complete(ctx, state, request, is_chat=False)
+
+    async def chat(ctx: ServerContext, request: Request) -> Response:
+        return await _complete(ctx, state, request, is_chat=True)
+
+    async def models(ctx: ServerContext, request: Request) -> Response:
         entry = {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "engine",
                  "max_context": ctx.max_context}  # fmt: skip
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": ctx.model_id})
+        if state.ctx is None:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok", "model": state.ctx.model_id})
 
-    async def stats(request: Request) -> Response:
+    async def stats(ctx: ServerContext, request: Request) -> Response:
         return JSONResponse({**ctx.worker.snapshot, "kernels": ctx.kernels.as_record()})
+
+    async def metrics(ctx: ServerContext, request: Request) -> Response:
+        if ctx.metrics is None:
+            raise ApiError(501, "metrics need the prometheus_client package", code="metrics_unavailable")
+        body, content_type = ctx.metrics.exposition(ctx.worker.snapshot)
+        return Response(body, media_type=content_type)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         msg = "method not allowed" if status == 405 else f"no route {request.url.path}"
         return error_response(ApiError(status, msg, code="not_found" if status == 404 else "method_not_allowed"))
 
+    # /completions take their auth in _prepare; /health is open to all, for load balancers and launchers
     routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", ready(completions, auth=False), methods=["POST"]),
+        Route("/v1/chat/completions", ready(chat, auth=False), methods=["POST"]),
+        Route("/v1/models", ready(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/stats", stats, methods=["GET"]),
+        Route("/stats", ready(stats), methods=["GET"]),
+        Route("/metrics", ready(metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
+                     middleware=[Middleware(HostCheck, allowed=state.allowed_hosts)])  # fmt: skip

@@ -1,10 +1,13 @@
 """`engine serve`: load the model, bind the socket, run the engine loop and uvicorn until a signal.
 
 The engine loop owns the main thread; uvicorn serves HTTP from a second one.
-The bound address is printed once the model is loaded and the socket
-listens (`--port 0` picks a free port), so a launcher can read it from the
-first line of stdout. SIGINT/SIGTERM stop uvicorn gracefully (in-flight
-responses get a few seconds, then are cancelled); then the engine loop ends.
+The socket is bound first (a port in use is one line, before any loading),
+and HTTP answers from then on: 503 "loading" until the model is loaded and
+its warm-up requests went through, then the routes. The bound address is
+printed when ready (`--port 0` picks a free port), so a launcher can read it
+from the first line of stdout, or poll /health for a 200. SIGINT/SIGTERM stop
+uvicorn gracefully (in-flight responses get a few seconds, then are
+cancelled); then the engine loop ends.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from engine.kernels import KernelConfig
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
-from engine.server.app import ServerContext, make_app
-from engine.server.worker import EngineWorker
+from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
+from engine.server.worker import EngineWorker, QueueLimits
 from engine.spec.config import SpecConfig, load_speculation
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
@@ -55,6 +58,10 @@ class ServeConfig:
     spec: Optional[SpecConfig] = None  # speculative decoding; None: off
     draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
     draft_model_path: Optional[Path] = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_hosts: Optional[frozenset[str]] = None  # None: from the bound address (`allowed_hosts`)
+    max_queued_requests: Optional[int] = 256  # None: no limit
+    max_queued_tokens: Optional[int] = None
 
     def gateway_config(self) -> GatewayConfig:
         kvq = None
@@ -73,14 +80,36 @@ def _context_of(config: dict) -> int:
     return int(text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
 
 
-def _warm_up(gateway: Gateway) -> None:
-    """One short request through each lane, so the first client does not pay for kernel compilation."""
-    for i in range(2 if gateway.batcher is not None else 1):
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Optional[frozenset[str]]:
+    """The Host header names the server accepts (None: any): `configured` ("*" in it: any), else those of the
+    bound address: the loopback names for a loopback address, that address (and the loopback names) for
+    another one, any for all interfaces (0.0.0.0, ::), whose names the server cannot know."""
+    if configured is not None:
+        return None if "*" in configured else frozenset(h.lower() for h in configured)
+    if host in ANY_ADDRESS:
+        return None
+    return LOOPBACK | {host.lower().strip("[]")}
+
+
+def _warm_up(gateway: Gateway, kv_bits: Optional[int] = None) -> None:
+    """One short request through each lane, so the first client does not pay for kernel compilation; a
+    warm-up request that fails stops the start (a setting the model cannot take would fail every request)."""
+    sinks = [CollectingSink() for _ in range(2 if gateway.batcher is not None else 1)]
+    for i, sink in enumerate(sinks):
         gateway.submit(GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True)),
-                       CollectingSink())  # fmt: skip
+                       sink)  # fmt: skip
     gateway.run_until_idle()
     if gateway.prompt_cache is not None:
         gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
+    for sink in sinks:
+        if sink.result is None or sink.result.error:
+            setting = f" with --kv-bits {kv_bits}" if kv_bits else ""
+            why = sink.result.error if sink.result else "it never ended"
+            raise ValueError(f"this model cannot be served{setting}: a warm-up request failed ({why})")
 
 
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
@@ -96,9 +125,15 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
             cfg.spec, engine, cfg.draft_model, cfg.draft_model_path, seed=cfg.seed, prefill_step_size=cfg.prefill_chunk
         )
     gateway = Gateway(engine.model, gateway_config, speculation)
-    _warm_up(gateway)
-    worker = EngineWorker(gateway)
+    _warm_up(gateway, cfg.kv_bits)
     model_id = cfg.model or engine.path.name
+    try:
+        from engine.server.metrics import Metrics
+
+        metrics = Metrics(model_id)
+    except ImportError:
+        metrics = None  # /metrics answers 501
+    worker = EngineWorker(gateway, QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens), metrics)
     context = cfg.max_context or _context_of(engine.config)
     ctx = ServerContext(
         worker=worker,
@@ -111,12 +146,17 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         api_key=cfg.api_key,
         created=int(time.time()),
         kernels=engine.kernels,
+        metrics=metrics,
     )
     return worker, ctx
 
 
 def listen(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), backlog=2048)
+    """The listening socket; ValueError (one line) where the address cannot be bound."""
+    try:
+        sock = socket.create_server((host, port), backlog=2048)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     # Accepted connections inherit TCP_NODELAY. asyncio sets it only on sockets whose proto is
     # IPPROTO_TCP, which create_server's are not: without it, Nagle's algorithm meets the client's
     # delayed ACKs and a kept-alive connection gets its SSE tokens in ~40 ms bursts.
@@ -129,9 +169,35 @@ def serve(cfg: ServeConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     start = time.perf_counter()
-    worker, ctx = build(cfg)
+    cfg.gateway_config()  # setting errors before binding
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
+    state = AppState(max_body_bytes=cfg.max_body_bytes, allowed_hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
+    server = uvicorn.Server(
+        uvicorn.Config(make_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                       lifespan="off")  # fmt: skip
+    )
+    worker: Optional[EngineWorker] = None
+    stopped = threading.Event()
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])  # off the main thread, uvicorn leaves signals to us
+        finally:
+            stopped.set()
+            if worker is not None:
+                worker.stop()  # however HTTP ended, the engine loop follows
+
+    thread = threading.Thread(target=http, name="http", daemon=True)
+    thread.start()  # /health answers 503 "loading" meanwhile
+    try:
+        worker, ctx = build(cfg)
+    except BaseException:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        raise
+    state.ctx = ctx
     gw = cfg.gateway_config()
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
     print(
@@ -139,15 +205,6 @@ def serve(cfg: ServeConfig) -> int:
         f"kernels {ctx.kernels.tier} ({ctx.kernels.requested}), context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
         flush=True,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(make_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
-    )
-
-    def http() -> None:
-        try:
-            server.run(sockets=[sock])  # off the main thread, uvicorn leaves signals to us
-        finally:
-            worker.stop()  # however HTTP ended, the engine loop follows
 
     def on_signal(signum, frame) -> None:
         server.force_exit = server.should_exit  # a second signal: stop waiting for open responses
@@ -155,8 +212,8 @@ def serve(cfg: ServeConfig) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    thread = threading.Thread(target=http, name="http", daemon=True)
-    thread.start()
+    if stopped.is_set():  # HTTP ended while the model loaded
+        worker.stop()
     worker.run()
     thread.join(timeout=10)
     sock.close()

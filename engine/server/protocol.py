@@ -19,13 +19,15 @@ from engine.types import SamplingParams
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, offending parameter, code."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # sent with the error (Retry-After on a 503)
 
     @property
     def kind(self) -> str:
-        return {401: "authentication_error", 404: "not_found_error"}.get(
+        return {401: "authentication_error", 404: "not_found_error", 503: "overloaded_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )
 
@@ -64,14 +66,44 @@ class ParsedRequest:
     return_token_ids: bool
 
 
+MAX_SEED = 2**64 - 1  # what the random key takes: an unsigned 64-bit integer
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object whose strings are all valid Unicode; 400 for anything else (nesting too deep
+    for the parser, integers past Python's 4300-digit limit, lone surrogates such as "\\ud800")."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # e.g. an integer literal past sys.get_int_max_str_digits()
+        raise bad(f"the request body holds a value this server cannot read: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    _check_strings(body)
     return body
+
+
+def _check_strings(body: dict) -> None:
+    """400 for a string (key or value, at any depth) that is not valid Unicode: a lone UTF-16 surrogate
+    escaped in JSON decodes to a Python str that no tokenizer or encoder can take."""
+    todo: list[tuple[str, Any]] = [(k, v) for k, v in body.items()]
+    while todo:
+        where, value = todo.pop()
+        texts = [where] + ([value] if isinstance(value, str) else [])
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                field = where.split("[")[0].split(".")[0]
+                raise bad(f"'{where}' holds a lone surrogate (not valid Unicode text)", param=field,
+                          code="invalid_text") from None  # fmt: skip
+        if isinstance(value, dict):
+            todo.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 # ------------------------------------------------------------------ fields
@@ -176,10 +208,16 @@ def _sampling(body: dict, top_logprobs: int, want_logprobs: bool) -> SamplingPar
         presence_penalty=presence or None,
         frequency_penalty=frequency or None,
         logit_bias=_logit_bias(body),
-        seed=_int(body, "seed"),
+        seed=_seed(body),
         logprobs=want_logprobs,
         top_logprobs=top_logprobs,
     )
+
+
+def _seed(body: dict) -> Optional[int]:
+    seed = _int(body, "seed")
+    _in_range("seed", seed, 0, MAX_SEED, "in [0, 2^64)")
+    return seed
 
 
 def _stream_options(body: dict, stream: bool) -> bool:

@@ -8,7 +8,9 @@ is work. Each request's
 `Stream` carries events back to its handler's asyncio queue with
 `call_soon_threadsafe`. A handler whose client went away flips
 `Stream.alive`: the next token the engine offers is refused and the row is
-dropped, even mid-way through a serial request.
+dropped, even mid-way through a serial request. The queue of requests not
+yet started is bounded (`QueueLimits`): past it a request is refused with
+`QueueFull`, which the handler answers with a 503 and a Retry-After.
 """
 
 from __future__ import annotations
@@ -25,6 +27,29 @@ from engine.gateway import Gateway, Placement
 from engine.types import FinishReason, ForwardingSink, GeneratedToken, GenerationRequest, RequestResult
 
 log = logging.getLogger("engine.server")
+
+
+class QueueFull(Exception):
+    """More requests (or prompt tokens) waiting to start than the server takes."""
+
+    retry_after_s = 1
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Requests, and their prompt tokens, that may wait to start at once (None: no limit)."""
+
+    requests: Optional[int] = None
+    tokens: Optional[int] = None
+
+    def refusal(self, waiting: int, waiting_tokens: int, tokens: int) -> Optional[str]:
+        """Why a request of `tokens` prompt tokens cannot join the queue (None when it can)."""
+        if self.requests is not None and waiting >= self.requests:
+            return f"{waiting} requests are waiting to start, this server's limit (--max-queued-requests)"
+        if self.tokens is not None and waiting and waiting_tokens + tokens > self.tokens:
+            return (f"{waiting_tokens} prompt tokens are waiting to start and this request's {tokens} would pass "
+                    f"this server's limit of {self.tokens} (--max-queued-tokens)")  # fmt: skip
+        return None
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,8 @@ class Stream:
         self.alive = True
         self.times = Timings(submitted=time.perf_counter())
         self.max_batch = 0  # rows in the batch at the fullest moment of this request
+        self.token_gaps: list[float] = []  # seconds between consecutive tokens (the metrics' inter-token latency)
+        self._last = 0.0  # the last token's stamp
 
     def put(self, event: Event) -> None:
         try:
@@ -93,8 +120,12 @@ class Stream:
         self.times.started = time.perf_counter()
 
     def on_token(self, token: GeneratedToken) -> Optional[bool]:
+        now = time.perf_counter()
         if self.times.first_token is None:
-            self.times.first_token = time.perf_counter()
+            self.times.first_token = now
+        else:
+            self.token_gaps.append(now - self._last)
+        self._last = now
         self.put(Token(token))
         return self.alive
 
@@ -128,6 +159,7 @@ class _Submit:
 @dataclass(frozen=True)
 class _Cancel:
     request_id: str
+    stop_tokens: Optional[int] = None  # a stop string ended the output after this many tokens
 
 
 @dataclass(frozen=True)
@@ -140,10 +172,14 @@ class EngineWorker:
     """`run()` is the loop (on the thread that owns the device); the other methods are thread-safe."""
 
     gateway: Gateway
+    limits: QueueLimits = QueueLimits()
+    metrics: Any = None  # a metrics.Metrics that hears every request's end (None: none)
     inbox: queue.Queue = field(default_factory=queue.Queue)
     totals: Totals = field(default_factory=Totals)
     snapshot: dict[str, Any] = field(default_factory=dict)
     _live: dict[str, Stream] = field(default_factory=dict)
+    _waiting: dict[str, int] = field(default_factory=dict)  # not yet started: prompt tokens, by request id
+    _stopped: dict[str, int] = field(default_factory=dict)  # ended by a stop string: the tokens kept
 
     def __post_init__(self):
         self._refresh(self.gateway)
@@ -151,8 +187,10 @@ class EngineWorker:
     def submit(self, request: GenerationRequest, stream: Stream) -> None:
         self.inbox.put(_Submit(request, stream))
 
-    def cancel(self, request_id: str) -> None:
-        self.inbox.put(_Cancel(request_id))
+    def cancel(self, request_id: str, stop_tokens: Optional[int] = None) -> None:
+        """Drop the request's row; `stop_tokens`: a stop string ended its output after that many tokens, so
+        its end is recorded as a stop of that length."""
+        self.inbox.put(_Cancel(request_id, stop_tokens))
 
     def stop(self) -> None:
         """Ask the loop to cancel what is running and return."""
@@ -187,12 +225,20 @@ class EngineWorker:
 
     def _apply(self, gateway: Gateway, cmd) -> None:
         if isinstance(cmd, _Cancel):
+            if cmd.stop_tokens is not None and cmd.request_id in self._live:
+                self._stopped[cmd.request_id] = cmd.stop_tokens
             gateway.cancel(cmd.request_id)
             return
         stream, request = cmd.stream, cmd.request
         self.totals.requests += 1
         if not stream.alive:  # the client left before the engine saw the request
             self.totals.cancelled += 1
+            return
+        tokens = len(request.prompt_ids)
+        full = self.limits.refusal(len(self._waiting), sum(self._waiting.values()), tokens)
+        if full is not None:
+            self.totals.rejected += 1
+            stream.put(Rejected(QueueFull(full)))
             return
         try:
             placement = gateway.submit(request, _Tracked(stream, self))
@@ -201,12 +247,22 @@ class EngineWorker:
             stream.put(Rejected(e))
             return
         self._live[request.request_id] = stream
+        self._waiting[request.request_id] = tokens
         self.totals.prompt_tokens += len(request.prompt_ids)
         self.totals.cached_tokens += placement.cached_tokens
         stream.put(Accepted(placement))
 
-    def record_end(self, result: RequestResult) -> None:
+    def record_start(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def record_end(self, result: RequestResult, stream: Optional[Stream] = None) -> RequestResult:
+        """Count the request's end; returns its result as recorded (a stop string's end is a stop of the
+        tokens the output kept, however many more the engine made before the cancel reached it)."""
         self._live.pop(result.request_id, None)
+        self._waiting.pop(result.request_id, None)
+        kept = self._stopped.pop(result.request_id, None)
+        if kept is not None and result.finish_reason is FinishReason.CANCELLED:
+            result = replace(result, finish_reason=FinishReason.STOP, generated_tokens=kept)
         self.totals.completion_tokens += result.generated_tokens
         if result.spec is not None:
             self.totals.spec_rounds += result.spec.rounds
@@ -219,6 +275,9 @@ class EngineWorker:
             self.totals.cancelled += 1
         else:
             self.totals.errors += 1
+        if self.metrics is not None and stream is not None:
+            self.metrics.observe_end(result, stream.times, stream.token_gaps)
+        return result
 
     def _refresh(self, gateway: Gateway) -> None:
         rows = gateway.active_rows
@@ -237,6 +296,8 @@ class EngineWorker:
                 "active_rows": rows,
                 "pending_rows": gateway.pending_rows,
                 "live_requests": len(self._live),
+                "waiting_requests": len(self._waiting),
+                "waiting_tokens": sum(self._waiting.values()),
                 "kv_bytes": kv_bytes,
                 "kv_budget_bytes": gateway.config.kv_budget_bytes,
             },
@@ -262,8 +323,8 @@ class _Tracked(ForwardingSink):
 
     def on_start(self) -> None:
         self.inner.max_batch = max(self.inner.max_batch, 1)  # a serial or spec request runs within one step
+        self.worker.record_start(self.inner.request_id)
         super().on_start()
 
     def on_end(self, result: RequestResult) -> None:
-        self.worker.record_end(result)
-        super().on_end(result)
+        super().on_end(self.worker.record_end(result, self.inner))
