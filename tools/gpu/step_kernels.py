@@ -54,7 +54,7 @@ def batch_state(eng, rows: int, prompt_tokens: int):
 
 
 def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
-        timed: bool) -> None:  # fmt: skip
+        timed: bool, warm: int = 3) -> None:  # fmt: skip
     import mlx.core as mx
 
     from engine.engine import Engine
@@ -66,7 +66,7 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
         print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers", flush=True)
         for rows in rows_list:
             cache, token = batch_state(eng, rows, prompt_tokens)
-            for _ in range(3):  # warm: compiles this shape's kernels
+            for _ in range(warm):  # compiles this shape's kernels
                 token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
                 mx.eval(token)
             if timed:
@@ -132,6 +132,8 @@ def main() -> None:
                                                    "and ENGINE_GEMV_LAUNCH)")  # fmt: skip
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64, help="the context the decode steps attend over")
+    p.add_argument("--warm", type=int, default=3, help="steps before the measured ones (default 3; under ncu, "
+                                                       "which replays every kernel, 1 keeps the run short)")  # fmt: skip
     p.add_argument("--time", action="store_true", help="time pipelined steps instead of marking them for ncu")
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
@@ -140,7 +142,7 @@ def main() -> None:
         summarize(args.summarize, args.top)
     else:
         run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
-            args.prompt_tokens, args.time)  # fmt: skip
+            args.prompt_tokens, args.time, args.warm)  # fmt: skip
 
 
 if __name__ == "__main__":
