@@ -49,3 +49,13 @@ def non_negative(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return n
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not s > 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
+    return s

@@ -8,6 +8,12 @@ text appears), so output tokens are counted from `usage`, and
 TPOT = (E2EL - TTFT) / (output tokens - 1), as vLLM's benchmark defines it.
 A stream without `data: [DONE]`, a finish reason or usage is a failed
 measurement, never a fast one.
+
+Two limits end a request (`Timeouts`): `stall_s` without a byte (while
+connecting, sending, or waiting for the next read) marks it `stalled`, the
+sign of a hung server; `request_s` in all marks it `timed_out`. The total is
+checked at every line the stream delivers; a stream that goes quiet is
+caught by the stall limit, or by the total when that is the smaller.
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ from typing import Any, Optional
 
 import httpx
 
+# RequestRecord.timeout_kind
+STALLED, TIMED_OUT = "stalled", "timed_out"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    request_s: float = 1800  # one whole request
+    stall_s: float = 300  # without a byte; a long prefill sends headers first, then nothing until its first token
+
+    def for_httpx(self) -> httpx.Timeout:
+        wait = min(self.stall_s, self.request_s)
+        return httpx.Timeout(connect=wait, read=wait, write=wait, pool=self.request_s)
+
 
 @dataclass
 class RequestRecord:
@@ -29,6 +48,7 @@ class RequestRecord:
     prompt_tokens_sent: int
     ok: bool = False
     error: Optional[str] = None
+    timeout_kind: Optional[str] = None  # STALLED | TIMED_OUT when a limit ended the request
     status_code: Optional[int] = None
     sent_at: float = 0.0  # wall clock (time.time()) when sent
     headers_ms: Optional[float] = None
@@ -79,8 +99,9 @@ def _content(event: dict) -> tuple[str, Optional[list[int]], Optional[str]]:
     return text, choice.get("token_ids"), choice.get("finish_reason")
 
 
-def stream_completion(client: httpx.Client, body: dict[str, Any], record: RequestRecord) -> RequestRecord:
-    """POST /v1/completions with stream: true and fill `record`; never raises for a bad response."""
+def stream_completion(client: httpx.Client, body: dict[str, Any], record: RequestRecord,
+                      timeouts: Timeouts = Timeouts()) -> RequestRecord:  # fmt: skip
+    """POST /v1/completions with stream: true and fill `record`; never raises for a bad response or a limit."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     record.sent_at = time.time()
     start = time.perf_counter()
@@ -90,7 +111,7 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
 
     done, ids = False, []
     try:
-        with client.stream("POST", "/v1/completions", json=body) as r:
+        with client.stream("POST", "/v1/completions", json=body, timeout=timeouts.for_httpx()) as r:
             record.headers_ms, record.status_code = ms(), r.status_code
             if r.status_code != 200:
                 record.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"
@@ -98,6 +119,8 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
             for line in r.iter_lines():
                 if record.first_byte_ms is None:
                     record.first_byte_ms = ms()
+                if ms() > timeouts.request_s * 1000:
+                    return _limit(record, TIMED_OUT, f"timed out: the request ran past {timeouts.request_s:g} s")
                 if not line.startswith("data: "):
                     continue  # blank separators, `: keepalive` comments
                 payload = line[6:]
@@ -124,8 +147,12 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
                 if finish:
                     record.finish_reason = finish
         record.e2el_ms = ms()
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError) as e:
-        record.error = f"{type(e).__name__}: {e}"
+    except httpx.TimeoutException as e:
+        if isinstance(e, httpx.PoolTimeout) or timeouts.request_s <= timeouts.stall_s:
+            return _limit(record, TIMED_OUT, f"timed out: the request ran past {timeouts.request_s:g} s")
+        return _limit(record, STALLED, f"stalled: no bytes for {timeouts.stall_s:g} s ({type(e).__name__})")
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
+        record.error = f"{type(e).__name__}: {e}"  # a broken connection, or SSE that is not the protocol
         return record
     record.token_ids = ids if ids else None
     usage = record.usage or {}
@@ -138,4 +165,9 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
         record.error = "incomplete stream: no " + ", no ".join(missing)
     else:
         record.ok = True
+    return record
+
+
+def _limit(record: RequestRecord, kind: str, error: str) -> RequestRecord:
+    record.timeout_kind, record.error = kind, error
     return record

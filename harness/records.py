@@ -3,12 +3,20 @@
 The JSON is rewritten (atomically) after every cell, so a crash loses at most
 the cell in flight. The database (sqlite-utils) indexes every run:
 
-    runs      one row per run: provenance, settings, preflight, JSON path
-    arms      one row per (block, model, arm): command, load-to-ready, peak RSS, status, stderr tail,
+    runs      one row per run: provenance, settings, preflight, JSON path, status (why it ended early)
+    models    one row per (block, model): artifact, workload, arm order, parity verdicts
+    arms      one row per (block, model, arm): command, env, load-to-ready, peak RSS, status, stderr tail,
               the kernel set an engine server reported in /stats
-    cells     one row per (block, model, arm, phase): status, metrics, error
-    requests  one row per request: timings, usage, finish reason, output hash
+    cells     one row per (block, model, arm, phase): status, metrics, error, attempt wall times
+    requests  one row per request: timings, usage, finish reason, output hash, which limit ended it
     samples   RSS samples of each arm's server process tree
+
+Every row is written when its part of the JSON is, and `db_sync` writes the
+whole record once more when a run ends however it ends (finished,
+interrupted, failed), so the two agree; `db_export.export_run` rebuilds the
+JSON from the rows. A run's status is running, finished, interrupted (a
+signal) or failed (a harness error); an arm's is running, measured, failed
+(could not start, died, hung) or interrupted.
 
 Schema changes are ordered migrations recorded in `_migrations`.
 """
@@ -29,6 +37,8 @@ SCHEMA_VERSION = 1
 
 # Cell statuses (the report shows one on every cell).
 MEASURED, RECOVERED, FAILED, NOT_MEASURED, UNSUPPORTED = "measured", "recovered", "failed", "not_measured", "unsupported"
+# Run and arm statuses, besides MEASURED and FAILED.
+RUNNING, FINISHED, INTERRUPTED = "running", "finished", "interrupted"
 
 
 @dataclass
@@ -47,6 +57,7 @@ class Cell:
     reason: Optional[str] = None  # why failed / not measured / unsupported
     attempts: list[Attempt] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    stderr_tail: Optional[str] = None  # a failed cell: the server's stderr when it failed
 
 
 @dataclass
@@ -54,7 +65,7 @@ class ArmRun:
     arm: str
     command: list[str]
     env: dict[str, str]
-    status: str = NOT_MEASURED  # measured | failed (could not start, or died)
+    status: str = NOT_MEASURED  # running | measured | failed (could not start, died, hung) | interrupted
     error: Optional[str] = None
     load_to_ready_s: Optional[float] = None
     peak_rss_bytes: Optional[int] = None
@@ -109,6 +120,8 @@ class RunRecord:
     commands: dict[str, list[str]] = field(default_factory=dict)
     models: list[ModelRun] = field(default_factory=list)
     finished: bool = False
+    status: str = RUNNING  # running | finished | interrupted | failed
+    error: Optional[str] = None  # why a run did not finish ("interrupted by SIGTERM")
 
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, **_jsonable(self)}
@@ -148,7 +161,20 @@ def _m2_arm_kernels(db: sqlite_utils.Database) -> None:
     db["arms"].add_column("kernels", str)  # JSON: KernelSet.as_record() from the server's /stats
 
 
-MIGRATIONS = [_m1_initial, _m2_arm_kernels]  # append only; each runs once, in order
+def _m3_fault_records(db: sqlite_utils.Database) -> None:
+    db["runs"].add_column("status", str)
+    db["runs"].add_column("error", str)
+    db["models"].create({"run_id": str, "block": int, "model": str, "model_dir": str, "manifest_sha256": str,
+                         "workload_sha256": str, "workload_path": str, "workload_seed": int, "arm_order": str,
+                         "parity": str}, pk=("run_id", "block", "model"))  # fmt: skip
+    db["arms"].add_column("env", str)  # JSON
+    db["cells"].add_column("wall_s", str)  # JSON: each attempt's wall seconds
+    db["cells"].add_column("stderr_tail", str)
+    db["requests"].add_column("timeout_kind", str)
+    db["requests"].add_column("status_code", int)
+
+
+MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -165,42 +191,78 @@ def open_db(path: Path) -> sqlite_utils.Database:
     return db
 
 
+ARM_KEYS, CELL_KEYS = ("run_id", "block", "model", "arm"), ("run_id", "block", "model", "arm", "phase")
+REQUEST_KEYS = (*CELL_KEYS, "attempt", "idx")
+
+
 def db_run(db: sqlite_utils.Database, record: RunRecord, json_path: Path) -> None:
     p = record.provenance
     db["runs"].upsert({"run_id": record.run_id, "created": record.created, "kind": record.kind,
                        "label": record.label, "diagnostic": int(record.diagnostic), "json_path": str(json_path),
                        "git_commit": p.get("git_commit"), "source_tree_sha256": p.get("source_tree_sha256"),
                        "host": p.get("host"), "provenance": json.dumps(p), "settings": json.dumps(record.settings),
-                       "preflight": json.dumps(record.preflight), "finished": int(record.finished)},
-                      pk="run_id")  # fmt: skip
+                       "preflight": json.dumps(record.preflight), "finished": int(record.finished),
+                       "status": record.status, "error": record.error}, pk="run_id")  # fmt: skip
+
+
+def db_model(db: sqlite_utils.Database, run_id: str, model: ModelRun) -> None:
+    db["models"].upsert({"run_id": run_id, "block": model.block, "model": model.model, "model_dir": model.model_dir,
+                         "manifest_sha256": model.manifest_sha256, "workload_sha256": model.workload_sha256,
+                         "workload_path": model.workload_path, "workload_seed": model.workload_seed,
+                         "arm_order": json.dumps(model.arm_order), "parity": json.dumps(model.parity)},
+                        pk=("run_id", "block", "model"))  # fmt: skip
 
 
 def db_cell(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, cell: Cell) -> None:
+    with db.atomic():
+        _cell_rows(db, run_id, model, arm, cell)
+
+
+def _cell_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, cell: Cell) -> None:
     keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm}
-    with db.conn:
-        db["cells"].upsert({**keys, "phase": cell.phase, "status": cell.status, "reason": cell.reason,
-                            "attempts": len(cell.attempts), "metrics": json.dumps(cell.metrics)},
-                           pk=("run_id", "block", "model", "arm", "phase"))  # fmt: skip
-        rows = []
-        for a in cell.attempts:
-            for r in a.requests:
-                rows.append({**keys, "phase": cell.phase, "attempt": a.attempt, "idx": r.index, "ok": int(r.ok),
-                             "error": r.error, "sent_at": r.sent_at, "headers_ms": r.headers_ms,
-                             "first_byte_ms": r.first_byte_ms, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
-                             "e2el_ms": r.e2el_ms, "itl_ms": json.dumps(r.itl_ms), "output_tokens": r.output_tokens,
-                             "prompt_tokens": r.prompt_tokens, "prompt_tokens_sent": r.prompt_tokens_sent,
-                             "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
-                             "output_sha256": r.output_sha256})  # fmt: skip
-        db["requests"].upsert_all(rows, pk=("run_id", "block", "model", "arm", "phase", "attempt", "idx"))
+    db["cells"].upsert({**keys, "phase": cell.phase, "status": cell.status, "reason": cell.reason,
+                        "attempts": len(cell.attempts), "metrics": json.dumps(cell.metrics),
+                        "wall_s": json.dumps([a.wall_s for a in cell.attempts]), "stderr_tail": cell.stderr_tail},
+                       pk=CELL_KEYS)  # fmt: skip
+    rows = []
+    for a in cell.attempts:
+        for r in a.requests:
+            rows.append({**keys, "phase": cell.phase, "attempt": a.attempt, "idx": r.index, "ok": int(r.ok),
+                         "error": r.error, "sent_at": r.sent_at, "headers_ms": r.headers_ms,
+                         "first_byte_ms": r.first_byte_ms, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
+                         "e2el_ms": r.e2el_ms, "itl_ms": json.dumps(r.itl_ms), "output_tokens": r.output_tokens,
+                         "prompt_tokens": r.prompt_tokens, "prompt_tokens_sent": r.prompt_tokens_sent,
+                         "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
+                         "output_sha256": r.output_sha256, "timeout_kind": r.timeout_kind,
+                         "status_code": r.status_code})  # fmt: skip
+    db["requests"].upsert_all(rows, pk=REQUEST_KEYS)
 
 
 def db_arm(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun) -> None:
+    """The arm's row and its RSS samples (replacing earlier ones: an arm is written when it starts and ends)."""
+    with db.atomic():
+        _arm_rows(db, run_id, model, arm)
+
+
+def _arm_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun) -> None:
     keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm.arm}
-    with db.conn:
-        db["arms"].upsert({**keys, "command": json.dumps(arm.command), "load_to_ready_s": arm.load_to_ready_s,
-                           "peak_rss_bytes": arm.peak_rss_bytes, "status": arm.status, "error": arm.error,
-                           "stderr_tail": arm.stderr_tail, "workload_sha256": model.workload_sha256,
-                           "manifest_sha256": model.manifest_sha256,
-                           "kernels": None if arm.kernels is None else json.dumps(arm.kernels)},
-                          pk=("run_id", "block", "model", "arm"))  # fmt: skip
-        db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)
+    db["arms"].upsert({**keys, "command": json.dumps(arm.command), "env": json.dumps(arm.env),
+                       "load_to_ready_s": arm.load_to_ready_s, "peak_rss_bytes": arm.peak_rss_bytes,
+                       "status": arm.status, "error": arm.error, "stderr_tail": arm.stderr_tail,
+                       "workload_sha256": model.workload_sha256, "manifest_sha256": model.manifest_sha256,
+                       "kernels": None if arm.kernels is None else json.dumps(arm.kernels)},
+                      pk=ARM_KEYS)  # fmt: skip
+    db["samples"].delete_where("run_id = ? and block = ? and model = ? and arm = ?", list(keys.values()))
+    db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)
+
+
+def db_sync(db: sqlite_utils.Database, record: RunRecord, json_path: Path) -> None:
+    """Write the whole record in one transaction: after it, the database holds what the JSON holds."""
+    with db.atomic():
+        db_run(db, record, json_path)
+        for model in record.models:
+            db_model(db, record.run_id, model)
+            for arm in model.arms:
+                _arm_rows(db, record.run_id, model, arm)
+                for cell in arm.cells:
+                    _cell_rows(db, record.run_id, model, arm.arm, cell)

@@ -5,7 +5,10 @@ HTML is one self-contained file: CSS inline, plots as inline SVG, no script
 and no external reference of any kind (a Content-Security-Policy forbids
 fetching anything). Ratios against the baseline arm appear only where both
 arms did the same work in that phase (same prompts, output counts and finish
-reasons); otherwise the ratio is withheld and the reason shown.
+reasons); otherwise the ratio is withheld and the reason shown. A decode cell
+too short to time (`summary.too_short`) carries that flag. Every string from a
+run is escaped: by jinja2's autoescape in HTML, by `summary.md_cell` /
+`md_text` in Markdown.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoesca
 
 from harness import stats
 from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED, SCHEMA_VERSION
-from harness.summary import cell_of, metric, ok_requests, same_work
+from harness.summary import cell_of, md_row, md_text, metric, ok_requests, same_work, too_short
 
 
 def templates() -> Traversable:
@@ -85,7 +88,8 @@ def _provenance(inp: Input) -> dict:
     return {
         "file": inp.path.name, "sha256": inp.sha256, "run_id": run["run_id"], "kind": run["kind"],
         "created": run["created"], "label": run.get("label"), "diagnostic": run["diagnostic"],
-        "finished": run.get("finished"), "host": p.get("host"), "machine": machine(run), "os": p.get("os"),
+        "finished": run.get("finished"), "status": run.get("status"), "error": run.get("error"),
+        "host": p.get("host"), "machine": machine(run), "os": p.get("os"),
         "versions": f"Python {p.get('python')}, MLX {p.get('mlx')}, mlx-lm {p.get('mlx_lm')}",
         "commit": (p.get("git_commit") or "?")[:12] + (" (uncommitted changes)" if p.get("git_dirty") else ""),
         "source_tree_sha256": p.get("source_tree_sha256"), "environment": p.get("environment") or {},
@@ -110,6 +114,10 @@ def _cell_view(cell: dict) -> dict:
         elif cell["phase"].startswith("concurrency-"):
             value = _fmt(m.get("output_throughput"), "tok/s")
     flags = []
+    if cell["phase"] == "decode" and cell["status"] in (MEASURED, RECOVERED):
+        short = too_short(cell)
+        if short:
+            flags.append(short + " (the rate means little)")
     if m.get("short_outputs"):
         flags.append(f"{m['short_outputs']} outputs shorter than {m.get('requested_output_tokens')} tokens")
     reasons = m.get("finish_reasons") or []
@@ -277,7 +285,8 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                 memory.append({"label": f"{arm['arm']} ({model['model']})", "x": (arm.get("peak_rss_bytes") or 0) / 2**20 or None,
                                "y": metric(arm, "decode", "median_decode_tps")})  # fmt: skip
                 if arm["status"] == FAILED or arm.get("error"):
-                    failures.append({"where": where, "arm": arm["arm"], "what": "server", "error": arm.get("error"),
+                    what = "server" if arm["status"] == FAILED else arm["status"]  # interrupted, say
+                    failures.append({"where": where, "arm": arm["arm"], "what": what, "error": arm.get("error"),
                                      "stderr_tail": arm.get("stderr_tail", "")[-2000:]})  # fmt: skip
                 for c in arm["cells"]:
                     if c["status"] in (FAILED, RECOVERED):
@@ -324,28 +333,29 @@ def render_html(view: dict) -> str:
 
 
 def render_markdown(view: dict) -> str:
-    lines = [f"# {view['title']}", "", f"Baseline arm: {view['baseline']}", "", "## Serving matrix", ""]
+    lines = [f"# {md_text(view['title'])}", "", f"Baseline arm: {md_text(view['baseline'])}", "", "## Serving matrix", ""]
     for mach, m in view["machines"].items():
-        lines += [f"### {mach}", "", "| run / model | arm | " + " | ".join(m["phases"]) + " |",
+        lines += [f"### {md_text(mach)}", "", md_row(["run / model", "arm", *m["phases"]]),
                   "|---|---|" + "---|" * len(m["phases"])]  # fmt: skip
         for r in m["rows"]:
             cells = [f"{c['status']}" + (f": {c['value']}" if c["value"] else "") for c in r["cells"]]
-            lines.append(f"| {r['where']} | {r['arm']} | " + " | ".join(cells) + " |")
+            lines.append(md_row([r["where"], r["arm"], *cells]))
         lines.append("")
     lines += ["## Ratios against the baseline", "", "| run / model | arm | phase | metric | ratio |", "|---|---|---|---|---|"]
     for group in view["ratios"]:
         for r in group["rows"]:
             ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else f"withheld: {r['withheld']}"
-            lines.append(f"| {group['where']} | {r['arm']} | {r['phase']} | {r['metric']} | {ratio} |")
+            lines.append(md_row([group["where"], r["arm"], r["phase"], r["metric"], ratio]))
     if view["paired"]:
         lines += ["", "## Paired blocks", "", "| model | arm | metric | blocks | geomean | 95% interval | verdict |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for p in view["paired"]:
             ci = f"{p['ci_low']:.3f}-{p['ci_high']:.3f}" if p["ci_low"] is not None else "-"
-            lines.append(f"| {p['model']} | {p['arm']} | {p['metric']} | {p['blocks']} | {p['geomean']:.3f} | {ci} | "
-                         f"{p['verdict']} {p['note']} |")  # fmt: skip
+            lines.append(md_row([p["model"], p["arm"], p["metric"], p["blocks"], f"{p['geomean']:.3f}", ci,
+                                 f"{p['verdict']} {p['note']}"]))  # fmt: skip
     if view["failures"]:
-        lines += ["", "## Failures", ""] + [f"- {f['where']} / {f['arm']} / {f['what']}: {f['error']}" for f in view["failures"]]
+        lines += ["", "## Failures", ""] + [f"- {md_text(f['where'])} / {md_text(f['arm'])} / {md_text(f['what'])}: "
+                                            f"{md_text(f['error'])}" for f in view["failures"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

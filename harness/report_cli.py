@@ -72,19 +72,21 @@ def _open(path: Path):
 
 
 def cmd_db_list(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     db = _open(args.db)
-    table = Table(title=str(args.db))
-    for col in ("run", "created", "kind", "label", "host", "commit", "models / arms", "finished", "JSON"):
+    table = Table(title=escape(str(args.db)))
+    for col in ("run", "created", "kind", "label", "host", "commit", "models / arms", "status", "JSON"):
         table.add_column(col)
     for r in db.query("select * from runs order by created desc"):
         arms = list(db.query("select distinct model, arm from arms where run_id = ?", [r["run_id"]]))
         models = sorted({a["model"] for a in arms})
-        table.add_row(r["run_id"], r["created"], r["kind"] + (" (diagnostic)" if r["diagnostic"] else ""),
-                      r["label"] or "-", r["host"] or "-", (r["git_commit"] or "")[:10],
-                      f"{', '.join(models)} / {len({a['arm'] for a in arms})}", "yes" if r["finished"] else "no",
-                      r["json_path"] or "-")  # fmt: skip
+        cells = [r["run_id"], r["created"], r["kind"] + (" (diagnostic)" if r["diagnostic"] else ""),
+                 r["label"] or "-", r["host"] or "-", (r["git_commit"] or "")[:10],
+                 f"{', '.join(models)} / {len({a['arm'] for a in arms})}",
+                 r.get("status") or ("finished" if r["finished"] else "unfinished"), r["json_path"] or "-"]  # fmt: skip
+        table.add_row(*(escape(str(c)) for c in cells))  # labels and names are text, not rich markup
     stdout.print(table)
     return 0
 

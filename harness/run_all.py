@@ -15,33 +15,46 @@ throughout, then run the phases in order:
 
 Every timed request asks for a fixed output length (`ignore_eos`). A phase
 whose requests fail is retried once with the workload's second set of prompts
-(fresh nonces); both attempts are kept. A server that dies fails its phase
-(with its stderr tail) and leaves its remaining phases not measured; the run
-goes on with the next arm. Every process tree is killed at the end, on
-errors and on Ctrl-C.
+(fresh nonces); both attempts are kept. No retry after a limit ended a
+request (`--request-timeout` in all, `--stall-timeout` without a byte) or
+against a dead server. A server that dies or stalls (a hung server) fails
+its phase (with its stderr tail), is stopped, and leaves its remaining
+phases not measured; the run goes on with the next arm.
+
+Every exit path stops every server's process tree: the end of an arm, a
+harness error, and a signal. With the CLI's `Interrupts` installed, SIGTERM,
+SIGHUP and SIGINT raise `RunInterrupted` (see `Interrupts`); the run is then
+recorded as interrupted (the arm in flight too, its remaining cells not
+measured), the JSON and the database are written to agree, and the exception
+propagates.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
 
 from harness import provenance
 from harness.arms import ArmSpec
-from harness.client import RequestRecord, stream_completion
+from harness.client import STALLED, RequestRecord, Timeouts, stream_completion
 from harness.metrics import summarize
 from harness.records import (
     FAILED,
+    FINISHED,
+    INTERRUPTED,
     MEASURED,
     NOT_MEASURED,
     RECOVERED,
+    RUNNING,
     ArmRun,
     Attempt,
     Cell,
@@ -49,7 +62,9 @@ from harness.records import (
     RunRecord,
     db_arm,
     db_cell,
+    db_model,
     db_run,
+    db_sync,
     open_db,
     write_json,
 )
@@ -58,6 +73,65 @@ from harness.servers import ServerProcess, ServerStartError, free_port, start_se
 from harness.workloads import ATTEMPTS, Workload, WorkloadSettings, load_or_build, phase_names
 
 Log = Callable[[str], None]
+
+STOP_GRACE_S = 20  # a healthy server's time to exit after SIGTERM
+QUICK_STOP_S = 2  # a hung server's, or any server's once the run is interrupted
+CELL_STDERR_CHARS = 2000
+INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A signal stopped the run. A KeyboardInterrupt, so that nothing catching Exception swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_name(e: BaseException) -> str:
+    return signal.Signals(e.signum).name if isinstance(e, RunInterrupted) else "SIGINT"
+
+
+class Interrupts:
+    """While `installed()`, the first SIGTERM, SIGHUP or SIGINT raises RunInterrupted in the main thread; later
+    ones are ignored, so the cleanup the first one started runs to its end. Inside `deferred()` (stopping a
+    server, writing the records) a signal waits until the block ends. Not installed, both are no-ops."""
+
+    def __init__(self) -> None:
+        self.fired: Optional[int] = None
+        self._pending: Optional[int] = None
+        self._depth = 0
+
+    @contextmanager
+    def installed(self, signums: Sequence[int] = INTERRUPT_SIGNALS) -> Iterator["Interrupts"]:
+        previous = {s: signal.signal(s, self._handler) for s in signums}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self._pending is not None:
+                self._raise(self._pending)
+
+    def _handler(self, signum: int, frame) -> None:
+        if self.fired is not None:
+            return
+        if self._depth:
+            self._pending = signum
+            return
+        self._raise(signum)
+
+    def _raise(self, signum: int) -> None:
+        self.fired, self._pending = signum, None
+        raise RunInterrupted(signum)
 
 
 @dataclass(frozen=True)
@@ -69,7 +143,8 @@ class RunSettings:
     long_output_tokens: int = 64
     workload: WorkloadSettings = field(default_factory=WorkloadSettings)
     server_timeout_s: float = 1800
-    request_timeout_s: float = 1800
+    request_timeout_s: float = 1800  # one whole request
+    stall_timeout_s: float = 300  # a request without a byte for this long: the server is taken as hung
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -77,6 +152,10 @@ class RunSettings:
 
     def repeats(self, phase: str) -> int:
         return self.decode_samples if phase == "decode" else 1
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(request_s=self.request_timeout_s, stall_s=self.stall_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -90,9 +169,12 @@ class Block:
 class Runner:
     def __init__(self, settings: RunSettings, out: Path, db_path: Path, *, kind: str = "run",
                  label: Optional[str] = None, diagnostic: bool = False, preflight: Optional[dict] = None,
-                 log: Log = print, on_phase: Callable[[str], None] = lambda _: None):  # fmt: skip
+                 log: Log = print, on_phase: Callable[[str], None] = lambda _: None,
+                 interrupts: Optional[Interrupts] = None):  # fmt: skip
         self.settings, self.out, self.log, self.on_phase = settings, out, log, on_phase
+        self.interrupts = interrupts or Interrupts()
         self.db = open_db(db_path)
+        self.servers: list[ServerProcess] = []  # every server launched, stopped again when the run ends
         self.record = RunRecord(
             run_id=uuid.uuid4().hex[:12],
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -107,13 +189,34 @@ class Runner:
     # ------------------------------------------------------------------ run
 
     def run(self, targets: Sequence[tuple[str, Path]], blocks: Sequence[Block]) -> RunRecord:
+        """Every block, model and arm in order. On an exception (a signal's RunInterrupted too) the run is
+        recorded as interrupted or failed, every server is stopped, and the exception propagates."""
         self._save()
-        for b, block in enumerate(blocks):
-            for name, model_dir in targets:
-                self._run_model(name, model_dir, b, block)
-        self.record.finished = True
-        self._save()
+        try:
+            for b, block in enumerate(blocks):
+                for name, model_dir in targets:
+                    self._run_model(name, model_dir, b, block)
+            self.record.status, self.record.finished = FINISHED, True
+        except BaseException as e:
+            self.record.status, self.record.error = _ended(e, "the run")
+            raise
+        finally:
+            self._close()
         return self.record
+
+    def _close(self) -> None:
+        with self.interrupts.deferred():
+            for server in self.servers:
+                server.stop(grace_s=QUICK_STOP_S)  # those stopped already: only a sweep of their process group
+            phases = phase_names(self.settings.workload)
+            for mrun in self.record.models:
+                for arm in mrun.arms:
+                    if arm.status == RUNNING:  # the exception came while the arm was being closed
+                        arm.status = INTERRUPTED if self.record.status == INTERRUPTED else FAILED
+                        arm.error = self.record.error
+                    _fill_not_measured(arm, phases)
+            write_json(self.record, self.out)
+            db_sync(self.db, self.record, self.out)
 
     def _run_model(self, name: str, model_dir: Path, b: int, block: Block) -> None:
         wl_settings = replace(self.settings.workload, seed=block.seed)
@@ -122,59 +225,75 @@ class Runner:
                         str(path) if path else None, block=b, workload_seed=block.seed,
                         arm_order=[a.name for a in block.arms])  # fmt: skip
         self.record.models.append(mrun)
+        db_model(self.db, self.record.run_id, mrun)
         for arm in block.arms:
-            self._run_arm(mrun, arm, model_dir, workload, wl_settings)
+            self._run_arm(mrun, arm, model_dir, workload, phase_names(wl_settings))
         mrun.parity = probe_parity(mrun)
+        db_model(self.db, self.record.run_id, mrun)
         self._save()
 
-    def _run_arm(self, mrun: ModelRun, spec: ArmSpec, model_dir: Path, workload: Workload, wl: WorkloadSettings):
+    def _run_arm(self, mrun: ModelRun, spec: ArmSpec, model_dir: Path, workload: Workload, phases: list[str]):
         port = free_port()
-        arm = ArmRun(spec.name, spec.command(model_dir, port), spec.env)
+        arm = ArmRun(spec.name, spec.command(model_dir, port), spec.env, status=RUNNING)
         self.record.commands[spec.name] = arm.command
         mrun.arms.append(arm)
-        phases = phase_names(wl)
+        db_arm(self.db, self.record.run_id, mrun, arm)
+        self._save()
         self.log(f"{mrun.model} / {spec.name}: starting `{' '.join(arm.command)}`")
+        server, grace_s = None, STOP_GRACE_S
         try:
             server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
-                                  probe=spec.probe)  # fmt: skip
+                                  probe=spec.probe, on_launch=self.servers.append)  # fmt: skip
+            arm.load_to_ready_s = round(server.load_to_ready_s, 3)
+            self._measure(mrun, arm, spec, server, workload, phases)
         except ServerStartError as e:
-            arm.status, arm.error = FAILED, f"server did not start: {str(e).splitlines()[0]}"
-            arm.stderr_tail = str(e)
-            arm.cells = [Cell(p, NOT_MEASURED, arm.error) for p in phases]
-            for cell in arm.cells:
-                db_cell(self.db, self.record.run_id, mrun, spec.name, cell)
-            self._finish_arm(mrun, arm)
-            return
-        arm.load_to_ready_s = round(server.load_to_ready_s, 3)
+            arm.status, arm.error, arm.stderr_tail = FAILED, f"server did not start: {str(e).splitlines()[0]}", str(e)
+        except BaseException as e:
+            at = f" during phase {phases[len(arm.cells)]}" if len(arm.cells) < len(phases) else ""
+            arm.status, arm.error = _ended(e, "the run", at)
+            grace_s = QUICK_STOP_S
+            raise
+        finally:
+            with self.interrupts.deferred():
+                if server is not None:
+                    server.stop(grace_s=QUICK_STOP_S if arm.status == FAILED else grace_s)
+                    arm.stderr_tail = tail(server.stderr_path, 4000)
+                _fill_not_measured(arm, phases)
+                if arm.status == RUNNING:
+                    arm.status = MEASURED
+                self._finish_arm(mrun, arm)
+
+    def _measure(self, mrun: ModelRun, arm: ArmRun, spec: ArmSpec, server: ServerProcess, workload: Workload,
+                 phases: list[str]) -> None:  # fmt: skip
+        timeouts = self.settings.timeouts
+        rss = RssSampler(server.proc.pid)
         try:
-            with RssSampler(server.proc.pid) as rss, server.client(self.settings.request_timeout_s) as client:
+            with rss, server.client(timeouts.for_httpx()) as client:
                 if spec.is_engine:
                     arm.kernels = server_kernels(client)
                     tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
                     self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
                 for phase in phases:
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
-                    if not server.alive:
-                        arm.cells.append(Cell(phase, NOT_MEASURED, arm.error))
-                        continue
                     cell = self._phase(server, client, spec, workload, phase)
                     arm.cells.append(cell)
-                    if not server.alive and arm.error is None:
-                        arm.status = FAILED
-                        arm.error = f"the server exited (status {server.proc.returncode}) during phase {phase}"
+                    gone = _server_gone(server, cell, timeouts)
+                    if gone:
+                        arm.status, arm.error = FAILED, f"{gone} during phase {phase}"
                         cell.reason = f"{cell.reason or ''}; {arm.error}".strip("; ")
+                        cell.stderr_tail = tail(server.stderr_path, CELL_STDERR_CHARS)
                     db_cell(self.db, self.record.run_id, mrun, spec.name, cell)
                     self._save()
-            arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
+                    if gone:
+                        break
         finally:
-            server.stop()
-            arm.stderr_tail = tail(server.stderr_path, 4000)
-        if arm.status != FAILED:
-            arm.status = MEASURED
-        self._finish_arm(mrun, arm)
+            arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
 
     def _finish_arm(self, mrun: ModelRun, arm: ArmRun) -> None:
-        db_arm(self.db, self.record.run_id, mrun, arm)
+        with self.db.atomic():
+            db_arm(self.db, self.record.run_id, mrun, arm)
+            for cell in arm.cells:
+                db_cell(self.db, self.record.run_id, mrun, arm.arm, cell)
         self._save()
         self.log(f"{mrun.model} / {arm.arm}: {arm.status}" + (f" ({arm.error})" if arm.error else ""))
 
@@ -183,6 +302,7 @@ class Runner:
     def _phase(self, server: ServerProcess, client, spec: ArmSpec, workload: Workload, phase: str) -> Cell:
         cell = Cell(phase)
         max_tokens = self.settings.output_tokens(phase)
+        timeouts = self.settings.timeouts
         for attempt in range(ATTEMPTS):
             prompts = workload.prompts(phase, attempt) * self.settings.repeats(phase)
             bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -191,10 +311,9 @@ class Runner:
             start = time.perf_counter()
             alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
             for body, rec in zip(bodies[:alone], records[:alone]):
-                stream_completion(client, body, rec)
+                stream_completion(client, body, rec, timeouts)
             if len(bodies) > alone:  # the rest at once
-                with ThreadPoolExecutor(len(bodies) - alone) as pool:
-                    list(pool.map(lambda br: stream_completion(client, *br), zip(bodies[alone:], records[alone:])))
+                _at_once(client, list(zip(bodies[alone:], records[alone:])), timeouts)
             wall = time.perf_counter() - start
             errors = [r.error for r in records if not r.ok]
             cell.attempts.append(Attempt(attempt, not errors, errors[0] if errors else None, round(wall, 4), records))
@@ -207,14 +326,46 @@ class Runner:
                 cell.reason = None if attempt == 0 else f"first attempt failed: {cell.attempts[0].error}"
                 return cell
             cell.status, cell.reason = FAILED, f"{len(errors)} of {len(records)} requests failed: {errors[0]}"
+            cell.stderr_tail = tail(server.stderr_path, CELL_STDERR_CHARS)
             self.log(f"  {phase}: attempt {attempt + 1} failed: {errors[0][:200]}")
-            if server.exited(within_s=2.0):
-                break  # no retry against a dead server
+            if any(r.timeout_kind for r in records) or server.exited(within_s=2.0):
+                break  # a limit would end the retry the same way; no retry against a dead server
         return cell
 
     def _save(self) -> None:
         write_json(self.record, self.out)
         db_run(self.db, self.record, self.out)
+
+
+def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], timeouts: Timeouts) -> None:
+    pool = ThreadPoolExecutor(len(pairs))
+    try:
+        list(pool.map(lambda br: stream_completion(client, *br, timeouts), pairs))
+    finally:
+        # On a signal, do not wait for the streams: stopping the server ends them.
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _server_gone(server: ServerProcess, cell: Cell, timeouts: Timeouts) -> Optional[str]:
+    """Why the arm cannot go on after `cell` (its server died, or stopped answering); None if it can."""
+    if not server.alive:
+        return f"the server exited (status {server.proc.returncode})"
+    if any(r.timeout_kind == STALLED for a in cell.attempts for r in a.requests):
+        return f"the server stopped answering (no bytes for {timeouts.stall_s:g} s)"
+    return None
+
+
+def _fill_not_measured(arm: ArmRun, phases: list[str]) -> None:
+    """The phases the arm did not reach: not measured, for the reason the arm stopped."""
+    assert [c.phase for c in arm.cells] == phases[: len(arm.cells)], (arm.arm, [c.phase for c in arm.cells])
+    arm.cells += [Cell(p, NOT_MEASURED, arm.error) for p in phases[len(arm.cells) :]]
+
+
+def _ended(e: BaseException, what: str, at: str = "") -> tuple[str, str]:
+    """(status, error) for whatever ended `what` early: a signal, or a harness error."""
+    if isinstance(e, KeyboardInterrupt):
+        return INTERRUPTED, f"{what} was interrupted by {signal_name(e)}{at}"
+    return FAILED, f"{what} failed{at}: {type(e).__name__}: {e}"
 
 
 def server_kernels(client: httpx.Client) -> Optional[dict]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from dataclasses import replace
 from pathlib import Path
 
-from harness.cli_common import CliError, console, csv, csv_ints, positive
+from rich.markup import escape
+
+from harness.cli_common import CliError, console, csv, csv_ints, positive, positive_seconds
 from harness.cli_common import out as stdout
 
 # With no --models and no --model-path: a set that finishes in a few minutes on 2 CPU cores.
@@ -36,6 +39,13 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     ctx.add_argument("--skip-context", action="store_true", help="no long-context phase")
     p.add_argument("--concurrency", type=csv_ints, default=[4, 8], help="concurrent streams (default 4,8)")
     p.add_argument("--decode-samples", type=positive, default=5, help="decode requests (default 5)")
+    p.add_argument("--request-timeout", type=positive_seconds, default=1800, metavar="SECONDS",
+                   help="the longest one request may take, start to last byte; past it the request fails "
+                   "(timed_out) and its cell fails, not retried (default 1800)")  # fmt: skip
+    p.add_argument("--stall-timeout", type=positive_seconds, default=300, metavar="SECONDS",
+                   help="the longest a request may go without a byte (connecting, sending, or waiting for the next "
+                   "one); past it the server is taken as hung: the cell fails (stalled) with its stderr tail, the "
+                   "server is stopped and the run goes on with the next arm (default 300)")  # fmt: skip
     p.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
     p.add_argument("--out", type=Path, help="JSON companion (default reports/run-<time>.json)")
@@ -64,7 +74,8 @@ def _run_plan(args):
     tokens = args.tokens or (DEFAULT_CPU_TOKENS if cpu_default else 192)
     skip_context = args.skip_context or (cpu_default and args.context is None)
     context = None if skip_context else (args.context or 4096)
-    settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples,
+    settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples, request_timeout_s=args.request_timeout,
+                           stall_timeout_s=args.stall_timeout,
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context))  # fmt: skip
     if args.model_path:
@@ -86,13 +97,14 @@ def cmd_trials(args) -> int:
 
 
 def _run(args, seeds: list[int], kind: str) -> int:
+    """Exit status: 0 when every arm was measured, 1 when one was not, 128 + the signal's number when a
+    signal (SIGTERM, SIGHUP, SIGINT) interrupted the run (recorded as interrupted in the JSON and the DB)."""
     import time as _time
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from harness import preflight, summary
-    from harness.run_all import Block, Runner
+    from harness import preflight
+    from harness.run_all import Block, Interrupts, Runner
     from harness.workloads import phase_names
 
     arms, settings, targets = _run_plan(args)
@@ -106,35 +118,54 @@ def _run(args, seeds: list[int], kind: str) -> int:
                        "run anyway with the run labelled diagnostic)")  # fmt: skip
     phases = phase_names(settings.workload)
     total = len(blocks) * len(targets) * len(arms) * len(phases)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:  # fmt: skip
-        task = progress.add_task("starting", total=total)
-        seen = []
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=console, transient=True)  # fmt: skip
+    task = progress.add_task("starting", total=total)
+    seen = []
 
-        def on_phase(desc: str) -> None:
-            if seen:
-                progress.advance(task)
-            seen.append(desc)
-            progress.update(task, description=desc)
+    def on_phase(desc: str) -> None:
+        if seen:
+            progress.advance(task)
+        seen.append(desc)
+        progress.update(task, description=escape(desc))
 
-        runner = Runner(settings, out, args.db, kind=kind, label=args.label, diagnostic=args.diagnostic,
-                        preflight=check.as_record(), log=lambda m: progress.console.print(m), on_phase=on_phase)  # fmt: skip
-        record = runner.run(targets, blocks)
+    interrupts = Interrupts()
+    runner = Runner(settings, out, args.db, kind=kind, label=args.label, diagnostic=args.diagnostic,
+                    preflight=check.as_record(), log=lambda m: progress.console.print(m, markup=False, highlight=False),
+                    on_phase=on_phase, interrupts=interrupts)  # fmt: skip
+    signum = None
+    with interrupts.installed(), progress:
+        try:
+            runner.run(targets, blocks)
+        except KeyboardInterrupt:
+            signum = interrupts.fired or signal.SIGINT
+    rs = _print_summary(runner.record, out, args.db)
+    if signum is not None:
+        console.print(f"{runner.record.error}: recorded as interrupted in {out} and {args.db}", markup=False)
+        return 128 + signum
+    return 1 if any(r["status"] != "measured" for r in rs) else 0
+
+
+def _print_summary(record, out: Path, db: Path) -> list[dict]:
+    from rich.table import Table
+
+    from harness import summary
+
     run = record.to_json()
     rs = summary.rows(run)
     conc = summary.concurrency_levels(rs)
-    table = Table(title=f"{kind} {record.run_id}" + (" [DIAGNOSTIC]" if record.diagnostic else ""))
-    blocks = kind == "trials"
+    title = f"{record.kind} {record.run_id}" + (" [DIAGNOSTIC]" if record.diagnostic else "")
+    table = Table(title=escape(title))
+    blocks = record.kind == "trials"
     for h in summary.headers(conc, blocks):
         table.add_column(h)
     for r in rs:
-        table.add_row(*summary.table_cells(r, conc, blocks))
+        table.add_row(*(escape(c) for c in summary.table_cells(r, conc, blocks)))  # a label is text, not markup
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
     stdout.print(table)
-    stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {args.db} (run {record.run_id})")
-    failed = [r for r in rs if r["status"] != "measured"]
-    return 1 if failed else 0
+    stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
+    return rs
 
 
 def _dry_run(args, blocks, settings, targets, out: Path) -> int:

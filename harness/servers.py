@@ -3,8 +3,11 @@
 Readiness is `GET /health` answering 200 (any server with that endpoint); the
 time from launch to ready is recorded. stdout and stderr go to files, never to
 pipes nobody reads (a server that logs a line per request would block once a
-pipe's buffer filled). Stopping sends SIGTERM, waits, then kills whatever is
-left of the process tree (psutil).
+pipe's buffer filled). Each server leads its own session (a terminal's
+SIGINT/SIGHUP does not reach it), so the launcher must stop it on every exit
+path: stopping sends SIGTERM (and SIGCONT, so a stopped process can act on
+it), waits, then kills whatever is left of the process tree (psutil) and of
+the server's process group (children whose parent already died).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import httpx
 import psutil
@@ -64,10 +67,12 @@ class ServerProcess:
     def stderr_path(self) -> Path:
         return self.log_dir / "stderr.log"
 
-    def client(self, timeout: float = 600) -> httpx.Client:
+    def client(self, timeout: float | httpx.Timeout = 600) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
 
     def tree(self) -> list[psutil.Process]:
+        if self.proc.returncode is not None:
+            return []  # reaped: its pid may belong to another process by now (the group kill finds orphans)
         try:
             root = psutil.Process(self.proc.pid)
             return [root, *root.children(recursive=True)]
@@ -87,9 +92,11 @@ class ServerProcess:
             return False
 
     def stop(self, grace_s: float = 20) -> Optional[int]:
+        """SIGTERM, up to `grace_s` to exit, then SIGKILL to the tree and the process group. Idempotent."""
         procs = self.tree()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) server cannot act on SIGTERM otherwise
         try:
             code = self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -99,9 +106,18 @@ class ServerProcess:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        # Orphans whose parent died are outside the tree but still in the group; a group's id is not
+        # reused while any member lives.
+        self._signal_group(signal.SIGKILL)
         if code is None:
             self.proc.wait(timeout=10)
         return code
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # start_new_session: the group id is the server's pid
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> "ServerProcess":
         return self
@@ -120,34 +136,47 @@ def start_server(
     env: Optional[dict[str, str]] = None,
     headers: Optional[dict[str, str]] = None,
     probe: Optional[dict] = None,
+    on_launch: Callable[[ServerProcess], None] = lambda _: None,
 ) -> ServerProcess:
     """Launch `command` (which must listen on `port`) and wait until GET /health answers 200.
 
     `probe`: a completion body that must also answer 200 (for servers whose /health
-    answers before the model is loaded)."""
+    answers before the model is loaded). `on_launch` sees the process as soon as it
+    exists, so a caller can stop it on any exit path; an exception while waiting
+    (a signal, Ctrl-C) stops it here before propagating."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="server-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-        proc = subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
-                                start_new_session=True)  # fmt: skip
-    url = f"http://{host}:{port}"
-    server = ServerProcess(list(command), url, proc, log_dir, 0.0, dict(headers or {}))
-    deadline = start + timeout_s
+    server = None
+    try:
+        with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
+            proc = subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
+                                    start_new_session=True)  # fmt: skip
+        server = ServerProcess(list(command), f"http://{host}:{port}", proc, log_dir, 0.0, dict(headers or {}))
+        on_launch(server)
+        _wait_ready(server, start, timeout_s, probe)
+    except BaseException:
+        if server is not None:
+            server.stop(grace_s=2)
+        raise
+    server.load_to_ready_s = time.perf_counter() - start
+    return server
+
+
+def _wait_ready(server: ServerProcess, start: float, timeout_s: float, probe: Optional[dict]) -> None:
+    url, proc, deadline = server.url, server.proc, start + timeout_s
     while time.perf_counter() < deadline:
         if proc.poll() is not None:
-            raise ServerStartError(f"{command[0]} exited with {proc.returncode}:\n{tail(server.stderr_path)}")
+            raise ServerStartError(f"{server.command[0]} exited with {proc.returncode}:\n{tail(server.stderr_path)}")
         try:
             ready = httpx.get(f"{url}/health", timeout=2).status_code == 200
             if ready and probe is not None:
                 left = max(deadline - time.perf_counter(), 1)
-                r = httpx.post(f"{url}/v1/completions", json=probe, headers=headers, timeout=left)
+                r = httpx.post(f"{url}/v1/completions", json=probe, headers=server.headers, timeout=left)
                 ready = r.status_code == 200
             if ready:
-                server.load_to_ready_s = time.perf_counter() - start
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    server.stop()
     raise ServerStartError(f"no answer from {url}/health within {timeout_s:.0f} s:\n{tail(server.stderr_path)}")

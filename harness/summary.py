@@ -1,22 +1,34 @@
 """The table a person reads at the end of a run: per model, one row per arm.
 
-    decode tok/s   median over the decode phase's requests (1000 / TPOT)
+    decode tok/s   median over the decode phase's requests (1000 / TPOT); "too short" when the decode
+                   phase is too short to time (`too_short`), and then no ratio or roofline either
     TTFT cold/warm median TTFT of the cold and warm phases, ms
     agg@C          output tokens per second with C requests at once
     peak RSS       of the server's whole process tree
     x mlx-lm       decode rate / the mlx-lm arm's (only when both did the same work)
     roofline       decode rate / (memory bandwidth / weight bytes), where the bandwidth is known
     kernels        the kernel tier an engine arm's server reported (/stats); - for other servers
+
+`markdown` escapes every cell (`md_cell`): labels, model and arm names come
+from the command line and must not break the table or inject HTML.
 """
 
 from __future__ import annotations
 
+import html
+import statistics
 from pathlib import Path
 from typing import Optional
 
 from harness.records import MEASURED, RECOVERED
 
 FAST_TIER = "fast"  # engine.kernels.FAST, named here so the summary stays free of the engine's imports
+
+# A decode rate is timed over the tokens after the first, E2EL - TTFT. With few of them, or a few
+# milliseconds, it measures how the server flushes its stream (mlx_lm.server can send a short output
+# in one burst: 7 tokens "at" 18,814 tok/s) and the clock, not decoding.
+MIN_TIMED_TOKENS = 16
+MIN_DECODE_MS = 50.0
 
 # Peak memory bandwidth of machines we know, bytes/s (the decode roofline's numerator).
 KNOWN_BANDWIDTH = {"NVIDIA H200": 4.8e12}
@@ -36,6 +48,30 @@ def metric(arm: dict, phase: str, key: str) -> Optional[float]:
 
 def ok_requests(cell: dict) -> list[dict]:
     return [r for att in cell["attempts"] if att["ok"] for r in att["requests"]]
+
+
+def too_short(cell: dict) -> Optional[str]:
+    """Why a decode cell is too short to time, or None. The rule, on the cell's median request: fewer than
+    MIN_TIMED_TOKENS tokens after the first, or under MIN_DECODE_MS between the first and the last."""
+    spans = [(r["output_tokens"] - 1, r["e2el_ms"] - r["ttft_ms"]) for r in ok_requests(cell)
+             if r.get("output_tokens") and r.get("e2el_ms") is not None and r.get("ttft_ms") is not None]  # fmt: skip
+    if not spans:
+        return "too short: no timed tokens"
+    tokens, ms = statistics.median(t for t, _ in spans), statistics.median(m for _, m in spans)
+    if tokens < MIN_TIMED_TOKENS:
+        return f"too short: {tokens:g} timed tokens (< {MIN_TIMED_TOKENS})"
+    if ms < MIN_DECODE_MS:
+        return f"too short: {ms:.1f} ms of decode (< {MIN_DECODE_MS:g} ms)"
+    return None
+
+
+def decode_rate(arm: dict) -> tuple[Optional[float], Optional[str]]:
+    """The arm's median decode rate, or None and why it is withheld (too short to time)."""
+    cell = cell_of(arm, "decode")
+    if cell is None:
+        return None, None
+    short = too_short(cell)
+    return (None, short) if short else (cell["metrics"].get("median_decode_tps"), None)
 
 
 def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
@@ -66,10 +102,10 @@ def rows(run: dict) -> list[dict]:
         probe_ref = next((a for a in m["arms"] if a["arm"] == m["parity"].get("reference")), None)
         roof = bandwidth / weight_bytes(m["model_dir"]) if bandwidth and Path(m["model_dir"]).exists() else None
         for arm in m["arms"]:
-            decode = metric(arm, "decode", "median_decode_tps")
+            decode, short = decode_rate(arm)
             row = {
                 "block": m["block"], "model": m["model"], "arm": arm["arm"], "status": arm["status"],
-                "decode_tps": decode,
+                "decode_tps": decode, "decode_note": short,
                 "ttft_cold_ms": metric(arm, "cold", "median_ttft_ms"),
                 "ttft_warm_ms": metric(arm, "warm", "median_ttft_ms"),
                 "aggregate_tps": {p.split("-", 1)[1]: metric(arm, p, "output_throughput")
@@ -85,8 +121,8 @@ def rows(run: dict) -> list[dict]:
                                               ((probe_ref or {}).get("kernels") or {}).get("tier")),
             }  # fmt: skip
             if base is not None and arm is not base:
-                why = same_work(arm, base, "decode")
-                b = metric(base, "decode", "median_decode_tps")
+                b, base_short = decode_rate(base)
+                why = same_work(arm, base, "decode") or short or (base_short and f"mlx-lm {base_short}")
                 if why is None and decode and b:
                     row["vs_mlx_lm"] = round(decode / b, 4)
                 else:
@@ -102,9 +138,12 @@ def fmt(x, spec: str = ".1f") -> str:
 
 def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[str]:
     parity = {True: "same", False: "differs (fast tier)" if r.get("probe_rounds") else "DIFFERS", None: "-"}[r["parity"]]
-    ratio = fmt(r["vs_mlx_lm"], ".3f") if r["vs_mlx_lm"] is not None else (
-        "-" if r["arm"] == "mlx-lm" else f"withheld ({r['vs_mlx_lm_note']})")
-    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], fmt(r["decode_tps"]), fmt(r["ttft_cold_ms"], ".0f"),
+    if r["vs_mlx_lm"] is not None:
+        ratio = fmt(r["vs_mlx_lm"], ".3f")
+    else:
+        ratio = f"withheld ({r['vs_mlx_lm_note']})" if r["vs_mlx_lm_note"] else "-"
+    decode = "too short" if r.get("decode_note") else fmt(r["decode_tps"])
+    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], decode, fmt(r["ttft_cold_ms"], ".0f"),
             fmt(r["ttft_warm_ms"], ".0f"), *[fmt(r["aggregate_tps"].get(c)) for c in concurrency],
             fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
             fmt(r["roofline"], ".1%"), parity, r.get("kernels") or "-"]  # fmt: skip
@@ -120,11 +159,32 @@ def concurrency_levels(rs: list[dict]) -> list[str]:
     return sorted({c for r in rs for c in r["aggregate_tps"]}, key=int)
 
 
+def md_text(x) -> str:
+    """Any string as Markdown inline text: HTML-special characters as entities, line breaks as spaces."""
+    return html.escape(" ".join(str(x).splitlines()), quote=True)
+
+
+def md_cell(x) -> str:
+    """Any string as one Markdown table cell: `md_text`, with pipes escaped (a pipe would end the cell)."""
+    return md_text(x).replace("\\", "\\\\").replace("|", "\\|")
+
+
+def md_row(cells: list) -> str:
+    return "| " + " | ".join(md_cell(c) for c in cells) + " |"
+
+
 def markdown(run: dict) -> str:
     rs = rows(run)
     conc, blocks = concurrency_levels(rs), run["kind"] == "trials"
     head = headers(conc, blocks)
-    lines = [f"# Run {run['run_id']} ({run['created']})" + (" — DIAGNOSTIC (machine was busy)" if run["diagnostic"] else ""),
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
-    lines += ["| " + " | ".join(table_cells(r, conc, blocks)) + " |" for r in rs]
+    title = f"# Run {md_text(run['run_id'])} ({md_text(run['created'])})"
+    if run.get("label"):
+        title += f": {md_text(run['label'])}"
+    if run["diagnostic"]:
+        title += " — DIAGNOSTIC (machine was busy)"
+    lines = [title, ""]
+    if run.get("status") not in (None, "finished"):
+        lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
+    lines += [md_row(head), "|" + "---|" * len(head)]
+    lines += [md_row(table_cells(r, conc, blocks)) for r in rs]
     return "\n".join(lines) + "\n"

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from processes import TAG, leftovers, new_tag, tagged_env
 
 from engine.kernels import AUTO
 from harness.arms import ArmSpec, standard_arms
@@ -18,13 +18,12 @@ MODEL = "tiny-qwen3"
 FAKE = Path(__file__).with_name("fake_server.py")
 
 
-def leftovers(marker: str) -> list[str]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if marker in cmd and "pytest" not in cmd:
-            found.append(cmd)
-    return found
+@pytest.fixture
+def tag(monkeypatch) -> str:
+    """This test's tag, in the environment its servers inherit (`processes.leftovers`)."""
+    value = new_tag()
+    monkeypatch.setenv(TAG, value)
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +33,18 @@ def cli_run(tiny_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine,engine-serial,mlx-lm",
            "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples", "2", "--diagnostic",
            "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    return proc, out, model_dir
+    run_tag = new_tag()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
+    return proc, out, run_tag
 
 
 def test_the_run_completes_with_all_three_arms(cli_run):
-    proc, out, model_dir = cli_run
+    proc, out, run_tag = cli_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (out / "run.md").read_text()
     for arm in ("engine", "engine-serial", "mlx-lm"):
         assert f"| {MODEL} | {arm} | measured |" in md
-    assert not leftovers(str(model_dir))
+    assert not leftovers(run_tag)
 
 
 def test_the_json_follows_the_schema(cli_run):
@@ -98,12 +98,12 @@ def test_the_database_indexes_the_run(cli_run):
     n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
     assert n_requests == 3 * ((1 + 2) + 1 + 2 + 1 + 1 + 2)  # warmup: one alone, then one per stream
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3]
     tiers = dict(db.execute("select arm, json_extract(kernels, '$.requested') from arms").fetchall())
     assert tiers == {"engine": AUTO, "engine-serial": AUTO, "mlx-lm": None}
 
 
-def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path):
+def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path, tag):
     model_dir = tiny_path(MODEL)
     crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "5"])
     settings = RunSettings(tokens=4, decode_samples=2, workload=WorkloadSettings(
@@ -122,10 +122,10 @@ def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path,
     assert alive.status == "measured" and all(c.status == "measured" for c in alive.cells)
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved["models"][0]["arms"][0]["status"] == "failed" and saved["finished"]
-    assert not leftovers(str(FAKE)) and not leftovers(str(model_dir))
+    assert not leftovers(tag)
 
 
-def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_path):
+def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_path, tag):
     model_dir = tiny_path(MODEL)
     cmd = [sys.executable, "-m", "harness", "trials", "--models", MODEL, "--arms", "engine,engine-serial",
            "--seeds", "2", "--tokens", "4", "--skip-context", "--concurrency", "2", "--decode-samples", "1",
@@ -139,7 +139,7 @@ def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_p
     assert [b["arm_order"] for b in blocks] == [["engine", "engine-serial"], ["engine-serial", "engine"]]
     assert blocks[0]["workload_sha256"] != blocks[1]["workload_sha256"]
     assert all(a["status"] == "measured" for b in blocks for a in b["arms"])
-    assert not leftovers(str(model_dir))
+    assert not leftovers(tag)
 
 
 def test_db_export_feeds_the_report(cli_run):

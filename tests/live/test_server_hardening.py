@@ -202,8 +202,17 @@ def test_metrics_in_prometheus_text_with_vllm_names(server):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_accepted_tokens_total", 'engine:requests_total{end="completed"'):  # fmt: skip
         assert name in text, name
-    generated = next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
-    assert float(generated.split()[-1]) == server.stats()["totals"]["completion_tokens"]
+
+
+    def generated() -> float:
+        text = server.client.get("/metrics").text
+        return float(next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")).split()[-1])
+
+    # both read the engine's snapshot, which follows the step that ended a request
+    deadline = time.monotonic() + 5
+    while generated() != server.stats()["totals"]["completion_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert generated() == server.stats()["totals"]["completion_tokens"]
 
 
 # ------------------------------------------------------------------------------------------ operators

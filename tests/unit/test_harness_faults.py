@@ -1,0 +1,386 @@
+"""Harness faults without model weights: request limits, malformed SSE, process-tree cleanup, signals,
+JSON and database agreement, Markdown escaping, decode cells too short to time."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from harness import report, summary
+from harness.cli import build_parser
+from harness.client import STALLED, TIMED_OUT, RequestRecord, Timeouts, stream_completion
+from harness.db_export import export_run, kept_by_db
+from harness.records import (
+    FAILED,
+    INTERRUPTED,
+    MEASURED,
+    NOT_MEASURED,
+    ArmRun,
+    Attempt,
+    Cell,
+    ModelRun,
+    RunRecord,
+    db_arm,
+    db_sync,
+    open_db,
+    write_json,
+)
+from harness.run_all import Interrupts, RunInterrupted
+from harness.servers import ServerProcess, start_server
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
+HOSTILE = "<script>alert(1)</script>|x\ny"
+
+
+# ------------------------------------------------------------ request limits
+
+
+def tcp_server(headers: bytes = b"", keepalive_every_s: float = 0.0):
+    """A TCP server that reads a request, then sends `headers` and a keepalive comment every
+    `keepalive_every_s` s (headers empty: nothing, ever). Returns (socket, stop event)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            if headers:
+                conn.sendall(headers)
+            while not stop.wait(keepalive_every_s or 0.05):
+                if headers:
+                    try:
+                        conn.sendall(b": keepalive\n\n")
+                    except OSError:
+                        return
+
+    def accept() -> None:
+        sock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return sock, stop
+
+
+def timed_request(url: str, timeouts: Timeouts) -> tuple[RequestRecord, float]:
+    rec = RequestRecord("decode", 0, 0, 3)
+    start = time.perf_counter()
+    with httpx.Client(base_url=url) as client:
+        stream_completion(client, {"prompt": [1, 2, 3], "max_tokens": 4}, rec, timeouts)
+    return rec, time.perf_counter() - start
+
+
+def test_a_server_that_accepts_and_never_answers_is_a_stall():
+    sock, stop = tcp_server()
+    try:
+        rec, took = timed_request(f"http://127.0.0.1:{sock.getsockname()[1]}", Timeouts(request_s=30, stall_s=0.5))
+    finally:
+        stop.set()
+        sock.close()
+    assert not rec.ok and rec.timeout_kind == STALLED and rec.error.startswith("stalled: no bytes for 0.5 s")
+    assert 0.5 <= took < 3
+
+
+def test_a_stream_that_trickles_keepalives_runs_into_the_request_limit():
+    headers = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    sock, stop = tcp_server(headers, keepalive_every_s=0.1)
+    try:
+        rec, took = timed_request(f"http://127.0.0.1:{sock.getsockname()[1]}", Timeouts(request_s=0.6, stall_s=5))
+    finally:
+        stop.set()
+        sock.close()
+    assert not rec.ok and rec.timeout_kind == TIMED_OUT and "ran past 0.6 s" in rec.error
+    assert rec.first_byte_ms is not None and 0.6 <= took < 3
+
+
+@pytest.mark.parametrize("stream", [
+    b'data: {"choices": [{"text": " a"\n\ndata: [DONE]\n\n',  # cut-off JSON
+    b"data: [1, 2]\n\ndata: [DONE]\n\n",
+    b"data: null\n\n",
+    b'data: {"choices": "x"}\n\n',
+    b'data: {"choices": [{"text": 5}]}\n\n',
+    b'data: {"choices": [{"text": " a", "finish_reason": "length"}]}\n\n',  # no usage, no [DONE]
+])  # fmt: skip
+def test_malformed_sse_is_a_failed_request_not_a_crash(stream):
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, content=stream,
+                                                               headers={"content-type": "text/event-stream"}))  # fmt: skip
+    rec = RequestRecord("decode", 0, 0, 3)
+    with httpx.Client(transport=transport, base_url="http://fake") as client:
+        stream_completion(client, {"prompt": [1, 2, 3], "max_tokens": 4}, rec)
+    assert not rec.ok and rec.error and rec.timeout_kind is None
+
+
+# ------------------------------------------------------- process-tree cleanup
+
+# A server-like tree: a child that starts a grandchild and exits (the grandchild is orphaned, still in the
+# session's process group), while the root ignores SIGTERM.
+TREE = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+mid = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                        "print(p.pid, flush=True)"], stdout=subprocess.PIPE, text=True)
+print(mid.stdout.readline().strip(), flush=True)
+mid.wait()
+time.sleep(60)
+"""
+
+
+def launch(code: str, tmp_path: Path) -> ServerProcess:
+    with open(tmp_path / "out", "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, start_new_session=True)
+    return ServerProcess([sys.executable], "http://127.0.0.1:1", proc, tmp_path, 0.0)
+
+
+def wait_for(predicate, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stop_kills_the_tree_and_the_orphans_of_its_process_group(tmp_path):
+    server = launch(TREE, tmp_path)
+    wait_for(lambda: (tmp_path / "out").read_text().strip())
+    orphan = int((tmp_path / "out").read_text().split()[0])
+    assert psutil.Process(orphan).ppid() != server.proc.pid  # not in the tree: only the group reaches it
+    server.stop(grace_s=0.3)
+    assert server.proc.returncode is not None
+    wait_for(lambda: gone(orphan), 5)
+    server.stop(grace_s=0.3)  # again: a no-op
+
+
+def test_a_stopped_server_acts_on_sigterm_at_once(tmp_path):
+    server = launch("import time; time.sleep(60)", tmp_path)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    start = time.perf_counter()
+    assert server.stop(grace_s=10) == -signal.SIGTERM  # SIGCONT let it take the SIGTERM
+    assert time.perf_counter() - start < 5
+
+
+def test_a_signal_while_the_server_loads_stops_it(tmp_path):
+    launched = []
+    never_ready = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with Interrupts().installed(signums=(signal.SIGUSR1,)):
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(RunInterrupted):
+            start_server(never_ready, 1, timeout_s=30, log_dir=tmp_path, on_launch=launched.append)
+    (server,) = launched
+    assert server.proc.returncode is not None and gone(server.proc.pid)
+
+
+def test_interrupts_fire_once_and_wait_out_deferred_blocks():
+    interrupts = Interrupts()
+    with interrupts.installed(signums=(signal.SIGUSR1,)):
+        with pytest.raises(RunInterrupted) as raised, interrupts.deferred():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            finished_block = True  # the signal did not cut the block short
+        assert finished_block and raised.value.signum == signal.SIGUSR1 == interrupts.fired
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second signal: ignored while the first one's cleanup runs
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+# ------------------------------------------------------- JSON and database
+
+
+def make_request(ok: bool, index: int = 0, **kw) -> RequestRecord:
+    fields = {"ok": True, "status_code": 200, "sent_at": 1.5, "headers_ms": 1.0, "first_byte_ms": 1.2, "ttft_ms": 2.0,
+              "e2el_ms": 40.0, "event_ms": [2.0, 20.0, 40.0], "output_tokens": 3, "prompt_tokens": 3,
+              "finish_reason": "length", "text": " a b c", "usage": {"completion_tokens": 3}}  # fmt: skip
+    if not ok:
+        fields = {"ok": False, "error": "stalled: no bytes for 2 s (ReadTimeout)", "timeout_kind": STALLED,
+                  "status_code": 200}  # fmt: skip
+    return RequestRecord("decode", 0, index, 3, **{**fields, **kw})
+
+
+def faulted_record() -> RunRecord:
+    """A run cut short by SIGTERM: a measured arm, one that stalled, one interrupted mid-phase."""
+    rec = RunRecord("faults000001", "2025-01-01T00:00:00+00:00", "run", HOSTILE, True, {"tokens": 4},
+                    {"host": "h"}, {"other_cpu_percent": 1.0}, status=INTERRUPTED,
+                    error="the run was interrupted by SIGTERM")  # fmt: skip
+    model = ModelRun("tiny", "/m", "m" * 64, "w" * 64, "/w.json", arm_order=["a", "b", "c"],
+                     parity={"reference": "a", "verdicts": {"a": {"match": True}}})  # fmt: skip
+    good = Cell("decode", MEASURED, None, [Attempt(0, True, None, 0.05, [make_request(True)])], {"median_decode_tps": 50.0})
+    lost = make_request(False)
+    stalled = Cell("decode", FAILED, f"1 of 1 requests failed: {lost.error}", [Attempt(0, False, lost.error, 2.0, [lost])],
+                   {}, stderr_tail="server log\n")  # fmt: skip
+    model.arms = [
+        ArmRun("a", ["serve", "a"], {"X": "1"}, MEASURED, load_to_ready_s=1.25, peak_rss_bytes=10,
+               rss_samples=[(0.0, 10), (0.25, 9)], kernels={"tier": "exact"}, cells=[good]),
+        ArmRun("b", ["serve", "b"], {}, FAILED, "the server stopped answering", cells=[stalled,
+               Cell("cold", NOT_MEASURED, "the server stopped answering")]),
+        ArmRun("c", ["serve", "c"], {}, INTERRUPTED, "the run was interrupted by SIGTERM during phase decode",
+               cells=[Cell("decode", NOT_MEASURED, "interrupted"), Cell("cold", NOT_MEASURED, "interrupted")]),
+    ]  # fmt: skip
+    rec.models.append(model)
+    rec.commands = {a.arm: a.command for a in model.arms}
+    return rec
+
+
+def test_the_database_export_is_the_json_companion_after_a_fault(tmp_path):
+    rec = faulted_record()
+    db = open_db(tmp_path / "runs.sqlite")
+    db_arm(db, rec.run_id, rec.models[0], rec.models[0].arms[0])  # written at the start too: no doubled samples
+    write_json(rec, tmp_path / "run.json")
+    db_sync(db, rec, tmp_path / "run.json")
+    saved = json.loads((tmp_path / "run.json").read_text())
+    exported = export_run(open_db(tmp_path / "runs.sqlite"), rec.run_id)
+    assert kept_by_db(exported) == kept_by_db(saved)
+    assert exported["status"] == INTERRUPTED and exported["error"] == rec.error
+    statuses = [(a["arm"], a["status"], [c["status"] for c in a["cells"]]) for a in exported["models"][0]["arms"]]
+    assert statuses == [("a", "measured", ["measured"]), ("b", "failed", ["failed", "not_measured"]),
+                        ("c", "interrupted", ["not_measured", "not_measured"])]  # fmt: skip
+    assert exported["models"][0]["arms"][1]["cells"][0]["attempts"][0]["requests"][0]["timeout_kind"] == STALLED
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3]
+
+
+def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):
+    db = open_db(tmp_path / "runs.sqlite")
+    db["runs"].insert({"run_id": "old", "kind": "run", "finished": 1})
+    db_arm(db, "old", ModelRun("tiny", "/m", "m" * 64, "w" * 64, None), ArmRun("a", ["serve"], {}, MEASURED))
+    run = export_run(db, "old")
+    assert run["status"] == "finished" and run["models"][0]["arm_order"] == ["a"]
+
+
+# ------------------------------------------------------------- the CLI
+
+
+def test_request_and_stall_timeouts_reach_the_run_settings():
+    from harness.run_cli import _run_plan
+
+    args = build_parser().parse_args(["run", "all", "--models", "tiny-qwen3", "--request-timeout", "90",
+                                      "--stall-timeout", "2.5", "--dry-run"])  # fmt: skip
+    settings = _run_plan(args)[1]
+    assert (settings.request_timeout_s, settings.stall_timeout_s) == (90, 2.5)
+    assert settings.timeouts == Timeouts(request_s=90, stall_s=2.5)
+    defaults = _run_plan(build_parser().parse_args(["trials", "--models", "tiny-qwen3", "--dry-run"]))[1]
+    assert (defaults.request_timeout_s, defaults.stall_timeout_s) == (1800, 300)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["run", "all", "--stall-timeout", value])
+    assert exited.value.code == 2 and "seconds" in capsys.readouterr().err
+
+
+# ------------------------------------------------- Markdown and HTML output
+
+
+def columns(line: str) -> int:
+    """Cells of a Markdown table row: pipes not escaped by a backslash."""
+    return len(re.findall(r"(?<!\\)\|", line)) - 1
+
+
+def hostile_run() -> dict:
+    run = json.loads(FIXTURE.read_text())
+    run["label"] = HOSTILE
+    run["models"][0]["model"] = HOSTILE
+    run["models"][0]["arms"][0]["error"] = HOSTILE
+    run["models"][0]["arms"][0]["status"] = "failed"
+    return run
+
+
+def test_the_run_summary_escapes_labels_in_its_markdown():
+    md = summary.markdown(hostile_run())
+    assert "<script" not in md and "&lt;script&gt;alert(1)&lt;/script&gt;\\|x y" in md
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and len({columns(line) for line in table}) == 1  # header, rule, two arms
+
+
+def test_the_report_escapes_labels_in_markdown_and_html(tmp_path):
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(hostile_run()))
+    view = report.build_view(report.load([path]))
+    md = report.render_markdown(view)
+    assert "<script" not in md and "alert(1)" in md
+    for block in md.split("\n\n"):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({columns(line) for line in rows}) <= 1, block
+    failures = md.split("## Failures")[1]
+    assert all(line.startswith("- ") for line in failures.strip().splitlines())  # a newline did not split an item
+    html = report.render_html(view)
+    assert "<script" not in html.lower() and "&lt;script&gt;" in html
+
+
+# ---------------------------------------------------- too short to time
+
+
+def decode_arm(name: str, tokens: int, decode_ms: float, rate: float) -> dict:
+    reqs = [{"prompt_tokens_sent": 10, "output_tokens": tokens, "finish_reason": "length", "ttft_ms": 5.0,
+             "e2el_ms": 5.0 + decode_ms, "itl_ms": []}]  # fmt: skip
+    cell = {"phase": "decode", "status": "measured", "reason": None, "metrics": {"median_decode_tps": rate},
+            "attempts": [{"attempt": 0, "ok": True, "error": None, "requests": reqs}]}  # fmt: skip
+    return {"arm": name, "status": "measured", "cells": [cell], "peak_rss_bytes": None, "load_to_ready_s": 1.0}
+
+
+def summary_of(*arms: dict) -> list[dict]:
+    run = {"provenance": {}, "models": [{"model": "m", "model_dir": "/none", "block": 0, "parity": {},
+                                         "arms": list(arms)}]}  # fmt: skip
+    return summary.rows(run)
+
+
+def test_a_decode_cell_too_short_to_time_gets_no_rate_and_no_ratio():
+    # --tokens 8 against mlx_lm.server: seven tokens after the first, all in one burst
+    engine, mlx = summary_of(decode_arm("engine", 8, 30.0, 233.0), decode_arm("mlx-lm", 8, 0.37, 18814.0))
+    assert engine["decode_tps"] is None and mlx["decode_tps"] is None and engine["vs_mlx_lm"] is None
+    assert engine["vs_mlx_lm_note"] == "too short: 7 timed tokens (< 16)"
+    cells = summary.table_cells(engine, [])
+    assert cells[3] == "too short" and cells[-4] == "withheld (too short: 7 timed tokens (< 16))"
+    assert summary.table_cells(mlx, [])[-4] == "-"  # the baseline itself
+
+
+def test_a_burst_of_enough_tokens_is_still_too_short():
+    engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 3.0, 21000.0))
+    assert engine["decode_tps"] == 70.0 and mlx["decode_tps"] is None
+    assert engine["vs_mlx_lm"] is None and engine["vs_mlx_lm_note"] == "mlx-lm too short: 3.0 ms of decode (< 50 ms)"
+
+
+def test_a_decode_cell_long_enough_keeps_its_rate_and_ratio():
+    engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0))
+    assert (engine["decode_tps"], mlx["decode_tps"], engine["vs_mlx_lm"]) == (70.0, 50.0, 1.4)
+    assert summary.table_cells(engine, [])[3] == "70.0"
+
+
+def test_a_run_without_the_baseline_shows_no_withheld_ratio():
+    (engine,) = summary_of(decode_arm("engine", 64, 900.0, 70.0))
+    assert summary.table_cells(engine, [])[-4] == "-"
+
+
+def test_the_terminal_summary_and_db_list_print_markup_like_names_as_text(tmp_path, capsys):
+    from harness.cli import main as harness_main
+    from harness.run_cli import _print_summary
+
+    rec = faulted_record()
+    rec.label = rec.models[0].model = "[/red]tiny[bold]|x"
+    _print_summary(rec, tmp_path / "run.json", tmp_path / "runs.sqlite")  # rich would raise MarkupError
+    assert "[/red]tiny[bold]|x" in capsys.readouterr().out
+    assert "[/red]tiny[bold]\\|x" in (tmp_path / "run.md").read_text()
+    db_sync(open_db(tmp_path / "runs.sqlite"), rec, tmp_path / "run.json")
+    assert harness_main(["db", "list", "--db", str(tmp_path / "runs.sqlite")]) == 0
+    listed = capsys.readouterr().out
+    assert "[/red]tiny[bold]|x" in listed and "interrupted" in listed
