@@ -24,6 +24,7 @@ head's) has to see the whole prompt.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -84,7 +85,11 @@ class _Queued:
 
 
 class _StoringSink(ForwardingSink):
-    """Stores a normally finished request's caches in the prompt cache."""
+    """Stores a normally finished request's caches in the prompt cache.
+
+    The caller's sink gets the result without them: a consumer that keeps
+    results must not keep caches alive that the byte budget no longer counts.
+    """
 
     def __init__(self, inner: TokenSink, store: PromptCache):
         super().__init__(inner)
@@ -94,7 +99,7 @@ class _StoringSink(ForwardingSink):
         if result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             for prefix in result.caches:
                 self.store.insert(prefix)
-        self.inner.on_end(result)
+        self.inner.on_end(dataclasses.replace(result, caches=()))
 
 
 class Gateway:

@@ -3,10 +3,13 @@
 Containment:
 - a request whose consumer fails (its sink raises) or goes away (returns
   False) is removed alone, before the next forward;
-- a forward or sampling error in a decode step cannot be pinned on one row:
-  every running row fails with the error and the batch caches are dropped;
-  the loop goes on serving the queue;
-- an error while prefilling fails the joiners of that prefill group only.
+- a row whose own sampling fails (its sampler or processors cannot be set
+  up or raise, its token cannot be emitted) fails alone, whether it is
+  joining or decoding; the others keep the tokens they would have had;
+- any other error in a decode step (the forward) cannot be pinned on one
+  row: every running row fails with the error and the batch caches are
+  dropped; the loop goes on serving the queue;
+- any other error while prefilling fails the joiners of that prefill group only.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
-from engine.batch.runner import BatchRunner, Joiner, LogitsTap
+from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.generate import KVQuantization
 from engine.types import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
@@ -105,17 +108,18 @@ class ContinuousBatcher:
                 self._end(seq)
 
     def _decode(self) -> bool:
-        ids = [r.request_id for r in self.runner.rows]
         try:
-            tokens = self.runner.decode()
+            step = self.runner.decode()
         except Exception as e:  # noqa: BLE001 - a failed forward fails the batch, never the loop
-            log.exception("decode step failed; failing %d rows", len(ids))
+            log.exception("decode step failed; failing %d rows", self.runner.num_rows)
             failed = self.scheduler.fail_running(f"decode step failed: {e!r}")
             self.runner.reset()
             for seq in failed:
                 self._end(seq)
             return True
-        outcome = self.scheduler.on_decoded(tokens)
+        self._fail_rows(step.failures)
+        ids = [r.request_id for r in self.runner.rows]
+        outcome = self.scheduler.on_decoded(step.tokens)
         caches = {}
         if self.keep_caches:  # each finished row holds its prompt and every token it pushed
             caches = {
@@ -143,7 +147,9 @@ class ContinuousBatcher:
             return False
         try:
             if plan.admitted:
-                self.runner.add_joiners([self._joiner(s) for s in plan.admitted])
+                failures = self.runner.add_joiners([self._joiner(s) for s in plan.admitted])
+                self._fail_rows(failures)
+                plan = plan.without({f.request_id for f in failures})
             if plan.first_tokens:
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
@@ -162,10 +168,12 @@ class ContinuousBatcher:
         members = {id(s) for s in ready}
         indices = [i for i, s in enumerate(self.scheduler.joiners) if id(s) in members]
         snapshot = [i for i, s in enumerate(ready) if self.keep_boundaries and len(s.prompt_body) > 0]
-        tokens = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready], snapshot)
-        for i, cache in self.runner.ready_prompts.items():
-            self._boundaries[ready[i].request_id] = CachedPrefix(ready[i].prompt_body, cache)
-        decisions = self.scheduler.on_first_tokens(tokens)
+        step = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready], snapshot)
+        self._fail_rows(step.failures)
+        bodies = {s.request_id: s.prompt_body for s in ready}
+        for request_id, cache in self.runner.ready_prompts.items():
+            self._boundaries[request_id] = CachedPrefix(bodies[request_id], cache)
+        decisions = self.scheduler.on_first_tokens(step.tokens)
         caches = {}
         if self.keep_caches:  # finished at token 0: only the prompt went through
             caches = {
@@ -178,6 +186,14 @@ class ContinuousBatcher:
             self._deliver(seq, emitted)
             if not joins:
                 self._end(seq, caches.get(id(seq)))
+
+    def _fail_rows(self, failures: tuple[RowFailure, ...] | list[RowFailure]) -> None:
+        """Rows the runner dropped for their own failure end with it; nobody else does."""
+        for f in failures:
+            log.warning("request %s failed on its own: %s", f.request_id, f.error)
+            seq = self.scheduler.fail_one(f.request_id, f.error)
+            if seq is not None:
+                self._end(seq)
 
     def _joiner(self, seq: Sequence) -> Joiner:
         sink = self._sinks.get(seq.request_id)

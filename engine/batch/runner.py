@@ -15,6 +15,11 @@ what makes the same-B oracle comparison bit-exact:
   shorter side); a filter keeps rows and trims shared padding;
 - a decode step forwards the whole register, launches sampling of the next
   register, and only then reads the current one back (pipelined).
+
+A row whose own sampling fails (setting up its sampler or processors,
+running them, emitting its token) leaves alone: the runner drops it and
+reports a RowFailure; the other rows go on with the tokens they would have
+had.
 """
 
 from __future__ import annotations
@@ -65,6 +70,22 @@ def merge_rows(singles: Sequence[list]) -> list:
 
 
 @dataclass(frozen=True)
+class RowFailure:
+    """A row that failed on its own; the runner has already dropped it."""
+
+    request_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """One token per row that goes on (in row order), and the rows that failed alone and left."""
+
+    tokens: list[GeneratedToken]
+    failures: tuple[RowFailure, ...] = ()
+
+
+@dataclass(frozen=True)
 class Joiner:
     request_id: str
     params: SamplingParams
@@ -80,6 +101,11 @@ class _Row:
     processors: list
     history: Optional[mx.array]  # tokens seen, for processors (prompt, then fed tokens)
 
+    @classmethod
+    def start(cls, j: Joiner) -> "_Row":
+        history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
+        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history)
+
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's processors to its logits [1, V], given this step's input token(s)."""
         if not self.processors:
@@ -88,6 +114,19 @@ class _Row:
         for p in self.processors:
             logits = p(self.history, logits)
         return logits
+
+
+def _guarded(failed: dict[int, str], i: int, compute: Callable[[], mx.array], stand_in: Callable[[], mx.array]):
+    """compute(), or stand_in() with row i's error recorded in `failed`."""
+    try:
+        return compute()
+    except Exception as e:  # noqa: BLE001 - one row's sampling, nobody else's
+        failed.setdefault(i, f"sampling failed: {e!r}")
+        return stand_in()
+
+
+def _failures(rows: list["_Row"], failed: dict[int, str]) -> tuple[RowFailure, ...]:
+    return tuple(RowFailure(rows[i].request_id, failed[i]) for i in sorted(failed))
 
 
 @dataclass
@@ -119,25 +158,36 @@ class BatchRunner:
         self.ready: list[_Row] = []
         self.ready_cache: Optional[list] = None
         self.ready_first: Optional[_Sampled] = None
-        self.ready_prompts: dict[int, list] = {}  # split joiner -> single-row caches of its prompt body
+        self.ready_prompts: dict[str, list] = {}  # request id -> single-row caches of its prompt body
 
     # --------------------------------------------------------------- joiners
 
-    def add_joiners(self, joiners: Sequence[Joiner]) -> None:
-        """Append new prompts to the prefill group (rows merged from empty or prefix caches)."""
+    def add_joiners(self, joiners: Sequence[Joiner]) -> list[RowFailure]:
+        """Append new prompts to the prefill group (rows merged from empty or prefix caches).
+
+        A joiner whose sampler or processors cannot be set up (a seed out of
+        range, ...) is left out and comes back as a failure.
+        """
         if self.kv is not None and any(j.cache is not None for j in joiners):
             raise ValueError("prefix caches do not combine with quantized KV on the batch lane")
+        rows, kept, failures = [], [], []
+        for j in joiners:
+            try:
+                rows.append(_Row.start(j))
+                kept.append(j)
+            except Exception as e:  # noqa: BLE001 - this joiner's settings, nobody else's
+                failures.append(RowFailure(j.request_id, f"sampling setup failed: {e!r}"))
+        if not kept:
+            return failures
         fresh = self.model.make_cache()
-        singles = [j.cache if j.cache is not None else fresh for j in joiners]
-        merged = merge_rows(singles)
+        merged = merge_rows([j.cache if j.cache is not None else fresh for j in kept])
         if self.joiner_cache is None:
             self.joiner_cache = merged
         else:
             for group, new in zip(self.joiner_cache, merged):
                 group.extend(new)
-        for j in joiners:
-            history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
-            self.joiners.append(_Row(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history))
+        self.joiners += rows
+        return failures
 
     def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
         """One chunk per joiner (group order) through the model, right-padded to the longest."""
@@ -158,11 +208,12 @@ class BatchRunner:
 
     def first_tokens(
         self, indices: Sequence[int], last_tokens: Sequence[int], snapshot: Sequence[int] = ()
-    ) -> list[GeneratedToken]:
+    ) -> RowTokens:
         """Split joiners `indices` off the group; token 0 of each from an L=1 forward (read now).
 
         Split joiners `snapshot` (indices into the split) keep a copy of their
-        caches before that forward, in `ready_prompts`.
+        caches before that forward, in `ready_prompts` (by request id). A split
+        joiner whose token 0 cannot be sampled leaves the split.
         """
         indices = list(indices)
         rest = [i for i in range(len(self.joiners)) if i not in indices]
@@ -176,15 +227,28 @@ class BatchRunner:
             self.joiners = [self.joiners[i] for i in rest]
         else:
             self.joiners, self.joiner_cache = [], None
-        self.ready_prompts = {i: [c.extract(i) for c in self.ready_cache] for i in snapshot}
+        self.ready_prompts = {self.ready[i].request_id: [c.extract(i) for c in self.ready_cache] for i in snapshot}
         inputs = mx.array(list(last_tokens))
         logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
         self._quantize_kv(self.ready_cache)
-        sampled = self._sample(self.ready, inputs, logits)
+        sampled, failed = self._sample(self.ready, inputs, logits)
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
-        ids = sampled.tokens.tolist()
-        return [emitted_token(ids[i], sampled.logprobs[i], row.params) for i, row in enumerate(self.ready)]
+        tokens = self._emitted(self.ready, sampled, failed)
+        if not failed:
+            return RowTokens(tokens)
+        failures = _failures(self.ready, failed)
+        keep = [i for i in range(len(self.ready)) if i not in failed]
+        for f in failures:
+            self.ready_prompts.pop(f.request_id, None)
+        self.ready = [self.ready[i] for i in keep]
+        if keep:
+            for c in self.ready_cache:
+                c.filter(keep)
+            self.ready_first = sampled.take(keep)
+        else:
+            self.ready_cache = self.ready_first = None
+        return RowTokens(tokens, failures)
 
     def join(self, keep: Sequence[int]) -> None:
         """The split joiners `keep` (indices into the split) become the last rows of the batch."""
@@ -221,15 +285,23 @@ class BatchRunner:
 
     # ---------------------------------------------------------------- decode
 
-    def decode(self) -> list[GeneratedToken]:
-        """Feed the register to the model, launch the next register, return the fed tokens."""
+    def decode(self) -> RowTokens:
+        """Feed the register to the model, launch the next register, return the fed tokens.
+
+        A row whose next token cannot be sampled, or whose fed token cannot be
+        emitted, leaves the batch now.
+        """
         inputs = self.register
         logits = self.model(inputs.tokens[:, None], cache=self.cache)[:, -1, :]
-        following = self._sample(self.rows, inputs.tokens, logits)
+        following, failed = self._sample(self.rows, inputs.tokens, logits)
         mx.async_eval(following.tokens, following.logprobs)
-        ids = inputs.tokens.tolist()  # waits for the previous step only
         self.register = following
-        return [emitted_token(ids[i], inputs.logprobs[i], row.params) for i, row in enumerate(self.rows)]
+        tokens = self._emitted(self.rows, inputs, failed)  # waits for the previous step only
+        if not failed:
+            return RowTokens(tokens)
+        failures = _failures(self.rows, failed)
+        self.filter([i for i in range(len(self.rows)) if i not in failed])
+        return RowTokens(tokens, failures)
 
     def filter(self, keep: Sequence[int]) -> None:
         keep = list(keep)
@@ -263,17 +335,44 @@ class BatchRunner:
             if type(c) is BatchKVCache:
                 cache[i] = c.to_quantized(self.kv.group_size, self.kv.bits)
 
-    def _sample(self, rows: list[_Row], inputs: mx.array, logits: mx.array) -> _Sampled:
+    def _sample(self, rows: list[_Row], inputs: mx.array, logits: mx.array) -> tuple[_Sampled, dict[int, str]]:
+        """The next token of every row, and the rows (index -> error) whose processors or sampler raised.
+
+        A failed row gets a stand-in (its raw logits, their argmax) so the
+        batch keeps its shape; every row's math is its own, so the others'
+        tokens are unchanged.
+        """
+        failed: dict[int, str] = {}
         if self.tap is not None:
             for i, row in enumerate(rows):
                 self.tap(row.request_id, logits[i : i + 1])
         if any(r.processors for r in rows):
+            row_logits = [logits[i : i + 1] for i in range(len(rows))]
             logits = mx.concatenate(
-                [row.process(inputs[i : i + 1], logits[i : i + 1]) for i, row in enumerate(rows)], axis=0
-            )
+                [_guarded(failed, i, lambda: row.process(inputs[i : i + 1], row_logits[i]), lambda: row_logits[i])
+                 for i, row in enumerate(rows)], axis=0,
+            )  # fmt: skip
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.params.is_greedy for r in rows):  # one vectorized argmax over [B, V]
             tokens = mx.argmax(logprobs, axis=-1)
         else:
-            tokens = mx.concatenate([row.sampler(logprobs[i : i + 1]) for i, row in enumerate(rows)], axis=0)
-        return _Sampled(tokens, logprobs)
+            row_logprobs = [logprobs[i : i + 1] for i in range(len(rows))]
+            tokens = mx.concatenate(
+                [_guarded(failed, i, lambda: row.sampler(row_logprobs[i]), lambda: mx.argmax(row_logprobs[i], axis=-1))
+                 for i, row in enumerate(rows)], axis=0,
+            )  # fmt: skip
+        return _Sampled(tokens, logprobs), failed
+
+    @staticmethod
+    def _emitted(rows: list[_Row], sampled: _Sampled, failed: dict[int, str]) -> list[GeneratedToken]:
+        """The emitted tokens of the rows not in `failed`; a row whose token cannot be emitted joins `failed`."""
+        ids = sampled.tokens.tolist()
+        out = []
+        for i, row in enumerate(rows):
+            if i in failed:
+                continue
+            try:
+                out.append(emitted_token(ids[i], sampled.logprobs[i], row.params))
+            except Exception as e:  # noqa: BLE001 - this row's logprobs request, nobody else's
+                failed[i] = f"emitting a token failed: {e!r}"
+        return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Collection, Optional
 
 from engine.errors import EngineError
 from engine.types import FinishReason, FinishTracker, GeneratedToken, GenerationRequest
@@ -103,6 +103,14 @@ class PrefillPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.admitted or self.first_tokens or self.chunks)
+
+    def without(self, request_ids: Collection[str]) -> "PrefillPlan":
+        """This plan less the given joiners (those that failed on their own)."""
+        return PrefillPlan(
+            tuple(s for s in self.admitted if s.request_id not in request_ids),
+            tuple(s for s in self.first_tokens if s.request_id not in request_ids),
+            tuple((s, c) for s, c in self.chunks if s.request_id not in request_ids),
+        )
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,17 @@ class Scheduler:
             if s.finish_reason is None:
                 s.finish_reason, s.error = FinishReason.ERROR, error
         return failed
+
+    def fail_one(self, request_id: str, error: str) -> Optional[Sequence]:
+        """A joiner or running row that failed on its own leaves now; the others go on."""
+        seq = next((s for s in (*self.joiners, *self.running) if s.request_id == request_id), None)
+        if seq is None:
+            return None
+        self.joiners = [s for s in self.joiners if s is not seq]
+        self._evict([seq])
+        if seq.finish_reason is None:
+            seq.finish_reason, seq.error = FinishReason.ERROR, error
+        return seq
 
     def fail_running(self, error: str) -> list[Sequence]:
         failed = list(self.running)

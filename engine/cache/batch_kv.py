@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from engine.cache.kv import KVCache
+from engine.cache.kv import KVCache, owned_copies
 from engine.models.base import causal_mask
 
 
@@ -201,9 +201,9 @@ class BatchKVCache:
             self.left_padding = [p - shared for p in self.left_padding]
 
     def extract(self, row: int):
-        """One row as a fresh single-row cache (a copy: the batch may change)."""
+        """One row as a fresh single-row cache: copies that own their bytes, holding nothing of the batch."""
         start = self.left_padding[row]
-        return self._single([mx.contiguous(p[row : row + 1, :, start : self.idx]) for p in self.parts])
+        return self._single(owned_copies([p[row : row + 1, :, start : self.idx] for p in self.parts]))
 
     # ------------------------------------------------------------- reporting
 

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from engine.cache.batch_kv import roll_rows
+from engine.cache.kv import owned_copies
 from engine.cache.rotating import RotatingKVCache, grown_window
 
 
@@ -233,6 +234,7 @@ class BatchRotatingKVCache:
         self.left_padding = [self.left_padding[i] for i in keep]
 
     def extract(self, row: int) -> RotatingKVCache:
+        """One row as a fresh single-row cache in temporal order (copies that own their bytes)."""
         cache = RotatingKVCache(self.max_size)
         start = max(0, self.left_padding[row])
         keys, values = self.keys[row : row + 1], self.values[row : row + 1]
@@ -241,8 +243,7 @@ class BatchRotatingKVCache:
             keys = mx.roll(keys, -self.idx, axis=2)
             values = mx.roll(values, -self.idx, axis=2)
             end = self.max_size
-        cache.keys = mx.contiguous(keys[:, :, start:end])
-        cache.values = mx.contiguous(values[:, :, start:end])
+        cache.keys, cache.values = owned_copies([keys[:, :, start:end], values[:, :, start:end]])
         cache.offset = self.offsets[row]
         cache._idx = cache.keys.shape[2]
         return cache

@@ -9,6 +9,22 @@ import mlx.core as mx
 from engine.models.base import causal_mask
 
 
+def owned_copies(arrays: list[mx.array]) -> list[mx.array]:
+    """Copies of `arrays`, each in a new buffer of exactly its size, evaluated asynchronously.
+
+    For caches that outlive the arrays they were sliced from (a row extracted
+    from a batch, kept in the prompt cache), so that they hold exactly the
+    bytes they count: an unevaluated slice keeps its whole source alive
+    through its graph, and mx.contiguous of a row-contiguous slice keeps the
+    source buffer when that is at most 16 KiB larger (MLX's Contiguous rule).
+    A concatenation always writes a new buffer; async_eval lets go of the
+    graph without waiting on the device.
+    """
+    out = [mx.concatenate([x, x[:0]]) for x in arrays]
+    mx.async_eval(out)
+    return out
+
+
 def standard_mask(n: int, offset: int, window_size: Optional[int]):
     """mlx-lm's cache mask rule: an array with a window, None for one token, else "causal"."""
     if window_size is not None:

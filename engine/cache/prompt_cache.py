@@ -14,6 +14,11 @@ At least the last prompt token is always left to compute, since its logits
 give the first generated token. The hit is a deep copy, so the entry stays
 intact while the request extends its copy. Entries leave least recently used
 first when the byte budget is exceeded.
+
+An entry counts the nbytes of the arrays it holds, so the budget bounds real
+memory only if those arrays are not views of something larger: rows that
+come from a batch are copies that own their bytes (the batch caches'
+`extract`), and callers do not keep the inserted caches alive elsewhere.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
+from engine.cache.kv import owned_copies
+
 
 @dataclass
 class Trace:
@@ -129,8 +131,10 @@ class RecurrentCache:
             self.lengths = [self.lengths[i] for i in keep]
 
     def extract(self, row: int) -> "RecurrentCache":
+        """One row's state as a fresh cache (copies that own their bytes, holding nothing of the batch)."""
         out = RecurrentCache(len(self.slots))
-        out.slots = [mx.contiguous(s[row : row + 1]) if s is not None else None for s in self.slots]
+        copies = iter(owned_copies([s[row : row + 1] for s in self.slots if s is not None]))
+        out.slots = [next(copies) if s is not None else None for s in self.slots]
         return out
 
     # ------------------------------------------------------------ snapshots
