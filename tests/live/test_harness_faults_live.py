@@ -53,7 +53,14 @@ def servers_of(pid: int, marker: str) -> list[psutil.Process]:
         kids = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [p for p in kids if marker in " ".join(p.cmdline())]
+    found = []
+    for p in kids:  # other tests' children of this process may have exited since (zombies until reaped)
+        try:
+            if marker in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def gone(proc: psutil.Process) -> bool:
