@@ -243,7 +243,8 @@ class Runner:
         server, grace_s = None, STOP_GRACE_S
         try:
             server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
-                                  probe=spec.probe, on_launch=self.servers.append)  # fmt: skip
+                                  probe=spec.probe, on_launch=self.servers.append,
+                                  spawning=self.interrupts.deferred)  # fmt: skip
             arm.load_to_ready_s = round(server.load_to_ready_s, 3)
             self._measure(mrun, arm, spec, server, workload, phases)
         except ServerStartError as e:

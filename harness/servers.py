@@ -12,6 +12,7 @@ the server's process group (children whose parent already died).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import httpx
 import psutil
@@ -137,23 +138,27 @@ def start_server(
     headers: Optional[dict[str, str]] = None,
     probe: Optional[dict] = None,
     on_launch: Callable[[ServerProcess], None] = lambda _: None,
+    spawning: Callable[[], ContextManager] = nullcontext,
 ) -> ServerProcess:
     """Launch `command` (which must listen on `port`) and wait until GET /health answers 200.
 
     `probe`: a completion body that must also answer 200 (for servers whose /health
     answers before the model is loaded). `on_launch` sees the process as soon as it
     exists, so a caller can stop it on any exit path; an exception while waiting
-    (a signal, Ctrl-C) stops it here before propagating."""
+    (a signal, Ctrl-C) stops it here before propagating. `spawning()` is entered
+    around the launch and `on_launch` (a caller's `Interrupts.deferred`): a
+    signal there waits until the process is known, so none is left unstopped."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="server-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     server = None
     try:
-        with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-            proc = subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
-                                    start_new_session=True)  # fmt: skip
-        server = ServerProcess(list(command), f"http://{host}:{port}", proc, log_dir, 0.0, dict(headers or {}))
-        on_launch(server)
+        with spawning():
+            with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
+                proc = subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
+                                        start_new_session=True)  # fmt: skip
+            server = ServerProcess(list(command), f"http://{host}:{port}", proc, log_dir, 0.0, dict(headers or {}))
+            on_launch(server)
         _wait_ready(server, start, timeout_s, probe)
     except BaseException:
         if server is not None:

@@ -191,6 +191,26 @@ def test_a_signal_while_the_server_loads_stops_it(tmp_path):
     assert server.proc.returncode is not None and gone(server.proc.pid)
 
 
+def test_a_signal_as_the_server_is_launched_waits_until_it_is_known_and_stops_it(tmp_path):
+    # the signal lands between the launch and its registration: deferred, it fires once the caller knows
+    # the process, which start_server then stops
+    launched = []
+    never_ready = [sys.executable, "-c", "import time; time.sleep(60)"]
+    interrupts = Interrupts()
+
+    def register(server):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        launched.append(server)
+
+    with interrupts.installed(signums=(signal.SIGUSR1,)):
+        with pytest.raises(RunInterrupted):
+            start_server(never_ready, 1, timeout_s=30, log_dir=tmp_path, on_launch=register,
+                         spawning=interrupts.deferred)  # fmt: skip
+    (server,) = launched
+    assert server.proc.returncode is not None and gone(server.proc.pid)
+
+
 def test_interrupts_fire_once_and_wait_out_deferred_blocks():
     interrupts = Interrupts()
     with interrupts.installed(signums=(signal.SIGUSR1,)):
