@@ -3,7 +3,7 @@
 Readiness is `GET /health` answering 200 (any server with that endpoint); the
 time from launch to ready is recorded. stdout and stderr go to files, never to
 pipes nobody reads (a server that logs a line per request would block once a
-pipe's buffer filled). Each server leads its own session (a terminal's
+pipe's buffer filled). Each server leads its own process group (a terminal's
 SIGINT/SIGHUP does not reach it), so the launcher must stop it on every exit
 path: stopping sends SIGTERM (and SIGCONT, so a stopped process can act on
 it), waits, then kills whatever is left of the process tree (psutil) and of

@@ -127,7 +127,7 @@ def test_malformed_sse_is_a_failed_request_not_a_crash(stream):
 # ------------------------------------------------------- process-tree cleanup
 
 # A server-like tree: a child that starts a grandchild and exits (the grandchild is orphaned, still in the
-# session's process group), while the root ignores SIGTERM.
+# server's process group), while the root ignores SIGTERM.
 TREE = """
 import os, signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
