@@ -16,9 +16,10 @@ _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
 # Fusion.prenormed: x is already the norm's activations (times its weight), and the producing launch left the
 # sums of squares of the norm's input in P blocks' parts (`Fusion.norm_out`). The block copies the parts to
 # shared memory with cp.async before its first weight load (`_PRENORMED_PREFETCH`: the copy holds no
-# registers over the loop), so they are there by the end; warp 0 then adds each row's parts in a fixed order
-# (lane-strided, then a butterfly), before _REDUCE's barrier. Parts too many for 8 KB of shared memory (at
-# many rows) are read from global memory there instead.
+# registers over the loop), so they are there by the end; parts too many for 8 KB of shared memory (at many
+# rows) are read from global memory instead. Each row's parts are then added by TPR threads (a warp's worth
+# per row at M <= W, fewer from there so that all rows are taken at once; lane-strided, then a butterfly), in
+# an order fixed by M, before _REDUCE's barrier.
 _PRENORMED_PREFETCH = r"""
   constexpr bool PREFETCH = M * P <= 2048;
   __shared__ float ssq_parts[PREFETCH ? M * P : 1];
@@ -32,13 +33,18 @@ _PRENORMED_REDUCE = r"""
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   __shared__ float rscale[M];
-  if (warp == 0) {
-    for (int m = 0; m < M; ++m) {
+  {
+    constexpr int FIT = W * 32 / M;  // threads a row could take, all rows at once
+    constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
+    const int sub = threadIdx.x % TPR;
+    for (int m0 = 0; m0 < M; m0 += W * 32 / TPR) {  // every thread goes round as often: the shuffles stay whole
+      const int m = m0 + threadIdx.x / TPR;
       float s = 0.0f;
-      for (int p = lane; p < P; p += 32) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
+      if (m < M)
+        for (int p = sub; p < P; p += TPR) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
       #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
+      for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (sub == 0 && m < M) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
     }
   }
   auto row_scale = [&](const int m) { return rscale[m]; };
