@@ -635,6 +635,27 @@ def test_two_row_tiles_equal_one_at_m1(n):
     assert mx.array_equal(one, two).item()
 
 
+@cuda_only
+@pytest.mark.parametrize("m", [17, 40, 64])
+@pytest.mark.parametrize("stages", ["plain", "residual", "gated"])
+def test_slices_of_the_activation_rows_change_no_bit(m, stages):
+    # Warps that split the activation rows (m_groups) sum each row exactly as one warp of all rows does (same
+    # K split and batch: those set which k-tiles a warp adds).
+    q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
+    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
+    residual = mx.random.normal((m, 3000)).astype(mx.bfloat16)
+
+    def run(config):
+        matrices = [(q.weight, q.scales, q.biases)] + (stages == "gated") * [(up.weight, up.scales, up.biases)]
+        return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
+                                 gated=stages == "gated")[0]  # fmt: skip
+
+    whole = run(LaunchConfig(4, 1, 4, row_groups=2))
+    for sliced in (LaunchConfig(8, 1, 4, 1, row_groups=2, m_groups=2), LaunchConfig(16, 1, 4, 1, row_groups=2, m_groups=4),
+                   LaunchConfig(32, 1, 4, 1, row_groups=2, m_groups=8)):  # fmt: skip
+        assert mx.array_equal(whole, run(sliced)).item(), sliced
+
+
 def _decode_states(model, ids, steps):
     cache = model.make_cache()
     logits = model(mx.array([ids]), cache)

@@ -6,9 +6,10 @@ Times (median us a call, many calls an evaluation, weights warm) the fast tier's
 layers at M activation rows ([M, 1, K], as a batched decode step gives them) beside MLX's quantized matmul
 on the same rows as one [M, K] matrix: the MLP's gate and up (one gated launch; MLX: two products), the
 down projection with its residual, a DeltaNet layer's output projection with its residual and its four
-input projections in one launch; and the DeltaNet step kernel at M batch rows. Then the sum a step makes
-of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set against the whole step
-(`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
+input projections in one launch (gate and up also as the model runs them, prenormed: x the norm's output and
+the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows. Then the
+sum a step makes of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set
+against the whole step (`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
 HK, HV, DK, DV = 16, 48, 128, 128  # qwen27b's DeltaNet heads
 
 
-def parts(m: int, cfg: BenchConfig) -> dict[str, float]:
+def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, float]:
+    """Each part's median us a call at M rows (`only`: these parts, by name; empty: all)."""
+    def timed(name, call):
+        if not only or name in only:
+            res[name] = time_us(call, cfg)
+
     def rows(k: int) -> mx.array:
         return mx.random.normal((m, 1, k)).astype(mx.bfloat16)
 
@@ -37,20 +43,22 @@ def parts(m: int, cfg: BenchConfig) -> dict[str, float]:
     inputs = [random_quantized(n, HIDDEN, 4, 64) for n in (2 * HK * DK + HV * DV, HV * DV, HV, HV)]
     mx.eval(x5, x17, x6, residual)
 
-    def mlx(x, matrices):
+    def mlx(x, matrices):  # every product (a list: all of them are evaluated and timed)
         flat = x.reshape(m, -1)
-        return [mx.quantized_matmul(flat, *w, transpose=True, group_size=64, bits=4) for w in matrices][-1]
+        return [mx.quantized_matmul(flat, *w, transpose=True, group_size=64, bits=4) for w in matrices]
 
-    res = {
-        "gate+up": time_us(lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True)[0], cfg),
-        "gate+up MLX": time_us(lambda: mlx(x5, gate_up), cfg),
-        "down+residual": time_us(lambda: quantized_matmuls(x17, [down], 64, 4, residual=residual)[0], cfg),
-        "down MLX": time_us(lambda: mlx(x17, [down]), cfg),
-        "out+residual": time_us(lambda: quantized_matmuls(x6, [out], 64, 4, residual=residual)[0], cfg),
-        "out MLX": time_us(lambda: mlx(x6, [out]), cfg),
-        "inputs": time_us(lambda: quantized_matmuls(x5, inputs, 64, 4)[0], cfg),
-        "inputs MLX": time_us(lambda: mlx(x5, inputs), cfg),
-    }
+    res: dict[str, float] = {}
+    timed("gate+up", lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True)[0])
+    # as in the model: x is the norm's output and the down projection's launch left the sums of squares' parts
+    ssq_parts = mx.abs(mx.random.normal((m, 160)))
+    timed("gate+up prenormed", lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True, prenormed=(ssq_parts, 1e-6))[0])
+    timed("gate+up MLX", lambda: mlx(x5, gate_up))
+    timed("down+residual", lambda: quantized_matmuls(x17, [down], 64, 4, residual=residual)[0])
+    timed("down MLX", lambda: mlx(x17, [down]))
+    timed("out+residual", lambda: quantized_matmuls(x6, [out], 64, 4, residual=residual)[0])
+    timed("out MLX", lambda: mlx(x6, [out]))
+    timed("inputs", lambda: quantized_matmuls(x5, inputs, 64, 4)[0])
+    timed("inputs MLX", lambda: mlx(x5, inputs))
     channels = 2 * HK * DK + HV * DV
     qkv, z = rows(channels), rows(HV * DV)
     a, b = (mx.random.normal((m, 1, HV)).astype(mx.bfloat16) for _ in range(2))
@@ -59,8 +67,8 @@ def parts(m: int, cfg: BenchConfig) -> dict[str, float]:
     conv_w = mx.random.normal((channels, 4, 1)).astype(mx.bfloat16)
     A_log, dt_bias, norm_w = mx.zeros(HV), mx.ones(HV).astype(mx.bfloat16), mx.ones(DV).astype(mx.bfloat16)
     mx.eval(qkv, z, a, b, conv_state, state, conv_w)
-    res["delta step"] = time_us(lambda: gated_delta_step.delta_step(qkv, z, a, b, conv_state, state, conv_w, A_log,
-                                                                     dt_bias, norm_w, 1e-6, HK, DK)[2], cfg)  # fmt: skip
+    timed("delta step", lambda: gated_delta_step.delta_step(qkv, z, a, b, conv_state, state, conv_w, A_log,
+                                                             dt_bias, norm_w, 1e-6, HK, DK)[2])  # fmt: skip
     return res
 
 
@@ -68,10 +76,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,16,32,64", help="comma-separated activation rows (default 1,8,16,32,64)")
     p.add_argument("--calls", type=int, default=50, help="calls an evaluation (default 50)")
+    p.add_argument("--parts", default="", help="comma-separated parts to time (default all; e.g. 'gate+up,delta "
+                                               "step' under ncu), no step sum then")  # fmt: skip
     args = p.parse_args()
+    only = frozenset(filter(None, (v.strip() for v in args.parts.split(","))))
     cfg = BenchConfig(repeats=5, calls=args.calls)
     for m in (int(v) for v in args.rows.split(",")):
-        res = parts(m, cfg)
+        res = parts(m, cfg, only)
+        if only:
+            print(f"M={m}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+            continue
         step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (res["inputs"] + res["delta step"])
         print(f"M={m}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items()) + f" | these parts a step {step / 1e3:.1f} ms",
               flush=True)  # fmt: skip

@@ -48,7 +48,7 @@ def numerics():
 
 def label(c: LaunchConfig) -> str:
     return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
-            + (f" WR{c.row_groups}" if c.row_groups > 1 else ""))  # fmt: skip
+            + (f" WR{c.row_groups}" if c.row_groups > 1 else "") + (f" WM{c.m_groups}" if c.m_groups > 1 else ""))
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
@@ -68,10 +68,11 @@ def launch_shapes(text: str) -> list[LaunchConfig]:
 def candidates(m: int, serial: bool, chosen: list[LaunchConfig]):
     if chosen and m == 1:
         return chosen
-    if m > 8:  # row groups (W, RT, U, WR)
-        shapes = ((4, 1, 4, 4), (4, 1, 2, 4), (4, 1, 4, 2), (4, 1, 2, 2), (8, 1, 2, 4), (8, 1, 4, 8), (8, 1, 2, 8),
-                  (2, 1, 4, 2), (4, 2, 2, 4), (4, 2, 2, 2))  # fmt: skip
-        return [LaunchConfig(w, rt, u, row_groups=wr) for w, rt, u, wr in shapes]
+    if m > 8:  # row groups and slices of the activation rows (W, RT, U, WR, WM, MINB), W = WR x WM x K split
+        shapes = ((4, 1, 4, 4, 1, 0), (4, 1, 2, 4, 1, 0), (4, 1, 4, 2, 1, 0), (8, 1, 2, 4, 2, 0), (8, 1, 4, 4, 2, 0),
+                  (8, 1, 4, 4, 2, 1), (16, 1, 2, 4, 4, 1), (16, 1, 4, 4, 4, 1), (8, 1, 2, 2, 4, 1), (8, 1, 4, 2, 4, 2),
+                  (16, 1, 2, 2, 8, 1), (16, 1, 4, 2, 4, 1), (32, 1, 2, 4, 8, 1), (4, 2, 2, 4, 1, 0), (8, 2, 2, 4, 2, 1))
+        return [LaunchConfig(w, rt, u, minb, row_groups=wr, m_groups=wm) for w, rt, u, wr, wm, minb in shapes]
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
@@ -93,7 +94,7 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
         main = (n, k) in shapes[:2] or serial
-        for m in ((1,) if quick or serial else rows_m) if main else (1,):
+        for m in ((1,) if serial else rows_m) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
             res = {"n": n, "k": k, "m": m, "mb": nbytes / 1e6, "serial": serial}
@@ -161,7 +162,7 @@ def serial_setting(rows: list, configs: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the two 50 MB matrices at M = 1 only")
+    p.add_argument("--quick", action="store_true", help="the two 50 MB matrices only (at --rows)")
     p.add_argument("--serial", action="store_true", help="each call waits for the one before (M = 1)")
     p.add_argument("--no-numerics", action="store_true", help="skip the numerics check")
     p.add_argument("--time-anyway", action="store_true", help="time even when the numerics check fails")

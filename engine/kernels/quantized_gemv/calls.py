@@ -119,11 +119,15 @@ SHARED_BYTES = 40 << 10  # of the 48 KB of static shared memory a block may use;
 
 def fitted(config: LaunchConfig, m: int, fusion: Fusion) -> LaunchConfig:
     """`config` with fewer row groups where the sums' staging (and norm_out's squares) would take more than
-    SHARED_BYTES of shared memory at M rows. Each row's sums run as before: row groups split no sums."""
+    SHARED_BYTES of shared memory at M rows, and no split of the rows for norm_scale. Each row's sums run as
+    before: neither splits a sum."""
     def staged(c: LaunchConfig) -> int:
         out_rows = 16 * c.row_tiles // (2 if fusion.gated else 1) * c.row_groups
-        return 4 * (c.warps * 16 * c.row_tiles * (8 * -(-m // 8) + 1) + fusion.norm_out * out_rows * (m + 1))
+        return 4 * (c.warps // c.m_groups * 16 * c.row_tiles * (8 * -(-m // 8) + 1)
+                    + fusion.norm_out * out_rows * (m + 1))  # fmt: skip
 
+    if fusion.norm_scale and config.m_groups > 1:  # its squares are gathered per warp of all rows
+        config = replace(config, warps=config.warps // config.m_groups, m_groups=1)
     while config.row_groups > 1 and staged(config) > SHARED_BYTES:
         config = replace(config, warps=config.warps // 2, row_groups=config.row_groups // 2)
     return config

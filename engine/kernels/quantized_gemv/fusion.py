@@ -41,6 +41,7 @@ _PRENORMED_REDUCE = r"""
       const int m = m0 + threadIdx.x / TPR;
       float s = 0.0f;
       if (m < M)
+        #pragma unroll 4
         for (int p = sub; p < P; p += TPR) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
       #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -69,6 +70,7 @@ _NORM_OUT_AFTER = r"""
 # warps' totals go through shared memory (written before _REDUCE's barrier), so row m's scale is
 # rsqrt(sum over the first row group's warps, which split K / K + eps).
 _NORM_SCALE_REDUCE = r"""
+  static_assert(WM == 1, "norm_scale gathers each row's squares in the warps that hold all its rows");
   __shared__ float ssr[W][8 * NB];
   #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {

@@ -30,10 +30,12 @@ class LaunchConfig:
     # so that a launch's blocks take fewer waves (docs/kernels.md, "The register cap").
     min_blocks: int = 0
     row_groups: int = 1  # groups of warps a block on their own rows (WR), sharing the activations' loads
+    m_groups: int = 1  # slices of the activation rows a row group's warps split (WM), each loading the weights
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
-        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch), ("WR", self.row_groups)] + (
+        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch), ("WR", self.row_groups),
+                ("WM", self.m_groups)] + (
             [("MINB", self.min_blocks)] if self.min_blocks else []
         )
 
@@ -75,14 +77,16 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
     blocks an SM; M = 8 (4, 2, 4) for K = 17408 and (4, 2, 8) for K = 5120 (docs/kernels.md, "Launch
     shapes"). From 9 rows, row groups of 16 rows (`LaunchConfig.row_groups`): 4 a block from 12288 output
     rows, else 2 (a block for every SM), each group's K split over 2 warps from K > 5120, else 1, so
-    that how a matrix's sums run depends on K, not on the matrices it shares a launch with; 2 k-tiles a
-    batch from 33 rows (4 spill registers at 64).
+    that how a matrix's sums run depends on K, not on the matrices it shares a launch with; from 17 rows
+    the group's warps also split the activation rows in 4 (`LaunchConfig.m_groups`; registers capped for
+    one block an SM: 16-32 warps a block); 2 k-tiles a batch from 33 rows.
     `launches` replaces the one-row choice for given (rows, K)."""
     if m == 1 and (rows, k) in launches:
         return launches[(rows, k)]
     if m > 8:
-        groups, split = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1
-        return LaunchConfig(groups * split, 1, 4 if m <= 32 else 2, row_groups=groups)
+        groups, split, slices = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1, 1 if m <= 16 else 4
+        return LaunchConfig(groups * split * slices, 1, 4 if m <= 32 else 2, min_blocks=int(slices > 1),
+                            row_groups=groups, m_groups=slices)  # fmt: skip
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
         if rows <= 8192:

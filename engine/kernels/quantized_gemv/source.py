@@ -12,7 +12,10 @@ the tensor core, then `acc += scale * sum((128 + q) x) + (bias - 128 * scale)
 a group's warps split K, each issuing U k-tiles of loads before its first
 multiply, and the partial sums meet in shared memory. More row groups a block
 mean fewer blocks reading all M activation rows (from L2), which at 16-64 rows
-outweighs the weights. The stages a launch adds around its products
+outweighs the weights. At many rows a group's warps also split the activation
+rows (WM slices of 8-row blocks, each warp loading the same weights, which the
+others then find in L1): a warp holds a slice's sums, not all M rows', so more
+warps fit an SM to hide the loads' latency. No split changes a sum's order. The stages a launch adds around its products
 (`fusion.Fusion`) fill in the marked places.
 """
 
@@ -80,8 +83,8 @@ __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
 """
 
 _BODY_START = r"""
-  // Threads: W warps in WR row groups of WK, a group's warps on the same 16 * RT weight rows, splitting K.
-  // Lane (g, t) = (lane / 4, lane % 4).
+  // Threads: W warps in WR row groups of WK x WM, a group's warps on the same 16 * RT weight rows, splitting
+  // K (WK) and the 8-row blocks of activation rows (WM slices of NBW). Lane (g, t) = (lane / 4, lane % 4).
   constexpr int PW = 32 / BITS;                     // values per 32-bit word
   constexpr int HALF = PW / 2;
   constexpr int SPW = PW / 4;                       // mma steps (16 k values) per word
@@ -91,8 +94,9 @@ _BODY_START = r"""
   constexpr int STEPS = WL * SPW;
   constexpr int XR = WL * PW / 2;                   // activation registers (bf16 pairs) per lane and tile
   constexpr int NB = (M + 7) / 8;                   // 8-column blocks of activation rows
-  constexpr int WK = W / WR;                        // warps of a row group, splitting K
-  static_assert(W % WR == 0, "row groups of equal warps");
+  constexpr int WK = W / (WR * WM);                 // warps of a row group splitting K (per slice)
+  static_assert(W % (WR * WM) == 0, "row groups of equal warps");
+  constexpr int NBW = (NB + WM - 1) / WM;           // 8-row blocks a warp's slice takes
   constexpr int WORDS_PER_ROW = K / PW;
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
@@ -103,18 +107,19 @@ _BODY_START = r"""
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int wr = warp / WK, wk = warp % WK;
+  const int wm = warp % WM, wk = (warp / WM) % WK, wr = warp / (WM * WK);
+  const int slot = warp / WM;                       // the warp's partial sums in _REDUCE: wr * WK + wk
   const int block_base = blk * WR * 16 * RTO;       // the block's first output row
   const int row_base = block_base + wr * 16 * RTO;  // its row group's
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };  // row tile r's first row
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
   // FUSED STAGES
 
-  float acc[RT][NB][4];
+  float acc[RT][NBW][4];
   #pragma unroll
   for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+    for (int nb = 0; nb < NBW; ++nb)
       #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
 
@@ -170,9 +175,12 @@ _MULTIPLY = r"""
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
       if (kt < KT) {
-        // One 8-row block of activations at a time, against every row tile: few registers at 64 rows.
+        // One 8-row block of activations at a time (of this warp's slice), against every row tile: few
+        // registers at 64 rows.
         #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
+        for (int nbl = 0; nbl < NBW; ++nbl) {
+          const int nb = wm * NBW + nbl;
+          if (NBW * WM > NB && nb >= NB) continue;  // the last slice's blocks past M (uniform in the warp)
           // The activations as mma B fragments. The dot product's k order is free: lane t's k-tile values
           // (its own WL words) feed its four B slots of each step in the order the weights' pairs come.
           uint32_t xb[STEPS][2];
@@ -220,11 +228,11 @@ _MULTIPLY = r"""
             // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
             constexpr float o = engine_offset<BITS>::value;
             const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
-            acc[r][nb][0] = fmaf(s0, d[0], fmaf(b0, xs[0], acc[r][nb][0]));
-            acc[r][nb][2] = fmaf(s1, d[2], fmaf(b1, xs[2], acc[r][nb][2]));
+            acc[r][nbl][0] = fmaf(s0, d[0], fmaf(b0, xs[0], acc[r][nbl][0]));
+            acc[r][nbl][2] = fmaf(s1, d[2], fmaf(b1, xs[2], acc[r][nbl][2]));
             if constexpr (M > 1) {  // odd accumulators hold columns 2t + 1: never an activation row at M = 1
-              acc[r][nb][1] = fmaf(s0, d[1], fmaf(b0, xs[1], acc[r][nb][1]));
-              acc[r][nb][3] = fmaf(s1, d[3], fmaf(b1, xs[3], acc[r][nb][3]));
+              acc[r][nbl][1] = fmaf(s0, d[1], fmaf(b0, xs[1], acc[r][nbl][1]));
+              acc[r][nbl][3] = fmaf(s1, d[3], fmaf(b1, xs[3], acc[r][nbl][3]));
             }
           }
         }
@@ -247,15 +255,19 @@ _LOOP_REGISTERS = r"""
 
 _REDUCE = r"""
   // ROW SCALE
-  // Sum a row group's WK warps' partial products; accumulator i of lane (g, t): row g + 8 * (i / 2), column
-  // 2t + i % 2. A row's columns are one apart (+1: the sums below read a row a thread, without bank conflicts).
-  __shared__ float red[W][16 * RT][8 * NB + 1];
+  // Sum a row group's WK warps' partial products (a slot each, its WM warps writing their own columns);
+  // accumulator i of lane (g, t): row g + 8 * (i / 2), column 2t + i % 2. A row's columns are one apart (+1:
+  // the sums below read a row a thread, without bank conflicts).
+  __shared__ float red[WR * WK][16 * RT][8 * NB + 1];
   #pragma unroll
   for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nb][i];
+    for (int nbl = 0; nbl < NBW; ++nbl) {
+      const int nb = wm * NBW + nbl;
+      if (nb < NB)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) red[slot][r * 16 + g + 8 * (i / 2)][nb * 8 + 2 * t + i % 2] = acc[r][nbl][i];
+    }
   __syncthreads();
   // consecutive threads take consecutive output rows of one activation row: coalesced stores
   constexpr int GROUP_ROWS = 16 * RTO, BLOCK_ROWS = WR * GROUP_ROWS;
