@@ -180,13 +180,34 @@ def _add_serve(sub) -> None:
                    "default 256)")
     p.add_argument("--max-queued-tokens", type=_non_negative, default=0, metavar="N",
                    help="prompt tokens waiting to start at once, as --max-queued-requests (0: no limit, the default)")
+    p.add_argument("--kernel-cache-dir", type=Path, default=None, metavar="DIR",
+                   help="where MLX's CUDA backend keeps the kernels it compiles, so a restart reuses them (sets "
+                   "MLX_PTX_CACHE_DIR; default: MLX's, $TMPDIR/mlx/<version>/ptx)")
     add_kernels_flag(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
 
 
+def use_kernel_cache(directory: Optional[Path], environ=None) -> Optional[Path]:
+    """Point MLX's compiled-kernel cache at `directory` (created), before the first kernel compiles: MLX's
+    CUDA backend reads MLX_PTX_CACHE_DIR once, at its first compilation. None leaves MLX's default."""
+    import os
+
+    if directory is None:
+        return None
+    directory = directory.expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--kernel-cache-dir {directory}: {e.strerror or e}") from None
+    (os.environ if environ is None else environ)["MLX_PTX_CACHE_DIR"] = str(directory)
+    return directory
+
+
 def cmd_serve(args) -> int:
     from engine.server.main import ServeConfig, serve
+
+    use_kernel_cache(args.kernel_cache_dir)
 
     return serve(
         ServeConfig(

@@ -73,3 +73,17 @@ def test_engine_generate_prints_text_and_timing(capsys, tiny_path):
     captured = capsys.readouterr()
     assert captured.out.strip() and "generated" in captured.err
     assert engine_main(["generate", "--model", "tiny-qwen3", "--prompt", "Hi", "--top-p", "3"]) == 2
+
+
+def test_kernel_cache_dir_points_mlx_at_it(tmp_path):
+    from engine.cli import build_parser, use_kernel_cache
+
+    environ = {}
+    where = use_kernel_cache(tmp_path / "kernels" / "cuda", environ)
+    assert where.is_dir() and environ == {"MLX_PTX_CACHE_DIR": str(where)}
+    assert use_kernel_cache(None, environ) is None and len(environ) == 1  # MLX's default stays
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--kernel-cache-dir"):
+        use_kernel_cache(tmp_path / "file" / "sub", {})
+    args = build_parser().parse_args(["serve", "--model", "tiny-qwen3", "--kernel-cache-dir", str(tmp_path)])
+    assert args.kernel_cache_dir == tmp_path
