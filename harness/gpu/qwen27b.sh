@@ -3,7 +3,7 @@
 # machine with MLX's CUDA backend installed:
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
-#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile
+#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile | census
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -18,6 +18,7 @@
 #   ncu      ROWS (1), TIERS (fast), STEPS (3), PROMPT (64), TOP (30): the wall step time at each row count
 #            and tier, then Nsight Compute (`ncu`) over a few decode steps of each, summed by kernel name
 #   profile  ROUNDS (2), STEP_CONFIGS (tools/gpu/decode_step.py's --configs)
+#   census   WAVES (1,1,2,3,4,8,9,16), GROW (300): what MLX compiles at each new batcher shape, and its cost
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -84,5 +85,10 @@ case "$PART" in
     python3 -m tools.gpu.decode_step --tokens 48 --rounds "${ROUNDS:-2}" ${STEP_CONFIGS:+--configs "$STEP_CONFIGS"} 2>&1 \
         | tee "$OUT/decode-step.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu or profile (got '$PART')" >&2; exit 2 ;;
+  census)  # the modules MLX compiles as the continuous batcher meets new shapes, by step
+    synth
+    python3 -m tools.gpu.compile_census --model qwen27b --waves "${WAVES:-1,1,2,3,4,8,9,16}" --grow "${GROW:-300}" 2>&1 \
+        | tee "$OUT/qwen27b-compile-census.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu, profile or census (got '$PART')" >&2; exit 2 ;;
 esac
