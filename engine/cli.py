@@ -72,6 +72,21 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _buckets(text: str) -> Optional[tuple[int, ...]]:
+    """--decode-buckets: None for auto, () for off, else the row counts."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return ()
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        values = ()
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"give auto, off or row counts >= 1 separated by commas, got {text!r}")
+    return values
+
+
 def _host_list(text: str) -> frozenset[str]:
     names = frozenset(n.strip().lower() for n in text.split(",") if n.strip())
     if not names:
@@ -153,8 +168,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
-    p.add_argument("--batch", type=_positive, default=8,
-                   help="most requests decoding together; 1 = strict serial, bit-exact with mlx-lm B=1 (default 8)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="most requests decoding together; 1 = strict serial, bit-exact with mlx-lm B=1 (default 64 "
+                   "on CUDA, where the fast tier's kernels take up to 64 rows; 8 elsewhere)")
+    p.add_argument("--decode-buckets", type=_buckets, default=None, metavar="auto|off|N,N,...",
+                   help="row counts the continuous lane's decode steps take, the batch filled with ghost rows up "
+                   "to the next one, so each shape compiles once (auto, the default: 1,2,4,... up to --batch on "
+                   "the fast tier, off on the exact tier, which stays bit-exact with mlx-lm at every row count)")
+    p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
+                   help="before /health says ready: full runs every decode row count, quick one request a lane, "
+                   "off none (default full on CUDA, quick elsewhere)")
     p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
     p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
@@ -233,6 +256,8 @@ def cmd_serve(args) -> int:
             allowed_hosts=args.allowed_hosts,
             max_queued_requests=args.max_queued_requests or None,
             max_queued_tokens=args.max_queued_tokens or None,
+            decode_buckets=args.decode_buckets,
+            warmup=args.warmup,
         )
     )
 

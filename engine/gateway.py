@@ -61,10 +61,13 @@ class GatewayConfig:
     kv_budget_bytes: Optional[int] = None
     kv_quantization: Optional[KVQuantization] = None
     prompt_cache_bytes: int = 0  # 0: no prompt cache
+    decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
 
     def __post_init__(self):
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.decode_buckets and self.kv_quantization is not None:
+            raise ValueError("decode buckets do not combine with quantized KV (--kv-bits)")
         if self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
 
@@ -128,9 +131,12 @@ class Gateway:
                 ),
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,
+                decode_buckets=config.decode_buckets,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
+        self._serial_shapes: set[tuple[int | str, ...]] = set()
+        self._shapes_at_ready: Optional[int] = None
 
     @property
     def _kv_batches(self) -> bool:
@@ -224,6 +230,20 @@ class Gateway:
         while self.has_work:
             self.step()
 
+    @property
+    def shapes(self) -> set[tuple[int | str, ...]]:
+        """The forward shapes run so far, both lanes (serial: the prompt tokens a request prefilled)."""
+        return self._serial_shapes | (self.batcher.runner.shapes if self.batcher else set())
+
+    def mark_ready(self) -> None:
+        """The shapes so far are the warm-up's: `new_shapes` counts from here."""
+        self._shapes_at_ready = len(self.shapes)
+
+    @property
+    def new_shapes(self) -> int:
+        """Forward shapes first run since `mark_ready` (on CUDA each compiled kernels while requests waited)."""
+        return len(self.shapes) - (self._shapes_at_ready or 0)
+
     def _run_serial(self, queued: _Queued) -> None:
         """Run one request alone on the device: the strict B=1 path, or speculation on the spec lane."""
         request, sink = queued.request, queued.sink
@@ -259,6 +279,7 @@ class Gateway:
         """The strict B=1 generation, starting from the request's cached prefix if it has one."""
         request, prefix = queued.request, queued.prefix
         cache = prefix.cache if prefix else self.model.make_cache()
+        self._serial_shapes.add(("serial", len(request.prompt_ids) - (len(prefix.tokens) if prefix else 0)))
         on_prompt = None
         if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
 

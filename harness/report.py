@@ -120,6 +120,8 @@ def _cell_view(cell: dict) -> dict:
             flags.append(short + " (the rate means little)")
     if m.get("short_outputs"):
         flags.append(f"{m['short_outputs']} outputs shorter than {m.get('requested_output_tokens')} tokens")
+    if m.get("new_shapes") and cell["phase"] != "warmup":
+        flags.append(f"{m['new_shapes']} new forward shapes (compiled on CUDA during the cell)")
     reasons = m.get("finish_reasons") or []
     if reasons and reasons != ["length"]:
         flags.append("finish: " + ", ".join(reasons) + (" (early EOS?)" if "stop" in reasons else ""))

@@ -276,7 +276,13 @@ class Runner:
                     self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
                 for phase in phases:
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
+                    before = server_new_shapes(client) if spec.is_engine else None
                     cell = self._phase(server, client, spec, workload, phase)
+                    after = server_new_shapes(client) if before is not None else None
+                    if after is not None and cell.metrics:  # forward shapes first run in the cell: compiles
+                        cell.metrics["new_shapes"] = after - before
+                        if after > before and phase != "warmup":
+                            self.log(f"  {phase}: {after - before} forward shapes new since ready (compiled on CUDA)")
                     arm.cells.append(cell)
                     gone = _server_gone(server, cell, timeouts)
                     if gone:
@@ -377,6 +383,17 @@ def server_kernels(client: httpx.Client) -> Optional[dict]:
     except (httpx.HTTPError, ValueError, AttributeError):  # no answer, not JSON, not an object
         return None
     return kernels if isinstance(kernels, dict) else None
+
+
+def server_new_shapes(client: httpx.Client) -> Optional[int]:
+    """The forward shapes an engine server first ran after ready (/stats); None if it does not say. On CUDA each
+    compiled kernels while requests waited: a cell during which this grew timed compilation too."""
+    try:
+        r = client.get("/stats")
+        value = (r.json().get("shapes") or {}).get("new_since_ready") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _same_text(a: str, b: str) -> bool:

@@ -187,4 +187,20 @@ def markdown(run: dict) -> str:
         lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
     lines += [md_row(head), "|" + "---|" * len(head)]
     lines += [md_row(table_cells(r, conc, blocks)) for r in rs]
+    compiled = compiled_cells(run)
+    if compiled:
+        lines += ["", "Cells during which an engine server first ran forward shapes (on CUDA: compiled kernels "
+                  "while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def compiled_cells(run: dict) -> list[str]:
+    """'model / arm / phase: N new shapes' for each measured cell after the warm-up that ran new shapes."""
+    out = []
+    for m in run.get("models", []):
+        for arm in m.get("arms", []):
+            for cell in arm.get("cells", []):
+                n = (cell.get("metrics") or {}).get("new_shapes")
+                if n and cell["phase"] != "warmup":
+                    out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: {n} new shapes")
+    return out

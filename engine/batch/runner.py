@@ -14,7 +14,13 @@ what makes the same-B oracle comparison bit-exact:
 - a join extends each running cache by the joiners' (left-padding the
   shorter side); a filter keeps rows and trims shared padding;
 - a decode step forwards the whole register, launches sampling of the next
-  register, and only then reads the current one back (pipelined).
+  register, and only then reads the current one back (pipelined);
+- with decode buckets, the running batch is filled to the smallest bucket
+  that holds its rows with ghost rows (copies of its last row, fed its token,
+  their outputs dropped), so a decode step takes one of a few shapes and the
+  kernels compiled per shape are compiled once; the ghosts are rebuilt at
+  every join and filter, so the real rows' shared padding is what it would
+  be without them.
 
 A row whose own sampling fails (setting up its sampler or processors,
 running them, emitting its token) leaves alone: the runner drops it and
@@ -142,15 +148,29 @@ class _Sampled:
         return _Sampled(mx.concatenate([self.tokens, other.tokens]), mx.concatenate([self.logprobs, other.logprobs]))
 
 
+def bucket(rows: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (ascending) that holds `rows`; `rows` itself past the largest or with none."""
+    return next((b for b in buckets if b >= rows), rows)
+
+
 class BatchRunner:
-    def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None):
+    def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None,
+                 decode_buckets: Sequence[int] = ()):  # fmt: skip
         if kv is not None and kv.start != 0:
             raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
+        if any(b < 1 for b in decode_buckets):
+            raise ValueError(f"decode buckets are row counts >= 1, got {list(decode_buckets)}")
+        if kv is not None and decode_buckets:
+            raise ValueError("decode buckets do not combine with quantized KV (ghost rows copy full-precision caches)")
         self.model = model
         self.tap = tap
         self.kv = kv
+        self.buckets = tuple(sorted(set(decode_buckets)))
+        # The forward shapes this runner has run (kind, rows[, tokens]): on CUDA each new one compiles kernels.
+        self.shapes: set[tuple[int | str, ...]] = set()
         self.rows: list[_Row] = []
-        self.cache: Optional[list] = None
+        self.cache: Optional[list] = None  # the running rows', then `ghosts` ghost rows'
+        self.ghosts = 0
         self.register: Optional[_Sampled] = None  # sampled, not yet fed back
         self.joiners: list[_Row] = []
         self.joiner_cache: Optional[list] = None
@@ -194,6 +214,7 @@ class BatchRunner:
         lengths = [len(c) for c in chunks]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
+        self.shapes.add(("prefill", len(chunks), longest))
         if max(padding) > 0:
             for c in self.joiner_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
@@ -229,6 +250,7 @@ class BatchRunner:
             self.joiners, self.joiner_cache = [], None
         self.ready_prompts = {self.ready[i].request_id: [c.extract(i) for c in self.ready_cache] for i in snapshot}
         inputs = mx.array(list(last_tokens))
+        self.shapes.add(("first", len(indices)))
         logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
@@ -261,10 +283,12 @@ class BatchRunner:
             if self.cache is None:
                 self.cache, self.register = self.ready_cache, self.ready_first
             else:
+                self._drop_ghosts()
                 for running, joiner in zip(self.cache, self.ready_cache):
                     running.extend(joiner)
                 self.register = self.register.then(self.ready_first)
             self.rows += [self.ready[i] for i in keep]
+            self._fill_to_bucket()
         self.ready, self.ready_cache, self.ready_first, self.ready_prompts = [], None, None, {}
 
     def ready_extract(self, index: int) -> list:
@@ -292,7 +316,13 @@ class BatchRunner:
         emitted, leaves the batch now.
         """
         inputs = self.register
-        logits = self.model(inputs.tokens[:, None], cache=self.cache)[:, -1, :]
+        fed = inputs.tokens
+        if self.ghosts:  # each ghost is fed the last row's token, as it holds that row's caches
+            fed = mx.concatenate([fed, mx.broadcast_to(fed[-1:], (self.ghosts,))])
+        self.shapes.add(("decode", fed.shape[0]))
+        logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
+        if self.ghosts:
+            logits = logits[: len(self.rows)]
         following, failed = self._sample(self.rows, inputs.tokens, logits)
         mx.async_eval(following.tokens, following.logprobs)
         self.register = following
@@ -309,9 +339,11 @@ class BatchRunner:
             self.reset()
             return
         for c in self.cache:
-            c.filter(keep)
+            c.filter(keep)  # the ghosts, past the rows, go too
+        self.ghosts = 0
         self.register = self.register.take(keep)
         self.rows = [self.rows[i] for i in keep]
+        self._fill_to_bucket()
 
     def extract(self, row: int) -> list:
         """Row `row` as single-row caches (copies; the batch goes on changing)."""
@@ -319,7 +351,23 @@ class BatchRunner:
 
     def reset(self) -> None:
         """Drop the running batch (after the last row leaves, or a failed forward)."""
-        self.rows, self.cache, self.register = [], None, None
+        self.rows, self.cache, self.register, self.ghosts = [], None, None, 0
+
+    def _drop_ghosts(self) -> None:
+        if self.ghosts:
+            for c in self.cache:
+                c.filter(list(range(len(self.rows))))
+            self.ghosts = 0
+
+    def _fill_to_bucket(self) -> None:
+        """Ghost rows after the running rows, up to their bucket: copies of the last row's caches."""
+        want = bucket(len(self.rows), self.buckets) - len(self.rows)
+        if want <= 0 or self.cache is None:
+            return
+        last = [c.extract(len(self.rows) - 1) for c in self.cache]
+        for c, ghosts in zip(self.cache, merge_rows([last] * want)):
+            c.extend(ghosts)
+        self.ghosts = want
 
     @property
     def num_rows(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from engine.engine import Engine, kernels_notice
-from engine.kernels import KernelConfig
+from engine.kernels import FAST, KernelConfig
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -36,6 +36,28 @@ log = logging.getLogger("engine.server")
 
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_TOKENS = 512  # when a request names none (mlx_lm.server's default too)
+CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's kernels take up to 64 rows
+
+
+def default_batch() -> int:
+    from engine.kernels import on_cuda
+
+    return CUDA_BATCH if on_cuda() else OTHER_BATCH
+
+
+def power_buckets(batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `batch`, then `batch`: the decode row counts --decode-buckets auto takes."""
+    out, b = [], 1
+    while b < batch:
+        out.append(b)
+        b *= 2
+    return (*out, batch)
+
+
+def default_warmup() -> str:
+    from engine.kernels import on_cuda
+
+    return "full" if on_cuda() else "quick"
 
 
 @dataclass(frozen=True)
@@ -45,7 +67,7 @@ class ServeConfig:
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
-    batch: int = 8
+    batch: Optional[int] = None  # None: default_batch()
     prefill_chunk: int = DEFAULT_PREFILL_STEP
     kv_budget_bytes: Optional[int] = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
@@ -62,17 +84,26 @@ class ServeConfig:
     allowed_hosts: Optional[frozenset[str]] = None  # None: from the bound address (`allowed_hosts`)
     max_queued_requests: Optional[int] = 256  # None: no limit
     max_queued_tokens: Optional[int] = None
+    decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
+    warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
 
-    def gateway_config(self) -> GatewayConfig:
+    def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
+        """The gateway's settings; `tier` (the kernel tier that loaded) resolves --decode-buckets auto: the
+        fast tier's decode pads to power_buckets, the exact tier's never (bit-exact with mlx-lm at every B)."""
         kvq = None
         if self.kv_bits is not None:
             kvq = KVQuantization(bits=self.kv_bits, group_size=self.kv_group_size, start=0)
+        batch = self.batch or default_batch()
+        buckets = self.decode_buckets
+        if buckets is None:
+            buckets = power_buckets(batch) if tier == FAST and kvq is None and batch > 1 else ()
         return GatewayConfig(
-            batch=self.batch,
+            batch=batch,
             prefill_chunk=self.prefill_chunk,
             kv_budget_bytes=self.kv_budget_bytes,
             kv_quantization=kvq,
             prompt_cache_bytes=self.prompt_cache_bytes,
+            decode_buckets=tuple(buckets),
         )
 
 
@@ -95,13 +126,23 @@ def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Opt
     return LOOPBACK | {host.lower().strip("[]")}
 
 
-def _warm_up(gateway: Gateway, kv_bits: Optional[int] = None) -> None:
-    """One short request through each lane, so the first client does not pay for kernel compilation; a
-    warm-up request that fails stops the start (a setting the model cannot take would fail every request)."""
-    sinks = [CollectingSink() for _ in range(2 if gateway.batcher is not None else 1)]
-    for i, sink in enumerate(sinks):
-        gateway.submit(GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True)),
-                       sink)  # fmt: skip
+def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None) -> int:
+    """Requests through the lanes before the server says ready, so that clients do not wait while kernels
+    compile; returns how many ran. `quick`: one short request a lane. `full`: also `batch` requests at once
+    on the continuous lane, each a token longer than the one before, so the decode batch takes every row
+    count (every decode bucket) on its way up and down. `off`: none. A warm-up request that fails stops
+    the start (a setting the model cannot take would fail every request)."""
+    if mode == "off":
+        return 0
+    requests = [GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True))
+                for i in range(2 if gateway.batcher is not None else 1)]  # fmt: skip
+    if mode == "full" and gateway.batcher is not None:
+        requests += [GenerationRequest(f"warmup-rows-{i}", (1, 2, 3 + i % 7),
+                                       stop=StopCriteria(max_tokens=2 + i, ignore_eos=True))
+                     for i in range(gateway.config.batch)]  # fmt: skip
+    sinks = [CollectingSink() for _ in requests]
+    for request, sink in zip(requests, sinks):
+        gateway.submit(request, sink)
     gateway.run_until_idle()
     if gateway.prompt_cache is not None:
         gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
@@ -110,12 +151,14 @@ def _warm_up(gateway: Gateway, kv_bits: Optional[int] = None) -> None:
             setting = f" with --kv-bits {kv_bits}" if kv_bits else ""
             why = sink.result.error if sink.result else "it never ended"
             raise ValueError(f"this model cannot be served{setting}: a warm-up request failed ({why})")
+    return len(requests)
 
 
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
-    gateway_config = cfg.gateway_config()  # setting errors before any loading
+    cfg.gateway_config()  # setting errors before any loading
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
+    gateway_config = cfg.gateway_config(engine.kernels.tier)
     notice = kernels_notice(engine.kernels)
     if notice:
         print(notice, file=sys.stderr, flush=True)
@@ -125,7 +168,12 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
             cfg.spec, engine, cfg.draft_model, cfg.draft_model_path, seed=cfg.seed, prefill_step_size=cfg.prefill_chunk
         )
     gateway = Gateway(engine.model, gateway_config, speculation)
-    _warm_up(gateway, cfg.kv_bits)
+    start = time.perf_counter()
+    warmup = cfg.warmup or default_warmup()
+    warmed = _warm_up(gateway, warmup, cfg.kv_bits)
+    gateway.mark_ready()
+    warmup_record = {"mode": warmup, "requests": warmed, "seconds": round(time.perf_counter() - start, 3),
+                     "shapes": len(gateway.shapes)}  # fmt: skip
     model_id = cfg.model or engine.path.name
     try:
         from engine.server.metrics import Metrics
@@ -133,7 +181,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         metrics = Metrics(model_id)
     except ImportError:
         metrics = None  # /metrics answers 501
-    worker = EngineWorker(gateway, QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens), metrics)
+    worker = EngineWorker(gateway, QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens), metrics, warmup_record)
     context = cfg.max_context or _context_of(engine.config)
     ctx = ServerContext(
         worker=worker,
@@ -198,11 +246,14 @@ def serve(cfg: ServeConfig) -> int:
         sock.close()
         raise
     state.ctx = ctx
-    gw = cfg.gateway_config()
+    gw = worker.gateway.config
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
+    buckets = f", decode buckets {','.join(map(str, gw.decode_buckets))}" if gw.decode_buckets else ""
+    warm = worker.warmup
     print(
-        f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}, "
-        f"kernels {ctx.kernels.tier} ({ctx.kernels.requested}), context {ctx.max_context}{spec}, loaded in {time.perf_counter() - start:.1f} s)",
+        f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}{buckets}, "
+        f"kernels {ctx.kernels.tier} ({ctx.kernels.requested}), context {ctx.max_context}{spec}, loaded in "
+        f"{time.perf_counter() - start:.1f} s, warm-up {warm['mode']} {warm['seconds']:.1f} s)",
         flush=True,
     )
 

@@ -174,6 +174,7 @@ class EngineWorker:
     gateway: Gateway
     limits: QueueLimits = QueueLimits()
     metrics: Any = None  # a metrics.Metrics that hears every request's end (None: none)
+    warmup: dict[str, Any] = field(default_factory=dict)  # what ran before ready (mode, requests, seconds)
     inbox: queue.Queue = field(default_factory=queue.Queue)
     totals: Totals = field(default_factory=Totals)
     snapshot: dict[str, Any] = field(default_factory=dict)
@@ -303,6 +304,10 @@ class EngineWorker:
             },
             "prompt_cache": None if pc is None else vars(pc.stats()),
             "totals": vars(self.totals).copy(),
+            "warmup": self.warmup,
+            # forward shapes first run after ready: on CUDA each compiled kernels while requests waited
+            "shapes": {"seen": len(gateway.shapes), "new_since_ready": gateway.new_shapes,
+                       "decode_buckets": list(gateway.config.decode_buckets)},  # fmt: skip
         }
 
     def _shutdown(self, gateway: Gateway) -> None:

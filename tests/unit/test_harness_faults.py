@@ -404,3 +404,19 @@ def test_the_terminal_summary_and_db_list_print_markup_like_names_as_text(tmp_pa
     assert harness_main(["db", "list", "--db", str(tmp_path / "runs.sqlite")]) == 0
     listed = capsys.readouterr().out
     assert "[/red]tiny[bold]|x" in listed and "interrupted" in listed
+
+
+def test_cells_that_ran_new_shapes_are_listed_and_flagged(tmp_path):
+    run = json.loads(FIXTURE.read_text())
+    model, arm = run["models"][0]["model"], run["models"][0]["arms"][0]
+    cells = [c for c in arm["cells"] if c.get("metrics")]
+    for cell in cells:  # the warm-up's own shapes are what it is for: never listed
+        cell["metrics"]["new_shapes"] = 5 if cell["phase"] == "warmup" else 0
+    later = next(c for c in cells if c["phase"] != "warmup")
+    later["metrics"]["new_shapes"] = 3
+    assert summary.compiled_cells(run) == [f"{model} / {arm['arm']} / {later['phase']}: 3 new shapes"]
+    assert "first ran forward shapes" in summary.markdown(run)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    html = report.render_html(report.build_view(report.load([path])))
+    assert "3 new forward shapes (compiled on CUDA during the cell)" in html and "5 new forward shapes" not in html

@@ -1,0 +1,86 @@
+"""Decode buckets: ghost rows fill the running batch to a few shapes and change no row's tokens."""
+
+import pytest
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.runner import BatchRunner, bucket
+from engine.batch.scheduler import SchedulerConfig
+from engine.gateway import GatewayConfig
+from engine.generate import KVQuantization
+from engine.loading import load_model
+from engine.types import CollectingSink, GenerationRequest, SamplingParams, StopCriteria
+
+BUCKETS = (1, 2, 4, 8)
+
+
+def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
+    prompt = tuple(range(3 + prompt_len % 7, 3 + prompt_len % 7 + prompt_len))
+    return GenerationRequest(rid, prompt, sampling, StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def staggered(model, buckets):
+    """Rows joining and leaving at different steps (1 to 5 decoding), one of them sampled with a seed; the
+    tokens of each, and the decode shapes the batch took."""
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2), decode_buckets=buckets)
+    shapes = set()
+    decode = b.runner.decode
+
+    def spy():
+        shapes.add(len(b.runner.rows) + b.runner.ghosts)
+        return decode()
+
+    b.runner.decode = spy
+    sinks = {}
+    arrivals = [[request("a", 9, 12)], [request("b", 23, 9), request("c", 5, 4)], [],
+                [request("d", 14, 7, SamplingParams(temperature=0.9, seed=5)), request("e", 3, 10)], [], []]
+    for wave in arrivals:
+        for r in wave:
+            sinks[r.request_id] = CollectingSink()
+            b.submit(r, sinks[r.request_id])
+        for _ in range(2):
+            b.step()
+    b.run_until_idle()
+    assert (b.active_rows, b.runner.num_rows, b.runner.ghosts) == (0, 0, 0)
+    return {rid: s.token_ids for rid, s in sinks.items()}, shapes
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen35", "tiny-qwen3", "tiny-gemma3"])
+def test_ghost_rows_change_no_token(tiny_path, name):
+    # Every row's math is its own on these backends: the rows' tokens are those of the batch without ghosts.
+    model = load_model(tiny_path(name))[0]
+    plain, plain_shapes = staggered(model, ())
+    padded, padded_shapes = staggered(model, BUCKETS)
+    assert padded == plain
+    assert all(len(ids) > 0 for ids in plain.values())
+    assert {3, 5} & plain_shapes and padded_shapes <= set(BUCKETS)  # only the padded batch kept to the buckets
+
+
+def test_the_batch_fills_to_its_bucket(tiny_path):
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=8), decode_buckets=BUCKETS)
+    sizes = []
+    decode = b.runner.decode
+
+    def spy():
+        kv = next(c for c in b.runner.cache if getattr(c, "parts", None) is not None)  # an attention layer's
+        sizes.append((len(b.runner.rows), b.runner.ghosts, kv.parts[0].shape[0]))
+        return decode()
+
+    b.runner.decode = spy
+    for i, n in enumerate((3, 6, 9)):
+        b.submit(request(f"r{i}", 5 + i, n), CollectingSink())
+    b.run_until_idle()
+    for rows, ghosts, cache_rows in sizes:
+        assert rows + ghosts == bucket(rows, BUCKETS) == cache_rows
+    assert {rows for rows, _, _ in sizes} == {3, 2, 1} and {g for _, g, _ in sizes} == {1, 0}
+
+
+def test_bucket_and_settings():
+    assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 9]
+    assert bucket(3, ()) == 3
+    with pytest.raises(ValueError, match="row counts"):
+        BatchRunner(None, decode_buckets=(0, 4))
+    with pytest.raises(ValueError, match="quantized KV"):
+        BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), decode_buckets=(1, 2))
+    with pytest.raises(ValueError, match="quantized KV"):
+        GatewayConfig(decode_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
