@@ -175,9 +175,13 @@ def _add_serve(sub) -> None:
                    help="row counts the continuous lane's decode steps take, the batch filled with ghost rows up "
                    "to the next one, so each shape compiles once (auto, the default: 1,2,4,... up to --batch on "
                    "the fast tier, off on the exact tier, which stays bit-exact with mlx-lm at every row count)")
+    p.add_argument("--prefill-buckets", type=_buckets, default=None, metavar="auto|off|N,N,...",
+                   help="prompt chunk lengths a prefill forward is padded up to, so each compiles once (auto, the "
+                   "default: 16, 24, 32, 48, ... up to --prefill-chunk on the fast tier, at most 1.5x the tokens; "
+                   "off on the exact tier)")
     p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
-                   help="before /health says ready: full runs every decode row count, quick one request a lane, "
-                   "off none (default full on CUDA, quick elsewhere)")
+                   help="before /health says ready: full runs every decode row count and a prompt of each prefill "
+                   "bucket, quick one request a lane, off none (default full on CUDA, quick elsewhere)")
     p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
     p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
@@ -257,6 +261,7 @@ def cmd_serve(args) -> int:
             max_queued_requests=args.max_queued_requests or None,
             max_queued_tokens=args.max_queued_tokens or None,
             decode_buckets=args.decode_buckets,
+            chunk_buckets=args.prefill_buckets,
             warmup=args.warmup,
         )
     )

@@ -62,6 +62,7 @@ class GatewayConfig:
     kv_quantization: Optional[KVQuantization] = None
     prompt_cache_bytes: int = 0  # 0: no prompt cache
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
+    chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
 
     def __post_init__(self):
         if self.batch < 1:
@@ -132,6 +133,7 @@ class Gateway:
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,
                 decode_buckets=config.decode_buckets,
+                chunk_buckets=config.chunk_buckets,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()

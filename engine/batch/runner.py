@@ -15,6 +15,9 @@ what makes the same-B oracle comparison bit-exact:
   shorter side); a filter keeps rows and trims shared padding;
 - a decode step forwards the whole register, launches sampling of the next
   register, and only then reads the current one back (pipelined);
+- with chunk buckets, a prefill forward is right-padded to the smallest
+  bucket that holds its longest chunk, not to that chunk: a few lengths, not
+  every prompt's;
 - with decode buckets, the running batch is filled to the smallest bucket
   that holds its rows with ghost rows (copies of its last row, fed its token,
   their outputs dropped), so a decode step takes one of a few shapes and the
@@ -153,19 +156,32 @@ def bucket(rows: int, buckets: Sequence[int]) -> int:
     return next((b for b in buckets if b >= rows), rows)
 
 
+def chunk_buckets(prefill_chunk: int) -> tuple[int, ...]:
+    """Prefill chunk lengths 16, 24, 32, 48, 64, ... (powers of two and halfway between) below
+    `prefill_chunk`, then it: a chunk padded to its bucket is at most 1.5x (and 15 tokens) longer."""
+    out, b = [], 16
+    while b < prefill_chunk:
+        out.append(b)
+        if b * 3 // 2 < prefill_chunk:
+            out.append(b * 3 // 2)
+        b *= 2
+    return (*out, prefill_chunk)
+
+
 class BatchRunner:
     def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None,
-                 decode_buckets: Sequence[int] = ()):  # fmt: skip
+                 decode_buckets: Sequence[int] = (), chunk_buckets: Sequence[int] = ()):  # fmt: skip
         if kv is not None and kv.start != 0:
             raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
-        if any(b < 1 for b in decode_buckets):
-            raise ValueError(f"decode buckets are row counts >= 1, got {list(decode_buckets)}")
+        if any(b < 1 for b in (*decode_buckets, *chunk_buckets)):
+            raise ValueError(f"buckets are counts >= 1, got {list(decode_buckets)} and {list(chunk_buckets)}")
         if kv is not None and decode_buckets:
             raise ValueError("decode buckets do not combine with quantized KV (ghost rows copy full-precision caches)")
         self.model = model
         self.tap = tap
         self.kv = kv
         self.buckets = tuple(sorted(set(decode_buckets)))
+        self.chunk_buckets = tuple(sorted(set(chunk_buckets)))
         # The forward shapes this runner has run (kind, rows[, tokens]): on CUDA each new one compiles kernels.
         self.shapes: set[tuple[int | str, ...]] = set()
         self.rows: list[_Row] = []
@@ -212,7 +228,7 @@ class BatchRunner:
     def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
         """One chunk per joiner (group order) through the model, right-padded to the longest."""
         lengths = [len(c) for c in chunks]
-        longest = max(lengths)
+        longest = bucket(max(lengths), self.chunk_buckets)
         padding = [longest - n for n in lengths]
         self.shapes.add(("prefill", len(chunks), longest))
         if max(padding) > 0:

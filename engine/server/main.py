@@ -24,6 +24,7 @@ from typing import Optional
 
 from engine.engine import Engine, kernels_notice
 from engine.kernels import FAST, KernelConfig
+from engine.batch.runner import chunk_buckets
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -85,11 +86,13 @@ class ServeConfig:
     max_queued_requests: Optional[int] = 256  # None: no limit
     max_queued_tokens: Optional[int] = None
     decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
+    chunk_buckets: Optional[tuple[int, ...]] = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
-        """The gateway's settings; `tier` (the kernel tier that loaded) resolves --decode-buckets auto: the
-        fast tier's decode pads to power_buckets, the exact tier's never (bit-exact with mlx-lm at every B)."""
+        """The gateway's settings; `tier` (the kernel tier that loaded) resolves the buckets' auto: the fast
+        tier pads decode rows to power_buckets and prefill chunks to chunk_buckets, the exact tier never (it
+        stays bit-exact with mlx-lm's BatchGenerator, which pads neither)."""
         kvq = None
         if self.kv_bits is not None:
             kvq = KVQuantization(bits=self.kv_bits, group_size=self.kv_group_size, start=0)
@@ -97,6 +100,9 @@ class ServeConfig:
         buckets = self.decode_buckets
         if buckets is None:
             buckets = power_buckets(batch) if tier == FAST and kvq is None and batch > 1 else ()
+        chunks = self.chunk_buckets
+        if chunks is None:
+            chunks = chunk_buckets(self.prefill_chunk) if tier == FAST else ()
         return GatewayConfig(
             batch=batch,
             prefill_chunk=self.prefill_chunk,
@@ -104,6 +110,7 @@ class ServeConfig:
             kv_quantization=kvq,
             prompt_cache_bytes=self.prompt_cache_bytes,
             decode_buckets=tuple(buckets),
+            chunk_buckets=tuple(chunks),
         )
 
 
@@ -126,24 +133,31 @@ def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Opt
     return LOOPBACK | {host.lower().strip("[]")}
 
 
-def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None) -> int:
+def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096) -> int:
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
     compile; returns how many ran. `quick`: one short request a lane. `full`: also `batch` requests at once
     on the continuous lane, each a token longer than the one before, so the decode batch takes every row
-    count (every decode bucket) on its way up and down. `off`: none. A warm-up request that fails stops
-    the start (a setting the model cannot take would fail every request)."""
+    count (every decode bucket) on its way up and down; then, one at a time, a prompt a prefill chunk
+    bucket long (within `context`). `off`: none. A warm-up request that fails stops the start (a setting
+    the model cannot take would fail every request)."""
     if mode == "off":
         return 0
-    requests = [GenerationRequest(f"warmup-{i}", (1, 2, 3), stop=StopCriteria(max_tokens=2, ignore_eos=True))
-                for i in range(2 if gateway.batcher is not None else 1)]  # fmt: skip
+
+    def request(name: str, prompt: tuple[int, ...], tokens: int = 2) -> GenerationRequest:
+        return GenerationRequest(name, prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True))
+
+    waves = [[request(f"warmup-{i}", (1, 2, 3)) for i in range(2 if gateway.batcher is not None else 1)]]
     if mode == "full" and gateway.batcher is not None:
-        requests += [GenerationRequest(f"warmup-rows-{i}", (1, 2, 3 + i % 7),
-                                       stop=StopCriteria(max_tokens=2 + i, ignore_eos=True))
-                     for i in range(gateway.config.batch)]  # fmt: skip
-    sinks = [CollectingSink() for _ in requests]
-    for request, sink in zip(requests, sinks):
-        gateway.submit(request, sink)
-    gateway.run_until_idle()
+        waves[0] += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(gateway.config.batch)]
+        # each opened by its own token, so that none reuses another's prefix from the prompt cache
+        waves += [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
+                  for k, n in enumerate(gateway.config.chunk_buckets) if n + 3 <= context]  # fmt: skip
+    sinks = []
+    for wave in waves:
+        for r in wave:
+            sinks.append(CollectingSink())
+            gateway.submit(r, sinks[-1])
+        gateway.run_until_idle()
     if gateway.prompt_cache is not None:
         gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
     for sink in sinks:
@@ -151,7 +165,7 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None) -> int:
             setting = f" with --kv-bits {kv_bits}" if kv_bits else ""
             why = sink.result.error if sink.result else "it never ended"
             raise ValueError(f"this model cannot be served{setting}: a warm-up request failed ({why})")
-    return len(requests)
+    return len(sinks)
 
 
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
@@ -170,7 +184,8 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     gateway = Gateway(engine.model, gateway_config, speculation)
     start = time.perf_counter()
     warmup = cfg.warmup or default_warmup()
-    warmed = _warm_up(gateway, warmup, cfg.kv_bits)
+    context = cfg.max_context or _context_of(engine.config)
+    warmed = _warm_up(gateway, warmup, cfg.kv_bits, context)
     gateway.mark_ready()
     warmup_record = {"mode": warmup, "requests": warmed, "seconds": round(time.perf_counter() - start, 3),
                      "shapes": len(gateway.shapes)}  # fmt: skip
@@ -182,7 +197,6 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     except ImportError:
         metrics = None  # /metrics answers 501
     worker = EngineWorker(gateway, QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens), metrics, warmup_record)
-    context = cfg.max_context or _context_of(engine.config)
     ctx = ServerContext(
         worker=worker,
         tokenizer=engine.tokenizer,

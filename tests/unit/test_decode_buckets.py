@@ -1,9 +1,9 @@
-"""Decode buckets: ghost rows fill the running batch to a few shapes and change no row's tokens."""
+"""Buckets: ghost rows fill the decode batch, and padding the prefill chunks, to a few shapes; no token changes."""
 
 import pytest
 
 from engine.batch.batcher import ContinuousBatcher
-from engine.batch.runner import BatchRunner, bucket
+from engine.batch.runner import BatchRunner, bucket, chunk_buckets
 from engine.batch.scheduler import SchedulerConfig
 from engine.gateway import GatewayConfig
 from engine.generate import KVQuantization
@@ -18,10 +18,11 @@ def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
     return GenerationRequest(rid, prompt, sampling, StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def staggered(model, buckets):
+def staggered(model, buckets, chunks=()):
     """Rows joining and leaving at different steps (1 to 5 decoding), one of them sampled with a seed; the
     tokens of each, and the decode shapes the batch took."""
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2), decode_buckets=buckets)
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2, prefill_chunk=16),
+                          decode_buckets=buckets, chunk_buckets=chunks)  # fmt: skip
     shapes = set()
     decode = b.runner.decode
 
@@ -41,6 +42,8 @@ def staggered(model, buckets):
             b.step()
     b.run_until_idle()
     assert (b.active_rows, b.runner.num_rows, b.runner.ghosts) == (0, 0, 0)
+    prefills = {shape[2] for shape in b.runner.shapes if shape[0] == "prefill"}
+    assert not chunks or prefills <= set(chunks)
     return {rid: s.token_ids for rid, s in sinks.items()}, shapes
 
 
@@ -51,6 +54,7 @@ def test_ghost_rows_change_no_token(tiny_path, name):
     plain, plain_shapes = staggered(model, ())
     padded, padded_shapes = staggered(model, BUCKETS)
     assert padded == plain
+    assert staggered(model, BUCKETS, (8, 12, 16))[0] == plain  # prefill chunks padded too
     assert all(len(ids) > 0 for ids in plain.values())
     assert {3, 5} & plain_shapes and padded_shapes <= set(BUCKETS)  # only the padded batch kept to the buckets
 
@@ -78,7 +82,9 @@ def test_the_batch_fills_to_its_bucket(tiny_path):
 def test_bucket_and_settings():
     assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 9]
     assert bucket(3, ()) == 3
-    with pytest.raises(ValueError, match="row counts"):
+    assert chunk_buckets(2048)[:6] == (16, 24, 32, 48, 64, 96) and chunk_buckets(2048)[-1] == 2048
+    assert chunk_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
+    with pytest.raises(ValueError, match="counts >= 1"):
         BatchRunner(None, decode_buckets=(0, 4))
     with pytest.raises(ValueError, match="quantized KV"):
         BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), decode_buckets=(1, 2))

@@ -4,6 +4,7 @@ import pytest
 
 from engine.gateway import Gateway, GatewayConfig
 from engine.kernels import EXACT, FAST, on_cuda
+from engine.batch.runner import chunk_buckets
 from engine.loading import load_model
 from engine.server.main import ServeConfig, _warm_up, default_batch, default_warmup, power_buckets
 
@@ -19,6 +20,9 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     cfg = ServeConfig(batch=16)
     assert cfg.gateway_config(FAST).decode_buckets == (1, 2, 4, 8, 16)
     assert cfg.gateway_config(EXACT).decode_buckets == ()  # bit-exact with mlx-lm at every row count
+    assert cfg.gateway_config(FAST).chunk_buckets == chunk_buckets(cfg.prefill_chunk)
+    assert cfg.gateway_config(EXACT).chunk_buckets == ()
+    assert ServeConfig(chunk_buckets=()).gateway_config(FAST).chunk_buckets == ()
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=1).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=16, decode_buckets=()).gateway_config(FAST).decode_buckets == ()
@@ -36,3 +40,12 @@ def test_warmups(tiny_path, mode, requests):
     assert decoded == ({1, 2, 4, 8} if mode == "full" else {2} if mode == "quick" else set())
     gateway.mark_ready()
     assert gateway.new_shapes == 0
+
+
+def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32),
+                                           prompt_cache_bytes=1 << 20))  # fmt: skip
+    assert _warm_up(gateway, "full", context=30) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
+    assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
+    assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
