@@ -5,9 +5,10 @@
 MLX's CUDA backend writes every module it compiles to MLX_PTX_CACHE_DIR; this points that at an empty
 directory before MLX starts, then drives a ContinuousBatcher through waves of requests (a wave of N
 prompts submitted together, `--tokens` tokens each, prompts of `--prompt-tokens`), then one request for
-`--grow` tokens (its caches grow past their allocation steps). Every batcher step that wrote modules is
-printed: its wall time, what it ran (decode rows, prefill group and chunk, token 0), and the modules by
-name, so a wave that repeats an earlier shape shows none. The end sums the compile time (the steps'
+`--grow` tokens (its caches grow past their allocation steps), with the buckets `engine serve` would use
+(`--no-buckets`: none). Every batcher step that wrote modules is printed: its wall time, what it ran
+(decode rows and ghosts, prefill group and chunk, token 0), and the modules by name, so a wave that
+repeats an earlier shape shows none. The end sums the compile time (the steps'
 time less the same kind of step's median time without new modules) by kind.
 """
 
@@ -42,6 +43,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--grow", type=int, default=300, help="tokens of one last request (0: none)")
     p.add_argument("--batch", type=int, default=64, help="the batcher's row cap (default 64)")
+    p.add_argument("--no-buckets", dest="buckets", action="store_false",
+                   help="no decode or chunk buckets (default: what engine serve's auto gives the tier)")
     args = p.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="mlx-ptx-census-"))
     os.environ["MLX_PTX_CACHE_DIR"] = str(cache)  # before MLX's first compilation
@@ -52,18 +55,24 @@ def main() -> None:
     from engine.batch.scheduler import SchedulerConfig
     from engine.engine import Engine
     from engine.kernels import KernelConfig
+    from engine.server.main import ServeConfig
     from engine.types import CollectingSink, GenerationRequest, StopCriteria
 
     eng = Engine.load(args.model, with_tokenizer=False, kernels=KernelConfig.from_env(args.kernels))
-    batcher = ContinuousBatcher(eng.model, SchedulerConfig(max_rows=args.batch))
-    print(f"{args.model}: kernels {eng.kernels.tier}; MLX_PTX_CACHE_DIR={cache}", flush=True)
+    gw = ServeConfig(batch=args.batch, decode_buckets=None if args.buckets else (),
+                     chunk_buckets=None if args.buckets else ()).gateway_config(eng.kernels.tier)  # fmt: skip
+    batcher = ContinuousBatcher(eng.model, SchedulerConfig(max_rows=gw.batch, prefill_chunk=gw.prefill_chunk),
+                                decode_buckets=gw.decode_buckets, chunk_buckets=gw.chunk_buckets)  # fmt: skip
+    print(f"{args.model}: kernels {eng.kernels.tier}; decode buckets {gw.decode_buckets or 'off'}, chunk buckets "
+          f"{gw.chunk_buckets or 'off'}; MLX_PTX_CACHE_DIR={cache}", flush=True)
     seen, quiet, costly = modules(cache), defaultdict(list), defaultdict(list)
     serial = 0
 
     def what() -> str:
         s = batcher.scheduler
         chunks = [len(q.prompt_body) - q.prefilled for q in s.joiners]
-        return (f"decode {len(s.running)} rows" * bool(s.running) + f" | joiners {len(s.joiners)}"
+        ghosts = f" (+{batcher.runner.ghosts})" if batcher.runner.ghosts else ""
+        return (f"decode {len(s.running)}{ghosts} rows" * bool(s.running) + f" | joiners {len(s.joiners)}"
                 f" (left {max(chunks, default=0)})" * bool(s.joiners) + f" | queued {len(s.pending)}" * bool(s.pending))
 
     def run(label: str, n: int, tokens: int) -> None:
