@@ -87,6 +87,13 @@ def _buckets(text: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def _budget(text: str) -> Optional[int]:
+    """--prefill-budget: None for auto, 0 for off, else the tokens."""
+    if text in ("auto", "off"):
+        return None if text == "auto" else 0
+    return _positive(text)
+
+
 def _host_list(text: str) -> frozenset[str]:
     names = frozenset(n.strip().lower() for n in text.split(",") if n.strip())
     if not names:
@@ -179,6 +186,10 @@ def _add_serve(sub) -> None:
                    help="prompt chunk lengths a prefill forward is padded up to, so each compiles once (auto, the "
                    "default: 16, 24, 32, 48, ... up to --prefill-chunk on the fast tier, at most 1.5x the tokens; "
                    "off on the exact tier)")
+    p.add_argument("--prefill-budget", type=_budget, default=None, metavar="auto|off|N",
+                   help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
+                   "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
+                   "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)")
     p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
                    help="before /health says ready: full runs every decode row count and a prompt of each prefill "
                    "bucket, quick one request a lane, off none (default full on CUDA, quick elsewhere)")
@@ -262,6 +273,7 @@ def cmd_serve(args) -> int:
             max_queued_tokens=args.max_queued_tokens or None,
             decode_buckets=args.decode_buckets,
             chunk_buckets=args.prefill_buckets,
+            prefill_budget=args.prefill_budget,
             warmup=args.warmup,
         )
     )

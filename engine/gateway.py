@@ -63,6 +63,7 @@ class GatewayConfig:
     prompt_cache_bytes: int = 0  # 0: no prompt cache
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
     chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
+    prefill_budget: Optional[int] = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
 
     def __post_init__(self):
         if self.batch < 1:
@@ -129,6 +130,7 @@ class Gateway:
                     prefill_chunk=config.prefill_chunk,
                     prefill_batch=config.prefill_batch,
                     kv_budget_bytes=config.kv_budget_bytes,
+                    prefill_budget=config.prefill_budget,
                 ),
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,

@@ -57,11 +57,22 @@ class SchedulerConfig:
     prefill_chunk: int = 2048  # prompt tokens per joiner per iteration
     prefill_batch: int = 8  # joiners prefilled together (mlx_lm.server's --prompt-concurrency)
     kv_budget_bytes: Optional[int] = None
+    # Prompt tokens all joiners take in one iteration, shared equally (each at most prefill_chunk): a burst of
+    # long prompts then holds the decoding rows for about one such forward a step. None: prefill_chunk each.
+    prefill_budget: Optional[int] = None
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_budget is not None and self.prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
+
+    def chunk(self, joiners: int) -> int:
+        """Prompt tokens each of `joiners` prefilling joiners takes this iteration."""
+        if self.prefill_budget is None or joiners == 0:
+            return self.prefill_chunk
+        return max(1, min(self.prefill_chunk, self.prefill_budget // joiners))
 
 
 @dataclass(eq=False)
@@ -229,11 +240,9 @@ class Scheduler:
             self.joiners.append(seq)
             admitted.append(seq)
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
-        chunks = tuple(
-            (s, s.prompt_body[s.prefilled : s.prefilled + self.config.prefill_chunk])
-            for s in self.joiners
-            if s.prefilled < len(s.prompt_body)
-        )
+        prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
+        size = self.config.chunk(len(prefilling))
+        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling)
         return PrefillPlan(tuple(admitted), first, chunks)
 
     def on_first_tokens(self, tokens: list[GeneratedToken]) -> list[tuple[Sequence, tuple[GeneratedToken, ...], bool]]:

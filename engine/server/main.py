@@ -87,12 +87,14 @@ class ServeConfig:
     max_queued_tokens: Optional[int] = None
     decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
     chunk_buckets: Optional[tuple[int, ...]] = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
+    prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
-        """The gateway's settings; `tier` (the kernel tier that loaded) resolves the buckets' auto: the fast
-        tier pads decode rows to power_buckets and prefill chunks to chunk_buckets, the exact tier never (it
-        stays bit-exact with mlx-lm's BatchGenerator, which pads neither)."""
+        """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
+        decode rows to power_buckets and prefill chunks to chunk_buckets, and its joiners share one chunk's
+        tokens an iteration; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator,
+        which pads neither and gives each joiner a whole chunk)."""
         kvq = None
         if self.kv_bits is not None:
             kvq = KVQuantization(bits=self.kv_bits, group_size=self.kv_group_size, start=0)
@@ -103,6 +105,9 @@ class ServeConfig:
         chunks = self.chunk_buckets
         if chunks is None:
             chunks = chunk_buckets(self.prefill_chunk) if tier == FAST else ()
+        budget = self.prefill_budget
+        if budget is None:
+            budget = self.prefill_chunk if tier == FAST else 0
         return GatewayConfig(
             batch=batch,
             prefill_chunk=self.prefill_chunk,
@@ -111,6 +116,7 @@ class ServeConfig:
             prompt_cache_bytes=self.prompt_cache_bytes,
             decode_buckets=tuple(buckets),
             chunk_buckets=tuple(chunks),
+            prefill_budget=budget or None,
         )
 
 

@@ -18,10 +18,10 @@ def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
     return GenerationRequest(rid, prompt, sampling, StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def staggered(model, buckets, chunks=()):
+def staggered(model, buckets, chunks=(), budget=None):
     """Rows joining and leaving at different steps (1 to 5 decoding), one of them sampled with a seed; the
     tokens of each, and the decode shapes the batch took."""
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2, prefill_chunk=16),
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2, prefill_chunk=16, prefill_budget=budget),
                           decode_buckets=buckets, chunk_buckets=chunks)  # fmt: skip
     shapes = set()
     decode = b.runner.decode
@@ -55,6 +55,7 @@ def test_ghost_rows_change_no_token(tiny_path, name):
     padded, padded_shapes = staggered(model, BUCKETS)
     assert padded == plain
     assert staggered(model, BUCKETS, (8, 12, 16))[0] == plain  # prefill chunks padded too
+    assert staggered(model, BUCKETS, (8, 12, 16), budget=10)[0] == plain  # and shared out, 5 tokens a joiner
     assert all(len(ids) > 0 for ids in plain.values())
     assert {3, 5} & plain_shapes and padded_shapes <= set(BUCKETS)  # only the padded batch kept to the buckets
 
@@ -90,3 +91,11 @@ def test_bucket_and_settings():
         BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), decode_buckets=(1, 2))
     with pytest.raises(ValueError, match="quantized KV"):
         GatewayConfig(decode_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
+
+
+def test_a_prefill_budget_is_shared_by_the_joiners():
+    cfg = SchedulerConfig(prefill_chunk=16, prefill_budget=24)
+    assert [cfg.chunk(n) for n in (0, 1, 2, 3, 30)] == [16, 16, 12, 8, 1]
+    assert SchedulerConfig(prefill_chunk=16).chunk(5) == 16
+    with pytest.raises(ValueError, match="prefill_budget"):
+        SchedulerConfig(prefill_budget=0)

@@ -23,6 +23,9 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     assert cfg.gateway_config(FAST).chunk_buckets == chunk_buckets(cfg.prefill_chunk)
     assert cfg.gateway_config(EXACT).chunk_buckets == ()
     assert ServeConfig(chunk_buckets=()).gateway_config(FAST).chunk_buckets == ()
+    assert (cfg.gateway_config(FAST).prefill_budget, cfg.gateway_config(EXACT).prefill_budget) == (cfg.prefill_chunk, None)
+    assert ServeConfig(prefill_budget=0).gateway_config(FAST).prefill_budget is None
+    assert ServeConfig(prefill_budget=512).gateway_config(EXACT).prefill_budget == 512
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=1).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=16, decode_buckets=()).gateway_config(FAST).decode_buckets == ()
