@@ -3,7 +3,7 @@
 # machine with MLX's CUDA backend installed:
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
-#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile | census
+#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile | census | lane
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -19,6 +19,8 @@
 #            and tier, then Nsight Compute (`ncu`) over a few decode steps of each, summed by kernel name
 #   profile  ROUNDS (2), STEP_CONFIGS (tools/gpu/decode_step.py's --configs)
 #   census   WAVES (1,1,2,3,4,8,9,16), GROW (300): what MLX compiles at each new batcher shape, and its cost
+#   lane     a lone row's fast-tier step on the serial lane's caches, on the batcher's, and on the batcher's
+#            with each attention kernel switch off: where the continuous lane's lone-row penalty goes
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -90,5 +92,11 @@ case "$PART" in
     python3 -m tools.gpu.compile_census --model qwen27b --waves "${WAVES:-1,1,2,3,4,8,9,16}" --grow "${GROW:-300}" 2>&1 \
         | tee "$OUT/qwen27b-compile-census.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu, profile or census (got '$PART')" >&2; exit 2 ;;
+  lane)
+    synth
+    step=(python3 -m tools.gpu.step_kernels --rows 1 --tiers fast --time --steps 64)
+    { "${step[@]}"; "${step[@]}" --batch-caches; "${step[@]}" --batch-caches --off attention_kernels
+      "${step[@]}" --batch-caches --off attention_step; "${step[@]}"; } 2>&1 | tee "$OUT/qwen27b-lane-steps.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu, profile, census or lane (got '$PART')" >&2; exit 2 ;;
 esac

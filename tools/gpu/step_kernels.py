@@ -36,13 +36,16 @@ def _marker(label: str):
                             output_dtypes=[x.dtype])[0]  # fmt: skip
 
 
-def batch_state(eng, rows: int, prompt_tokens: int):
-    """A `rows`-row batch after a prefill of distinct prompts: (the batched caches, the next tokens [B, 1])."""
+def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
+    """A `rows`-row batch after a prefill of distinct prompts: (the caches, the next tokens [B, 1]). The
+    batched caches of the continuous batcher from 2 rows, or at any rows with `batch_caches` (a lone row on
+    the continuous lane); a single row's own caches (the serial lane's) otherwise."""
     import mlx.core as mx
 
     from engine.batch.runner import merge_rows
 
-    cache = merge_rows([eng.make_cache() for _ in range(rows)]) if rows > 1 else eng.make_cache()
+    batched = rows > 1 or batch_caches
+    cache = merge_rows([eng.make_cache() for _ in range(rows)]) if batched else eng.make_cache()
     prompts = mx.array([[(i * 7919 + r * 104729) % 50000 + 10 for i in range(prompt_tokens)] for r in range(rows)])
     logits = eng.model(prompts, cache)
     for c in cache:
@@ -54,18 +57,24 @@ def batch_state(eng, rows: int, prompt_tokens: int):
 
 
 def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
-        timed: bool, warm: int = 3) -> None:  # fmt: skip
+        timed: bool, warm: int = 3, batch_caches: bool = False, off: tuple[str, ...] = ()) -> None:  # fmt: skip
+    import dataclasses
+
     import mlx.core as mx
 
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
 
-    eng = Engine.load(model_name, with_tokenizer=False, kernels=KernelConfig.from_env(tiers[0]))
+    def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
+        return dataclasses.replace(KernelConfig.from_env(tier), **{name: False for name in off})
+
+    eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
     for tier in tiers:
-        ks = install(eng.model, KernelConfig.from_env(tier), eng.config.get("model_type"))
-        print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers", flush=True)
+        ks = install(eng.model, config(tier), eng.config.get("model_type"))
+        print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
+              + (f", off: {','.join(off)}" if off else "") + (", batch caches" if batch_caches else ""), flush=True)
         for rows in rows_list:
-            cache, token = batch_state(eng, rows, prompt_tokens)
+            cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
             for _ in range(warm):  # compiles this shape's kernels
                 token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
                 mx.eval(token)
@@ -138,14 +147,19 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3, help="steps before the measured ones (default 3; under ncu, "
                                                        "which replays every kernel, 1 keeps the run short)")  # fmt: skip
     p.add_argument("--time", action="store_true", help="time pipelined steps instead of marking them for ncu")
+    p.add_argument("--batch-caches", action="store_true", help="the continuous batcher's caches at one row too "
+                                                               "(a lone row on the continuous lane)")  # fmt: skip
+    p.add_argument("--off", default="", help="KernelConfig switches to turn off, comma-separated (delta_step_kernel, "
+                                             "attention_step, attention_kernels)")  # fmt: skip
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
+        off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
         run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
-            args.prompt_tokens, args.time, args.warm)  # fmt: skip
+            args.prompt_tokens, args.time, args.warm, args.batch_caches, off)  # fmt: skip
 
 
 if __name__ == "__main__":
