@@ -144,7 +144,7 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     compile; returns how many ran. `quick`: one short request a lane. `full`: also `batch` requests at once
     on the continuous lane, each a token longer than the one before, so the decode batch takes every row
     count (every decode bucket) on its way up and down; then, one at a time, a prompt a prefill chunk
-    bucket long (within `context`). `off`: none. A warm-up request that fails stops the start (a setting
+    bucket long (within `context` and the KV budget). `off`: none. A warm-up request that fails stops the start (a setting
     the model cannot take would fail every request)."""
     if mode == "off":
         return 0
@@ -156,8 +156,10 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     if mode == "full" and gateway.batcher is not None:
         waves[0] += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(gateway.config.batch)]
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
+        budget = gateway.config.kv_budget_bytes
         waves += [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
-                  for k, n in enumerate(gateway.config.chunk_buckets) if n + 3 <= context]  # fmt: skip
+                  for k, n in enumerate(gateway.config.chunk_buckets)
+                  if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
     sinks = []
     for wave in waves:
         for r in wave:

@@ -52,3 +52,12 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     assert _warm_up(gateway, "full", context=30) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
+
+
+def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    probe = Gateway(model, GatewayConfig(batch=4))
+    budget = probe.layout.row_bytes(17, 2)  # a 16-token chunk's prompt fits, a 300-token one's does not
+    gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300),
+                                           kv_budget_bytes=budget))  # fmt: skip
+    assert _warm_up(gateway, "full") == 2 + 4 + 1
