@@ -73,7 +73,7 @@ def _non_negative(text: str) -> int:
 
 
 def _buckets(text: str) -> Optional[tuple[int, ...]]:
-    """--decode-buckets: None for auto, () for off, else the row counts."""
+    """--decode-buckets and --prefill-buckets: None for auto, () for off, else the counts."""
     if text == "auto":
         return None
     if text == "off":
@@ -83,7 +83,7 @@ def _buckets(text: str) -> Optional[tuple[int, ...]]:
     except ValueError:
         values = ()
     if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"give auto, off or row counts >= 1 separated by commas, got {text!r}")
+        raise argparse.ArgumentTypeError(f"give auto, off or counts >= 1 separated by commas, got {text!r}")
     return values
 
 
