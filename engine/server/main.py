@@ -141,11 +141,12 @@ def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Opt
 
 def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096) -> int:
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
-    compile; returns how many ran. `quick`: one short request a lane. `full`: also `batch` requests at once
-    on the continuous lane, each a token longer than the one before, so the decode batch takes every row
-    count (every decode bucket) on its way up and down; then, one at a time, a prompt a prefill chunk
-    bucket long (within `context` and the KV budget). `off`: none. A warm-up request that fails stops the start (a setting
-    the model cannot take would fail every request)."""
+    compile; returns how many ran. `quick`: one short request (two on the continuous lane, decoding
+    together). `full`: also `batch` requests at once on the continuous lane, each a token longer than the
+    one before, so the decode batch takes every row count (every decode bucket) on its way up and down;
+    then, one at a time, a prompt a prefill chunk bucket long (within `context` and the KV budget). `off`:
+    none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
+    request)."""
     if mode == "off":
         return 0
 

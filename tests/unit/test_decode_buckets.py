@@ -99,3 +99,36 @@ def test_a_prefill_budget_is_shared_by_the_joiners():
     assert SchedulerConfig(prefill_chunk=16).chunk(5) == 16
     with pytest.raises(ValueError, match="prefill_budget"):
         SchedulerConfig(prefill_budget=0)
+
+
+def test_ghosts_leave_the_kept_caches_and_cancellations_alone(tiny_path):
+    # What a finished row leaves for the prompt cache is its own caches, ghosts or not; a cancelled row
+    # leaves the batch and the others' tokens stay.
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engine.cache import cache_arrays
+
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+
+    def run(buckets):
+        b = ContinuousBatcher(model, SchedulerConfig(max_rows=8), keep_caches=True, decode_buckets=buckets)
+        sinks = {}
+        for r in (request("x", 7, 6), request("y", 12, 9), request("z", 4, 30)):
+            sinks[r.request_id] = CollectingSink()
+            b.submit(r, sinks[r.request_id])
+        for _ in range(4):
+            b.step()
+        b.cancel("z")
+        b.run_until_idle()
+        assert b.runner.ghosts == 0 and b.runner.num_rows == 0
+        kept = {rid: [a for _, a in tree_flatten(cache_arrays(s.result.caches[-1].cache))]
+                for rid, s in sinks.items() if s.result.caches}  # fmt: skip
+        return {rid: s.token_ids for rid, s in sinks.items()}, kept
+
+    (plain, plain_kept), (padded, padded_kept) = run(()), run(BUCKETS)
+    assert padded == plain and plain["z"] and len(plain["z"]) < 30
+    assert plain_kept.keys() == padded_kept.keys() and plain_kept
+    for rid in plain_kept:
+        assert len(plain_kept[rid]) == len(padded_kept[rid]) > 0
+        assert all(mx.array_equal(a, b).item() for a, b in zip(plain_kept[rid], padded_kept[rid])), rid
