@@ -33,3 +33,7 @@ class DraftMismatchError(EngineError, ValueError):
 
 
 USER_ERRORS = (EngineError,)
+
+
+class RequestTooLarge(EngineError, ValueError):
+    """A request whose projected KV bytes exceed the whole budget (the server answers 400)."""

@@ -218,15 +218,15 @@ class Gateway:
         batcher = self.batcher
         if self._serial:
             if batcher is not None:
-                batcher.scheduler.hold_admission = True
+                batcher.hold_admission(True)
                 if batcher.active_rows:
                     return batcher.step()  # drain the batch first
             self._run_serial(self._serial.popleft())
             if batcher is not None and not self._serial:
-                batcher.scheduler.hold_admission = False
+                batcher.hold_admission(False)
             return True
         if batcher is not None:
-            batcher.scheduler.hold_admission = False
+            batcher.hold_admission(False)
             return batcher.step()
         return False
 
@@ -237,7 +237,7 @@ class Gateway:
     @property
     def shapes(self) -> set[tuple[int | str, ...]]:
         """The forward shapes run so far, both lanes (serial: the prompt tokens a request prefilled)."""
-        return self._serial_shapes | (self.batcher.runner.shapes if self.batcher else set())
+        return self._serial_shapes | (self.batcher.shapes if self.batcher else set())
 
     def mark_ready(self) -> None:
         """The shapes so far are the warm-up's: `new_shapes` counts from here."""

@@ -23,6 +23,7 @@ from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from engine.cache import cache_nbytes
 from engine.generate import KVQuantization
 from engine.types import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
 
@@ -84,6 +85,20 @@ class ContinuousBatcher:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def hold_admission(self, hold: bool) -> None:
+        """While held, no queued request joins: the running rows drain (a serial-lane request waits)."""
+        self.scheduler.hold_admission = hold
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the running batch's and the prefill group's caches hold (ghost rows included)."""
+        return sum(cache_nbytes(c) for c in (self.runner.cache, self.runner.joiner_cache) if c is not None)
+
+    @property
+    def shapes(self) -> set[tuple[int | str, ...]]:
+        """The forward shapes run so far (`BatchRunner.shapes`)."""
+        return self.runner.shapes
 
     # ------------------------------------------------------------- the loop
 

@@ -26,12 +26,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection, Optional
 
-from engine.errors import EngineError
+from engine.errors import RequestTooLarge
 from engine.types import FinishReason, FinishTracker, GeneratedToken, GenerationRequest
-
-
-class RequestTooLarge(EngineError, ValueError):
-    """A request whose projected KV bytes exceed the whole budget."""
 
 
 def check_budget(request: GenerationRequest, kv_bytes: int, budget: Optional[int]) -> None:

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.batch.scheduler import RequestTooLarge
+from engine.errors import RequestTooLarge
 from engine.kernels import KernelSet
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from engine.cache import cache_nbytes
 from engine.gateway import Gateway, Placement
 from engine.types import FinishReason, ForwardingSink, GeneratedToken, GenerationRequest, RequestResult
 
@@ -285,10 +284,7 @@ class EngineWorker:
         for stream in self._live.values():
             stream.max_batch = max(stream.max_batch, rows or 1)
         batcher = gateway.batcher
-        kv_bytes = 0
-        if batcher is not None:
-            runner = batcher.runner
-            kv_bytes = sum(cache_nbytes(c) for c in (runner.cache, runner.joiner_cache) if c is not None)
+        kv_bytes = batcher.kv_bytes if batcher is not None else 0
         pc = gateway.prompt_cache
         self.snapshot = {
             "batch": {

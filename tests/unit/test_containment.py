@@ -3,7 +3,8 @@
 import pytest
 
 from engine.batch.batcher import ContinuousBatcher
-from engine.batch.scheduler import RequestTooLarge, SchedulerConfig
+from engine.batch.scheduler import SchedulerConfig
+from engine.errors import RequestTooLarge
 from engine.generate import generate
 from engine.loading import load_model
 from engine.types import CollectingSink, FinishReason, GenerationRequest, StopCriteria
