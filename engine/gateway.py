@@ -140,7 +140,7 @@ class Gateway:
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
         self._serial_shapes: set[tuple[int | str, ...]] = set()
-        self._shapes_at_ready: Optional[int] = None
+        self.shapes_at_ready = 0  # how many of `shapes` the warm-up ran (`mark_ready`)
 
     @property
     def _kv_batches(self) -> bool:
@@ -240,13 +240,9 @@ class Gateway:
         return self._serial_shapes | (self.batcher.shapes if self.batcher else set())
 
     def mark_ready(self) -> None:
-        """The shapes so far are the warm-up's: `new_shapes` counts from here."""
-        self._shapes_at_ready = len(self.shapes)
-
-    @property
-    def new_shapes(self) -> int:
-        """Forward shapes first run since `mark_ready` (on CUDA each compiled kernels while requests waited)."""
-        return len(self.shapes) - (self._shapes_at_ready or 0)
+        """The shapes so far are the warm-up's: shapes past `shapes_at_ready` were first run after ready (on
+        CUDA each compiled kernels while requests waited)."""
+        self.shapes_at_ready = len(self.shapes)
 
     def _run_serial(self, queued: _Queued) -> None:
         """Run one request alone on the device: the strict B=1 path, or speculation on the spec lane."""

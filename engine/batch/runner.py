@@ -156,6 +156,15 @@ def bucket(rows: int, buckets: Sequence[int]) -> int:
     return next((b for b in buckets if b >= rows), rows)
 
 
+def power_buckets(batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `batch`, then `batch`: the decode row counts --decode-buckets auto takes."""
+    out, b = [], 1
+    while b < batch:
+        out.append(b)
+        b *= 2
+    return (*out, batch)
+
+
 def chunk_buckets(prefill_chunk: int) -> tuple[int, ...]:
     """Prefill chunk lengths 16, 24, 32, 48, 64, ... (powers of two and halfway between) below
     `prefill_chunk`, then it: a chunk padded to its bucket is at most 1.5x (and 15 tokens) longer."""

@@ -24,7 +24,7 @@ from typing import Optional
 
 from engine.engine import Engine, kernels_notice
 from engine.kernels import FAST, KernelConfig
-from engine.batch.runner import chunk_buckets
+from engine.batch.runner import chunk_buckets, power_buckets
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -44,15 +44,6 @@ def default_batch() -> int:
     from engine.kernels import on_cuda
 
     return CUDA_BATCH if on_cuda() else OTHER_BATCH
-
-
-def power_buckets(batch: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below `batch`, then `batch`: the decode row counts --decode-buckets auto takes."""
-    out, b = [], 1
-    while b < batch:
-        out.append(b)
-        b *= 2
-    return (*out, batch)
 
 
 def default_warmup() -> str:
@@ -197,7 +188,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     warmed = _warm_up(gateway, warmup, cfg.kv_bits, context)
     gateway.mark_ready()
     warmup_record = {"mode": warmup, "requests": warmed, "seconds": round(time.perf_counter() - start, 3),
-                     "shapes": len(gateway.shapes)}  # fmt: skip
+                     "shapes": gateway.shapes_at_ready}  # fmt: skip
     model_id = cfg.model or engine.path.name
     try:
         from engine.server.metrics import Metrics

@@ -286,6 +286,7 @@ class EngineWorker:
         batcher = gateway.batcher
         kv_bytes = batcher.kv_bytes if batcher is not None else 0
         pc = gateway.prompt_cache
+        seen = len(gateway.shapes)
         self.snapshot = {
             "batch": {
                 "max_rows": gateway.config.batch,
@@ -302,7 +303,7 @@ class EngineWorker:
             "totals": vars(self.totals).copy(),
             "warmup": self.warmup,
             # forward shapes first run after ready: on CUDA each compiled kernels while requests waited
-            "shapes": {"seen": len(gateway.shapes), "new_since_ready": gateway.new_shapes,
+            "shapes": {"seen": seen, "new_since_ready": seen - gateway.shapes_at_ready,
                        "decode_buckets": list(gateway.config.decode_buckets)},  # fmt: skip
         }
 

@@ -2,11 +2,11 @@
 
 import pytest
 
+from engine.batch.runner import chunk_buckets, power_buckets
 from engine.gateway import Gateway, GatewayConfig
 from engine.kernels import EXACT, FAST, on_cuda
-from engine.batch.runner import chunk_buckets
 from engine.loading import load_model
-from engine.server.main import ServeConfig, _warm_up, default_batch, default_warmup, power_buckets
+from engine.server.main import ServeConfig, _warm_up, default_batch, default_warmup
 
 
 def test_defaults_fit_the_device():
@@ -42,7 +42,7 @@ def test_warmups(tiny_path, mode, requests):
     decoded = {shape[1] for shape in gateway.shapes if shape[0] == "decode"}
     assert decoded == ({1, 2, 4, 8} if mode == "full" else {2} if mode == "quick" else set())
     gateway.mark_ready()
-    assert gateway.new_shapes == 0
+    assert gateway.shapes_at_ready == len(gateway.shapes)
 
 
 def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
