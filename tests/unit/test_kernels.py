@@ -640,7 +640,8 @@ def test_two_row_tiles_equal_one_at_m1(n):
 @pytest.mark.parametrize("stages", ["plain", "residual", "gated"])
 def test_slices_of_the_activation_rows_change_no_bit(m, stages):
     # Warps that split the activation rows (m_groups) sum each row exactly as one warp of all rows does (same
-    # K split and batch: those set which k-tiles a warp adds).
+    # K split and batch: those set which k-tiles a warp adds); nor do more row tiles a warp (RT) change a
+    # bit, or, where a warp adds every k-tile (no K split), another batch (U).
     q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
     x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
     residual = mx.random.normal((m, 3000)).astype(mx.bfloat16)
@@ -650,10 +651,15 @@ def test_slices_of_the_activation_rows_change_no_bit(m, stages):
         return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
                                  gated=stages == "gated")[0]  # fmt: skip
 
-    whole = run(LaunchConfig(4, 1, 4, row_groups=2))
-    for sliced in (LaunchConfig(8, 1, 4, 1, row_groups=2, m_groups=2), LaunchConfig(16, 1, 4, 1, row_groups=2, m_groups=4),
-                   LaunchConfig(32, 1, 4, 1, row_groups=2, m_groups=8)):  # fmt: skip
-        assert mx.array_equal(whole, run(sliced)).item(), sliced
+    split_k = [LaunchConfig(4, 1, 4, row_groups=2), LaunchConfig(8, 1, 4, 1, row_groups=2, m_groups=2),
+               LaunchConfig(16, 1, 4, 1, row_groups=2, m_groups=4), LaunchConfig(32, 1, 4, 1, row_groups=2, m_groups=8),
+               LaunchConfig(8, 2, 4, 2, row_groups=2, m_groups=2), LaunchConfig(8, 4, 4, 1, m_groups=4)]
+    whole_k = [LaunchConfig(2, 1, 1, row_groups=2), LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2),
+               LaunchConfig(4, 2, 2, 4, m_groups=4)]
+    for first, *others in (split_k, whole_k):
+        whole = run(first)
+        for sliced in others:
+            assert mx.array_equal(whole, run(sliced)).item(), (first, sliced)
 
 
 def _decode_states(model, ids, steps):

@@ -76,17 +76,21 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
     k-tiles: up to 8192 rows (8, 1, 4), larger (4, 1, 4), and from 32 MB of 4-bit weights (4, 2, 4) at five
     blocks an SM; M = 8 (4, 2, 4) for K = 17408 and (4, 2, 8) for K = 5120 (docs/kernels.md, "Launch
     shapes"). From 9 rows, row groups of 16 rows (`LaunchConfig.row_groups`): 4 a block from 12288 output
-    rows, else 2 (a block for every SM), each group's K split over 2 warps from K > 5120, else 1, so
-    that how a matrix's sums run depends on K, not on the matrices it shares a launch with; from 17 rows
-    the group's warps also split the activation rows in 4 (`LaunchConfig.m_groups`; registers capped for
-    one block an SM: 16-32 warps a block); 2 k-tiles a batch from 33 rows.
+    rows, else 2, each group's K split over 2 warps from K > 5120, else 1, so that how a matrix's sums run
+    depends on K, not on the matrices it shares a launch with; from 17 rows the group's warps also split
+    the activation rows in 4 (`LaunchConfig.m_groups`; registers capped for one block an SM). From 33 rows
+    no warp splits K (each adds every k-tile of its rows): from 12288 output rows 2 groups on 4 row tiles,
+    each splitting the activation rows in 2, else one group on 2 row tiles in 4 slices, whose sums' staging
+    leaves room for norm_out's (docs/kernels.md, "Batched rows").
     `launches` replaces the one-row choice for given (rows, K)."""
     if m == 1 and (rows, k) in launches:
         return launches[(rows, k)]
+    if m > 32:  # no K split: each warp adds every k-tile of its rows
+        return LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2) if rows >= 12288 else LaunchConfig(4, 2, 2, 4, m_groups=4)
     if m > 8:
         groups, split, slices = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1, 1 if m <= 16 else 4
-        return LaunchConfig(groups * split * slices, 1, 4 if m <= 32 else 2, min_blocks=int(slices > 1),
-                            row_groups=groups, m_groups=slices)  # fmt: skip
+        return LaunchConfig(groups * split * slices, 1, 4, min_blocks=int(slices > 1), row_groups=groups,
+                            m_groups=slices)  # fmt: skip
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
         if rows <= 8192:

@@ -175,64 +175,72 @@ _MULTIPLY = r"""
     for (int u = 0; u < U; ++u) {
       const int kt = kt0 + u;
       if (kt < KT) {
-        // One 8-row block of activations at a time (of this warp's slice), against every row tile: few
-        // registers at 64 rows.
+        // The activations of this warp's slice as mma B fragments, and their sums (the bias term), for all
+        // its 8-row blocks; then each row tile's weights dequantized once, against every block.
+        uint32_t xb[NBW][STEPS][2];
+        float xs[NBW][4];
         #pragma unroll
         for (int nbl = 0; nbl < NBW; ++nbl) {
           const int nb = wm * NBW + nbl;
-          if (NBW * WM > NB && nb >= NB) continue;  // the last slice's blocks past M (uniform in the warp)
-          // The activations as mma B fragments. The dot product's k order is free: lane t's k-tile values
-          // (its own WL words) feed its four B slots of each step in the order the weights' pairs come.
-          uint32_t xb[STEPS][2];
-          {
-            const int m = g + 8 * nb;
-            uint32_t xr[XR];
-            if (m < M) {
-              const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
-              #pragma unroll
-              for (int j = 0; j < XR / 4; ++j) {
-                const uint4 v = activations(k0 + 8 * j, m);
-                xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
-              }
-            } else {
-              #pragma unroll
-              for (int j = 0; j < XR; ++j) xr[j] = 0u;
+          // The dot product's k order is free: lane t's k-tile values (its own WL words) feed its four B
+          // slots of each step in the order the weights' pairs come.
+          const int m = g + 8 * nb;
+          uint32_t xr[XR];
+          if (m < M) {
+            const size_t k0 = (size_t)m * K + kt * TILE_K + t * WL * PW;
+            #pragma unroll
+            for (int j = 0; j < XR / 4; ++j) {
+              const uint4 v = activations(k0 + 8 * j, m);
+              xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
             }
+          } else {
             #pragma unroll
-            for (int wi = 0; wi < WL; ++wi)
-              #pragma unroll
-              for (int h = 0; h < SPW; ++h) {
-                const int a = wi * PW / 2 + h;
-                xb[wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
-                xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
-              }
+            for (int j = 0; j < XR; ++j) xr[j] = 0u;
           }
-          // sum(x) over the tile per activation row, in the accumulator layout: the bias term
-          float xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           #pragma unroll
-          for (int st = 0; st < STEPS; ++st) engine_mma(xs, ones, ones, ones, ones, xb[st][0], xb[st][1]);
-          #pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][0]);
-            const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][1]);
+          for (int wi = 0; wi < WL; ++wi)
             #pragma unroll
-            for (int wi = 0; wi < WL; ++wi)
-              #pragma unroll
-              for (int h = 0; h < SPW; ++h) {
-                const uint32_t a0 = engine_pair<BITS>(w0[wi], 2 * h), a2 = engine_pair<BITS>(w0[wi], 2 * h + 1);
-                const uint32_t a1 = engine_pair<BITS>(w1[wi], 2 * h), a3 = engine_pair<BITS>(w1[wi], 2 * h + 1);
-                engine_mma(d, a0, a1, a2, a3, xb[wi * SPW + h][0], xb[wi * SPW + h][1]);
-              }
-            const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
-            // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
-            constexpr float o = engine_offset<BITS>::value;
-            const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
-            acc[r][nbl][0] = fmaf(s0, d[0], fmaf(b0, xs[0], acc[r][nbl][0]));
-            acc[r][nbl][2] = fmaf(s1, d[2], fmaf(b1, xs[2], acc[r][nbl][2]));
+            for (int h = 0; h < SPW; ++h) {
+              const int a = wi * PW / 2 + h;
+              xb[nbl][wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
+              xb[nbl][wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
+            }
+          // sum(x) over the tile per activation row, in the accumulator layout
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) xs[nbl][i] = 0.0f;
+          #pragma unroll
+          for (int st = 0; st < STEPS; ++st) engine_mma(xs[nbl], ones, ones, ones, ones, xb[nbl][st][0], xb[nbl][st][1]);
+        }
+        #pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][0]);
+          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&bt.wq[u][r][1]);
+          uint32_t wa[STEPS][4];
+          #pragma unroll
+          for (int wi = 0; wi < WL; ++wi)
+            #pragma unroll
+            for (int h = 0; h < SPW; ++h) {
+              wa[wi * SPW + h][0] = engine_pair<BITS>(w0[wi], 2 * h);
+              wa[wi * SPW + h][1] = engine_pair<BITS>(w1[wi], 2 * h);
+              wa[wi * SPW + h][2] = engine_pair<BITS>(w0[wi], 2 * h + 1);
+              wa[wi * SPW + h][3] = engine_pair<BITS>(w1[wi], 2 * h + 1);
+            }
+          const float s0 = __bfloat162float(bt.sc[u][r][0]), s1 = __bfloat162float(bt.sc[u][r][1]);
+          // the bias term less the offset engine_pair put in every weight value: sum((q + o) x) = sum(q x) + o sum(x)
+          constexpr float o = engine_offset<BITS>::value;
+          const float b0 = fmaf(-o, s0, __bfloat162float(bt.bi[u][r][0])), b1 = fmaf(-o, s1, __bfloat162float(bt.bi[u][r][1]));
+          #pragma unroll
+          for (int nbl = 0; nbl < NBW; ++nbl) {
+            if (NBW * WM > NB && wm * NBW + nbl >= NB) continue;  // the last slice's blocks past M (uniform in the warp)
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            #pragma unroll
+            for (int st = 0; st < STEPS; ++st)
+              engine_mma(d, wa[st][0], wa[st][1], wa[st][2], wa[st][3], xb[nbl][st][0], xb[nbl][st][1]);
+            acc[r][nbl][0] = fmaf(s0, d[0], fmaf(b0, xs[nbl][0], acc[r][nbl][0]));
+            acc[r][nbl][2] = fmaf(s1, d[2], fmaf(b1, xs[nbl][2], acc[r][nbl][2]));
             if constexpr (M > 1) {  // odd accumulators hold columns 2t + 1: never an activation row at M = 1
-              acc[r][nbl][1] = fmaf(s0, d[1], fmaf(b0, xs[1], acc[r][nbl][1]));
-              acc[r][nbl][3] = fmaf(s1, d[3], fmaf(b1, xs[3], acc[r][nbl][3]));
+              acc[r][nbl][1] = fmaf(s0, d[1], fmaf(b0, xs[nbl][1], acc[r][nbl][1]));
+              acc[r][nbl][3] = fmaf(s1, d[3], fmaf(b1, xs[nbl][3], acc[r][nbl][3]));
             }
           }
         }
