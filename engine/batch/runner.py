@@ -18,7 +18,8 @@ what makes the same-B oracle comparison bit-exact:
 - with chunk buckets, a prefill forward is right-padded to the smallest
   bucket that holds its longest chunk, not to that chunk: a few lengths, not
   every prompt's;
-- with decode buckets, the running batch is filled to the smallest bucket
+- with decode buckets, the running batch (and the L=1 forward that gives
+  joiners their token 0) is filled to the smallest bucket
   that holds its rows with ghost rows (copies of its last row, fed its token,
   their outputs dropped), so a decode step takes one of a few shapes and the
   kernels compiled per shape are compiled once; the ghosts are rebuilt at
@@ -275,8 +276,7 @@ class BatchRunner:
             self.joiners, self.joiner_cache = [], None
         self.ready_prompts = {self.ready[i].request_id: [c.extract(i) for c in self.ready_cache] for i in snapshot}
         inputs = mx.array(list(last_tokens))
-        self.shapes.add(("first", len(indices)))
-        logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
+        logits = self._first_forward(inputs)
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
         mx.eval(sampled.tokens, sampled.logprobs)
@@ -296,6 +296,24 @@ class BatchRunner:
         else:
             self.ready_cache = self.ready_first = None
         return RowTokens(tokens, failures)
+
+    def _first_forward(self, inputs: mx.array) -> mx.array:
+        """The split's L=1 forward, its rows filled with ghosts to their decode bucket (a shape the decode
+        steps compile anyway; the ghosts leave the split's caches after): logits of the split's rows."""
+        n = inputs.shape[0]
+        ghosts = bucket(n, self.buckets) - n
+        if ghosts > 0:
+            last = [c.extract(n - 1) for c in self.ready_cache]
+            for c, extra in zip(self.ready_cache, merge_rows([last] * ghosts)):
+                c.extend(extra)
+            inputs = mx.concatenate([inputs, mx.broadcast_to(inputs[-1:], (ghosts,))])
+        self.shapes.add(("first", n + ghosts))
+        logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
+        if ghosts > 0:
+            for c in self.ready_cache:
+                c.filter(list(range(n)))
+            logits = logits[:n]
+        return logits
 
     def join(self, keep: Sequence[int]) -> None:
         """The split joiners `keep` (indices into the split) become the last rows of the batch."""

@@ -19,9 +19,9 @@ def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
 
 
 def staggered(model, buckets, chunks=(), budget=None):
-    """Rows joining and leaving at different steps (1 to 5 decoding), one of them sampled with a seed; the
-    tokens of each, and the decode shapes the batch took."""
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=2, prefill_chunk=16, prefill_budget=budget),
+    """Rows joining and leaving at different steps (1 to 6 decoding, 3 taking token 0 at once), one of them
+    sampled with a seed; the tokens of each, and the decode shapes the batch took."""
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=3, prefill_chunk=16, prefill_budget=budget),
                           decode_buckets=buckets, chunk_buckets=chunks)  # fmt: skip
     shapes = set()
     decode = b.runner.decode
@@ -33,7 +33,8 @@ def staggered(model, buckets, chunks=(), budget=None):
     b.runner.decode = spy
     sinks = {}
     arrivals = [[request("a", 9, 12)], [request("b", 23, 9), request("c", 5, 4)], [],
-                [request("d", 14, 7, SamplingParams(temperature=0.9, seed=5)), request("e", 3, 10)], [], []]
+                [request("d", 14, 7, SamplingParams(temperature=0.9, seed=5)), request("e", 3, 10), request("f", 4, 6)],
+                [], []]
     for wave in arrivals:
         for r in wave:
             sinks[r.request_id] = CollectingSink()
@@ -44,6 +45,8 @@ def staggered(model, buckets, chunks=(), budget=None):
     assert (b.active_rows, b.runner.num_rows, b.runner.ghosts) == (0, 0, 0)
     prefills = {shape[2] for shape in b.runner.shapes if shape[0] == "prefill"}
     assert not chunks or prefills <= set(chunks)
+    firsts = {shape[1] for shape in b.runner.shapes if shape[0] == "first"}  # the token-0 forwards' rows
+    assert firsts <= set(buckets) if buckets else 3 in firsts
     return {rid: s.token_ids for rid, s in sinks.items()}, shapes
 
 
