@@ -77,7 +77,8 @@ case "$PART" in
     synth
     step=(python3 -m tools.gpu.step_kernels --rows "${ROWS:-1}" --tiers "${TIERS:-fast}" --prompt-tokens "${PROMPT:-64}")
     "${step[@]}" --time --steps 24 2>&1 | tee "$OUT/qwen27b-step-times.txt"
-    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none --log-file "$OUT/ncu-step.csv" \
+    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none --profile-from-start off \
+        --log-file "$OUT/ncu-step.csv" \
         "${step[@]}" --steps "${STEPS:-3}" --warm 1 2>&1 | tail -5
     python3 -m tools.gpu.step_kernels --summarize "$OUT/ncu-step.csv" --top "${TOP:-30}" 2>&1 \
         | tee "$OUT/qwen27b-step-kernels.txt"

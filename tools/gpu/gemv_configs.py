@@ -68,11 +68,12 @@ def launch_shapes(text: str) -> list[LaunchConfig]:
 def candidates(m: int, serial: bool, chosen: list[LaunchConfig]):
     if chosen and m == 1:
         return chosen
-    if m > 8:  # row groups and slices of the activation rows (W, RT, U, WR, WM, MINB), W = WR x WM x K split
-        shapes = ((4, 1, 4, 4, 1, 0), (4, 1, 2, 4, 1, 0), (4, 1, 4, 2, 1, 0), (8, 1, 2, 4, 2, 0), (8, 1, 4, 4, 2, 0),
-                  (8, 1, 4, 4, 2, 1), (16, 1, 2, 4, 4, 1), (16, 1, 4, 4, 4, 1), (8, 1, 2, 2, 4, 1), (8, 1, 4, 2, 4, 2),
-                  (16, 1, 2, 2, 8, 1), (16, 1, 4, 2, 4, 1), (32, 1, 2, 4, 8, 1), (4, 2, 2, 4, 1, 0), (8, 2, 2, 4, 2, 1))
-        return [LaunchConfig(w, rt, u, minb, row_groups=wr, m_groups=wm) for w, rt, u, wr, wm, minb in shapes]
+    if m > 8:  # row tiles, row groups and slices of the activation rows (W, RT, U, WR, WM, MINB), W = WR x WM x K split
+        shapes = ((16, 1, 4, 4, 4, 1), (8, 2, 2, 2, 4, 2), (8, 2, 1, 2, 4, 2), (8, 4, 1, 2, 4, 2), (16, 2, 2, 4, 4, 1),
+                  (8, 4, 1, 1, 8, 2), (4, 2, 2, 1, 4, 4), (4, 4, 1, 1, 4, 4), (4, 2, 4, 4, 1, 0), (4, 4, 2, 4, 1, 0),
+                  (8, 2, 4, 4, 2, 1), (4, 4, 1, 2, 2, 2), (8, 4, 1, 2, 2, 2), (4, 2, 1, 1, 2, 4), (8, 2, 1, 1, 4, 4))
+        return [LaunchConfig(w, rt, u, minb, row_groups=wr, m_groups=wm) for w, rt, u, wr, wm, minb in shapes
+                if wm <= -(-m // 8)]
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
@@ -125,6 +126,7 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
             for c in candidates(m, serial, chosen) if main else ():
                 res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
+                print(f"  {n}x{k} M={m} {label(c)}: {res[label(c)]:.1f} us (default {res['kernel']:.1f})", flush=True)
             ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)

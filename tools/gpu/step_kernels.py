@@ -2,13 +2,15 @@
 
     python3 -m tools.gpu.step_kernels --rows 1,8,9,16,32 --tiers fast,exact --time
     ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \\
-        --log-file ncu.csv python3 -m tools.gpu.step_kernels --rows 8,9,16,32 --tiers fast,exact
+        --profile-from-start off --log-file ncu.csv python3 -m tools.gpu.step_kernels --rows 8,9,16,32 --tiers fast,exact
     python3 -m tools.gpu.step_kernels --summarize ncu.csv
 
 For each tier and row count the model prefills B rows of `--prompt-tokens` (64) in one batch (the batched
 caches the continuous batcher runs: a left-padded KV cache per attention layer), warms the decode step,
 then evaluates `--steps` decode steps one at a time with a marker kernel after each (its name carries the
-tier and rows). `--time` instead times `--steps` pipelined steps (no ncu): the run's wall time a step. The
+tier and rows); the CUDA profiler runs over those steps alone (cuProfilerStart/Stop: ncu's
+`--profile-from-start off` then replays neither the prefill nor the warm steps). `--time` instead
+times `--steps` pipelined steps (no ncu): the run's wall time a step. The
 summary reads ncu's CSV: each step's kernels are those between two markers of the same name; per tier and
 rows it prints the sum of their durations (the device's busy time, kernels serialized by ncu) and the
 kernels that take the most, by name. Set against the wall step time, the sum says whether the device is
@@ -34,6 +36,18 @@ def _marker(label: str):
                                  source="y[0] = x[0];")  # fmt: skip
     return lambda x: kernel(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
                             output_dtypes=[x.dtype])[0]  # fmt: skip
+
+
+def _profiler(on: bool) -> None:
+    """cuProfilerStart/Stop (the driver's), where libcuda loads: under ncu --profile-from-start off, the
+    kernels between the two are the ones profiled."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    (cuda.cuProfilerStart if on else cuda.cuProfilerStop)()
 
 
 def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
@@ -96,10 +110,15 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
                 continue
             marker = _marker(f"{tier}_{rows}")
             mx.eval(marker(token.reshape(-1)))
+            mx.synchronize()
+            _profiler(True)
+            mx.eval(marker(token.reshape(-1)))
             for _ in range(steps):
                 token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
                 mx.eval(token)
                 mx.eval(marker(token.reshape(-1)))
+            mx.synchronize()
+            _profiler(False)
             print(f"{tier} rows {rows}: {steps} steps done", flush=True)
             del cache
 
