@@ -37,7 +37,7 @@ from engine.loading import load_model
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 from harness.native import geomean
 from harness.parity import vocab_size
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 from oracles.reference import load_model as load_reference
 
 

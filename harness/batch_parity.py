@@ -23,7 +23,7 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 from harness.parity import _max_diff, case_path, vocab_size
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 from oracles import batch_reference
 from oracles.batch_reference import Arrival, BatchRun
 from oracles.reference import load_model as load_reference

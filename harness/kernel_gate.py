@@ -32,7 +32,7 @@ from engine.kernels import EXACT, FAST, KernelConfig, install
 from engine.loading import load_model, vocab_size
 from harness.float_reference import reference_logits
 from harness.parity import PROMPT_LENGTHS
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 
 GATE_STEPS = 64
 KL_RATIO = 1.25  # the fast tier's mean KL to the reference, at most this times the exact tier's ...

@@ -36,7 +36,7 @@ from engine.types import StopCriteria
 from engine.loading import load_model
 from harness import preflight
 from harness.parity import vocab_size
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 from oracles import reference
 
 ENGINE, MLX_LM = "engine", "mlx-lm"

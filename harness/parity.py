@@ -21,14 +21,9 @@ from engine.generate import KVQuantization, generate
 from engine.types import StopCriteria
 from engine import loading
 from engine.loading import load_config, load_model
-from engine.registry import get_spec
 from engine.synth import ensure_model
-from harness.prompts import frozen_prompt_ids
 from oracles import reference
-
-DTYPES = ("f32", "bf16", "4bit")
-PROMPT_LENGTHS = (1, 7, 300, 2100)  # 2100 crosses the 2048 prefill chunk boundary
-DEFAULT_STEPS = 64
+from oracles.cases import DEFAULT_STEPS, DTYPES, PROMPT_LENGTHS, frozen_prompt_ids, model_name
 
 
 @dataclass(frozen=True)
@@ -67,10 +62,6 @@ class ParityResult:
 
 def vocab_size(path: Path) -> int:
     return loading.vocab_size(load_config(path))
-
-
-def model_name(base: str, dtype: str) -> str:
-    return get_spec(f"{base}-{dtype}").name
 
 
 def cases(

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.engine import Engine
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 from harness.servers import engine_serve_command, free_port, start_server
 
 IN_PROCESS, SERVE_SERIAL, SERVE = "in-process", "serve --batch 1", "serve"

@@ -23,9 +23,8 @@ import numpy as np
 
 from engine.registry import base_names, get_spec
 from engine.synth import ensure_model
-from harness.parity import DEFAULT_STEPS, DTYPES, PROMPT_LENGTHS, model_name
-from harness.prompts import frozen_prompt_ids
 from oracles import reference
+from oracles.cases import DEFAULT_STEPS, DTYPES, PROMPT_LENGTHS, frozen_prompt_ids, model_name
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens" / "b1"
 FORMAT = 1

@@ -44,6 +44,7 @@ import mlx.nn as nn
 
 from engine.cache import (
     BatchKVCache,
+    BatchQuantizedKVCache,
     BatchRotatingKVCache,
     KVCache,
     RecurrentCache,
@@ -424,7 +425,7 @@ class BatchRunner:
             return
         for i, c in enumerate(cache):
             if type(c) is BatchKVCache:
-                cache[i] = c.to_quantized(self.kv.group_size, self.kv.bits)
+                cache[i] = BatchQuantizedKVCache.from_full(c, self.kv.group_size, self.kv.bits)
 
     def _sample(self, rows: list[_Row], inputs: mx.array, logits: mx.array) -> tuple[_Sampled, dict[int, str]]:
         """The next token of every row, and the rows (index -> error) whose processors or sampler raised.

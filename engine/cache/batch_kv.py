@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from engine.cache.kv import KVCache, owned_copies
-from engine.models.base import causal_mask
+from engine.masks import causal_mask
 
 
 def roll_rows(x: mx.array, shifts: Sequence[int], axis: int = 2) -> mx.array:
@@ -125,18 +125,6 @@ class BatchKVCache:
         # mlx-lm's batched graph, and on CUDA the unmasked attention kernel rounds
         # differently (measured on the H200: 1-ULP logit differences in bf16).
         return causal_mask(n, self.idx, window_size=window_size, left_padding=mx.array(self.left_padding))
-
-    def to_quantized(self, group_size: int, bits: int):
-        """The same rows, stored as affine codes (quantized per token along the head dimension)."""
-        from engine.cache.batch_quantized import BatchQuantizedKVCache
-
-        q = BatchQuantizedKVCache(self.left_padding, group_size=group_size, bits=bits)
-        q.idx = self.idx
-        if self.parts is not None:
-            keys, values = self.parts
-            q.parts = [*mx.quantize(keys, group_size=group_size, bits=bits),
-                       *mx.quantize(values, group_size=group_size, bits=bits)]
-        return q
 
     # ---------------------------------------------------------- batch edits
 

@@ -5,7 +5,7 @@ scales and biases of keys and values (six parts on one token axis). Tokens
 are quantized per token along the head dimension, so a row's stored bytes
 equal what a serial QuantizedKVCache holds for it. Like the serial scheme
 (mlx-lm's kv_bits), a joiner's cache is full precision during a prefill chunk
-and converted right after it (BatchKVCache.to_quantized): the chunk attends
+and converted right after it (`BatchQuantizedKVCache.from_full`): the chunk attends
 to full-precision keys. mlx-lm has no batched quantized cache; this
 composition's oracle is our serial quantized path
 (tests/parity/test_batched_quantized_kv.py).
@@ -26,6 +26,17 @@ class BatchQuantizedKVCache(BatchKVCache):
         super().__init__(left_padding)
         self.group_size = group_size
         self.bits = bits  # the attention dispatch looks for this attribute
+
+    @classmethod
+    def from_full(cls, full: BatchKVCache, group_size: int, bits: int) -> "BatchQuantizedKVCache":
+        """The same rows as `full`, stored as affine codes (quantized per token along the head dimension)."""
+        q = cls(full.left_padding, group_size=group_size, bits=bits)
+        q.idx = full.idx
+        if full.parts is not None:
+            keys, values = full.parts
+            q.parts = [*mx.quantize(keys, group_size=group_size, bits=bits),
+                       *mx.quantize(values, group_size=group_size, bits=bits)]  # fmt: skip
+        return q
 
     def _new_parts(self, keys: mx.array, values: mx.array) -> list[mx.array]:
         q = dict(group_size=self.group_size, bits=self.bits)

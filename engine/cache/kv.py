@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.models.base import causal_mask
+from engine.masks import causal_mask
 
 
 def owned_copies(arrays: list[mx.array]) -> list[mx.array]:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from engine.models.base import causal_mask
+from engine.masks import causal_mask
 
 
 def grown_window(buf_keys, buf_values, keys: mx.array, values: mx.array, filled: int, step: int, max_size: int):

@@ -1,4 +1,4 @@
-"""What every model file shares: config parsing, masks and attention dispatch.
+"""What every model file shares: config parsing, projections and attention dispatch (masks: engine/masks.py).
 
 Numerics follow mlx-lm exactly (same ops, same order, same string "causal"
 mask where mlx-lm uses it), because the parity gate compares logits bit for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 
@@ -27,42 +27,6 @@ def project(x: mx.array, *layers) -> tuple:
     input as one kernel launch (`project_together`); every other layer runs on its own, as mlx-lm's do."""
     together = getattr(layers[0], "project_together", None)
     return together(x, layers) if together is not None else tuple(layer(x) for layer in layers)
-
-
-def causal_mask(
-    n: int,
-    offset: int = 0,
-    window_size: Optional[int] = None,
-    left_padding: Optional[mx.array] = None,
-) -> mx.array:
-    """Boolean mask [n, offset + n] (or [B, 1, n, offset + n] with left padding)."""
-    cols = mx.arange(offset + n)
-    rows = mx.arange(offset, offset + n) if offset else cols
-    rows, cols = rows[:, None], cols[None]
-    mask = rows >= cols
-    if window_size is not None:
-        mask = mask & (rows < cols + window_size)
-    if left_padding is not None:
-        mask = mask & (mx.expand_dims(left_padding, (1, 2, 3)) <= cols)
-    return mask
-
-
-def attention_mask(h: mx.array, cache=None, window_size: Optional[int] = None):
-    """The mask for a forward of h.shape[1] tokens: None, "causal" or an array."""
-    n = h.shape[1]
-    if cache is not None and hasattr(cache, "make_mask"):
-        return cache.make_mask(n, window_size=window_size)
-    if n == 1:
-        return None
-    if window_size and n > window_size:
-        return causal_mask(n, window_size=window_size)
-    return "causal"
-
-
-def recurrent_mask(h: mx.array, cache=None):
-    if cache is not None and hasattr(cache, "make_mask"):
-        return cache.make_mask(h.shape[1])
-    return None
 
 
 def _quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size, bits):

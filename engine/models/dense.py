@@ -15,7 +15,8 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.models.activations import swiglu
-from engine.models.base import attention_mask, project, scaled_dot_product_attention
+from engine.masks import attention_mask
+from engine.models.base import project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
 

@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, RotatingKVCache
 from engine.models.activations import clip_residual
-from engine.models.base import BaseModelArgs, attention_mask, project, scaled_dot_product_attention
+from engine.masks import attention_mask
+from engine.models.base import BaseModelArgs, project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
 

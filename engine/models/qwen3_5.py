@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, RecurrentCache
 from engine.models.activations import precise_swiglu
-from engine.models.base import BaseModelArgs, attention_mask, project, recurrent_mask, scaled_dot_product_attention
+from engine.masks import attention_mask, recurrent_mask
+from engine.models.base import BaseModelArgs, project, scaled_dot_product_attention
 from engine.models.dense import MLP
 from engine.models.gated_delta import gated_delta_update, normalize_qk
 from engine.models.rope import make_rope

@@ -22,7 +22,7 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.generate import KVQuantization, generate
 from engine.loading import load_model
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 
 pytestmark = pytest.mark.parity
 

@@ -17,7 +17,7 @@ from engine.types import StopCriteria
 from engine.loading import load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 from oracles.make_goldens import artifact_digest, ids_digest, logits_record
 
 pytestmark = pytest.mark.parity

@@ -20,8 +20,7 @@ from engine.loading import load_model
 from engine.registry import base_names
 from engine.types import CollectingSink, GenerationRequest, StopCriteria
 from harness.batch_parity import run_batch_case, scenario_cases
-from harness.parity import DTYPES, model_name
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import DTYPES, frozen_prompt_ids, model_name
 
 pytestmark = pytest.mark.parity
 

@@ -7,7 +7,7 @@ import pytest
 from engine.loading import load_model
 from engine.registry import all_specs, get_spec
 from engine.synth.tokenizer import build_tokenizer
-from harness.prompts import frozen_prompt_ids
+from oracles.cases import frozen_prompt_ids
 
 
 @pytest.mark.parametrize("spec", all_specs(("tiny",)), ids=lambda s: s.name)
