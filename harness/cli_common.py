@@ -1,8 +1,10 @@
-"""What every `harness` subcommand shares: the consoles, the user-error type, argument parsers."""
+"""What every `harness` subcommand shares: the consoles, the user-error type, argument parsers, the options
+several subcommands take (model source, kernel tier), and how results print (verdicts, paired ratios)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -59,3 +61,52 @@ def positive_seconds(value: str) -> float:
     if not s > 0 or s == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
     return s
+
+
+def model_source(parser: argparse.ArgumentParser) -> None:
+    """--models NAMES or --model-path DIR, one of them required."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--models", type=csv, help="registry names, comma-separated")
+    src.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead of a registry name")
+
+
+def targets(args) -> list:
+    """(label, model directory) for --models or --model-path."""
+    from engine.model_source import resolve_model_dir
+
+    if args.model_path:
+        return [(str(args.model_path), resolve_model_dir(model_path=args.model_path))]
+    return [(name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models]
+
+
+def measured_options(parser: argparse.ArgumentParser, *, prompt_tokens: int, decode_tokens: int, samples: int,
+                     unit: str, decode_type=positive) -> None:  # fmt: skip
+    """The options of an in-process measurement: prompt and output length, measured and warmup `unit`s
+    (requests per side, rounds, ...), the artifact and prompt seed, a JSON copy of the results."""
+    least = ", at least 2" if decode_type is at_least_two else ""
+    parser.add_argument("--prompt-tokens", type=positive, default=prompt_tokens,
+                        help=f"prompt length per request (default {prompt_tokens})")
+    parser.add_argument("--decode-tokens", type=decode_type, default=decode_tokens,
+                        help=f"tokens generated per request{least} (default {decode_tokens})")
+    parser.add_argument("--samples", type=positive, default=samples, help=f"measured {unit} (default {samples})")
+    parser.add_argument("--warmup", type=int, default=1, help=f"warmup {unit} (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+
+
+def kernels_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """--kernels auto|exact|fast (default auto): the engine side's kernel tier."""
+    from engine.kernels import AUTO, TIERS
+
+    parser.add_argument("--kernels", choices=TIERS, default=AUTO, help=help)
+
+
+def verdict(passed: bool) -> str:
+    return "[green]pass[/]" if passed else "[red]FAIL[/]"
+
+
+def paired(ratios: list[float]) -> str:
+    """Geometric mean [min-max] of paired ratios."""
+    from harness.native import geomean
+
+    return f"{geomean(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"

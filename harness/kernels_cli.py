@@ -7,9 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench_config import BenchConfig
-from harness.cli_common import CliError, console, csv_ints
+from harness.cli_common import CliError, console, csv_ints, non_negative
 from harness.cli_common import out as stdout
-from harness.cli_common import non_negative, positive as _positive
+from harness.cli_common import positive as _positive
 from harness.summary import fmt
 
 

@@ -17,6 +17,33 @@ DEFAULT_CPU_MODELS = ["small-qwen3"]
 DEFAULT_CPU_TOKENS = 64  # and no long-context phase, unless --tokens / --context say otherwise
 
 
+def add_run(sub) -> None:
+    run = sub.add_parser(
+        "run",
+        help="the benchmark: real servers (ours and stock mlx_lm.server), frozen workloads, SQLite + JSON",
+        description="`harness run all`: for each model, start every arm as a real server process on the same "
+        "artifact, replay the frozen token-ID workload through it (warmup, greedy parity probe, decode x5, cold "
+        "and warm TTFT, aggregate throughput at each concurrency, long context), sample the server's RSS, and "
+        "record everything to a JSON companion (after every cell) and an SQLite database. Refuses a loaded "
+        "machine unless --diagnostic.",
+    )
+    run.add_argument("what", choices=["all"], help="`all`: every phase")
+    add_options(run)
+    run.set_defaults(func=cmd_run)
+
+
+def add_trials(sub) -> None:
+    tr = sub.add_parser(
+        "trials",
+        help="paired blocks for A-vs-B claims: one workload seed per block, arm order alternating",
+        description="Run --seeds blocks; block i uses workload seed i and runs the arms in the given order "
+        "(even blocks) or reversed (odd blocks), all into one JSON for `harness report`.",
+    )
+    add_options(tr, arms_default="engine,mlx-lm")
+    tr.add_argument("--seeds", type=positive, default=5, help="blocks, one workload seed each (default 5)")
+    tr.set_defaults(func=cmd_trials)
+
+
 def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-serial,mlx-lm") -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -58,11 +85,10 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
 
 
 def _run_plan(args):
+    from engine.model_source import resolve_model_dir
     from harness.arms import parse_arm_options, resolve_arms
     from harness.run_all import RunSettings
     from harness.workloads import WorkloadSettings
-
-    from engine.model_source import resolve_model_dir
 
     try:
         arms = resolve_arms(args.arms, options=parse_arm_options(args.arm_args))
