@@ -123,6 +123,8 @@ def kernel_config(args):
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    from engine.spec.rollback import ROLLBACKS, Rollback
+
     g = p.add_argument_group(
         "speculative decoding",
         "Draft tokens cheaply, verify them in one target forward; greedy output is unchanged. "
@@ -142,7 +144,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help="adaptive = per round, the draft count with the most expected tokens per second from the "
                    "request's measured acceptance and timings, 0 when drafting does not pay (default); "
                    "fixed = always --num-draft-tokens (mlx-lm's rule)")
-    g.add_argument("--spec-rollback", choices=("trace", "replay"), default="trace",
+    g.add_argument("--spec-rollback", choices=ROLLBACKS, default=Rollback.TRACE.value,
                    help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
                    "the last accepted token (default); replay = restore and feed the kept tokens again")
 
@@ -281,7 +283,7 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     from engine.engine import Engine, kernels_notice
-    from engine.types import SamplingParams
+    from engine.request import SamplingParams
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
@@ -299,7 +301,7 @@ def cmd_generate(args) -> int:
     stats = None
     if spec is not None:
         from engine.spec.config import load_speculation
-        from engine.types import StopCriteria
+        from engine.request import StopCriteria
 
         speculation = load_speculation(spec, eng, args.draft_model, args.draft_model_path, seed=args.seed)
         stats = speculation.new_stats()

@@ -12,7 +12,7 @@ from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, StepTap, gener
 from engine.kernels import EXACT, KernelConfig, KernelSet, install
 from engine.loading import load_model
 from engine.model_source import resolve_model_dir
-from engine.types import GeneratedToken, SamplingParams, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.tokenizer import Tokenizer
 
 

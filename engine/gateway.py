@@ -38,17 +38,10 @@ from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
-from engine.spec import Speculation
-from engine.types import (
-    CachedPrefix,
-    FinishReason,
-    ForwardingSink,
-    GenerationRequest,
-    Lane,
-    RequestResult,
-    SpecStats,
-    TokenSink,
-)
+from engine.spec.config import Speculation
+from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
+from engine.sinks import ForwardingSink, TokenSink
+from engine.spec.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
 from engine.sampling import Sampler, emitted_token, make_processors
-from engine.types import FinishTracker, GeneratedToken, SamplingParams, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.stopping import FinishTracker
 
 DEFAULT_PREFILL_STEP = 2048
 

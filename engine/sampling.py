@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 
 import mlx.core as mx
 
-from engine.types import GeneratedToken, SamplingParams, TokenLogprob
+from engine.request import GeneratedToken, SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

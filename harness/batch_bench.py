@@ -32,9 +32,10 @@ import mlx.core as mx
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.generate import generate
-from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
+from engine.kernels import AUTO, KernelConfig, KernelSet, install
 from engine.loading import load_model
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 from harness.native import geomean
 from harness.parity import vocab_size
 from oracles.cases import frozen_prompt_ids

@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 from harness.parity import _max_diff, case_path, vocab_size
 from oracles.cases import frozen_prompt_ids
 from oracles import batch_reference

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from engine.generate import generate
 from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
-from engine.types import StopCriteria
+from engine.request import StopCriteria
 from engine.loading import load_model
 from harness import preflight
 from harness.parity import vocab_size

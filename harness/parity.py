@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.generate import KVQuantization, generate
-from engine.types import StopCriteria
+from engine.request import StopCriteria
 from engine import loading
 from engine.loading import load_config, load_model
 from engine.synth import ensure_model

@@ -25,7 +25,8 @@ from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.cache import cache_nbytes
 from engine.generate import KVQuantization
-from engine.types import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult, TokenSink
+from engine.request import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult
+from engine.sinks import TokenSink
 
 log = logging.getLogger(__name__)
 

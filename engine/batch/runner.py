@@ -43,9 +43,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import (
+    BatchCache,
     BatchKVCache,
     BatchQuantizedKVCache,
     BatchRotatingKVCache,
+    Cache,
     KVCache,
     RecurrentCache,
     RotatingKVCache,
@@ -53,7 +55,7 @@ from engine.cache import (
 )
 from engine.generate import KVQuantization
 from engine.sampling import Sampler, emitted_token, make_processors
-from engine.types import GeneratedToken, SamplingParams
+from engine.request import GeneratedToken, SamplingParams
 
 # (request_id, logits [1, V]) for every row at every forward: the parity tap.
 LogitsTap = Callable[[str, mx.array], None]
@@ -66,7 +68,7 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
-def _batch_cache(layer: list):
+def _batch_cache(layer: list[Cache]) -> BatchCache:
     """One layer's batch cache from its single-row caches, empty or holding a cached prefix (mlx-lm's merge)."""
     if isinstance(layer[0], RotatingKVCache):
         return BatchRotatingKVCache.merge(layer)
@@ -75,7 +77,7 @@ def _batch_cache(layer: list):
     return BatchKVCache.merge(layer)
 
 
-def merge_rows(singles: Sequence[list]) -> list:
+def merge_rows(singles: Sequence[list[Cache]]) -> list[BatchCache]:
     """One batch's caches (a list per layer) from each row's single-row caches, as rows join a batch."""
     return [_batch_cache([s[layer] for s in singles]) for layer in range(len(singles[0]))]
 

@@ -27,7 +27,8 @@ from enum import Enum
 from typing import Collection, Optional
 
 from engine.errors import RequestTooLarge
-from engine.types import FinishReason, FinishTracker, GeneratedToken, GenerationRequest
+from engine.request import FinishReason, GeneratedToken, GenerationRequest
+from engine.stopping import FinishTracker
 
 
 def check_budget(request: GenerationRequest, kv_bytes: int, budget: Optional[int]) -> None:

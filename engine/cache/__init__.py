@@ -4,6 +4,7 @@ from engine.cache.batch_kv import BatchKVCache
 from engine.cache.batch_quantized import BatchQuantizedKVCache
 from engine.cache.batch_rotating import BatchRotatingKVCache
 from engine.cache.kv import KVCache
+from engine.cache.protocols import BatchCache, Cache
 from engine.cache.quantized import QuantizedKVCache
 from engine.cache.recurrent import RecurrentCache
 from engine.cache.rotating import RotatingKVCache
@@ -19,9 +20,11 @@ def cache_arrays(cache: list) -> list:
 
 
 __all__ = [
+    "BatchCache",
     "BatchKVCache",
     "BatchQuantizedKVCache",
     "BatchRotatingKVCache",
+    "Cache",
     "KVCache",
     "QuantizedKVCache",
     "RecurrentCache",

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from engine.cache import cache_nbytes
-from engine.types import CachedPrefix
+from engine.request import CachedPrefix
 
 
 def _trimmable(cache: list) -> bool:

@@ -26,13 +26,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels import attention_decode
-from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, check_tier
+from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, Tier, check_tier
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.norm_handoff import layer_links
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped, run_kernel
 
-__all__ = ["AUTO", "EXACT", "FAST", "GATE_PASSED", "TIERS", "KernelConfig", "KernelSet", "check_tier", "install",
+__all__ = ["AUTO", "EXACT", "FAST", "GATE_PASSED", "TIERS", "KernelConfig", "KernelSet", "Tier", "check_tier", "install",
            "on_cuda", "replace_modules", "resolve_tier"]  # fmt: skip
 
 # Model families (config.json model_type) whose fast tier passed the numerics gate on CUDA, with the run that

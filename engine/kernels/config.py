@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping, Optional
 
 from engine import env
@@ -18,8 +19,19 @@ from engine.kernels.quantized_gemv import (
 )  # fmt: skip
 from engine.kernels.quantized_gemv.layer import Launch
 
-EXACT, FAST, AUTO = "exact", "fast", "auto"
-TIERS = (AUTO, EXACT, FAST)
+class Tier(str, Enum):
+    """A kernel tier by name (`KernelConfig.tier`); equal to its string, and printed as it."""
+
+    AUTO = "auto"
+    EXACT = "exact"
+    FAST = "fast"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EXACT, FAST, AUTO = Tier.EXACT, Tier.FAST, Tier.AUTO
+TIERS = tuple(t.value for t in Tier)
 
 
 def check_tier(tier: str) -> None:

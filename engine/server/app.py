@@ -33,7 +33,7 @@ from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, par
 from engine.server.stop_text import TextStopper
 from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected, Stream
 from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, GenerationRequest, StopCriteria
+from engine.request import FinishReason, GenerationRequest, StopCriteria
 
 if TYPE_CHECKING:
     from engine.server.metrics import Metrics

@@ -31,7 +31,8 @@ from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
 from engine.server.worker import EngineWorker, QueueLimits
 from engine.spec.config import SpecConfig, load_speculation
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 
 log = logging.getLogger("engine.server")
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from engine.types import SamplingParams
+from engine.request import SamplingParams
 
 
 class ApiError(Exception):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from engine.server.worker import Stream
-from engine.types import GeneratedToken, RequestResult
+from engine.request import GeneratedToken, RequestResult
 
 TokenText = Callable[[int], str]
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from engine.gateway import Gateway, Placement
-from engine.types import FinishReason, ForwardingSink, GeneratedToken, GenerationRequest, RequestResult
+from engine.request import FinishReason, GeneratedToken, GenerationRequest, RequestResult
+from engine.sinks import ForwardingSink
 
 log = logging.getLogger("engine.server")
 

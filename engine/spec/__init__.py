@@ -1,6 +1,2 @@
-"""Speculative decoding: draft sources, one verifier, and the settings that pick them."""
-
-from engine.spec.config import SpecConfig, Speculation
-from engine.spec.verifier import speculative_generate
-
-__all__ = ["SpecConfig", "Speculation", "speculative_generate"]
+"""Speculative decoding: draft sources (draft_model, mtp, ngram), one verifier, the settings that pick them
+(config), the draft policy, the rollback, and what a request's speculation did (stats)."""

@@ -22,11 +22,12 @@ from engine.spec.draft_model import DraftModelSource
 from engine.spec.mtp import MTPSource
 from engine.spec.ngram import NgramSource
 from engine.spec.policy import POLICIES, make_policy
-from engine.spec.rollback import ROLLBACKS
+from engine.spec.rollback import ROLLBACKS, Rollback
 from engine.spec.source import DraftSource
 from engine.tokenizer import Tokenizer
 from engine.spec.verifier import speculative_generate
-from engine.types import GeneratedToken, SamplingParams, SpecStats, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.spec.stats import SpecStats
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -41,7 +42,7 @@ class SpecConfig:
     num_draft: int = DEFAULT_NUM_DRAFT
     ngram_min: int = 2
     ngram_max: int = 4
-    rollback: str = "trace"  # how recurrent layers undo rejected drafts: "trace" or "replay"
+    rollback: str = Rollback.TRACE  # how recurrent layers undo rejected drafts (`Rollback`)
     policy: str = "adaptive"  # drafts per round: "adaptive" (measured) or "fixed" (always num_draft, as mlx-lm)
 
     def __post_init__(self):
@@ -96,7 +97,7 @@ class Speculation:
     def source(self) -> DraftSource:
         kind = self.config.kind
         if kind == "draft":
-            return DraftModelSource(self.draft, self.prefill_step_size, self.config.rollback == "trace")
+            return DraftModelSource(self.draft, self.prefill_step_size, self.config.rollback == Rollback.TRACE)
         if kind == "ngram":
             return NgramSource(self.config.ngram_min, self.config.ngram_max)
         return MTPSource(self.target)

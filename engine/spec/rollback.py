@@ -19,6 +19,7 @@ round never feeds past the window (`room`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -26,7 +27,17 @@ import mlx.nn as nn
 
 from engine.cache import RecurrentCache, RotatingKVCache
 
-ROLLBACKS = ("trace", "replay")
+class Rollback(str, Enum):
+    """How recurrent layers undo rejected drafts; equal to its string, and printed as it."""
+
+    TRACE = "trace"  # record each fed token's state, take the last accepted one
+    REPLAY = "replay"  # restore the round's start, then feed the accepted tokens again
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ROLLBACKS = tuple(r.value for r in Rollback)
 
 
 @dataclass(frozen=True)

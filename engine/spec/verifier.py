@@ -28,9 +28,11 @@ import mlx.nn as nn
 from engine.generate import DEFAULT_PREFILL_STEP, prefill
 from engine.sampling import Sampler, emitted_token
 from engine.spec.policy import DraftPolicy, FixedPolicy
-from engine.spec.rollback import ROLLBACKS, checkpoint, rewind, room
+from engine.spec.rollback import ROLLBACKS, Rollback, checkpoint, rewind, room
 from engine.spec.source import DraftSource, Round
-from engine.types import FinishTracker, GeneratedToken, SamplingParams, SpecStats, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.spec.stats import SpecStats
+from engine.stopping import FinishTracker
 
 
 def speculative_generate(
@@ -45,7 +47,7 @@ def speculative_generate(
     cache: Optional[list] = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     on_prefill: Optional[Callable[[int, int], None]] = None,
-    rollback: str = "trace",
+    rollback: str = Rollback.TRACE,
     policy: Optional[DraftPolicy] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
@@ -129,7 +131,7 @@ def speculative_generate(
         drafts = source.propose(pending, k)
         drafted_at = time.perf_counter()
         fed = (pending, *drafts)
-        point = checkpoint(cache, trace=rollback == "trace")
+        point = checkpoint(cache, trace=rollback == Rollback.TRACE)
         sampled, logprobs, hidden = forward(mx.array(fed))
         tokens = sampled.tolist()
         verified_at = time.perf_counter()

@@ -21,7 +21,8 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.generate import KVQuantization, generate
 from engine.loading import load_model
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 from oracles.cases import frozen_prompt_ids
 
 pytestmark = pytest.mark.parity

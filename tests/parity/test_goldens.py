@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.generate import generate
-from engine.types import StopCriteria
+from engine.request import StopCriteria
 from engine.loading import load_model
 from engine.registry import get_spec
 from engine.synth import ensure_model

@@ -18,7 +18,8 @@ from engine.generate import generate
 from engine.kernels import on_cuda
 from engine.loading import load_model
 from engine.registry import base_names
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 from harness.batch_parity import run_batch_case, scenario_cases
 from oracles.cases import DTYPES, frozen_prompt_ids, model_name
 

@@ -7,7 +7,8 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.errors import RequestTooLarge
 from engine.generate import generate
 from engine.loading import load_model
-from engine.types import CollectingSink, FinishReason, GenerationRequest, StopCriteria
+from engine.request import FinishReason, GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_finished_rows_hand_back_their_caches(model):
 
 
 def test_batched_rows_report_logprobs_when_asked(model):
-    from engine.types import SamplingParams
+    from engine.request import SamplingParams
 
     b = ContinuousBatcher(model, SchedulerConfig(max_rows=4))
     plain, rich = CollectingSink(), CollectingSink()

@@ -8,7 +8,8 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.gateway import GatewayConfig
 from engine.generate import KVQuantization
 from engine.loading import load_model
-from engine.types import CollectingSink, GenerationRequest, SamplingParams, StopCriteria
+from engine.request import GenerationRequest, SamplingParams, StopCriteria
+from engine.sinks import CollectingSink
 
 BUCKETS = (1, 2, 4, 8)
 

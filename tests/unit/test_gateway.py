@@ -3,7 +3,8 @@ import pytest
 from engine.gateway import Gateway, GatewayConfig, _Queued
 from engine.generate import KVQuantization
 from engine.loading import load_model
-from engine.types import CollectingSink, FinishReason, GenerationRequest, Lane, StopCriteria
+from engine.request import FinishReason, GenerationRequest, Lane, StopCriteria
+from engine.sinks import CollectingSink
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_spec_lane_runs_speculation_and_reports_its_stats(model):
 
 
 def test_spec_lane_refusals_fall_back_to_the_plain_lanes_with_the_reason(model):
-    from engine.types import SamplingParams
+    from engine.request import SamplingParams
 
     g = Gateway(model, GatewayConfig(), _speculation(model))
     req = GenerationRequest("p", tuple(range(5, 17)), SamplingParams(presence_penalty=0.5), StopCriteria(max_tokens=4))

@@ -6,7 +6,7 @@ import pytest
 from engine.engine import Engine
 from engine.generate import KVQuantization, generate
 from engine.loading import load_model
-from engine.types import FinishReason, SamplingParams, StopCriteria
+from engine.request import FinishReason, SamplingParams, StopCriteria
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from mlx.utils import tree_flatten
 from engine.cache import BatchKVCache, KVCache, RecurrentCache
 from engine.gateway import Gateway, GatewayConfig
 from engine.loading import load_model
-from engine.types import CollectingSink, GenerationRequest, StopCriteria
+from engine.request import GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 
 # Arrays outside the model and the cache entries: measured at 8 bytes after serving with
 # the prompt cache off (the runner and the samplers keep nothing between requests); 1 MiB

@@ -9,7 +9,8 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import generate
 from engine.loading import load_model
 from engine.sampling import Sampler
-from engine.types import CollectingSink, FinishReason, GenerationRequest, SamplingParams, StopCriteria
+from engine.request import FinishReason, GenerationRequest, SamplingParams, StopCriteria
+from engine.sinks import CollectingSink
 
 BAD_SEED = 666  # marks the request whose sampler the tests make fail
 

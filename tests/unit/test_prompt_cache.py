@@ -10,7 +10,8 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import generate, prefill
 from engine.kernels import on_cuda
 from engine.loading import load_model
-from engine.types import CachedPrefix, CollectingSink, GenerationRequest, StopCriteria
+from engine.request import CachedPrefix, GenerationRequest, StopCriteria
+from engine.sinks import CollectingSink
 
 PROMPT = tuple(range(40, 70))
 

@@ -5,7 +5,7 @@ from mlx_lm import sample_utils as ref
 
 from engine.errors import InvalidSamplingError
 from engine.sampling import Sampler, apply_min_p, apply_top_k, apply_top_p, make_processors
-from engine.types import SamplingParams
+from engine.request import SamplingParams
 
 
 def _logprobs(seed=0, vocab=512, rows=1):

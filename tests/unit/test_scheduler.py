@@ -7,7 +7,7 @@ import pytest
 
 from engine.batch.kv_budget import KVLayout, LayerKV
 from engine.batch.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SeqStatus
-from engine.types import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
+from engine.request import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
 
 
 def make_request(rid="r", prompt_len=5, max_tokens=4, **stop):
@@ -30,7 +30,7 @@ def _join(s, rid, prompt_len=5, max_tokens=4, kv_bytes=0, **stop):
 
 
 def test_scheduler_module_does_not_import_mlx():
-    code = "import sys, engine.batch.scheduler, engine.batch.kv_budget, engine.types; sys.exit(any(m.startswith('mlx') for m in sys.modules))"
+    code = "import sys, engine.batch.scheduler, engine.batch.kv_budget, engine.request, engine.stopping, engine.sinks; sys.exit(any(m.startswith('mlx') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -29,7 +29,8 @@ from engine.spec.ngram import NgramSource
 from engine.spec.rollback import checkpoint, rewind
 from engine.spec.source import Round
 from engine.spec.verifier import speculative_generate
-from engine.types import SamplingParams, SpecStats, StopCriteria
+from engine.request import SamplingParams, StopCriteria
+from engine.spec.stats import SpecStats
 
 TIE_MARGIN = 1e-3  # between the best and second-best logit at every plain greedy step (f32)
 STEPS = 48

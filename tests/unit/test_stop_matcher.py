@@ -1,7 +1,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.types import GeneratedToken, _StopMatcher
+from engine.request import GeneratedToken
+
+from engine.stopping import _StopMatcher
 
 
 def _run(tokens, sequences):

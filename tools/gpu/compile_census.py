@@ -56,7 +56,8 @@ def main() -> None:
     from engine.engine import Engine
     from engine.kernels import KernelConfig
     from engine.server.main import ServeConfig
-    from engine.types import CollectingSink, GenerationRequest, StopCriteria
+    from engine.request import GenerationRequest, StopCriteria
+    from engine.sinks import CollectingSink
 
     eng = Engine.load(args.model, with_tokenizer=False, kernels=KernelConfig.from_env(args.kernels))
     gw = ServeConfig(batch=args.batch, decode_buckets=None if args.buckets else (),

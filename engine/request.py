@@ -1,0 +1,151 @@
+"""A request and what comes back for it: its sampling and stopping settings, the tokens it emits, how it
+ended. No MLX here: the scheduler, the gateway and the server use these without touching arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from engine.errors import InvalidSamplingError
+
+if TYPE_CHECKING:
+    from engine.spec.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    penalty_context_size: int = 20
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    def validate(self, vocab_size: int) -> None:
+        def fail(msg: str) -> None:
+            raise InvalidSamplingError(msg)
+
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            fail(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.top_k >= vocab_size:
+            fail(f"top_k must be in [0, {vocab_size}), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens_to_keep < 1:
+            fail(f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}")
+        if self.repetition_penalty is not None and self.repetition_penalty < 0:
+            fail(f"repetition_penalty must be >= 0, got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= 20:
+            fail(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        bad = [t for t in self.logit_bias if not 0 <= int(t) < vocab_size]
+        if bad:
+            fail(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS id or a stop sequence
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # the caller cancelled, or its consumer went away
+    ERROR = "error"  # the forward failed; the message says why
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    max_tokens: int = 256
+    eos_ids: frozenset[int] = frozenset()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False  # fixed-length runs for benchmarks
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop sequences must not be empty")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token_id: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    finish_reason: Optional[FinishReason] = None
+    # True for the EOS token or the last token of a stop sequence: it ends the
+    # generation and its text is not part of the output.
+    is_stop: bool = False
+
+    def finished(self, reason: FinishReason, is_stop: bool = False) -> "GeneratedToken":
+        return GeneratedToken(self.token_id, self.logprob, self.top_logprobs, reason, is_stop)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stop: StopCriteria = StopCriteria()
+
+    def __post_init__(self):
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"request {self.request_id}: the prompt must contain at least one token")
+
+
+class Lane(str, Enum):
+    SERIAL = "serial"  # alone on the device, the strict B=1 path
+    CONTINUOUS = "continuous"  # the continuous-batching scheduler
+    SPEC = "spec"  # speculative decoding, alone on the device like the serial lane
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache."""
+
+    tokens: tuple[int, ...]
+    cache: list
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """How a request ended; the last thing its sink receives."""
+
+    request_id: str
+    lane: Lane
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    error: Optional[str] = None
+    # For the prompt cache (empty when caches are not kept): the caches of the
+    # prompt and the generated tokens that went through the model, and for
+    # models whose caches cannot rewind also those at the prompt's boundary.
+    caches: tuple[CachedPrefix, ...] = ()
+    spec: Optional[SpecStats] = None  # on the spec lane: what speculation did
