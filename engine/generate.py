@@ -10,7 +10,7 @@ previous step's token is read back, so the device never waits on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,8 @@ from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_array
 from engine.sampling import Sampler, emitted_token, make_processors
 from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.stopping import FinishTracker
+
+T = TypeVar("T")
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -145,16 +147,26 @@ def decode_steps(
     tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization)
     if on_prompt is not None:
         on_prompt(cache)
-    current = decoder.step(tail)
-    mx.async_eval(current.token, current.logprobs)
-    for n in range(max_steps):
-        following = None
-        if n + 1 < max_steps:
-            following = decoder.step(current.token)
-            mx.async_eval(following.token, following.logprobs)
+
+    def launch(tokens: mx.array) -> _Step:
+        step = decoder.step(tokens)
+        mx.async_eval(step.token, step.logprobs)
+        return step
+
+    for n, current in enumerate(pipelined(lambda step: launch(step.token), launch(tail), max_steps)):
         yield current
         if n % 256 == 0:
             mx.clear_cache()
+
+
+def pipelined(launch: Callable[[T], T], first: T, steps: int) -> Iterator[T]:
+    """Up to `steps` steps from `first`, each following one launched from the current one before the
+    current is yielded (read back by the caller): the device runs step n + 1 while the host handles step
+    n. The decode loops of the serial and the speculative lane share it."""
+    current = first
+    for n in range(steps):
+        following = launch(current) if n + 1 < steps else None
+        yield current
         current = following
 
 

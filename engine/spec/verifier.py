@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.generate import DEFAULT_PREFILL_STEP, prefill
+from engine.generate import DEFAULT_PREFILL_STEP, pipelined, prefill
 from engine.sampling import Sampler, emitted_token
 from engine.spec.policy import DraftPolicy, FixedPolicy
 from engine.spec.rollback import ROLLBACKS, Rollback, checkpoint, rewind, room
@@ -96,10 +96,8 @@ def speculative_generate(
         """Rounds with no drafts, pipelined like plain decoding: each next step is launched before
         this one's token is read. Each is still a round to the source, the policy and the stats."""
         nonlocal pending, produced
-        step = plain_step(mx.array([pending]))
         last = time.perf_counter()
-        for r in range(rounds):
-            following = plain_step(step[0]) if r + 1 < rounds else None
+        for step in pipelined(lambda s: plain_step(s[0]), plain_step(mx.array([pending])), rounds):
             token = int(step[0].item())
             now = time.perf_counter()
             source.propose(pending, 0)
@@ -112,7 +110,7 @@ def speculative_generate(
             yield from out
             if tracker.done:
                 return
-            pending, step = token, following
+            pending = token
 
     pending = int(prefill(model, cache, prompt, prefill_step_size, on_prefill, on_hidden=observe).item())
     produced = 0
