@@ -31,10 +31,7 @@ def kv_layout(model: nn.Module, kv: Optional[KVQuantization] = None) -> KVLayout
     layers = []
     for layer, cache in zip(model.layers, model.make_cache()):
         if isinstance(cache, RecurrentCache):
-            mixer = layer.linear_attn
-            conv = (mixer.conv_kernel_size - 1) * mixer.conv_dim * itemsize
-            state = mixer.num_v_heads * mixer.head_v_dim * mixer.head_k_dim * mx.float32.size
-            layers.append(LayerKV("recurrent", fixed_bytes=conv + state))
+            layers.append(LayerKV("recurrent", fixed_bytes=layer.linear_attn.state_bytes(itemsize)))
             continue
         attn = layer.self_attn
         dims = _out_dims(attn.k_proj) + _out_dims(attn.v_proj)

@@ -175,6 +175,11 @@ class GatedDeltaNet(nn.Module):
         # The fast tier's replacements, set by engine.kernels.install (None: the exact path).
         self.chunked_rule = None
 
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes a row's cache of this layer holds: the conv tail (activations) and the float32 state."""
+        conv = (self.conv_kernel_size - 1) * self.conv_dim * itemsize
+        return conv + self.num_v_heads * self.head_v_dim * self.head_k_dim * mx.float32.size
+
     def input_projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """qkv, z, beta logits and a, in this order (mlx-lm's)."""
         return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
