@@ -21,10 +21,6 @@ def activation_itemsize(model: nn.Module) -> int:
     return mx.float32.size
 
 
-def _out_dims(linear: nn.Module) -> int:
-    return linear.weight.shape[0]
-
-
 def kv_layout(model: nn.Module, kv: Optional[KVQuantization] = None) -> KVLayout:
     """Per-layer KV bytes; with `kv`, growing layers store affine codes plus scales and biases."""
     itemsize = activation_itemsize(model)
@@ -33,8 +29,7 @@ def kv_layout(model: nn.Module, kv: Optional[KVQuantization] = None) -> KVLayout
         if isinstance(cache, RecurrentCache):
             layers.append(LayerKV("recurrent", fixed_bytes=layer.linear_attn.state_bytes(itemsize)))
             continue
-        attn = layer.self_attn
-        dims = _out_dims(attn.k_proj) + _out_dims(attn.v_proj)
+        dims = layer.self_attn.kv_channels
         per_token = dims * itemsize
         if kv is not None and isinstance(cache, KVCache):
             per_token = dims * kv.bits // 8 + 2 * (dims // kv.group_size) * itemsize

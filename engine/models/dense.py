@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.n_heads = c.num_attention_heads
         self.n_kv_heads = c.num_key_value_heads
         self.scale = c.head_dim**-0.5
+        self.kv_channels = 2 * self.n_kv_heads * c.head_dim  # what a token adds to the cache: keys and values
         self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv_heads * c.head_dim, bias=c.qkv_bias)

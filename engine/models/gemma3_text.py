@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         hd = args.head_dim
         self.scale = args.query_pre_attn_scalar**-0.5
+        self.kv_channels = 2 * self.n_kv_heads * hd  # what a token adds to the cache: keys and values
         dim = args.hidden_size
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)

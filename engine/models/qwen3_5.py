@@ -100,6 +100,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         hd = args.head_dim
         self.scale = hd**-0.5
+        self.kv_channels = 2 * self.n_kv_heads * hd  # what a token adds to the cache: keys and values
         self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd * 2, bias=args.attention_bias)
         self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=args.attention_bias)
         self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=args.attention_bias)

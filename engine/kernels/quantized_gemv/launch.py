@@ -86,7 +86,9 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
     if m == 1 and (rows, k) in launches:
         return launches[(rows, k)]
     if m > 32:  # no K split: each warp adds every k-tile of its rows
-        return LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2) if rows >= 12288 else LaunchConfig(4, 2, 2, 4, m_groups=4)
+        if rows >= 12288:
+            return LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2)
+        return LaunchConfig(4, 2, 2, 4, m_groups=4)
     if m > 8:
         groups, split, slices = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1, 1 if m <= 16 else 4
         return LaunchConfig(groups * split * slices, 1, 4, min_blocks=int(slices > 1), row_groups=groups,
