@@ -160,6 +160,18 @@ def bucket(rows: int, buckets: Sequence[int]) -> int:
     return next((b for b in buckets if b >= rows), rows)
 
 
+def _add_ghosts(cache: list[BatchCache], rows: int, ghosts: int) -> None:
+    """`ghosts` copies of row `rows - 1`'s caches after the batch's `rows` rows."""
+    last = [c.extract(rows - 1) for c in cache]
+    for c, extra in zip(cache, merge_rows([last] * ghosts)):
+        c.extend(extra)
+
+
+def _ghost_tokens(tokens: mx.array, ghosts: int) -> mx.array:
+    """The rows' tokens, then the last row's for each ghost (a ghost holds that row's caches)."""
+    return mx.concatenate([tokens, mx.broadcast_to(tokens[-1:], (ghosts,))])
+
+
 def power_buckets(batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... below `batch`, then `batch`: the decode row counts --decode-buckets auto takes."""
     out, b = [], 1
@@ -306,10 +318,8 @@ class BatchRunner:
         n = inputs.shape[0]
         ghosts = bucket(n, self.buckets) - n
         if ghosts > 0:
-            last = [c.extract(n - 1) for c in self.ready_cache]
-            for c, extra in zip(self.ready_cache, merge_rows([last] * ghosts)):
-                c.extend(extra)
-            inputs = mx.concatenate([inputs, mx.broadcast_to(inputs[-1:], (ghosts,))])
+            _add_ghosts(self.ready_cache, n, ghosts)
+            inputs = _ghost_tokens(inputs, ghosts)
         self.shapes.add(("first", n + ghosts))
         logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
         if ghosts > 0:
@@ -363,8 +373,8 @@ class BatchRunner:
         """
         inputs = self.register
         fed = inputs.tokens
-        if self.ghosts:  # each ghost is fed the last row's token, as it holds that row's caches
-            fed = mx.concatenate([fed, mx.broadcast_to(fed[-1:], (self.ghosts,))])
+        if self.ghosts:
+            fed = _ghost_tokens(fed, self.ghosts)
         self.shapes.add(("decode", fed.shape[0]))
         logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
         if self.ghosts:
@@ -410,9 +420,7 @@ class BatchRunner:
         want = bucket(len(self.rows), self.buckets) - len(self.rows)
         if want <= 0 or self.cache is None:
             return
-        last = [c.extract(len(self.rows) - 1) for c in self.cache]
-        for c, ghosts in zip(self.cache, merge_rows([last] * want)):
-            c.extend(ghosts)
+        _add_ghosts(self.cache, len(self.rows), want)
         self.ghosts = want
 
     @property
