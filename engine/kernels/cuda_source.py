@@ -42,7 +42,8 @@ def compact(source: str) -> str:
     return "".join(line + "\n" for line in lines if line)
 
 
-def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str, header: str = ""):
-    """`mx.fast.cuda_kernel` on the compacted source and header."""
+def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
+                shared_memory: int = 0):  # fmt: skip
+    """`mx.fast.cuda_kernel` on the compacted source and header (`shared_memory`: its dynamic bytes)."""
     return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                               source=compact(source), header=compact(header))  # fmt: skip
+                               source=compact(source), header=compact(header), shared_memory=shared_memory)  # fmt: skip

@@ -15,7 +15,10 @@ from engine.kernels.quantized_gemv import (
     BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
     LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, refusal, tile_k,
 )
+from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.layer import _takes
+from engine.kernels.quantized_gemv.staged import StagedConfig, shared_request, splits, staged_config
+from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
@@ -304,7 +307,7 @@ def test_fused_stages_refuse_what_they_cannot_take():
 
 
 @cuda_only
-@pytest.mark.parametrize("m", [1, 5, 17, 64])
+@pytest.mark.parametrize("m", [1, 5, 17, 32, 64])
 def test_norm_out_hands_the_next_launch_its_norm(m):
     # Fusion.norm_out: the launch's result is its plain residual launch's, bit for bit; hw is bf16(h * nw) as
     # engine_mul2 rounds; the blocks' parts of the sums of squares add up to sum(h^2) (float32, another order).
@@ -660,6 +663,53 @@ def test_slices_of_the_activation_rows_change_no_bit(m, stages):
         whole = run(first)
         for sliced in others:
             assert mx.array_equal(whole, run(sliced)).item(), (first, sliced)
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [9, 17, 40, 64])
+@pytest.mark.parametrize("stages", ["plain", "residual", "gated"])
+def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
+    # From MIN_ROWS rows the staged kernel takes a launch; unsplit (K 5120), each row's k-tiles are added in k
+    # order with the register kernel's arithmetic, so it equals a register launch whose warps add every k-tile;
+    # its chunks, stages, warps and row tiles change no bit, and a split K stays within the float32 bound.
+    q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
+    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
+    residual = mx.random.normal((m, 3000)).astype(mx.bfloat16)
+
+    def run(config=None):
+        matrices = [(q.weight, q.scales, q.biases)] + (stages == "gated") * [(up.weight, up.scales, up.biases)]
+        return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
+                                 gated=stages == "gated")[0]  # fmt: skip
+
+    staged = run()
+    assert mx.array_equal(staged, run(LaunchConfig(2, 1, 1, row_groups=2))).item()
+    for layout in (StagedConfig(warps=8, row_tiles=1), StagedConfig(warps=2, row_tiles=4), StagedConfig(stages=2),
+                   StagedConfig(stages=4), StagedConfig(chunk_tiles=4)):  # fmt: skip
+        assert mx.array_equal(staged, run(layout)).item(), layout
+    split = run(StagedConfig(splits=2)).astype(mx.float32)
+    whole = staged.astype(mx.float32)
+    assert mx.all(mx.abs(split - whole) <= 2.0**-7 * mx.abs(whole) + 1e-3).item()
+
+
+def test_staged_kernel_splits_long_inputs_only():
+    # K past SPLIT_K_ABOVE is split into the fewest even parts of at most SPLIT_K_VALUES: qwen27b's down
+    # projection (17408) in 4, its attention and DeltaNet output projections (6144) in 2.
+    assert [splits(k, 128) for k in (1536, 5120, 6144, 17408)] == [1, 1, 2, 4]
+    assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=4)
+    assert staged_config(64, 5120, 64, 4) == StagedConfig(stages=3, splits=1)
+    assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
+    assert staged_takes(9, 5120, 64, 4, Fusion()) and not staged_takes(8, 5120, 64, 4, Fusion())
+    assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())
+
+
+def test_staged_launch_asks_for_shared_memory_past_48_kb():
+    # MLX lets a kernel past 48 KB of shared memory (static and dynamic) only when it asks for more than 48000
+    # bytes of dynamic memory: two 32-row stages (44 KB) with the prenormed parts' copy must ask for 48 KB.
+    two = StagedConfig(stages=2)
+    assert two.shared_bytes(32, 64, 4) == 2 * (32 * 136 * 2 + 128 * 24 * 4 + 4 * 128 * 2)
+    assert shared_request(two, 32, Fusion(), 64, 4) == two.shared_bytes(32, 64, 4)
+    assert shared_request(two, 32, Fusion(gated=True, prenormed=True), 64, 4) == 48 << 10
+    assert shared_request(StagedConfig(stages=3), 64, Fusion(prenormed=True), 64, 4) == StagedConfig(stages=3).shared_bytes(64, 64, 4)
 
 
 def _decode_states(model, ids, steps):

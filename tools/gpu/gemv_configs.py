@@ -18,7 +18,10 @@ import os
 
 import mlx.core as mx
 
+from dataclasses import replace
+
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
+from engine.kernels.quantized_gemv.staged import MIN_ROWS, StagedConfig, staged_config
 from tools.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
 
@@ -46,7 +49,10 @@ def numerics():
     return bad
 
 
-def label(c: LaunchConfig) -> str:
+def label(c) -> str:
+    if isinstance(c, StagedConfig):
+        return (f"staged W{c.warps} RT{c.row_tiles} ST{c.stages} S{c.splits}" + (f" CK{c.chunk_tiles}" if c.chunk_tiles else "")
+                + (f" B{c.min_blocks}" if c.min_blocks else ""))
     return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
             + (f" WR{c.row_groups}" if c.row_groups > 1 else "") + (f" WM{c.m_groups}" if c.m_groups > 1 else ""))
 
@@ -65,9 +71,15 @@ def launch_shapes(text: str) -> list[LaunchConfig]:
         raise argparse.ArgumentTypeError(f"{text!r}: launch shapes W,RT,U[,MINB] separated by ';'") from None
 
 
-def candidates(m: int, serial: bool, chosen: list[LaunchConfig]):
+def candidates(m: int, serial: bool, chosen: list[LaunchConfig], n: int = 0, k: int = 0):
     if chosen and m == 1:
         return chosen
+    if m >= MIN_ROWS:  # the staged kernel's shapes and splits, and the register kernel's launch at these rows
+        default = staged_config(m, k, 64, 4)
+        shapes = [replace(default, splits=s) for s in (1, 2, 4) if s != default.splits and (k // 128) % s == 0]
+        shapes += [replace(default, stages=st) for st in (2, 3, 4) if st != default.stages]
+        shapes += [replace(default, warps=8), replace(default, warps=8, stages=5 - default.stages)]
+        return shapes + [launch_config(m, k, 64, 4, n)]
     if m > 8:  # row tiles, row groups and slices of the activation rows (W, RT, U, WR, WM, MINB), W = WR x WM x K split
         shapes = ((16, 1, 4, 4, 4, 1), (8, 2, 2, 2, 4, 2), (8, 2, 1, 2, 4, 2), (8, 4, 1, 2, 4, 2), (16, 2, 2, 4, 4, 1),
                   (8, 4, 1, 1, 8, 2), (4, 2, 2, 1, 4, 4), (4, 4, 1, 1, 4, 4), (4, 2, 4, 4, 1, 0), (4, 4, 2, 4, 1, 0),
@@ -94,7 +106,7 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
         w, s, b = random_quantized(n, k, 4, 64)
         nbytes = w.nbytes + s.nbytes + b.nbytes
         weights = weight_copies(w, s, b, cfg)
-        main = (n, k) in shapes[:2] or serial
+        main = (n, k) in shapes[:2] or serial or min(rows_m) >= MIN_ROWS
         for m in ((1,) if serial else rows_m) if main else (1,):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             mx.eval(x)
@@ -118,12 +130,12 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
 
             res["mlx"] = mlx_us()
             res["kernel"] = kernel_us()
-            res_config = launch_config(m, k, 64, 4, n)
+            res_config = staged_config(m, k, 64, 4) if m >= MIN_ROWS else launch_config(m, k, 64, 4, n)
             res["config"] = label(res_config)
             if main and m == 1 and not serial:
                 res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
-            for c in candidates(m, serial, chosen) if main else ():
+            for c in candidates(m, serial, chosen, n, k) if main else ():
                 res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
                 print(f"  {n}x{k} M={m} {label(c)}: {res[label(c)]:.1f} us (default {res['kernel']:.1f})", flush=True)

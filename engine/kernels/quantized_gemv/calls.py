@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.kernels.quantized_gemv import staged
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import LaunchConfig, Launches, launch_config
 
@@ -66,7 +67,7 @@ def quantized_matmuls(
     matrices: Matrices,
     group_size: int,
     bits: int,
-    config: Optional[LaunchConfig] = None,
+    config: Optional[LaunchConfig | staged.StagedConfig] = None,
     *,
     launches: Launches = {},
     norm: Optional[tuple[mx.array, float]] = None,
@@ -88,7 +89,6 @@ def quantized_matmuls(
     the weight: together, `norm=(weight, eps), norm_scale=True` on the first launch's result, to rounding."""
     k = x.shape[-1]
     m = x.size // k
-    config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices), launches)
     if norm_scale and norm is None:
         raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
     if prenormed is not None and (norm is not None or prenormed[0].dtype != mx.float32
@@ -104,11 +104,18 @@ def quantized_matmuls(
     if gated:
         if len(matrices) != 2 or matrices[0][0].shape != matrices[1][0].shape or fusion.residual or fusion.norm_out:
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
-        config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
-    config = fitted(config, m, fusion)
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step.
     extra = _stage_arrays(norm, residual, norm_out, prenormed)
+    if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
+        config = config or staged.staged_config(m, k, group_size, bits)
+        template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
+            fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
+        return staged.matmuls(x, matrices, group_size, bits, config, fusion, extra, template)
+    config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices), launches)
+    if gated:
+        config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
+    config = fitted(config, m, fusion)
     args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
                             prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
     return config.kernel(len(matrices), fusion)(**args)

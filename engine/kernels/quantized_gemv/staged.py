@@ -1,0 +1,481 @@
+"""The quantized matmul for 9 to 64 activation rows: activations staged in shared memory, K split over blocks.
+
+At many rows the register kernel (`source`) reloads every activation row for
+every warp's k-tile: a 64-row launch moves twice as many activation bytes as
+weight bytes and waits on them. Here a block of W warps copies each chunk
+(CK k-tiles) of all M activation rows and of its weight rows, scales and
+biases into shared memory with `cp.async`, ST chunks at once; every warp then
+multiplies its RT row tiles against all M rows from shared memory (the same
+exact-integer weights, `mma.sync` and float32 group sums as the register
+kernel, so the same error bound). Matrices with
+large K split it over S blocks (`splits`): each writes float32 partial sums
+and a second launch adds them in split order and runs the fused stages.
+Where the blocks' rows end and which split adds which k-tiles depend on K and
+the config only, so a matrix's result is the same in a launch of its own as
+in one shared with others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.quantized_gemv.fusion import Fusion
+from engine.kernels.quantized_gemv.launch import tile_k
+from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
+
+MIN_ROWS = 9  # from here the staged kernel takes a launch; the register kernel below
+SUM_ROWS = 128  # output rows a block of the split sums' launch takes, one a thread
+
+
+@dataclass(frozen=True)
+class StagedConfig:
+    """How a staged launch is laid out: a block's warps, each warp's 16-row tiles, k-tiles a chunk (0: two
+    groups' worth, at least two k-tiles), chunks in shared memory at once, blocks a row block's K is split
+    over, and blocks an SM must hold (0: as the registers allow)."""
+
+    warps: int = 4
+    row_tiles: int = 2
+    chunk_tiles: int = 0
+    stages: int = 2
+    splits: int = 1
+    min_blocks: int = 0
+
+    def chunk(self, group_size: int, bits: int) -> int:
+        """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
+        tk = tile_k(group_size, bits)
+        return self.chunk_tiles or max(2, 2 * group_size // tk)
+
+    def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
+        return [("W", self.warps), ("RT", self.row_tiles), ("CK", self.chunk(group_size, bits)), ("ST", self.stages),
+                ("S", self.splits)] + ([("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
+
+    def shared_bytes(self, m: int, group_size: int, bits: int) -> int:
+        """Dynamic shared memory of a products' launch: `stages` chunks of the activation rows and the block's
+        weight rows, scales and biases (as the kernel's STAGE_BYTES)."""
+        tk = tile_k(group_size, bits)
+        wide = tk == 8 * (32 // bits)  # two words a lane a row (WL = 2)
+        kc = self.chunk(group_size, bits) * tk
+        rows = self.warps * self.row_tiles * 16
+        per_stage = 8 * -(-m // 8) * (kc + (8 if wide else 32)) * 2 + rows * (kc * bits // 32 + (8 if wide else 4)) * 4
+        return self.stages * (per_stage + 4 * rows * (kc // group_size))
+
+
+# K past which a matrix splits its K over blocks, and how many k values a split then adds at most: qwen27b's
+# 5120-output matrices (K 6144 and 17408) fill too few blocks unsplit (docs/kernels.md, "Batched rows").
+SPLIT_K_ABOVE = 5120
+SPLIT_K_VALUES = 4352
+
+
+def splits(k: int, chunk: int) -> int:
+    """Blocks a row block's K is split over: 1 up to SPLIT_K_ABOVE, else the fewest that divide its chunks
+    evenly into at most SPLIT_K_VALUES values each."""
+    chunks = k // chunk
+    if k <= SPLIT_K_ABOVE:
+        return 1
+    return next(s for s in range(1, chunks + 1) if chunks % s == 0 and k // s <= SPLIT_K_VALUES)
+
+
+def staged_config(m: int, k: int, group_size: int, bits: int) -> StagedConfig:
+    """The launch for M rows and K inputs: 4 warps of 2 row tiles; 2 chunks in shared memory up to 16 rows, 3 from
+    there (docs/kernels.md, "Batched rows"); K split by `splits`."""
+    config = StagedConfig(stages=2 if m <= 16 else 3)
+    return replace(config, splits=splits(k, config.chunk(group_size, bits) * tile_k(group_size, bits)))
+
+
+DEFAULT_SHARED = 48 << 10  # a block's shared memory, static and dynamic, unless its kernel asks for more
+
+
+def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int, bits: int) -> int:
+    """The dynamic shared memory a products' launch asks MLX for: its stages, or at least DEFAULT_SHARED where
+    those and the fused stages' static arrays (at most: the prenormed parts' 8 KB copy and row scales, norm_out's
+    squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
+    have (MLX then raises its limit)."""
+    dynamic = config.shared_bytes(m, group_size, bits)
+    static = 0
+    if config.splits == 1:
+        out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
+        static = fusion.prenormed * ((8 << 10) + 4 * m) + fusion.norm_out * 4 * out_rows * (m + 1)
+    return dynamic if dynamic + static <= DEFAULT_SHARED else max(dynamic, DEFAULT_SHARED)
+
+
+def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
+    """Whether the staged kernel computes this launch: MIN_ROWS to 64 rows, K whole chunks, no norm_scale (its
+    squares are gathered from activations the register kernel loads)."""
+    chunk = StagedConfig().chunk(group_size, bits) * tile_k(group_size, bits)
+    return MIN_ROWS <= m <= 64 and k % chunk == 0 and not fusion.norm_scale
+
+
+_BODY = r"""
+  constexpr int PW = 32 / BITS;                     // values per 32-bit word
+  constexpr int HALF = PW / 2;
+  constexpr int SPW = PW / 4;                       // mma steps (16 k values) per word
+  constexpr int WL = GS * BITS / 128 < 2 ? GS * BITS / 128 : 2;  // words per lane per row in one k-tile
+  constexpr int TILE_K = 4 * WL * PW;               // a k-tile: 4 lanes x WL words, inside one group
+  constexpr int STEPS = WL * SPW;
+  constexpr int XR = WL * PW / 2;                   // activation registers (bf16 pairs) per lane and tile
+  constexpr int NB = (M + 7) / 8;                   // 8-column blocks of activation rows
+  constexpr int WR = W;                             // the fused stages' row groups: every warp on its own rows
+  constexpr int KC = CK * TILE_K;                   // k values of a chunk
+  constexpr int GC = KC / GS;                       // quantization groups of a chunk (>= 2: 4-byte copies)
+  constexpr int KS = K / S;                         // k values a split adds
+  constexpr int CHUNKS = KS / KC;
+  static_assert(KS % KC == 0 && GC >= 2, "a split takes whole chunks of whole groups");
+  constexpr int R = W * RT * 16;                    // weight rows of a block (a gated block's gate and up rows)
+  // Shared rows, padded so that each load phase's lanes hit distinct banks: activations (bf16) and weights (words)
+  constexpr int XS = KC + (WL == 2 ? 8 : 32);
+  constexpr int WS = KC / PW + (WL == 2 ? 8 : 4);
+  constexpr int STAGE_BYTES = 8 * NB * XS * 2 + R * WS * 4 + 2 * R * GC * 2;
+  constexpr int WORDS_PER_ROW = K / PW;
+  constexpr int GROUPS_PER_ROW = K / GS;
+  using Words = typename engine_words<WL>::type;
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x % S;
+  const int block_base = blk * W * 16 * RTO;        // the block's first output row
+  const int row_base = block_base + warp * 16 * RTO;
+  auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };
+  const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
+  const size_t k_first = (size_t)split * KS;
+  // FUSED STAGES
+
+  // ST stages of chunks in dynamic shared memory, each: the M activation rows, then the block's R weight rows
+  // (row slot (warp * RT + r) * 16 + i: row i of the warp's tile r), then their scales and biases.
+  extern __shared__ __align__(16) unsigned char engine_stages[];
+  auto stage_x = [&](const int b) { return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * STAGE_BYTES); };
+  auto stage_w = [&](const int b) {
+    return reinterpret_cast<uint32_t*>(engine_stages + b * STAGE_BYTES + 8 * NB * XS * 2);
+  };
+  auto stage_s = [&](const int b) {
+    return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * STAGE_BYTES + 8 * NB * XS * 2 + R * WS * 4);
+  };
+  auto copy16 = [&](void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+  };
+  auto copy4 = [&](void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
+  };
+  // Chunk c's copies into stage c % ST (rows past M or N: never read into a stored result; an mma's B column
+  // reaches only its own output column), committed as one group (empty past the last chunk).
+  auto issue = [&](const int c) {
+    if (c < CHUNKS) {
+      const int b = c % ST;
+      const size_t kc = k_first + (size_t)c * KC;
+      __nv_bfloat16* sx = stage_x(b);
+      #pragma unroll 1
+      for (int i = threadIdx.x; i < M * (KC / 8); i += W * 32) {
+        const int m = i / (KC / 8), v = i % (KC / 8);
+        copy16(sx + m * XS + v * 8, x + (size_t)m * K + kc + v * 8);
+      }
+      uint32_t* sw = stage_w(b);
+      constexpr int WV = KC / PW / 4;               // 16-byte copies a weight row
+      #pragma unroll 1
+      for (int i = threadIdx.x; i < R * WV; i += W * 32) {
+        const int slot = i / WV, v = i % WV, r = (slot / 16) % RT;
+        const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
+        copy16(sw + slot * WS + v * 4, tile_w(r) + row * WORDS_PER_ROW + kc / PW + v * 4);
+      }
+      __nv_bfloat16* ss = stage_s(b);
+      #pragma unroll 1
+      for (int i = threadIdx.x; i < 2 * R * (GC / 2); i += W * 32) {
+        const int which = i / (R * (GC / 2)), j = i % (R * (GC / 2));
+        const int slot = j / (GC / 2), v = j % (GC / 2), r = (slot / 16) % RT;
+        const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
+        const __nv_bfloat16* src = (which ? tile_biases(r) : tile_scales(r)) + row * GROUPS_PER_ROW + kc / GS + 2 * v;
+        copy4(ss + which * R * GC + slot * GC + 2 * v, src);
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+
+  float acc[RT][NB][4];
+  #pragma unroll
+  for (int r = 0; r < RT; ++r)
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
+
+  // Block nb's activations of k-tile u as the mma's B fragments: lane t's k values (its own WL words' worth)
+  // feed its four B slots of each step in the order the weights' pairs come (a dot product's k order is free).
+  auto fragments = [&](uint32_t (&xb)[STEPS][2], const __nv_bfloat16* sx, const int nb, const int u) {
+    const __nv_bfloat16* src = sx + (g + 8 * nb) * XS + u * TILE_K + t * WL * PW;
+    uint32_t xr[XR];
+    #pragma unroll
+    for (int j = 0; j < XR / 4; ++j) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + 8 * j);
+      xr[4 * j] = v.x; xr[4 * j + 1] = v.y; xr[4 * j + 2] = v.z; xr[4 * j + 3] = v.w;
+    }
+    #pragma unroll
+    for (int wi = 0; wi < WL; ++wi)
+      #pragma unroll
+      for (int h = 0; h < SPW; ++h) {
+        const int a = wi * PW / 2 + h;
+        xb[wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
+        xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
+      }
+  };
+  // Each k-tile of a stage: the warp's row tiles as exact integers (engine_pair), then each 8-row block of
+  // activations as B fragments, its sums (the bias term) and its products with every row tile.
+  auto multiply = [&](const int c) {
+    const int b = c % ST;
+    const __nv_bfloat16* sx = stage_x(b);
+    const uint32_t* sw = stage_w(b);
+    const __nv_bfloat16* ss = stage_s(b);
+    #pragma unroll
+    for (int u = 0; u < CK; ++u) {
+      uint32_t wa[RT][STEPS][4];
+      float s0[RT], s1[RT], b0[RT], b1[RT];
+      #pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const int slot = (warp * RT + r) * 16 + g;
+        const Words q0 = *reinterpret_cast<const Words*>(sw + slot * WS + u * 4 * WL + t * WL);
+        const Words q1 = *reinterpret_cast<const Words*>(sw + (slot + 8) * WS + u * 4 * WL + t * WL);
+        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&q0);
+        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&q1);
+        #pragma unroll
+        for (int wi = 0; wi < WL; ++wi)
+          #pragma unroll
+          for (int h = 0; h < SPW; ++h) {
+            wa[r][wi * SPW + h][0] = engine_pair<BITS>(w0[wi], 2 * h);
+            wa[r][wi * SPW + h][1] = engine_pair<BITS>(w1[wi], 2 * h);
+            wa[r][wi * SPW + h][2] = engine_pair<BITS>(w0[wi], 2 * h + 1);
+            wa[r][wi * SPW + h][3] = engine_pair<BITS>(w1[wi], 2 * h + 1);
+          }
+        constexpr float o = engine_offset<BITS>::value;
+        const int grp = u * TILE_K / GS;
+        s0[r] = __bfloat162float(ss[slot * GC + grp]);
+        s1[r] = __bfloat162float(ss[(slot + 8) * GC + grp]);
+        b0[r] = fmaf(-o, s0[r], __bfloat162float(ss[R * GC + slot * GC + grp]));
+        b1[r] = fmaf(-o, s1[r], __bfloat162float(ss[R * GC + (slot + 8) * GC + grp]));
+      }
+      #pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        uint32_t xb[STEPS][2];
+        fragments(xb, sx, nb, u);
+        float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums over the tile (the bias term)
+        #pragma unroll
+        for (int st = 0; st < STEPS; ++st) engine_mma(xsum, ones, ones, ones, ones, xb[st][0], xb[st][1]);
+        #pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          #pragma unroll
+          for (int st = 0; st < STEPS; ++st) engine_mma(d, wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
+          acc[r][nb][0] = fmaf(s0[r], d[0], fmaf(b0[r], xsum[0], acc[r][nb][0]));
+          acc[r][nb][1] = fmaf(s0[r], d[1], fmaf(b0[r], xsum[1], acc[r][nb][1]));
+          acc[r][nb][2] = fmaf(s1[r], d[2], fmaf(b1[r], xsum[2], acc[r][nb][2]));
+          acc[r][nb][3] = fmaf(s1[r], d[3], fmaf(b1[r], xsum[3], acc[r][nb][3]));
+        }
+      }
+    }
+  };
+
+  // ST - 1 chunks in flight: at chunk c, wait for its copies, then (one barrier: every warp is done with chunk
+  // c - 1's stage) issue chunk c + ST - 1's into that stage, then multiply chunk c.
+  #pragma unroll
+  for (int c = 0; c < ST - 1; ++c) issue(c);
+  #pragma unroll 1
+  for (int c = 0; c < CHUNKS; ++c) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(ST - 2) : "memory");
+    __syncthreads();
+    issue(c + ST - 1);
+    multiply(c);
+  }
+"""
+
+# S = 1: the sums are the results; the fused stages store them (accumulator i of lane (g, t): row g + 8 * (i / 2),
+# activation row 2t + i % 2 of its block).
+_STORE = r"""
+  // ROW SCALE
+  __syncthreads();
+  #pragma unroll
+  for (int r = 0; r < RTO; ++r)
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = nb * 8 + 2 * t + (i & 1);
+        const int rb = warp * 16 * RTO + r * 16 + g + 8 * (i >> 1);
+        const int row = block_base + rb;
+        if (m < M && row < N) {
+          const float rs = row_scale(m);
+          store(rb, m, row, output(acc[r][nb][i] * rs, acc[GATED ? r + RTO : r][nb][i] * rs, (size_t)m * N + row));
+        }
+      }
+  // AFTER STORES
+"""
+
+# S > 1: each split's float32 sums into part [S, M, NT], matrix after matrix (a gated launch's up rows after its
+# gate rows).
+_PARTIAL_STORE = r"""
+  #pragma unroll
+  for (int r = 0; r < RT; ++r)
+    #pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = nb * 8 + 2 * t + (i & 1);
+        const int row = tile_row(r) + g + 8 * (i >> 1);
+        if (m < M && row < N) part[((size_t)split * M + m) * NT + tile_off(r) + row] = acc[r][nb][i];
+      }
+"""
+
+# The split sums' launch: a thread a row of SUM_ROWS a block, each activation row's S parts added in split order,
+# then the fused stages as the S = 1 store runs them.
+_SUM = r"""
+  constexpr int W = SUM_W, WR = 1, RTO = SUM_ROWS / 16;  // the fused stages' names for the block's rows
+  constexpr int NB = (M + 7) / 8;
+  // FUSED STAGES
+  // ROW SCALE
+  __syncthreads();
+  const int rb = threadIdx.x, row = blk * SUM_ROWS + rb;
+  for (int m = 0; m < M; ++m) {
+    if (row < N) {
+      float v = 0.0f, v_up = 0.0f;
+      for (int s = 0; s < S; ++s) {
+        const float* p = part + ((size_t)s * M + m) * NT + off + row;
+        v += p[0];
+        if constexpr (GATED) v_up += p[N];
+      }
+      const float rs = row_scale(m);
+      store(rb, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
+    }
+  }
+  // AFTER STORES
+"""
+
+
+# What a row tile r reads: its matrix's weights, scales and biases, and where its rows start in the parts
+# (a gated launch's gate and up values; a plain launch's block's matrix)
+_TILES = (("w", "w0", "w1"), ("scales", "scales0", "scales1"), ("biases", "biases0", "biases1"), ("off", "0", "N0"))
+
+
+def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
+    """Which of the `count` matrices a block takes (blocks matrix after matrix, matrix i's from BLK{i}) and
+    where its rows start in the parts (`off`; `tile_off(r)` for row tile r: a gated launch's up tiles after
+    the gate's N0 rows). `main`: the products' launch (weight pointers, splits S blocks a row block), else the
+    sums' launch; `outputs`: the launch writes the results (not the parts)."""
+    blk = "blockIdx.x / S" if main else "blockIdx.x"
+    if gated:
+        lines = ["  constexpr bool GATED = true;", "  constexpr int RTO = RT / 2;" * main,
+                 f"  const int N = N0, blk = {blk}, off = 0;", "  __nv_bfloat16* out = out0;" * outputs]
+        if main:  # tiles below RTO from the gate, the rest from up
+            lines += [f"  auto tile_{name} = [&](const int r) {{ return r < RTO ? {gate} : {up}; }};"
+                      for name, gate, up in _TILES]
+        return "\n".join(line for line in lines if line) + "\n"
+    lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;" * main,
+             "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases;" * main,
+             "  __nv_bfloat16* out;" * outputs, f"  int N, off, blk = {blk};"]
+    offset = "0"
+    for i in range(count):
+        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
+        pointers = f"w = w{i}; scales = scales{i}; biases = biases{i}; " * main + f"out = out{i}; " * outputs
+        lines.append(f"  {'else ' if i else ''}{test}{{ {pointers}N = N{i}; off = {offset}; blk -= BLK{i}; }}")
+        offset += f" + N{i}"
+    if main:
+        lines += [f"  auto tile_{name} = [&](const int) {{ return {name}; }};" for name, _, _ in _TILES]
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _with_stages(body: str, fusion: Fusion | None) -> str:
+    """`body` with the fused stages in their marked places (None: no stages, the parts' launch)."""
+    marks = {"  // FUSED STAGES\n": "source", "  // ROW SCALE\n": "row_scale_source",
+             "  // AFTER STORES\n": "after_stores_source"}
+    for mark, stage in marks.items():
+        body = body.replace(mark, getattr(fusion, stage)() if fusion else "")
+    return body
+
+
+def source(count: int, fusion: Fusion, split: bool) -> str:
+    """The products' launch body: the results with their stages (`split` False), or each split's partial sums
+    (True; the sums' launch runs the stages)."""
+    if split:
+        return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(_BODY + _PARTIAL_STORE, None)
+    return _prologue(count, fusion.gated, True) + _with_stages(_BODY + _STORE, fusion)
+
+
+def sum_source(count: int, fusion: Fusion) -> str:
+    """The split sums' launch body."""
+    body = _SUM.replace("SUM_ROWS", str(SUM_ROWS)).replace("SUM_W", str(SUM_ROWS // 32))
+    return _prologue(count, fusion.gated, False) + _with_stages(body, fusion)
+
+
+@lru_cache(maxsize=None)
+def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0):
+    """The products' launch kernel with `shared` bytes of dynamic shared memory (`threads`, `min_blocks`: its
+    launch bounds)."""
+    outputs = ["part"] if split else output_names(count, fusion)
+    inputs = input_names(count, Fusion() if split else fusion)
+    tag = "_part" if split else fusion.tag()
+    return cuda_kernel(name=f"engine_affine_sqmm{count}{tag}", input_names=inputs, output_names=outputs,
+                       source=source(count, fusion, split), header=HEADER + launch_bounds(threads, min_blocks),
+                       shared_memory=shared)  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def sum_kernel(count: int, fusion: Fusion):
+    inputs = ["x", "part"] + fusion.inputs()
+    return cuda_kernel(name=f"engine_affine_sqmm_sum{count}{fusion.tag()}", input_names=inputs,
+                       output_names=output_names(count, fusion), source=sum_source(count, fusion), header=HEADER)  # fmt: skip
+
+
+def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
+            config: StagedConfig, fusion: Fusion, extra: Sequence[mx.array], template: list) -> list[mx.array]:  # fmt: skip
+    """The staged launch(es) of `calls.quantized_matmuls`: the same results in the same layout. `template`: the
+    stages' own template values (P, EPS)."""
+    k = x.shape[-1]
+    m = x.size // k
+    if fusion.gated:  # a warp's tiles in pairs: a gate tile and the up tile of the same rows
+        config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)
+    rows = [w.shape[0] for w, _, _ in matrices]
+    count = len(matrices)
+    products = 1 if fusion.gated else count
+    tile_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
+
+    def starts(block_rows: int) -> list[int]:
+        out = [0]
+        for n in rows[:products]:
+            out.append(out[-1] + -(-n // block_rows))
+        return out
+
+    main_blocks = starts(tile_rows)
+    base = [("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template(group_size, bits) + [
+        (f"N{i}", n) for i, n in enumerate(rows)] + [("NT", sum(rows))]  # fmt: skip
+    weights = [a for triple in matrices for a in triple]
+    threads = config.warps * 32
+    bounds = (shared_request(config, m, fusion, group_size, bits),) + (
+        (threads, config.min_blocks) if config.min_blocks else (0, 0))
+    shapes = [(*x.shape[:-1], n) for n in rows[:products]]
+    dtypes = [mx.bfloat16] * products
+    if config.splits == 1:
+        norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, main_blocks[-1])]
+        return kernel(count, fusion, False, *bounds)(
+            inputs=[x] + weights + list(extra),
+            template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])] + template,
+            grid=(main_blocks[-1] * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=shapes + norm_out, output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
+        )  # fmt: skip
+    (part,) = kernel(count, fusion, True, *bounds)(
+        inputs=[x] + weights,
+        template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
+        grid=(main_blocks[-1] * config.splits * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(config.splits, m, sum(rows))], output_dtypes=[mx.float32],
+    )  # fmt: skip
+    sum_blocks = starts(SUM_ROWS)
+    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
+    return sum_kernel(count, fusion)(
+        inputs=[x, part] + list(extra),
+        template=[("K", k), ("M", m), ("S", config.splits), ("NT", sum(rows))]
+                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(sum_blocks[:-1])]
+                 + template,
+        grid=(sum_blocks[-1] * SUM_ROWS, 1, 1), threadgroup=(SUM_ROWS, 1, 1),
+        output_shapes=shapes + norm_out, output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
+    )  # fmt: skip
