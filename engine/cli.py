@@ -73,7 +73,7 @@ def _non_negative(text: str) -> int:
 
 
 def _buckets(text: str) -> Optional[tuple[int, ...]]:
-    """--decode-buckets and --prefill-buckets: None for auto, () for off, else the counts."""
+    """--decode-buckets, --prefill-buckets and --prefill-groups: None for auto, () for off, else the counts."""
     if text == "auto":
         return None
     if text == "off":
@@ -188,13 +188,18 @@ def _add_serve(sub) -> None:
                    help="prompt chunk lengths a prefill forward is padded up to, so each compiles once (auto, the "
                    "default: 16, 24, 32, 48, ... up to --prefill-chunk on the fast tier, at most 1.5x the tokens; "
                    "off on the exact tier)")
+    p.add_argument("--prefill-groups", type=_buckets, default=None, metavar="auto|off|N,N,...",
+                   help="counts of prompts prefilled together, a group filled with ghost prompts up to the next "
+                   "one, so each compiles once (auto, the default: 1, 2, 4, 8 on the fast tier, at most 2x the "
+                   "rows; off on the exact tier)")
     p.add_argument("--prefill-budget", type=_budget, default=None, metavar="auto|off|N",
                    help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
                    "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
                    "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)")
     p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
-                   help="before /health says ready: full runs every decode row count and a prompt of each prefill "
-                   "bucket, quick one request a lane, off none (default full on CUDA, quick elsewhere)")
+                   help="before /health says ready: full runs every decode row count, a prompt of each prefill "
+                   "bucket and each prefill group bucket at the chunks it can take, quick one request a lane, off "
+                   "none (default full on CUDA, quick elsewhere)")
     p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
     p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
@@ -275,6 +280,7 @@ def cmd_serve(args) -> int:
             max_queued_tokens=args.max_queued_tokens or None,
             decode_buckets=args.decode_buckets,
             chunk_buckets=args.prefill_buckets,
+            group_buckets=args.prefill_groups,
             prefill_budget=args.prefill_budget,
             warmup=args.warmup,
         )

@@ -56,15 +56,21 @@ class GatewayConfig:
     prompt_cache_bytes: int = 0  # 0: no prompt cache
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
     chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
+    group_buckets: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
     prefill_budget: Optional[int] = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
 
     def __post_init__(self):
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if self.decode_buckets and self.kv_quantization is not None:
-            raise ValueError("decode buckets do not combine with quantized KV (--kv-bits)")
+        if (self.decode_buckets or self.group_buckets) and self.kv_quantization is not None:
+            raise ValueError("decode and prefill group buckets do not combine with quantized KV (--kv-bits)")
         if self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
+
+    def scheduler(self) -> SchedulerConfig:
+        """The continuous lane's scheduler settings."""
+        return SchedulerConfig(max_rows=self.batch, prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
+                               kv_budget_bytes=self.kv_budget_bytes, prefill_budget=self.prefill_budget)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,17 +124,12 @@ class Gateway:
         if config.batch > 1 and self.batchable and self._kv_batches:
             self.batcher = ContinuousBatcher(
                 model,
-                SchedulerConfig(
-                    max_rows=config.batch,
-                    prefill_chunk=config.prefill_chunk,
-                    prefill_batch=config.prefill_batch,
-                    kv_budget_bytes=config.kv_budget_bytes,
-                    prefill_budget=config.prefill_budget,
-                ),
+                config.scheduler(),
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,
                 decode_buckets=config.decode_buckets,
                 chunk_buckets=config.chunk_buckets,
+                group_buckets=config.group_buckets,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()

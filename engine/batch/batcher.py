@@ -41,8 +41,9 @@ class ContinuousBatcher:
         kv_quantization: Optional[KVQuantization] = None,
         decode_buckets: tuple[int, ...] = (),
         chunk_buckets: tuple[int, ...] = (),
+        group_buckets: tuple[int, ...] = (),
     ):
-        self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets)
+        self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets)
         self.scheduler = Scheduler(config)
         self.layout: KVLayout = kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches

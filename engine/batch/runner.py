@@ -17,7 +17,9 @@ what makes the same-B oracle comparison bit-exact:
   register, and only then reads the current one back (pipelined);
 - with chunk buckets, a prefill forward is right-padded to the smallest
   bucket that holds its longest chunk, not to that chunk: a few lengths, not
-  every prompt's;
+  every prompt's; with group buckets, its joiners are filled to the smallest
+  group bucket with ghost joiners (empty rows fed the last joiner's chunk,
+  dropped after the forward): a few group sizes, not every burst's;
 - with decode buckets, the running batch (and the L=1 forward that gives
   joiners their token 0) is filled to the smallest bucket
   that holds its rows with ghost rows (copies of its last row, fed its token,
@@ -195,18 +197,22 @@ def chunk_buckets(prefill_chunk: int) -> tuple[int, ...]:
 
 class BatchRunner:
     def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None,
-                 decode_buckets: Sequence[int] = (), chunk_buckets: Sequence[int] = ()):  # fmt: skip
+                 decode_buckets: Sequence[int] = (), chunk_buckets: Sequence[int] = (),
+                 group_buckets: Sequence[int] = ()):  # fmt: skip
         if kv is not None and kv.start != 0:
             raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
-        if any(b < 1 for b in (*decode_buckets, *chunk_buckets)):
-            raise ValueError(f"buckets are counts >= 1, got {list(decode_buckets)} and {list(chunk_buckets)}")
-        if kv is not None and decode_buckets:
-            raise ValueError("decode buckets do not combine with quantized KV (ghost rows copy full-precision caches)")
+        if any(b < 1 for b in (*decode_buckets, *chunk_buckets, *group_buckets)):
+            raise ValueError(f"buckets are counts >= 1, got {list(decode_buckets)}, {list(chunk_buckets)} and "
+                             f"{list(group_buckets)}")  # fmt: skip
+        if kv is not None and (decode_buckets or group_buckets):
+            raise ValueError("decode and group buckets do not combine with quantized KV (ghost rows copy "
+                             "full-precision caches)")  # fmt: skip
         self.model = model
         self.tap = tap
         self.kv = kv
         self.buckets = tuple(sorted(set(decode_buckets)))
         self.chunk_buckets = tuple(sorted(set(chunk_buckets)))
+        self.group_buckets = tuple(sorted(set(group_buckets)))
         # The forward shapes this runner has run (kind, rows[, tokens]): on CUDA each new one compiles kernels.
         self.shapes: set[tuple[int | str, ...]] = set()
         self.rows: list[_Row] = []
@@ -251,7 +257,15 @@ class BatchRunner:
         return failures
 
     def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
-        """One chunk per joiner (group order) through the model, right-padded to the longest."""
+        """One chunk per joiner (group order) through the model, right-padded to the longest (to its chunk
+        bucket), the group filled with ghost joiners to its group bucket."""
+        joiners = len(chunks)
+        ghosts = bucket(joiners, self.group_buckets) - joiners
+        if ghosts > 0:  # empty rows fed the last joiner's chunk: no joiner's caches move (they are the longer side)
+            fresh = self.model.make_cache()
+            for group, extra in zip(self.joiner_cache, merge_rows([fresh] * ghosts)):
+                group.extend(extra)
+            chunks = [*chunks, *[chunks[-1]] * ghosts]
         lengths = [len(c) for c in chunks]
         longest = bucket(max(lengths), self.chunk_buckets)
         padding = [longest - n for n in lengths]
@@ -264,6 +278,10 @@ class BatchRunner:
         if max(padding) > 0:
             for c in self.joiner_cache:
                 c.finalize()
+            mx.eval(cache_arrays(self.joiner_cache))
+        if ghosts > 0:  # the joiners' caches as they would be without the ghosts, padding included
+            for c in self.joiner_cache:
+                c.filter(list(range(joiners)), trim=False)
             mx.eval(cache_arrays(self.joiner_cache))
         self._quantize_kv(self.joiner_cache)
         mx.clear_cache()

@@ -174,14 +174,14 @@ class BatchKVCache:
         ]
         self.idx = longest
 
-    def filter(self, keep: Sequence[int]) -> None:
-        """Keep these rows (in this order), then drop padding every survivor shares."""
+    def filter(self, keep: Sequence[int], trim: bool = True) -> None:
+        """Keep these rows (in this order), then (`trim`) drop padding every survivor shares."""
         self._changed()
         if self.parts is not None:
             rows = mx.array(list(keep))
             self.parts = [p[rows] for p in self.parts]
         self.left_padding = [self.left_padding[i] for i in keep]
-        shared = min(self.left_padding) if self.left_padding else 0
+        shared = min(self.left_padding) if self.left_padding and trim else 0
         if shared > 0:
             if self.parts is not None:
                 self.parts = [p[..., shared:, :] for p in self.parts]

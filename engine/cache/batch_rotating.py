@@ -225,7 +225,8 @@ class BatchRotatingKVCache:
         self.idx = longest
         self.tokens = max(self.tokens, other.tokens)
 
-    def filter(self, keep: Sequence[int]) -> None:
+    def filter(self, keep: Sequence[int], trim: bool = True) -> None:
+        """Keep these rows (in this order); a rotating cache keeps its padding either way (`trim`)."""
         self._offset_array = None
         if self.keys is not None:
             rows = mx.array(list(keep))

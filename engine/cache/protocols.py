@@ -56,8 +56,8 @@ class BatchCache(Protocol):
     def extend(self, other: Any) -> None:
         """Append another batch's rows."""
 
-    def filter(self, keep: Sequence[int]) -> None:
-        """Keep these rows, in this order."""
+    def filter(self, keep: Sequence[int], trim: bool = True) -> None:
+        """Keep these rows, in this order (`trim`: then drop padding they all share, where a kind has it)."""
 
     def extract(self, row: int) -> Cache:
         """One row as a single-row cache (a copy)."""

@@ -122,7 +122,8 @@ class RecurrentCache:
         self.left_padding = cat_meta(self.left_padding, other.left_padding)
         self.lengths = cat_meta(self.lengths, other.lengths)
 
-    def filter(self, keep: Sequence[int]) -> None:
+    def filter(self, keep: Sequence[int], trim: bool = True) -> None:
+        """Keep these rows (in this order); state has no padding to trim (`trim` for the batch caches' sake)."""
         rows = mx.array(list(keep))
         self.slots = [s[rows] if s is not None else None for s in self.slots]
         if self.left_padding is not None:

@@ -24,7 +24,7 @@ from typing import Optional
 
 from engine.engine import Engine, kernels_notice
 from engine.kernels import FAST, KernelConfig
-from engine.batch.runner import chunk_buckets, power_buckets
+from engine.batch.runner import bucket, chunk_buckets, power_buckets
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -79,13 +79,14 @@ class ServeConfig:
     max_queued_tokens: Optional[int] = None
     decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
     chunk_buckets: Optional[tuple[int, ...]] = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
+    group_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets of the prefill group); (): off
     prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
-        decode rows to power_buckets and prefill chunks to chunk_buckets, and its joiners share one chunk's
-        tokens an iteration; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator,
+        decode rows and prefill groups to power_buckets and prefill chunks to chunk_buckets, and its joiners
+        share one chunk's tokens an iteration; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator,
         which pads neither and gives each joiner a whole chunk)."""
         kvq = None
         if self.kv_bits is not None:
@@ -94,6 +95,9 @@ class ServeConfig:
         buckets = self.decode_buckets
         if buckets is None:
             buckets = power_buckets(batch) if tier == FAST and kvq is None and batch > 1 else ()
+        groups = self.group_buckets
+        if groups is None:
+            groups = power_buckets(GatewayConfig.prefill_batch) if tier == FAST and kvq is None and batch > 1 else ()
         chunks = self.chunk_buckets
         if chunks is None:
             chunks = chunk_buckets(self.prefill_chunk) if tier == FAST else ()
@@ -108,6 +112,7 @@ class ServeConfig:
             prompt_cache_bytes=self.prompt_cache_bytes,
             decode_buckets=tuple(buckets),
             chunk_buckets=tuple(chunks),
+            group_buckets=tuple(groups),
             prefill_budget=budget or None,
         )
 
@@ -131,12 +136,32 @@ def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Opt
     return LOOPBACK | {host.lower().strip("[]")}
 
 
+def _group_waves(config: GatewayConfig, context: int, fits) -> list[list[GenerationRequest]]:
+    """The full warm-up's prefill groups: for each group bucket past one, its fewest prompts (one more than the
+    bucket below), each of a chunk bucket's length up to the bucket of the chunk such a group takes, so that
+    the group's prefill forwards (filled to the bucket) take every shape a burst can give them. `fits(rows,
+    tokens)`: whether that many prompts of that length fit the KV budget."""
+    chunk = config.scheduler().chunk
+    waves, below = [], 1
+    for group in config.group_buckets:
+        if group > 1:
+            rows = below + 1
+            longest = bucket(chunk(rows), config.chunk_buckets)
+            waves += [[GenerationRequest(f"warmup-group-{group}-{n}-{j}",
+                                         (100 + j, 150 + len(waves) % 50, *(1 + i % 97 for i in range(n - 1))),
+                                         stop=StopCriteria(max_tokens=2, ignore_eos=True)) for j in range(rows)]
+                      for n in config.chunk_buckets if n <= longest and n + 3 <= context and fits(rows, n)]  # fmt: skip
+        below = group
+    return waves
+
+
 def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096) -> int:
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
     compile; returns how many ran. `quick`: one short request (two on the continuous lane, decoding
     together). `full`: also `batch` requests at once on the continuous lane, each a token longer than the
     one before, so the decode batch takes every row count (every decode bucket) on its way up and down;
-    then, one at a time, a prompt a prefill chunk bucket long (within `context` and the KV budget). `off`:
+    then, one at a time, a prompt a prefill chunk bucket long (within `context` and the KV budget), and the
+    prefill groups of each group bucket (`_group_waves`). `off`:
     none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
     request)."""
     if mode == "off":
@@ -153,6 +178,8 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         waves += [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
                   for k, n in enumerate(gateway.config.chunk_buckets)
                   if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
+        waves += _group_waves(gateway.config, context,
+                              lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
     sinks = []
     for wave in waves:
         for r in wave:

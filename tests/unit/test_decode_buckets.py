@@ -19,11 +19,11 @@ def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
     return GenerationRequest(rid, prompt, sampling, StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def staggered(model, buckets, chunks=(), budget=None):
+def staggered(model, buckets, chunks=(), budget=None, groups=()):
     """Rows joining and leaving at different steps (1 to 6 decoding, 3 taking token 0 at once), one of them
     sampled with a seed; the tokens of each, and the decode shapes the batch took."""
     b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=3, prefill_chunk=16, prefill_budget=budget),
-                          decode_buckets=buckets, chunk_buckets=chunks)  # fmt: skip
+                          decode_buckets=buckets, chunk_buckets=chunks, group_buckets=groups)  # fmt: skip
     shapes = set()
     decode = b.runner.decode
 
@@ -46,6 +46,8 @@ def staggered(model, buckets, chunks=(), budget=None):
     assert (b.active_rows, b.runner.num_rows, b.runner.ghosts) == (0, 0, 0)
     prefills = {shape[2] for shape in b.runner.shapes if shape[0] == "prefill"}
     assert not chunks or prefills <= set(chunks)
+    groups_run = {shape[1] for shape in b.runner.shapes if shape[0] == "prefill"}
+    assert groups_run <= set(groups) if groups else 3 in groups_run
     firsts = {shape[1] for shape in b.runner.shapes if shape[0] == "first"}  # the token-0 forwards' rows
     assert firsts <= set(buckets) if buckets else 3 in firsts
     return {rid: s.token_ids for rid, s in sinks.items()}, shapes
@@ -60,6 +62,7 @@ def test_ghost_rows_change_no_token(tiny_path, name):
     assert padded == plain
     assert staggered(model, BUCKETS, (8, 12, 16))[0] == plain  # prefill chunks padded too
     assert staggered(model, BUCKETS, (8, 12, 16), budget=10)[0] == plain  # and shared out, 5 tokens a joiner
+    assert staggered(model, BUCKETS, (8, 12, 16), budget=10, groups=(1, 2, 4))[0] == plain  # groups of 3 filled to 4
     assert all(len(ids) > 0 for ids in plain.values())
     assert {3, 5} & plain_shapes and padded_shapes <= set(BUCKETS)  # only the padded batch kept to the buckets
 
@@ -95,6 +98,10 @@ def test_bucket_and_settings():
         BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), decode_buckets=(1, 2))
     with pytest.raises(ValueError, match="quantized KV"):
         GatewayConfig(decode_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
+    with pytest.raises(ValueError, match="quantized KV"):
+        GatewayConfig(group_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
+    with pytest.raises(ValueError, match="quantized KV"):
+        BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), group_buckets=(1, 2))
 
 
 def test_a_prefill_budget_is_shared_by_the_joiners():

@@ -6,7 +6,9 @@ from engine.batch.runner import chunk_buckets, power_buckets
 from engine.gateway import Gateway, GatewayConfig
 from engine.kernels import EXACT, FAST, on_cuda
 from engine.loading import load_model
+from engine.request import GenerationRequest, StopCriteria
 from engine.server.main import ServeConfig, _warm_up, default_batch, default_warmup
+from engine.sinks import CollectingSink
 
 
 def test_defaults_fit_the_device():
@@ -32,6 +34,10 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     assert ServeConfig(batch=16, decode_buckets=(4, 16)).gateway_config(EXACT).decode_buckets == (4, 16)
     with pytest.raises(ValueError, match="quantized KV"):
         ServeConfig(batch=16, kv_bits=8, decode_buckets=(4, 16)).gateway_config(FAST)
+    assert cfg.gateway_config(FAST).group_buckets == (1, 2, 4, 8)  # the prefill group of 8, in powers of two
+    assert cfg.gateway_config(EXACT).group_buckets == ()
+    assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).group_buckets == ()
+    assert ServeConfig(group_buckets=()).gateway_config(FAST).group_buckets == ()
 
 
 @pytest.mark.parametrize("mode, requests", [("off", 0), ("quick", 2), ("full", 2 + 8)])
@@ -52,6 +58,28 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     assert _warm_up(gateway, "full", context=30) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
+
+
+def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path):
+    # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
+    # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
+    # length, arriving at once, runs only the warm-up's forward shapes.
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    config = GatewayConfig(batch=8, prefill_chunk=64, prefill_budget=64, decode_buckets=power_buckets(8),
+                           chunk_buckets=chunk_buckets(64), group_buckets=(1, 2, 4, 8))  # fmt: skip
+    gateway = Gateway(model, config)
+    # 2 + 8 + the 5 chunk buckets, then groups: 2 prompts of 16-32 tokens, 3 of 16-24, 5 of 16
+    assert _warm_up(gateway, "full") == 2 + 8 + 5 + 2 * 3 + 3 * 2 + 5 * 1
+    assert {("prefill", 2, 32), ("prefill", 4, 24), ("prefill", 8, 16)} <= gateway.shapes
+    gateway.mark_ready()
+    sinks = []
+    for i, n in enumerate((5, 17, 30, 44, 9, 63, 2)):
+        sinks.append(CollectingSink())
+        gateway.submit(GenerationRequest(f"burst-{i}", tuple(7 + (i * 31 + j) % 500 for j in range(n)),
+                                         stop=StopCriteria(max_tokens=3, ignore_eos=True)), sinks[-1])  # fmt: skip
+    gateway.run_until_idle()
+    assert all(len(s.token_ids) == 3 for s in sinks)
+    assert len(gateway.shapes) == gateway.shapes_at_ready
 
 
 def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
