@@ -1,4 +1,12 @@
-"""The continuous batcher: one loop iteration = scheduler decisions + runner work + delivery.
+"""The continuous batcher: each phase of an iteration is schedule -> execute -> update.
+
+The scheduler plans a phase (`DecodePlan`, `PrefillPlan`: who leaves, who
+decodes, who joins, takes token 0 or a prefill chunk, by request), the runner
+runs it on the arrays and answers by request id (`RowTokens`), the scheduler
+takes the tokens back (`update_decode`, `update_first_tokens`), and the
+batcher delivers them to the requests' sinks. The prefill phase is planned
+after the decode phase has run, as mlx-lm's BatchGenerator orders them, so
+that the rows that finish in a decode step free their room first.
 
 Containment:
 - a request whose consumer fails (its sink raises) or goes away (returns
@@ -22,7 +30,7 @@ import mlx.nn as nn
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
-from engine.batch.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.cache import cache_nbytes
 from engine.generate import KVQuantization
 from engine.request import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult
@@ -105,10 +113,11 @@ class ContinuousBatcher:
     # ------------------------------------------------------------- the loop
 
     def step(self) -> bool:
-        """One iteration: a decode step, then admission, token 0 for ready joiners, one prefill chunk."""
-        self._drop_cancelled_rows()
-        did_decode = self._decode() if self.scheduler.running else False
-        return self._advance_joiners() or did_decode
+        """One iteration in two phases, each planned by the scheduler once the one before has run (the order
+        of mlx-lm's BatchGenerator), run by the runner, its outcome handed back: a decode step for the
+        running rows, then admission, token 0 for ready joiners and one prefill chunk."""
+        decoded = self._decode(self.scheduler.schedule_decode())
+        return self._prefill(self.scheduler.schedule_prefill()) or decoded
 
     def run_until_idle(self, max_steps: Optional[int] = None) -> int:
         steps = 0
@@ -117,18 +126,17 @@ class ContinuousBatcher:
             steps += 1
         return steps
 
-    # -------------------------------------------------------------- helpers
+    # -------------------------------------------------------------- phases
 
-    def _drop_cancelled_rows(self) -> None:
-        gone, keep = self.scheduler.cancelled_rows()
-        if gone:
-            self.runner.filter(keep)
-            for seq in gone:
+    def _decode(self, plan: DecodePlan) -> bool:
+        if plan.evicted:
+            self.runner.leave({s.request_id for s in plan.evicted})
+            for seq in plan.evicted:
                 self._end(seq)
-
-    def _decode(self) -> bool:
+        if not plan.rows:
+            return False
         try:
-            step = self.runner.decode()
+            output = self.runner.decode()
         except Exception as e:  # noqa: BLE001 - a failed forward fails the batch, never the loop
             log.exception("decode step failed; failing %d rows", self.runner.num_rows)
             failed = self.scheduler.fail_running(f"decode step failed: {e!r}")
@@ -136,32 +144,25 @@ class ContinuousBatcher:
             for seq in failed:
                 self._end(seq)
             return True
-        self._fail_rows(step.failures)
-        ids = [r.request_id for r in self.runner.rows]
-        outcome = self.scheduler.on_decoded(step.tokens)
+        self._fail_rows(output.failures)
+        outcome = self.scheduler.update_decode(output.tokens)
         caches = {}
         if self.keep_caches:  # each finished row holds its prompt and every token it pushed
-            caches = {
-                s.request_id: CachedPrefix(
-                    s.request.prompt_ids + tuple(s.tracker.ids), self.runner.extract(ids.index(s.request_id))
-                )
-                for s in outcome.finished
-            }
+            caches = {s.request_id: CachedPrefix(s.request.prompt_ids + tuple(s.tracker.ids),
+                                                 self.runner.extract(s.request_id)) for s in outcome.finished}  # fmt: skip
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
-        if len(outcome.keep) < len(ids):
-            self.runner.filter(outcome.keep)
+        if outcome.finished:
+            self.runner.leave({s.request_id for s in outcome.finished})
         for seq in outcome.finished:
             self._end(seq, caches.get(seq.request_id))
         return True
 
-    def _advance_joiners(self) -> bool:
-        gone, keep = self.scheduler.cancelled_joiners()
-        if gone:
-            self.runner.filter_joiners(keep)
-            for seq in gone:
+    def _prefill(self, plan: PrefillPlan) -> bool:
+        if plan.evicted:
+            self.runner.leave_group({s.request_id for s in plan.evicted})
+            for seq in plan.evicted:
                 self._end(seq)
-        plan = self.scheduler.plan_prefill()
         if plan.is_empty:
             return False
         try:
@@ -173,38 +174,32 @@ class ContinuousBatcher:
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
                 self.runner.prefill([chunk for _, chunk in plan.chunks])
-                self.scheduler.on_prefilled(plan)
+                self.scheduler.update_prefill(plan)
         except Exception as e:  # noqa: BLE001 - the joiners' failure is theirs alone
             log.exception("prefill failed; failing %d joiners", len(self.scheduler.joiners))
             failed = self.scheduler.fail_joiners(f"prefill failed: {e!r}")
             self.runner.drop_joiners()
-            self.runner.join([])  # forget any split joiners
             for seq in failed:
                 self._end(seq)
         return True
 
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
-        members = {id(s) for s in ready}
-        indices = [i for i, s in enumerate(self.scheduler.joiners) if id(s) in members]
-        snapshot = [i for i, s in enumerate(ready) if self.keep_boundaries and len(s.prompt_body) > 0]
-        step = self.runner.first_tokens(indices, [s.request.prompt_ids[-1] for s in ready], snapshot)
-        self._fail_rows(step.failures)
+        snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}
+        output = self.runner.first_tokens([s.request_id for s in ready], snapshot)
+        self._fail_rows(output.failures)
         bodies = {s.request_id: s.prompt_body for s in ready}
-        for request_id, cache in self.runner.ready_prompts.items():
+        for request_id, cache in output.prompts.items():
             self._boundaries[request_id] = CachedPrefix(bodies[request_id], cache)
-        decisions = self.scheduler.on_first_tokens(step.tokens)
+        firsts = self.scheduler.update_first_tokens(output.tokens)
         caches = {}
         if self.keep_caches:  # finished at token 0: only the prompt went through
-            caches = {
-                id(s): CachedPrefix(s.request.prompt_ids, self.runner.ready_extract(i))
-                for i, (s, _, joins) in enumerate(decisions)
-                if not joins
-            }
-        self.runner.join([i for i, (_, _, joins) in enumerate(decisions) if joins])
-        for seq, emitted, joins in decisions:
-            self._deliver(seq, emitted)
-            if not joins:
-                self._end(seq, caches.get(id(seq)))
+            caches = {f.seq.request_id: CachedPrefix(f.seq.request.prompt_ids, self.runner.ready_extract(f.seq.request_id))
+                      for f in firsts if not f.joins}  # fmt: skip
+        self.runner.join({f.seq.request_id for f in firsts if f.joins})
+        for f in firsts:
+            self._deliver(f.seq, f.tokens)
+            if not f.joins:
+                self._end(f.seq, caches.get(f.seq.request_id))
 
     def _fail_rows(self, failures: tuple[RowFailure, ...] | list[RowFailure]) -> None:
         """Rows the runner dropped for their own failure end with it; nobody else does."""

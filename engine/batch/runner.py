@@ -36,8 +36,8 @@ had.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Optional, Sequence
 
 import copy
 
@@ -94,10 +94,12 @@ class RowFailure:
 
 @dataclass(frozen=True)
 class RowTokens:
-    """One token per row that goes on (in row order), and the rows that failed alone and left."""
+    """One token per row that goes on (by request id, in row order), the rows that failed alone and left, and
+    (token 0 only) the single-row caches of the prompt bodies asked for."""
 
-    tokens: list[GeneratedToken]
+    tokens: dict[str, GeneratedToken]
     failures: tuple[RowFailure, ...] = ()
+    prompts: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,12 @@ class _Row:
     sampler: Sampler
     processors: list
     history: Optional[mx.array]  # tokens seen, for processors (prompt, then fed tokens)
+    last_prompt_token: int  # what the token-0 forward feeds
 
     @classmethod
     def start(cls, j: Joiner) -> "_Row":
         history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
-        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history)
+        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history, j.prompt_ids[-1])
 
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's processors to its logits [1, V], given this step's input token(s)."""
@@ -225,7 +228,6 @@ class BatchRunner:
         self.ready: list[_Row] = []
         self.ready_cache: Optional[list] = None
         self.ready_first: Optional[_Sampled] = None
-        self.ready_prompts: dict[str, list] = {}  # request id -> single-row caches of its prompt body
 
     # --------------------------------------------------------------- joiners
 
@@ -286,17 +288,14 @@ class BatchRunner:
         self._quantize_kv(self.joiner_cache)
         mx.clear_cache()
 
-    def first_tokens(
-        self, indices: Sequence[int], last_tokens: Sequence[int], snapshot: Sequence[int] = ()
-    ) -> RowTokens:
-        """Split joiners `indices` off the group; token 0 of each from an L=1 forward (read now).
-
-        Split joiners `snapshot` (indices into the split) keep a copy of their
-        caches before that forward, in `ready_prompts` (by request id). A split
-        joiner whose token 0 cannot be sampled leaves the split.
-        """
-        indices = list(indices)
-        rest = [i for i in range(len(self.joiners)) if i not in indices]
+    def first_tokens(self, request_ids: Sequence[str], snapshot: Collection[str] = ()) -> RowTokens:
+        """Split these joiners off the group; token 0 of each from an L=1 forward of its last prompt token
+        (read now). The split joiners in `snapshot` hand back a copy of their caches before that forward
+        (`RowTokens.prompts`). A split joiner whose token 0 cannot be sampled leaves the split."""
+        position = {row.request_id: i for i, row in enumerate(self.joiners)}
+        indices = [position[r] for r in request_ids]
+        taken = set(indices)
+        rest = [i for i in range(len(self.joiners)) if i not in taken]
         self.ready = [self.joiners[i] for i in indices]
         self.ready_cache = [copy.copy(c) for c in self.joiner_cache]
         for c in self.ready_cache:
@@ -307,8 +306,9 @@ class BatchRunner:
             self.joiners = [self.joiners[i] for i in rest]
         else:
             self.joiners, self.joiner_cache = [], None
-        self.ready_prompts = {self.ready[i].request_id: [c.extract(i) for c in self.ready_cache] for i in snapshot}
-        inputs = mx.array(list(last_tokens))
+        prompts = {row.request_id: [c.extract(i) for c in self.ready_cache]
+                   for i, row in enumerate(self.ready) if row.request_id in snapshot}  # fmt: skip
+        inputs = mx.array([row.last_prompt_token for row in self.ready])
         logits = self._first_forward(inputs)
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
@@ -316,11 +316,11 @@ class BatchRunner:
         self.ready_first = sampled
         tokens = self._emitted(self.ready, sampled, failed)
         if not failed:
-            return RowTokens(tokens)
+            return RowTokens(tokens, prompts=prompts)
         failures = _failures(self.ready, failed)
         keep = [i for i in range(len(self.ready)) if i not in failed]
         for f in failures:
-            self.ready_prompts.pop(f.request_id, None)
+            prompts.pop(f.request_id, None)
         self.ready = [self.ready[i] for i in keep]
         if keep:
             for c in self.ready_cache:
@@ -328,7 +328,7 @@ class BatchRunner:
             self.ready_first = sampled.take(keep)
         else:
             self.ready_cache = self.ready_first = None
-        return RowTokens(tokens, failures)
+        return RowTokens(tokens, failures, prompts)
 
     def _first_forward(self, inputs: mx.array) -> mx.array:
         """The split's L=1 forward, its rows filled with ghosts to their decode bucket (a shape the decode
@@ -346,9 +346,9 @@ class BatchRunner:
             logits = logits[:n]
         return logits
 
-    def join(self, keep: Sequence[int]) -> None:
-        """The split joiners `keep` (indices into the split) become the last rows of the batch."""
-        keep = list(keep)
+    def join(self, request_ids: Collection[str]) -> None:
+        """These split joiners become the last rows of the batch (in split order); the rest of the split goes."""
+        keep = [i for i, row in enumerate(self.ready) if row.request_id in request_ids]
         if keep:
             if len(keep) < len(self.ready):
                 for c in self.ready_cache:
@@ -363,14 +363,16 @@ class BatchRunner:
                 self.register = self.register.then(self.ready_first)
             self.rows += [self.ready[i] for i in keep]
             self._fill_to_bucket()
-        self.ready, self.ready_cache, self.ready_first, self.ready_prompts = [], None, None, {}
+        self.ready, self.ready_cache, self.ready_first = [], None, None
 
-    def ready_extract(self, index: int) -> list:
+    def ready_extract(self, request_id: str) -> list:
         """A split joiner's caches (prompt only), as single-row caches."""
+        index = next(i for i, row in enumerate(self.ready) if row.request_id == request_id)
         return [c.extract(index) for c in self.ready_cache]
 
-    def filter_joiners(self, keep: Sequence[int]) -> None:
-        keep = list(keep)
+    def leave_group(self, request_ids: Collection[str]) -> None:
+        """These joiners leave the prefill group."""
+        keep = [i for i, row in enumerate(self.joiners) if row.request_id not in request_ids]
         if not keep:
             self.drop_joiners()
             return
@@ -379,7 +381,9 @@ class BatchRunner:
         self.joiners = [self.joiners[i] for i in keep]
 
     def drop_joiners(self) -> None:
+        """The whole prefill group and any split joiners go (their prefill failed)."""
         self.joiners, self.joiner_cache = [], None
+        self.ready, self.ready_cache, self.ready_first = [], None, None
 
     # ---------------------------------------------------------------- decode
 
@@ -404,10 +408,14 @@ class BatchRunner:
         if not failed:
             return RowTokens(tokens)
         failures = _failures(self.rows, failed)
-        self.filter([i for i in range(len(self.rows)) if i not in failed])
+        self._filter([i for i in range(len(self.rows)) if i not in failed])
         return RowTokens(tokens, failures)
 
-    def filter(self, keep: Sequence[int]) -> None:
+    def leave(self, request_ids: Collection[str]) -> None:
+        """These rows leave the batch."""
+        self._filter([i for i, row in enumerate(self.rows) if row.request_id not in request_ids])
+
+    def _filter(self, keep: Sequence[int]) -> None:
         keep = list(keep)
         if not keep:
             self.reset()
@@ -419,8 +427,9 @@ class BatchRunner:
         self.rows = [self.rows[i] for i in keep]
         self._fill_to_bucket()
 
-    def extract(self, row: int) -> list:
-        """Row `row` as single-row caches (copies; the batch goes on changing)."""
+    def extract(self, request_id: str) -> list:
+        """A row as single-row caches (copies; the batch goes on changing)."""
+        row = next(i for i, r in enumerate(self.rows) if r.request_id == request_id)
         return [c.extract(row) for c in self.cache]
 
     def reset(self) -> None:
@@ -484,15 +493,16 @@ class BatchRunner:
         return _Sampled(tokens, logprobs), failed
 
     @staticmethod
-    def _emitted(rows: list[_Row], sampled: _Sampled, failed: dict[int, str]) -> list[GeneratedToken]:
-        """The emitted tokens of the rows not in `failed`; a row whose token cannot be emitted joins `failed`."""
+    def _emitted(rows: list[_Row], sampled: _Sampled, failed: dict[int, str]) -> dict[str, GeneratedToken]:
+        """The emitted tokens of the rows not in `failed`, by request id; a row whose token cannot be emitted
+        joins `failed`."""
         ids = sampled.tokens.tolist()
-        out = []
+        out = {}
         for i, row in enumerate(rows):
             if i in failed:
                 continue
             try:
-                out.append(emitted_token(ids[i], sampled.logprobs[i], row.params))
+                out[row.request_id] = emitted_token(ids[i], sampled.logprobs[i], row.params)
             except Exception as e:  # noqa: BLE001 - this row's logprobs request, nobody else's
                 failed[i] = f"emitting a token failed: {e!r}"
         return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Collection, Optional
+from typing import Collection, Mapping, Optional
 
 from engine.errors import RequestTooLarge
 from engine.request import FinishReason, GeneratedToken, GenerationRequest
@@ -101,20 +101,31 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class DecodePlan:
+    """The running rows' share of one iteration (step 1 above)."""
+
+    evicted: tuple[Sequence, ...]  # rows cancelled since the last step: they leave before the forward
+    rows: tuple[str, ...]  # the rows that decode, by request id, in batch order (none: no decode step)
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
     """The joiners' share of one iteration (step 2-4 above), in group order."""
 
+    evicted: tuple[Sequence, ...]  # joiners cancelled since the last step: they leave the group first
     admitted: tuple[Sequence, ...]  # new joiners, appended to the group
     first_tokens: tuple[Sequence, ...]  # prompt done: take token 0 now
     chunks: tuple[tuple[Sequence, tuple[int, ...]], ...]  # the next chunk of every other joiner
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to run (evictions aside)."""
         return not (self.admitted or self.first_tokens or self.chunks)
 
     def without(self, request_ids: Collection[str]) -> "PrefillPlan":
         """This plan less the given joiners (those that failed on their own)."""
         return PrefillPlan(
+            self.evicted,
             tuple(s for s in self.admitted if s.request_id not in request_ids),
             tuple(s for s in self.first_tokens if s.request_id not in request_ids),
             tuple((s, c) for s, c in self.chunks if s.request_id not in request_ids),
@@ -130,8 +141,16 @@ class Emission:
 @dataclass(frozen=True)
 class DecodeOutcome:
     emissions: tuple[Emission, ...]
-    finished: tuple[Sequence, ...]
-    keep: tuple[int, ...]  # surviving row indices, in order
+    finished: tuple[Sequence, ...]  # rows done with this step: they leave the batch
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A joiner's token 0: what it emits, and whether it joins the batch (not finished right there)."""
+
+    seq: Sequence
+    tokens: tuple[GeneratedToken, ...]
+    joins: bool
 
 
 @dataclass
@@ -191,31 +210,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ iteration
 
-    def cancelled_rows(self) -> tuple[list[Sequence], tuple[int, ...]]:
-        """Running rows cancelled since the last step, and the indices that stay."""
+    def schedule_decode(self) -> DecodePlan:
+        """Step 1's plan: the running rows cancelled since the last step leave; the others decode."""
         gone = [s for s in self.running if s.finish_reason is not None]
-        if not gone:
-            return [], tuple(range(len(self.running)))
-        keep = tuple(i for i, s in enumerate(self.running) if s.finish_reason is None)
-        self._evict(gone)
-        return gone, keep
+        if gone:
+            self._evict(gone)
+        return DecodePlan(tuple(gone), tuple(s.request_id for s in self.running))
 
-    def cancelled_joiners(self) -> tuple[list[Sequence], tuple[int, ...]]:
-        """Joiners cancelled since the last step, and the group indices that stay."""
-        gone = [s for s in self.joiners if s.finish_reason is not None]
-        if not gone:
-            return [], tuple(range(len(self.joiners)))
-        keep = tuple(i for i, s in enumerate(self.joiners) if s.finish_reason is None)
-        self.joiners = [self.joiners[i] for i in keep]
-        for s in gone:
-            s.status = SeqStatus.DONE
-        return gone, keep
-
-    def on_decoded(self, tokens: list[GeneratedToken]) -> DecodeOutcome:
-        """Apply one decode step's tokens (one per running row, in row order)."""
-        assert len(tokens) == len(self.running), (len(tokens), len(self.running))
+    def update_decode(self, tokens: Mapping[str, GeneratedToken]) -> DecodeOutcome:
+        """Apply one decode step's tokens (one per running row, by request id, in row order)."""
+        assert list(tokens) == [s.request_id for s in self.running], (list(tokens), len(self.running))
         emissions, finished = [], []
-        for seq, tok in zip(self.running, tokens):
+        for seq, tok in zip(self.running, tokens.values()):
             if seq.input_emitted:
                 seq.input_emitted = False
                 continue
@@ -224,12 +230,17 @@ class Scheduler:
                 emissions.append(Emission(seq, tuple(out)))
             if seq.tracker.done:
                 finished.append(seq)
-        keep = tuple(i for i, s in enumerate(self.running) if not s.tracker.done)
         self._evict(finished)
-        return DecodeOutcome(tuple(emissions), tuple(finished), keep)
+        return DecodeOutcome(tuple(emissions), tuple(finished))
 
-    def plan_prefill(self) -> PrefillPlan:
-        """Admission, then which joiners take token 0 and which advance by a chunk."""
+    def schedule_prefill(self) -> PrefillPlan:
+        """Steps 2-4's plan: joiners cancelled since the last step leave, then admission, then which joiners
+        take token 0 and which advance by a chunk."""
+        gone = [s for s in self.joiners if s.finish_reason is not None]
+        if gone:
+            self.joiners = [s for s in self.joiners if s.finish_reason is None]
+            for s in gone:
+                s.status = SeqStatus.DONE
         admitted = []
         while self._can_admit():
             seq = self.pending.popleft()
@@ -240,15 +251,15 @@ class Scheduler:
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
         size = self.config.chunk(len(prefilling))
         chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling)
-        return PrefillPlan(tuple(admitted), first, chunks)
+        return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 
-    def on_first_tokens(self, tokens: list[GeneratedToken]) -> list[tuple[Sequence, tuple[GeneratedToken, ...], bool]]:
-        """Token 0 of each joiner in the plan's first_tokens: (seq, tokens to emit, joins the batch)."""
+    def update_first_tokens(self, tokens: Mapping[str, GeneratedToken]) -> tuple[FirstToken, ...]:
+        """Token 0 of each joiner whose prompt is through (by request id, in group order)."""
         ready = [s for s in self.joiners if s.prefilled >= len(s.prompt_body)]
-        assert len(ready) == len(tokens), (len(ready), len(tokens))
+        assert [s.request_id for s in ready] == list(tokens), ([s.request_id for s in ready], list(tokens))
         self.joiners = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
         out = []
-        for seq, tok in zip(ready, tokens):
+        for seq, tok in zip(ready, tokens.values()):
             emitted = tuple(self._push(seq, tok))
             joins = not seq.tracker.done
             if joins:
@@ -257,10 +268,11 @@ class Scheduler:
                 self.running.append(seq)
             else:
                 seq.status = SeqStatus.DONE
-            out.append((seq, emitted, joins))
-        return out
+            out.append(FirstToken(seq, emitted, joins))
+        return tuple(out)
 
-    def on_prefilled(self, plan: PrefillPlan) -> None:
+    def update_prefill(self, plan: PrefillPlan) -> None:
+        """The plan's chunks went through the model."""
         for seq, chunk in plan.chunks:
             seq.prefilled += len(chunk)
 

@@ -22,11 +22,11 @@ def _join(s, rid, prompt_len=5, max_tokens=4, kv_bytes=0, **stop):
     """Submit and drive one request until its token 0 (100): returns (emitted, joins)."""
     s.submit(make_request(rid, prompt_len, max_tokens, **stop), kv_bytes)
     while True:
-        plan = s.plan_prefill()
+        plan = s.schedule_prefill()
         if plan.first_tokens:
-            ((_, emitted, joins),) = s.on_first_tokens([GeneratedToken(100)])
-            return emitted, joins
-        s.on_prefilled(plan)
+            (first,) = s.update_first_tokens({rid: GeneratedToken(100)})
+            return first.tokens, first.joins
+        s.update_prefill(plan)
 
 
 def test_scheduler_module_does_not_import_mlx():
@@ -38,29 +38,29 @@ def test_prompt_is_prefilled_in_chunks_then_the_last_token_gives_token0():
     s = make_scheduler(prefill_chunk=4)
     s.submit(make_request("a", prompt_len=10), 0)
     chunks = []
-    plan = s.plan_prefill()
+    plan = s.schedule_prefill()
     assert [q.request_id for q in plan.admitted] == ["a"]
     while not plan.first_tokens:
         chunks += [c for _, c in plan.chunks]
-        s.on_prefilled(plan)
-        plan = s.plan_prefill()
+        s.update_prefill(plan)
+        plan = s.schedule_prefill()
     assert chunks == [(1, 2, 3, 4), (5, 6, 7, 8), (9,)]
-    ((seq, emitted, joins),) = s.on_first_tokens([GeneratedToken(42)])
-    assert joins and [t.token_id for t in emitted] == [42] and s.running[0].status is SeqStatus.RUNNING
+    (first,) = s.update_first_tokens({"a": GeneratedToken(42)})
+    assert first.joins and [t.token_id for t in first.tokens] == [42] and s.running[0].status is SeqStatus.RUNNING
 
 
 def test_prefill_group_admits_fifo_up_to_its_size_and_the_row_cap():
     s = make_scheduler(max_rows=3, prefill_batch=2)
     for rid, n in zip("abcd", (9, 3, 1, 1)):
         s.submit(make_request(rid, prompt_len=n), 0)
-    plan = s.plan_prefill()
+    plan = s.schedule_prefill()
     assert [q.request_id for q in plan.admitted] == ["a", "b"]  # the group is full at 2
     assert [(q.request_id, len(c)) for q, c in plan.chunks] == [("a", 8), ("b", 2)]
-    s.on_prefilled(plan)
-    plan = s.plan_prefill()  # both prompts are through: token 0 for both, nobody new yet
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()  # both prompts are through: token 0 for both, nobody new yet
     assert [q.request_id for q in plan.first_tokens] == ["a", "b"] and not plan.admitted
-    s.on_first_tokens([GeneratedToken(7), GeneratedToken(8)])
-    plan = s.plan_prefill()  # one row left under the cap of 3
+    s.update_first_tokens({"a": GeneratedToken(7), "b": GeneratedToken(8)})
+    plan = s.schedule_prefill()  # one row left under the cap of 3
     assert [q.request_id for q in plan.admitted] == ["c"] and s.pending_rows == 1
 
 
@@ -70,20 +70,20 @@ def test_one_joiner_at_a_time_with_prefill_batch_1():
         s.submit(make_request(rid, prompt_len=1), 0)
     order = []
     for _ in range(5):
-        plan = s.plan_prefill()
+        plan = s.schedule_prefill()
         if not plan.first_tokens:
             break
         order += [q.request_id for q in plan.first_tokens]
-        s.on_first_tokens([GeneratedToken(7)])
+        s.update_first_tokens({q.request_id: GeneratedToken(7) for q in plan.first_tokens})
     assert order == ["a", "b"] and s.pending_rows == 1  # "c" waits for a free row
 
 
 def test_token0_is_not_emitted_twice():
     s = make_scheduler()
     _join(s, "a", max_tokens=3)
-    out = s.on_decoded([GeneratedToken(100)])  # the register echoes token 0 back
-    assert out.emissions == () and out.keep == (0,)
-    out = s.on_decoded([GeneratedToken(5)])
+    out = s.update_decode({"a": GeneratedToken(100)})  # the register echoes token 0 back
+    assert out.emissions == () and out.finished == ()
+    out = s.update_decode({"a": GeneratedToken(5)})
     assert [t.token_id for t in out.emissions[0].tokens] == [5]
 
 
@@ -91,9 +91,9 @@ def test_rows_finish_and_leave_while_others_continue():
     s = make_scheduler()
     _join(s, "short", max_tokens=2)
     _join(s, "long", max_tokens=5)
-    s.on_decoded([GeneratedToken(1), GeneratedToken(1)])  # echoes of token 0
-    out = s.on_decoded([GeneratedToken(2), GeneratedToken(2)])
-    assert [q.request_id for q in out.finished] == ["short"] and out.keep == (1,)
+    s.update_decode({"short": GeneratedToken(1), "long": GeneratedToken(1)})  # echoes of token 0
+    out = s.update_decode({"short": GeneratedToken(2), "long": GeneratedToken(2)})
+    assert [q.request_id for q in out.finished] == ["short"] and s.schedule_decode().rows == ("long",)
     assert out.finished[0].finish_reason is FinishReason.LENGTH
     assert [q.request_id for q in s.running] == ["long"]
 
@@ -116,12 +116,12 @@ def test_budget_holds_the_queue_head_and_never_reorders():
     _join(s, "big", kv_bytes=70)
     s.submit(make_request("needs60"), 60)
     s.submit(make_request("needs10"), 10)  # would fit, but FIFO keeps it behind
-    assert s.plan_prefill().is_empty and s.pending_rows == 2
-    s.on_decoded([GeneratedToken(1)])
+    assert s.schedule_prefill().is_empty and s.pending_rows == 2
+    s.update_decode({"big": GeneratedToken(1)})
     s.cancel("big")
-    gone, keep = s.cancelled_rows()
-    assert [g.request_id for g in gone] == ["big"] and keep == ()
-    assert [q.request_id for q in s.plan_prefill().admitted] == ["needs60", "needs10"]
+    plan = s.schedule_decode()
+    assert [g.request_id for g in plan.evicted] == ["big"] and plan.rows == ()
+    assert [q.request_id for q in s.schedule_prefill().admitted] == ["needs60", "needs10"]
 
 
 def test_a_request_larger_than_the_whole_budget_is_rejected():
@@ -135,26 +135,26 @@ def test_hold_admission_lets_the_batch_drain():
     s = make_scheduler()
     s.submit(make_request("a", prompt_len=1), 0)
     s.hold_admission = True
-    assert s.plan_prefill().is_empty and not s.has_work
+    assert s.schedule_prefill().is_empty and not s.has_work
     s.hold_admission = False
-    assert s.plan_prefill().admitted
+    assert s.schedule_prefill().admitted
 
 
 def test_cancel_queued_joiner_and_running_rows_counts_return_to_zero():
     s = make_scheduler()
     _join(s, "run")
     s.submit(make_request("join", prompt_len=50), 0)
-    s.plan_prefill()
+    s.schedule_prefill()
     s.hold_admission = True
     s.submit(make_request("queued"), 0)
     assert (s.active_rows, s.pending_rows) == (2, 1)
     assert s.cancel("queued").status is SeqStatus.DONE and s.pending_rows == 0
     s.cancel("join")
-    gone, keep = s.cancelled_joiners()
-    assert [g.request_id for g in gone] == ["join"] and keep == ()
+    plan = s.schedule_prefill()
+    assert [g.request_id for g in plan.evicted] == ["join"] and plan.is_empty and s.joiners == []
     s.cancel("run")
-    gone, keep = s.cancelled_rows()
-    assert [g.request_id for g in gone] == ["run"] and keep == ()
+    plan = s.schedule_decode()
+    assert [g.request_id for g in plan.evicted] == ["run"] and plan.rows == ()
     assert (s.active_rows, s.pending_rows, s.has_work) == (0, 0, False)
     assert s.cancel("nope") is None
 
