@@ -94,6 +94,14 @@ def _budget(text: str) -> Optional[int]:
     return _positive(text)
 
 
+def _template_file(path: str) -> str:
+    """--chat-template: the Jinja template in FILE."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the chat template {path!r}: {e}") from None
+
+
 def _host_list(text: str) -> frozenset[str]:
     names = frozenset(n.strip().lower() for n in text.split(",") if n.strip())
     if not names:
@@ -205,6 +213,9 @@ def _add_serve(sub) -> None:
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
     p.add_argument("--prompt-cache-bytes", type=parse_bytes, default="2GiB", metavar="BYTES",
                    help="prefix cache shared by all requests; 0 disables (default 2GiB)")
+    p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
+                   help="render chats with this Jinja template in place of the model's (one that renders `tools` "
+                   "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)")
     p.add_argument("--max-context", type=_positive, default=None, metavar="N",
                    help="prompt + completion tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens", type=_positive, default=512, help="completion tokens when a request names none "
@@ -266,6 +277,7 @@ def cmd_serve(args) -> int:
             kv_budget_bytes=args.kv_budget,
             prompt_cache_bytes=args.prompt_cache_bytes,
             max_context=args.max_context,
+            chat_template=args.chat_template,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             api_key=args.api_key,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 
 class Tokenizer:
@@ -44,14 +44,27 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._hf.chat_template is not None
 
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The template `apply_chat_template` renders (a model's own, or one set with `use_chat_template`)."""
+        template = self._hf.chat_template
+        return template if isinstance(template, str) or template is None else str(template)
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with this Jinja template in place of the model's (`engine serve --chat-template`)."""
+        self._hf.chat_template = template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict[str, Any]]] = None) -> list[int]:  # fmt: skip
+        """The chat's token ids; `tools` (OpenAI function entries) go to the template, which may render them."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            tools=tools)  # fmt: skip
         return self.encode(text, add_special_tokens=False)

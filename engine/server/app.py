@@ -31,6 +31,7 @@ from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
+from engine.server.tool_calls import ToolCall, ToolCallParser
 from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected, Stream
 from engine.tokenizer import Tokenizer
 from engine.request import FinishReason, GenerationRequest, StopCriteria
@@ -54,6 +55,7 @@ class ServerContext:
     created: int
     kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
     metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
+    tool_parser: Optional[type[ToolCallParser]] = None  # the chat template's tool-call format (None: no tools)
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
@@ -133,7 +135,7 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, .
     if parsed.messages is not None:
         if not tok.has_chat_template:
             raise bad("this model has no chat template; use /v1/completions", "messages")
-        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages)
+        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages, True, parsed.tools)
     else:
         ids = await run_in_threadpool(tok.encode, parsed.prompt_text)
     if not ids:
@@ -218,6 +220,8 @@ class _Relay:
         self.out = responses.Output(gen.request_id, ctx.model_id, parsed.is_chat)
         self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
         self.stopper = TextStopper(parsed.stop)
+        # tool calls parsed out of the text where the request offers tools and the template writes calls
+        self.tools = ctx.tool_parser() if parsed.tools and ctx.tool_parser is not None else None
         self.placement = None
         self.result = None
         self.stop_tokens: Optional[int] = None  # tokens the output kept when a stop string ended it
@@ -233,15 +237,15 @@ class _Relay:
         assert isinstance(event, Accepted), event
         self.placement = event.placement
 
-    async def events(self) -> AsyncIterator[tuple[str, list, Optional[str]]]:
-        """(text delta, emitted tokens, finish reason or None) per engine event, until the end."""
+    async def events(self) -> AsyncIterator[tuple[str, list, Optional[str], tuple[ToolCall, ...]]]:
+        """(content delta, emitted tokens, finish reason or None, tool calls completed) per engine event, until
+        the end."""
         while True:
             event = await self.stream.events.get()
             if isinstance(event, Ended):
                 self.result = self._stopped(event.result)
-                text = self.stopper.push(self.detok.flush()) + self.stopper.flush()
-                self.out.text += text
-                yield text, [], self._finish()
+                text, calls = self._content(self.stopper.push(self.detok.flush()) + self.stopper.flush(), True)
+                yield text, [], self._finish(), calls
                 return
             tok = event.token
             if self.stopper.stopped:
@@ -249,11 +253,24 @@ class _Relay:
             tokens = [] if tok.is_stop else [tok]
             text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
             self.out.tokens += tokens
-            self.out.text += text
+            text, calls = self._content(text)
             if self.stopper.stopped:
                 self.stop_tokens = len(self.out.tokens)
                 self.cancel(stop_tokens=self.stop_tokens)
-            yield text, tokens, None
+            yield text, tokens, None, calls
+
+    def _content(self, text: str, end: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
+        """The text's content and the tool calls completed in it (all of it content without tools)."""
+        if self.tools is None:
+            self.out.text += text
+            return text, ()
+        parsed = self.tools.push(text)
+        content, calls = parsed.content, parsed.calls
+        if end:
+            content += self.tools.flush().content
+        self.out.text += content
+        self.out.tool_calls += calls
+        return content, calls
 
     def _stopped(self, result):
         """The engine's result as the client sees it: a stop string's end is a stop with the tokens up to the
@@ -264,6 +281,8 @@ class _Relay:
 
     def _finish(self) -> Optional[str]:
         reason = self.result.finish_reason
+        if reason is FinishReason.STOP and self.out.tool_calls:
+            return "tool_calls"
         return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
 
     def usage(self) -> dict[str, Any]:
@@ -312,7 +331,7 @@ async def _complete(ctx: ServerContext, state: AppState, request: Request, is_ch
     watch = asyncio.ensure_future(_cancel_on_disconnect(request, relay))
     try:
         finish = None
-        async for _, _, finish in relay.events():
+        async for _, _, finish, _ in relay.events():
             pass
     finally:
         watch.cancel()
@@ -333,12 +352,12 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
     try:
         if parsed.is_chat:
             yield _sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True))
-        async for text, tokens, finish in relay.events():
+        async for text, tokens, finish, calls in relay.events():
             if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
                 yield _sse_event(relay.failure().body())
                 break
-            if tokens or text or finish:
-                yield _sse_event(responses.chunk(out, text, tokens, finish, relay.text_of, ids))
+            if tokens or text or finish or calls:
+                yield _sse_event(responses.chunk(out, text, tokens, finish, relay.text_of, ids, calls=calls))
         if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
             yield _sse_event(responses.usage_chunk(out, relay.usage()))
         yield "data: [DONE]\n\n"

@@ -29,6 +29,7 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
+from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
 from engine.spec.config import SpecConfig, load_speculation
 from engine.request import GenerationRequest, StopCriteria
@@ -82,6 +83,7 @@ class ServeConfig:
     group_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets of the prefill group); (): off
     prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
+    chat_template: Optional[str] = None  # a Jinja chat template in place of the model's
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
@@ -200,6 +202,8 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
     cfg.gateway_config()  # setting errors before any loading
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
+    if cfg.chat_template is not None:
+        engine.tokenizer.use_chat_template(cfg.chat_template)
     gateway_config = cfg.gateway_config(engine.kernels.tier)
     notice = kernels_notice(engine.kernels)
     if notice:
@@ -237,6 +241,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         created=int(time.time()),
         kernels=engine.kernels,
         metrics=metrics,
+        tool_parser=parser_for(engine.tokenizer.chat_template),
     )
     return worker, ctx
 

@@ -45,7 +45,8 @@ _SHARED = {
     "ignore_eos", "return_token_ids", "n", "user", "metadata", "store", "service_tier",
 }  # fmt: skip
 COMPLETION_FIELDS = _SHARED | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "parallel_tool_calls", "response_format"}
+CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "parallel_tool_calls", "response_format", "tools",
+                         "tool_choice"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class ParsedRequest:
     model: Optional[str]
     prompt_text: Optional[str]  # completions, text prompt
     prompt_ids: Optional[tuple[int, ...]]  # completions, token-id prompt
-    messages: Optional[list[dict[str, str]]]  # chat
+    messages: Optional[list[dict[str, Any]]]  # chat, as the chat template takes them
     max_tokens: Optional[int]  # None: the server's default, within the context
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -64,6 +65,7 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     return_token_ids: bool
+    tools: Optional[list[dict[str, Any]]] = None  # chat: the functions the model may call (rendered, parsed)
 
 
 MAX_SEED = 2**64 - 1  # what the random key takes: an unsigned 64-bit integer
@@ -258,7 +260,42 @@ def _prompt(body: dict) -> tuple[Optional[str], Optional[tuple[int, ...]]]:
     raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _text(content: Any, where: str, allow_none: bool = False) -> str:
+    """A message's content as text: a string or a list of text parts (None: '' where allowed)."""
+    if content is None and allow_none:
+        return ""
+    if isinstance(content, list):  # content parts: only text is supported
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise bad(f"{where}.content parts must all be {{'type': 'text', 'text': ...}}", "messages")
+        return "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"{where}.content must be a string or a list of text parts", param="messages")
+    return content
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, as chat templates take them (arguments as an object where they
+    parse as one)."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                      "'arguments': JSON text}}}}", param="messages")  # fmt: skip
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            arguments = fn["arguments"]
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(c.get("id"), str):
+            entry["id"] = c["id"]
+        out.append(entry)
+    return out
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", param="messages")
@@ -266,15 +303,40 @@ def _messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}] must be an object with a role of system, user, assistant or tool", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise bad(f"messages[{i}].content parts must all be {{'type': 'text', 'text': ...}}", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        entry: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]", calls is not None)}
+        if calls is not None:
+            entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            entry["tool_call_id"] = m["tool_call_id"]
+        out.append(entry)
     return out
+
+
+def _tools(body: dict) -> Optional[list[dict[str, Any]]]:
+    """The functions the model may call (None: none offered, or `tool_choice` 'none'). A choice that forces a
+    call ('required', a named function) needs decoding constrained to the call's grammar: refused for now."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto")
+    if tools is None:
+        if choice not in (None, "auto", "none"):
+            raise bad("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise bad("'tools' must be a non-empty list of {'type': 'function', 'function': {...}}", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                      param="tools")  # fmt: skip
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
+    if choice in (None, "auto"):
+        return tools
+    if choice == "none":
+        return None
+    raise bad("tool_choice 'required' or a named function (a call forced by a grammar) is not supported yet; use "
+              "'auto' or 'none'", param="tool_choice", code="unsupported_tool_choice")  # fmt: skip
 
 
 def _common(body: dict, is_chat: bool) -> dict[str, Any]:
@@ -313,6 +375,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     _reject_unknown(body, CHAT_FIELDS)
     messages = _messages(body)
+    tools = _tools(body)
     common = _common(body, is_chat=True)
-    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages,
+    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages, tools=tools,
                          max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from engine.server.tool_calls import ToolCall
 from engine.server.worker import Stream
 from engine.request import GeneratedToken, RequestResult
 
@@ -36,6 +37,7 @@ class Output:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     tokens: list[GeneratedToken] = field(default_factory=list)  # emitted, stop tokens excluded
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed out of the text (not in `text`)
 
     @property
     def object(self) -> str:
@@ -102,7 +104,9 @@ def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: Toke
     elif delta is not None:
         choice["delta"] = delta
     else:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = {"role": "assistant", "content": text if text or not out.tool_calls else None}
+        if out.tool_calls:
+            choice["message"]["tool_calls"] = [c.as_message() for c in out.tool_calls]
     choice["logprobs"] = _logprobs(out, tokens, text_of)
     choice["finish_reason"] = finish
     if ids:
@@ -130,9 +134,14 @@ def chunk(
     text_of: TokenText,
     ids: bool,
     role: bool = False,
+    calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
-    """One stream chunk; `role` marks a chat stream's opening chunk."""
+    """One stream chunk; `role` marks a chat stream's opening chunk; `calls`: tool calls completed in it (the
+    last of `out.tool_calls`), each whole in its delta with its index."""
     delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    if calls:
+        first = len(out.tool_calls) - len(calls)
+        delta["tool_calls"] = [c.as_message(first + i) for i, c in enumerate(calls)]
     return {
         "id": out.request_id,
         "object": "chat.completion.chunk" if out.is_chat else "text_completion",

@@ -1,0 +1,125 @@
+"""Tool calls parsed out of generated text, whole and in every split; requests that carry tools."""
+
+import json
+
+import pytest
+
+from engine.server import responses
+from engine.server.protocol import ApiError, parse_chat
+from engine.server.tool_calls import ToolCallParser, parser_for, split
+
+TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+        '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call> done')  # fmt: skip
+
+
+def calls_of(parsed):
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+def test_a_whole_text_gives_its_content_and_calls():
+    parsed = split(TEXT)
+    assert parsed.content == "Let me check.  done"
+    assert calls_of(parsed) == [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": "CET"})]
+    assert all(c.id.startswith("call_") for c in parsed.calls) and parsed.calls[0].id != parsed.calls[1].id
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_every_split_of_the_stream_gives_the_same(pieces):
+    want = split(TEXT)
+    cuts = range(1, len(TEXT))
+    for a in cuts:
+        for b in (cuts if pieces == 3 else [len(TEXT)]):
+            if b <= a:
+                continue
+            parser = ToolCallParser()
+            got = [parser.push(TEXT[:a]), parser.push(TEXT[a:b]), parser.push(TEXT[b:]), parser.flush()]
+            assert "".join(p.content for p in got) == want.content, (a, b)
+            assert [(c.name, c.arguments) for p in got for c in p.calls] == [(c.name, c.arguments) for c in want.calls]
+
+
+def test_content_is_not_held_back_past_what_may_open_a_call():
+    parser = ToolCallParser()
+    assert parser.push("Hello <tool").content == "Hello "  # "<tool" may open a call
+    assert parser.push(" box>").content == "<tool box>"
+    assert parser.push("a < b").content == "a < b"
+
+
+@pytest.mark.parametrize("block", ['{"name": "f", "arguments": {oops}', '{"arguments": {}}', '["f"]',
+                                   '{"name": "f", "arguments": "not json"}', '{"name": "", "arguments": {}}'])  # fmt: skip
+def test_a_block_that_is_not_a_call_stays_content(block):
+    text = f"a<tool_call>{block}</tool_call>b"
+    assert split(text).content == text and split(text).calls == ()
+
+
+def test_an_unclosed_block_stays_content():
+    text = 'a <tool_call>\n{"name": "f", "arguments": {}}'
+    assert split(text).content == text and split(text).calls == ()
+
+
+def test_the_format_comes_from_the_template(tiny_path):
+    from pathlib import Path
+
+    template = (Path(__file__).parent.parent / "fixtures" / "tool_template.jinja").read_text()
+    assert parser_for(template) is ToolCallParser
+    assert parser_for("{{ messages }}") is None and parser_for(None) is None
+
+
+def test_responses_carry_calls_as_openai_does():
+    out = responses.Output("chatcmpl-x", "m", True)
+    parser = ToolCallParser()
+    first = parser.push(TEXT[:60])
+    out.text += first.content
+    out.tool_calls += first.calls
+    c1 = responses.chunk(out, first.content, [], None, str, False, calls=first.calls)
+    second = parser.push(TEXT[60:])
+    out.tool_calls += second.calls
+    c2 = responses.chunk(out, second.content, [], None, str, False, calls=second.calls)
+    deltas = [c["choices"][0]["delta"] for c in (c1, c2)]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [tc["index"] for tc in streamed] == [0, 1]
+    assert [tc["function"]["name"] for tc in streamed] == ["get_weather", "get_time"]
+    assert all(tc["type"] == "function" and tc["id"].startswith("call_") for tc in streamed)
+    message = responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]
+    assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
+    out.text = ""
+    assert responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]["content"] is None
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def test_a_chat_with_tools_and_a_tool_round_trip_is_accepted():
+    r = parse_chat({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 C"}],
+        "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": True})  # fmt: skip
+    assert r.tools == [TOOL]
+    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}  # fmt: skip
+    assert r.messages[2] == {"role": "tool", "content": "4 C", "tool_call_id": "call_1"}
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none"}).tools is None
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"tools": [TOOL], "tool_choice": "required"}, "not supported yet"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "not supported yet"),
+    ({"tool_choice": "required"}, "needs 'tools'"),
+    ({"tools": []}, "non-empty list"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, r"tools\[0\]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "JSON Schema"),
+])  # fmt: skip
+def test_tools_the_server_cannot_take_are_refused_by_name(body, match):
+    with pytest.raises(ApiError, match=match) as e:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], **body})
+    assert e.value.status == 400
+
+
+def test_an_assistant_call_must_be_well_formed():
+    with pytest.raises(ApiError, match=r"tool_calls\[0\]"):
+        parse_chat({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]})
+    with pytest.raises(ApiError, match="content must be a string"):
+        parse_chat({"messages": [{"role": "user", "content": None}]})
