@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from engine.errors import InvalidSamplingError
 
 if TYPE_CHECKING:
+    from engine.grammar import Constraint
     from engine.spec.stats import SpecStats
 
 
@@ -31,6 +32,7 @@ class SamplingParams:
     seed: Optional[int] = None
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Optional["Constraint"] = None  # a grammar the output must follow (engine.grammar)
 
     @property
     def is_greedy(self) -> bool:
@@ -38,7 +40,8 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty)
+        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty
+                    or self.constraint)  # fmt: skip
 
     @property
     def wants_logprobs(self) -> bool:

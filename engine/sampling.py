@@ -97,6 +97,8 @@ def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
         processors.append(_presence(p.presence_penalty, p.penalty_context_size))
     if p.frequency_penalty:
         processors.append(_frequency(p.frequency_penalty, p.penalty_context_size))
+    if p.constraint is not None:  # last: the grammar's mask has the final word on what may come next
+        processors.append(p.constraint.processor())
     return processors
 
 

@@ -45,6 +45,11 @@ class Tokenizer:
         return self._hf.chat_template is not None
 
     @property
+    def backend(self) -> Any:
+        """The Hugging Face tokenizer underneath, for libraries that take one (llguidance)."""
+        return self._hf
+
+    @property
     def chat_template(self) -> Optional[str]:
         """The template `apply_chat_template` renders (a model's own, or one set with `use_chat_template`)."""
         template = self._hf.chat_template

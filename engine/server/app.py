@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.errors import RequestTooLarge
+from engine.grammar import Constraint, GrammarError, Grammars
 from engine.kernels import KernelSet
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
@@ -56,6 +57,7 @@ class ServerContext:
     kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
     metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
     tool_parser: Optional[type[ToolCallParser]] = None  # the chat template's tool-call format (None: no tools)
+    grammars: Optional[Grammars] = None  # constrained decoding (response_format, forced tool calls)
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
@@ -143,7 +145,30 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, .
     return tuple(ids)
 
 
-def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str):
+def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Optional[Constraint]:
+    """The grammar the reply must follow: the response_format's schema, or a forced tool call's (400 for what
+    cannot be compiled, naming the problem)."""
+    if parsed.json_schema is None and parsed.forced_tools is None:
+        return None
+    param = "response_format" if parsed.json_schema is not None else "tool_choice"
+    if ctx.grammars is None:
+        raise bad("this server has no constrained decoding", param)
+    if parsed.ignore_eos:
+        raise bad("ignore_eos does not combine with a constrained reply (it ends at the grammar's end)", "ignore_eos")
+    try:
+        if parsed.json_schema is not None:
+            return ctx.grammars.json_schema(parsed.json_schema)
+        if ctx.tool_parser is None:
+            raise bad("a forced tool call needs a chat template that writes <tool_call> blocks (--chat-template)",
+                      param)  # fmt: skip
+        return ctx.grammars.tool_calls(parsed.forced_tools, parsed.several_calls)
+    except GrammarError as e:
+        raise bad(f"the schema cannot be compiled: {e}", "tools" if param == "tool_choice" else param,
+                  "invalid_schema") from None  # fmt: skip
+
+
+def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str,
+                        constraint: Optional[Constraint] = None):  # fmt: skip
     n = len(prompt)
     if n >= ctx.max_context:
         raise _too_long(ctx, parsed, n)
@@ -163,7 +188,7 @@ def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple
         raise bad(str(e)) from None
     stops = tuple(tuple(ctx.tokenizer.encode(s, add_special_tokens=False)) for s in parsed.stop)
     stop = StopCriteria(max_tokens, ctx.tokenizer.eos_ids, tuple(s for s in stops if s), parsed.ignore_eos)
-    return GenerationRequest(rid, prompt, parsed.sampling, stop)
+    return GenerationRequest(rid, prompt, replace(parsed.sampling, constraint=constraint), stop)
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -194,7 +219,8 @@ async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_cha
         raise ApiError(404, f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
                        "model", "model_not_found")  # fmt: skip
     rid = ("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12)
-    gen = _generation_request(ctx, parsed, await _prompt_ids(ctx, parsed), rid)
+    constraint = await run_in_threadpool(_constraint, ctx, parsed)  # llguidance's first use reads the vocabulary
+    gen = _generation_request(ctx, parsed, await _prompt_ids(ctx, parsed), rid, constraint)
     return parsed, gen
 
 

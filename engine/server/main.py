@@ -29,6 +29,7 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
+from engine.grammar import Grammars
 from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
 from engine.spec.config import SpecConfig, load_speculation
@@ -242,6 +243,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         kernels=engine.kernels,
         metrics=metrics,
         tool_parser=parser_for(engine.tokenizer.chat_template),
+        grammars=Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config)),
     )
     return worker, ctx
 

@@ -66,6 +66,9 @@ class ParsedRequest:
     ignore_eos: bool
     return_token_ids: bool
     tools: Optional[list[dict[str, Any]]] = None  # chat: the functions the model may call (rendered, parsed)
+    forced_tools: Optional[list[dict[str, Any]]] = None  # tool_choice required (all) or named (one): a call must come
+    several_calls: bool = True  # parallel_tool_calls: a forced reply may hold more than one call
+    json_schema: Optional[dict[str, Any]] = None  # response_format json_object / json_schema: the reply's schema
 
 
 MAX_SEED = 2**64 - 1  # what the random key takes: an unsigned 64-bit integer
@@ -181,9 +184,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("echo is not supported", param="echo")
     if body.get("suffix") is not None:
         raise bad("suffix is not supported", param="suffix")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("only response_format {'type': 'text'} is supported", param="response_format")
 
 
 def _sampling(body: dict, top_logprobs: int, want_logprobs: bool) -> SamplingParams:
@@ -313,15 +313,15 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: dict) -> Optional[list[dict[str, Any]]]:
-    """The functions the model may call (None: none offered, or `tool_choice` 'none'). A choice that forces a
-    call ('required', a named function) needs decoding constrained to the call's grammar: refused for now."""
+def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[dict[str, Any]]]]:
+    """The functions the model may call (None: none offered, or `tool_choice` 'none'), and those it must call
+    one of ('required': any; a named function: that one; None: no call forced)."""
     tools = body.get("tools")
     choice = body.get("tool_choice", "auto")
     if tools is None:
         if choice not in (None, "auto", "none"):
             raise bad("'tool_choice' needs 'tools'", param="tool_choice")
-        return None
+        return None, None
     if not isinstance(tools, list) or not tools:
         raise bad("'tools' must be a non-empty list of {'type': 'function', 'function': {...}}", param="tools")
     for i, t in enumerate(tools):
@@ -332,11 +332,34 @@ def _tools(body: dict) -> Optional[list[dict[str, Any]]]:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
     if choice in (None, "auto"):
-        return tools
+        return tools, None
     if choice == "none":
+        return None, None
+    if choice == "required":
+        return tools, tools
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                  param="tool_choice")  # fmt: skip
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise bad(f"tool_choice names '{name}', which is not among 'tools'", param="tool_choice")
+    return tools, named[:1]
+
+
+def _response_format(body: dict) -> Optional[dict[str, Any]]:
+    """The JSON schema the reply must follow (None: free text)."""
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
         return None
-    raise bad("tool_choice 'required' or a named function (a call forced by a grammar) is not supported yet; use "
-              "'auto' or 'none'", param="tool_choice", code="unsupported_tool_choice")  # fmt: skip
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                  "'json_schema': {'name': ..., 'schema': {...}}}", param="response_format")  # fmt: skip
+    return spec.get("schema") or {}
 
 
 def _common(body: dict, is_chat: bool) -> dict[str, Any]:
@@ -375,7 +398,12 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     _reject_unknown(body, CHAT_FIELDS)
     messages = _messages(body)
-    tools = _tools(body)
+    tools, forced = _tools(body)
+    schema = _response_format(body)
+    if schema is not None and forced is not None:
+        raise bad("a reply cannot both follow response_format and be a forced tool call", param="response_format")
     common = _common(body, is_chat=True)
-    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages, tools=tools,
+    several = _typed(body, "parallel_tool_calls", (bool,), "true or false", True)
+    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages, tools=tools, forced_tools=forced,
+                         several_calls=several, json_schema=schema,
                          max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip

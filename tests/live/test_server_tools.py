@@ -1,12 +1,15 @@
 """Tools through the official openai SDK: a template that renders them (--chat-template), calls in the history.
 
-A random-weight model does not choose to call a tool, so what is checked end to end is that every form of
-a tool conversation is taken, rendered and answered; the parsing of calls out of the text is
-tests/unit/test_tool_calls.py's.
+A random-weight model does not choose to call a tool on its own: left free it is checked for taking every
+form of a tool conversation; forced (tool_choice required, response_format json_schema) its replies are
+checked for validity, which the grammar guarantees.
 """
 
+import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 from live_server import LiveServer
@@ -54,6 +57,45 @@ def test_a_tool_round_trip_is_taken_streaming_and_not(client):
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
-def test_a_forced_call_is_refused_by_name(client):
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=4)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+          "properties": {"city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}  # fmt: skip
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+
+
+def test_a_forced_call_comes_back_as_a_valid_call_streaming_and_not(client):
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
+                  max_tokens=120)  # fmt: skip
+    r = client.chat.completions.create(**forced, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    calls = {}
+    for chunk in client.chat.completions.create(**forced, parallel_tool_calls=False, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert list(calls.values()) == [{"name": call.function.name, "arguments": call.function.arguments}]
+    several = client.chat.completions.create(**forced).choices[0].message.tool_calls  # one or more, each whole
+    assert several and all(jsonschema.validate(json.loads(c.function.arguments), SCHEMA) is None for c in several)
+
+
+@pytest.mark.parametrize("concurrent", [1, 8])
+def test_a_json_schema_reply_validates(client, concurrent):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+
+    def ask(i):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"forecast {i}"}],
+                                           response_format=fmt, temperature=1.0, seed=i, max_tokens=80)  # fmt: skip
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(concurrent) as pool:
+        replies = list(pool.map(ask, range(concurrent)))
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), SCHEMA)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}
+    with pytest.raises(openai.BadRequestError, match="nonsense"):
+        client.chat.completions.create(model=MODEL, messages=ASK, response_format=bad, max_tokens=4)

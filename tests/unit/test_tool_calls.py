@@ -104,9 +104,27 @@ def test_a_chat_with_tools_and_a_tool_round_trip_is_accepted():
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none"}).tools is None
 
 
+def test_a_forced_call_and_a_schema_are_parsed():
+    ask = [{"role": "user", "content": "x"}]
+    other = {"type": "function", "function": {"name": "other"}}
+    r = parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": "required"})
+    assert r.forced_tools == [TOOL, other] and r.several_calls
+    r = parse_chat({"messages": ask, "tools": [TOOL, other], "parallel_tool_calls": False,
+                    "tool_choice": {"type": "function", "function": {"name": "other"}}})  # fmt: skip
+    assert r.forced_tools == [other] and not r.several_calls and r.tools == [TOOL, other]
+    assert parse_chat({"messages": ask, "response_format": {"type": "json_object"}}).json_schema == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = parse_chat({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                                            "strict": True}}})  # fmt: skip
+    assert r.json_schema == schema and r.forced_tools is None
+
+
 @pytest.mark.parametrize("body, match", [
-    ({"tools": [TOOL], "tool_choice": "required"}, "not supported yet"),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "not supported yet"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among 'tools'"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+    ({"response_format": {"type": "json_schema"}}, "response_format must be"),
+    ({"response_format": {"type": "xml"}}, "response_format must be"),
     ({"tool_choice": "required"}, "needs 'tools'"),
     ({"tools": []}, "non-empty list"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, r"tools\[0\]"),

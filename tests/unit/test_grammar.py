@@ -1,0 +1,77 @@
+"""Decoding constrained to a JSON schema or a forced tool call, on the serial lane and in the batch."""
+
+import json
+
+import jsonschema
+import pytest
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.engine import Engine
+from engine.grammar import GrammarError, Grammars
+from engine.loading import vocab_size
+from engine.request import GenerationRequest, SamplingParams, StopCriteria
+from engine.server.tool_calls import split
+from engine.sinks import CollectingSink
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "rain"],
+          "properties": {"city": {"enum": ["Oslo", "Paris", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                               "maximum": 7},
+                         "rain": {"type": "boolean"}}}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    return Engine.load(model_path=tiny_path("tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def grammars(engine):
+    return Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config))
+
+
+def text_of(engine, prompt, sampling, max_tokens=120):
+    tokens = list(engine.generate(prompt, max_tokens=max_tokens, sampling=sampling))
+    return engine.tokenizer.decode([t.token_id for t in tokens if not t.is_stop])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_random_model_writes_json_valid_under_the_schema(engine, grammars, temperature):
+    sampling = SamplingParams(temperature=temperature, seed=3, constraint=grammars.json_schema(SCHEMA))
+    reply = json.loads(text_of(engine, list(range(20, 40)), sampling))
+    jsonschema.validate(reply, SCHEMA)
+
+
+def test_a_forced_call_is_a_valid_call(engine, grammars):
+    sampling = SamplingParams(temperature=1.0, seed=5, constraint=grammars.tool_calls(TOOLS, several=False))
+    parsed = split(text_of(engine, list(range(50, 70)), sampling, max_tokens=160))
+    assert len(parsed.calls) == 1 and parsed.content.strip() == ""
+    call = parsed.calls[0]
+    params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)
+    jsonschema.validate(json.loads(call.arguments), params)
+
+
+def test_constrained_rows_in_the_batch_leave_the_others_alone(engine, grammars):
+    def run(constrained):
+        b = ContinuousBatcher(engine.model, SchedulerConfig(max_rows=4))
+        sinks = {}
+        for i in range(3):
+            c = grammars.json_schema(SCHEMA) if constrained and i == 1 else None
+            sinks[i] = CollectingSink()
+            b.submit(GenerationRequest(f"r{i}", tuple(range(10 + i, 30 + i)), SamplingParams(constraint=c),
+                                       StopCriteria(max_tokens=60, eos_ids=engine.tokenizer.eos_ids)), sinks[i])  # fmt: skip
+        b.run_until_idle()
+        return {i: [t for t in s.token_ids] for i, s in sinks.items()}
+
+    plain, mixed = run(False), run(True)
+    assert mixed[0] == plain[0] and mixed[2] == plain[2]
+    stop = set(engine.tokenizer.eos_ids)
+    jsonschema.validate(json.loads(engine.tokenizer.decode([t for t in mixed[1] if t not in stop])), SCHEMA)
+
+
+def test_a_schema_llguidance_cannot_compile_says_why(grammars):
+    with pytest.raises(GrammarError, match="nonsense"):
+        grammars.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
