@@ -216,6 +216,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
                    help="render chats with this Jinja template in place of the model's (one that renders `tools` "
                    "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)")
+    p.add_argument("--reasoning-parser", choices=("auto", "none"), default="auto",
+                   help="auto (the default): where the chat template thinks (<think> blocks), the reply's reasoning "
+                   "goes to reasoning_content; none: it stays in content")
     p.add_argument("--max-context", type=_positive, default=None, metavar="N",
                    help="prompt + completion tokens at most (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens", type=_positive, default=512, help="completion tokens when a request names none "
@@ -278,6 +281,7 @@ def cmd_serve(args) -> int:
             prompt_cache_bytes=args.prompt_cache_bytes,
             max_context=args.max_context,
             chat_template=args.chat_template,
+            reasoning_parser=args.reasoning_parser,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             api_key=args.api_key,

@@ -66,10 +66,12 @@ class Tokenizer:
         return self._hf.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict[str, Any]]] = None) -> list[int]:  # fmt: skip
-        """The chat's token ids; `tools` (OpenAI function entries) go to the template, which may render them."""
+                            tools: Optional[list[dict[str, Any]]] = None,
+                            template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:  # fmt: skip
+        """The chat's token ids; `tools` (OpenAI function entries) go to the template, which may render them, and
+        `template_kwargs` as more variables (`enable_thinking`, ...)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            tools=tools)  # fmt: skip
+                                            tools=tools, **(template_kwargs or {}))  # fmt: skip
         return self.encode(text, add_special_tokens=False)

@@ -30,6 +30,7 @@ from engine.grammar import Constraint, GrammarError, Grammars
 from engine.kernels import KernelSet
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
+from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
 from engine.server.tool_calls import ToolCall, ToolCallParser
@@ -58,6 +59,7 @@ class ServerContext:
     metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
     tool_parser: Optional[type[ToolCallParser]] = None  # the chat template's tool-call format (None: no tools)
     grammars: Optional[Grammars] = None  # constrained decoding (response_format, forced tool calls)
+    reasoning: bool = False  # the chat template thinks: <think> blocks go to reasoning_content
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
@@ -137,7 +139,8 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, .
     if parsed.messages is not None:
         if not tok.has_chat_template:
             raise bad("this model has no chat template; use /v1/completions", "messages")
-        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages, True, parsed.tools)
+        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages, True, parsed.tools,
+                                      parsed.template_kwargs)  # fmt: skip
     else:
         ids = await run_in_threadpool(tok.encode, parsed.prompt_text)
     if not ids:
@@ -248,6 +251,10 @@ class _Relay:
         self.stopper = TextStopper(parsed.stop)
         # tool calls parsed out of the text where the request offers tools and the template writes calls
         self.tools = ctx.tool_parser() if parsed.tools and ctx.tool_parser is not None else None
+        # the reply's reasoning apart, starting inside the block where the prompt opened it
+        self.reasoning = None
+        if ctx.reasoning and parsed.is_chat:
+            self.reasoning = ReasoningParser(inside=opened(ctx.tokenizer.decode(list(gen.prompt_ids[-16:]))))
         self.placement = None
         self.result = None
         self.stop_tokens: Optional[int] = None  # tokens the output kept when a stop string ended it
@@ -263,15 +270,15 @@ class _Relay:
         assert isinstance(event, Accepted), event
         self.placement = event.placement
 
-    async def events(self) -> AsyncIterator[tuple[str, list, Optional[str], tuple[ToolCall, ...]]]:
-        """(content delta, emitted tokens, finish reason or None, tool calls completed) per engine event, until
-        the end."""
+    async def events(self) -> AsyncIterator[responses.Delta]:
+        """What each engine event adds (content, reasoning, tokens, tool calls; the finish reason at the end),
+        until the end."""
         while True:
             event = await self.stream.events.get()
             if isinstance(event, Ended):
                 self.result = self._stopped(event.result)
-                text, calls = self._content(self.stopper.push(self.detok.flush()) + self.stopper.flush(), True)
-                yield text, [], self._finish(), calls
+                delta = self._content(self.stopper.push(self.detok.flush()) + self.stopper.flush(), [], True)
+                yield replace(delta, finish=self._finish())
                 return
             tok = event.token
             if self.stopper.stopped:
@@ -279,24 +286,27 @@ class _Relay:
             tokens = [] if tok.is_stop else [tok]
             text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
             self.out.tokens += tokens
-            text, calls = self._content(text)
+            delta = self._content(text, tokens)
             if self.stopper.stopped:
                 self.stop_tokens = len(self.out.tokens)
                 self.cancel(stop_tokens=self.stop_tokens)
-            yield text, tokens, None, calls
+            yield delta
 
-    def _content(self, text: str, end: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
-        """The text's content and the tool calls completed in it (all of it content without tools)."""
-        if self.tools is None:
-            self.out.text += text
-            return text, ()
-        parsed = self.tools.push(text)
-        content, calls = parsed.content, parsed.calls
-        if end:
-            content += self.tools.flush().content
-        self.out.text += content
+    def _content(self, text: str, tokens: list, end: bool = False) -> responses.Delta:
+        """The text split into reasoning, content and the tool calls completed in the content (all content
+        where the template neither thinks nor the request offers tools)."""
+        reasoning = ""
+        if self.reasoning is not None:
+            parts = [self.reasoning.push(text)] + ([self.reasoning.flush()] if end else [])
+            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+        calls: tuple[ToolCall, ...] = ()
+        if self.tools is not None:
+            parsed = self.tools.push(text)
+            text, calls = parsed.content + (self.tools.flush().content if end else ""), parsed.calls
+        self.out.text += text
+        self.out.reasoning += reasoning
         self.out.tool_calls += calls
-        return content, calls
+        return responses.Delta(text, tokens, None, calls, reasoning)
 
     def _stopped(self, result):
         """The engine's result as the client sees it: a stop string's end is a stop with the tokens up to the
@@ -357,8 +367,8 @@ async def _complete(ctx: ServerContext, state: AppState, request: Request, is_ch
     watch = asyncio.ensure_future(_cancel_on_disconnect(request, relay))
     try:
         finish = None
-        async for _, _, finish, _ in relay.events():
-            pass
+        async for delta in relay.events():
+            finish = delta.finish
     finally:
         watch.cancel()
         relay.cancel()  # no-op once the result is in; otherwise the handler itself was cancelled
@@ -378,12 +388,13 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
     try:
         if parsed.is_chat:
             yield _sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True))
-        async for text, tokens, finish, calls in relay.events():
+        async for delta in relay.events():
             if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
                 yield _sse_event(relay.failure().body())
                 break
-            if tokens or text or finish or calls:
-                yield _sse_event(responses.chunk(out, text, tokens, finish, relay.text_of, ids, calls=calls))
+            if delta.tokens or delta.text or delta.finish or delta.calls or delta.reasoning:
+                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, delta.finish, relay.text_of, ids,
+                                                 calls=delta.calls, reasoning=delta.reasoning))  # fmt: skip
         if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
             yield _sse_event(responses.usage_chunk(out, relay.usage()))
         yield "data: [DONE]\n\n"

@@ -30,6 +30,7 @@ from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
 from engine.grammar import Grammars
+from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
 from engine.spec.config import SpecConfig, load_speculation
@@ -85,6 +86,7 @@ class ServeConfig:
     prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
     chat_template: Optional[str] = None  # a Jinja chat template in place of the model's
+    reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
@@ -244,6 +246,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         metrics=metrics,
         tool_parser=parser_for(engine.tokenizer.chat_template),
         grammars=Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config)),
+        reasoning=cfg.reasoning_parser == "auto" and thinks(engine.tokenizer.chat_template),
     )
     return worker, ctx
 

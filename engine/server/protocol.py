@@ -46,7 +46,7 @@ _SHARED = {
 }  # fmt: skip
 COMPLETION_FIELDS = _SHARED | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "parallel_tool_calls", "response_format", "tools",
-                         "tool_choice"}  # fmt: skip
+                         "tool_choice", "chat_template_kwargs"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class ParsedRequest:
     forced_tools: Optional[list[dict[str, Any]]] = None  # tool_choice required (all) or named (one): a call must come
     several_calls: bool = True  # parallel_tool_calls: a forced reply may hold more than one call
     json_schema: Optional[dict[str, Any]] = None  # response_format json_object / json_schema: the reply's schema
+    template_kwargs: Optional[dict[str, Any]] = None  # chat_template_kwargs: more variables for the chat template
 
 
 MAX_SEED = 2**64 - 1  # what the random key takes: an unsigned 64-bit integer
@@ -404,6 +405,10 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         raise bad("a reply cannot both follow response_format and be a forced tool call", param="response_format")
     common = _common(body, is_chat=True)
     several = _typed(body, "parallel_tool_calls", (bool,), "true or false", True)
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object (e.g. {\"enable_thinking\": false})")
+    if kwargs and {"messages", "tools", "add_generation_prompt"} & set(kwargs):
+        raise bad("chat_template_kwargs may not set messages, tools or add_generation_prompt",
+                  param="chat_template_kwargs")  # fmt: skip
     return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages, tools=tools, forced_tools=forced,
-                         several_calls=several, json_schema=schema,
+                         several_calls=several, json_schema=schema, template_kwargs=kwargs or None,
                          max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip

@@ -26,6 +26,17 @@ from engine.request import GeneratedToken, RequestResult
 TokenText = Callable[[int], str]
 
 
+@dataclass(frozen=True)
+class Delta:
+    """What one engine event adds to a reply (`finish`: its finish reason, at the end)."""
+
+    text: str
+    tokens: list
+    finish: Optional[str] = None
+    calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""
+
+
 @dataclass
 class Output:
     """What one request produced so far, gathered from its events."""
@@ -38,6 +49,7 @@ class Output:
     token_ids: list[int] = field(default_factory=list)
     tokens: list[GeneratedToken] = field(default_factory=list)  # emitted, stop tokens excluded
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed out of the text (not in `text`)
+    reasoning: str = ""  # a thinking template's reasoning (not in `text`)
 
     @property
     def object(self) -> str:
@@ -105,6 +117,8 @@ def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: Toke
         choice["delta"] = delta
     else:
         choice["message"] = {"role": "assistant", "content": text if text or not out.tool_calls else None}
+        if out.reasoning:
+            choice["message"]["reasoning_content"] = out.reasoning
         if out.tool_calls:
             choice["message"]["tool_calls"] = [c.as_message() for c in out.tool_calls]
     choice["logprobs"] = _logprobs(out, tokens, text_of)
@@ -135,10 +149,13 @@ def chunk(
     ids: bool,
     role: bool = False,
     calls: Sequence[ToolCall] = (),
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """One stream chunk; `role` marks a chat stream's opening chunk; `calls`: tool calls completed in it (the
-    last of `out.tool_calls`), each whole in its delta with its index."""
+    last of `out.tool_calls`), each whole in its delta with its index; `reasoning`: reasoning text in it."""
     delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    if reasoning:
+        delta["reasoning_content"] = reasoning
     if calls:
         first = len(out.tool_calls) - len(calls)
         delta["tool_calls"] = [c.as_message(first + i) for i, c in enumerate(calls)]
