@@ -33,7 +33,7 @@ from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
-from engine.server.tool_calls import ToolCall, ToolCallParser
+from engine.server.tool_calls import Parser, ToolCall, writes_json_blocks
 from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected, Stream
 from engine.tokenizer import Tokenizer
 from engine.request import FinishReason, GenerationRequest, StopCriteria
@@ -57,7 +57,7 @@ class ServerContext:
     created: int
     kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
     metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
-    tool_parser: Optional[type[ToolCallParser]] = None  # the chat template's tool-call format (None: no tools)
+    tool_parser: Optional[Parser] = None  # the chat template's tool-call format (None: it renders no tools)
     grammars: Optional[Grammars] = None  # constrained decoding (response_format, forced tool calls)
     reasoning: bool = False  # the chat template thinks: <think> blocks go to reasoning_content
 
@@ -161,8 +161,8 @@ def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Optional[Constrain
     try:
         if parsed.json_schema is not None:
             return ctx.grammars.json_schema(parsed.json_schema)
-        if ctx.tool_parser is None:
-            raise bad("a forced tool call needs a chat template that writes <tool_call> blocks (--chat-template)",
+        if not writes_json_blocks(ctx.tool_parser):
+            raise bad("a forced tool call needs a chat template that writes <tool_call> JSON blocks (--chat-template)",
                       param)  # fmt: skip
         return ctx.grammars.tool_calls(parsed.forced_tools, parsed.several_calls)
     except GrammarError as e:
@@ -392,9 +392,19 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
             if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
                 yield _sse_event(relay.failure().body())
                 break
-            if delta.tokens or delta.text or delta.finish or delta.calls or delta.reasoning:
-                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, delta.finish, relay.text_of, ids,
-                                                 calls=delta.calls, reasoning=delta.reasoning))  # fmt: skip
+            if not delta.calls:
+                if delta.tokens or delta.text or delta.finish or delta.reasoning:
+                    yield _sse_event(responses.chunk(out, delta.text, delta.tokens, delta.finish, relay.text_of, ids,
+                                                     reasoning=delta.reasoning))  # fmt: skip
+                continue
+            # a call completed: the text before it, the call's chunks, then the finish
+            if delta.tokens or delta.text or delta.reasoning:
+                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, None, relay.text_of, ids,
+                                                 reasoning=delta.reasoning))  # fmt: skip
+            for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids):
+                yield _sse_event(piece)
+            if delta.finish:
+                yield _sse_event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids))
         if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
             yield _sse_event(responses.usage_chunk(out, relay.usage()))
         yield "data: [DONE]\n\n"

@@ -148,17 +148,12 @@ def chunk(
     text_of: TokenText,
     ids: bool,
     role: bool = False,
-    calls: Sequence[ToolCall] = (),
     reasoning: str = "",
 ) -> dict[str, Any]:
-    """One stream chunk; `role` marks a chat stream's opening chunk; `calls`: tool calls completed in it (the
-    last of `out.tool_calls`), each whole in its delta with its index; `reasoning`: reasoning text in it."""
+    """One stream chunk; `role` marks a chat stream's opening chunk; `reasoning`: reasoning text in it."""
     delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
     if reasoning:
         delta["reasoning_content"] = reasoning
-    if calls:
-        first = len(out.tool_calls) - len(calls)
-        delta["tool_calls"] = [c.as_message(first + i) for i, c in enumerate(calls)]
     return {
         "id": out.request_id,
         "object": "chat.completion.chunk" if out.is_chat else "text_completion",
@@ -166,6 +161,19 @@ def chunk(
         "model": out.model,
         "choices": [_choice(out, text, tokens, finish, text_of, ids, delta=delta)],
     }
+
+
+def call_chunks(out: Output, calls: Sequence[ToolCall], text_of: TokenText, ids: bool) -> list[dict[str, Any]]:
+    """The stream chunks of tool calls just completed (the last of `out.tool_calls`), as OpenAI streams a call:
+    one delta with its index, id, type and name (arguments ''), then one with its arguments."""
+    chunks, first = [], len(out.tool_calls) - len(calls)
+    for i, call in enumerate(calls):
+        head = {"index": first + i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        for entry in (head, {"index": first + i, "function": {"arguments": call.arguments}}):
+            piece = chunk(out, "", [], None, text_of, ids)
+            piece["choices"][0]["delta"] = {"tool_calls": [entry]}
+            chunks.append(piece)
+    return chunks
 
 
 def usage_chunk(out: Output, usage_obj: dict[str, Any]) -> dict[str, Any]:

@@ -1,24 +1,28 @@
-"""Tool calls in generated text: the `<tool_call>` JSON blocks of Qwen's (Hermes-style) chat templates.
+"""Tool calls in generated text, in the formats of the registry's chat templates.
 
-A model served with `tools` writes each call as
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- Qwen's (Hermes-style) JSON blocks:
+  `<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>`;
+- Qwen's XML blocks (Qwen3-Coder, Qwen3.5):
+  `<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`;
+- Llama 3's JSON reply: the whole reply `{"name": "get_weather", "parameters": {"city": "Paris"}}`
+  (after an optional `<|python_tag|>`).
 
 `ToolCallParser` takes the text as it streams and splits it into content and
 calls: text outside the blocks is content (held back only while it could be
-the start of `<tool_call>`), a complete block whose JSON names a function is a
-call, and a block that does not parse (or never closes) stays content, as
-written. The format is chosen from the chat template (`parser_for`).
+the start of `<tool_call>`), a complete block that names a function is a call,
+and a block that does not parse (or never closes) stays content, as written.
+`LlamaJsonParser` holds a reply that opens like a call until its end. The
+format is chosen from the chat template (`parser_for`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -45,12 +49,21 @@ class Parsed:
     calls: tuple[ToolCall, ...] = ()
 
 
+def _new_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
 def _call(block: str) -> Optional[ToolCall]:
-    """A block's call, or None where its JSON is not {"name": str, "arguments": object or str}."""
+    """A JSON block's call, or None where it is not {"name": str, "arguments" (or "parameters"): object or JSON
+    text}."""
     try:
         obj = json.loads(block)
     except json.JSONDecodeError:
         return None
+    return _json_call(obj)
+
+
+def _json_call(obj) -> Optional[ToolCall]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -64,13 +77,38 @@ def _call(block: str) -> Optional[ToolCall]:
         text = json.dumps(args, ensure_ascii=False)
     else:
         return None
-    return ToolCall(f"call_{secrets.token_hex(12)}", obj["name"], text)
+    return ToolCall(_new_id(), obj["name"], text)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_call(block: str) -> Optional[ToolCall]:
+    """An XML block's call (`<function=NAME>` holding `<parameter=KEY>value</parameter>`s), or None. A value
+    that reads as JSON other than a string (a number, true, a list) is that value; any other is the text."""
+    match = _FUNCTION.fullmatch(block)
+    if match is None:
+        return None
+    name, body = match.groups()
+    args = {}
+    for key, value in _PARAMETER.findall(body):
+        try:
+            parsed = json.loads(value)
+            args[key] = value if isinstance(parsed, str) else parsed
+        except json.JSONDecodeError:
+            args[key] = value
+    if _PARAMETER.sub("", body).strip():  # text outside the parameters: not a call as the format writes it
+        return None
+    return ToolCall(_new_id(), name, json.dumps(args, ensure_ascii=False))
 
 
 @dataclass
 class ToolCallParser:
-    """Streaming split of generated text into content and tool calls."""
+    """Streaming split of generated text into content and `<tool_call>` blocks' calls (`block`: a block's call
+    in the template's format)."""
 
+    block: Callable[[str], Optional[ToolCall]] = _call
     _pending: str = ""  # content that may be the start of OPEN, or a block not yet closed
     _inside: bool = False
     calls: list[ToolCall] = field(default_factory=list)  # every call so far
@@ -85,7 +123,7 @@ class ToolCallParser:
                     break
                 block, self._pending = self._pending[:end], self._pending[end + len(CLOSE) :]
                 self._inside = False
-                call = _call(block)
+                call = self.block(block)
                 if call is None:  # not a call after all: the block stays text, as written
                     content.append(OPEN + block + CLOSE)
                 else:
@@ -119,13 +157,65 @@ def _partial_open(text: str) -> int:
     return 0
 
 
-def parser_for(chat_template: Optional[str]) -> Optional[type[ToolCallParser]]:
-    """The tool-call format a chat template writes (None: it renders no tools)."""
-    return ToolCallParser if chat_template and OPEN in chat_template else None
+PYTHON_TAG = "<|python_tag|>"
 
 
-def split(text: str) -> Parsed:
-    """A whole text's content and calls."""
-    parser = ToolCallParser()
-    first, last = parser.push(text), parser.flush()
-    return Parsed(first.content + last.content, first.calls)
+@dataclass
+class LlamaJsonParser:
+    """Llama 3's format: a reply that is one JSON call. A reply that opens with `{` (or the python tag) is held
+    until its end and is a call if it parses as one; any other streams as content."""
+
+    _pending: str = ""
+    _holding: Optional[bool] = None  # None: not known yet (only whitespace so far)
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def push(self, text: str) -> Parsed:
+        self._pending += text
+        if self._holding is None:
+            head = self._pending.lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return Parsed()
+            self._holding = head.startswith("{") or head.startswith(PYTHON_TAG)
+        if self._holding:
+            return Parsed()
+        out, self._pending = self._pending, ""
+        return Parsed(out)
+
+    def flush(self) -> Parsed:
+        text, self._pending = self._pending, ""
+        if self._holding:
+            body = text.strip().removeprefix(PYTHON_TAG).strip()
+            try:
+                call = _json_call(json.loads(body))
+            except json.JSONDecodeError:
+                call = None
+            if call is not None:
+                self.calls.append(call)
+                return Parsed(calls=(call,))
+        return Parsed(text)
+
+
+Parser = Callable[[], "ToolCallParser | LlamaJsonParser"]
+
+
+def parser_for(chat_template: Optional[str]) -> Optional[Parser]:
+    """A parser factory for the tool-call format a chat template writes (None: it renders no tools)."""
+    if not chat_template:
+        return None
+    if OPEN in chat_template:
+        return partial(ToolCallParser, _xml_call) if "<function=" in chat_template else ToolCallParser
+    if PYTHON_TAG in chat_template or '"parameters": dictionary' in chat_template:
+        return LlamaJsonParser
+    return None
+
+
+def writes_json_blocks(parser: Optional[Parser]) -> bool:
+    """Whether a format is the JSON blocks a forced call's grammar writes (`engine.grammar.Grammars.tool_calls`)."""
+    return parser is ToolCallParser
+
+
+def split(text: str, parser: Optional[Parser] = None) -> Parsed:
+    """A whole text's content and calls (in the JSON block format unless another parser factory is given)."""
+    p = (parser or ToolCallParser)()
+    first, last = p.push(text), p.flush()
+    return Parsed(first.content + last.content, first.calls + last.calls)

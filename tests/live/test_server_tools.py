@@ -99,3 +99,19 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}
     with pytest.raises(openai.BadRequestError, match="nonsense"):
         client.chat.completions.create(model=MODEL, messages=ASK, response_format=bad, max_tokens=4)
+
+
+def test_constrained_replies_on_the_serial_lane():
+    srv = LiveServer("--model", MODEL, "--chat-template", str(TEMPLATE), "--batch", "1")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=2,
+                                           max_tokens=80)  # fmt: skip
+        assert r.usage.model_extra["engine"]["lane"] == "serial"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=120)  # fmt: skip
+        jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), SCHEMA)
+    finally:
+        assert srv.stop()[0] == 0

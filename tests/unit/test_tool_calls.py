@@ -67,23 +67,52 @@ def test_the_format_comes_from_the_template(tiny_path):
 def test_responses_carry_calls_as_openai_does():
     out = responses.Output("chatcmpl-x", "m", True)
     parser = ToolCallParser()
-    first = parser.push(TEXT[:60])
-    out.text += first.content
-    out.tool_calls += first.calls
-    c1 = responses.chunk(out, first.content, [], None, str, False, calls=first.calls)
-    second = parser.push(TEXT[60:])
-    out.tool_calls += second.calls
-    c2 = responses.chunk(out, second.content, [], None, str, False, calls=second.calls)
-    deltas = [c["choices"][0]["delta"] for c in (c1, c2)]
-    streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert [tc["index"] for tc in streamed] == [0, 1]
-    assert [tc["function"]["name"] for tc in streamed] == ["get_weather", "get_time"]
-    assert all(tc["type"] == "function" and tc["id"].startswith("call_") for tc in streamed)
+    streamed = []
+    for piece in (TEXT[:60], TEXT[60:]):
+        parsed = parser.push(piece)
+        out.text += parsed.content
+        out.tool_calls += parsed.calls
+        streamed += [c["choices"][0]["delta"]["tool_calls"][0] for c in responses.call_chunks(out, parsed.calls, str, False)]
+    # per call: its index, id, type and name with empty arguments, then its arguments
+    assert [tc["index"] for tc in streamed] == [0, 0, 1, 1]
+    assert [tc["function"].get("name") for tc in streamed] == ["get_weather", None, "get_time", None]
+    assert streamed[0]["id"].startswith("call_") and streamed[0]["type"] == "function" and "id" not in streamed[1]
+    assert [tc["function"]["arguments"] for tc in streamed[:2]] == ["", out.tool_calls[0].arguments]
     message = responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]
     assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["get_weather", "get_time"]
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
     out.text = ""
     assert responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]["content"] is None
+
+
+XML = ("Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n"
+       "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+
+
+def test_the_xml_format_of_qwen3_coder_templates():
+    xml = parser_for("{{ '<tool_call>\n<function=' }}")
+    parsed = split(XML, xml)
+    assert parsed.content == "Checking." and [c.name for c in parsed.calls] == ["get_weather"]
+    assert json.loads(parsed.calls[0].arguments) == {"city": "San José", "days": 3, "hourly": True}
+    for cut in range(1, len(XML)):
+        p = xml()
+        got = [p.push(XML[:cut]), p.push(XML[cut:]), p.flush()]
+        assert [c.arguments for g in got for c in g.calls] == [parsed.calls[0].arguments], cut
+    broken = "<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>"
+    assert split(broken, xml).content == broken
+
+
+def test_llama_3_writes_a_call_as_the_whole_reply():
+    llama = parser_for("... Respond in the format {\"name\": function name, \"parameters\": dictionary of ...")
+    assert llama is parser_for("{{ '<|python_tag|>' }}")
+    call = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}'
+    for text in (call, call.removeprefix("<|python_tag|>"), "  " + call):
+        parsed = split(text, llama)
+        assert parsed.content == "" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+            ("get_weather", {"city": "Lima"})]  # fmt: skip
+    p = llama()
+    assert p.push("The weather").content == "The weather" and p.push(" is fine").content == " is fine"
+    assert split('{"not": "a call"}', llama).content == '{"not": "a call"}'
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
