@@ -1,11 +1,12 @@
 """Decoding constrained to a grammar (llguidance): JSON schemas and forced tool calls.
 
 A `Constraint` is a compiled grammar a request carries in its sampling settings; each row that decodes it
-gets its own matcher (`Constraint.processor`), a logits processor like the penalties: it feeds the matcher
-the tokens the row has generated since its last call, asks for the mask of tokens the grammar allows
-next, and sets every other logit to -inf. Once the grammar is complete only the end-of-sequence tokens
-are allowed, so the row stops there. It runs on every lane the processors run on (the serial lane and each
-row of the continuous batch); the speculative lane refuses processors.
+gets its own matcher (`Constraint.processor`): fed the tokens the row has generated since its last call,
+it gives the mask of tokens the grammar allows next, and every other logit goes to -inf. Once the grammar
+is complete only the end-of-sequence tokens are allowed, so the row stops there. On the serial lane it is
+a logits processor like the penalties; the continuous batch masks all its constrained rows at once
+(`mask_rows`: llguidance fills the masks on its threads, one `where` applies them). The speculative lane
+refuses processors.
 """
 
 from __future__ import annotations
@@ -41,25 +42,51 @@ class Constraint:
 
 
 class _Matcher:
-    """One row's matcher as a logits processor (history [T], logits [1, V]) -> logits."""
+    """One row's matcher: fed the row's tokens, it gives the mask of tokens allowed next. As a logits processor
+    (history [T], logits [1, V]) -> logits it masks one row (the serial lane); `mask_rows` masks a batch's
+    constrained rows in one parallel pass."""
 
     def __init__(self, matcher, vocab_size: int):
-        import llguidance.numpy as lnp
-
-        self.matcher, self.vocab_size, self._fill = matcher, vocab_size, lnp.fill_next_token_bitmask
-        self.bitmask = lnp.allocate_token_bitmask(1, vocab_size)
+        self.matcher, self.vocab_size = matcher, vocab_size
         self.seen: Optional[int] = None  # history length at the last call: the prompt at the first
 
-    def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
-        if self.seen is not None:  # the tokens fed since the last call: the row's own, sampled under the mask
+    def advance(self, history: mx.array) -> None:
+        """Feed the tokens the row was fed since the last call (its own, sampled under the mask)."""
+        if self.seen is not None:
             for token in history[self.seen :].tolist():
                 self.matcher.consume_token(token)
         self.seen = history.size
-        self._fill(self.matcher, self.bitmask, 0)
-        allowed = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
-        if allowed.size < logits.shape[-1]:
-            allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.size))
-        return mx.where(mx.array(allowed.astype(np.bool_)), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
+        return mask_rows(logits, [(0, self, history)])
+
+
+_EXECUTOR = None  # llguidance's thread pool for masks (made on first use)
+
+
+def mask_rows(logits: mx.array, rows: Sequence[tuple[int, _Matcher, mx.array]]) -> mx.array:
+    """logits [B, V] with each listed row (index, matcher, its token history) masked to what its grammar allows
+    next; the other rows unchanged. The masks are filled in parallel, off the GIL, and applied in one op."""
+    import llguidance
+    import llguidance.numpy as lnp
+
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    batch, width = logits.shape
+    for _, m, history in rows:
+        m.advance(history)
+    bitmask = lnp.allocate_token_bitmask(batch, rows[0][1].vocab_size)
+    bitmask[:] = -1  # rows without a grammar: every token
+    lnp.fill_next_token_bitmask_par(_EXECUTOR, [(m.matcher, i) for i, m, _ in rows], bitmask)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :width]
+    if allowed.shape[1] < width:
+        allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])), constant_values=1)
+    return mx.where(mx.array(allowed.astype(np.bool_)), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 class Grammars:

@@ -87,7 +87,9 @@ def _frequency(penalty: float, context: int) -> LogitsProcessor:
     return process
 
 
-def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
+def make_processors(p: SamplingParams, constraint: bool = True) -> list[LogitsProcessor]:
+    """The request's logits processors, its grammar's matcher last (`constraint`; the batch masks its rows'
+    grammars together instead)."""
     processors = []
     if p.logit_bias:
         processors.append(_logit_bias(p.logit_bias))
@@ -97,7 +99,7 @@ def make_processors(p: SamplingParams) -> list[LogitsProcessor]:
         processors.append(_presence(p.presence_penalty, p.penalty_context_size))
     if p.frequency_penalty:
         processors.append(_frequency(p.frequency_penalty, p.penalty_context_size))
-    if p.constraint is not None:  # last: the grammar's mask has the final word on what may come next
+    if constraint and p.constraint is not None:  # last: the grammar's mask has the final word on what may come next
         processors.append(p.constraint.processor())
     return processors
 

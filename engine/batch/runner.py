@@ -37,7 +37,7 @@ had.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import copy
 
@@ -56,6 +56,7 @@ from engine.cache import (
     cache_arrays,
 )
 from engine.generate import KVQuantization
+from engine.grammar import mask_rows
 from engine.sampling import Sampler, emitted_token, make_processors
 from engine.request import GeneratedToken, SamplingParams
 
@@ -118,15 +119,18 @@ class _Row:
     processors: list
     history: Optional[mx.array]  # tokens seen, for processors (prompt, then fed tokens)
     last_prompt_token: int  # what the token-0 forward feeds
+    grammar: Optional[Any] = None  # the request's grammar matcher (engine.grammar), masked with the batch's others
 
     @classmethod
     def start(cls, j: Joiner) -> "_Row":
         history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
-        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params), history, j.prompt_ids[-1])
+        grammar = j.params.constraint.processor() if j.params.constraint is not None else None
+        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params, constraint=False), history,
+                   j.prompt_ids[-1], grammar)  # fmt: skip
 
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's processors to its logits [1, V], given this step's input token(s)."""
-        if not self.processors:
+        if not self.processors and self.grammar is None:
             return logits
         self.history = inputs if self.history is None else mx.concatenate([self.history, inputs])
         for p in self.processors:
@@ -475,12 +479,18 @@ class BatchRunner:
         if self.tap is not None:
             for i, row in enumerate(rows):
                 self.tap(row.request_id, logits[i : i + 1])
-        if any(r.processors for r in rows):
+        if any(r.processors or r.grammar is not None for r in rows):
             row_logits = [logits[i : i + 1] for i in range(len(rows))]
             logits = mx.concatenate(
                 [_guarded(failed, i, lambda: row.process(inputs[i : i + 1], row_logits[i]), lambda: row_logits[i])
                  for i, row in enumerate(rows)], axis=0,
             )  # fmt: skip
+        constrained = [(i, r.grammar, r.history) for i, r in enumerate(rows) if r.grammar is not None and i not in failed]
+        if constrained:
+            logits = mask_rows(logits, constrained)
+            for i, m, _ in constrained:
+                if m.error is not None:
+                    failed[i] = f"grammar: {m.error}"
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.params.is_greedy for r in rows):  # one vectorized argmax over [B, V]
             tokens = mx.argmax(logprobs, axis=-1)

@@ -132,9 +132,9 @@ def test_a_failing_processor_fails_only_its_row(model, monkeypatch):
     """A logits processor that raises while token 0 is sampled: the group's other rows go on."""
     real = runner_module.make_processors
 
-    def processors(params):
+    def processors(params, **options):
         if params.seed != BAD_SEED:
-            return real(params)
+            return real(params, **options)
 
         def boom(tokens, logits):
             raise IndexError("processor exploded")
