@@ -35,11 +35,40 @@ EOS = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
 SPECIAL_TOKENS = (END_OF_TEXT, "<|im_start|>", EOS)
 
+# Qwen3's chat format: without tools and with thinking left on, each message as
+# "<|im_start|>role\ncontent<|im_end|>\n", then "<|im_start|>assistant\n". With `tools`, a system turn lists
+# their signatures and asks for <tool_call> JSON blocks; earlier calls and tool answers render as Qwen's do;
+# `enable_thinking=False` closes an empty <think> block after the generation prompt.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{%- if call.function.arguments is string %}{{- call.function.arguments }}"
+    "{%- else %}{{- call.function.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 _CONSONANTS = "bdfgklmnprstvz"

@@ -115,3 +115,15 @@ def test_constrained_replies_on_the_serial_lane():
         jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), SCHEMA)
     finally:
         assert srv.stop()[0] == 0
+
+
+def test_the_artifacts_own_template_takes_tools():
+    srv = LiveServer("--model", MODEL)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=ROUND_TRIP, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=1.0, seed=7, max_tokens=120)  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    finally:
+        assert srv.stop()[0] == 0

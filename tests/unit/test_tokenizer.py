@@ -65,3 +65,19 @@ def test_special_tokens_and_chat_template(tiny_path):
     gen = json.loads((path / "generation_config.json").read_text())
     assert set(gen["eos_token_id"]) <= tok.eos_ids | set(gen["eos_token_id"])
     assert tok.encode("<|im_end|>", add_special_tokens=False) == [tok._hf.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_the_chat_template_renders_tools_calls_and_thinking_off(tiny_path):
+    # Qwen3's format: tools as a system turn asking for <tool_call> blocks, earlier calls and tool answers in the
+    # history, an empty think block when thinking is off; without them the plain turns above
+    tok = Tokenizer(tiny_path("tiny-qwen3"))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                   "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "content": "4 C"}]  # fmt: skip
+    text = tok.decode(tok.apply_chat_template(history, tools=[tool], template_kwargs={"enable_thinking": False}))
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n4 C\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
