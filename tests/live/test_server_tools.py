@@ -106,10 +106,16 @@ def test_constrained_replies_on_the_serial_lane():
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
-        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=2,
-                                           max_tokens=80)  # fmt: skip
-        assert r.usage.model_extra["engine"]["lane"] == "serial"
-        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+        def ask(i):
+            return client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0,
+                                                  seed=i, max_tokens=80)  # fmt: skip
+
+        with ThreadPoolExecutor(8) as pool:  # 8 at once, taken one after another
+            replies = list(pool.map(ask, range(8)))
+        for r in replies:
+            assert r.usage.model_extra["engine"]["lane"] == "serial"
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
                                            parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=120)  # fmt: skip
         jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), SCHEMA)
