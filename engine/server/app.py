@@ -392,18 +392,14 @@ async def _sse(relay: _Relay) -> AsyncIterator[str]:
             if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
                 yield _sse_event(relay.failure().body())
                 break
-            if not delta.calls:
-                if delta.tokens or delta.text or delta.finish or delta.reasoning:
-                    yield _sse_event(responses.chunk(out, delta.text, delta.tokens, delta.finish, relay.text_of, ids,
-                                                     reasoning=delta.reasoning))  # fmt: skip
-                continue
-            # a call completed: the text before it, the call's chunks, then the finish
-            if delta.tokens or delta.text or delta.reasoning:
-                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, None, relay.text_of, ids,
+            # the text, then the tool calls completed with it, then the finish (with the text where no call came)
+            text_finish = None if delta.calls else delta.finish
+            if delta.tokens or delta.text or delta.reasoning or text_finish:
+                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of, ids,
                                                  reasoning=delta.reasoning))  # fmt: skip
             for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids):
                 yield _sse_event(piece)
-            if delta.finish:
+            if delta.calls and delta.finish:
                 yield _sse_event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids))
         if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
             yield _sse_event(responses.usage_chunk(out, relay.usage()))

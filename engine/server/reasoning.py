@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.server.stop_text import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -18,14 +20,6 @@ OPEN, CLOSE = "<think>", "</think>"
 class Split:
     reasoning: str = ""
     content: str = ""
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many trailing characters of `text` are a proper prefix of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -49,7 +43,7 @@ class ReasoningParser:
         if self._state == "inside":
             end = self._pending.find(CLOSE)
             if end < 0:
-                keep = _partial(self._pending, CLOSE)
+                keep = partial_suffix(self._pending, CLOSE)
                 reasoning, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
                 return Split(reasoning)
             reasoning, self._pending = self._pending[:end], self._pending[end + len(CLOSE) :]

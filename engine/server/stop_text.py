@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """How many trailing characters of `text` are a proper prefix of `tag`: what to hold back while the text
+    may still become `tag` (a stop string, a tool-call or reasoning tag)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+
+
 class TextStopper:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
@@ -27,8 +33,7 @@ class TextStopper:
             self.stopped = True
             out, self.held = self.held[: min(hits)], ""
             return out
-        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.held)), 0, -1)
-                    if self.held.endswith(s[:n])), default=0)  # fmt: skip
+        keep = max((partial_suffix(self.held, s) for s in self.stops), default=0)
         out = self.held[: len(self.held) - keep]
         self.held = self.held[len(self.held) - keep :]
         return out

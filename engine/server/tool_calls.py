@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
+from engine.server.stop_text import partial_suffix
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -135,7 +137,7 @@ class ToolCallParser:
                 self._pending = self._pending[start + len(OPEN) :]
                 self._inside = True
                 continue
-            keep = _partial_open(self._pending)  # hold back a tail that may become OPEN
+            keep = partial_suffix(self._pending, OPEN)  # hold back a tail that may become OPEN
             content.append(self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep :]
             break
@@ -147,14 +149,6 @@ class ToolCallParser:
         rest = (OPEN if self._inside else "") + self._pending
         self._pending, self._inside = "", False
         return Parsed(rest)
-
-
-def _partial_open(text: str) -> int:
-    """How many trailing characters of `text` are a proper prefix of OPEN."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 PYTHON_TAG = "<|python_tag|>"
