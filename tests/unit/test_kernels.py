@@ -308,12 +308,14 @@ def test_fused_stages_refuse_what_they_cannot_take():
 
 @cuda_only
 @pytest.mark.parametrize("m", [1, 5, 17, 32, 64])
-def test_norm_out_hands_the_next_launch_its_norm(m):
+@pytest.mark.parametrize("k", [1536, 6144])
+def test_norm_out_hands_the_next_launch_its_norm(m, k):
     # Fusion.norm_out: the launch's result is its plain residual launch's, bit for bit; hw is bf16(h * nw) as
     # engine_mul2 rounds; the blocks' parts of the sums of squares add up to sum(h^2) (float32, another order).
     # Fusion.prenormed on hw then equals norm_scale on h up to the order of those float32 sums, which moves
-    # the scale by ~2^-20 and so a bf16 output by at most one rounding (2^-7 of |y|).
-    k, n = 1536, 2048
+    # the scale by ~2^-20 and so a bf16 output by at most one rounding (2^-7 of |y|). K 6144 from 9 rows: the
+    # staged kernel splits K and the sums' launch runs the stages.
+    n = 2048
     proj = make_quantized(n=n, k=k, seed=7)
     mats = [make_quantized(n=1024, k=n, seed=s) for s in (8, 9)]
     pair = [(q.weight, q.scales, q.biases) for q in mats]
@@ -684,11 +686,29 @@ def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
     staged = run()
     assert mx.array_equal(staged, run(LaunchConfig(2, 1, 1, row_groups=2))).item()
     for layout in (StagedConfig(warps=8, row_tiles=1), StagedConfig(warps=2, row_tiles=4), StagedConfig(stages=2),
-                   StagedConfig(stages=4), StagedConfig(chunk_tiles=4)):  # fmt: skip
+                   StagedConfig(stages=4), StagedConfig(chunk_tiles=4), StagedConfig(m_groups=2),
+                   StagedConfig(m_groups=4, stages=2)):  # fmt: skip
         assert mx.array_equal(staged, run(layout)).item(), layout
-    split = run(StagedConfig(splits=2)).astype(mx.float32)
     whole = staged.astype(mx.float32)
+    split = run(StagedConfig(splits=2)).astype(mx.float32)
     assert mx.all(mx.abs(split - whole) <= 2.0**-7 * mx.abs(whole) + 1e-3).item()
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [9, 17, 33, 63])
+@pytest.mark.parametrize("layout", [dict(), dict(m_groups=2), dict(m_groups=4, stages=2), dict(m_groups=2, splits=2),
+                                    dict(min_blocks=2, m_groups=2, stages=2), dict(warps=2, m_groups=2)])  # fmt: skip
+def test_staged_layouts_match_float32(m, layout):
+    # Each staged layout against the float32 product (test_gemv_kernel_matches_mlx's bound): splits add the
+    # same float32 sums in another order; m groups and register caps change no sum.
+    q = make_quantized(n=1000, k=6144, seed=m)
+    x = mx.random.normal((m, 6144)).astype(mx.bfloat16)
+    with mx.stream(mx.cpu):
+        f32 = mx.float32
+        exact = x.astype(f32) @ mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), 64, 4).T
+    out = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(**layout)).astype(mx.float32)
+    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+    assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
 
 
 def test_staged_kernel_splits_long_inputs_only():
@@ -696,7 +716,8 @@ def test_staged_kernel_splits_long_inputs_only():
     # projection (17408) in 4, its attention and DeltaNet output projections (6144) in 2.
     assert [splits(k, 128) for k in (1536, 5120, 6144, 17408)] == [1, 1, 2, 4]
     assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=4)
-    assert staged_config(64, 5120, 64, 4) == StagedConfig(stages=3, splits=1)
+    assert staged_config(32, 5120, 64, 4) == StagedConfig(stages=2, splits=1)
+    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=1)
     assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
     assert staged_takes(9, 5120, 64, 4, Fusion()) and not staged_takes(8, 5120, 64, 4, Fusion())
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())
@@ -710,6 +731,11 @@ def test_staged_launch_asks_for_shared_memory_past_48_kb():
     assert shared_request(two, 32, Fusion(), 64, 4) == two.shared_bytes(32, 64, 4)
     assert shared_request(two, 32, Fusion(gated=True, prenormed=True), 64, 4) == 48 << 10
     assert shared_request(StagedConfig(stages=3), 64, Fusion(prenormed=True), 64, 4) == StagedConfig(stages=3).shared_bytes(64, 64, 4)
+
+
+def test_staged_m_groups_take_more_warps():
+    assert StagedConfig(warps=4, m_groups=2).threads() == 256 and StagedConfig().threads() == 128
+    assert StagedConfig(m_groups=2).shared_bytes(64, 64, 4) == StagedConfig().shared_bytes(64, 64, 4)
 
 
 def _decode_states(model, ids, steps):

@@ -15,15 +15,25 @@ summary reads ncu's CSV: each step's kernels are those between two markers of th
 rows it prints the sum of their durations (the device's busy time, kernels serialized by ncu) and the
 kernels that take the most, by name. Set against the wall step time, the sum says whether the device is
 busy for the whole step or waits on the host.
+
+`--staged SPEC` (repeatable) runs the rows again with every staged launch (9-64 rows) laid out by SPEC
+instead of `staged.staged_config`: `[ROWS:]KEY=VALUE,...` with the keys W (warps), RT (row tiles), CK
+(k-tiles a chunk), ST (stages), S (splits; default: as the tree splits K), MINB (blocks an SM), MG (m
+groups); ROWS (e.g. `16,32:`) keeps the variant to those row counts.
+
+    python3 -m tools.gpu.step_kernels --rows 16,64 --time --staged ST=2,MG=2 --staged 64:ST=2,MG=2,MINB=2
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+from typing import Optional, Sequence
 
 MARKER = "engine_step_marker"
 UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
@@ -70,14 +80,46 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     return cache, token
 
 
+STAGED_KEYS = {"W": "warps", "RT": "row_tiles", "CK": "chunk_tiles", "ST": "stages", "S": "splits",
+               "MINB": "min_blocks", "MG": "m_groups"}
+
+
+def parse_staged(spec: str) -> tuple[Optional[set[int]], dict[str, int]]:
+    """A `--staged` SPEC as (the row counts it keeps to, or None for all; StagedConfig fields)."""
+    rows, _, body = spec.rpartition(":")
+    fields = {}
+    for item in filter(None, (v.strip() for v in body.split(","))):
+        key, _, value = item.partition("=")
+        if key.strip().upper() not in STAGED_KEYS or not value.strip().isdigit():
+            raise SystemExit(f"--staged {spec!r}: give KEY=VALUE items with KEY one of {', '.join(STAGED_KEYS)}")
+        fields[STAGED_KEYS[key.strip().upper()]] = int(value)
+    return ({int(r) for r in rows.split(",")} if rows else None), fields
+
+
+@contextmanager
+def staged_layout(fields: dict[str, int]):
+    """Every staged launch traced inside laid out by `fields` (splits as the tree chooses unless given)."""
+    from engine.kernels.quantized_gemv import calls, staged
+
+    chosen = staged.staged_config
+    if fields:
+        staged.staged_config = lambda *a: dataclasses.replace(chosen(*a), **fields)
+        calls._compiled.cache_clear()  # the traced launches hold their layouts
+    try:
+        yield
+    finally:
+        if fields:
+            staged.staged_config = chosen
+            calls._compiled.cache_clear()
+
+
 def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
-        timed: bool, warm: int = 3, batch_caches: bool = False, off: tuple[str, ...] = ()) -> None:  # fmt: skip
-    import dataclasses
-
-    import mlx.core as mx
-
+        timed: bool, warm: int = 3, batch_caches: bool = False, off: tuple[str, ...] = (),
+        variants: Sequence[str] = ()) -> None:  # fmt: skip
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
+
+    layouts = [(None, {}, "")] + [(*parse_staged(v), f" [{v}]") for v in variants]  # a bad SPEC stops it here
 
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
         return dataclasses.replace(KernelConfig.from_env(tier), **{name: False for name in off})
@@ -87,40 +129,52 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
         ks = install(eng.model, config(tier), eng.config.get("model_type"))
         print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
               + (f", off: {','.join(off)}" if off else "") + (", batch caches" if batch_caches else ""), flush=True)
-        for rows in rows_list:
-            cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
-            for _ in range(warm):  # compiles this shape's kernels
-                token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-                mx.eval(token)
-            if timed:
-                mx.synchronize()
-                stamps = []
-                for _ in range(steps):
-                    token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-                    mx.async_eval(token)
-                    stamps.append(time.perf_counter())
-                mx.eval(token)
-                stamps.append(time.perf_counter())
-                # The whole run's time over its steps: the host may run ahead of the device, so the gaps
-                # between submissions alone (their median beside it) can show the host's time, not the step's.
-                step = (stamps[-1] - stamps[0]) / steps
-                gap = statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:-1]))
-                print(f"{tier:6s} rows {rows:3d}: step {step * 1e3:7.2f} ms ({rows / step:7.1f} tok/s; median "
-                      f"submit gap {gap * 1e3:.2f} ms)", flush=True)  # fmt: skip
-                continue
-            marker = _marker(f"{tier}_{rows}")
-            mx.eval(marker(token.reshape(-1)))
-            mx.synchronize()
-            _profiler(True)
-            mx.eval(marker(token.reshape(-1)))
-            for _ in range(steps):
-                token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-                mx.eval(token)
-                mx.eval(marker(token.reshape(-1)))
-            mx.synchronize()
-            _profiler(False)
-            print(f"{tier} rows {rows}: {steps} steps done", flush=True)
-            del cache
+        for keep, fields, label in layouts:
+            for rows in rows_list:
+                if (keep is None or rows in keep) and (not fields or rows >= 9):
+                    with staged_layout(fields):
+                        if fields:  # new layer steps: the compiled ones hold the launches of their first trace
+                            install(eng.model, config(tier), eng.config.get("model_type"))
+                        step_rows(eng, tier + label, rows, steps, prompt_tokens, timed, warm, batch_caches)
+
+
+def step_rows(eng, label: str, rows: int, steps: int, prompt_tokens: int, timed: bool, warm: int,
+              batch_caches: bool) -> None:  # fmt: skip
+    """One row count's decode steps: timed (pipelined), or one at a time between markers for ncu."""
+    import mlx.core as mx
+
+    cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
+    for _ in range(warm):  # compiles this shape's kernels
+        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        mx.eval(token)
+    if timed:
+        mx.synchronize()
+        stamps = []
+        for _ in range(steps):
+            token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+            mx.async_eval(token)
+            stamps.append(time.perf_counter())
+        mx.eval(token)
+        stamps.append(time.perf_counter())
+        # The whole run's time over its steps: the host may run ahead of the device, so the gaps between
+        # submissions alone (their median beside it) can show the host's time, not the step's.
+        step = (stamps[-1] - stamps[0]) / steps
+        gap = statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:-1]))
+        print(f"{label:6s} rows {rows:3d}: step {step * 1e3:7.2f} ms ({rows / step:7.1f} tok/s; median "
+              f"submit gap {gap * 1e3:.2f} ms)", flush=True)  # fmt: skip
+        return
+    marker = _marker(f"{label.split()[0]}_{rows}")
+    mx.eval(marker(token.reshape(-1)))
+    mx.synchronize()
+    _profiler(True)
+    mx.eval(marker(token.reshape(-1)))
+    for _ in range(steps):
+        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        mx.eval(token)
+        mx.eval(marker(token.reshape(-1)))
+    mx.synchronize()
+    _profiler(False)
+    print(f"{label} rows {rows}: {steps} steps done", flush=True)
 
 
 def summarize(path: str, top: int) -> None:
@@ -170,6 +224,8 @@ def main() -> None:
                                                                "(a lone row on the continuous lane)")  # fmt: skip
     p.add_argument("--off", default="", help="KernelConfig switches to turn off, comma-separated (delta_step_kernel, "
                                              "attention_step, attention_kernels)")  # fmt: skip
+    p.add_argument("--staged", action="append", default=[], metavar="SPEC",
+                   help="also run the rows with the staged launches laid out by SPEC (see above); repeatable")
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
@@ -178,7 +234,7 @@ def main() -> None:
     else:
         off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
         run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
-            args.prompt_tokens, args.time, args.warm, args.batch_caches, off)  # fmt: skip
+            args.prompt_tokens, args.time, args.warm, args.batch_caches, off, args.staged)  # fmt: skip
 
 
 if __name__ == "__main__":

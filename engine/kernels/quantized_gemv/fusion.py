@@ -23,7 +23,7 @@ _NO_ROW_SCALE = "  auto row_scale = [&](const int) { return 1.0f; };\n"
 _PRENORMED_PREFETCH = r"""
   constexpr bool PREFETCH = M * P <= 2048;
   __shared__ float ssq_parts[PREFETCH ? M * P : 1];
-  for (int i = threadIdx.x; PREFETCH && i < M * P; i += W * 32) {
+  for (int i = threadIdx.x; PREFETCH && i < M * P; i += THREADS) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(ssq_parts + i));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(ssq_in + i) : "memory");
   }
@@ -34,10 +34,10 @@ _PRENORMED_REDUCE = r"""
   __syncthreads();
   __shared__ float rscale[M];
   {
-    constexpr int FIT = W * 32 / M;  // threads a row could take, all rows at once
+    constexpr int FIT = THREADS / M;  // threads a row could take, all rows at once
     constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
     const int sub = threadIdx.x % TPR;
-    for (int m0 = 0; m0 < M; m0 += W * 32 / TPR) {  // every thread goes round as often: the shuffles stay whole
+    for (int m0 = 0; m0 < M; m0 += THREADS / TPR) {  // every thread goes round as often: the shuffles stay whole
       const int m = m0 + threadIdx.x / TPR;
       float s = 0.0f;
       if (m < M)
@@ -55,11 +55,11 @@ _PRENORMED_REDUCE = r"""
 # (hw, bf16) and its part of each row's sum of squares (ssq_out [M, blocks]: its rows' squares added in row
 # order), so the next launch takes the norm without a launch of its own or any work a k-tile (`prenormed`).
 _NORM_OUT_PROLOGUE = r"""
-  for (int i = threadIdx.x; i < WR * 16 * RTO * M; i += W * 32) sq[i / M][i % M] = 0.0f;
+  for (int i = threadIdx.x; i < WR * 16 * RTO * M; i += THREADS) sq[i / M][i % M] = 0.0f;
 """
 _NORM_OUT_AFTER = r"""
   __syncthreads();
-  for (int m = threadIdx.x; m < M; m += W * 32) {
+  for (int m = threadIdx.x; m < M; m += THREADS) {
     float s = 0.0f;
     for (int rb = 0; rb < WR * 16 * RTO; ++rb) s += sq[rb][m];
     ssq_out[(size_t)m * gridDim.x + blockIdx.x] = s;

@@ -94,6 +94,7 @@ _BODY_START = r"""
   constexpr int STEPS = WL * SPW;
   constexpr int XR = WL * PW / 2;                   // activation registers (bf16 pairs) per lane and tile
   constexpr int NB = (M + 7) / 8;                   // 8-column blocks of activation rows
+  constexpr int THREADS = W * 32;                   // a block's threads (the fused stages' loops)
   constexpr int WK = W / (WR * WM);                 // warps of a row group splitting K (per slice)
   static_assert(W % (WR * WM) == 0, "row groups of equal warps");
   constexpr int NBW = (NB + WM - 1) / WM;           // 8-row blocks a warp's slice takes
@@ -279,7 +280,7 @@ _REDUCE = r"""
   __syncthreads();
   // consecutive threads take consecutive output rows of one activation row: coalesced stores
   constexpr int GROUP_ROWS = 16 * RTO, BLOCK_ROWS = WR * GROUP_ROWS;
-  for (int idx = threadIdx.x; idx < BLOCK_ROWS * M; idx += W * 32) {
+  for (int idx = threadIdx.x; idx < BLOCK_ROWS * M; idx += THREADS) {
     const int rb = idx % BLOCK_ROWS, m = idx / BLOCK_ROWS;
     const int grp = rb / GROUP_ROWS, rl = rb % GROUP_ROWS;
     const float rs = row_scale(m);

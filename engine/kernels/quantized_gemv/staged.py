@@ -29,14 +29,16 @@ from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
 
 MIN_ROWS = 9  # from here the staged kernel takes a launch; the register kernel below
-SUM_ROWS = 128  # output rows a block of the split sums' launch takes, one a thread
+SUM_ROWS = 128  # output rows a block of the split sums' launch takes (its blocks: the next launch's norm parts)
+SUM_THREADS = 4  # threads a row there, each taking every SUM_THREADS-th activation row
 
 
 @dataclass(frozen=True)
 class StagedConfig:
     """How a staged launch is laid out: a block's warps, each warp's 16-row tiles, k-tiles a chunk (0: two
     groups' worth, at least two k-tiles), chunks in shared memory at once, blocks a row block's K is split
-    over, and blocks an SM must hold (0: as the registers allow)."""
+    over, blocks an SM must hold (0: as the registers allow), and warps that share each row tile's activation
+    blocks (`m_groups`: fewer sums a warp, more warps an SM)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -44,6 +46,7 @@ class StagedConfig:
     stages: int = 2
     splits: int = 1
     min_blocks: int = 0
+    m_groups: int = 1
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -52,7 +55,10 @@ class StagedConfig:
 
     def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
         return [("W", self.warps), ("RT", self.row_tiles), ("CK", self.chunk(group_size, bits)), ("ST", self.stages),
-                ("S", self.splits)] + ([("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
+                ("S", self.splits), ("MG", self.m_groups)] + ([("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
+
+    def threads(self) -> int:
+        return self.warps * self.m_groups * 32
 
     def shared_bytes(self, m: int, group_size: int, bits: int) -> int:
         """Dynamic shared memory of a products' launch: `stages` chunks of the activation rows and the block's
@@ -80,10 +86,14 @@ def splits(k: int, chunk: int) -> int:
     return next(s for s in range(1, chunks + 1) if chunks % s == 0 and k // s <= SPLIT_K_VALUES)
 
 
+WIDE_ROWS = 33  # from here a block's row tiles take half their activation blocks a warp (m groups)
+
+
 def staged_config(m: int, k: int, group_size: int, bits: int) -> StagedConfig:
-    """The launch for M rows and K inputs: 4 warps of 2 row tiles; 2 chunks in shared memory up to 16 rows, 3 from
-    there (docs/kernels.md, "Batched rows"); K split by `splits`."""
-    config = StagedConfig(stages=2 if m <= 16 else 3)
+    """The launch for M rows and K inputs (docs/kernels.md, "Batched rows"): 2 chunks in shared memory; 4 warps of
+    2 row tiles up to 32 rows, from WIDE_ROWS 2 such warps, each with 2 warps that share their activation blocks
+    (m groups); K split by `splits`."""
+    config = StagedConfig(stages=2) if m < WIDE_ROWS else StagedConfig(warps=2, stages=2, m_groups=2)
     return replace(config, splits=splits(k, config.chunk(group_size, bits) * tile_k(group_size, bits)))
 
 
@@ -125,6 +135,8 @@ _BODY = r"""
   constexpr int KS = K / S;                         // k values a split adds
   constexpr int CHUNKS = KS / KC;
   static_assert(KS % KC == 0 && GC >= 2, "a split takes whole chunks of whole groups");
+  constexpr int NBW = (NB + MG - 1) / MG;           // activation blocks a warp takes (of its m group's)
+  constexpr int THREADS = W * MG * 32;              // a block's threads: MG groups of W warps
   constexpr int R = W * RT * 16;                    // weight rows of a block (a gated block's gate and up rows)
   // Shared rows, padded so that each load phase's lanes hit distinct banks: activations (bf16) and weights (words)
   constexpr int XS = KC + (WL == 2 ? 8 : 32);
@@ -134,7 +146,8 @@ _BODY = r"""
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
 
-  const int warp = threadIdx.x >> 5;
+  const int warp = (threadIdx.x >> 5) % W;          // the warp's rows: the same in every m group
+  const int mg = MG == 1 ? 0 : (threadIdx.x >> 5) / W;  // its activation blocks: mg * NBW, ...
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x % S;
@@ -171,21 +184,21 @@ _BODY = r"""
       const size_t kc = k_first + (size_t)c * KC;
       __nv_bfloat16* sx = stage_x(b);
       #pragma unroll 1
-      for (int i = threadIdx.x; i < M * (KC / 8); i += W * 32) {
+      for (int i = threadIdx.x; i < M * (KC / 8); i += THREADS) {
         const int m = i / (KC / 8), v = i % (KC / 8);
         copy16(sx + m * XS + v * 8, x + (size_t)m * K + kc + v * 8);
       }
       uint32_t* sw = stage_w(b);
       constexpr int WV = KC / PW / 4;               // 16-byte copies a weight row
       #pragma unroll 1
-      for (int i = threadIdx.x; i < R * WV; i += W * 32) {
+      for (int i = threadIdx.x; i < R * WV; i += THREADS) {
         const int slot = i / WV, v = i % WV, r = (slot / 16) % RT;
         const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
         copy16(sw + slot * WS + v * 4, tile_w(r) + row * WORDS_PER_ROW + kc / PW + v * 4);
       }
       __nv_bfloat16* ss = stage_s(b);
       #pragma unroll 1
-      for (int i = threadIdx.x; i < 2 * R * (GC / 2); i += W * 32) {
+      for (int i = threadIdx.x; i < 2 * R * (GC / 2); i += THREADS) {
         const int which = i / (R * (GC / 2)), j = i % (R * (GC / 2));
         const int slot = j / (GC / 2), v = j % (GC / 2), r = (slot / 16) % RT;
         const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
@@ -196,11 +209,11 @@ _BODY = r"""
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
 
-  float acc[RT][NB][4];
+  float acc[RT][NBW][4];
   #pragma unroll
   for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+    for (int nb = 0; nb < NBW; ++nb)
       #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
 
@@ -258,7 +271,9 @@ _BODY = r"""
         b1[r] = fmaf(-o, s1[r], __bfloat162float(ss[R * GC + (slot + 8) * GC + grp]));
       }
       #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
+      for (int nbl = 0; nbl < NBW; ++nbl) {
+        const int nb = mg * NBW + nbl;
+        if (NB % MG && nb >= NB) break;
         uint32_t xb[STEPS][2];
         fragments(xb, sx, nb, u);
         float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums over the tile (the bias term)
@@ -269,10 +284,10 @@ _BODY = r"""
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           #pragma unroll
           for (int st = 0; st < STEPS; ++st) engine_mma(d, wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
-          acc[r][nb][0] = fmaf(s0[r], d[0], fmaf(b0[r], xsum[0], acc[r][nb][0]));
-          acc[r][nb][1] = fmaf(s0[r], d[1], fmaf(b0[r], xsum[1], acc[r][nb][1]));
-          acc[r][nb][2] = fmaf(s1[r], d[2], fmaf(b1[r], xsum[2], acc[r][nb][2]));
-          acc[r][nb][3] = fmaf(s1[r], d[3], fmaf(b1[r], xsum[3], acc[r][nb][3]));
+          acc[r][nbl][0] = fmaf(s0[r], d[0], fmaf(b0[r], xsum[0], acc[r][nbl][0]));
+          acc[r][nbl][1] = fmaf(s0[r], d[1], fmaf(b0[r], xsum[1], acc[r][nbl][1]));
+          acc[r][nbl][2] = fmaf(s1[r], d[2], fmaf(b1[r], xsum[2], acc[r][nbl][2]));
+          acc[r][nbl][3] = fmaf(s1[r], d[3], fmaf(b1[r], xsum[3], acc[r][nbl][3]));
         }
       }
     }
@@ -299,15 +314,15 @@ _STORE = r"""
   #pragma unroll
   for (int r = 0; r < RTO; ++r)
     #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+    for (int nbl = 0; nbl < NBW; ++nbl)
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int m = nb * 8 + 2 * t + (i & 1);
+        const int m = (mg * NBW + nbl) * 8 + 2 * t + (i & 1);
         const int rb = warp * 16 * RTO + r * 16 + g + 8 * (i >> 1);
         const int row = block_base + rb;
         if (m < M && row < N) {
           const float rs = row_scale(m);
-          store(rb, m, row, output(acc[r][nb][i] * rs, acc[GATED ? r + RTO : r][nb][i] * rs, (size_t)m * N + row));
+          store(rb, m, row, output(acc[r][nbl][i] * rs, acc[GATED ? r + RTO : r][nbl][i] * rs, (size_t)m * N + row));
         }
       }
   // AFTER STORES
@@ -319,34 +334,47 @@ _PARTIAL_STORE = r"""
   #pragma unroll
   for (int r = 0; r < RT; ++r)
     #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+    for (int nbl = 0; nbl < NBW; ++nbl)
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int m = nb * 8 + 2 * t + (i & 1);
+        const int m = (mg * NBW + nbl) * 8 + 2 * t + (i & 1);
         const int row = tile_row(r) + g + 8 * (i >> 1);
-        if (m < M && row < N) part[((size_t)split * M + m) * NT + tile_off(r) + row] = acc[r][nb][i];
+        if (m < M && row < N) part[((size_t)split * M + m) * NT + tile_off(r) + row] = acc[r][nbl][i];
       }
 """
 
-# The split sums' launch: a thread a row of SUM_ROWS a block, each activation row's S parts added in split order,
-# then the fused stages as the S = 1 store runs them.
+# The split sums' launch: SUM_THREADS threads a row of SUM_ROWS a block, each activation row's S parts added in
+# split order (MT rows' loads in flight at once), then the fused stages as the S = 1 store runs them.
 _SUM = r"""
   constexpr int W = SUM_W, WR = 1, RTO = SUM_ROWS / 16;  // the fused stages' names for the block's rows
-  constexpr int NB = (M + 7) / 8;
+  constexpr int NB = (M + 7) / 8, THREADS = SUM_ROWS * SUM_THREADS;
+  constexpr int MT = 4;                                  // activation rows a thread adds at once
   // FUSED STAGES
   // ROW SCALE
   __syncthreads();
-  const int rb = threadIdx.x, row = blk * SUM_ROWS + rb;
-  for (int m = 0; m < M; ++m) {
-    if (row < N) {
-      float v = 0.0f, v_up = 0.0f;
-      for (int s = 0; s < S; ++s) {
-        const float* p = part + ((size_t)s * M + m) * NT + off + row;
-        v += p[0];
-        if constexpr (GATED) v_up += p[N];
+  const int rb = threadIdx.x % SUM_ROWS, row = blk * SUM_ROWS + rb;
+  for (int m0 = threadIdx.x / SUM_ROWS; m0 < M; m0 += SUM_THREADS * MT) {
+    float v[MT], v_up[MT];
+    #pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const int m = m0 + j * SUM_THREADS;
+      v[j] = 0.0f;
+      v_up[j] = 0.0f;
+      if (m < M && row < N)
+        #pragma unroll
+        for (int s = 0; s < S; ++s) {
+          const float* p = part + ((size_t)s * M + m) * NT + off + row;
+          v[j] += p[0];
+          if constexpr (GATED) v_up[j] += p[N];
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const int m = m0 + j * SUM_THREADS;
+      if (m < M && row < N) {
+        const float rs = row_scale(m);
+        store(rb, m, row, output(v[j] * rs, v_up[j] * rs, (size_t)m * N + row));
       }
-      const float rs = row_scale(m);
-      store(rb, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
     }
   }
   // AFTER STORES
@@ -404,7 +432,8 @@ def source(count: int, fusion: Fusion, split: bool) -> str:
 
 def sum_source(count: int, fusion: Fusion) -> str:
     """The split sums' launch body."""
-    body = _SUM.replace("SUM_ROWS", str(SUM_ROWS)).replace("SUM_W", str(SUM_ROWS // 32))
+    body = _SUM.replace("SUM_ROWS", str(SUM_ROWS)).replace("SUM_THREADS", str(SUM_THREADS))
+    body = body.replace("SUM_W", str(SUM_ROWS * SUM_THREADS // 32))
     return _prologue(count, fusion.gated, False) + _with_stages(body, fusion)
 
 
@@ -450,7 +479,7 @@ def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]]
     base = [("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template(group_size, bits) + [
         (f"N{i}", n) for i, n in enumerate(rows)] + [("NT", sum(rows))]  # fmt: skip
     weights = [a for triple in matrices for a in triple]
-    threads = config.warps * 32
+    threads = config.threads()
     bounds = (shared_request(config, m, fusion, group_size, bits),) + (
         (threads, config.min_blocks) if config.min_blocks else (0, 0))
     shapes = [(*x.shape[:-1], n) for n in rows[:products]]
@@ -476,6 +505,6 @@ def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]]
         template=[("K", k), ("M", m), ("S", config.splits), ("NT", sum(rows))]
                  + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(sum_blocks[:-1])]
                  + template,
-        grid=(sum_blocks[-1] * SUM_ROWS, 1, 1), threadgroup=(SUM_ROWS, 1, 1),
+        grid=(sum_blocks[-1] * SUM_ROWS * SUM_THREADS, 1, 1), threadgroup=(SUM_ROWS * SUM_THREADS, 1, 1),
         output_shapes=shapes + norm_out, output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
     )  # fmt: skip
