@@ -213,6 +213,10 @@ def _add_serve(sub) -> None:
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
     p.add_argument("--prompt-cache-bytes", type=parse_bytes, default="2GiB", metavar="BYTES",
                    help="prefix cache shared by all requests; 0 disables (default 2GiB)")
+    p.add_argument("--prompt-cache-block", type=_non_negative, default=256, metavar="N",
+                   help="on models whose caches cannot rewind (Gated DeltaNet, sliding windows), keep their state "
+                   "every N prompt tokens, so a prompt sharing a prefix with an earlier one starts from the last such "
+                   "boundary inside it; 0 keeps only whole requests' boundaries (default 256)")
     p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
                    help="render chats with this Jinja template in place of the model's (one that renders `tools` "
                    "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)")
@@ -279,6 +283,7 @@ def cmd_serve(args) -> int:
             prefill_chunk=args.prefill_chunk,
             kv_budget_bytes=args.kv_budget,
             prompt_cache_bytes=args.prompt_cache_bytes,
+            prompt_cache_block=args.prompt_cache_block,
             max_context=args.max_context,
             chat_template=args.chat_template,
             reasoning_parser=args.reasoning_parser,

@@ -16,7 +16,8 @@ never starve).
 
 With a prompt cache, each request starts from the longest reusable prefix
 stored by earlier requests (both lanes), and each request that finishes
-normally stores its caches (extracted from the batch on the continuous lane).
+normally stores its caches (extracted from the batch on the continuous lane),
+with block snapshots of the layers that cannot rewind (`prompt_cache_block`).
 The spec lane bypasses it: its draft source (a draft model's caches, the MTP
 head's) has to see the whole prompt.
 """
@@ -36,8 +37,8 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
-from engine.cache.prompt_cache import PromptCache
-from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization, generate
+from engine.cache.prompt_cache import PromptCache, snapshot
+from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.spec.config import Speculation
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
 from engine.sinks import ForwardingSink, TokenSink
@@ -54,6 +55,7 @@ class GatewayConfig:
     kv_budget_bytes: Optional[int] = None
     kv_quantization: Optional[KVQuantization] = None
     prompt_cache_bytes: int = 0  # 0: no prompt cache
+    prompt_cache_block: int = 256  # block snapshots of caches that cannot rewind, every this many tokens; 0: none
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
     chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
     group_buckets: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
@@ -66,6 +68,8 @@ class GatewayConfig:
             raise ValueError("decode and prefill group buckets do not combine with quantized KV (--kv-bits)")
         if self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
+        if self.prompt_cache_block < 0:
+            raise ValueError(f"prompt_cache_block must be >= 0, got {self.prompt_cache_block}")
 
     def scheduler(self) -> SchedulerConfig:
         """The continuous lane's scheduler settings."""
@@ -127,6 +131,7 @@ class Gateway:
                 config.scheduler(),
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,
+                snapshot_block=config.prompt_cache_block,
                 decode_buckets=config.decode_buckets,
                 chunk_buckets=config.chunk_buckets,
                 group_buckets=config.group_buckets,
@@ -244,6 +249,7 @@ class Gateway:
         generated, reason, error = 0, FinishReason.CANCELLED, None
         fed: list[int] = []
         kept: list[CachedPrefix] = []
+        snapshots: list[tuple[int, list]] = []
         stats: Optional[SpecStats] = None
         cache = None
         sink.on_start()
@@ -252,7 +258,7 @@ class Gateway:
                 stats = self.speculation.new_stats()
                 tokens = self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats)
             else:
-                cache, tokens = self._plain_tokens(queued, fed, kept)
+                cache, tokens = self._plain_tokens(queued, fed, kept, snapshots)
             for tok in tokens:
                 generated += 1
                 if tok.finish_reason is not None:
@@ -265,20 +271,24 @@ class Gateway:
             reason, error = FinishReason.ERROR, repr(e)
         self._cancelled.discard(request.request_id)
         if self.prompt_cache is not None and cache is not None:
-            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache))
+            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots)))
         n = len(request.prompt_ids)
         sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
 
-    def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix]):
+    def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
+                      snapshots: list[tuple[int, list]]):  # fmt: skip
         """The strict B=1 generation, starting from the request's cached prefix if it has one."""
         request, prefix = queued.request, queued.prefix
         cache = prefix.cache if prefix else self.model.make_cache()
         self._serial_shapes.add(("serial", len(request.prompt_ids) - (len(prefix.tokens) if prefix else 0)))
-        on_prompt = None
+        on_prompt, blocks = None, None
         if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
 
             def on_prompt(c: list) -> None:  # caches that cannot rewind: keep the prompt's boundary too
                 kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
+
+            if self.config.prompt_cache_block:  # and the block boundaries on the way
+                blocks = BlockSnapshots(self.config.prompt_cache_block, lambda n, c: snapshots.append((n, snapshot(c))))
 
         tokens = generate(
             self.model,
@@ -291,5 +301,6 @@ class Gateway:
             cached_tokens=len(prefix.tokens) if prefix else 0,
             fed=fed,
             on_prompt=on_prompt,
+            blocks=blocks,
         )
         return cache, tokens

@@ -9,6 +9,7 @@ previous step's token is read back, so the device never waits on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -67,15 +68,19 @@ def prefill(
     on_progress: Optional[Callable[[int, int], None]] = None,
     kv_quantization: Optional[KVQuantization] = None,
     on_hidden: Optional[Callable[[mx.array, int], None]] = None,
+    blocks: Optional["BlockSnapshots"] = None,
 ) -> mx.array:
     """Run all but the last prompt token through the model in chunks; return the rest.
 
-    `on_hidden` sees each chunk's final hidden state [1, n, H] and n.
+    `on_hidden` sees each chunk's final hidden state [1, n, H] and n. With `blocks`, no chunk passes a
+    multiple of its block size, and its `take` sees the cache at each one.
     """
     total = prompt.size
     done = 0
     while prompt.size > 1:
         n = min(step_size, prompt.size - 1)
+        if blocks is not None:
+            n = min(n, blocks.block - (blocks.start + done) % blocks.block)
         hidden = model.hidden(prompt[:n][None], cache)
         if on_hidden:
             on_hidden(hidden, n)
@@ -84,10 +89,27 @@ def prefill(
         mx.eval(cache_arrays(cache))
         prompt = prompt[n:]
         done += n
+        if blocks is not None and (blocks.start + done) % blocks.block == 0 and prompt.size > 1:
+            blocks.take(blocks.start + done, cache)
         if on_progress:
             on_progress(done, total)
         mx.clear_cache()
     return prompt
+
+
+@dataclass(frozen=True)
+class BlockSnapshots:
+    """Where a prefill stops for the prompt cache's block snapshots: at every multiple of `block` tokens from
+    the start of the prompt (`start`: the tokens the cache held before), where `take(n, cache)` sees it (the
+    prompt's own boundary, the last token's, is not one: the caller keeps that)."""
+
+    block: int
+    take: Callable[[int, list], None]
+    start: int = 0
+
+    def __post_init__(self):
+        if self.block < 1:
+            raise ValueError(f"the snapshot block must be >= 1 token, got {self.block}")
 
 
 class _Decoder:
@@ -130,12 +152,14 @@ def decode_steps(
     kv_quantization: Optional[KVQuantization] = None,
     cached_tokens: int = 0,
     on_prompt: Optional[Callable[[list], None]] = None,
+    blocks: Optional[BlockSnapshots] = None,
 ) -> Iterator[_Step]:
     """Yield up to `max_steps` sampled steps (the caller may stop earlier).
 
     The cache already holds the first `cached_tokens` prompt tokens (a prompt
     cache hit); prefill starts after them. `on_prompt` sees the cache once it
-    holds all but the last prompt token.
+    holds all but the last prompt token; `blocks` takes block snapshots on the way (its start: the cached
+    tokens).
     """
     if kv_quantization:
         kv_quantization.check(cache)
@@ -144,7 +168,10 @@ def decode_steps(
     decoder = _Decoder(model, cache, params, tap, kv_quantization)
     if decoder.processors:
         decoder.history = prompt[:-1] if prompt.size > 1 else None
-    tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization)
+    if blocks is not None:
+        blocks = dataclasses.replace(blocks, start=cached_tokens)
+    tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization,
+                   blocks=blocks)  # fmt: skip
     if on_prompt is not None:
         on_prompt(cache)
 
@@ -184,6 +211,7 @@ def generate(
     cached_tokens: int = 0,
     fed: Optional[list[int]] = None,
     on_prompt: Optional[Callable[[list], None]] = None,
+    blocks: Optional[BlockSnapshots] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate tokens for one prompt. The last token carries the finish reason.
 
@@ -199,7 +227,7 @@ def generate(
     tracker = FinishTracker(stop)
     steps = decode_steps(
         model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
-        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt,
+        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt, blocks,
     )
     for n, step in enumerate(steps):
         token_id = step.token.item()

@@ -131,10 +131,13 @@ class Lane(str, Enum):
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache."""
+    """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache; `snapshots`: (n, the
+    layers that cannot rewind as they were after the first n tokens, None for the others), taken at block
+    boundaries of the prefill (`prompt_cache.snapshot`)."""
 
     tokens: tuple[int, ...]
     cache: list
+    snapshots: tuple[tuple[int, list], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ Containment:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -32,6 +33,7 @@ from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.cache import cache_nbytes
+from engine.cache.prompt_cache import snapshot
 from engine.generate import KVQuantization
 from engine.request import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult
 from engine.sinks import TokenSink
@@ -50,16 +52,20 @@ class ContinuousBatcher:
         decode_buckets: tuple[int, ...] = (),
         chunk_buckets: tuple[int, ...] = (),
         group_buckets: tuple[int, ...] = (),
+        snapshot_block: int = 0,
     ):
         self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets)
-        self.scheduler = Scheduler(config)
         self.layout: KVLayout = kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
-        # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too.
+        # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too, and block
+        # snapshots every `snapshot_block` prompt tokens (the chunks stop there).
         self.keep_boundaries = keep_caches and not all(c.is_trimmable() for c in model.make_cache())
+        self.snapshot_block = snapshot_block if self.keep_boundaries else 0
+        self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block))
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
+        self._snapshots: dict[str, list[tuple[int, list]]] = {}  # their block snapshots (`prompt_cache.snapshot`)
 
     # ---------------------------------------------------------------- intake
 
@@ -175,6 +181,7 @@ class ContinuousBatcher:
             if plan.chunks:
                 self.runner.prefill([chunk for _, chunk in plan.chunks])
                 self.scheduler.update_prefill(plan)
+                self._take_snapshots([seq for seq, _ in plan.chunks])
         except Exception as e:  # noqa: BLE001 - the joiners' failure is theirs alone
             log.exception("prefill failed; failing %d joiners", len(self.scheduler.joiners))
             failed = self.scheduler.fail_joiners(f"prefill failed: {e!r}")
@@ -182,6 +189,14 @@ class ContinuousBatcher:
             for seq in failed:
                 self._end(seq)
         return True
+
+    def _take_snapshots(self, prefilled: list[Sequence]) -> None:
+        """A block snapshot of each joiner whose chunk ended at a block boundary inside its prompt body."""
+        block = self.snapshot_block
+        for seq in prefilled:
+            if block and seq.prefilled % block == 0 and seq.prefilled < len(seq.prompt_body):
+                layers = snapshot(self.runner.joiner_extract(seq.request_id))
+                self._snapshots.setdefault(seq.request_id, []).append((seq.prefilled, layers))
 
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
         snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}
@@ -233,6 +248,9 @@ class ContinuousBatcher:
     def _end(self, seq: Sequence, cache: Optional[CachedPrefix] = None) -> None:
         self._prefixes.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)
+        snapshots = tuple(self._snapshots.pop(seq.request_id, ()))
+        if cache is not None and snapshots:
+            cache = dataclasses.replace(cache, snapshots=snapshots)
         sink = self._sinks.pop(seq.request_id, None)
         if sink is None:
             return

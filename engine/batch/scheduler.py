@@ -57,11 +57,16 @@ class SchedulerConfig:
     # Prompt tokens all joiners take in one iteration, shared equally (each at most prefill_chunk): a burst of
     # long prompts then holds the decoding rows for about one such forward a step. None: prefill_chunk each.
     prefill_budget: Optional[int] = None
+    # A joiner's chunks stop at every multiple of this many prompt tokens (the prompt cache's block snapshots
+    # are taken there); 0: chunks as long as they come.
+    snapshot_block: int = 0
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_block < 0:
+            raise ValueError(f"snapshot_block must be >= 0, got {self.snapshot_block}")
         if self.prefill_budget is not None and self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
 
@@ -249,8 +254,10 @@ class Scheduler:
             admitted.append(seq)
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
-        size = self.config.chunk(len(prefilling))
-        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling)
+        size, block = self.config.chunk(len(prefilling)), self.config.snapshot_block
+        ends = {s.request_id: s.prefilled + (min(size, block - s.prefilled % block) if block else size)
+                for s in prefilling}  # fmt: skip
+        chunks = tuple((s, s.prompt_body[s.prefilled : ends[s.request_id]]) for s in prefilling)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 
     def update_first_tokens(self, tokens: Mapping[str, GeneratedToken]) -> tuple[FirstToken, ...]:

@@ -67,6 +67,7 @@ class ServeConfig:
     prefill_chunk: int = DEFAULT_PREFILL_STEP
     kv_budget_bytes: Optional[int] = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    prompt_cache_block: int = 256  # GatewayConfig.prompt_cache_block
     max_context: Optional[int] = None  # None: the model's max_position_embeddings
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
@@ -115,6 +116,7 @@ class ServeConfig:
             kv_budget_bytes=self.kv_budget_bytes,
             kv_quantization=kvq,
             prompt_cache_bytes=self.prompt_cache_bytes,
+            prompt_cache_block=self.prompt_cache_block,
             decode_buckets=tuple(buckets),
             chunk_buckets=tuple(chunks),
             group_buckets=tuple(groups),

@@ -72,6 +72,12 @@ class _Snapshot:
         yield gauge("engine:kv_cache_bytes", "Bytes of KV cache the batch holds.", kv)
         yield gauge("engine:active_rows", "Rows in the continuous batch.", batch.get("active_rows", 0))
         yield gauge("engine:prompt_cache_bytes", "Bytes the prefix cache holds.", pc.get("bytes", 0))
+        hits = CounterMetricFamily("engine:prompt_cache_hits", "Prefix cache hits by what served them: a stored "
+                                   "request's boundary (entry) or a block snapshot inside it (block).",
+                                   labels=["model_name", "kind"])  # fmt: skip
+        hits.add_metric([name, "entry"], pc.get("hits", 0) - pc.get("block_hits", 0))
+        hits.add_metric([name, "block"], pc.get("block_hits", 0))
+        yield hits
 
 
 class Metrics:

@@ -154,6 +154,17 @@ def test_a_repeated_prompt_reports_cached_tokens(server, engine):
     assert server.stats()["prompt_cache"]["hits"] >= 1
 
 
+def test_requests_sharing_a_long_system_prompt_reuse_its_last_block(server, engine):
+    # tiny-qwen35 is a hybrid model (context 512): its DeltaNet state is kept every 256 prompt tokens
+    # (--prompt-cache-block), so a 300-token shared prefix serves 256
+    system = engine.tokenizer.encode("you are one agent of many; follow the shared instructions. " * 40)[:300]
+    tails = [engine.tokenizer.encode(" task one"), engine.tokenizer.encode(" another task, two")]
+    first, second = (complete(server, prompt=system + t, max_tokens=4, ignore_eos=True) for t in tails)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < 256
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    assert server.stats()["prompt_cache"]["block_hits"] >= 1
+
+
 def wait_idle(server, timeout=20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

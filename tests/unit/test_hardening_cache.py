@@ -64,7 +64,7 @@ def test_reported_prompt_cache_bytes_bound_mlx_active_memory(name, tiny_path):
     active = settled_active_bytes() - base
     stats = g.prompt_cache.stats()
     entries = list(g.prompt_cache._entries.values())
-    stored = sum(a.nbytes for e in entries for a in held_arrays(e.cache))
+    stored = sum(a.nbytes for e in entries for a in held_arrays([e.cache, list(e.snapshots.values())]))
     print(f"{name}: reported {stats.bytes:,} stored {stored:,} entries {stats.entries} "
           f"active {active:,} model {model_bytes:,}")  # fmt: skip
     assert stats.bytes == stored

@@ -5,9 +5,9 @@ import pytest
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
-from engine.cache.prompt_cache import PromptCache
+from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.gateway import Gateway, GatewayConfig
-from engine.generate import generate, prefill
+from engine.generate import BlockSnapshots, generate, prefill
 from engine.kernels import on_cuda
 from engine.loading import load_model
 from engine.request import CachedPrefix, GenerationRequest, StopCriteria
@@ -152,3 +152,63 @@ def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cach
 
     for cold, warm in zip(logits(0), logits(cached)):
         assert mx.array_equal(cold, warm).item()
+
+
+SYSTEM = tuple(3 + (i * 37) % 200 for i in range(600))  # a 600-token system prompt two requests share
+
+
+def test_block_snapshots_give_the_cold_logits_bit_for_bit(hybrid):
+    # A hybrid entry keeps its recurrent layers at every 256-token boundary of the prefill; a prompt that
+    # shares 600 tokens with it starts from 512, its attention layers cut back from the entry's, and computes
+    # the logits of a cold start.
+    first, other = SYSTEM + (7, 8, 9), SYSTEM + (11, 12)
+    stop = StopCriteria(max_tokens=3, ignore_eos=True)
+    cache, fed, snapshots = hybrid.make_cache(), [], []
+    blocks = BlockSnapshots(256, lambda n, c: snapshots.append((n, snapshot(c))))
+    list(generate(hybrid, first, stop=stop, cache=cache, fed=fed, blocks=blocks))
+    assert [n for n, _ in snapshots] == [256, 512]
+    pc = PromptCache(1 << 30)
+    pc.insert(CachedPrefix(first + tuple(fed), cache, tuple(snapshots)))
+    hit = pc.lookup(other)
+    assert len(hit.tokens) == 512 and pc.stats().block_hits == 1
+    assert pc.lookup(SYSTEM[:300] + (5,)).tokens == SYSTEM[:256]
+
+    def logits(cache=None, cached=0):
+        out = []
+        list(generate(hybrid, other, stop=stop, cache=cache, cached_tokens=cached, tap=lambda s: out.append(s.logits)))
+        return out
+
+    for cold, warm in zip(logits(), logits(hit.cache, 512)):
+        assert mx.array_equal(cold, warm).item()
+    again = pc.lookup(other)  # the hit was a copy: the entry serves the same start again
+    assert len(again.tokens) == 512
+
+
+def test_snapshots_the_entry_cannot_complete_are_dropped(hybrid):
+    entry = stored(hybrid, PROMPT[:20])
+    layers = snapshot(entry.cache)
+    gap = [None] * len(layers)  # a snapshot without its recurrent layers cannot stand for them
+    pc = PromptCache(1 << 30)
+    # (which snapshot a lookup takes; the layers here are the 20-token state whatever the label)
+    pc.insert(CachedPrefix(entry.tokens, entry.cache, ((8, gap), (16, layers), (20, layers))))
+    assert pc.lookup(PROMPT[:12] + (999,)) is None
+    assert len(pc.lookup(PROMPT[:18] + (999,)).tokens) == 16
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_requests_sharing_a_system_prompt_start_from_its_last_block(hybrid, batch):
+    g = Gateway(hybrid, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prompt_cache_block=256))
+    sinks, placements = {}, {}
+    for rid, tail in [("a", (7, 8, 9)), ("b", (11, 12))]:
+        sinks[rid] = CollectingSink()
+        placements[rid] = g.submit(req(rid, SYSTEM + tail), sinks[rid])
+        g.run_until_idle()
+    assert placements["a"].cached_tokens == 0 and placements["b"].cached_tokens == 512
+    plain = [t.token_id for t in generate(hybrid, SYSTEM + (11, 12), stop=req("b", SYSTEM).stop)]
+    assert sinks["b"].token_ids == plain
+    assert g.prompt_cache.stats().block_hits == 1
+    off = Gateway(hybrid, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prompt_cache_block=0))
+    for rid, tail in [("a", (7, 8, 9)), ("b", (11, 12))]:
+        placed = off.submit(req(rid, SYSTEM + tail), CollectingSink())
+        off.run_until_idle()
+    assert placed.cached_tokens == 0  # without snapshots only exact boundaries serve
