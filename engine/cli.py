@@ -217,6 +217,11 @@ def _add_serve(sub) -> None:
                    help="on models whose caches cannot rewind (Gated DeltaNet, sliding windows), keep their state "
                    "every N prompt tokens, so a prompt sharing a prefix with an earlier one starts from the last such "
                    "boundary inside it; 0 keeps only whole requests' boundaries (default 256)")
+    p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
+                   help="the prompt cache's disk tier: entries evicted from RAM and all of them at shutdown are "
+                   "written here, per model artifact and kernel tier, and a restart finds them (default: RAM only)")
+    p.add_argument("--prompt-cache-disk-bytes", type=parse_bytes, default="16GiB", metavar="BYTES",
+                   help="what the disk tier may hold; the oldest entries go first (default 16GiB)")
     p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
                    help="render chats with this Jinja template in place of the model's (one that renders `tools` "
                    "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)")
@@ -284,6 +289,8 @@ def cmd_serve(args) -> int:
             kv_budget_bytes=args.kv_budget,
             prompt_cache_bytes=args.prompt_cache_bytes,
             prompt_cache_block=args.prompt_cache_block,
+            prompt_cache_dir=args.prompt_cache_dir,
+            prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
             max_context=args.max_context,
             chat_template=args.chat_template,
             reasoning_parser=args.reasoning_parser,

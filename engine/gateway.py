@@ -233,6 +233,10 @@ class Gateway:
         while self.has_work:
             self.step()
 
+    def close(self) -> int:
+        """At shutdown: the prompt cache's entries to its disk tier, if it has one; how many were written."""
+        return self.prompt_cache.flush() if self.prompt_cache is not None else 0
+
     @property
     def shapes(self) -> set[tuple[int | str, ...]]:
         """The forward shapes run so far, both lanes (serial: the prompt tokens a request prefilled)."""

@@ -17,6 +17,10 @@ give the first generated token. The hit is a deep copy, so the entry stays
 intact while the request extends its copy. Entries leave least recently used
 first when the byte budget is exceeded.
 
+With a disk tier (`prompt_disk.DiskTier`), entries the budget evicts, and
+all of them at `flush` (shutdown), go to disk; a lookup that finds a longer
+start there than in RAM loads that entry back into RAM.
+
 An entry counts the nbytes of the arrays it holds, so the budget bounds real
 memory only if those arrays are not views of something larger: rows that
 come from a batch are copies that own their bytes (the batch caches'
@@ -33,6 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from engine.cache import cache_nbytes
+from engine.cache.prompt_disk import DiskTier
 from engine.request import CachedPrefix
 
 
@@ -52,6 +57,15 @@ def snapshot(cache: list) -> list:
     return [None if c.is_trimmable() else copy.deepcopy(c) for c in cache]
 
 
+def _start(ids: np.ndarray, trimmable: bool, snapshot_at, common: int, limit: int) -> int:
+    """The most tokens of an entry holding `ids` a prompt sharing `common` tokens with it can start from."""
+    if trimmable:
+        return min(common, limit)
+    if common == ids.size <= limit:
+        return ids.size
+    return max((n for n in snapshot_at if n <= min(common, limit)), default=0)
+
+
 @dataclass
 class _Entry:
     ids: np.ndarray
@@ -59,14 +73,6 @@ class _Entry:
     nbytes: int
     trimmable: bool
     snapshots: dict[int, list]  # tokens: the snapshot holding the first that many (non-trimmable entries)
-
-    def boundaries(self, common: int, limit: int) -> int:
-        """The most tokens of this entry a prompt sharing `common` tokens with it can start from (0: none)."""
-        if self.trimmable:
-            return min(common, limit)
-        if common == self.ids.size <= limit:
-            return self.ids.size
-        return max((n for n in self.snapshots if n <= min(common, limit)), default=0)
 
     def caches(self, n: int) -> list:
         """Copies of caches holding the first n tokens (`boundaries`' n)."""
@@ -93,13 +99,18 @@ class PromptCacheStats:
     misses: int
     cached_tokens: int  # prompt tokens served from the cache, in all
     block_hits: int  # of the hits, those served from a block snapshot
+    disk_hits: int = 0  # of the hits, those loaded from the disk tier
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_error: Optional[str] = None  # why the disk tier turned itself off
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk: Optional[DiskTier] = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.disk = disk
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self.bytes = 0
         self.hits = self.misses = self.cached_tokens = self.block_hits = 0
@@ -112,8 +123,10 @@ class PromptCache:
         self.bytes = self.hits = self.misses = self.cached_tokens = self.block_hits = 0
 
     def stats(self) -> PromptCacheStats:
+        disk = self.disk
+        on_disk = (disk.hits, len(disk.entries), disk.bytes, disk.error) if disk else (0, 0, 0, None)
         return PromptCacheStats(len(self), self.bytes, self.max_bytes, self.hits, self.misses, self.cached_tokens,
-                                self.block_hits)  # fmt: skip
+                                self.block_hits, *on_disk)  # fmt: skip
 
     def lookup(self, prompt: Sequence[int]) -> Optional[CachedPrefix]:
         """A copy of the caches of the longest reusable prefix of `prompt`, or None."""
@@ -121,9 +134,12 @@ class PromptCache:
         limit = ids.size - 1  # the last prompt token is always computed
         best, best_n = None, 0
         for key, entry in self._entries.items():
-            n = entry.boundaries(_common_prefix(entry.ids, ids), limit)
+            n = _start(entry.ids, entry.trimmable, entry.snapshots, _common_prefix(entry.ids, ids), limit)
             if n > best_n:
                 best, best_n = key, n
+        loaded = self._from_disk(ids, limit, best_n)
+        if loaded is not None:
+            best, best_n = loaded
         if best is None:
             self.misses += 1
             return None
@@ -134,28 +150,56 @@ class PromptCache:
         self.cached_tokens += best_n
         return CachedPrefix(tuple(prompt[:best_n]), entry.caches(best_n))
 
+    def _from_disk(self, ids: np.ndarray, limit: int, ram_best: int) -> Optional[tuple[tuple[int, ...], int]]:
+        """Where the disk tier holds a longer start than RAM: that entry loaded into RAM, (its key, the start)."""
+        if self.disk is None or not self.disk.on:
+            return None
+        ranked = sorted(((_start(e.ids, e.trimmable, e.snapshot_at, _common_prefix(e.ids, ids), limit), e)
+                         for e in self.disk.entries.values()), key=lambda ne: -ne[0])  # fmt: skip
+        for n, e in ranked:
+            if n <= ram_best:
+                return None
+            key = tuple(int(t) for t in e.ids)
+            if key in self._entries:
+                continue
+            loaded = self.disk.read(e.key)
+            if loaded is not None and self._add(key, *loaded):
+                return key, n
+        return None
+
+    def flush(self) -> int:
+        """Write every RAM entry to the disk tier (at shutdown); how many it took."""
+        if self.disk is None:
+            return 0
+        return sum(self.disk.write(key, e.cache, e.snapshots, e.trimmable) for key, e in self._entries.items())
+
     def insert(self, prefix: CachedPrefix) -> bool:
         """Store a finished request's caches (with its block snapshots that the caches can complete); False when
         they alone exceed the budget."""
-        key = tuple(prefix.tokens)
-        trimmable = _trimmable(prefix.cache)
+        return self._add(tuple(prefix.tokens), prefix.cache, dict(prefix.snapshots))
+
+    def _add(self, key: tuple[int, ...], cache: list, snapshots: dict[int, list]) -> bool:
+        trimmable = _trimmable(cache)
         snapshots = {} if trimmable else {
-            n: layers for n, layers in prefix.snapshots
-            if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, prefix.cache))
+            n: layers for n, layers in snapshots.items()
+            if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, cache))
         }  # fmt: skip
-        nbytes = cache_nbytes(prefix.cache) + sum(
-            cache_nbytes([c for c in layers if c is not None]) for layers in snapshots.values())
+        nbytes = cache_nbytes(cache) + sum(cache_nbytes([c for c in layers if c is not None]) for layers in snapshots.values())
         if not key or nbytes > self.max_bytes:
             return False
         self._remove(key)
-        entry = _Entry(np.asarray(key, dtype=np.int64), prefix.cache, nbytes, trimmable, snapshots)
+        entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots)
         if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those
             for other in [k for k, e in self._entries.items() if len(k) < len(key) and key[: len(k)] == k]:
                 self._remove(other)
         self._entries[key] = entry
         self.bytes += nbytes
         while self.bytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
+            oldest = next(iter(self._entries))
+            if self.disk is not None:
+                evicted = self._entries[oldest]
+                self.disk.write(oldest, evicted.cache, evicted.snapshots, evicted.trimmable)
+            self._remove(oldest)
         return True
 
     def _remove(self, key: tuple[int, ...]) -> None:

@@ -25,6 +25,7 @@ from typing import Optional
 from engine.engine import Engine, kernels_notice
 from engine.kernels import FAST, KernelConfig
 from engine.batch.runner import bucket, chunk_buckets, power_buckets
+from engine.cache.prompt_disk import DiskTier, artifact_key
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
@@ -68,6 +69,8 @@ class ServeConfig:
     kv_budget_bytes: Optional[int] = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     prompt_cache_block: int = 256  # GatewayConfig.prompt_cache_block
+    prompt_cache_dir: Optional[Path] = None  # the prompt cache's disk tier (None: RAM only)
+    prompt_cache_disk_bytes: int = 16 << 30
     max_context: Optional[int] = None  # None: the model's max_position_embeddings
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
@@ -223,6 +226,12 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     warmup = cfg.warmup or default_warmup()
     context = cfg.max_context or _context_of(engine.config)
     warmed = _warm_up(gateway, warmup, cfg.kv_bits, context)
+    if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
+        scheme = f"tier {engine.kernels.tier}, kv {cfg.kv_bits or 'full'}"
+        disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
+        gateway.prompt_cache.disk = disk
+        print(f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"
+              + (f" (off: {disk.error})" if disk.error else ""), file=sys.stderr, flush=True)
     gateway.mark_ready()
     warmup_record = {"mode": warmup, "requests": warmed, "seconds": round(time.perf_counter() - start, 3),
                      "shapes": gateway.shapes_at_ready}  # fmt: skip
@@ -320,6 +329,9 @@ def serve(cfg: ServeConfig) -> int:
     if stopped.is_set():  # HTTP ended while the model loaded
         worker.stop()
     worker.run()
+    written = worker.gateway.close()
+    if written:
+        print(f"engine serve: wrote {written} prompt cache entries to disk", flush=True)
     thread.join(timeout=10)
     sock.close()
     print("engine serve: stopped", flush=True)

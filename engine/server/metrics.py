@@ -78,6 +78,9 @@ class _Snapshot:
         hits.add_metric([name, "entry"], pc.get("hits", 0) - pc.get("block_hits", 0))
         hits.add_metric([name, "block"], pc.get("block_hits", 0))
         yield hits
+        yield counter("engine:prompt_cache_disk_hits", "Prefix cache entries loaded from the disk tier.",
+                      pc.get("disk_hits", 0))  # fmt: skip
+        yield gauge("engine:prompt_cache_disk_bytes", "Bytes the prefix cache's disk tier holds.", pc.get("disk_bytes", 0))
 
 
 class Metrics:
