@@ -75,7 +75,7 @@ class _Entry:
     snapshots: dict[int, list]  # tokens: the snapshot holding the first that many (non-trimmable entries)
 
     def caches(self, n: int) -> list:
-        """Copies of caches holding the first n tokens (`boundaries`' n)."""
+        """Copies of caches holding the first n tokens (n: a start `_start` allows)."""
         if n == self.ids.size:
             return copy.deepcopy(self.cache)
         layers = self.snapshots.get(n) if not self.trimmable else None
