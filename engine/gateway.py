@@ -18,8 +18,9 @@ With a prompt cache, each request starts from the longest reusable prefix
 stored by earlier requests (both lanes), and each request that finishes
 normally stores its caches (extracted from the batch on the continuous lane),
 with block snapshots of the layers that cannot rewind (`prompt_cache_block`).
-The spec lane bypasses it: its draft source (a draft model's caches, the MTP
-head's) has to see the whole prompt.
+On the spec lane the target starts from a hit too and stores its prompt's
+boundary, except with the MTP head, which has to see the target's hidden
+states of the whole prompt (a draft model prefills the prompt itself).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ class Gateway:
         check_budget(request, need, self.config.kv_budget_bytes)  # both lanes; the batcher checks again
         placement = self.place(request)
         prefix = None
-        if self.prompt_cache is not None and placement.lane is not Lane.SPEC:
+        if self.prompt_cache is not None and (placement.lane is not Lane.SPEC or self.speculation.reuses_prefix):
             prefix = self.prompt_cache.lookup(request.prompt_ids)
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
@@ -260,7 +261,7 @@ class Gateway:
         try:
             if queued.lane is Lane.SPEC:
                 stats = self.speculation.new_stats()
-                tokens = self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats)
+                tokens = self._spec_tokens(queued, stats, kept)
             else:
                 cache, tokens = self._plain_tokens(queued, fed, kept, snapshots)
             for tok in tokens:
@@ -278,6 +279,21 @@ class Gateway:
             kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots)))
         n = len(request.prompt_ids)
         sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
+
+    def _spec_tokens(self, queued: _Queued, stats: SpecStats, kept: list[CachedPrefix]):
+        """Speculative generation, the target starting from the request's cached prefix if it has one; with a
+        prompt cache, the target's caches at the prompt's boundary are kept (its caches after the rounds hold
+        what the rollback left, so only the prompt is stored)."""
+        request, prefix = queued.request, queued.prefix
+        on_prompt = None
+        if self.prompt_cache is not None and len(request.prompt_ids) > 1:
+
+            def on_prompt(c: list) -> None:
+                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
+
+        return self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats,
+                                         cache=prefix.cache if prefix else None,
+                                         cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt)  # fmt: skip
 
     def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
                       snapshots: list[tuple[int, list]]):  # fmt: skip

@@ -38,6 +38,8 @@ class MTPSource:
         self._last: Optional[mx.array] = None  # the head's output for the newest exact pair
         self._speculative = 0  # cache entries the last proposal added beyond the exact pairs
 
+    sees_prompt_hidden = True  # the head runs on the target's hidden state of every prompt position
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.cache = [KVCache() for _ in self.head.layers]
         self.prompt = list(prompt_ids)

@@ -49,11 +49,15 @@ def speculative_generate(
     on_prefill: Optional[Callable[[int, int], None]] = None,
     rollback: str = Rollback.TRACE,
     policy: Optional[DraftPolicy] = None,
+    cached_tokens: int = 0,
+    on_prompt: Optional[Callable[[list], None]] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
 
     `rollback` says how recurrent layers undo rejected drafts ("trace" or "replay", see rollback.py);
-    `policy` how many tokens to draft each round (default: always `num_draft`, mlx-lm's rule).
+    `policy` how many tokens to draft each round (default: always `num_draft`, mlx-lm's rule). `cache` may
+    already hold the first `cached_tokens` prompt tokens (a prompt cache hit; not for a source that sees the
+    prompt's hidden states); `on_prompt` sees the target's cache once it holds all but the last prompt token.
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
@@ -63,6 +67,10 @@ def speculative_generate(
         raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {rollback!r}")
     if sampling.has_processors:
         raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
+    if cached_tokens and getattr(source, "sees_prompt_hidden", False):
+        raise ValueError(f"the {source.kind} source needs the target's hidden states of the whole prompt")
+    if not 0 <= cached_tokens < len(prompt_ids):
+        raise ValueError(f"cached_tokens must be in [0, {len(prompt_ids)}), got {cached_tokens}")
     stats = stats if stats is not None else SpecStats(source.kind, num_draft)
     policy = policy or FixedPolicy()
     cache = model.make_cache() if cache is None else cache
@@ -71,7 +79,7 @@ def speculative_generate(
     prompt = mx.array(list(prompt_ids))
 
     source.begin(prompt_ids)
-    start = 0
+    start = cached_tokens
 
     def observe(hidden: mx.array, n: int) -> None:
         nonlocal start
@@ -112,7 +120,9 @@ def speculative_generate(
                 return
             pending = token
 
-    pending = int(prefill(model, cache, prompt, prefill_step_size, on_prefill, on_hidden=observe).item())
+    pending = int(prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, on_hidden=observe).item())
+    if on_prompt is not None:
+        on_prompt(cache)
     produced = 0
     while True:
         n = min(stop.max_tokens - produced, num_draft)

@@ -92,7 +92,26 @@ def test_spec_lane_runs_speculation_and_reports_its_stats(model):
     assert placement.lane is Lane.SPEC and "speculative decoding (draft" in placement.reason
     assert sink.result.lane is Lane.SPEC and sink.result.finish_reason is FinishReason.LENGTH
     assert len(sink.token_ids) == 9 and sink.result.spec.emitted >= 9 and sink.result.spec.rounds > 0
-    assert g.prompt_cache.stats().entries == 0  # the spec lane bypasses the prompt cache
+    assert g.prompt_cache.stats().entries == 1  # the prompt's boundary, as the target's caches held it
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("target", ["tiny-llama", "tiny-qwen35-f32"])
+def test_spec_lane_starts_from_the_prompt_cache_with_the_plain_greedy_tokens(tiny_path, target, kind):
+    from engine.generate import generate
+
+    model = load_model(tiny_path(target))[0]  # dense, and hybrid (its prompt boundary: an exact stored start)
+
+    g = Gateway(model, GatewayConfig(prompt_cache_bytes=1 << 30), _speculation(model, kind))
+    first = make_request("a", max_tokens=6)
+    g.submit(first, CollectingSink())
+    g.run_until_idle()
+    longer = GenerationRequest("b", first.prompt_ids + (31, 32, 33), stop=StopCriteria(max_tokens=6))
+    sink = CollectingSink()
+    placement = g.submit(longer, sink)
+    g.run_until_idle()
+    assert placement.lane is Lane.SPEC and placement.cached_tokens == len(first.prompt_ids) - 1
+    assert sink.token_ids == [t.token_id for t in generate(model, longer.prompt_ids, stop=longer.stop)]
 
 
 def test_spec_lane_refusals_fall_back_to_the_plain_lanes_with_the_reason(model):
