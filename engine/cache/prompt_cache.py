@@ -184,7 +184,13 @@ class PromptCache:
             n: layers for n, layers in snapshots.items()
             if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, cache))
         }  # fmt: skip
-        nbytes = cache_nbytes(cache) + sum(cache_nbytes([c for c in layers if c is not None]) for layers in snapshots.values())
+        sizes = {n: cache_nbytes([c for c in layers if c is not None]) for n, layers in snapshots.items()}
+        nbytes = cache_nbytes(cache) + sum(sizes.values())
+        for n in sorted(snapshots, reverse=True):  # past the budget, the latest snapshots go first: shared
+            if nbytes <= self.max_bytes:  # prefixes (system prompts, tool lists) are the early ones
+                break
+            del snapshots[n]
+            nbytes -= sizes[n]
         if not key or nbytes > self.max_bytes:
             return False
         self._remove(key)

@@ -195,6 +195,19 @@ def test_snapshots_the_entry_cannot_complete_are_dropped(hybrid):
     assert len(pc.lookup(PROMPT[:18] + (999,)).tokens) == 16
 
 
+def test_an_entry_past_the_budget_keeps_its_earliest_snapshots(hybrid):
+    cache, fed, snapshots = hybrid.make_cache(), [], []
+    blocks = BlockSnapshots(128, lambda n, c: snapshots.append((n, snapshot(c))))
+    list(generate(hybrid, SYSTEM, stop=StopCriteria(max_tokens=2, ignore_eos=True), cache=cache, fed=fed, blocks=blocks))
+    whole = sum(c.nbytes for c in cache)
+    one = sum(c.nbytes for c in snapshots[0][1] if c is not None)
+    pc = PromptCache(whole + 2 * one)  # room for two of the four snapshots (128, 256, 384, 512)
+    assert pc.insert(CachedPrefix(SYSTEM + tuple(fed), cache, tuple(snapshots)))
+    assert pc.lookup(SYSTEM[:300] + (1,)).tokens == SYSTEM[:256]
+    assert pc.lookup(SYSTEM[:500] + (1,)).tokens == SYSTEM[:256]  # 384 and 512 did not fit
+    assert pc.bytes <= pc.max_bytes
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_requests_sharing_a_system_prompt_start_from_its_last_block(hybrid, batch):
     g = Gateway(hybrid, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prompt_cache_block=256))
