@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.nn as nn
 
@@ -109,6 +109,14 @@ class _StoringSink(ForwardingSink):
             for prefix in result.caches:
                 self.store.insert(prefix)
         self.inner.on_end(dataclasses.replace(result, caches=()))
+
+
+def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix]) -> Optional[Callable[[list], None]]:
+    """What keeps a copy of the caches at the prompt's boundary (all but its last token) in `kept`; None for a
+    one-token prompt, which has no such boundary."""
+    if len(request.prompt_ids) < 2:
+        return None
+    return lambda cache: kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache)))
 
 
 class Gateway:
@@ -285,12 +293,7 @@ class Gateway:
         prompt cache, the target's caches at the prompt's boundary are kept (its caches after the rounds hold
         what the rollback left, so only the prompt is stored)."""
         request, prefix = queued.request, queued.prefix
-        on_prompt = None
-        if self.prompt_cache is not None and len(request.prompt_ids) > 1:
-
-            def on_prompt(c: list) -> None:
-                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
-
+        on_prompt = _keeps_boundary(request, kept) if self.prompt_cache is not None else None
         return self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats,
                                          cache=prefix.cache if prefix else None,
                                          cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt)  # fmt: skip
@@ -302,11 +305,8 @@ class Gateway:
         cache = prefix.cache if prefix else self.model.make_cache()
         self._serial_shapes.add(("serial", len(request.prompt_ids) - (len(prefix.tokens) if prefix else 0)))
         on_prompt, blocks = None, None
-        if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache) and len(request.prompt_ids) > 1:
-
-            def on_prompt(c: list) -> None:  # caches that cannot rewind: keep the prompt's boundary too
-                kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(c)))
-
+        if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache):
+            on_prompt = _keeps_boundary(request, kept)  # caches that cannot rewind: keep the prompt's boundary too
             if self.config.prompt_cache_block:  # and the block boundaries on the way
                 blocks = BlockSnapshots(self.config.prompt_cache_block, lambda n, c: snapshots.append((n, snapshot(c))))
 

@@ -32,7 +32,7 @@ from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
-from engine.cache import cache_nbytes
+from engine.cache import KVCache, cache_nbytes
 from engine.cache.prompt_cache import snapshot
 from engine.generate import KVQuantization
 from engine.request import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult
@@ -61,6 +61,8 @@ class ContinuousBatcher:
         # snapshots every `snapshot_block` prompt tokens (the chunks stop there).
         self.keep_boundaries = keep_caches and not all(c.is_trimmable() for c in model.make_cache())
         self.snapshot_block = snapshot_block if self.keep_boundaries else 0
+        # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
+        self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
         self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block))
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
@@ -195,7 +197,7 @@ class ContinuousBatcher:
         block = self.snapshot_block
         for seq in prefilled:
             if block and seq.prefilled % block == 0 and seq.prefilled < len(seq.prompt_body):
-                layers = snapshot(self.runner.joiner_extract(seq.request_id))
+                layers = snapshot(self.runner.joiner_extract(seq.request_id, self._snapshot_layers), copied=True)
                 self._snapshots.setdefault(seq.request_id, []).append((seq.prefilled, layers))
 
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:

@@ -369,10 +369,10 @@ class BatchRunner:
             self._fill_to_bucket()
         self.ready, self.ready_cache, self.ready_first = [], None, None
 
-    def joiner_extract(self, request_id: str) -> list:
-        """A prefilling joiner's caches so far, as single-row caches (copies)."""
+    def joiner_extract(self, request_id: str, layers: Collection[int]) -> list:
+        """A prefilling joiner's caches so far in these layers, as single-row caches (copies); None elsewhere."""
         index = next(i for i, row in enumerate(self.joiners) if row.request_id == request_id)
-        return [c.extract(index) for c in self.joiner_cache]
+        return [c.extract(index) if i in layers else None for i, c in enumerate(self.joiner_cache)]
 
     def ready_extract(self, request_id: str) -> list:
         """A split joiner's caches (prompt only), as single-row caches."""

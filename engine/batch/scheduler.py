@@ -255,9 +255,11 @@ class Scheduler:
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
         size, block = self.config.chunk(len(prefilling)), self.config.snapshot_block
-        ends = {s.request_id: s.prefilled + (min(size, block - s.prefilled % block) if block else size)
-                for s in prefilling}  # fmt: skip
-        chunks = tuple((s, s.prompt_body[s.prefilled : ends[s.request_id]]) for s in prefilling)
+
+        def taken(s: Sequence) -> int:  # this chunk's tokens: `size`, stopping at the next block boundary
+            return min(size, block - s.prefilled % block) if block else size
+
+        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + taken(s)]) for s in prefilling)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 
     def update_first_tokens(self, tokens: Mapping[str, GeneratedToken]) -> tuple[FirstToken, ...]:

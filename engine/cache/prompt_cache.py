@@ -51,10 +51,11 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def snapshot(cache: list) -> list:
+def snapshot(cache: list, copied: bool = False) -> list:
     """A block snapshot of single-row caches: a copy of each layer that cannot rewind, None for each that can
-    (the stored entry's layer, cut back, stands in for it)."""
-    return [None if c.is_trimmable() else copy.deepcopy(c) for c in cache]
+    (the stored entry's layer, cut back, stands in for it) and for each left out (None). `copied`: the layers
+    are copies already (extracted from a batch), kept as they are."""
+    return [None if c is None or c.is_trimmable() else c if copied else copy.deepcopy(c) for c in cache]
 
 
 def _start(ids: np.ndarray, trimmable: bool, snapshot_at, common: int, limit: int) -> int:
