@@ -87,6 +87,11 @@ def _buckets(text: str) -> Optional[tuple[int, ...]]:
     return values
 
 
+def _auto_positive(text: str) -> Optional[int]:
+    """auto (None) or a count >= 1."""
+    return None if text == "auto" else _positive(text)
+
+
 def _budget(text: str) -> Optional[int]:
     """--prefill-budget: None for auto, 0 for off, else the tokens."""
     if text in ("auto", "off"):
@@ -198,8 +203,11 @@ def _add_serve(sub) -> None:
                    "off on the exact tier)")
     p.add_argument("--prefill-groups", type=_buckets, default=None, metavar="auto|off|N,N,...",
                    help="counts of prompts prefilled together, a group filled with ghost prompts up to the next "
-                   "one, so each compiles once (auto, the default: 1, 2, 4, 8 on the fast tier, at most 2x the "
-                   "rows; off on the exact tier)")
+                   "one, so each compiles once (auto, the default: 1, 2, 4, ... up to --prefill-batch on the fast "
+                   "tier, at most 2x the rows; off on the exact tier)")
+    p.add_argument("--prefill-batch", type=_auto_positive, default=None, metavar="auto|N",
+                   help="most prompts prefilled together on the continuous lane (auto, the default: 32 on the fast "
+                   "tier, so a burst shares a few large forwards; 8 elsewhere, as mlx_lm.server)")
     p.add_argument("--prefill-budget", type=_budget, default=None, metavar="auto|off|N",
                    help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
                    "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
@@ -249,33 +257,39 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-queued-tokens", type=_non_negative, default=0, metavar="N",
                    help="prompt tokens waiting to start at once, as --max-queued-requests (0: no limit, the default)")
     p.add_argument("--kernel-cache-dir", type=Path, default=None, metavar="DIR",
-                   help="where MLX's CUDA backend keeps the kernels it compiles, so a restart reuses them (sets "
-                   "MLX_PTX_CACHE_DIR; default: MLX's, $TMPDIR/mlx/<version>/ptx)")
+                   help="where compiled CUDA kernels are kept, MLX's and the engine's (compiled in parallel at "
+                   "the start), so a restart compiles none (sets MLX_PTX_CACHE_DIR; default: $MLX_PTX_CACHE_DIR, "
+                   "else ~/.cache/engine-harness/kernels/mlx-<version>)")
+    p.add_argument("--mlx-cache", type=parse_bytes, default=None, metavar="BYTES",
+                   help="device memory MLX keeps for reuse once freed (its cache limit; default 16GiB on CUDA, so "
+                   "that other processes on the GPU can load; MLX's own elsewhere)")
     add_kernels_flag(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
 
 
-def use_kernel_cache(directory: Optional[Path], environ=None) -> Optional[Path]:
-    """Point MLX's compiled-kernel cache at `directory` (created), before the first kernel compiles: MLX's
-    CUDA backend reads MLX_PTX_CACHE_DIR once, at its first compilation. None leaves MLX's default."""
+def use_kernel_cache(directory: Optional[Path], environ=None) -> Path:
+    """The compiled-kernel cache directory (created): `directory`, else MLX_PTX_CACHE_DIR where set, else
+    `env.kernels_dir()`; MLX_PTX_CACHE_DIR points MLX at it, before its first compilation (MLX's CUDA backend
+    reads it once). The engine's own kernels are compiled into it too (`engine.kernels.kernel_cache`)."""
     import os
 
+    environ = os.environ if environ is None else environ
     if directory is None:
-        return None
+        directory = Path(environ["MLX_PTX_CACHE_DIR"]) if environ.get("MLX_PTX_CACHE_DIR") else env.kernels_dir()
     directory = directory.expanduser()
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--kernel-cache-dir {directory}: {e.strerror or e}") from None
-    (os.environ if environ is None else environ)["MLX_PTX_CACHE_DIR"] = str(directory)
+    environ["MLX_PTX_CACHE_DIR"] = str(directory)
     return directory
 
 
 def cmd_serve(args) -> int:
     from engine.server.main import ServeConfig, serve
 
-    use_kernel_cache(args.kernel_cache_dir)
+    kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
 
     return serve(
         ServeConfig(
@@ -309,8 +323,11 @@ def cmd_serve(args) -> int:
             decode_buckets=args.decode_buckets,
             chunk_buckets=args.prefill_buckets,
             group_buckets=args.prefill_groups,
+            prefill_batch=args.prefill_batch,
             prefill_budget=args.prefill_budget,
             warmup=args.warmup,
+            kernel_cache_dir=kernel_cache_dir,
+            mlx_cache_bytes=args.mlx_cache,
         )
     )
 

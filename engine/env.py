@@ -50,6 +50,19 @@ def models_dir() -> Path:
     return cache_root() / "models"
 
 
+def kernels_dir() -> Path:
+    """Compiled CUDA kernels, per MLX version (MLX names some modules by their kind, not their source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mlx = version("mlx")
+    except PackageNotFoundError:
+        import mlx.core as mx
+
+        mlx = mx.__version__
+    return cache_root() / "kernels" / f"mlx-{mlx}"
+
+
 def snapshot() -> dict[str, str]:
     """The project's environment variables that are set, for run provenance."""
     return {k: "<redacted>" if k in _SECRETS else os.environ[k] for k in _VARS if k in os.environ}

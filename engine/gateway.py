@@ -39,6 +39,7 @@ from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
+from engine.kernels.cuda_source import builds as kernel_builds
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.spec.config import Speculation
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
@@ -149,6 +150,7 @@ class Gateway:
         self._cancelled: set[str] = set()
         self._serial_shapes: set[tuple[int | str, ...]] = set()
         self.shapes_at_ready = 0  # how many of `shapes` the warm-up ran (`mark_ready`)
+        self.kernel_builds_at_ready = 0  # how many custom-kernel builds the process had asked for by then
 
     @property
     def _kv_batches(self) -> bool:
@@ -253,8 +255,9 @@ class Gateway:
 
     def mark_ready(self) -> None:
         """The shapes so far are the warm-up's: shapes past `shapes_at_ready` were first run after ready (on
-        CUDA each compiled kernels while requests waited)."""
+        CUDA each compiled kernels while requests waited), and so are the custom-kernel builds so far."""
         self.shapes_at_ready = len(self.shapes)
+        self.kernel_builds_at_ready = kernel_builds()
 
     def _run_serial(self, queued: _Queued) -> None:
         """Run one request alone on the device: the strict B=1 path, or speculation on the spec lane."""

@@ -57,6 +57,7 @@ from engine.cache import (
 )
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
+from engine.kernels.kernel_cache import settle as settle_kernels
 from engine.sampling import Sampler, emitted_token, make_processors
 from engine.request import GeneratedToken, SamplingParams
 
@@ -181,6 +182,20 @@ def _ghost_tokens(tokens: mx.array, ghosts: int) -> mx.array:
     return mx.concatenate([tokens, mx.broadcast_to(tokens[-1:], (ghosts,))])
 
 
+def trace_forwards(model: nn.Module, decode_rows: Sequence[int], prefill_tokens: Sequence[int],
+                   prompt: int = 16) -> None:  # fmt: skip
+    """Build, without running, the continuous lane's forwards: a decode step at each of `decode_rows` (after a
+    `prompt`-token prefill of as many rows) and a one-prompt prefill chunk of each of `prefill_tokens`. Every
+    kernel build they call is asked for, so the kernel cache compiles them all at once; nothing is evaluated
+    and the caches are dropped."""
+    for rows in decode_rows:
+        cache = merge_rows([model.make_cache() for _ in range(rows)])
+        model(mx.zeros((rows, prompt), mx.int32), cache=cache)
+        model(mx.zeros((rows, 1), mx.int32), cache=cache)
+    for n in prefill_tokens:
+        model(mx.zeros((1, n), mx.int32), cache=merge_rows([model.make_cache()]))
+
+
 def power_buckets(batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... below `batch`, then `batch`: the decode row counts --decode-buckets auto takes."""
     out, b = [], 1
@@ -280,6 +295,7 @@ class BatchRunner:
             for c in self.joiner_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         self.model(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), cache=self.joiner_cache)
+        settle_kernels()
         mx.eval(cache_arrays(self.joiner_cache))
         if max(padding) > 0:
             for c in self.joiner_cache:
@@ -316,6 +332,7 @@ class BatchRunner:
         logits = self._first_forward(inputs)
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
+        settle_kernels()
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
         tokens = self._emitted(self.ready, sampled, failed)
@@ -411,6 +428,7 @@ class BatchRunner:
         if self.ghosts:
             logits = logits[: len(self.rows)]
         following, failed = self._sample(self.rows, inputs.tokens, logits)
+        settle_kernels()
         mx.async_eval(following.tokens, following.logprobs)
         self.register = following
         tokens = self._emitted(self.rows, inputs, failed)  # waits for the previous step only

@@ -11,11 +11,35 @@ and the spaces around each line. Lines stay lines (preprocessor directives
 end at a newline), string and character literals are left as they are, and
 the code is the same token for token (`tests/unit/test_cuda_source.py` checks;
 nvcc gives the same SASS).
+
+MLX compiles a custom kernel once per process for each built source (its
+template values and input and output types), with NVRTC, when a graph that
+calls it is first evaluated, and keeps it in memory only: unlike its own
+kernels, MLX 0.32's `CustomKernel` never writes them to MLX_PTX_CACHE_DIR, so a
+new process compiles them again. `builds()` counts the distinct builds the
+process has asked for (each one such compilation on CUDA), which the server
+reports so that a compilation after ready can be seen, and hands each new one
+to the kernel cache where one is on (`kernel_cache`: compiled ahead of MLX, in
+parallel, and kept across restarts).
 """
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
+
+from engine.kernels import kernel_cache
+from engine.kernels.kernel_cache import KernelBuild
+
+_builds: set[tuple] = set()
+_lock = threading.Lock()
+
+
+def builds() -> int:
+    """How many distinct custom-kernel builds (name, template values, input and output types) this process has
+    asked MLX for: on CUDA, each is one NVRTC compilation."""
+    return len(_builds)
 
 
 def _strip_comment(line: str) -> str:
@@ -44,6 +68,22 @@ def compact(source: str) -> str:
 
 def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
                 shared_memory: int = 0):  # fmt: skip
-    """`mx.fast.cuda_kernel` on the compacted source and header (`shared_memory`: its dynamic bytes)."""
-    return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                               source=compact(source), header=compact(header), shared_memory=shared_memory)  # fmt: skip
+    """`mx.fast.cuda_kernel` on the compacted source and header (`shared_memory`: its dynamic bytes), counting
+    its builds (`builds`)."""
+    source, header = compact(source), compact(header)
+    kernel = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names, source=source,
+                                 header=header, shared_memory=shared_memory)  # fmt: skip
+
+    def call(*, inputs, template=(), output_dtypes, **kwargs):
+        key = (name, shared_memory, tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
+        if key not in _builds:
+            with _lock:
+                new = key not in _builds
+                _builds.add(key)
+            cache = kernel_cache.active()
+            if new and cache is not None and all(isinstance(v, (int, bool)) for _, v in template):
+                cache.submit(KernelBuild(name, tuple(input_names), tuple(output_names), source, header, key[3],
+                                         tuple(output_dtypes), tuple(template)))  # fmt: skip
+        return kernel(inputs=inputs, template=list(template), output_dtypes=output_dtypes, **kwargs)
+
+    return call

@@ -18,15 +18,19 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+import mlx.core as mx
 
 from engine.engine import Engine, kernels_notice
-from engine.kernels import FAST, KernelConfig
-from engine.batch.runner import bucket, chunk_buckets, power_buckets
+from engine.kernels import FAST, KernelConfig, kernel_cache, on_cuda
+from engine.kernels.quantized_gemv import LAYER_MAX_ROWS
+from engine.batch.runner import bucket, chunk_buckets, power_buckets, trace_forwards
 from engine.cache.prompt_disk import DiskTier, artifact_key
 from engine.gateway import Gateway, GatewayConfig
+from engine.kernels.cuda_source import builds as kernel_builds
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
@@ -43,17 +47,20 @@ log = logging.getLogger("engine.server")
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_TOKENS = 512  # when a request names none (mlx_lm.server's default too)
 CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's kernels take up to 64 rows
+# the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
+# the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
+FAST_PREFILL_BATCH = 32
+# the default --mlx-cache on CUDA: device memory MLX keeps after it is freed, for reuse. MLX's own limit is 95%
+# of the device, which lets one server's freed buffers starve any other process on the GPU (a second server
+# fails to load); a decode step at 64 rows recycles ~10 GB.
+CUDA_MLX_CACHE = 16 << 30
 
 
 def default_batch() -> int:
-    from engine.kernels import on_cuda
-
     return CUDA_BATCH if on_cuda() else OTHER_BATCH
 
 
 def default_warmup() -> str:
-    from engine.kernels import on_cuda
-
     return "full" if on_cuda() else "quick"
 
 
@@ -87,10 +94,13 @@ class ServeConfig:
     decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
     chunk_buckets: Optional[tuple[int, ...]] = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
     group_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets of the prefill group); (): off
+    prefill_batch: Optional[int] = None  # prompts prefilled together; None: auto (FAST_PREFILL_BATCH on the fast tier)
     prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
     warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
     chat_template: Optional[str] = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
+    kernel_cache_dir: Optional[Path] = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
+    mlx_cache_bytes: Optional[int] = None  # MLX's buffer cache limit; None: CUDA_MLX_CACHE on CUDA, MLX's elsewhere
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
@@ -104,9 +114,10 @@ class ServeConfig:
         buckets = self.decode_buckets
         if buckets is None:
             buckets = power_buckets(batch) if tier == FAST and kvq is None and batch > 1 else ()
+        prefill_batch = self.prefill_batch or (FAST_PREFILL_BATCH if tier == FAST else GatewayConfig.prefill_batch)
         groups = self.group_buckets
         if groups is None:
-            groups = power_buckets(GatewayConfig.prefill_batch) if tier == FAST and kvq is None and batch > 1 else ()
+            groups = power_buckets(prefill_batch) if tier == FAST and kvq is None and batch > 1 else ()
         chunks = self.chunk_buckets
         if chunks is None:
             chunks = chunk_buckets(self.prefill_chunk) if tier == FAST else ()
@@ -116,6 +127,7 @@ class ServeConfig:
         return GatewayConfig(
             batch=batch,
             prefill_chunk=self.prefill_chunk,
+            prefill_batch=prefill_batch,
             kv_budget_bytes=self.kv_budget_bytes,
             kv_quantization=kvq,
             prompt_cache_bytes=self.prompt_cache_bytes,
@@ -165,37 +177,80 @@ def _group_waves(config: GatewayConfig, context: int, fits) -> list[list[Generat
     return waves
 
 
-def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096) -> int:
+@dataclass(frozen=True)
+class WarmupStage:
+    """One stage of the warm-up: its requests, the forward shapes and custom-kernel builds (each a compilation
+    on CUDA) that were new in it, and its wall time."""
+
+    name: str
+    requests: int
+    shapes: int
+    kernel_builds: int
+    seconds: float
+
+    def line(self) -> str:
+        return (f"engine serve: warm-up {self.name}: {self.requests} requests, {self.shapes} new shapes, "
+                f"{self.kernel_builds} kernel builds, {self.seconds:.1f} s")  # fmt: skip
+
+
+def _prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> WarmupStage:
+    """Every decode bucket's and short prefill chunk's forward built but not run (`trace_forwards`), so that
+    the engine's kernels they call compile at once (`cache`), before the requests that run them."""
+    start, builds = time.perf_counter(), kernel_builds()
+    trace_forwards(gateway.model, gateway.config.decode_buckets or (1,),
+                   [n for n in gateway.config.chunk_buckets if n <= LAYER_MAX_ROWS])  # fmt: skip
+    cache.settle()
+    return WarmupStage("kernel builds", 0, 0, kernel_builds() - builds, round(time.perf_counter() - start, 3))
+
+
+def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096,
+             log: Callable[[str], None] = lambda line: None) -> list[WarmupStage]:  # fmt: skip
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
-    compile; returns how many ran. `quick`: one short request (two on the continuous lane, decoding
-    together). `full`: also `batch` requests at once on the continuous lane, each a token longer than the
-    one before, so the decode batch takes every row count (every decode bucket) on its way up and down;
-    then, one at a time, a prompt a prefill chunk bucket long (within `context` and the KV budget), and the
-    prefill groups of each group bucket (`_group_waves`). `off`:
-    none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
-    request)."""
+    compile; returns its stages, each passed to `log` as it ends. `quick`: one short request (two on the
+    continuous lane, decoding together). `full`: also `batch` requests at once on the continuous lane, each
+    a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
+    its way up and down; then, one at a time, a prompt a prefill chunk bucket long (within `context` and the
+    KV budget), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the
+    kernels of all of them are built first (`_prebuild_kernels`). `off`: none. A warm-up request that fails
+    stops the start (a setting the model cannot take would fail every request)."""
     if mode == "off":
-        return 0
+        return []
 
     def request(name: str, prompt: tuple[int, ...], tokens: int = 2) -> GenerationRequest:
         return GenerationRequest(name, prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True))
 
-    waves = [[request(f"warmup-{i}", (1, 2, 3)) for i in range(2 if gateway.batcher is not None else 1)]]
+    report = []
+    first = [request(f"warmup-{i}", (1, 2, 3)) for i in range(2 if gateway.batcher is not None else 1)]
+    stages = [("first requests", [first])]
     if mode == "full" and gateway.batcher is not None:
-        waves[0] += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(gateway.config.batch)]
+        batch = gateway.config.batch
+        first += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(batch)]
+        stages = [(f"decode rows 1-{batch + 2}", [first])]
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
         budget = gateway.config.kv_budget_bytes
-        waves += [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
+        chunks = [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
                   for k, n in enumerate(gateway.config.chunk_buckets)
                   if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
-        waves += _group_waves(gateway.config, context,
+        groups = _group_waves(gateway.config, context,
                               lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
+        stages += [(f"prefill chunks ({len(chunks)} lengths)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
+    if mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
+        report.append(_prebuild_kernels(gateway, kernel_cache.active()))
+        log(report[-1].line())
     sinks = []
-    for wave in waves:
-        for r in wave:
-            sinks.append(CollectingSink())
-            gateway.submit(r, sinks[-1])
-        gateway.run_until_idle()
+    for name, waves in stages:
+        if not waves:
+            continue
+        start, shapes, builds = time.perf_counter(), len(gateway.shapes), kernel_builds()
+        for wave in waves:
+            for r in wave:
+                sinks.append(CollectingSink())
+                gateway.submit(r, sinks[-1])
+            gateway.run_until_idle()
+        stage = WarmupStage(name, sum(len(w) for w in waves), len(gateway.shapes) - shapes, kernel_builds() - builds,
+                            round(time.perf_counter() - start, 3))  # fmt: skip
+        report.append(stage)
+        log(stage.line())
     if gateway.prompt_cache is not None:
         gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
     for sink in sinks:
@@ -203,12 +258,17 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
             setting = f" with --kv-bits {kv_bits}" if kv_bits else ""
             why = sink.result.error if sink.result else "it never ended"
             raise ValueError(f"this model cannot be served{setting}: a warm-up request failed ({why})")
-    return len(sinks)
+    return report
 
 
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
     cfg.gateway_config()  # setting errors before any loading
+    cache_limit = cfg.mlx_cache_bytes if cfg.mlx_cache_bytes is not None else CUDA_MLX_CACHE if on_cuda() else None
+    if cache_limit is not None:
+        mx.set_cache_limit(cache_limit)
+    if cfg.kernel_cache_dir is not None and on_cuda():
+        kernel_cache.enable(cfg.kernel_cache_dir)
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
     if cfg.chat_template is not None:
         engine.tokenizer.use_chat_template(cfg.chat_template)
@@ -225,7 +285,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     start = time.perf_counter()
     warmup = cfg.warmup or default_warmup()
     context = cfg.max_context or _context_of(engine.config)
-    warmed = _warm_up(gateway, warmup, cfg.kv_bits, context)
+    stages = _warm_up(gateway, warmup, cfg.kv_bits, context, log=lambda line: print(line, file=sys.stderr, flush=True))
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
         scheme = f"tier {engine.kernels.tier}, kv {cfg.kv_bits or 'full'}"
         disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
@@ -233,8 +293,10 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         print(f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"
               + (f" (off: {disk.error})" if disk.error else ""), file=sys.stderr, flush=True)
     gateway.mark_ready()
-    warmup_record = {"mode": warmup, "requests": warmed, "seconds": round(time.perf_counter() - start, 3),
-                     "shapes": gateway.shapes_at_ready}  # fmt: skip
+    warmup_record = {"mode": warmup, "requests": sum(st.requests for st in stages),
+                     "seconds": round(time.perf_counter() - start, 3), "shapes": gateway.shapes_at_ready,
+                     "kernel_builds": gateway.kernel_builds_at_ready, "stages": [asdict(st) for st in stages],
+                     "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None}  # fmt: skip
     model_id = cfg.model or engine.path.name
     try:
         from engine.server.metrics import Metrics

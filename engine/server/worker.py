@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from engine.gateway import Gateway, Placement
+from engine.kernels import kernel_cache
+from engine.kernels.cuda_source import builds as kernel_builds
 from engine.request import FinishReason, GeneratedToken, GenerationRequest, RequestResult
 from engine.sinks import ForwardingSink
 
@@ -287,7 +289,7 @@ class EngineWorker:
         batcher = gateway.batcher
         kv_bytes = batcher.kv_bytes if batcher is not None else 0
         pc = gateway.prompt_cache
-        seen = len(gateway.shapes)
+        seen, builds = len(gateway.shapes), kernel_builds()
         self.snapshot = {
             "batch": {
                 "max_rows": gateway.config.batch,
@@ -303,9 +305,12 @@ class EngineWorker:
             "prompt_cache": None if pc is None else vars(pc.stats()),
             "totals": vars(self.totals).copy(),
             "warmup": self.warmup,
-            # forward shapes first run after ready: on CUDA each compiled kernels while requests waited
+            # forward shapes first run after ready: on CUDA each compiled kernels while requests waited; kernel
+            # builds: the engine's CUDA kernels compiled in this process (with none, each shape reused them)
             "shapes": {"seen": seen, "new_since_ready": seen - gateway.shapes_at_ready,
-                       "decode_buckets": list(gateway.config.decode_buckets)},  # fmt: skip
+                       "decode_buckets": list(gateway.config.decode_buckets), "kernel_builds": builds,
+                       "kernel_builds_since_ready": builds - gateway.kernel_builds_at_ready},  # fmt: skip
+            "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
         }
 
     def _shutdown(self, gateway: Gateway) -> None:

@@ -76,12 +76,15 @@ def test_engine_generate_prints_text_and_timing(capsys, tiny_path):
 
 
 def test_kernel_cache_dir_points_mlx_at_it(tmp_path):
+    from engine import env
     from engine.cli import build_parser, use_kernel_cache
 
     environ = {}
     where = use_kernel_cache(tmp_path / "kernels" / "cuda", environ)
     assert where.is_dir() and environ == {"MLX_PTX_CACHE_DIR": str(where)}
-    assert use_kernel_cache(None, environ) is None and len(environ) == 1  # MLX's default stays
+    assert use_kernel_cache(None, environ) == where  # MLX_PTX_CACHE_DIR where set
+    default = {}
+    assert use_kernel_cache(None, default) == env.kernels_dir() and default["MLX_PTX_CACHE_DIR"] == str(env.kernels_dir())
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="--kernel-cache-dir"):
         use_kernel_cache(tmp_path / "file" / "sub", {})

@@ -1,5 +1,7 @@
 """What `engine serve` resolves from its defaults: the batch cap, the decode buckets, the warm-up."""
 
+from pathlib import Path
+
 import pytest
 
 from engine.batch.runner import chunk_buckets, power_buckets
@@ -34,17 +36,29 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     assert ServeConfig(batch=16, decode_buckets=(4, 16)).gateway_config(EXACT).decode_buckets == (4, 16)
     with pytest.raises(ValueError, match="quantized KV"):
         ServeConfig(batch=16, kv_bits=8, decode_buckets=(4, 16)).gateway_config(FAST)
-    assert cfg.gateway_config(FAST).group_buckets == (1, 2, 4, 8)  # the prefill group of 8, in powers of two
+    # the fast tier prefills up to 32 prompts together, in groups of powers of two; the exact tier 8, as mlx-lm
+    assert cfg.gateway_config(FAST).group_buckets == (1, 2, 4, 8, 16, 32)
+    assert (cfg.gateway_config(FAST).prefill_batch, cfg.gateway_config(EXACT).prefill_batch) == (32, 8)
+    assert ServeConfig(prefill_batch=4).gateway_config(FAST).group_buckets == (1, 2, 4)
+    assert ServeConfig(prefill_batch=4).gateway_config(EXACT).prefill_batch == 4
     assert cfg.gateway_config(EXACT).group_buckets == ()
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).group_buckets == ()
     assert ServeConfig(group_buckets=()).gateway_config(FAST).group_buckets == ()
+
+
+def requests(stages) -> int:
+    return sum(st.requests for st in stages)
 
 
 @pytest.mark.parametrize("mode, requests", [("off", 0), ("quick", 2), ("full", 2 + 8)])
 def test_warmups(tiny_path, mode, requests):
     model = load_model(tiny_path("tiny-qwen35"))[0]
     gateway = Gateway(model, GatewayConfig(batch=8, decode_buckets=(1, 2, 4, 8)))
-    assert _warm_up(gateway, mode) == requests
+    lines = []
+    stages = _warm_up(gateway, mode, log=lines.append)
+    assert sum(st.requests for st in stages) == requests
+    assert [st.name for st in stages] == {"off": [], "quick": ["first requests"], "full": ["decode rows 1-10"]}[mode]
+    assert lines == [st.line() for st in stages] and all(st.shapes > 0 and st.seconds > 0 for st in stages)
     decoded = {shape[1] for shape in gateway.shapes if shape[0] == "decode"}
     assert decoded == ({1, 2, 4, 8} if mode == "full" else {2} if mode == "quick" else set())
     gateway.mark_ready()
@@ -55,7 +69,7 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     model = load_model(tiny_path("tiny-qwen35"))[0]
     gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32),
                                            prompt_cache_bytes=1 << 20))  # fmt: skip
-    assert _warm_up(gateway, "full", context=30) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
+    assert requests(_warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
 
@@ -69,7 +83,7 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path):
                            chunk_buckets=chunk_buckets(64), group_buckets=(1, 2, 4, 8))  # fmt: skip
     gateway = Gateway(model, config)
     # 2 + 8 + the 5 chunk buckets, then groups: 2 prompts of 16-32 tokens, 3 of 16-24, 5 of 16
-    assert _warm_up(gateway, "full") == 2 + 8 + 5 + 2 * 3 + 3 * 2 + 5 * 1
+    assert requests(_warm_up(gateway, "full")) == 2 + 8 + 5 + 2 * 3 + 3 * 2 + 5 * 1
     assert {("prefill", 2, 32), ("prefill", 4, 24), ("prefill", 8, 16)} <= gateway.shapes
     gateway.mark_ready()
     sinks = []
@@ -88,4 +102,26 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
     budget = probe.layout.row_bytes(17, 2)  # a 16-token chunk's prompt fits, a 300-token one's does not
     gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300),
                                            kv_budget_bytes=budget))  # fmt: skip
-    assert _warm_up(gateway, "full") == 2 + 4 + 1
+    assert requests(_warm_up(gateway, "full")) == 2 + 4 + 1
+
+
+def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tiny_path, monkeypatch):
+    # the decode buckets' and short chunks' forwards are built but not run, so their kernels compile together
+    # (the CPU has none to compile); nothing of them stays: the warm-up's and a request's tokens are as without
+    from engine.kernels import kernel_cache
+    from engine.kernels.kernel_cache import KernelCache
+
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    config = GatewayConfig(batch=4, prefill_chunk=64, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32, 64))
+    outputs = []
+    for cache in (None, KernelCache(Path("/nonexistent"), lambda source, kernel: (b"", ""))):
+        monkeypatch.setattr(kernel_cache, "_active", cache)
+        gateway = Gateway(model, config)
+        lines = []
+        stages = _warm_up(gateway, "full", log=lines.append)
+        assert [st.name for st in stages][0] == ("kernel builds" if cache else "decode rows 1-6")
+        sink = CollectingSink()
+        gateway.submit(GenerationRequest("after", tuple(range(5, 40)), stop=StopCriteria(max_tokens=6, ignore_eos=True)), sink)
+        gateway.run_until_idle()
+        outputs.append(sink.token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
