@@ -5,6 +5,7 @@
     harness parity [--models ...]            live oracle gate against mlx-lm
     harness native --models NAME             in-process speed: engine vs mlx-lm
     harness server-overhead --models NAME    in-process vs through `engine serve`
+    harness startup --models NAME            load to ready, bursts after ready, lone vs serial, restart
     harness kernels [--shapes qwen27b]       fast-tier kernels vs MLX's ops; --gate-model: numerics gate
     harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
     harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
@@ -29,6 +30,7 @@ from harness import (
     run_cli,
     server_overhead_cli,
     spec_cli,
+    startup_cli,
     workloads_cli,
 )  # fmt: skip
 from harness.cli_common import CliError, console
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     native_cli.add_native(sub)
     batch_bench_cli.add_batch_bench(sub)
     server_overhead_cli.add_server_overhead(sub)
+    startup_cli.add_startup(sub)
     workloads_cli.add_workloads(sub)
     report_cli.add_report(sub)
     report_cli.add_db(sub)

@@ -3,7 +3,8 @@
 # machine with MLX's CUDA backend installed:
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
-#   PART                  tests (default) | kernels | gate | native | run-all | batch | parity | ncu | profile | census | lane
+#   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
+#                         | census | lane
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -12,6 +13,8 @@
 #   gate     GATE_ROWS (default 1,8), GATE_ARGS (more `harness kernels --gate-model` options)
 #   native   KERNELS (auto|exact|fast, default auto), PROMPT (1024), DECODE (128), SAMPLES (5)
 #   run-all  TOKENS (64), RUN_ARGS (more `harness run all` options, e.g. "--decode-samples 3")
+#   startup  STARTUP_ARGS (more `harness startup` options, e.g. "--bursts 32,64 --no-restart"): load to ready,
+#            bursts after ready, lone requests against the serial lane, a restart on the same kernel cache
 #   batch    ROWS (1,8,16,32,64), CONCURRENCY (8,16,32,64), DECODE (32): the batched step's wall time and its
 #            parts at each row count, then `harness batch-bench --kernels fast` against mlx-lm
 #   parity   PARITY_ARGS (more `harness parity` options, e.g. "--batch 2,3,4,8")
@@ -62,6 +65,11 @@ case "$PART" in
     python3 -m harness run all --models qwen27b --tokens "${TOKENS:-64}" --skip-context ${RUN_ARGS:-} \
         --out "$OUT/qwen27b-run-all.json" --db "$OUT/runs.sqlite" 2>&1 | tee "$OUT/qwen27b-run-all.txt"
     ;;
+  startup)
+    synth
+    python3 -m harness startup --models qwen27b ${STARTUP_ARGS:-} --json "$OUT/qwen27b-startup.json" 2>&1 \
+        | tee "$OUT/qwen27b-startup.txt"
+    ;;
   batch)
     synth
     { python3 -m tools.gpu.step_kernels --rows "${ROWS:-1,8,16,32,64}" --tiers fast --time --steps 16
@@ -99,5 +107,6 @@ case "$PART" in
     { "${step[@]}"; "${step[@]}" --batch-caches; "${step[@]}" --batch-caches --off attention_kernels
       "${step[@]}" --batch-caches --off attention_step; "${step[@]}"; } 2>&1 | tee "$OUT/qwen27b-lane-steps.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, batch, parity, ncu, profile, census or lane (got '$PART')" >&2; exit 2 ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census or lane (got '$PART')" >&2
+     exit 2 ;;
 esac

@@ -1,0 +1,32 @@
+"""`harness startup` end to end on a tiny model: starts, bursts after ready, lone rounds, a restart, no leftovers."""
+
+import json
+import subprocess
+import sys
+
+from processes import leftovers, new_tag, tagged_env
+
+MODEL = "tiny-qwen35"
+
+
+def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tmp_path):
+    tiny_path(MODEL)
+    out, logs, tag = tmp_path / "startup.json", tmp_path / "logs", new_tag()
+    cmd = [sys.executable, "-m", "harness", "startup", "--models", MODEL, "--prompt-tokens", "24", "--tokens", "4",
+           "--bursts", "3,5", "--lone-tokens", "6", "--rounds", "2", "--kernel-cache-dir", str(tmp_path / "kernels"),
+           "--log-dir", str(logs), "--ttft-slo-ms", "60000", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=tagged_env(tag))
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the lone ratio's verdict, noisy on 2 shared cores
+    (record,) = json.loads(out.read_text())
+    assert [s["label"] for s in record["starts"]] == ["serial (--batch 1)", "start", "restart"]
+    assert all(s["load_to_ready_s"] > 0 and s["warmup"]["mode"] == "quick" for s in record["starts"])
+    assert record["kernel_cache_dir"] == str(tmp_path / "kernels") and not record["errors"]
+    bursts = {r["label"]: r for r in record["requests"] if r["label"] != "lone"}
+    assert list(bursts) == ["first", "burst-3", "burst-5"]
+    for label, n in (("first", 1), ("burst-3", 3), ("burst-5", 5)):
+        assert bursts[label]["size"] == n and len(bursts[label]["ttft_ms"]) == n and not bursts[label]["errors"]
+        assert bursts[label]["kernel_builds"] == 0  # the CPU runs none of the engine's CUDA kernels
+    assert len(record["lone"]["default_tps"]) == len(record["lone"]["serial_tps"]) == 2
+    assert (logs / "start" / "stderr.log").is_file() and (logs / "restart" / "stdout.log").is_file()
+    assert "server starts" in proc.stdout and "paired ratio" in proc.stdout
+    assert not leftovers(tag)
