@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # MLX 0.32's custom_kernel.cpp: what it puts before and around a kernel's body.
 DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+COMPILE_TIMEOUT_S = 600  # a compilation past this is left to MLX
 MAX_FILE_NAME = 245  # jit_module.cpp's get_ptx_path: longer module names become nested directories
 CUDA_TYPES = {
     mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
@@ -141,7 +142,8 @@ def nvrtc_compiler() -> Compiler:
         command += ["--library", library]
 
     def compile(source: str, kernel: str) -> tuple[bytes, str]:
-        done = subprocess.run([*command, "--kernel", kernel], input=source.encode(), capture_output=True)
+        done = subprocess.run([*command, "--kernel", kernel], input=source.encode(), capture_output=True,
+                              timeout=COMPILE_TIMEOUT_S)  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(done.stderr.decode(errors="replace")[-2000:] or f"exit status {done.returncode}")
         mangled, code = done.stdout.split(b"\n", 1)
