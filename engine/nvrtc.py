@@ -21,8 +21,6 @@ UTILS_HEADER = (
     "#include <cuda/std/limits>\n#include <cuda/std/tuple>\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n"
     "#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n"
 )
-
-
 LIBRARIES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
 
 

@@ -69,7 +69,7 @@ from harness.records import (
     write_json,
 )
 from harness.rss import RssSampler
-from harness.servers import ServerProcess, ServerStartError, free_port, start_server, tail
+from harness.servers import ServerProcess, ServerStartError, free_port, server_stats, start_server, tail
 from harness.workloads import ATTEMPTS, Workload, WorkloadSettings, load_or_build, phase_names
 
 Log = Callable[[str], None]
@@ -375,26 +375,16 @@ def _ended(e: BaseException, what: str, at: str = "") -> tuple[str, str]:
     return FAILED, f"{what} failed{at}: {type(e).__name__}: {e}"
 
 
-def _server_stats(client: httpx.Client) -> dict:
-    """An engine server's /stats ({} when it does not answer with a JSON object)."""
-    try:
-        r = client.get("/stats")
-        stats = r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):  # no answer, not JSON
-        return {}
-    return stats if isinstance(stats, dict) else {}
-
-
 def server_kernels(client: httpx.Client) -> Optional[dict]:
     """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
-    kernels = _server_stats(client).get("kernels")
+    kernels = server_stats(client).get("kernels")
     return kernels if isinstance(kernels, dict) else None
 
 
 def server_new_shapes(client: httpx.Client) -> Optional[int]:
     """The forward shapes an engine server first ran after ready (/stats); None if it does not say. On CUDA each
     compiled kernels while requests waited: a cell during which this grew timed compilation too."""
-    shapes = _server_stats(client).get("shapes")
+    shapes = server_stats(client).get("shapes")
     value = shapes.get("new_since_ready") if isinstance(shapes, dict) else None
     return value if isinstance(value, int) else None
 

@@ -42,6 +42,16 @@ def engine_serve_command(model_args: Sequence[str], port: int, *extra: str) -> l
     return [sys.executable, "-m", "engine", "serve", *model_args, "--port", str(port), *extra]
 
 
+def server_stats(client: httpx.Client) -> dict:
+    """An engine server's /stats ({} when it does not answer with a JSON object)."""
+    try:
+        r = client.get("/stats")
+        stats = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # no answer, not JSON
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
 def tail(path: Path, limit: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-limit:]

@@ -33,7 +33,9 @@ import httpx
 import numpy as np
 
 from harness.client import RequestRecord, Timeouts, stream_completion
-from harness.servers import ServerProcess, ServerStartError, engine_serve_command, free_port, start_server
+from harness.servers import (
+    ServerProcess, ServerStartError, engine_serve_command, free_port, server_stats, start_server,
+)  # fmt: skip
 from oracles.cases import frozen_prompt_ids
 
 Log = Callable[[str], None]
@@ -113,18 +115,8 @@ class StartupResult:
 
 def _shapes(client: httpx.Client) -> tuple[Optional[int], Optional[int]]:
     """The server's (forward shapes, kernel builds) first run after ready, from /stats."""
-    try:
-        shapes = client.get("/stats").json().get("shapes") or {}
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None, None
+    shapes = server_stats(client).get("shapes") or {}
     return shapes.get("new_since_ready"), shapes.get("kernel_builds_since_ready")
-
-
-def _warmup(client: httpx.Client) -> dict:
-    try:
-        return client.get("/stats").json().get("warmup") or {}
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return {}
 
 
 def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str,
@@ -168,7 +160,7 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
         server = stack.enter_context(start_server(cmd, port, timeout_s=cfg.ready_timeout_s, log_dir=logs))
         client = stack.enter_context(httpx.Client(base_url=server.url, timeout=timeouts.for_httpx(),
                                                   limits=httpx.Limits(max_connections=max(cfg.bursts, default=1) + 8)))  # fmt: skip
-        started = Start(label, cmd, round(server.load_to_ready_s, 2), _warmup(client))
+        started = Start(label, cmd, round(server.load_to_ready_s, 2), server_stats(client).get("warmup") or {})
         result.starts.append(started)
         log(f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s)")
         return server, client

@@ -12,8 +12,8 @@ std::hash of the source MLX builds around the kernel's body.
 So when a kernel build is first asked for (at trace time, before the graph
 runs), the engine builds that source as MLX does (`mlx_source`), compiles it
 itself, one process a compilation on a pool of workers (`engine.nvrtc`: NVRTC
-with the options MLX uses), and writes the cubin under that name; `settle()`, called before a forward is
-evaluated, waits for the compilations in flight. A forward's new kernels thus
+with the options MLX uses), and writes the cubin under that name; `settle()`,
+called before a forward is evaluated, waits for the compilations in flight. A forward's new kernels thus
 compile together, and a restart on the same directory compiles none. Where
 anything here does not hold (another MLX, no NVRTC, a source that reads
 shapes), no file is written and MLX compiles the kernel itself, as before.
@@ -104,8 +104,9 @@ class KernelBuild:
                 + f"__global__ void {self.kernel_name}(\n" + "".join(params) + ",\n".join(outs) + ") {\n"
                 + (consts + "\n" if self.template else "") + self.source + "\n}\n\n} // namespace mlx::core::cu\n")  # fmt: skip
 
-    def module_name(self) -> str:
-        return f"{self.kernel_name}_{std_hash(self.mlx_source().encode()):x}"
+    def module_name(self, source: Optional[str] = None) -> str:
+        """MLX's module name for this build (`source`: its `mlx_source()`, where already built)."""
+        return f"{self.kernel_name}_{std_hash((source or self.mlx_source()).encode()):x}"
 
 
 def module_path(directory: Path, module_name: str) -> Path:
@@ -174,7 +175,8 @@ class KernelCache:
         """Start compiling `build` unless it is in the directory already (or MLX cannot use what this writes)."""
         if build.reads_shapes() or any(dtype not in CUDA_TYPES for dtype, _ in build.inputs):
             return
-        name = build.module_name()
+        source = build.mlx_source()
+        name = build.module_name(source)
         with self._lock:
             if name in self._seen:
                 return
@@ -182,10 +184,12 @@ class KernelCache:
             if module_path(self.directory, name).exists():
                 self.found += 1
                 return
-            self._pending.append(self._pool.submit(self._compile, build, name))
+            self._pending.append(self._pool.submit(self._compile, build, source, name))
 
     def settle(self) -> None:
         """Wait for the compilations in flight (before MLX evaluates the graphs that use them)."""
+        if not self._pending:  # every decode step asks: most find nothing in flight
+            return
         with self._lock:
             pending, self._pending = self._pending, []
         for f in pending:
@@ -194,12 +198,12 @@ class KernelCache:
     def stats(self) -> dict:
         return {"directory": str(self.directory), "compiled": self.compiled, "found": self.found, "failed": self.failed}
 
-    def _compile(self, build: KernelBuild, name: str) -> None:
+    def _compile(self, build: KernelBuild, source: str, name: str) -> None:
         try:
             with self._lock:
                 if self.compiler is None:
                     self.compiler = nvrtc_compiler()
-            code, mangled = self.compiler(build.mlx_source(), f"mlx::core::cu::{build.kernel_name}")
+            code, mangled = self.compiler(source, f"mlx::core::cu::{build.kernel_name}")
             path = module_path(self.directory, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             # the kernel names first: MLX takes the code's presence to mean both are there
