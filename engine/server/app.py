@@ -34,7 +34,7 @@ from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
 from engine.server.tool_calls import Parser, ToolCall, writes_json_blocks
-from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected, Stream
+from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected
 from engine.tokenizer import Tokenizer
 from engine.request import FinishReason, GenerationRequest, StopCriteria
 
@@ -245,7 +245,7 @@ class _Relay:
 
     def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest):
         self.ctx, self.parsed, self.gen = ctx, parsed, gen
-        self.stream = Stream(asyncio.get_running_loop(), gen.request_id)
+        self.stream = ctx.worker.stream(gen.request_id)
         self.out = responses.Output(gen.request_id, ctx.model_id, parsed.is_chat)
         self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
         self.stopper = TextStopper(parsed.stop)
@@ -383,27 +383,31 @@ def _sse_event(obj: dict[str, Any]) -> str:
 
 
 async def _sse(relay: _Relay) -> AsyncIterator[str]:
+    """The response's SSE events; those of the engine events already at hand go out in one write."""
     parsed, out = relay.parsed, relay.out
     ids = parsed.return_token_ids
+    pending: list[str] = []
     try:
         if parsed.is_chat:
-            yield _sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True))
+            pending.append(_sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True)))
         async for delta in relay.events():
             if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
-                yield _sse_event(relay.failure().body())
+                pending.append(_sse_event(relay.failure().body()))
                 break
             # the text, then the tool calls completed with it, then the finish (with the text where no call came)
             text_finish = None if delta.calls else delta.finish
             if delta.tokens or delta.text or delta.reasoning or text_finish:
-                yield _sse_event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of, ids,
-                                                 reasoning=delta.reasoning))  # fmt: skip
-            for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids):
-                yield _sse_event(piece)
+                pending.append(_sse_event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
+                                                          ids, reasoning=delta.reasoning)))  # fmt: skip
+            pending += [_sse_event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids)]
             if delta.calls and delta.finish:
-                yield _sse_event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids))
+                pending.append(_sse_event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
+            if pending and relay.stream.events.empty():
+                yield "".join(pending)
+                pending.clear()
         if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
-            yield _sse_event(responses.usage_chunk(out, relay.usage()))
-        yield "data: [DONE]\n\n"
+            pending.append(_sse_event(responses.usage_chunk(out, relay.usage())))
+        yield "".join(pending) + "data: [DONE]\n\n"
         relay.log_line()
     finally:
         if relay.result is None:  # the client went away mid-stream: drop the row

@@ -5,8 +5,9 @@ first used from a thread that dies before the process exits); uvicorn runs
 on a second thread. Handlers put commands (submit, cancel, stop) on the
 inbox; the loop applies them between gateway steps and runs steps while there
 is work. Each request's
-`Stream` carries events back to its handler's asyncio queue with
-`call_soon_threadsafe`. A handler whose client went away flips
+`Stream` carries events back to its handler's asyncio queue through its
+loop's `Outbox`, which wakes the loop once for every event posted since its
+last wake-up (a step's tokens for all rows), not once a token. A handler whose client went away flips
 `Stream.alive`: the next token the engine offers is refused and the row is
 dropped, even mid-way through a serial request. The queue of requests not
 yet started is bounded (`QueueLimits`): past it a request is refused with
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -99,11 +101,50 @@ class Timings:
         }
 
 
-class Stream:
-    """A TokenSink that forwards a request's events to an asyncio queue."""
+class Outbox:
+    """Events from the engine thread to one event loop, handed over in batches.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str):
+    Each wake-up of the loop (`call_soon_threadsafe`, a write to its
+    self-pipe) drops the GIL, which the engine thread may then wait for while
+    the loop's thread runs handlers. The first event posted after a delivery
+    schedules the next one; events posted meanwhile ride along, so a decode
+    step of many rows wakes the loop once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self.closed = False  # the loop is gone: the server is going down
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+    def post(self, events: asyncio.Queue, event: Event) -> bool:
+        """Queue `event` for `events` (on the loop); False once the loop is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            wake = not self._pending
+            self._pending.append((events, event))
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:
+                with self._lock:
+                    self.closed, self._pending = True, []
+                return False
+        return True
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for events, event in batch:
+            events.put_nowait(event)
+
+
+class Stream:
+    """A TokenSink that forwards a request's events to an asyncio queue (through its loop's outbox)."""
+
+    def __init__(self, outbox: Outbox, request_id: str):
+        self.outbox = outbox
         self.request_id = request_id
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.alive = True
@@ -113,9 +154,7 @@ class Stream:
         self._last = 0.0  # the last token's stamp
 
     def put(self, event: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: the server is going down
+        if not self.outbox.post(self.events, event):
             self.alive = False
 
     def on_start(self) -> None:
@@ -183,9 +222,18 @@ class EngineWorker:
     _live: dict[str, Stream] = field(default_factory=dict)
     _waiting: dict[str, int] = field(default_factory=dict)  # not yet started: prompt tokens, by request id
     _stopped: dict[str, int] = field(default_factory=dict)  # ended by a stop string: the tokens kept
+    _outboxes: dict[asyncio.AbstractEventLoop, Outbox] = field(default_factory=dict)
 
     def __post_init__(self):
         self._refresh(self.gateway)
+
+    def stream(self, request_id: str) -> Stream:
+        """A new request's stream, on the running event loop (called from it)."""
+        loop = asyncio.get_running_loop()
+        outbox = self._outboxes.get(loop)
+        if outbox is None or outbox.closed:
+            outbox = self._outboxes[loop] = Outbox(loop)
+        return Stream(outbox, request_id)
 
     def submit(self, request: GenerationRequest, stream: Stream) -> None:
         self.inbox.put(_Submit(request, stream))
