@@ -156,8 +156,9 @@ class ContinuousBatcher:
         outcome = self.scheduler.update_decode(output.tokens)
         caches = {}
         if self.keep_caches:  # each finished row holds its prompt and every token it pushed
-            caches = {s.request_id: CachedPrefix(s.request.prompt_ids + tuple(s.tracker.ids),
-                                                 self.runner.extract(s.request_id)) for s in outcome.finished}  # fmt: skip
+            rows = self.runner.extract([s.request_id for s in outcome.finished])
+            caches = {s.request_id: CachedPrefix(s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
+                      for s in outcome.finished}  # fmt: skip
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
         if outcome.finished:

@@ -54,6 +54,7 @@ from engine.cache import (
     RecurrentCache,
     RotatingKVCache,
     cache_arrays,
+    own,
 )
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
@@ -328,6 +329,7 @@ class BatchRunner:
             self.joiners, self.joiner_cache = [], None
         prompts = {row.request_id: [c.extract(i) for c in self.ready_cache]
                    for i, row in enumerate(self.ready) if row.request_id in snapshot}  # fmt: skip
+        own(prompts.values())
         inputs = mx.array([row.last_prompt_token for row in self.ready])
         logits = self._first_forward(inputs)
         self._quantize_kv(self.ready_cache)
@@ -389,12 +391,16 @@ class BatchRunner:
     def joiner_extract(self, request_id: str, layers: Collection[int]) -> list:
         """A prefilling joiner's caches so far in these layers, as single-row caches (copies); None elsewhere."""
         index = next(i for i, row in enumerate(self.joiners) if row.request_id == request_id)
-        return [c.extract(index) if i in layers else None for i, c in enumerate(self.joiner_cache)]
+        caches = [c.extract(index) if i in layers else None for i, c in enumerate(self.joiner_cache)]
+        own([caches])
+        return caches
 
     def ready_extract(self, request_id: str) -> list:
         """A split joiner's caches (prompt only), as single-row caches."""
         index = next(i for i, row in enumerate(self.ready) if row.request_id == request_id)
-        return [c.extract(index) for c in self.ready_cache]
+        caches = [c.extract(index) for c in self.ready_cache]
+        own([caches])
+        return caches
 
     def leave_group(self, request_ids: Collection[str]) -> None:
         """These joiners leave the prefill group."""
@@ -454,10 +460,12 @@ class BatchRunner:
         self.rows = [self.rows[i] for i in keep]
         self._fill_to_bucket()
 
-    def extract(self, request_id: str) -> list:
-        """A row as single-row caches (copies; the batch goes on changing)."""
-        row = next(i for i, r in enumerate(self.rows) if r.request_id == request_id)
-        return [c.extract(row) for c in self.cache]
+    def extract(self, request_ids: Collection[str]) -> dict[str, list]:
+        """These rows, each as single-row caches (copies; the batch goes on changing), evaluated in one call."""
+        index = {r.request_id: i for i, r in enumerate(self.rows)}
+        out = {rid: [c.extract(index[rid]) for c in self.cache] for rid in request_ids}
+        own(out.values())
+        return out
 
     def reset(self) -> None:
         """Drop the running batch (after the last row leaves, or a failed forward)."""

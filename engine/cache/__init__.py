@@ -1,5 +1,7 @@
 """Per-layer caches: growing KV, rotating KV, recurrent state and quantized KV."""
 
+import mlx.core as mx
+
 from engine.cache.batch_kv import BatchKVCache
 from engine.cache.batch_quantized import BatchQuantizedKVCache
 from engine.cache.batch_rotating import BatchRotatingKVCache
@@ -19,6 +21,12 @@ def cache_arrays(cache: list) -> list:
     return [c.state for c in cache]
 
 
+def own(caches) -> None:
+    """Evaluate extracted caches (lists of caches, None for a layer left out), asynchronously and in one
+    call, so that their copies let go of the batch they were sliced from (`kv.owned_copies`)."""
+    mx.async_eval([c.state for layers in caches for c in layers if c is not None])
+
+
 __all__ = [
     "BatchCache",
     "BatchKVCache",
@@ -30,5 +38,6 @@ __all__ = [
     "RecurrentCache",
     "RotatingKVCache",
     "cache_arrays",
+    "own",
     "cache_nbytes",
 ]

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.cache import BatchKVCache, KVCache, RecurrentCache
+from engine.cache import BatchKVCache, KVCache, RecurrentCache, own
 from engine.gateway import Gateway, GatewayConfig
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
@@ -91,6 +91,7 @@ def test_an_extracted_row_keeps_nothing_of_the_batch(kind):
         batch.slots = [mx.ones((3, 3, 64)), mx.ones((3, 4, 16, 16))]  # rows of 768 and 4,096 bytes
     mx.eval(batch.state)
     row = batch.extract(1)
+    own([[row]])  # what every extractor does: the copies evaluated, in one call
     del batch
     row_bytes = sum(a.nbytes for a in held_arrays(row))
     assert settled_active_bytes() == base + row_bytes
