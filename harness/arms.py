@@ -7,7 +7,7 @@
     engine-fast    `engine serve --kernels fast` (custom CUDA kernels; off CUDA the server runs exact
                    and says so: each run records the tier the server reports in /stats, not the flag)
     mlx-lm         stock `mlx_lm.server` through oracles/mlx_lm_server.py, which adds
-                   only token-id prompts and `ignore_eos` (see that file)
+                   only token-id prompts, `ignore_eos` and a listen backlog (see that file)
 
 Every arm gets the same request body; `extra_body` adds what only that arm
 understands (our server refuses unknown fields, mlx-lm ignores them).

@@ -1,4 +1,4 @@
-"""Stock `mlx_lm.server`, with exactly two additions a benchmark needs, and nothing else changed.
+"""Stock `mlx_lm.server`, with exactly three additions a benchmark needs, and nothing else changed.
 
     python -m oracles.mlx_lm_server --model DIR --port N [any mlx_lm.server option]
 
@@ -9,6 +9,10 @@
    gets -1e9 on every EOS id, through mlx-lm's own logits processor (no EOS
    can be sampled; every other logit is untouched, so greedy tokens are the
    same until the point where stock mlx-lm would have stopped).
+3. A listen backlog of `BACKLOG` connections: its `ThreadingHTTPServer` keeps
+   socketserver's 5, so of 65 requests sent at once (the harness's warmup
+   phase at 64 streams) about one in five had its connection reset before
+   mlx-lm saw it.
 
 Everything else (scheduling, batching, sampling, caching, SSE) is stock
 `mlx_lm.server.main()`. The harness records this command line as the arm's.
@@ -21,6 +25,7 @@ import sys
 from pathlib import Path
 
 EOS_BIAS = -1e9
+BACKLOG = 1024
 
 
 def _eos_ids(model_dir: str) -> list[int]:
@@ -49,6 +54,7 @@ def patch(eos_ids: list[int]) -> None:
 
     server.ResponseGenerator._tokenize = _tokenize
     server.APIHandler.validate_model_parameters = validate_model_parameters
+    server.ThreadingHTTPServer.request_queue_size = BACKLOG
 
 
 def main() -> None:
