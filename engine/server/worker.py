@@ -4,14 +4,14 @@ It runs on the process's main thread (MLX's compiled functions must not be
 first used from a thread that dies before the process exits); uvicorn runs
 on a second thread. Handlers put commands (submit, cancel, stop) on the
 inbox; the loop applies them between gateway steps and runs steps while there
-is work. Each request's
-`Stream` carries events back to its handler's asyncio queue through its
-loop's `Outbox`, which wakes the loop once for every event posted since its
-last wake-up (a step's tokens for all rows), not once a token. A handler whose client went away flips
-`Stream.alive`: the next token the engine offers is refused and the row is
-dropped, even mid-way through a serial request. The queue of requests not
-yet started is bounded (`QueueLimits`): past it a request is refused with
-`QueueFull`, which the handler answers with a 503 and a Retry-After.
+is work. Each request's `Stream` carries events back to its handler's asyncio
+queue through its loop's `Outbox`, which wakes the loop once for every event
+posted since its last wake-up (a step's tokens for all rows), not once a
+token. A handler whose client went away flips `Stream.alive`: the next
+token the engine offers is refused and the row is dropped, even mid-way
+through a serial request. The queue of requests not yet started is bounded
+(`QueueLimits`): past it a request is refused with `QueueFull`, which the
+handler answers with a 503 and a Retry-After.
 """
 
 from __future__ import annotations
