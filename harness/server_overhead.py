@@ -17,7 +17,6 @@ ratios to the in-process request of the same round.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from contextlib import ExitStack
@@ -27,6 +26,7 @@ from typing import Callable
 
 from engine.engine import Engine
 from oracles.cases import frozen_prompt_ids
+from harness.native import geomean
 from harness.servers import engine_serve_command, free_port, start_server
 
 IN_PROCESS, SERVE_SERIAL, SERVE = "in-process", "serve --batch 1", "serve"
@@ -126,4 +126,4 @@ def measure(model_dir: Path, vocab_size: int, cfg: OverheadConfig, log=lambda ms
 
 def paired_decode_ratio(arm: ArmResult, base: ArmResult) -> float:
     """Geometric mean of per-round decode-rate ratios (arm / base)."""
-    return math.exp(statistics.fmean(math.log(a / b) for a, b in zip(arm.decode_tps, base.decode_tps)))
+    return geomean([a / b for a, b in zip(arm.decode_tps, base.decode_tps)])

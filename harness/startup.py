@@ -19,7 +19,6 @@ A request that fails is counted, never timed.
 
 from __future__ import annotations
 
-import math
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ import httpx
 import numpy as np
 
 from harness.client import RequestRecord, Timeouts, stream_completion
+from harness.native import geomean
 from harness.servers import (
     ServerProcess, ServerStartError, engine_serve_command, free_port, server_stats, start_server,
 )  # fmt: skip
@@ -100,7 +100,7 @@ class Lone:
     @property
     def ratio(self) -> Optional[float]:
         pairs = list(zip(self.default_tps, self.serial_tps))
-        return math.exp(statistics.fmean(math.log(a / b) for a, b in pairs)) if pairs else None
+        return geomean([a / b for a, b in pairs]) if pairs else None
 
 
 @dataclass
