@@ -1,0 +1,188 @@
+"""A lone request's decode rate at each layer of the stack, in one process, in interleaved rounds.
+
+    python3 -m tools.gpu.lone_lanes --model qwen27b --tokens 128 --rounds 3
+
+Each round runs one greedy request (the same prompt) through, in turn:
+
+    generate     engine.generate's loop (the serial lane's token loop, no gateway)
+    runner       the continuous lane's BatchRunner at one row (decode buckets as `engine serve`), no scheduler
+    serial       a Gateway with --batch 1 (the serial lane, prompt cache as `engine serve`)
+    continuous   a Gateway as `engine serve` sets it up on this device (scheduler, batcher, prompt cache)
+
+and prints each one's decode rate (tokens after the first over the time from the first to the last, as
+the harness measures it), its ratio to `generate` and the time Python's garbage collector took meanwhile.
+Where the served lone row is slower on the continuous lane than on the serial lane, the first layer at
+which the rate drops is where the time goes; where none drops, it is above the gateway (the server's
+threads). `--warmup full` first runs `engine serve`'s warm-up on the continuous gateway, `--burst N` then
+sends N requests at once to it (as `harness startup` does before its lone rounds) and measures the
+rounds again, and `--reset` empties the prompt caches and MLX's buffer cache and measures them once more.
+
+    python3 -m tools.gpu.lone_lanes --model qwen27b --warmup full --burst 64 --reset --arms generate,continuous
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import statistics
+import time
+
+
+def _rate(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+class _Stamps:
+    """A TokenSink that keeps the time of every token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+        self.result = None
+
+    def on_start(self) -> None:
+        pass
+
+    def on_token(self, token) -> bool:
+        self.stamps.append(time.perf_counter())
+        return True
+
+    def on_end(self, result) -> None:
+        self.result = result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen27b", help="registry name (synthesized on first use)")
+    p.add_argument("--model-path", help="an mlx-lm model directory instead")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up round")
+    p.add_argument("--arms", default="generate,runner,serial,continuous")
+    p.add_argument("--warmup", choices=("off", "quick", "full"), default="off",
+                   help="first run `engine serve`'s warm-up on the continuous gateway")
+    p.add_argument("--burst", type=int, default=0, help="then a burst of this many requests, and the rounds again")
+    p.add_argument("--reset", action="store_true", help="last, empty the prompt caches and MLX's buffer cache, "
+                   "collect garbage, and run the rounds again")
+    args = p.parse_args(argv)
+
+    from engine.cli import use_kernel_cache
+
+    directory = use_kernel_cache(None)  # sets MLX_PTX_CACHE_DIR before MLX compiles anything
+
+    import mlx.core as mx
+
+    from engine.batch.runner import BatchRunner, Joiner
+    from engine.engine import Engine
+    from engine.gateway import Gateway
+    from engine.generate import generate
+    from engine.kernels import kernel_cache
+    from engine.request import GenerationRequest, SamplingParams, StopCriteria
+    from engine.server.main import CUDA_MLX_CACHE, ServeConfig, _context_of, _warm_up, on_cuda
+
+    if on_cuda():  # as `engine serve` sets up the device
+        kernel_cache.enable(directory)
+        mx.set_cache_limit(CUDA_MLX_CACHE)
+    engine = Engine.load(args.model if not args.model_path else None, args.model_path)
+    model, tier = engine.model, engine.kernels.tier
+    prompt = [(7 * i + 11) % 1000 + 10 for i in range(args.prompt_tokens)]
+    stop = StopCriteria(max_tokens=args.tokens, ignore_eos=True)
+    continuous_cfg = ServeConfig().gateway_config(tier)
+    gateways = {
+        "serial": Gateway(model, ServeConfig(batch=1).gateway_config(tier)),
+        "continuous": Gateway(model, continuous_cfg),
+    }
+
+    def run_generate() -> list[float]:
+        stamps = []
+        for _ in generate(model, prompt, stop=stop):
+            stamps.append(time.perf_counter())
+        return stamps
+
+    def run_runner() -> list[float]:
+        runner = BatchRunner(model, decode_buckets=continuous_cfg.decode_buckets,
+                             chunk_buckets=continuous_cfg.chunk_buckets)  # fmt: skip
+        runner.add_joiners([Joiner("r", SamplingParams(), prompt)])
+        runner.prefill([prompt[:-1]])
+        runner.first_tokens(["r"])
+        runner.join({"r"})
+        stamps = [time.perf_counter()]
+        for _ in range(args.tokens - 1):
+            runner.decode()
+            stamps.append(time.perf_counter())
+        return stamps
+
+    ids = itertools.count()
+
+    def run_gateway(name: str) -> list[float]:
+        sink = _Stamps()
+        gateways[name].submit(GenerationRequest(f"{name}-{next(ids)}", tuple(prompt), SamplingParams(), stop), sink)
+        gateways[name].run_until_idle()
+        return sink.stamps
+
+    arms = args.arms.split(",")
+    gc_s = [0.0]
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            gc_s[0] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(on_gc)
+
+    def rounds(label: str, warm: bool) -> None:
+        rates: dict[str, list[float]] = {a: [] for a in arms}
+        gcs: dict[str, float] = {a: 0.0 for a in arms}
+        for rnd in range(args.rounds + warm):
+            line = []
+            for arm in arms:
+                gc_s[0] = 0.0
+                if arm == "generate":
+                    stamps = run_generate()
+                elif arm == "runner":
+                    stamps = run_runner()
+                else:
+                    stamps = run_gateway(arm)
+                rate = _rate(stamps)
+                if rnd or not warm:
+                    rates[arm].append(rate)
+                    gcs[arm] += gc_s[0]
+                line.append(f"{arm} {rate:.1f}")
+            print(f"{label} round {rnd}{' (warm-up)' if warm and rnd == 0 else ''}: " + ", ".join(line) + " tok/s",
+                  flush=True)  # fmt: skip
+        base = statistics.median(rates[arms[0]])
+        for arm in arms:
+            med = statistics.median(rates[arm])
+            print(f"{label} {arm:>11}: median {med:.1f} tok/s ({1000 / med:.2f} ms a token), {med / base:.3f}x "
+                  f"{arms[0]}, garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request")  # fmt: skip
+
+    if args.warmup != "off":
+        start = time.perf_counter()
+        _warm_up(gateways["continuous"], args.warmup, context=_context_of(engine.config), log=print)
+        print(f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s", flush=True)
+    rounds("fresh", warm=True)
+    if args.burst:
+        sinks = [_Stamps() for _ in range(args.burst)]
+        for i, sink in enumerate(sinks):
+            rotated = tuple(prompt[i:] + prompt[:i])  # no request reuses another's prefix
+            gateways["continuous"].submit(GenerationRequest(f"burst-{i}", rotated, SamplingParams(), stop), sink)
+        start = time.perf_counter()
+        gateways["continuous"].run_until_idle()
+        print(f"burst of {args.burst}: {time.perf_counter() - start:.1f} s; MLX active "
+              f"{mx.get_active_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB; garbage "
+              f"collector counts {gc.get_count()}", flush=True)  # fmt: skip
+        rounds(f"after a burst of {args.burst}", warm=False)
+    if args.reset:
+        for g in gateways.values():
+            if g.prompt_cache is not None:
+                g.prompt_cache.clear()
+        gc.collect()
+        mx.clear_cache()
+        rounds("reset", warm=False)
+    print(f"tier {tier}; continuous lane: {continuous_cfg}")
+
+
+if __name__ == "__main__":
+    main()
