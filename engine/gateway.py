@@ -19,8 +19,9 @@ stored by earlier requests (both lanes), and each request that finishes
 normally stores its caches (extracted from the batch on the continuous lane),
 with block snapshots of the layers that cannot rewind (`prompt_cache_block`).
 On the spec lane the target starts from a hit too and stores its prompt's
-boundary, except with the MTP head, which has to see the target's hidden
-states of the whole prompt (a draft model prefills the prompt itself).
+boundary (a draft model prefills the prompt itself). The MTP head has to see
+the target's hidden state at every prompt position, so its requests store
+the head's state with the boundary and start only from entries that hold it.
 """
 
 from __future__ import annotations
@@ -112,12 +113,14 @@ class _StoringSink(ForwardingSink):
         self.inner.on_end(dataclasses.replace(result, caches=()))
 
 
-def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix]) -> Optional[Callable[[list], None]]:
-    """What keeps a copy of the caches at the prompt's boundary (all but its last token) in `kept`; None for a
-    one-token prompt, which has no such boundary."""
+def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix]) -> Optional[Callable[..., None]]:
+    """What keeps a copy of the caches at the prompt's boundary (all but its last token) in `kept`, with the
+    draft source's state there where the speculative lane hands one over; None for a one-token prompt, which
+    has no such boundary."""
     if len(request.prompt_ids) < 2:
         return None
-    return lambda cache: kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache)))
+    return lambda cache, draft=None: kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache),
+                                                              draft=draft))  # fmt: skip
 
 
 class Gateway:
@@ -190,8 +193,9 @@ class Gateway:
         check_budget(request, need, self.config.kv_budget_bytes)  # both lanes; the batcher checks again
         placement = self.place(request)
         prefix = None
-        if self.prompt_cache is not None and (placement.lane is not Lane.SPEC or self.speculation.reuses_prefix):
-            prefix = self.prompt_cache.lookup(request.prompt_ids)
+        if self.prompt_cache is not None:
+            state = self.speculation.prefix_state if placement.lane is Lane.SPEC else None
+            prefix = self.prompt_cache.lookup(request.prompt_ids, draft=state)
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
@@ -292,14 +296,15 @@ class Gateway:
         sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
 
     def _spec_tokens(self, queued: _Queued, stats: SpecStats, kept: list[CachedPrefix]):
-        """Speculative generation, the target starting from the request's cached prefix if it has one; with a
-        prompt cache, the target's caches at the prompt's boundary are kept (its caches after the rounds hold
-        what the rollback left, so only the prompt is stored)."""
+        """Speculative generation, the target (and the MTP head) starting from the request's cached prefix if it
+        has one; with a prompt cache, the target's caches at the prompt's boundary are kept, with the MTP head's
+        state there (the caches after the rounds hold what the rollback left, so only the prompt is stored)."""
         request, prefix = queued.request, queued.prefix
         on_prompt = _keeps_boundary(request, kept) if self.prompt_cache is not None else None
         return self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats,
                                          cache=prefix.cache if prefix else None,
-                                         cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt)  # fmt: skip
+                                         cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt,
+                                         source_state=prefix.draft if prefix else None)  # fmt: skip
 
     def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
                       snapshots: list[tuple[int, list]]):  # fmt: skip

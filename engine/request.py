@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from engine.errors import InvalidSamplingError
 
@@ -133,11 +133,13 @@ class Lane(str, Enum):
 class CachedPrefix:
     """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache; `snapshots`: (n, the
     layers that cannot rewind as they were after the first n tokens, None for the others), taken at block
-    boundaries of the prefill (`prompt_cache.snapshot`)."""
+    boundaries of the prefill (`prompt_cache.snapshot`); `draft`: a draft source's state after `tokens` (the
+    speculative lane's MTP head, `spec.mtp.MTPState`: its `kind` and `nbytes`), or None."""
 
     tokens: tuple[int, ...]
     cache: list
     snapshots: tuple[tuple[int, list], ...] = ()
+    draft: Any = None
 
 
 @dataclass(frozen=True)

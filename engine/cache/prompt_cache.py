@@ -17,6 +17,11 @@ give the first generated token. The hit is a deep copy, so the entry stays
 intact while the request extends its copy. Entries leave least recently used
 first when the byte budget is exceeded.
 
+An entry may also hold a draft source's state at its end (`CachedPrefix.draft`,
+the speculative lane's MTP head): a lookup that asks for that kind of state
+(`lookup(prompt, draft=...)`) takes only such entries, whole, and hands a
+copy of the state with the caches. The disk tier does not keep it.
+
 With a disk tier (`prompt_disk.DiskTier`), entries the budget evicts, and
 all of them at `flush` (shutdown), go to disk; a lookup that finds a longer
 start there than in RAM loads that entry back into RAM.
@@ -32,7 +37,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -74,6 +79,7 @@ class _Entry:
     nbytes: int
     trimmable: bool
     snapshots: dict[int, list]  # tokens: the snapshot holding the first that many (non-trimmable entries)
+    draft: Any = None  # a draft source's state after all of `ids` (CachedPrefix.draft)
 
     def caches(self, n: int) -> list:
         """Copies of caches holding the first n tokens (n: a start `_start` allows)."""
@@ -129,16 +135,21 @@ class PromptCache:
         return PromptCacheStats(len(self), self.bytes, self.max_bytes, self.hits, self.misses, self.cached_tokens,
                                 self.block_hits, *on_disk)  # fmt: skip
 
-    def lookup(self, prompt: Sequence[int]) -> Optional[CachedPrefix]:
-        """A copy of the caches of the longest reusable prefix of `prompt`, or None."""
+    def lookup(self, prompt: Sequence[int], draft: Optional[str] = None) -> Optional[CachedPrefix]:
+        """A copy of the caches of the longest reusable prefix of `prompt`, or None. `draft`: only whole entries
+        that hold a draft source's state of that kind, handed over (a copy) with the caches."""
         ids = np.asarray(prompt, dtype=np.int64)
         limit = ids.size - 1  # the last prompt token is always computed
         best, best_n = None, 0
         for key, entry in self._entries.items():
-            n = _start(entry.ids, entry.trimmable, entry.snapshots, _common_prefix(entry.ids, ids), limit)
+            if draft is None:
+                n = _start(entry.ids, entry.trimmable, entry.snapshots, _common_prefix(entry.ids, ids), limit)
+            else:
+                whole = entry.ids.size <= limit and _common_prefix(entry.ids, ids) == entry.ids.size
+                n = entry.ids.size if whole and getattr(entry.draft, "kind", None) == draft else 0
             if n > best_n:
                 best, best_n = key, n
-        loaded = self._from_disk(ids, limit, best_n)
+        loaded = self._from_disk(ids, limit, best_n) if draft is None else None
         if loaded is not None:
             best, best_n = loaded
         if best is None:
@@ -149,7 +160,8 @@ class PromptCache:
         self.hits += 1
         self.block_hits += not entry.trimmable and best_n < entry.ids.size
         self.cached_tokens += best_n
-        return CachedPrefix(tuple(prompt[:best_n]), entry.caches(best_n))
+        state = copy.deepcopy(entry.draft) if draft is not None else None
+        return CachedPrefix(tuple(prompt[:best_n]), entry.caches(best_n), draft=state)
 
     def _from_disk(self, ids: np.ndarray, limit: int, ram_best: int) -> Optional[tuple[tuple[int, ...], int]]:
         """Where the disk tier holds a longer start than RAM: that entry loaded into RAM, (its key, the start)."""
@@ -177,16 +189,16 @@ class PromptCache:
     def insert(self, prefix: CachedPrefix) -> bool:
         """Store a finished request's caches (with its block snapshots that the caches can complete); False when
         they alone exceed the budget."""
-        return self._add(tuple(prefix.tokens), prefix.cache, dict(prefix.snapshots))
+        return self._add(tuple(prefix.tokens), prefix.cache, dict(prefix.snapshots), prefix.draft)
 
-    def _add(self, key: tuple[int, ...], cache: list, snapshots: dict[int, list]) -> bool:
+    def _add(self, key: tuple[int, ...], cache: list, snapshots: dict[int, list], draft: Any = None) -> bool:
         trimmable = _trimmable(cache)
         snapshots = {} if trimmable else {
             n: layers for n, layers in snapshots.items()
             if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, cache))
         }  # fmt: skip
         sizes = {n: cache_nbytes([c for c in layers if c is not None]) for n, layers in snapshots.items()}
-        nbytes = cache_nbytes(cache) + sum(sizes.values())
+        nbytes = cache_nbytes(cache) + sum(sizes.values()) + (draft.nbytes if draft is not None else 0)
         for n in sorted(snapshots, reverse=True):  # past the budget, the latest snapshots go first: shared
             if nbytes <= self.max_bytes:  # prefixes (system prompts, tool lists) are the early ones
                 break
@@ -195,9 +207,10 @@ class PromptCache:
         if not key or nbytes > self.max_bytes:
             return False
         self._remove(key)
-        entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots)
-        if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those
-            for other in [k for k, e in self._entries.items() if len(k) < len(key) and key[: len(k)] == k]:
+        entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots, draft)
+        if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those (but a draft's state)
+            for other in [k for k, e in self._entries.items()
+                          if len(k) < len(key) and key[: len(k)] == k and e.draft is None]:  # fmt: skip
                 self._remove(other)
         self._entries[key] = entry
         self.bytes += nbytes

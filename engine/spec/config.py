@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import mlx.nn as nn
 
@@ -110,22 +110,26 @@ class Speculation:
         stats: Optional[SpecStats] = None,
         cache: Optional[list] = None,
         cached_tokens: int = 0,
-        on_prompt: Optional[Callable[[list], None]] = None,
+        on_prompt: Optional[Callable[[list, Any], None]] = None,
+        source_state: Any = None,
     ) -> Iterator[GeneratedToken]:
         """One request, speculatively, with a fresh draft source; `stats` fills as it runs. The target starts
-        from `cache` holding `cached_tokens` prompt tokens where given (`reuses_prefix` sources only)."""
+        from `cache` holding `cached_tokens` prompt tokens where given, the MTP head from `source_state`, its
+        state there (`speculative_generate`)."""
         c = self.config
         return speculative_generate(
             self.target, self.source(), prompt_ids, num_draft=c.num_draft, sampling=sampling, stop=stop,
             stats=stats, cache=cache, prefill_step_size=self.prefill_step_size, rollback=c.rollback,
             policy=make_policy(c.policy, c.num_draft), cached_tokens=cached_tokens, on_prompt=on_prompt,
+            source_state=source_state,
         )  # fmt: skip
 
     @property
-    def reuses_prefix(self) -> bool:
-        """Whether a request may start the target from a prompt cache hit: every source but the MTP head, which
-        needs the target's hidden states of the whole prompt (a draft model prefills the prompt itself)."""
-        return self.config.kind != "mtp"
+    def prefix_state(self) -> Optional[str]:
+        """The kind of source state a prompt-cache hit must carry to start a request (`CachedPrefix.draft`): the
+        MTP head's, which otherwise needs the target's hidden states of the whole prompt; None for the others
+        (a draft model prefills the prompt itself, n-grams read the tokens)."""
+        return "mtp" if self.config.kind == "mtp" else None
 
     def new_stats(self) -> SpecStats:
         return SpecStats(self.config.kind, self.config.num_draft)

@@ -8,17 +8,41 @@ round kept. Drafting chains the head on its own output for the tokens after
 the first; those speculative entries are trimmed after the round and the
 kept positions go in again as exact pairs (the verifier hands their target
 hidden states over in the round).
+
+A prompt-cache entry keeps the head's state at its boundary (`boundary`):
+after n prompt tokens, the pairs of positions 0 .. n - 2 (they need tokens up
+to n - 1 only) and the target's hidden state at n - 1, whose pair waits for
+the next prompt's token n. A request that starts the target from that entry
+`resume`s the head from it instead of seeing the whole prompt again.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache
+from engine.cache.kv import owned_copies
 from engine.spec.source import Round
+
+
+@dataclass(frozen=True)
+class MTPState:
+    """The head's state after `tokens` prompt tokens: its caches over the pairs of positions 0 .. tokens - 2 and
+    the target's final hidden state at position tokens - 1 ([1, 1, H])."""
+
+    tokens: int
+    cache: list
+    hidden: mx.array
+    kind: str = "mtp"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) + self.hidden.nbytes
 
 
 class MTPSource:
@@ -37,16 +61,41 @@ class MTPSource:
         self._next: list[int] = []  # ... and the tokens that followed them
         self._last: Optional[mx.array] = None  # the head's output for the newest exact pair
         self._speculative = 0  # cache entries the last proposal added beyond the exact pairs
+        self._tail: Optional[mx.array] = None  # the target's hidden state at the newest prompt position seen
 
     sees_prompt_hidden = True  # the head runs on the target's hidden state of every prompt position
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.cache = [KVCache() for _ in self.head.layers]
         self.prompt = list(prompt_ids)
-        self._hidden, self._next, self._last, self._speculative = [], [], None, 0
+        self._hidden, self._next, self._last, self._speculative, self._tail = [], [], None, 0, None
+
+    def resume(self, state: MTPState) -> None:
+        """Start from a prompt-cache entry's state (after `begin`): the target holds `state.tokens` prompt tokens
+        and prefills from there."""
+        if not 0 < state.tokens < len(self.prompt):
+            raise ValueError(f"an MTP state after {state.tokens} tokens cannot start a {len(self.prompt)}-token prompt")
+        self.cache = state.cache
+        self._hidden, self._next = [state.hidden], [self.prompt[state.tokens]]
+        self._tail = state.hidden
+
+    def boundary(self) -> Optional[MTPState]:
+        """A copy of the state after the prompt tokens the target holds once its prefill is done (all but the last
+        prompt token), for the prompt cache; None for a one-token prompt."""
+        n = len(self.prompt) - 1
+        if n < 1:
+            return None
+        self._flush()  # the pair of position n - 1 (whose token is the prompt's last) goes in, then comes out
+        cache = copy.deepcopy(self.cache)
+        for c in cache:
+            c.trim(1)
+        hidden = owned_copies([self._tail])[0]  # not a view that keeps the last chunk's hidden states alive
+        mx.eval([c.state for c in cache], hidden)
+        return MTPState(n, cache, hidden)
 
     def observe(self, hidden: mx.array, start: int) -> None:
         n = hidden.shape[1]
+        self._tail = hidden[:, -1:, :]
         self._hidden.append(hidden)
         self._next.extend(self.prompt[start + 1 : start + n + 1])
         self._flush()

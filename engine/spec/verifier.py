@@ -20,7 +20,7 @@ for token; the adaptive policy picks n per round (policy.py).
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,14 +50,17 @@ def speculative_generate(
     rollback: str = Rollback.TRACE,
     policy: Optional[DraftPolicy] = None,
     cached_tokens: int = 0,
-    on_prompt: Optional[Callable[[list], None]] = None,
+    on_prompt: Optional[Callable[[list, Any], None]] = None,
+    source_state: Any = None,
 ) -> Iterator[GeneratedToken]:
     """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
 
     `rollback` says how recurrent layers undo rejected drafts ("trace" or "replay", see rollback.py);
     `policy` how many tokens to draft each round (default: always `num_draft`, mlx-lm's rule). `cache` may
-    already hold the first `cached_tokens` prompt tokens (a prompt cache hit; not for a source that sees the
-    prompt's hidden states); `on_prompt` sees the target's cache once it holds all but the last prompt token.
+    already hold the first `cached_tokens` prompt tokens (a prompt cache hit; a source that sees the prompt's
+    hidden states then resumes from `source_state`, its state there); `on_prompt` sees the target's cache once
+    it holds all but the last prompt token, and the source's state there (`MTPSource.boundary`; None for a
+    source that does not see the prompt's hidden states).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt must contain at least one token")
@@ -67,8 +70,10 @@ def speculative_generate(
         raise ValueError(f"rollback must be one of {', '.join(ROLLBACKS)}, got {rollback!r}")
     if sampling.has_processors:
         raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
-    if cached_tokens and getattr(source, "sees_prompt_hidden", False):
-        raise ValueError(f"the {source.kind} source needs the target's hidden states of the whole prompt")
+    sees_hidden = getattr(source, "sees_prompt_hidden", False)
+    if cached_tokens and sees_hidden and getattr(source_state, "tokens", None) != cached_tokens:
+        raise ValueError(f"the {source.kind} source needs the target's hidden states of the whole prompt, or its "
+                         f"state after the {cached_tokens} cached tokens")  # fmt: skip
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens must be in [0, {len(prompt_ids)}), got {cached_tokens}")
     stats = stats if stats is not None else SpecStats(source.kind, num_draft)
@@ -79,6 +84,8 @@ def speculative_generate(
     prompt = mx.array(list(prompt_ids))
 
     source.begin(prompt_ids)
+    if cached_tokens and sees_hidden:
+        source.resume(source_state)
     start = cached_tokens
 
     def observe(hidden: mx.array, n: int) -> None:
@@ -122,7 +129,7 @@ def speculative_generate(
 
     pending = int(prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, on_hidden=observe).item())
     if on_prompt is not None:
-        on_prompt(cache)
+        on_prompt(cache, source.boundary() if sees_hidden else None)
     produced = 0
     while True:
         n = min(stop.max_tokens - produced, num_draft)

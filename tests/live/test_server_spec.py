@@ -67,6 +67,12 @@ def test_model_free_and_mtp_kinds_serve(engine, kind):
         out = complete(srv, {"prompt": prompt, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True})
         assert out["choices"][0]["token_ids"] == expected
         assert out["usage"]["engine"]["spec"]["kind"] == kind
+        # a next turn starts from the first one's prompt boundary (the MTP head from its state stored there)
+        longer = prompt + [7, 8, 9]
+        out = complete(srv, {"prompt": longer, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True})
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert out["choices"][0]["token_ids"] == [t.token_id for t in engine.generate(longer, max_tokens=16,
+                                                                                      ignore_eos=True)]  # fmt: skip
     finally:
         assert srv.stop()[0] == 0
 

@@ -95,8 +95,8 @@ def test_spec_lane_runs_speculation_and_reports_its_stats(model):
     assert g.prompt_cache.stats().entries == 1  # the prompt's boundary, as the target's caches held it
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
-@pytest.mark.parametrize("target", ["tiny-llama", "tiny-qwen35-f32"])
+@pytest.mark.parametrize("target,kind", [(t, k) for t in ("tiny-llama", "tiny-qwen35-f32") for k in ("draft", "ngram")]
+                         + [("tiny-qwen35-f32", "mtp")])  # fmt: skip
 def test_spec_lane_starts_from_the_prompt_cache_with_the_plain_greedy_tokens(tiny_path, target, kind):
     from engine.generate import generate
 

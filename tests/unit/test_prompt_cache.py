@@ -66,6 +66,28 @@ def test_recurrent_entries_serve_only_their_exact_boundary(hybrid):
     assert len(hit.tokens) == 20
 
 
+class _State:
+    """A draft source's state as the prompt cache sees it: a kind and a size."""
+
+    def __init__(self, kind, nbytes=1000):
+        self.kind, self.nbytes = kind, nbytes
+
+
+def test_a_lookup_for_a_draft_state_takes_only_whole_entries_that_hold_one(dense):
+    pc = PromptCache(1 << 30)
+    plain = stored(dense, PROMPT[:20])
+    with_state = stored(dense, PROMPT[:12])
+    pc.insert(plain)
+    pc.insert(CachedPrefix(with_state.tokens, with_state.cache, draft=_State("mtp")))
+    assert pc.bytes == sum(c.nbytes for c in plain.cache + with_state.cache) + 1000
+    hit = pc.lookup(PROMPT[:25], draft="mtp")  # the longer entry holds no state: the whole 12-token one
+    assert len(hit.tokens) == 12 and hit.draft.kind == "mtp" and hit.draft is not pc._entries[PROMPT[:12]].draft
+    assert pc.lookup(PROMPT[:10] + (1, 2), draft="mtp") is None  # not a cut of an entry: the state is at its end
+    assert pc.lookup(PROMPT[:25], draft="other") is None
+    hit = pc.lookup(PROMPT[:25])  # any other lookup reuses the caches as ever, without the state
+    assert len(hit.tokens) == 20 and hit.draft is None
+
+
 def test_budget_evicts_least_recently_used_and_refuses_oversized(dense):
     one = stored(dense, PROMPT[:10])
     size = sum(c.nbytes for c in one.cache)

@@ -13,6 +13,7 @@ steps is tie-free; f32 margins are 1e-3 and up, against verify-vs-plain
 differences in the last f32 bits.
 """
 
+import copy
 import random
 
 import mlx.core as mx
@@ -173,6 +174,38 @@ def test_mtp_cache_holds_exactly_the_target_pairs_after_accepted_rounds():
     for ours, ref in zip(source.cache[0].state, fresh[0].state):
         assert ours.shape == ref.shape
         assert mx.allclose(ours, ref, **tol).item()
+
+
+def test_the_mtp_head_resumes_from_a_prompt_boundary_as_if_it_had_seen_the_whole_prompt(hybrid, prompts):
+    """A request whose target starts from a cached prompt boundary starts the head from the state stored there
+    (`MTPSource.boundary`): plain greedy's tokens, and at its own boundary the head's pairs and the hidden state
+    a cold run has (to the last bits: the forwards cover other row counts, as in the test above)."""
+    model, longer = hybrid.model, prompts[0]
+    first = longer[:-9]
+
+    def run(prompt, cache=None, cached=0, state=None):
+        seen = {}
+
+        def on_prompt(target_cache, source_state):
+            seen["cache"], seen["state"] = copy.deepcopy(target_cache), source_state
+
+        out = speculative_generate(model, MTPSource(model), prompt, num_draft=3, stop=StopCriteria(max_tokens=STEPS),
+                                   cache=cache, cached_tokens=cached, on_prompt=on_prompt, source_state=state)  # fmt: skip
+        return [t.token_id for t in out], seen
+
+    cold_tokens, cold = run(longer)
+    _, boundary = run(first)
+    assert boundary["state"].tokens == len(first) - 1
+    warm_tokens, warm = run(longer, boundary["cache"], len(first) - 1, boundary["state"])
+    assert warm_tokens == cold_tokens == plain(model, longer)
+    a, b = cold["state"], warm["state"]
+    assert a.tokens == b.tokens == len(longer) - 1 and a.cache[0].offset == b.cache[0].offset == len(longer) - 2
+    tol = dict(atol=1e-4) if mx.default_device() == mx.cpu else dict(rtol=1e-2, atol=1e-3)
+    assert mx.allclose(a.hidden, b.hidden, **tol).item()
+    for ours, ref in zip(b.cache[0].state, a.cache[0].state):
+        assert ours.shape == ref.shape and mx.allclose(ours, ref, **tol).item()
+    with pytest.raises(ValueError, match="state after the"):  # a cached start needs the head's state there
+        run(longer, boundary["cache"], len(first) - 1)
 
 
 def test_self_draft_accepts_everything_and_never_replays(hybrid, prompts):
