@@ -9,9 +9,9 @@ One artifact, real server processes, frozen token-id prompts:
               forward shapes and kernel builds the server first ran during it (each a
               compilation on CUDA while requests waited)
     lone      rounds of one lone request to the default server and one to `--batch 1` (the
-              serial lane, started first, on a kernel cache directory of its own), the order
-              alternating, so a drift of the machine hits both alike: decode rates and the
-              geometric mean of the per-round ratios
+              serial lane, started first, on a kernel cache directory of its own unless
+              `serial_kernel_cache` is "shared"), the order alternating, so a drift of the machine
+              hits both alike: decode rates and the geometric mean of the per-round ratios
     restart   the default server again on the same kernel cache directory: load to ready
 
 A request that fails is counted, never timed.
@@ -51,6 +51,9 @@ class StartupConfig:
     restart: bool = True
     server_args: tuple[str, ...] = ()
     kernel_cache_dir: Optional[Path] = None  # None: a fresh temporary directory
+    # the serial server's kernel cache: "own" (a fresh directory: the default server's start is not helped by
+    # what the serial one compiled) or "shared" (the default server's: no compilation where it is filled)
+    serial_kernel_cache: str = "own"
     ttft_slo_ms: float = 2000.0
     ready_timeout_s: float = 1800.0
     seed: int = 0
@@ -176,10 +179,11 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
     with ExitStack() as stack:
         serial = None
         if cfg.rounds:  # first, so that the default server's memory (MLX keeps what it frees) cannot starve its load;
-            # on a kernel cache of its own, so that the default server's start is not helped by it
+            # on a kernel cache of its own (unless shared), so that the default server's start is not helped by it
+            own = cfg.serial_kernel_cache == "own"
             try:
                 _, serial = start(stack, "serial (--batch 1)", "--batch", "1",
-                                  kernels=Path(tempfile.mkdtemp(prefix="engine-kernel-cache-serial-")))  # fmt: skip
+                                  kernels=Path(tempfile.mkdtemp(prefix="engine-kernel-cache-serial-")) if own else cache)  # fmt: skip
             except ServerStartError as e:  # the rest is measured without it
                 result.errors.append(f"the serial server did not start: {e}")
                 log(result.errors[-1][:2000])

@@ -35,6 +35,10 @@ def add_startup(sub) -> None:
     p.add_argument("--lone-tokens", type=positive, default=128, help="output tokens of a lone request (default 128)")
     p.add_argument("--rounds", type=non_negative, default=3,
                    help="lone rounds against a `--batch 1` server, after one warm-up round; 0: none (default 3)")
+    p.add_argument("--serial-kernel-cache", choices=("own", "shared"), default="own",
+                   help="the `--batch 1` server's kernel cache: own (default), a fresh directory, so that the "
+                   "default server's start is not helped by what it compiled; shared, the default server's, so "
+                   "that on a filled directory it compiles nothing (when the lone rounds are what is measured)")
     p.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart")
     p.add_argument("--kernel-cache-dir", type=Path,
                    help="the servers' --kernel-cache-dir (default: a fresh temporary directory)")
@@ -68,6 +72,7 @@ def cmd_startup(args) -> int:
     cfg = StartupConfig(prompt_tokens=args.prompt_tokens, decode_tokens=args.tokens, bursts=tuple(args.bursts),
                         lone_tokens=args.lone_tokens, rounds=args.rounds, restart=args.restart,
                         server_args=server_args, kernel_cache_dir=args.kernel_cache_dir,
+                        serial_kernel_cache=args.serial_kernel_cache,
                         ttft_slo_ms=args.ttft_slo_ms, ready_timeout_s=args.ready_timeout, seed=args.seed,
                         log_dir=args.log_dir)  # fmt: skip
     results, ok = [], True

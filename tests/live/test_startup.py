@@ -19,6 +19,8 @@ def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tm
     assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the lone ratio's verdict, noisy on 2 shared cores
     (record,) = json.loads(out.read_text())
     assert [s["label"] for s in record["starts"]] == ["serial (--batch 1)", "start", "restart"]
+    serial_cache = record["starts"][0]["command"][record["starts"][0]["command"].index("--kernel-cache-dir") + 1]
+    assert serial_cache != str(tmp_path / "kernels")  # a directory of its own (--serial-kernel-cache own)
     assert all(s["load_to_ready_s"] > 0 and s["warmup"]["mode"] == "quick" for s in record["starts"])
     assert record["kernel_cache_dir"] == str(tmp_path / "kernels") and not record["errors"]
     bursts = {r["label"]: r for r in record["requests"] if r["label"] != "lone"}
@@ -29,4 +31,18 @@ def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tm
     assert len(record["lone"]["default_tps"]) == len(record["lone"]["serial_tps"]) == 2
     assert (logs / "start" / "stderr.log").is_file() and (logs / "restart" / "stdout.log").is_file()
     assert "server starts" in proc.stdout and "paired ratio" in proc.stdout
+    assert not leftovers(tag)
+
+
+def test_the_serial_server_can_share_the_kernel_cache(tiny_path, tmp_path):
+    tiny_path(MODEL)
+    out, tag, kernels = tmp_path / "startup.json", new_tag(), str(tmp_path / "kernels")
+    cmd = [sys.executable, "-m", "harness", "startup", "--models", MODEL, "--prompt-tokens", "16", "--tokens", "2",
+           "--bursts", "2", "--lone-tokens", "4", "--rounds", "1", "--no-restart", "--kernel-cache-dir", kernels,
+           "--serial-kernel-cache", "shared", "--ttft-slo-ms", "60000", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=tagged_env(tag))
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    (record,) = json.loads(out.read_text())
+    for start in record["starts"]:
+        assert start["command"][start["command"].index("--kernel-cache-dir") + 1] == kernels
     assert not leftovers(tag)
