@@ -63,7 +63,8 @@ class ContinuousBatcher:
         self.snapshot_block = snapshot_block if self.keep_boundaries else 0
         # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
         self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
-        self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block))
+        self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block,
+                                                       join_fresh_groups_only=kv_quantization is not None))  # fmt: skip
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows

@@ -78,6 +78,20 @@ def test_one_joiner_at_a_time_with_prefill_batch_1():
     assert order == ["a", "b"] and s.pending_rows == 1  # "c" waits for a free row
 
 
+def test_with_fresh_groups_only_a_prompt_waits_until_the_group_has_run_no_chunk():
+    s = make_scheduler(prefill_chunk=4, join_fresh_groups_only=True)
+    s.submit(make_request("a", prompt_len=9), 0)  # two chunks of 4, then token 0
+    s.update_prefill(s.schedule_prefill())  # "a" ran a chunk (with quantized KV its caches are quantized now)
+    s.submit(make_request("b", prompt_len=3), 0)
+    plan = s.schedule_prefill()
+    assert not plan.admitted and [q.request_id for q, _ in plan.chunks] == ["a"]
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()  # "a" takes token 0 now: it still holds the group this step
+    assert [q.request_id for q in plan.first_tokens] == ["a"] and not plan.admitted
+    s.update_first_tokens({"a": GeneratedToken(7)})
+    assert [q.request_id for q in s.schedule_prefill().admitted] == ["b"]  # a group of its own
+
+
 def test_token0_is_not_emitted_twice():
     s = make_scheduler()
     _join(s, "a", max_tokens=3)
