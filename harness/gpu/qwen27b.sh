@@ -23,7 +23,9 @@
 #   profile  ROUNDS (2), STEP_CONFIGS (tools/gpu/decode_step.py's --configs)
 #   census   WAVES (1,1,2,3,4,8,9,16), GROW (300): what MLX compiles at each new batcher shape, and its cost
 #   lane     a lone row's fast-tier step on the serial lane's caches, on the batcher's, and on the batcher's
-#            with each attention kernel switch off: where the continuous lane's lone-row penalty goes
+#            with each attention kernel switch off; then a lone request's rate at each layer of the stack
+#            (tools/gpu/lone_lanes.py; LANES_ARGS, default "--warmup full --burst 64 --reset"): where the
+#            continuous lane's lone-row penalty goes
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -106,6 +108,8 @@ case "$PART" in
     step=(python3 -m tools.gpu.step_kernels --rows 1 --tiers fast --time --steps 64)
     { "${step[@]}"; "${step[@]}" --batch-caches; "${step[@]}" --batch-caches --off attention_kernels
       "${step[@]}" --batch-caches --off attention_step; "${step[@]}"; } 2>&1 | tee "$OUT/qwen27b-lane-steps.txt"
+    python3 -m tools.gpu.lone_lanes --model qwen27b --rounds 3 --tokens 128 ${LANES_ARGS:---warmup full --burst 64 --reset} \
+        2>&1 | tee "$OUT/qwen27b-lone-lanes.txt"
     ;;
   *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census or lane (got '$PART')" >&2
      exit 2 ;;
