@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache import KVCache
+from engine.cache import KVCache, cache_nbytes
 from engine.cache.kv import owned_copies
 from engine.spec.source import Round
 
@@ -42,7 +42,7 @@ class MTPState:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) + self.hidden.nbytes
+        return cache_nbytes(self.cache) + self.hidden.nbytes
 
 
 class MTPSource:
