@@ -180,10 +180,11 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
         serial = None
         if cfg.rounds:  # first, so that the default server's memory (MLX keeps what it frees) cannot starve its load;
             # on a kernel cache of its own (unless shared), so that the default server's start is not helped by it
-            own = cfg.serial_kernel_cache == "own"
+            serial_cache = cache
+            if cfg.serial_kernel_cache == "own":
+                serial_cache = Path(tempfile.mkdtemp(prefix="engine-kernel-cache-serial-"))
             try:
-                _, serial = start(stack, "serial (--batch 1)", "--batch", "1",
-                                  kernels=Path(tempfile.mkdtemp(prefix="engine-kernel-cache-serial-")) if own else cache)  # fmt: skip
+                _, serial = start(stack, "serial (--batch 1)", "--batch", "1", kernels=serial_cache)
             except ServerStartError as e:  # the rest is measured without it
                 result.errors.append(f"the serial server did not start: {e}")
                 log(result.errors[-1][:2000])
