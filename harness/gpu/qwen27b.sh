@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane
+#                         | census | lane | prefill
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -26,6 +26,8 @@
 #            with each attention kernel switch off; then a lone request's rate at each layer of the stack
 #            (tools/gpu/lone_lanes.py; LANES_ARGS, default "--warmup full --burst 64 --reset"): where the
 #            continuous lane's lone-row penalty goes
+#   prefill  SHAPES (1x1024,1x256,32x64,32x128,64x32), NCU_SHAPES (32x64,1x256): prefill forwards' wall time by
+#            group x chunk (tools/gpu/prefill_kernels.py), then ncu over one forward of each NCU_SHAPES
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -111,6 +113,14 @@ case "$PART" in
     python3 -m tools.gpu.lone_lanes --model qwen27b --rounds 3 --tokens 128 ${LANES_ARGS:---warmup full --burst 64 --reset} \
         2>&1 | tee "$OUT/qwen27b-lone-lanes.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census or lane (got '$PART')" >&2
+  prefill)
+    synth
+    python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x1024,1x256,32x64,32x128,64x32}" --chunks 2 --reps 3 \
+        2>&1 | tee "$OUT/qwen27b-prefill.txt"
+    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none --profile-from-start off \
+        --log-file "$OUT/ncu-prefill.csv" python3 -m tools.gpu.prefill_kernels --shapes "${NCU_SHAPES:-32x64,1x256}" --ncu
+    python3 -m tools.gpu.step_kernels --summarize "$OUT/ncu-prefill.csv" --top 14 2>&1 | tee -a "$OUT/qwen27b-prefill.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane or prefill (got '$PART')" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,30 @@
+"""tools.gpu.prefill_kernels runs end to end on a tiny model: every shape and chunk timed, blocked and in turn."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout, as its docstring says
+
+
+@pytest.mark.parametrize("extra", [[], ["--interleave", "--clear", "--dense-min-rows", "16"]])
+def test_every_shape_and_chunk_reports_a_time(tiny_path, extra):
+    cmd = [sys.executable, "-m", "tools.gpu.prefill_kernels", "--model-path", str(tiny_path("tiny-qwen35")),
+           "--shapes", "1x24,3x16", "--chunks", "2", "--reps", "1", *extra]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for shape in ("1x24", "3x16"):
+        for chunk in (1, 2):
+            assert re.search(rf"^prefill +{shape} +chunk {chunk}: +[0-9.]+ ms", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.parametrize("bad", ["32", "0x64", "ax2"])
+def test_a_bad_shape_is_refused(bad):
+    cmd = [sys.executable, "-m", "tools.gpu.prefill_kernels", "--shapes", f"1x16,{bad}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "give GROUPxCHUNK" in proc.stderr, proc.stderr[-2000:]
