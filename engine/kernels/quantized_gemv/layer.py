@@ -3,7 +3,7 @@
 Where the layer uses which path was measured on an H200 with qwen27b's shapes
 (docs/kernels.md): the kernel for up to `LAYER_MAX_ROWS` rows through
 matrices of at least 2048 outputs (MLX's kernel wins below); prompt chunks of
-at least 512 rows through matrices of at least `DENSE_MIN_OUTPUTS` outputs as
+at least `DENSE_MIN_ROWS` rows through matrices of at least `DENSE_MIN_OUTPUTS` outputs as
 a dequantize and one GEMM. MLX's operation takes the rows as one matrix:
 given a batch [B, 1, K], it runs B one-row products, each reading all the
 weights.
@@ -21,7 +21,7 @@ from engine.kernels.quantized_gemv.launch import Launches
 
 LAYER_MAX_ROWS = 64
 LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
-DENSE_MIN_ROWS = 512  # the default of KernelConfig.dense_min_rows
+DENSE_MIN_ROWS = 256  # the default of KernelConfig.dense_min_rows (docs/kernels.md, "Prefill")
 DENSE_MIN_OUTPUTS = 1024
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
