@@ -241,7 +241,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-tokens", type=_positive, default=512, help="completion tokens when a request names none "
                    "(default 512, capped by the context)")
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
-                   help="affine-quantized KV cache from the first token (turns the prompt cache off)")
+                   help="affine-quantized KV cache from the first token (the prompt cache then serves starts "
+                        "past a prompt's first prefill chunk, which attends to full-precision keys)")
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
     p.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $ENGINE_API_KEY, "

@@ -113,14 +113,15 @@ class _StoringSink(ForwardingSink):
         self.inner.on_end(dataclasses.replace(result, caches=()))
 
 
-def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix]) -> Optional[Callable[..., None]]:
+def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix],
+                    full_chunk: Optional[int] = None) -> Optional[Callable[..., None]]:  # fmt: skip
     """What keeps a copy of the caches at the prompt's boundary (all but its last token) in `kept`, with the
     draft source's state there where the speculative lane hands one over; None for a one-token prompt, which
     has no such boundary."""
     if len(request.prompt_ids) < 2:
         return None
     return lambda cache, draft=None: kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache),
-                                                              draft=draft))  # fmt: skip
+                                                              draft=draft, full_chunk=full_chunk))  # fmt: skip
 
 
 class Gateway:
@@ -133,12 +134,13 @@ class Gateway:
         if config.kv_quantization is not None:
             config.kv_quantization.check(model.make_cache())  # refuses sliding-window models up front
         self.layout = kv_layout(model, config.kv_quantization)
-        # Prefix caches do not mix with quantized KV (the batch lane merges full-precision rows).
+        continuous = config.batch > 1 and self.batchable and self._kv_batches
+        # Quantized KV switching on past the first tokens (mlx-lm's quantized_kv_start) has no prompt cache.
         self.prompt_cache: Optional[PromptCache] = None
-        if config.prompt_cache_bytes > 0 and config.kv_quantization is None:
-            self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        if config.prompt_cache_bytes > 0 and self._kv_batches:
+            self.prompt_cache = PromptCache(config.prompt_cache_bytes, full_chunk=self._full_chunk(continuous))
         self.batcher: Optional[ContinuousBatcher] = None
-        if config.batch > 1 and self.batchable and self._kv_batches:
+        if continuous:
             self.batcher = ContinuousBatcher(
                 model,
                 config.scheduler(),
@@ -159,6 +161,17 @@ class Gateway:
     def _kv_batches(self) -> bool:
         kv = self.config.kv_quantization
         return kv is None or kv.start == 0
+
+    def _full_chunk(self, continuous: bool) -> Optional[int]:
+        """With quantized KV, the first prefill chunk of a prompt alone on its lane (at most this long; the
+        prompt cache's starts begin past it): the chunk, the continuous lane's prefill budget, and the block
+        of the snapshots caches that cannot rewind take. None without quantized KV."""
+        cfg = self.config
+        if cfg.kv_quantization is None:
+            return None
+        chunk = min(cfg.prefill_chunk, cfg.prefill_budget or cfg.prefill_chunk) if continuous else cfg.prefill_chunk
+        rewinds = all(c.is_trimmable() for c in self.model.make_cache())
+        return chunk if rewinds or not cfg.prompt_cache_block else min(chunk, cfg.prompt_cache_block)
 
     def place(self, request: GenerationRequest) -> Placement:
         placement = self._place_plain()
@@ -291,7 +304,8 @@ class Gateway:
             reason, error = FinishReason.ERROR, repr(e)
         self._cancelled.discard(request.request_id)
         if self.prompt_cache is not None and cache is not None:
-            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots)))
+            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots),
+                                     full_chunk=self._serial_full_chunk(queued)))  # fmt: skip
         n = len(request.prompt_ids)
         sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
 
@@ -306,6 +320,14 @@ class Gateway:
                                          cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt,
                                          source_state=prefix.draft if prefix else None)  # fmt: skip
 
+    def _serial_full_chunk(self, queued: _Queued) -> Optional[int]:
+        """With quantized KV, the first chunk this request's caches were made with: its prefix's, or its own
+        first prefill chunk."""
+        if queued.prefix is not None:
+            return queued.prefix.full_chunk
+        full = self.prompt_cache.full_chunk if self.prompt_cache is not None else None
+        return None if full is None else min(full, len(queued.request.prompt_ids) - 1)
+
     def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
                       snapshots: list[tuple[int, list]]):  # fmt: skip
         """The strict B=1 generation, starting from the request's cached prefix if it has one."""
@@ -314,7 +336,8 @@ class Gateway:
         self._serial_shapes.add(("serial", len(request.prompt_ids) - (len(prefix.tokens) if prefix else 0)))
         on_prompt, blocks = None, None
         if self.prompt_cache is not None and not all(c.is_trimmable() for c in cache):
-            on_prompt = _keeps_boundary(request, kept)  # caches that cannot rewind: keep the prompt's boundary too
+            # caches that cannot rewind: keep the prompt's boundary too
+            on_prompt = _keeps_boundary(request, kept, self._serial_full_chunk(queued))
             if self.config.prompt_cache_block:  # and the block boundaries on the way
                 blocks = BlockSnapshots(self.config.prompt_cache_block, lambda n, c: snapshots.append((n, snapshot(c))))
 

@@ -134,12 +134,15 @@ class CachedPrefix:
     """Single-row caches (opaque here) holding exactly `tokens`, for the prompt cache; `snapshots`: (n, the
     layers that cannot rewind as they were after the first n tokens, None for the others), taken at block
     boundaries of the prefill (`prompt_cache.snapshot`); `draft`: a draft source's state after `tokens` (the
-    speculative lane's MTP head, `spec.mtp.MTPState`: its `kind` and `nbytes`), or None."""
+    speculative lane's MTP head, `spec.mtp.MTPState`: its `kind` and `nbytes`), or None; `full_chunk`: with
+    quantized KV, how many first tokens went through the model in a chunk that attended to full-precision keys
+    (the prompt's first prefill chunk, as mlx-lm's kv_bits does it), None without."""
 
     tokens: tuple[int, ...]
     cache: list
     snapshots: tuple[tuple[int, list], ...] = ()
     draft: Any = None
+    full_chunk: Optional[int] = None
 
 
 @dataclass(frozen=True)

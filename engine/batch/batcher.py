@@ -64,7 +64,11 @@ class ContinuousBatcher:
         # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
         self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
         self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block,
-                                                       join_fresh_groups_only=kv_quantization is not None))  # fmt: skip
+                                                       kv_groups=kv_quantization is not None))  # fmt: skip
+        # Quantized KV: each request's first chunk, the one that attended to full-precision keys (its prefix's
+        # where it started from one), for the prompt cache (`CachedPrefix.full_chunk`).
+        self.quantized = kv_quantization is not None
+        self._full_chunks: dict[str, Optional[int]] = {}
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
@@ -84,6 +88,7 @@ class ContinuousBatcher:
         self._sinks[request.request_id] = sink
         if prefix is not None:
             self._prefixes[request.request_id] = prefix.cache
+            self._full_chunks[request.request_id] = prefix.full_chunk
 
     def cancel(self, request_id: str) -> bool:
         seq = self.scheduler.cancel(request_id)
@@ -158,7 +163,7 @@ class ContinuousBatcher:
         caches = {}
         if self.keep_caches:  # each finished row holds its prompt and every token it pushed
             rows = self.runner.extract([s.request_id for s in outcome.finished])
-            caches = {s.request_id: CachedPrefix(s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
+            caches = {s.request_id: self._stored(s, s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
                       for s in outcome.finished}  # fmt: skip
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
@@ -184,6 +189,9 @@ class ContinuousBatcher:
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
                 self.runner.prefill([chunk for _, chunk in plan.chunks])
+                if self.quantized:
+                    for seq, chunk in plan.chunks:
+                        self._full_chunks.setdefault(seq.request_id, len(chunk))
                 self.scheduler.update_prefill(plan)
                 self._take_snapshots([seq for seq, _ in plan.chunks])
         except Exception as e:  # noqa: BLE001 - the joiners' failure is theirs alone
@@ -206,13 +214,15 @@ class ContinuousBatcher:
         snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}
         output = self.runner.first_tokens([s.request_id for s in ready], snapshot)
         self._fail_rows(output.failures)
-        bodies = {s.request_id: s.prompt_body for s in ready}
+        seqs = {s.request_id: s for s in ready}
         for request_id, cache in output.prompts.items():
-            self._boundaries[request_id] = CachedPrefix(bodies[request_id], cache)
+            seq = seqs[request_id]
+            self._boundaries[request_id] = self._stored(seq, seq.prompt_body, cache)
         firsts = self.scheduler.update_first_tokens(output.tokens)
         caches = {}
         if self.keep_caches:  # finished at token 0: only the prompt went through
-            caches = {f.seq.request_id: CachedPrefix(f.seq.request.prompt_ids, self.runner.ready_extract(f.seq.request_id))
+            caches = {f.seq.request_id: self._stored(f.seq, f.seq.request.prompt_ids,
+                                                     self.runner.ready_extract(f.seq.request_id))
                       for f in firsts if not f.joins}  # fmt: skip
         self.runner.join({f.seq.request_id for f in firsts if f.joins})
         for f in firsts:
@@ -249,8 +259,13 @@ class ContinuousBatcher:
                 self.scheduler.cancel(seq.request_id, FinishReason.CANCELLED, "the consumer went away")
                 return
 
+    def _stored(self, seq: Sequence, tokens: tuple[int, ...], cache: list) -> CachedPrefix:
+        """An entry for the prompt cache: these caches hold `tokens` of this request."""
+        return CachedPrefix(tuple(tokens), cache, full_chunk=self._full_chunks.get(seq.request_id))
+
     def _end(self, seq: Sequence, cache: Optional[CachedPrefix] = None) -> None:
         self._prefixes.pop(seq.request_id, None)
+        self._full_chunks.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)
         snapshots = tuple(self._snapshots.pop(seq.request_id, ()))
         if cache is not None and snapshots:

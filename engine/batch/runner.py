@@ -51,6 +51,7 @@ from engine.cache import (
     BatchRotatingKVCache,
     Cache,
     KVCache,
+    QuantizedKVCache,
     RecurrentCache,
     RotatingKVCache,
     cache_arrays,
@@ -73,12 +74,20 @@ def can_batch(model: nn.Module) -> bool:
     return all(type(c) in BATCHABLE_CACHES for c in model.make_cache())
 
 
+MIXED_KV = "with quantized KV a prefill group is fresh (full precision) or quantized, not both (`kv_groups`)"
+
+
 def _batch_cache(layer: list[Cache]) -> BatchCache:
-    """One layer's batch cache from its single-row caches, empty or holding a cached prefix (mlx-lm's merge)."""
+    """One layer's batch cache from its single-row caches, empty or holding a cached prefix (mlx-lm's merge);
+    quantized ones (cached prefixes with quantized KV) all alike."""
+    if len({type(c) for c in layer}) > 1:
+        raise ValueError(MIXED_KV)
     if isinstance(layer[0], RotatingKVCache):
         return BatchRotatingKVCache.merge(layer)
     if isinstance(layer[0], RecurrentCache):
         return RecurrentCache.merge(layer)
+    if isinstance(layer[0], QuantizedKVCache):
+        return BatchQuantizedKVCache.merge(layer, group_size=layer[0].group_size, bits=layer[0].bits)
     return BatchKVCache.merge(layer)
 
 
@@ -255,10 +264,10 @@ class BatchRunner:
         """Append new prompts to the prefill group (rows merged from empty or prefix caches).
 
         A joiner whose sampler or processors cannot be set up (a seed out of
-        range, ...) is left out and comes back as a failure.
+        range, ...) is left out and comes back as a failure. With quantized KV,
+        joiners with cached prefixes (quantized) join a group that has run a
+        chunk, or only such joiners: the scheduler's `kv_groups`.
         """
-        if self.kv is not None and any(j.cache is not None for j in joiners):
-            raise ValueError("prefix caches do not combine with quantized KV on the batch lane")
         rows, kept, failures = [], [], []
         for j in joiners:
             try:
@@ -270,6 +279,8 @@ class BatchRunner:
             return failures
         fresh = self.model.make_cache()
         merged = merge_rows([j.cache if j.cache is not None else fresh for j in kept])
+        if self.joiner_cache is not None and any(type(a) is not type(b) for a, b in zip(self.joiner_cache, merged)):
+            raise ValueError(MIXED_KV)
         if self.joiner_cache is None:
             self.joiner_cache = merged
         else:

@@ -60,10 +60,11 @@ class SchedulerConfig:
     # A joiner's chunks stop at every multiple of this many prompt tokens (the prompt cache's block snapshots
     # are taken there); 0: chunks as long as they come.
     snapshot_block: int = 0
-    # A queued prompt joins the prefill group only while no joiner in it has run a chunk: with quantized KV the
-    # group's caches are quantized after a chunk, and a prompt's first chunk must attend to full-precision keys
-    # (the serial scheme's, mlx-lm's kv_bits).
-    join_fresh_groups_only: bool = False
+    # Quantized KV: a prefill group is fresh (no joiner in it has run a chunk) or quantized (every joiner has,
+    # or starts from a cached prefix), and a queued prompt joins only a group of its own kind: the group's caches
+    # are quantized after a chunk, a fresh prompt's first chunk must attend to full-precision keys (the serial
+    # scheme's, mlx-lm's kv_bits), and a cached prefix is quantized already.
+    kv_groups: bool = False
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "prefill_batch"):
@@ -332,8 +333,9 @@ class Scheduler:
     def _can_admit(self) -> bool:
         if not self.pending or self.hold_admission or len(self.joiners) >= self.config.prefill_batch:
             return False
-        if self.config.join_fresh_groups_only and any(s.prefilled > 0 for s in self.joiners):
-            return False
+        if self.config.kv_groups and self.joiners:
+            if (self.pending[0].prefilled > 0) != any(s.prefilled > 0 for s in self.joiners):
+                return False
         if len(self.running) + len(self.joiners) >= self.config.max_rows:
             return False
         budget = self.config.kv_budget_bytes

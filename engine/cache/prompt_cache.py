@@ -26,6 +26,12 @@ With a disk tier (`prompt_disk.DiskTier`), entries the budget evicts, and
 all of them at `flush` (shutdown), go to disk; a lookup that finds a longer
 start there than in RAM loads that entry back into RAM.
 
+With quantized KV (`full_chunk`), a prompt's first prefill chunk attends to
+full-precision keys and everything after it to quantized ones (mlx-lm's
+kv_bits), so a start is exact only past that chunk and only from entries
+whose first chunk was the same: the cache then keeps only entries made with
+a first chunk of `full_chunk` tokens and serves starts of at least that many.
+
 An entry counts the nbytes of the arrays it holds, so the budget bounds real
 memory only if those arrays are not views of something larger: rows that
 come from a batch are copies that own their bytes (the batch caches'
@@ -113,11 +119,14 @@ class PromptCacheStats:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, disk: Optional[DiskTier] = None):
+    def __init__(self, max_bytes: int, disk: Optional[DiskTier] = None, full_chunk: Optional[int] = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if full_chunk is not None and full_chunk < 1:
+            raise ValueError(f"full_chunk must be >= 1, got {full_chunk}")
         self.max_bytes = max_bytes
         self.disk = disk
+        self.full_chunk = full_chunk  # quantized KV: the first chunk every entry and start must share
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self.bytes = 0
         self.hits = self.misses = self.cached_tokens = self.block_hits = 0
@@ -147,7 +156,7 @@ class PromptCache:
             else:
                 whole = entry.ids.size <= limit and _common_prefix(entry.ids, ids) == entry.ids.size
                 n = entry.ids.size if whole and getattr(entry.draft, "kind", None) == draft else 0
-            if n > best_n:
+            if n > best_n and n >= self._min_start:
                 best, best_n = key, n
         loaded = self._from_disk(ids, limit, best_n) if draft is None else None
         if loaded is not None:
@@ -161,7 +170,11 @@ class PromptCache:
         self.block_hits += not entry.trimmable and best_n < entry.ids.size
         self.cached_tokens += best_n
         state = copy.deepcopy(entry.draft) if draft is not None else None
-        return CachedPrefix(tuple(prompt[:best_n]), entry.caches(best_n), draft=state)
+        return CachedPrefix(tuple(prompt[:best_n]), entry.caches(best_n), draft=state, full_chunk=self.full_chunk)
+
+    @property
+    def _min_start(self) -> int:
+        return self.full_chunk or 1
 
     def _from_disk(self, ids: np.ndarray, limit: int, ram_best: int) -> Optional[tuple[tuple[int, ...], int]]:
         """Where the disk tier holds a longer start than RAM: that entry loaded into RAM, (its key, the start)."""
@@ -170,7 +183,7 @@ class PromptCache:
         ranked = sorted(((_start(e.ids, e.trimmable, e.snapshot_at, _common_prefix(e.ids, ids), limit), e)
                          for e in self.disk.entries.values()), key=lambda ne: -ne[0])  # fmt: skip
         for n, e in ranked:
-            if n <= ram_best:
+            if n <= ram_best or n < self._min_start:
                 return None
             key = tuple(int(t) for t in e.ids)
             if key in self._entries:
@@ -188,7 +201,9 @@ class PromptCache:
 
     def insert(self, prefix: CachedPrefix) -> bool:
         """Store a finished request's caches (with its block snapshots that the caches can complete); False when
-        they alone exceed the budget."""
+        they alone exceed the budget, or were made with another first chunk than `full_chunk` asks for."""
+        if prefix.full_chunk != self.full_chunk:
+            return False
         return self._add(tuple(prefix.tokens), prefix.cache, dict(prefix.snapshots), prefix.draft)
 
     def _add(self, key: tuple[int, ...], cache: list, snapshots: dict[int, list], draft: Any = None) -> bool:

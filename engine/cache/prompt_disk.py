@@ -29,13 +29,14 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache.kv import KVCache
+from engine.cache.quantized import QuantizedKVCache
 from engine.cache.recurrent import RecurrentCache
 from engine.cache.rotating import RotatingKVCache
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the layout changes: older entries then read as foreign and are removed
-CLASSES = {c.__name__: c for c in (KVCache, RecurrentCache, RotatingKVCache)}
+CLASSES = {c.__name__: c for c in (KVCache, QuantizedKVCache, RecurrentCache, RotatingKVCache)}
 PLAIN = (int, float, str, bool, type(None))
 
 
@@ -64,13 +65,13 @@ def _layer_fields(layer, name: str, arrays: dict[str, mx.array]) -> dict:
         if isinstance(value, mx.array):
             arrays[f"{name}.{attr}"] = value
             fields[attr] = {"array": f"{name}.{attr}"}
-        elif isinstance(value, list) and all(v is None or isinstance(v, mx.array) for v in value):
+        elif isinstance(value, (list, tuple)) and all(v is None or isinstance(v, mx.array) for v in value):
             names = []
             for i, v in enumerate(value):
                 if v is not None:
                     arrays[f"{name}.{attr}.{i}"] = v
                 names.append(None if v is None else f"{name}.{attr}.{i}")
-            fields[attr] = {"arrays": names}
+            fields[attr] = {"arrays": names} | ({"tuple": True} if isinstance(value, tuple) else {})
         elif isinstance(value, PLAIN) or (isinstance(value, list) and all(isinstance(v, PLAIN) for v in value)):
             fields[attr] = {"value": value}
         else:
@@ -86,6 +87,7 @@ def _layer(spec: dict, arrays: dict[str, mx.array]):
             value = arrays[f["array"]]
         elif "arrays" in f:
             value = [None if n is None else arrays[n] for n in f["arrays"]]
+            value = tuple(value) if f.get("tuple") else value
         else:
             value = f["value"]
         setattr(layer, attr, value)

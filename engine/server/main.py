@@ -287,7 +287,9 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     context = cfg.max_context or _context_of(engine.config)
     stages = _warm_up(gateway, warmup, cfg.kv_bits, context, log=lambda line: print(line, file=sys.stderr, flush=True))
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
-        scheme = f"tier {engine.kernels.tier}, kv {cfg.kv_bits or 'full'}"
+        full = gateway.prompt_cache.full_chunk  # quantized KV: entries are made and served past this first chunk
+        kv = f"{cfg.kv_bits} bits, group {cfg.kv_group_size}, first chunk {full}" if cfg.kv_bits else "full"
+        scheme = f"tier {engine.kernels.tier}, kv {kv}"
         disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
         gateway.prompt_cache.disk = disk
         print(f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"

@@ -31,16 +31,20 @@ def greedy(srv, prompt, n):
     "it fails every time there; an MLX with the kernel makes it pass, and then the mark goes",
     strict=True,
 )
-def test_kv_bits_batches_quantized_kv_and_turns_the_prompt_cache_off(engine):
-    srv = LiveServer("--model", MODEL, "--kv-bits", "8", "--kv-group-size", "32")
+def test_kv_bits_batches_quantized_kv_and_reuses_prompts_past_the_first_chunk(engine):
+    srv = LiveServer("--model", MODEL, "--kv-bits", "8", "--kv-group-size", "32", "--prefill-chunk", "16")
     try:
         prompt = list(range(20, 60))
-        out = greedy(srv, prompt, 10)
+        first, second = greedy(srv, prompt, 10), greedy(srv, prompt, 10)
         kvq = KVQuantization(bits=8, group_size=32, start=0)
-        expected = [t.token_id for t in engine.generate(prompt, max_tokens=10, ignore_eos=True, kv_quantization=kvq)]
-        assert out["choices"][0]["token_ids"] == expected
-        assert out["usage"]["engine"]["lane"] == "continuous"
-        assert srv.stats()["prompt_cache"] is None
+        expected = [t.token_id for t in engine.generate(prompt, max_tokens=10, ignore_eos=True, kv_quantization=kvq,
+                                                        prefill_step_size=16)]  # fmt: skip
+        assert first["choices"][0]["token_ids"] == expected
+        assert first["usage"]["engine"]["lane"] == "continuous"
+        # the second starts past the 16-token first chunk, from the first one's entry, with the same tokens
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert second["choices"][0]["token_ids"] == expected
+        assert srv.stats()["prompt_cache"]["hits"] == 1
     finally:
         assert srv.stop()[0] == 0
 

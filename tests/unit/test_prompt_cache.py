@@ -1,5 +1,7 @@
 """The prompt cache: which prefix a lookup reuses, and that reuse gives the same tokens as computing it."""
 
+import copy
+
 import mlx.core as mx
 import pytest
 
@@ -7,7 +9,7 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.gateway import Gateway, GatewayConfig
-from engine.generate import BlockSnapshots, generate, prefill
+from engine.generate import BlockSnapshots, KVQuantization, generate, prefill
 from engine.kernels import on_cuda
 from engine.loading import load_model
 from engine.request import CachedPrefix, GenerationRequest, StopCriteria
@@ -247,3 +249,73 @@ def test_requests_sharing_a_system_prompt_start_from_its_last_block(hybrid, batc
         placed = off.submit(req(rid, SYSTEM + tail), CollectingSink())
         off.run_until_idle()
     assert placed.cached_tokens == 0  # without snapshots only exact boundaries serve
+
+
+KVQ = KVQuantization(bits=8, group_size=32, start=0)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_quantized_kv_reuses_past_the_first_chunk_with_the_same_tokens(which, batch, request):
+    # With quantized KV a prompt's first chunk (16 tokens here) attends to full-precision keys and all after
+    # it to quantized ones: an entry serves starts past that chunk, the rest computed as a cold run would.
+    model = request.getfixturevalue(which)
+    g = Gateway(model, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prefill_chunk=16, kv_quantization=KVQ))
+    assert g.prompt_cache.full_chunk == 16
+    first = CollectingSink()
+    g.submit(req("a", PROMPT), first)
+    g.run_until_idle()
+    turn2 = PROMPT + tuple(first.token_ids) + (11, 12, 13)
+    prompts = {"same": PROMPT, "next": turn2, "short": PROMPT[:12] + (5, 6, 7, 8, 9, 10, 11)}
+    sinks, placements = {}, {}
+    for rid, prompt in prompts.items():
+        sinks[rid] = CollectingSink()
+        placements[rid] = g.submit(req(rid, prompt), sinks[rid])
+        g.run_until_idle()
+    fed = len(first.token_ids) - (1 if batch == 1 else 0)
+    assert placements["same"].cached_tokens == len(PROMPT) - 1
+    assert placements["next"].cached_tokens == len(PROMPT) + fed
+    assert placements["short"].cached_tokens == 0  # 12 shared tokens: inside the first chunk
+    for rid, prompt in prompts.items():
+        plain = generate(model, prompt, stop=req(rid, prompt).stop, kv_quantization=KVQ, prefill_step_size=16)
+        assert sinks[rid].token_ids == [t.token_id for t in plain], rid
+
+
+def test_quantized_kv_keeps_only_entries_with_its_first_chunk(dense):
+    g = Gateway(dense, GatewayConfig(batch=1, prompt_cache_bytes=1 << 30, prefill_chunk=16, kv_quantization=KVQ))
+    g.submit(req("short", PROMPT[:10]), CollectingSink())  # a 9-token first chunk: not the cache's 16
+    g.run_until_idle()
+    assert len(g.prompt_cache) == 0
+    pc = PromptCache(1 << 30, full_chunk=16)
+    assert not pc.insert(stored(dense, PROMPT[:20]))  # full precision: made without quantized KV
+
+
+@pytest.mark.parametrize("hit_first", [True, False])  # False: it joins the group once the fresh one ran a chunk
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_a_quantized_prefix_gives_the_cold_logits_bit_for_bit_on_both_lanes(which, hit_first, request):
+    model = request.getfixturevalue(which)
+    prompt, stop = tuple(range(50, 110)), StopCriteria(max_tokens=4, ignore_eos=True)
+
+    def serial(cache=None, cached=0):
+        out = []
+        list(generate(model, prompt, stop=stop, cache=cache, cached_tokens=cached, kv_quantization=KVQ,
+                      prefill_step_size=16, tap=lambda s: out.append(s.logits)))  # fmt: skip
+        return out
+
+    cache = model.make_cache()  # a quantized entry of the first 40 tokens, first chunk 16
+    prefill(model, cache, mx.array(list(prompt[:41])), step_size=16, kv_quantization=KVQ)
+    cold = serial()
+    for a, b in zip(cold, serial(copy.deepcopy(cache), 40)):
+        assert mx.array_equal(a, b).item()
+    logits = {"hit": [], "fresh": []}
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=4, prefill_chunk=16), kv_quantization=KVQ,
+                          tap=lambda rid, x: logits[rid].append(x))  # fmt: skip
+    hit = CachedPrefix(prompt[:40], cache, full_chunk=16)
+    submits = [lambda: b.submit(req("hit", prompt, 4), CollectingSink(), hit),
+               lambda: b.submit(req("fresh", prompt, 4), CollectingSink())]  # fmt: skip
+    for submit in submits if hit_first else submits[::-1]:
+        submit()
+    b.run_until_idle()
+    for rid in logits:
+        for a, c in zip(cold, logits[rid]):
+            assert mx.array_equal(a, c).item(), rid

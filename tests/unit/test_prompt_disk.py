@@ -9,7 +9,7 @@ import pytest
 
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.cache.prompt_disk import DiskTier, artifact_key, prefix_key
-from engine.generate import BlockSnapshots, generate
+from engine.generate import BlockSnapshots, KVQuantization, generate
 from engine.loading import load_model
 from engine.request import CachedPrefix, StopCriteria
 
@@ -63,6 +63,30 @@ def test_an_entry_evicted_to_disk_serves_after_a_restart_bit_for_bit(which, star
     for cold, warm in zip(logits(model, other), logits(model, other, hit.cache, start)):
         assert mx.array_equal(cold, warm).item()
     assert len(restarted.lookup(other).tokens) == start and restarted.stats().disk_hits == 1  # now in RAM
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_a_quantized_kv_entry_serves_after_a_restart_bit_for_bit(which, tmp_path, models):
+    model, kv = models[which], KVQuantization(bits=8, group_size=32, start=0)
+    cache, fed = model.make_cache(), []
+    list(generate(model, SYSTEM + (7, 8), stop=STOP, cache=cache, fed=fed, kv_quantization=kv, prefill_step_size=64))
+    stored = SYSTEM + (7, 8) + tuple(fed)
+    pc = PromptCache(1 << 30, DiskTier(tmp_path, "q", 1 << 30), full_chunk=64)
+    assert pc.insert(CachedPrefix(stored, cache, full_chunk=64)) and pc.flush() == 1
+
+    restarted = PromptCache(1 << 30, DiskTier(tmp_path, "q", 1 << 30), full_chunk=64)
+    other = stored + (11, 12)  # the next turn
+    hit = restarted.lookup(other)
+    assert hit.tokens == stored and hit.full_chunk == 64 and restarted.stats().disk_hits == 1
+
+    def run(cache=None, cached=0):
+        out = []
+        list(generate(model, other, stop=STOP, cache=cache, cached_tokens=cached, kv_quantization=kv,
+                      prefill_step_size=64, tap=lambda s: out.append(s.logits)))  # fmt: skip
+        return out
+
+    for cold, warm in zip(run(), run(hit.cache, len(stored))):
+        assert mx.array_equal(cold, warm).item()
 
 
 def test_shutdown_flushes_ram_to_disk_and_other_artifacts_see_nothing(dense, tmp_path):

@@ -78,8 +78,8 @@ def test_one_joiner_at_a_time_with_prefill_batch_1():
     assert order == ["a", "b"] and s.pending_rows == 1  # "c" waits for a free row
 
 
-def test_with_fresh_groups_only_a_prompt_waits_until_the_group_has_run_no_chunk():
-    s = make_scheduler(prefill_chunk=4, join_fresh_groups_only=True)
+def test_with_kv_groups_a_fresh_prompt_waits_until_the_group_has_run_no_chunk():
+    s = make_scheduler(prefill_chunk=4, kv_groups=True)
     s.submit(make_request("a", prompt_len=9), 0)  # two chunks of 4, then token 0
     s.update_prefill(s.schedule_prefill())  # "a" ran a chunk (with quantized KV its caches are quantized now)
     s.submit(make_request("b", prompt_len=3), 0)
@@ -90,6 +90,22 @@ def test_with_fresh_groups_only_a_prompt_waits_until_the_group_has_run_no_chunk(
     assert [q.request_id for q in plan.first_tokens] == ["a"] and not plan.admitted
     s.update_first_tokens({"a": GeneratedToken(7)})
     assert [q.request_id for q in s.schedule_prefill().admitted] == ["b"]  # a group of its own
+
+
+def test_with_kv_groups_a_cached_prompt_joins_only_a_quantized_group():
+    s = make_scheduler(prefill_chunk=4, kv_groups=True)
+    s.submit(make_request("fresh", prompt_len=9), 0)
+    s.submit(make_request("hit", prompt_len=9), 0, cached=4)  # its cached prefix is quantized already
+    plan = s.schedule_prefill()
+    assert [q.request_id for q in plan.admitted] == ["fresh"]  # "hit" waits: this group's first chunk is fresh
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()  # "fresh" ran a chunk: the group is quantized, "hit" joins it
+    assert [q.request_id for q in plan.admitted] == ["hit"]
+    assert [(q.request_id, len(c)) for q, c in plan.chunks] == [("fresh", 4), ("hit", 4)]
+    s2 = make_scheduler(prefill_chunk=4, kv_groups=True)
+    s2.submit(make_request("hit", prompt_len=9), 0, cached=4)
+    s2.submit(make_request("fresh", prompt_len=9), 0)
+    assert [q.request_id for q in s2.schedule_prefill().admitted] == ["hit"]  # the fresh one waits its turn
 
 
 def test_token0_is_not_emitted_twice():

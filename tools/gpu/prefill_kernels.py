@@ -10,8 +10,8 @@ batched caches, one forward of [G, L] a chunk); `--chunks` chunks follow each ot
 hybrid model's prompt is cut at every `--prompt-cache-block` tokens, 256 by default, so a 1K prompt is four
 1x256 forwards). Each shape is compiled by one untimed pass, then timed `--reps` times on fresh caches: the
 wall time of each chunk's forward to its evaluated caches (`--clear`: MLX's buffer cache emptied after each
-chunk, as the batcher's prefill did; `--interleave`: the shapes in turn, as a server's iterations mix them). `--ncu` instead runs one pass between markers
-(`prefill_GxL`) for `step_kernels --summarize`.
+chunk, as mlx-lm's and the batcher's prefill do; `--interleave`: the shapes in turn, as a server's iterations
+mix them). `--ncu` instead runs one pass between markers (`prefill_GxL`) for `step_kernels --summarize`.
 """
 
 from __future__ import annotations
