@@ -164,14 +164,12 @@ class Gateway:
 
     def _full_chunk(self, continuous: bool) -> Optional[int]:
         """With quantized KV, the first prefill chunk of a prompt alone on its lane (at most this long; the
-        prompt cache's starts begin past it): the chunk, the continuous lane's prefill budget, and the block
-        of the snapshots caches that cannot rewind take. None without quantized KV."""
+        prompt cache's starts begin past it): the chunk, or the continuous lane's prefill budget if smaller
+        (block snapshots never cut it). None without quantized KV."""
         cfg = self.config
         if cfg.kv_quantization is None:
             return None
-        chunk = min(cfg.prefill_chunk, cfg.prefill_budget or cfg.prefill_chunk) if continuous else cfg.prefill_chunk
-        rewinds = all(c.is_trimmable() for c in self.model.make_cache())
-        return chunk if rewinds or not cfg.prompt_cache_block else min(chunk, cfg.prompt_cache_block)
+        return min(cfg.prefill_chunk, cfg.prefill_budget or cfg.prefill_chunk) if continuous else cfg.prefill_chunk
 
     def place(self, request: GenerationRequest) -> Placement:
         placement = self._place_plain()

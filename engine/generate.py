@@ -74,13 +74,14 @@ def prefill(
     """Run all but the last prompt token through the model in chunks; return the rest.
 
     `on_hidden` sees each chunk's final hidden state [1, n, H] and n. With `blocks`, no chunk passes a
-    multiple of its block size, and its `take` sees the cache at each one.
+    multiple of its block size, and its `take` sees the cache at each one; with quantized KV but for the first
+    chunk of a cold start, which attends to full-precision keys and stays `step_size` long (mlx-lm's kv_bits).
     """
     total = prompt.size
     done = 0
     while prompt.size > 1:
         n = min(step_size, prompt.size - 1)
-        if blocks is not None:
+        if blocks is not None and not (kv_quantization and blocks.start + done == 0):
             n = min(n, blocks.block - (blocks.start + done) % blocks.block)
         hidden = model.hidden(prompt[:n][None], cache)
         if on_hidden:

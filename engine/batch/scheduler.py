@@ -261,8 +261,11 @@ class Scheduler:
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
         size, block = self.config.chunk(len(prefilling)), self.config.snapshot_block
 
-        def taken(s: Sequence) -> int:  # this chunk's tokens: `size`, stopping at the next block boundary
-            return min(size, block - s.prefilled % block) if block else size
+        def taken(s: Sequence) -> int:  # this chunk's tokens: `size`, stopping at the next block boundary (with
+            # quantized KV, past a fresh prompt's first chunk: that one attends to full-precision keys, as long
+            # as it comes, as mlx-lm's kv_bits)
+            cut = block and not (self.config.kv_groups and s.prefilled == 0)
+            return min(size, block - s.prefilled % block) if cut else size
 
         chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + taken(s)]) for s in prefilling)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)

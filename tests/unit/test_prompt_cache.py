@@ -319,3 +319,28 @@ def test_a_quantized_prefix_gives_the_cold_logits_bit_for_bit_on_both_lanes(whic
     for rid in logits:
         for a, c in zip(cold, logits[rid]):
             assert mx.array_equal(a, c).item(), rid
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_quantized_kv_snapshots_start_past_the_first_chunk(hybrid, batch):
+    # Block snapshots cut chunks at every 16 tokens, but not a cold prompt's first chunk (64): it stays as long
+    # as mlx-lm's kv_bits makes it, so the cache changes no result; a prompt sharing 90 tokens starts at 80.
+    g = Gateway(hybrid, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prefill_chunk=64,
+                                      prompt_cache_block=16, kv_quantization=KVQ))  # fmt: skip
+    assert g.prompt_cache.full_chunk == 64
+    prompts = {"first": tuple(range(100, 200)), "shares-90": tuple(range(100, 190)) + (7, 8, 9)}
+    for rid, prompt in prompts.items():
+        sink = CollectingSink()
+        placement = g.submit(req(rid, prompt), sink)
+        g.run_until_idle()
+        assert placement.cached_tokens == {"first": 0, "shares-90": 80}[rid]
+        plain = generate(hybrid, prompt, stop=req(rid, prompt).stop, kv_quantization=KVQ, prefill_step_size=64)
+        assert sink.token_ids == [t.token_id for t in plain], rid
+
+
+@pytest.mark.parametrize("kv, ends", [(None, [16, 32, 48, 64, 80, 96, 99]), (KVQ, [64, 80, 96, 99])])
+def test_block_snapshots_cut_no_quantized_first_chunk(hybrid, kv, ends):
+    seen = []
+    prefill(hybrid, hybrid.make_cache(), mx.array(list(range(100, 200))), step_size=64, kv_quantization=kv,
+            on_progress=lambda done, total: seen.append(done), blocks=BlockSnapshots(16, lambda n, c: None))  # fmt: skip
+    assert seen == ends
