@@ -68,9 +68,12 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
 
     from engine.batch.runner import merge_rows
 
+    from engine.loading import text_config
+
     batched = rows > 1 or batch_caches
     cache = merge_rows([eng.make_cache() for _ in range(rows)]) if batched else eng.make_cache()
-    prompts = mx.array([[(i * 7919 + r * 104729) % 50000 + 10 for i in range(prompt_tokens)] for r in range(rows)])
+    vocab = min(50000, int(text_config(eng.config)["vocab_size"])) - 10
+    prompts = mx.array([[(i * 7919 + r * 104729) % vocab + 10 for i in range(prompt_tokens)] for r in range(rows)])
     logits = eng.model(prompts, cache)
     for c in cache:
         if hasattr(c, "finalize"):
