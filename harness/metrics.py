@@ -5,6 +5,8 @@
     total_token_throughput   (prompt + output tokens) / wall seconds
     median_decode_tps        median over requests of 1000 / TPOT
     request_goodput          requests per second meeting every SLO given (none by default: all ok requests)
+    slo_attainment           the share of the cell's requests (failed ones included) meeting every SLO given;
+                             None without SLOs
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from harness.client import RequestRecord
+
+SLO_METRICS = ("ttft", "tpot", "e2el")  # what an SLO can bound (vLLM's --goodput keys), in ms
 
 
 def _stats(name: str, values: Sequence[float]) -> dict[str, Optional[float]]:
@@ -29,6 +33,9 @@ def _stats(name: str, values: Sequence[float]) -> dict[str, Optional[float]]:
 
 
 def summarize(requests: Sequence[RequestRecord], wall_s: float, slo_ms: Optional[dict[str, float]] = None) -> dict:
+    """The cell's metrics; `slo_ms`: the SLOs a request must all meet to count as goodput ({"ttft": 2000, ...})."""
+    if set(slo_ms or {}) - set(SLO_METRICS):
+        raise ValueError(f"SLOs bound {', '.join(SLO_METRICS)}, not {', '.join(sorted(set(slo_ms) - set(SLO_METRICS)))}")
     ok = [r for r in requests if r.ok]
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     prompt_tokens = sum(r.prompt_tokens or r.prompt_tokens_sent for r in ok)
@@ -49,6 +56,7 @@ def summarize(requests: Sequence[RequestRecord], wall_s: float, slo_ms: Optional
         "median_decode_tps": round(float(np.median(decode)), 3) if decode else None,
         "decode_tps_samples": [round(x, 3) for x in decode],
         "request_goodput": round(sum(meets(r) for r in ok) / wall_s, 4) if wall_s > 0 else None,
+        "slo_attainment": round(sum(meets(r) for r in ok) / len(requests), 4) if slo and requests else None,
         "cached_tokens": [r.cached_tokens for r in ok],
         "finish_reasons": sorted({r.finish_reason for r in ok if r.finish_reason}),
     }

@@ -145,6 +145,7 @@ class RunSettings:
     server_timeout_s: float = 1800
     request_timeout_s: float = 1800  # one whole request
     stall_timeout_s: float = 300  # a request without a byte for this long: the server is taken as hung
+    goodput: tuple[tuple[str, float], ...] = ()  # SLOs, (metric, ms): a request meeting all counts as goodput
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -326,7 +327,7 @@ class Runner:
             cell.attempts.append(Attempt(attempt, not errors, errors[0] if errors else None, round(wall, 4), records))
             if not errors:
                 cell.status = MEASURED if attempt == 0 else RECOVERED
-                cell.metrics = summarize(records, wall) | {
+                cell.metrics = summarize(records, wall, dict(self.settings.goodput)) | {
                     "requested_output_tokens": max_tokens,
                     "short_outputs": sum((r.output_tokens or 0) != max_tokens for r in records),
                 }

@@ -66,6 +66,9 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     ctx.add_argument("--skip-context", action="store_true", help="no long-context phase")
     p.add_argument("--concurrency", type=csv_ints, default=[4, 8], help="concurrent streams (default 4,8)")
     p.add_argument("--decode-samples", type=positive, default=5, help="decode requests (default 5)")
+    p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
+                   help="SLOs, e.g. --goodput ttft:2000 tpot:50 (metrics ttft, tpot, e2el; ms): a request meeting all "
+                        "counts toward each cell's goodput (requests/s) and SLO attainment (vLLM's definition)")
     p.add_argument("--request-timeout", type=positive_seconds, default=1800, metavar="SECONDS",
                    help="the longest one request may take, start to last byte; past it the request fails "
                    "(timed_out) and its cell fails, not retried (default 1800)")  # fmt: skip
@@ -84,6 +87,21 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--diagnostic", action="store_true", help="run on a busy machine, labelled as diagnostic")
 
 
+def slo(text: str) -> tuple[str, float]:
+    """A --goodput item, METRIC:MS, as (metric, ms)."""
+    from harness.metrics import SLO_METRICS
+
+    metric, _, ms = text.partition(":")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if metric not in SLO_METRICS or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} "
+                                         "and MS > 0, e.g. ttft:2000")  # fmt: skip
+    return metric, value
+
+
 def _run_plan(args):
     from engine.model_source import resolve_model_dir
     from harness.arms import parse_arm_options, resolve_arms
@@ -100,8 +118,10 @@ def _run_plan(args):
     tokens = args.tokens or (DEFAULT_CPU_TOKENS if cpu_default else 192)
     skip_context = args.skip_context or (cpu_default and args.context is None)
     context = None if skip_context else (args.context or 4096)
+    if len({k for k, _ in args.goodput}) != len(args.goodput):
+        raise CliError("--goodput names a metric twice")
     settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples, request_timeout_s=args.request_timeout,
-                           stall_timeout_s=args.stall_timeout,
+                           stall_timeout_s=args.stall_timeout, goodput=tuple(args.goodput),
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context))  # fmt: skip
     if args.model_path:
@@ -190,6 +210,8 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
     stdout.print(table)
+    for line in summary.goodput_lines(run):
+        stdout.print(line, markup=False, highlight=False)
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
     return rs
 

@@ -187,11 +187,31 @@ def markdown(run: dict) -> str:
         lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
     lines += [md_row(head), "|" + "---|" * len(head)]
     lines += [md_row(table_cells(r, conc, blocks)) for r in rs]
+    goodput = goodput_lines(run)
+    if goodput:
+        lines += ["", md_text(goodput[0]), ""] + [f"- {md_text(line)}" for line in goodput[1:]]
     compiled = compiled_cells(run)
     if compiled:
         lines += ["", "Cells during which an engine server first ran forward shapes (on CUDA: compiled kernels "
                   "while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def goodput_lines(run: dict) -> list[str]:
+    """With SLOs (`--goodput`): a heading line naming them, then 'model / arm / phase: goodput G req/s,
+    attainment A%' for each measured timed cell; nothing without SLOs."""
+    slos = run["settings"].get("goodput") or []
+    if not slos:
+        return []
+    out = ["Goodput (requests meeting every SLO: " + ", ".join(f"{k} <= {ms:g} ms" for k, ms in slos) + "):"]
+    for m in run.get("models", []):
+        for arm in m.get("arms", []):
+            for cell in arm.get("cells", []):
+                mt = cell.get("metrics") or {}
+                if cell["phase"] not in ("warmup", "probe") and mt.get("slo_attainment") is not None:
+                    out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: goodput {mt['request_goodput']:g} "
+                               f"req/s, attainment {mt['slo_attainment']:.0%} of {mt['requests']}")  # fmt: skip
+    return out
 
 
 def compiled_cells(run: dict) -> list[str]:

@@ -32,6 +32,7 @@ def cli_run(tiny_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine,engine-serial,mlx-lm",
            "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples", "2", "--diagnostic",
+           "--goodput", "ttft:600000", "tpot:60000",
            "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
     run_tag = new_tag()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
@@ -44,6 +45,8 @@ def test_the_run_completes_with_all_three_arms(cli_run):
     md = (out / "run.md").read_text()
     for arm in ("engine", "engine-serial", "mlx-lm"):
         assert f"| {MODEL} | {arm} | measured |" in md
+        assert f"- {MODEL} / {arm} / concurrency-2: goodput " in md and "attainment 100% of 2" in md
+    assert "Goodput (requests meeting every SLO: ttft &lt;= 600000 ms, tpot &lt;= 60000 ms):" in md
     assert not leftovers(run_tag)
 
 

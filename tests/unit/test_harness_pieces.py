@@ -40,4 +40,25 @@ def test_metrics_follow_the_vllm_definitions():
     assert m["mean_tpot_ms"] == (900 / 9 + 1800 / 9) / 2  # (E2EL - TTFT) / (tokens - 1)
     assert m["median_itl_ms"] == 150.0 and m["output_throughput"] == 10.0  # 20 tokens / 2 s
     assert m["total_token_throughput"] == 20.0 and m["request_goodput"] == 0.5  # one request meets the SLO
+    assert m["slo_attainment"] == 0.5 and summarize(reqs, wall_s=2.0)["slo_attainment"] is None
     assert m["decode_tps_samples"] == [10.0, 5.0] and m["median_decode_tps"] == 7.5
+
+
+def test_an_slo_on_an_unknown_metric_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="not itl"):
+        summarize([], wall_s=1.0, slo_ms={"itl": 5.0})
+
+
+def test_goodput_slos_parse_and_a_bad_one_is_refused(capsys):
+    import pytest
+
+    from harness.cli import build_parser
+
+    args = build_parser().parse_args(["run", "all", "--goodput", "ttft:2000", "e2el:9000.5"])
+    assert args.goodput == [("ttft", 2000.0), ("e2el", 9000.5)]
+    for bad in ("itl:5", "ttft:0", "ttft"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["run", "all", "--goodput", bad])
+        assert "give METRIC:MS" in capsys.readouterr().err
