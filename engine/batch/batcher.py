@@ -63,11 +63,11 @@ class ContinuousBatcher:
         self.snapshot_block = snapshot_block if self.keep_boundaries else 0
         # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
         self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
+        self.quantized = kv_quantization is not None
         self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block,
-                                                       kv_groups=kv_quantization is not None))  # fmt: skip
+                                                       kv_groups=self.quantized))  # fmt: skip
         # Quantized KV: each request's first chunk, the one that attended to full-precision keys (its prefix's
         # where it started from one), for the prompt cache (`CachedPrefix.full_chunk`).
-        self.quantized = kv_quantization is not None
         self._full_chunks: dict[str, Optional[int]] = {}
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
