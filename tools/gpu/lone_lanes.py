@@ -10,12 +10,16 @@ Each round runs one greedy request (the same prompt) through, in turn:
     continuous   a Gateway as `engine serve` sets it up on this device (scheduler, batcher, prompt cache)
 
 and prints each one's decode rate (tokens after the first over the time from the first to the last, as
-the harness measures it), its ratio to `generate` and the time Python's garbage collector took meanwhile.
+the harness measures it), its ratio to `generate`, the median, 90th percentile and largest gap between
+tokens (a device step that is slower throughout moves the median; host stalls move the tail), and the
+time Python's garbage collector took meanwhile.
 Where the served lone row is slower on the continuous lane than on the serial lane, the first layer at
 which the rate drops is where the time goes; where none drops, it is above the gateway (the server's
 threads). `--warmup full` first runs `engine serve`'s warm-up on the continuous gateway, `--burst N` then
 sends N requests at once to it (as `harness startup` does before its lone rounds) and measures the
-rounds again, and `--reset` empties the prompt caches and MLX's buffer cache and measures them once more.
+rounds again, and `--reset` empties MLX's buffer cache and measures the rounds again, then the prompt caches
+(with a garbage collection) and measures them once more. MLX's active and cached memory is printed before each
+phase's rounds.
 
     python3 -m tools.gpu.lone_lanes --model qwen27b --warmup full --burst 64 --reset --arms generate,continuous
 """
@@ -133,7 +137,10 @@ def main(argv=None) -> None:
     gc.callbacks.append(on_gc)
 
     def rounds(label: str, warm: bool) -> None:
+        print(f"{label}: MLX active {mx.get_active_memory() / 2**30:.2f} GiB, cache {mx.get_cache_memory() / 2**30:.2f} "
+              f"GiB", flush=True)  # fmt: skip
         rates: dict[str, list[float]] = {a: [] for a in arms}
+        gaps: dict[str, list[float]] = {a: [] for a in arms}
         gcs: dict[str, float] = {a: 0.0 for a in arms}
         for rnd in range(args.rounds + warm):
             line = []
@@ -148,6 +155,7 @@ def main(argv=None) -> None:
                 rate = _rate(stamps)
                 if rnd or not warm:
                     rates[arm].append(rate)
+                    gaps[arm] += [b - a for a, b in zip(stamps, stamps[1:])]
                     gcs[arm] += gc_s[0]
                 line.append(f"{arm} {rate:.1f}")
             print(f"{label} round {rnd}{' (warm-up)' if warm and rnd == 0 else ''}: " + ", ".join(line) + " tok/s",
@@ -155,8 +163,10 @@ def main(argv=None) -> None:
         base = statistics.median(rates[arms[0]])
         for arm in arms:
             med = statistics.median(rates[arm])
+            ms = sorted(1000 * g for g in gaps[arm])
             print(f"{label} {arm:>11}: median {med:.1f} tok/s ({1000 / med:.2f} ms a token), {med / base:.3f}x "
-                  f"{arms[0]}, garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request")  # fmt: skip
+                  f"{arms[0]}, gaps p50 {ms[len(ms) // 2]:.2f} p90 {ms[9 * len(ms) // 10]:.2f} max {ms[-1]:.2f} ms, "
+                  f"garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request")  # fmt: skip
 
     if args.warmup != "off":
         start = time.perf_counter()
@@ -175,6 +185,8 @@ def main(argv=None) -> None:
               f"collector counts {gc.get_count()}", flush=True)  # fmt: skip
         rounds(f"after a burst of {args.burst}", warm=False)
     if args.reset:
+        mx.clear_cache()
+        rounds("MLX cache emptied", warm=False)
         for g in gateways.values():
             if g.prompt_cache is not None:
                 g.prompt_cache.clear()
