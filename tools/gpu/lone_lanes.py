@@ -17,9 +17,10 @@ Where the served lone row is slower on the continuous lane than on the serial la
 which the rate drops is where the time goes; where none drops, it is above the gateway (the server's
 threads). `--warmup full` first runs `engine serve`'s warm-up on the continuous gateway, `--burst N` then
 sends N requests at once to it (as `harness startup` does before its lone rounds) and measures the
-rounds again, and `--reset` empties MLX's buffer cache and measures the rounds again, then the prompt caches
-(with a garbage collection) and measures them once more. MLX's active and cached memory is printed before each
-phase's rounds.
+rounds again, `--reset` empties MLX's buffer cache and measures the rounds again, then the prompt caches
+(with a garbage collection) and measures them once more, and `--second-model` loads the model again into the
+same process and measures the rounds on it and then on the first model. MLX's active and cached memory is
+printed before each phase's rounds.
 
     python3 -m tools.gpu.lone_lanes --model qwen27b --warmup full --burst 64 --reset --arms generate,continuous
 """
@@ -68,6 +69,9 @@ def main(argv=None) -> None:
     p.add_argument("--burst", type=int, default=0, help="then a burst of this many requests, and the rounds again")
     p.add_argument("--reset", action="store_true", help="last, empty the prompt caches and MLX's buffer cache, "
                    "collect garbage, and run the rounds again")
+    p.add_argument("--second-model", action="store_true", help="last, load the model again into this process (new "
+                   "compiled calls and launches, the same process state) and run the rounds on it, then on the first "
+                   "model again: whether what slows a warmed model is its own or the process's")
     args = p.parse_args(argv)
 
     from engine.cli import use_kernel_cache
@@ -87,24 +91,29 @@ def main(argv=None) -> None:
     if on_cuda():  # as `engine serve` sets up the device
         kernel_cache.enable(directory)
         mx.set_cache_limit(CUDA_MLX_CACHE)
-    engine = Engine.load(args.model if not args.model_path else None, args.model_path)
-    model, tier = engine.model, engine.kernels.tier
+    def load() -> dict:
+        """A model and the gateways on it: what the arms run on."""
+        engine = Engine.load(args.model if not args.model_path else None, args.model_path)
+        tier = engine.kernels.tier
+        return {"engine": engine, "gateways": {
+            "serial": Gateway(engine.model, ServeConfig(batch=1).gateway_config(tier)),
+            "continuous": Gateway(engine.model, ServeConfig().gateway_config(tier))}}  # fmt: skip
+
+    first = current = load()
+    engine = first["engine"]
+    tier = engine.kernels.tier
     prompt = [(7 * i + 11) % 1000 + 10 for i in range(args.prompt_tokens)]
     stop = StopCriteria(max_tokens=args.tokens, ignore_eos=True)
     continuous_cfg = ServeConfig().gateway_config(tier)
-    gateways = {
-        "serial": Gateway(model, ServeConfig(batch=1).gateway_config(tier)),
-        "continuous": Gateway(model, continuous_cfg),
-    }
 
     def run_generate() -> list[float]:
         stamps = []
-        for _ in generate(model, prompt, stop=stop):
+        for _ in generate(current["engine"].model, prompt, stop=stop):
             stamps.append(time.perf_counter())
         return stamps
 
     def run_runner() -> list[float]:
-        runner = BatchRunner(model, decode_buckets=continuous_cfg.decode_buckets,
+        runner = BatchRunner(current["engine"].model, decode_buckets=continuous_cfg.decode_buckets,
                              chunk_buckets=continuous_cfg.chunk_buckets)  # fmt: skip
         runner.add_joiners([Joiner("r", SamplingParams(), prompt)])
         runner.prefill([prompt[:-1]])
@@ -120,8 +129,9 @@ def main(argv=None) -> None:
 
     def run_gateway(name: str) -> list[float]:
         sink = _Stamps()
-        gateways[name].submit(GenerationRequest(f"{name}-{next(ids)}", tuple(prompt), SamplingParams(), stop), sink)
-        gateways[name].run_until_idle()
+        gateway = current["gateways"][name]
+        gateway.submit(GenerationRequest(f"{name}-{next(ids)}", tuple(prompt), SamplingParams(), stop), sink)
+        gateway.run_until_idle()
         return sink.stamps
 
     arms = args.arms.split(",")
@@ -137,8 +147,8 @@ def main(argv=None) -> None:
     gc.callbacks.append(on_gc)
 
     def rounds(label: str, warm: bool) -> None:
-        print(f"{label}: MLX active {mx.get_active_memory() / 2**30:.2f} GiB, cache {mx.get_cache_memory() / 2**30:.2f} "
-              f"GiB", flush=True)  # fmt: skip
+        active, cached = mx.get_active_memory() / 2**30, mx.get_cache_memory() / 2**30
+        print(f"{label}: MLX active {active:.2f} GiB, cache {cached:.2f} GiB", flush=True)
         rates: dict[str, list[float]] = {a: [] for a in arms}
         gaps: dict[str, list[float]] = {a: [] for a in arms}
         gcs: dict[str, float] = {a: 0.0 for a in arms}
@@ -170,16 +180,16 @@ def main(argv=None) -> None:
 
     if args.warmup != "off":
         start = time.perf_counter()
-        _warm_up(gateways["continuous"], args.warmup, context=_context_of(engine.config), log=print)
+        _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print)
         print(f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s", flush=True)
     rounds("fresh", warm=True)
     if args.burst:
-        sinks = [_Stamps() for _ in range(args.burst)]
+        sinks, busy = [_Stamps() for _ in range(args.burst)], first["gateways"]["continuous"]
         for i, sink in enumerate(sinks):
             rotated = tuple(prompt[i:] + prompt[:i])  # no request reuses another's prefix
-            gateways["continuous"].submit(GenerationRequest(f"burst-{i}", rotated, SamplingParams(), stop), sink)
+            busy.submit(GenerationRequest(f"burst-{i}", rotated, SamplingParams(), stop), sink)
         start = time.perf_counter()
-        gateways["continuous"].run_until_idle()
+        busy.run_until_idle()
         print(f"burst of {args.burst}: {time.perf_counter() - start:.1f} s; MLX active "
               f"{mx.get_active_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB; garbage "
               f"collector counts {gc.get_count()}", flush=True)  # fmt: skip
@@ -187,12 +197,17 @@ def main(argv=None) -> None:
     if args.reset:
         mx.clear_cache()
         rounds("MLX cache emptied", warm=False)
-        for g in gateways.values():
+        for g in first["gateways"].values():
             if g.prompt_cache is not None:
                 g.prompt_cache.clear()
         gc.collect()
         mx.clear_cache()
         rounds("reset", warm=False)
+    if args.second_model:
+        current = load()
+        rounds("a second model", warm=True)
+        current = first
+        rounds("the first model again", warm=False)
     print(f"tier {tier}; continuous lane: {continuous_cfg}")
 
 
