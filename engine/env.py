@@ -50,6 +50,11 @@ def models_dir() -> Path:
     return cache_root() / "models"
 
 
+def trained_dir() -> Path:
+    """The trained models' committed weights (`oracles/train.py` writes them): goldens/trained/ in the checkout."""
+    return Path(__file__).resolve().parents[1] / "goldens" / "trained"
+
+
 def kernels_dir() -> Path:
     """Compiled CUDA kernels, per MLX version (MLX names some modules by their kind, not their source)."""
     from importlib.metadata import PackageNotFoundError, version

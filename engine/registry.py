@@ -80,7 +80,7 @@ class Geometry:
 class ModelSpec:
     name: str
     base: str
-    tier: str  # "tiny" | "small" | "gpu" | "draft"
+    tier: str  # "tiny" | "small" | "gpu" | "draft" | "trained"
     geometry: Geometry
     dtype: str  # "float32" | "bfloat16"
     quantization: Quantization | None
@@ -278,6 +278,41 @@ def _early_exit(target: str, layers: int, summary: str, **changes: Any) -> _Base
     return _Base("draft", geometry, summary, base.default_variant, base.variants)
 
 
+# Trained models (`oracles/train.py`): one tokenizer (a byte-level BPE learned from their training text), weights
+# learned from Python's standard library and committed under goldens/trained/, never synthesized.
+_TRAINED = dict(vocab_size=4096, max_position_embeddings=8192, num_attention_heads=4, head_dim=64)
+_TRAINED_VARIANTS = ("bf16", "4bit")
+_BASES.update(
+    {
+        "trained-qwen35": _Base(
+            "trained",
+            Geometry(model_type="qwen3_5", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                     num_key_value_heads=2, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                     linear_value_head_dim=64, mtp_num_hidden_layers=1, **_TRAINED),  # fmt: skip
+            "trained hybrid Gated DeltaNet + gated attention, 8 layers, MTP head (target)",
+            "bf16",
+            _TRAINED_VARIANTS,
+        ),
+        "trained-qwen3": _Base(
+            "trained",
+            Geometry(model_type="qwen3", hidden_size=256, num_hidden_layers=6, intermediate_size=512,
+                     num_key_value_heads=2, tie_word_embeddings=True, **_TRAINED),  # fmt: skip
+            "trained dense qwen3, 6 layers (target)",
+            "bf16",
+            _TRAINED_VARIANTS,
+        ),
+        "trained-qwen3-draft": _Base(
+            "trained",
+            Geometry(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=384,
+                     num_key_value_heads=2, tie_word_embeddings=True, **_TRAINED),  # fmt: skip
+            "trained dense qwen3, 2 layers: the draft of both targets",
+            "bf16",
+            _TRAINED_VARIANTS,
+        ),
+    }
+)
+
 _BASES.update(
     {
         "tiny-qwen3-draft": _early_exit("tiny-qwen3", 1, "early-exit draft of tiny-qwen3: its first layer"),
@@ -332,7 +367,10 @@ def get_spec(name: str) -> ModelSpec:
     )
 
 
-def all_specs(tiers: tuple[str, ...] = ("tiny", "small", "gpu", "draft")) -> list[ModelSpec]:
+TIERS = ("tiny", "small", "gpu", "draft", "trained")
+
+
+def all_specs(tiers: tuple[str, ...] = TIERS) -> list[ModelSpec]:
     """Every registry entry, default variant first for each base."""
     specs = []
     for base_name, base in _BASES.items():

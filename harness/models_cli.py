@@ -12,7 +12,7 @@ def add_models(sub) -> None:
     models = sub.add_parser("models", help="list or synthesize registry models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     ls = msub.add_parser("list", help="registry names with geometry, parameters, bytes and cache state")
-    ls.add_argument("--tier", choices=["tiny", "small", "gpu", "draft"], help="only this tier")
+    ls.add_argument("--tier", choices=["tiny", "small", "gpu", "draft", "trained"], help="only this tier")
     ls.add_argument("--seed", type=int, default=0, help="seed whose cache state to show (default 0)")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_models_list)
@@ -32,11 +32,11 @@ def add_models(sub) -> None:
 def cmd_models_list(args) -> int:
     from rich.table import Table
 
-    from engine.registry import all_specs
+    from engine.registry import TIERS, all_specs
     from engine.synth import artifact_dir, is_cached, parameter_count
     from engine.synth.weights import planned_weight_bytes
 
-    tiers = (args.tier,) if args.tier else ("tiny", "small", "gpu", "draft")
+    tiers = (args.tier,) if args.tier else TIERS
     rows = []
     for spec in all_specs(tiers):
         g = spec.geometry

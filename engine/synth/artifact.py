@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine import env
+from engine.errors import ModelLoadError
 from engine.registry import ModelSpec, get_spec
 from engine.synth import plan as P
 from engine.synth.safetensors_writer import TensorEntry, WrittenFile, write_safetensors
@@ -37,7 +38,11 @@ Progress = Callable[[int, int, str], None]
 
 
 def artifact_dir(name: str, seed: int = 0) -> Path:
-    return env.models_dir() / f"{get_spec(name).name}-s{seed}"
+    """Where a registry name's artifact is: the cache (per seed), or goldens/trained/ for a trained model."""
+    spec = get_spec(name)
+    if spec.tier == "trained":
+        return env.trained_dir() / spec.name
+    return env.models_dir() / f"{spec.name}-s{seed}"
 
 
 def is_cached(name: str, seed: int = 0) -> bool:
@@ -45,10 +50,14 @@ def is_cached(name: str, seed: int = 0) -> bool:
 
 
 def ensure_model(name: str, seed: int = 0, progress: Progress | None = None) -> Path:
-    """The cached artifact for a registry name, synthesized on first use."""
+    """The artifact for a registry name: synthesized on first use, or a trained model's committed weights."""
     target = artifact_dir(name, seed)
     if not (target / MANIFEST).exists():
-        synthesize(get_spec(name), seed, target, progress=progress)
+        spec = get_spec(name)
+        if spec.tier == "trained":
+            raise ModelLoadError(f"{spec.name} has no weights in {target.parent}: train them with "
+                                 f"`python -m oracles.train` (trained models are never synthesized)")  # fmt: skip
+        synthesize(spec, seed, target, progress=progress)
     return target
 
 
@@ -157,6 +166,8 @@ def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None 
                shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the artifact for `spec` into `out` (atomically: a temp dir, then a rename), in safetensors
     shards of at most `shard_bytes`."""
+    if spec.tier == "trained":
+        raise ValueError(f"{spec.name} is a trained model: `python -m oracles.train` makes it, not synthesis")
     start = time.perf_counter()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Iterable, Optional
 
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
@@ -107,7 +108,7 @@ def _filler(i: int) -> str:
     return "\u0120" + word  # "Ġ" is the byte-level form of a space
 
 
-def _train_base(model_type: str) -> Tokenizer:
+def _train_base(model_type: str, texts: Optional[Iterable[str]] = None, size: int = BASE_BPE_SIZE) -> Tokenizer:
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -118,13 +119,13 @@ def _train_base(model_type: str) -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BASE_BPE_SIZE,
+        vocab_size=size,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator([corpus_text()], trainer=trainer)
+    tok.train_from_iterator(texts if texts is not None else [corpus_text()], trainer=trainer)
     return tok
 
 
@@ -150,12 +151,14 @@ def _is_complete_utf8(token: str, byte_decoder: dict[str, int]) -> bool:
     return True
 
 
-def build_tokenizer(model_type: str, vocab_size: int) -> BuiltTokenizer:
-    """Train the base BPE and pad it to exactly `vocab_size` ids."""
-    min_size = BASE_BPE_SIZE + len(SPECIAL_TOKENS)
+def build_tokenizer(model_type: str, vocab_size: int, texts: Optional[Iterable[str]] = None,
+                    base_size: int = BASE_BPE_SIZE) -> BuiltTokenizer:  # fmt: skip
+    """Train the base BPE (`base_size` ids: the byte alphabet and merges learned from `texts`, by default the
+    corpus beside this file) and pad it to exactly `vocab_size` ids."""
+    min_size = base_size + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
         raise ValueError(f"vocab_size {vocab_size} is below the minimum {min_size}")
-    spec = json.loads(_train_base(model_type).to_str())
+    spec = json.loads(_train_base(model_type, texts, base_size).to_str())
     vocab: dict[str, int] = spec["model"]["vocab"]
     byte_decoder = _byte_decoder()
     suppressed = [i for t, i in vocab.items() if not _is_complete_utf8(t, byte_decoder)]

@@ -1,0 +1,243 @@
+"""Train the registry's `trained` tier with MLX and write each model in mlx-lm's format, bf16 and 4-bit, with a
+manifest (command, seed, settings, data hash, losses), under goldens/trained/ by default.
+
+    python -m oracles.train                                   # the whole family (minutes on an H200)
+    python -m oracles.train --models trained-qwen3-draft --steps 300 --out /tmp/trained
+
+Deterministic for a given machine kind and Python version: the text (`oracles.train_data`), the tokenizer
+learned from it, the initial weights (`--seed`) and the batches (`--seed`) are fixed. The family shares one
+byte-level BPE tokenizer; the hybrid target trains its MTP head beside its next-token loss (the head sees the
+target's hidden state at t and the embedding of token t + 1, and predicts token t + 2, as `engine.spec.mtp`
+runs it). Weights train in float32 and are saved as bf16, then quantized from the bf16 weights to 4 bits
+(group 64, the matrices a synthesized 4-bit artifact quantizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+TRAINED = ("trained-qwen35", "trained-qwen3", "trained-qwen3-draft")
+GENERATOR = "engine-harness train v1"
+BASE_VOCAB = 4093  # the BPE's ids; the three special tokens make the registry's 4096
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 3000
+    batch: int = 32
+    seq: int = 512
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    mtp_weight: float = 0.5  # the MTP head's loss beside the next-token loss
+    seed: int = 0
+    eval_tokens: int = 65536  # held-out tokens the final loss is measured on
+
+
+def shared_tokenizer(texts: list[str]):
+    """The family's tokenizer, learned from the training text (qwen3_5's split rule: it equals qwen3's on text
+    without combining marks)."""
+    from engine.synth.tokenizer import build_tokenizer
+
+    return build_tokenizer("qwen3_5", 4096, texts=texts, base_size=BASE_VOCAB)
+
+
+def token_stream(texts, tok) -> np.ndarray:
+    """Each text's ids followed by <|endoftext|>, one int32 array."""
+    from tokenizers import Tokenizer
+
+    from engine.synth.tokenizer import END_OF_TEXT
+
+    encoder = Tokenizer.from_str(json.dumps(tok.tokenizer_json))
+    end = tok.special_ids[END_OF_TEXT]
+    ids: list[int] = []
+    for enc in encoder.encode_batch(list(texts), add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(end)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def build_model(spec, eos_ids: list[int], seed: int):
+    import mlx.core as mx
+
+    from engine.models import model_module
+    from engine.synth import plan as P
+
+    config = P.model_config(spec, eos_ids)
+    mx.random.seed(seed)
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_dict(config))
+    for layer in getattr(model, "layers", []):
+        lin = getattr(layer, "linear_attn", None)
+        if lin is not None:  # decay rates spread over heads (A in [1, 16], as Qwen3-Next initializes them)
+            lin.A_log = mx.log(mx.random.uniform(1.0, 16.0, lin.A_log.shape))
+    return model, config
+
+
+def losses(model, x, y, mtp_weight: float):
+    """Mean next-token cross entropy, plus `mtp_weight` times the MTP head's (token t + 2) where there is one;
+    returns (total, next-token loss)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    hidden = model.hidden(x)
+    lm = nn.losses.cross_entropy(model.logits(hidden).astype(mx.float32), y, reduction="mean")
+    if not getattr(model, "has_mtp", False):
+        return lm, lm
+    text = model.language_model
+    head = text.mtp(hidden[:, :-1], text.model.embed_tokens(y[:, :-1]))
+    mtp = nn.losses.cross_entropy(model.logits(head).astype(mx.float32), y[:, 1:], reduction="mean")
+    return lm + mtp_weight * mtp, lm
+
+
+def held_out_loss(model, ids: np.ndarray, seq: int, tokens: int) -> float:
+    """Mean next-token loss over the first `tokens` held-out tokens, in windows of `seq`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    n = min(tokens, len(ids) - 1) // seq
+    if n == 0:
+        raise ValueError(f"{len(ids)} held-out tokens are fewer than one window of {seq}")
+    total = 0.0
+    for i in range(0, n, 8):
+        rows = min(8, n - i)
+        window = ids[i * seq : (i + rows) * seq + 1]
+        x = mx.array(np.stack([window[r * seq : (r + 1) * seq] for r in range(rows)]))
+        y = mx.array(np.stack([window[r * seq + 1 : (r + 1) * seq + 1] for r in range(rows)]))
+        loss = nn.losses.cross_entropy(model(x).astype(mx.float32), y, reduction="sum")
+        total += loss.item()
+    return total / (n * seq)
+
+
+def train(model, ids: np.ndarray, s: TrainSettings, log) -> list[float]:
+    """AdamW with a linear warm-up and a cosine decay to a tenth; returns the next-token loss of every step."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    schedule = optim.join_schedules([optim.linear_schedule(s.lr / s.warmup, s.lr, s.warmup),
+                                     optim.cosine_decay(s.lr, max(1, s.steps - s.warmup), s.lr / 10)], [s.warmup])  # fmt: skip
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=s.weight_decay)
+    grad = nn.value_and_grad(model, lambda m, x, y: losses(m, x, y, s.mtp_weight))
+    rng = np.random.default_rng(s.seed)
+    history, start = [], time.perf_counter()
+    for step in range(s.steps):
+        offsets = rng.integers(0, len(ids) - s.seq - 1, size=s.batch)
+        window = np.stack([ids[o : o + s.seq + 1] for o in offsets])
+        (_, lm), grads = grad(model, mx.array(window[:, :-1]), mx.array(window[:, 1:]))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, lm)
+        history.append(lm.item())
+        if step % 100 == 0 or step == s.steps - 1:
+            rate = (step + 1) * s.batch * s.seq / (time.perf_counter() - start)
+            log(f"  step {step + 1}/{s.steps}: loss {np.mean(history[-100:]):.3f} ({rate:,.0f} tokens/s)")
+    return history
+
+
+def quantized_names(spec) -> set[str]:
+    """The matrices a synthesized artifact of `spec`'s 4-bit variant quantizes."""
+    from engine.registry import get_spec
+    from engine.synth import plan as P
+    from engine.synth.weights import is_quantized
+
+    four = get_spec(f"{spec.base}-4bit")
+    return {t.name for t in P.tensor_plan(four) if is_quantized(t, four)}
+
+
+def write_artifact(model, config: dict, tok, out: Path, manifest: dict) -> None:
+    """config.json, generation_config.json, tokenizer files, model.safetensors and manifest.json (every file's
+    sha256) into `out`, replacing what was there."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_ids, "do_sample": False}) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(tok.tokenizer_json, ensure_ascii=False), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(tok.tokenizer_config, indent=2) + "\n")
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
+    files = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+             for p in sorted(out.iterdir())}  # fmt: skip
+    (out / "manifest.json").write_text(json.dumps({**manifest, "files": files,
+                                                   "total_bytes": sum(f["bytes"] for f in files.values())}, indent=2) + "\n")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(TRAINED), help=f"comma-separated, of {', '.join(TRAINED)}")
+    p.add_argument("--out", type=Path, help="write here instead of goldens/trained/")
+    p.add_argument("--max-bytes", type=int, help="text read at most (default oracles.train_data's)")
+    defaults = TrainSettings()
+    for field, value in asdict(defaults).items():
+        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    args = p.parse_args(argv)
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine import env
+    from engine.registry import get_spec
+    from oracles.train_data import DEFAULT_MAX_BYTES, load_corpus
+
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRAINED]
+    if unknown:
+        p.error(f"not trained models: {', '.join(unknown)} (choose from {', '.join(TRAINED)})")
+    settings = TrainSettings(**{f: getattr(args, f) for f in asdict(defaults)})
+    out_root = args.out or env.trained_dir()
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    corpus = load_corpus(args.max_bytes or DEFAULT_MAX_BYTES)
+    tok = shared_tokenizer([f.text for f in corpus.train])
+    train_ids, held_ids = token_stream([f.text for f in corpus.train], tok), token_stream([f.text for f in corpus.held_out], tok)
+    data = {**corpus.summary(), "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(held_ids))}
+    log(f"text: {data['train_files']} train files ({len(train_ids):,} tokens), {data['held_out_files']} held out "
+        f"({len(held_ids):,}); Python {corpus.python}, sha256 {corpus.sha256[:16]}; {time.perf_counter() - start:.1f} s")  # fmt: skip
+    for name in names:
+        spec = get_spec(name)
+        model, config = build_model(spec, tok.eos_ids, settings.seed)
+        initial = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
+        log(f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of {settings.batch}x{settings.seq}")
+        began = time.perf_counter()
+        history = train(model, train_ids, settings, log)
+        model.set_dtype(mx.bfloat16)
+        held = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
+        result = {"train_loss": round(float(np.mean(history[-100:])), 4), "held_out_loss": round(held, 4),
+                  "held_out_perplexity": round(float(np.exp(held)), 2), "held_out_loss_at_init": round(initial, 4),
+                  "training_seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
+        log(f"{name}: train loss {result['train_loss']}, held-out loss {held:.3f} (perplexity "
+            f"{result['held_out_perplexity']}) in {result['training_seconds']} s")  # fmt: skip
+        manifest = {"generator": GENERATOR, "name": name, "command": "python -m oracles.train " + " ".join(argv or sys.argv[1:]),
+                    "settings": asdict(settings), "data": data, "result": result, "mlx": mx.__version__,
+                    "device": str(mx.default_device()), "machine": platform.machine(),
+                    "special_tokens": tok.special_ids}  # fmt: skip
+        write_artifact(model, config, tok, out_root / name, {**manifest, "weights": "bf16"})
+        names4 = quantized_names(spec)
+        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, _m: path in names4)
+        four = {**result, "held_out_loss": round(held_out_loss(model, held_ids, settings.seq, settings.eval_tokens), 4)}
+        config4 = {**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
+        config4["quantization_config"] = config4["quantization"]
+        write_artifact(model, config4, tok, out_root / f"{name}-4bit",
+                       {**manifest, "name": f"{name}-4bit", "result": four, "weights": "4-bit affine, group 64, bf16 scales"})  # fmt: skip
+        log(f"{name}-4bit: held-out loss {four['held_out_loss']:.3f}")
+    log(f"wrote {', '.join(names)} (and -4bit) under {out_root} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""oracles.train: a few steps of the trained family on a slice of the standard library, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import env
+from engine.errors import ModelLoadError
+from engine.synth import artifact_dir, ensure_model
+from oracles import train
+from oracles.train_data import is_held_out, load_corpus
+
+TINY_RUN = ["--steps", "2", "--batch", "2", "--seq", "32", "--warmup", "1", "--eval-tokens", "128",
+            "--max-bytes", "300000"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert train.main(["--models", "trained-qwen3-draft,trained-qwen35", "--out", str(out), *TINY_RUN]) == 0
+    return out
+
+
+def test_the_corpus_splits_files_by_name_and_records_what_it_read():
+    corpus = load_corpus(300_000)
+    names = [f.name for f in corpus.train + corpus.held_out]
+    assert len(names) == len(set(names))
+    assert all(is_held_out(f.name) for f in corpus.held_out) and not any(is_held_out(f.name) for f in corpus.train)
+    assert "engine/synth/corpus.txt" in names
+    assert corpus.sha256 == load_corpus(300_000).sha256
+    assert corpus.summary()["python"] == corpus.python
+
+
+@pytest.mark.parametrize("name", ["trained-qwen3-draft", "trained-qwen3-draft-4bit", "trained-qwen35", "trained-qwen35-4bit"])
+def test_each_model_is_written_with_its_manifest_and_serves(trained, name):
+    from engine.engine import Engine
+    from engine.generate import generate
+    from engine.request import StopCriteria
+
+    manifest = json.loads((trained / name / "manifest.json").read_text())
+    assert manifest["name"] == name and manifest["settings"]["steps"] == 2
+    assert manifest["data"]["sha256"] and manifest["data"]["python"]
+    assert set(manifest["result"]) >= {"train_loss", "held_out_loss", "held_out_loss_at_init"}
+    assert set(manifest["files"]) == {"config.json", "generation_config.json", "tokenizer.json",
+                                      "tokenizer_config.json", "model.safetensors"}  # fmt: skip
+    engine = Engine.load(None, trained / name)
+    assert ("quantization" in engine.config) == name.endswith("-4bit")
+    assert getattr(engine.model, "has_mtp", False) == name.startswith("trained-qwen35")
+    ids = [t.token_id for t in generate(engine.model, [5, 6, 7], stop=StopCriteria(max_tokens=4, ignore_eos=True))]
+    assert len(ids) == 4 and all(0 <= i < 4096 for i in ids)
+
+
+def test_the_family_shares_one_tokenizer(trained):
+    texts = {(trained / n / "tokenizer.json").read_text() for n in ("trained-qwen3-draft", "trained-qwen35-4bit")}
+    assert len(texts) == 1
+
+
+def test_training_is_deterministic(trained, tmp_path):
+    assert train.main(["--models", "trained-qwen3-draft", "--out", str(tmp_path), *TINY_RUN]) == 0
+    again = json.loads((tmp_path / "trained-qwen3-draft" / "manifest.json").read_text())["files"]
+    first = json.loads((trained / "trained-qwen3-draft" / "manifest.json").read_text())["files"]
+    assert again["model.safetensors"] == first["model.safetensors"]
+
+
+def test_a_trained_name_is_never_synthesized(monkeypatch, tmp_path):
+    monkeypatch.setattr(env, "trained_dir", lambda: tmp_path)
+    assert artifact_dir("trained-qwen3") == tmp_path / "trained-qwen3"
+    with pytest.raises(ModelLoadError, match="python -m oracles.train"):
+        ensure_model("trained-qwen3-4bit")
+
+
+def test_unknown_models_are_refused():
+    with pytest.raises(SystemExit):
+        train.main(["--models", "tiny-qwen3"])
