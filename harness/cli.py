@@ -7,6 +7,7 @@
     harness server-overhead --models NAME    in-process vs through `engine serve`
     harness startup --models NAME            load to ready, bursts after ready, lone vs serial, restart
     harness kernels [--shapes qwen27b]       fast-tier kernels vs MLX's ops; --gate-model: numerics gate
+    harness quality --models NAME            held-out perplexity, KL vs reference: weight bits, KV bits, tiers
     harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
     harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
     harness report A.json [B.json] --out compare.html   offline HTML comparison
@@ -26,6 +27,7 @@ from harness import (
     models_cli,
     native_cli,
     parity_cli,
+    quality_cli,
     report_cli,
     run_cli,
     server_overhead_cli,
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cli.add_db(sub)
     spec_cli.add_spec(sub)
     kernels_cli.add_kernels(sub)
+    quality_cli.add_quality(sub)
     run_cli.add_run(sub)
     run_cli.add_trials(sub)
     return parser

@@ -1,0 +1,154 @@
+"""What a weight quantization, a quantized KV cache or a kernel tier costs in quality: held-out perplexity and
+the mean KL divergence of each position's next-token distribution from the bf16 (or the artifact's own)
+weights on the exact tier, in process.
+
+The held-out text is `oracles.train_data`'s held-out files, tokenized by the model's own tokenizer: for a
+trained model the text it never saw; for a synthetic one just text (its perplexity is that of random
+weights, the baseline a trained model must beat). Each window starts from an empty cache and goes through
+the model in chunks, as a prompt is prefilled, so a quantized KV cache takes effect after the first chunk
+(as `engine serve --kv-bits` quantizes after a prompt's first chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+WEIGHT_BITS = (8, 4)  # in-memory quantizations of a bf16 model (affine, group 64, the registry's variants')
+KV_BITS = (8, 4)
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    tokens: int = 4096  # held-out tokens scored
+    window: int = 512  # tokens a window (each from an empty cache)
+    chunk: int = 128  # tokens a forward within a window
+    kv_group_size: int = 64
+
+
+@dataclass(frozen=True)
+class QualityRow:
+    variant: str  # "bf16", "4bit", "bf16 kv8", "bf16 fast" ...
+    weights: str
+    kv_bits: Optional[int]
+    tier: str
+    nll: float  # mean next-token negative log-likelihood, nats
+    perplexity: float
+    mean_kl: Optional[float]  # KL(reference || variant) per position, mean; None for the reference itself
+    top1_agreement: Optional[float]
+
+
+@dataclass
+class QualityResult:
+    model: str
+    settings: QualitySettings
+    tokens: int
+    rows: list[QualityRow] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return {"model": self.model, "settings": asdict(self.settings), "tokens": self.tokens,
+                "rows": [asdict(r) for r in self.rows]}  # fmt: skip
+
+
+def held_out_ids(tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` ids of the held-out files, each followed by an end-of-text where the tokenizer has one."""
+    from oracles.train_data import load_corpus
+
+    ids: list[int] = []
+    for f in load_corpus().held_out:
+        ids.extend(tokenizer.encode(f.text))
+        if len(ids) >= tokens + 1:
+            break
+    if len(ids) < tokens + 1:
+        raise ValueError(f"the held-out text gives {len(ids)} tokens, fewer than {tokens + 1}")
+    return ids[: tokens + 1]
+
+
+def logprobs(model, ids: list[int], s: QualitySettings, kv_bits: Optional[int]) -> np.ndarray:
+    """Log-softmax of every position's next-token logits [len(ids) - 1, V], float32, window after window."""
+    import mlx.core as mx
+
+    from engine.generate import KVQuantization
+
+    kv = KVQuantization(bits=kv_bits, group_size=s.kv_group_size, start=0) if kv_bits else None
+    rows = []
+    for w in range(0, len(ids) - 1, s.window):
+        window = ids[w : min(w + s.window, len(ids) - 1)]
+        cache = model.make_cache()
+        if kv:
+            kv.check(cache)
+        for c in range(0, len(window), s.chunk):
+            logits = model(mx.array(window[c : c + s.chunk])[None], cache)[0].astype(mx.float32)
+            rows.append(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+            if kv:
+                kv.apply(cache)
+    return np.concatenate(rows)
+
+
+def score(variant: str, weights: str, kv_bits: Optional[int], tier: str, lp: np.ndarray, targets: np.ndarray,
+          ref: Optional[np.ndarray]) -> QualityRow:  # fmt: skip
+    nll = float(-lp[np.arange(len(targets)), targets].mean())
+    kl = top1 = None
+    if ref is not None:
+        kl = float((np.exp(ref) * (ref - lp)).sum(axis=-1).mean())
+        top1 = float((ref.argmax(-1) == lp.argmax(-1)).mean())
+    return QualityRow(variant, weights, kv_bits, tier, round(nll, 5), round(math.exp(nll), 3),
+                      None if kl is None else round(kl, 6), None if top1 is None else round(top1, 4))  # fmt: skip
+
+
+def measure(label: str, model_path, s: QualitySettings = QualitySettings(),
+            weight_bits=WEIGHT_BITS, kv_bits=KV_BITS, fast: bool = True,
+            progress: Callable[[str], None] = lambda line: None) -> QualityResult:  # fmt: skip
+    """Every variant of one model against its reference: the artifact on the exact tier (bf16 weights where
+    the artifact is bf16). A bf16 artifact is also quantized in memory to each of `weight_bits`; the
+    reference weights run with each of `kv_bits`; `fast` adds the fast tier where this device runs it."""
+    import mlx.nn as nn
+
+    from engine.engine import Engine
+
+    def load(kernels: str) -> Engine:
+        return Engine.load(None, model_path, kernels=kernels)
+
+    exact = load("exact")
+    quantized = "quantization" in exact.config
+    base = "artifact" if quantized else "bf16"
+    ids = held_out_ids(exact.tokenizer, s.tokens)
+    targets = np.array(ids[1:])
+    result = QualityResult(label, s, len(targets))
+    progress(f"reference ({base}, exact tier)")
+    ref = logprobs(exact.model, ids, s, None)
+    result.rows.append(score(base, base, None, "exact", ref, targets, None))
+    for bits in kv_bits:
+        progress(f"{base} with kv{bits}")
+        result.rows.append(score(f"{base} kv{bits}", base, bits, "exact", logprobs(exact.model, ids, s, bits), targets, ref))
+    if fast:
+        engine = load("fast")
+        if engine.kernels.tier == "fast":
+            progress(f"{base}, fast tier")
+            result.rows.append(score(f"{base} fast", base, None, "fast", logprobs(engine.model, ids, s, None), targets, ref))
+    if not quantized:
+        for bits in weight_bits:
+            progress(f"{bits}-bit weights")
+            engine = load("exact")
+            nn.quantize(engine.model, group_size=64, bits=bits, class_predicate=_quantizable)
+            result.rows.append(score(f"{bits}bit", f"{bits}bit", None, "exact", logprobs(engine.model, ids, s, None), targets, ref))
+    return result
+
+
+def _quantizable(_path: str, module) -> bool:
+    """Every Linear and Embedding whose input size is a multiple of the group (64)."""
+    return hasattr(module, "to_quantized") and module.weight.shape[-1] % 64 == 0
+
+
+def markdown(results: list[QualityResult]) -> str:
+    lines = ["| model | variant | tier | perplexity | mean NLL | mean KL vs reference | top-1 agreement |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        for row in r.rows:
+            kl = "reference" if row.mean_kl is None else f"{row.mean_kl:.5f}"
+            top1 = "" if row.top1_agreement is None else f"{100 * row.top1_agreement:.1f}%"
+            lines.append(f"| {r.model} | {row.variant} | {row.tier} | {row.perplexity:.2f} | {row.nll:.4f} | {kl} | {top1} |")
+    return "\n".join(lines) + "\n"
