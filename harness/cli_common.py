@@ -4,7 +4,10 @@ several subcommands take (model source, kernel tier), and how results print (ver
 from __future__ import annotations
 
 import argparse
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 
@@ -12,6 +15,29 @@ console = Console(stderr=True)
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
     out = Console(width=200)
+
+
+class _Lines:
+    """A status that prints each update as a line, with the seconds since it began."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def update(self, message: str) -> None:
+        console.print(f"[{time.perf_counter() - self.start:.0f} s] {message}", markup=False, highlight=False)
+
+
+@contextmanager
+def status(text: str) -> Iterator:
+    """A spinner with `text` on a terminal; elsewhere (a log, a pipe) each `update` as a line on stderr, so long
+    work shows its progress where a spinner would print nothing."""
+    if console.is_terminal:
+        with console.status(text) as spinner:
+            yield spinner
+        return
+    lines = _Lines()
+    lines.update(text)
+    yield lines
 
 
 class CliError(ValueError):

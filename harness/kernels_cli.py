@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.bench_config import BenchConfig
-from harness.cli_common import CliError, console, csv_ints, non_negative
+from harness.cli_common import CliError, csv_ints, non_negative, status
 from harness.cli_common import out as stdout
 from harness.cli_common import positive as _positive
 from harness.summary import fmt
@@ -75,17 +75,17 @@ def cmd_kernels(args) -> int:
         raise CliError(str(e)) from None
     cfg = BenchConfig(rows=tuple(args.rows), tokens=tuple(args.tokens), repeats=args.repeats, calls=args.calls,
                       peak_gbs=args.peak_gbs, max_shapes=args.max_shapes, cold_bytes=args.cold_mb << 20)  # fmt: skip
-    with console.status("timing") as status:
-        def progress(r):
+    with status("timing") as progress:
+        def timed(r):
             if isinstance(r, DeltaResult):
                 label = f"T={r.tokens}"
             elif isinstance(r, GroupResult):
                 label = f"{r.label} M={r.m}"
             else:
                 label = f"{r.n}x{r.k} M={r.m}" + (" (prompt chunk)" if isinstance(r, PrefillResult) else "")
-            status.update(f"timed {label}")
+            progress.update(f"timed {label}")
 
-        bench = run_kernel_bench(spec, cfg, on_result=progress)
+        bench = run_kernel_bench(spec, cfg, on_result=timed)
     gemv, groups, prefill, delta = bench.gemv, bench.groups, bench.prefill, bench.delta
     weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
     t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
@@ -173,9 +173,9 @@ def _gate(args) -> int:
     except UnknownModelError as e:
         raise CliError(str(e)) from None
     fast = replace(KernelConfig.from_env(FAST), force=args.force)
-    with console.status(f"gate on {args.gate_model}") as status:
+    with status(f"gate on {args.gate_model}") as progress:
         results = run_gates(path, args.gate_rows, steps=args.gate_steps, fast=fast,
-                            on_progress=lambda m: status.update(f"gate on {args.gate_model}: {m}"))  # fmt: skip
+                            on_progress=lambda m: progress.update(f"gate on {args.gate_model}: {m}"))  # fmt: skip
     for gate in results:
         rows = gate.rows
         t = Table(title=f"numerics gate on {args.gate_model}, {rows} row{'s' * (rows > 1)} a batch, {args.gate_steps} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.cli_common import CliError, console, csv_ints, model_source, positive, targets
+from harness.cli_common import CliError, csv_ints, model_source, positive, status, targets
 from harness.cli_common import out as stdout
 
 
@@ -48,10 +48,10 @@ def cmd_quality(args) -> int:
                                kv_group_size=args.kv_group_size)  # fmt: skip
     results = []
     for label, path in targets(args):
-        with console.status(f"{label}: loading") as status:
+        with status(f"{label}: loading") as progress:
             try:
                 results.append(measure(label, path, settings, args.weight_bits, args.kv_bits, not args.no_fast,
-                                       progress=lambda line, label=label: status.update(f"{label}: {line}")))  # fmt: skip
+                                       progress=lambda line, label=label: progress.update(f"{label}: {line}")))  # fmt: skip
             except ValueError as e:  # a setting the model cannot take (KV group size, too little held-out text)
                 raise CliError(f"{label}: {e}") from None
     table = markdown(results)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.cli_common import CliError, console
+from harness.cli_common import CliError, status
 from harness.cli_common import out as stdout
 from harness.cli_common import positive as _positive
 
@@ -47,8 +47,8 @@ def cmd_spec(args) -> int:
         raise CliError(str(e)) from None
     cfg = SpecBenchConfig(args.prompt_tokens, args.decode_tokens, args.blocks, args.warmup, args.num_draft,
                           rollback=args.rollback, policy=args.policy, seed=args.seed)  # fmt: skip
-    with console.status("loading") as status:
-        result = run_spec_bench(args.model, arms, cfg, on_progress=status.update)
+    with status("loading") as progress:
+        result = run_spec_bench(args.model, arms, cfg, on_progress=progress.update)
     write(result, args.json, args.md)
     stdout.print(markdown(result), markup=False, highlight=False)
     return 0 if all(all(a.same_tokens) for a in result.arms) else 1
