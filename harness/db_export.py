@@ -104,7 +104,8 @@ def _arm(db: sqlite_utils.Database, run_id: str, a: dict) -> dict:
     return {"arm": a["arm"], "command": json.loads(a["command"] or "[]"), "env": json.loads(a.get("env") or "{}"),
             "status": a["status"], "error": a["error"], "load_to_ready_s": a["load_to_ready_s"],
             "peak_rss_bytes": a["peak_rss_bytes"], "rss_samples": samples, "stderr_tail": a["stderr_tail"] or "",
-            "kernels": json.loads(a.get("kernels") or "null"), "cells": cells}  # fmt: skip
+            "kernels": json.loads(a.get("kernels") or "null"), "quality": json.loads(a.get("quality") or "null"),
+            "cells": cells}  # fmt: skip
 
 
 def _request(q: dict) -> dict:

@@ -123,19 +123,35 @@ def measure(label: str, model_path, s: QualitySettings = QualitySettings(),
     result.rows.append(score(base, base, None, "exact", ref, targets, None))
     for bits in kv_bits:
         progress(f"{base} with kv{bits}")
-        result.rows.append(score(f"{base} kv{bits}", base, bits, "exact", logprobs(exact.model, ids, s, bits), targets, ref))
+        lp = logprobs(exact.model, ids, s, bits)
+        result.rows.append(score(f"{base} kv{bits}", base, bits, "exact", lp, targets, ref))
     if fast:
         engine = load("fast")
         if engine.kernels.tier == "fast":
             progress(f"{base}, fast tier")
-            result.rows.append(score(f"{base} fast", base, None, "fast", logprobs(engine.model, ids, s, None), targets, ref))
+            lp = logprobs(engine.model, ids, s, None)
+            result.rows.append(score(f"{base} fast", base, None, "fast", lp, targets, ref))
     if not quantized:
         for bits in weight_bits:
             progress(f"{bits}-bit weights")
             engine = load("exact")
             nn.quantize(engine.model, group_size=64, bits=bits, class_predicate=_quantizable)
-            result.rows.append(score(f"{bits}bit", f"{bits}bit", None, "exact", logprobs(engine.model, ids, s, None), targets, ref))
+            lp = logprobs(engine.model, ids, s, None)
+            result.rows.append(score(f"{bits}bit", f"{bits}bit", None, "exact", lp, targets, ref))
     return result
+
+
+def held_out_score(model_path, tier: str, tokens: int) -> dict:
+    """The artifact's held-out perplexity on `tier` (one row, no reference): what `harness run all` records for
+    an engine arm, the same first `tokens` held-out tokens every run."""
+    from engine.engine import Engine
+
+    engine = Engine.load(None, model_path, kernels=tier)
+    s = QualitySettings(tokens=tokens)
+    ids = held_out_ids(engine.tokenizer, tokens)
+    row = score(engine.kernels.tier, "artifact", None, engine.kernels.tier, logprobs(engine.model, ids, s, None),
+                np.array(ids[1:]), None)  # fmt: skip
+    return {"tokens": tokens, "tier": row.tier, "nll": row.nll, "perplexity": row.perplexity}
 
 
 def _quantizable(_path: str, module) -> bool:
@@ -150,5 +166,6 @@ def markdown(results: list[QualityResult]) -> str:
         for row in r.rows:
             kl = "reference" if row.mean_kl is None else f"{row.mean_kl:.5f}"
             top1 = "" if row.top1_agreement is None else f"{100 * row.top1_agreement:.1f}%"
-            lines.append(f"| {r.model} | {row.variant} | {row.tier} | {row.perplexity:.2f} | {row.nll:.4f} | {kl} | {top1} |")
+            lines.append(f"| {r.model} | {row.variant} | {row.tier} | {row.perplexity:.2f} | {row.nll:.4f} | {kl} "
+                         f"| {top1} |")
     return "\n".join(lines) + "\n"

@@ -72,6 +72,7 @@ class ArmRun:
     rss_samples: list[tuple[float, int]] = field(default_factory=list)
     stderr_tail: str = ""
     kernels: Optional[dict[str, Any]] = None  # an engine arm's KernelSet record, from its /stats
+    quality: Optional[dict[str, Any]] = None  # an engine arm's held-out perplexity (harness.quality.held_out_score)
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -174,7 +175,11 @@ def _m3_fault_records(db: sqlite_utils.Database) -> None:
     db["requests"].add_column("status_code", int)
 
 
-MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records]  # append only; each runs once, in order
+def _m4_arm_quality(db: sqlite_utils.Database) -> None:
+    db["arms"].add_column("quality", str)  # JSON: the engine arm's held-out perplexity
+
+
+MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -250,7 +255,8 @@ def _arm_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmR
                        "load_to_ready_s": arm.load_to_ready_s, "peak_rss_bytes": arm.peak_rss_bytes,
                        "status": arm.status, "error": arm.error, "stderr_tail": arm.stderr_tail,
                        "workload_sha256": model.workload_sha256, "manifest_sha256": model.manifest_sha256,
-                       "kernels": None if arm.kernels is None else json.dumps(arm.kernels)},
+                       "kernels": None if arm.kernels is None else json.dumps(arm.kernels),
+                       "quality": None if arm.quality is None else json.dumps(arm.quality)},
                       pk=ARM_KEYS)  # fmt: skip
     db["samples"].delete_where("run_id = ? and block = ? and model = ? and arm = ?", list(keys.values()))
     db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)

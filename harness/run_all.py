@@ -13,6 +13,9 @@ throughout, then run the phases in order:
     concurrency-C   C requests at once (aggregate throughput), for each C
     long            a `context`-token prompt, then decode (unless skipped)
 
+then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
+its server ran (`quality_tokens`, `harness.quality.held_out_score`).
+
 Every timed request asks for a fixed output length (`ignore_eos`). A phase
 whose requests fail is retried once with the workload's second set of prompts
 (fresh nonces); both attempts are kept. No retry after a limit ended a
@@ -146,6 +149,7 @@ class RunSettings:
     request_timeout_s: float = 1800  # one whole request
     stall_timeout_s: float = 300  # a request without a byte for this long: the server is taken as hung
     goodput: tuple[tuple[str, float], ...] = ()  # SLOs, (metric, ms): a request meeting all counts as goodput
+    quality_tokens: int = 512  # held-out tokens an engine arm's perplexity is measured on, in process (0: none)
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -296,6 +300,21 @@ class Runner:
                         break
         finally:
             arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
+        if spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
+            self._quality(mrun, arm, Path(mrun.model_dir))
+
+    def _quality(self, mrun: ModelRun, arm: ArmRun, model_dir: Path) -> None:
+        """The artifact's held-out perplexity in process, on the tier the arm's server ran (its /stats)."""
+        from harness.quality import held_out_score
+
+        tier = (arm.kernels or {}).get("tier") or "auto"
+        self.on_phase(f"{mrun.model} / {arm.arm} / held-out perplexity")
+        try:
+            arm.quality = held_out_score(model_dir, tier, self.settings.quality_tokens)
+        except Exception as e:  # noqa: BLE001 - the run's measurements stand without it
+            arm.quality = {"error": f"{type(e).__name__}: {e}"}
+        got = arm.quality.get("perplexity", arm.quality.get("error"))
+        self.log(f"{mrun.model} / {arm.arm}: held-out perplexity {got}")
 
     def _finish_arm(self, mrun: ModelRun, arm: ArmRun) -> None:
         with self.db.atomic():

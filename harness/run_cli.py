@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from harness.cli_common import CliError, console, csv, csv_ints, positive, positive_seconds
+from harness.cli_common import CliError, console, csv, csv_ints, non_negative, positive, positive_seconds
 from harness.cli_common import out as stdout
 
 # With no --models and no --model-path: a set that finishes in a few minutes on 2 CPU cores.
@@ -69,6 +69,9 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs, e.g. --goodput ttft:2000 tpot:50 (metrics ttft, tpot, e2el; ms): a request meeting all "
                         "counts toward each cell's goodput (requests/s) and SLO attainment (vLLM's definition)")
+    p.add_argument("--quality-tokens", type=non_negative, default=512, metavar="N",
+                   help="each engine arm's held-out perplexity, measured in process on the tier its server ran, over "
+                   "the first N held-out tokens (harness quality's text; 0: none; default 512)")  # fmt: skip
     p.add_argument("--request-timeout", type=positive_seconds, default=1800, metavar="SECONDS",
                    help="the longest one request may take, start to last byte; past it the request fails "
                    "(timed_out) and its cell fails, not retried (default 1800)")  # fmt: skip
@@ -122,6 +125,7 @@ def _run_plan(args):
         raise CliError("--goodput names a metric twice")
     settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples, request_timeout_s=args.request_timeout,
                            stall_timeout_s=args.stall_timeout, goodput=tuple(args.goodput),
+                           quality_tokens=args.quality_tokens,
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context))  # fmt: skip
     if args.model_path:
@@ -210,7 +214,7 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
     stdout.print(table)
-    for line in summary.goodput_lines(run):
+    for line in summary.goodput_lines(run) + summary.quality_lines(run):
         stdout.print(line, markup=False, highlight=False)
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
     return rs

@@ -190,6 +190,10 @@ def markdown(run: dict) -> str:
     goodput = goodput_lines(run)
     if goodput:
         lines += ["", md_text(goodput[0]), ""] + [f"- {md_text(line)}" for line in goodput[1:]]
+    quality = quality_lines(run)
+    if quality:
+        lines += ["", "Held-out perplexity (`harness quality`'s text, in process):", ""]
+        lines += [f"- {md_text(q)}" for q in quality]
     compiled = compiled_cells(run)
     if compiled:
         lines += ["", "Cells during which an engine server first ran forward shapes (on CUDA: compiled kernels "
@@ -211,6 +215,20 @@ def goodput_lines(run: dict) -> list[str]:
                 if cell["phase"] not in ("warmup", "probe") and mt.get("slo_attainment") is not None:
                     out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: goodput {mt['request_goodput']:g} "
                                f"req/s, attainment {mt['slo_attainment']:.0%} of {mt['requests']}")  # fmt: skip
+    return out
+
+
+def quality_lines(run: dict) -> list[str]:
+    """'model / arm: held-out perplexity P over N tokens (tier T)' for each engine arm that measured it."""
+    out = []
+    for m in run.get("models", []):
+        for arm in m.get("arms", []):
+            q = arm.get("quality")
+            if q and "perplexity" in q:
+                out.append(f"{m['model']} / {arm['arm']}: held-out perplexity {q['perplexity']:g} over {q['tokens']} "
+                           f"tokens ({q['tier']} tier)")  # fmt: skip
+            elif q:
+                out.append(f"{m['model']} / {arm['arm']}: held-out perplexity not measured ({q.get('error')})")
     return out
 
 

@@ -32,7 +32,7 @@ def cli_run(tiny_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine,engine-serial,mlx-lm",
            "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples", "2", "--diagnostic",
-           "--goodput", "ttft:600000", "tpot:60000",
+           "--goodput", "ttft:600000", "tpot:60000", "--quality-tokens", "64",
            "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
     run_tag = new_tag()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
@@ -47,6 +47,9 @@ def test_the_run_completes_with_all_three_arms(cli_run):
         assert f"| {MODEL} | {arm} | measured |" in md
         assert f"- {MODEL} / {arm} / concurrency-2: goodput " in md and "attainment 100% of 2" in md
     assert "Goodput (requests meeting every SLO: ttft &lt;= 600000 ms, tpot &lt;= 60000 ms):" in md
+    for arm in ("engine", "engine-serial"):
+        assert f"- {MODEL} / {arm}: held-out perplexity " in md and "over 64 tokens (exact tier)" in md
+    assert f"{MODEL} / mlx-lm: held-out" not in md
     assert not leftovers(run_tag)
 
 
@@ -80,6 +83,9 @@ def test_the_json_follows_the_schema(cli_run):
         assert len(decode["metrics"]["decode_tps_samples"]) == 2
         for key in ("median_ttft_ms", "p99_itl_ms", "mean_e2el_ms", "output_throughput", "total_token_throughput"):
             assert decode["metrics"][key] is not None, key
+    quality = {a["arm"]: a["quality"] for a in model["arms"]}
+    assert quality["mlx-lm"] is None and quality["engine"] == quality["engine-serial"]  # one artifact, one tier
+    assert quality["engine"]["tokens"] == 64 and quality["engine"]["perplexity"] > 1
     warm = {a["arm"]: next(c for c in a["cells"] if c["phase"] == "warm") for a in model["arms"]}
     assert warm["engine"]["metrics"]["cached_tokens"][0] > 0  # the cold prompt, served from the prefix cache
 
@@ -101,7 +107,8 @@ def test_the_database_indexes_the_run(cli_run):
     n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
     assert n_requests == 3 * ((1 + 2) + 1 + 2 + 1 + 1 + 2)  # warmup: one alone, then one per stream
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4]
+    assert db.execute("select count(*) from arms where json_extract(quality, '$.tokens') = 64").fetchone()[0] == 2
     tiers = dict(db.execute("select arm, json_extract(kernels, '$.requested') from arms").fetchall())
     assert tiers == {"engine": AUTO, "engine-serial": AUTO, "mlx-lm": None}
 

@@ -250,7 +250,8 @@ def faulted_record() -> RunRecord:
                    {}, stderr_tail="server log\n")  # fmt: skip
     model.arms = [
         ArmRun("a", ["serve", "a"], {"X": "1"}, MEASURED, load_to_ready_s=1.25, peak_rss_bytes=10,
-               rss_samples=[(0.0, 10), (0.25, 9)], kernels={"tier": "exact"}, cells=[good]),
+               rss_samples=[(0.0, 10), (0.25, 9)], kernels={"tier": "exact"}, cells=[good],
+               quality={"tokens": 64, "tier": "exact", "nll": 1.0, "perplexity": 2.718}),
         ArmRun("b", ["serve", "b"], {}, FAILED, "the server stopped answering", cells=[stalled,
                Cell("cold", NOT_MEASURED, "the server stopped answering")]),
         ArmRun("c", ["serve", "c"], {}, INTERRUPTED, "the run was interrupted by SIGTERM during phase decode",
@@ -275,7 +276,7 @@ def test_the_database_export_is_the_json_companion_after_a_fault(tmp_path):
     assert statuses == [("a", "measured", ["measured"]), ("b", "failed", ["failed", "not_measured"]),
                         ("c", "interrupted", ["not_measured", "not_measured"])]  # fmt: skip
     assert exported["models"][0]["arms"][1]["cells"][0]["attempts"][0]["requests"][0]["timeout_kind"] == STALLED
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4]
 
 
 def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):
