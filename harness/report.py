@@ -261,7 +261,7 @@ def _choose_baseline(inputs: list[Input], baseline: Optional[str]) -> str:
 def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str, Any]:
     baseline = _choose_baseline(inputs, baseline)
     machines: dict[str, list[dict]] = {}
-    ratios, strips, memory, identity, failures, requests = [], [], [], [], [], []
+    ratios, strips, memory, identity, failures, requests, quality = [], [], [], [], [], [], []
     for inp in inputs:
         for model in inp.run["models"]:
             where = f"{inp.run['run_id']} / {model['model']}" + (f" / block {model['block']}" if inp.run["kind"] == "trials" else "")
@@ -286,6 +286,11 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                                "ttft": _strip(ttft), "itl": _strip(itl)})  # fmt: skip
                 memory.append({"label": f"{arm['arm']} ({model['model']})", "x": (arm.get("peak_rss_bytes") or 0) / 2**20 or None,
                                "y": metric(arm, "decode", "median_decode_tps")})  # fmt: skip
+                if arm.get("quality"):
+                    q = arm["quality"]
+                    quality.append({"where": where, "arm": arm["arm"], "tier": q.get("tier"), "tokens": q.get("tokens"),
+                                    "perplexity": q.get("perplexity"), "error": q.get("error"),
+                                    "peak_rss_mib": (arm.get("peak_rss_bytes") or 0) / 2**20 or None})  # fmt: skip
                 if arm["status"] == FAILED or arm.get("error"):
                     what = "server" if arm["status"] == FAILED else arm["status"]  # interrupted, say
                     failures.append({"where": where, "arm": arm["arm"], "what": what, "error": arm.get("error"),
@@ -318,6 +323,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "strips": strips,
         "memory": _scatter(memory),
         "identity": identity,
+        "quality": quality,
         "failures": failures,
         "requests": requests,
         "statuses": [MEASURED, RECOVERED, FAILED, NOT_MEASURED, "unsupported"],
@@ -355,6 +361,13 @@ def render_markdown(view: dict) -> str:
             ci = f"{p['ci_low']:.3f}-{p['ci_high']:.3f}" if p["ci_low"] is not None else "-"
             lines.append(md_row([p["model"], p["arm"], p["metric"], p["blocks"], f"{p['geomean']:.3f}", ci,
                                  f"{p['verdict']} {p['note']}"]))  # fmt: skip
+    if view["quality"]:
+        lines += ["", "## Quality and size", "", "| run / model | arm | tier | held-out tokens | perplexity | peak RSS MiB |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for q in view["quality"]:
+            ppl = f"{q['perplexity']:g}" if q["perplexity"] is not None else f"not measured: {q['error']}"
+            rss = f"{q['peak_rss_mib']:.0f}" if q["peak_rss_mib"] else "-"
+            lines.append(md_row([q["where"], q["arm"], q["tier"] or "-", q["tokens"] or "-", ppl, rss]))
     if view["failures"]:
         lines += ["", "## Failures", ""] + [f"- {md_text(f['where'])} / {md_text(f['arm'])} / {md_text(f['what'])}: "
                                             f"{md_text(f['error'])}" for f in view["failures"]]  # fmt: skip

@@ -86,6 +86,20 @@ def test_markdown_and_json_formats(view):
     assert again["baseline"] == "mlx-lm" and len(again["requests"]) == len(view["requests"])
 
 
+def test_the_engine_arms_held_out_perplexity_is_listed_with_its_size(tmp_path):
+    run = json.loads(FIXTURE.read_text())
+    engine, mlx = run["models"][0]["arms"]
+    engine["quality"] = {"tokens": 512, "tier": "exact", "nll": 2.0, "perplexity": 7.389}
+    mlx["quality"] = None
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(run))
+    view = report.build_view(report.load([path]))
+    (row,) = view["quality"]
+    assert (row["arm"], row["tier"], row["tokens"], row["perplexity"]) == (engine["arm"], "exact", 512, 7.389)
+    assert "7.389" in report.render_html(view) and "| exact | 512 | 7.389 |" in report.render_markdown(view)
+    assert "No arm measured its held-out perplexity" in report.render_html(report.build_view(report.load([FIXTURE])))
+
+
 def test_a_baseline_that_is_not_there_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="baseline arm"):
         report.build_view(report.load([FIXTURE]), baseline="nope")
