@@ -204,15 +204,16 @@ def _prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> Warm
 
 
 def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096,
-             log: Callable[[str], None] = lambda line: None) -> list[WarmupStage]:  # fmt: skip
+             log: Callable[[str], None] = lambda line: None, prebuild: bool = True) -> list[WarmupStage]:  # fmt: skip
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
     compile; returns its stages, each passed to `log` as it ends. `quick`: one short request (two on the
     continuous lane, decoding together). `full`: also `batch` requests at once on the continuous lane, each
     a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
     its way up and down; then, one at a time, a prompt a prefill chunk bucket long (within `context` and the
     KV budget), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the
-    kernels of all of them are built first (`_prebuild_kernels`). `off`: none. A warm-up request that fails
-    stops the start (a setting the model cannot take would fail every request)."""
+    kernels of all of them are built first (`_prebuild_kernels`; `prebuild` False leaves that stage out, for
+    measuring what it changes). `off`: none. A warm-up request that fails stops the start (a setting the
+    model cannot take would fail every request)."""
     if mode == "off":
         return []
 
@@ -234,7 +235,7 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         groups = _group_waves(gateway.config, context,
                               lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
         stages += [(f"prefill chunks ({len(chunks)} lengths)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
-    if mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
+    if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
         report.append(_prebuild_kernels(gateway, kernel_cache.active()))
         log(report[-1].line())
     sinks = []

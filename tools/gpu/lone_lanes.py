@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     p.add_argument("--arms", default="generate,runner,serial,continuous")
     p.add_argument("--warmup", choices=("off", "quick", "full"), default="off",
                    help="first run `engine serve`'s warm-up on the continuous gateway")
+    p.add_argument("--no-prebuild", action="store_true", help="the warm-up without its kernel-build stage (the "
+                   "decode steps' forwards built, not run, before any request): whether the steps it traces are slower")
     p.add_argument("--burst", type=int, default=0, help="then a burst of this many requests, and the rounds again")
     p.add_argument("--reset", action="store_true", help="last, empty the prompt caches and MLX's buffer cache, "
                    "collect garbage, and run the rounds again")
@@ -180,7 +182,8 @@ def main(argv=None) -> None:
 
     if args.warmup != "off":
         start = time.perf_counter()
-        _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print)
+        _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print,
+                 prebuild=not args.no_prebuild)
         print(f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s", flush=True)
     rounds("fresh", warm=True)
     if args.burst:
