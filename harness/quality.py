@@ -54,7 +54,7 @@ class QualityResult:
 
 
 def held_out_ids(tokenizer, tokens: int) -> list[int]:
-    """The first `tokens` ids of the held-out files, each followed by an end-of-text where the tokenizer has one."""
+    """The first `tokens` + 1 ids of the held-out files' text, file after file, in the model's tokenizer."""
     from oracles.train_data import load_corpus
 
     ids: list[int] = []
@@ -102,9 +102,9 @@ def score(variant: str, weights: str, kv_bits: Optional[int], tier: str, lp: np.
 def measure(label: str, model_path, s: QualitySettings = QualitySettings(),
             weight_bits=WEIGHT_BITS, kv_bits=KV_BITS, fast: bool = True,
             progress: Callable[[str], None] = lambda line: None) -> QualityResult:  # fmt: skip
-    """Every variant of one model against its reference: the artifact on the exact tier (bf16 weights where
-    the artifact is bf16). A bf16 artifact is also quantized in memory to each of `weight_bits`; the
-    reference weights run with each of `kv_bits`; `fast` adds the fast tier where this device runs it."""
+    """Every variant of one model against its reference, the artifact on the exact tier. An unquantized
+    artifact is also quantized in memory to each of `weight_bits`; the reference weights run with each of
+    `kv_bits`; `fast` adds the fast tier where this device runs it."""
     import mlx.nn as nn
 
     from engine.engine import Engine
@@ -114,7 +114,7 @@ def measure(label: str, model_path, s: QualitySettings = QualitySettings(),
 
     exact = load("exact")
     quantized = "quantization" in exact.config
-    base = "artifact" if quantized else "bf16"
+    base = "artifact" if quantized else _dtype_name(exact.model)
     ids = held_out_ids(exact.tokenizer, s.tokens)
     targets = np.array(ids[1:])
     result = QualityResult(label, s, len(targets))
@@ -152,6 +152,14 @@ def held_out_score(model_path, tier: str, tokens: int) -> dict:
     row = score(engine.kernels.tier, "artifact", None, engine.kernels.tier, logprobs(engine.model, ids, s, None),
                 np.array(ids[1:]), None)  # fmt: skip
     return {"tokens": tokens, "tier": row.tier, "nll": row.nll, "perplexity": row.perplexity}
+
+
+def _dtype_name(model) -> str:
+    """'bf16', 'f16' or 'f32': the dtype of an unquantized model's first weight."""
+    from mlx.utils import tree_flatten
+
+    dtype = str(tree_flatten(model.parameters())[0][1].dtype)
+    return {"mlx.core.bfloat16": "bf16", "mlx.core.float16": "f16", "mlx.core.float32": "f32"}.get(dtype, dtype)
 
 
 def _quantizable(_path: str, module) -> bool:

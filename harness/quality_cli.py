@@ -17,24 +17,30 @@ def add_quality(sub) -> None:
         description="Score each model on held-out text (oracles.train_data's held-out files, in the model's own "
         "tokenizer): perplexity, and the mean KL divergence and top-1 agreement of every position's next-token "
         "distribution against the reference (the artifact on the exact tier). Variants: the reference with a "
-        "quantized KV cache (--kv-bits), a bf16 artifact quantized in memory (--weight-bits, affine, group 64), "
-        "and the fast tier where the device runs it. Windows start from an empty cache and go through the model "
-        "in chunks, as prompts are prefilled.",
+        "quantized KV cache (--kv-bits), an unquantized artifact quantized in memory (--weight-bits, affine, group "
+        "64), and the fast tier where the device runs it. Windows start from an empty cache and go through the "
+        "model in chunks, as prompts are prefilled.",
     )
     model_source(p)
     p.add_argument("--seed", type=int, default=0, help="artifact seed of synthesized models (default 0)")
     p.add_argument("--tokens", type=positive, default=4096, help="held-out tokens scored (default 4096)")
-    p.add_argument("--window", type=positive, default=512, help="tokens a window, each from an empty cache (default 512)")
+    p.add_argument("--window", type=positive, default=512,
+                   help="tokens a window, each from an empty cache (default 512)")
     p.add_argument("--chunk", type=positive, default=128, help="tokens a forward within a window (default 128)")
-    p.add_argument("--weight-bits", type=csv_ints, default=[8, 4], help="in-memory weight quantizations of a bf16 "
-                   "artifact (default 8,4; '' for none)")
-    p.add_argument("--kv-bits", type=csv_ints, default=[8, 4], help="quantized KV caches (default 8,4; '' for none)")
+    p.add_argument("--weight-bits", type=_bits, default=[8, 4], help="in-memory weight quantizations of an "
+                   "unquantized artifact (default 8,4; '' for none)")
+    p.add_argument("--kv-bits", type=_bits, default=[8, 4], help="quantized KV caches (default 8,4; '' for none)")
     p.add_argument("--kv-group-size", type=positive, default=64, help="quantized KV's group size (default 64; it "
                    "must divide the head size)")
     p.add_argument("--no-fast", action="store_true", help="skip the fast tier even where the device runs it")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--md", type=Path, help="also write a Markdown table here")
     p.set_defaults(func=cmd_quality)  # fmt: skip
+
+
+def _bits(value: str) -> list[int]:
+    """Comma-separated bit widths; '' for none."""
+    return csv_ints(value) if value.strip() else []
 
 
 def cmd_quality(args) -> int:
@@ -49,9 +55,12 @@ def cmd_quality(args) -> int:
     results = []
     for label, path in targets(args):
         with status(f"{label}: loading") as progress:
+
+            def say(line: str, label: str = label) -> None:
+                progress.update(f"{label}: {line}")
+
             try:
-                results.append(measure(label, path, settings, args.weight_bits, args.kv_bits, not args.no_fast,
-                                       progress=lambda line, label=label: progress.update(f"{label}: {line}")))  # fmt: skip
+                results.append(measure(label, path, settings, args.weight_bits, args.kv_bits, not args.no_fast, say))
             except ValueError as e:  # a setting the model cannot take (KV group size, too little held-out text)
                 raise CliError(f"{label}: {e}") from None
     table = markdown(results)
