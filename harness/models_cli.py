@@ -89,6 +89,9 @@ def cmd_models_synth(args) -> int:
     if args.out and len(args.names) > 1:
         raise CliError("--out takes one NAME; synthesize several into the cache instead")
     specs = [get_spec(n) for n in args.names]  # validate every name before writing anything
+    trained = [s.name for s in specs if s.tier == "trained"]
+    if trained:
+        raise CliError(f"{', '.join(trained)}: trained models are made by `python -m oracles.train`, not synthesized")
     for spec in specs:
         target = args.out or artifact_dir(spec.name, args.seed)
         if (target / "manifest.json").exists() and not args.force:

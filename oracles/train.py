@@ -15,7 +15,6 @@ runs it). Weights train in float32 and are saved as bf16, then quantized from th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import sys
@@ -124,8 +123,9 @@ def train(model, ids: np.ndarray, s: TrainSettings, log) -> list[float]:
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    schedule = optim.join_schedules([optim.linear_schedule(s.lr / s.warmup, s.lr, s.warmup),
-                                     optim.cosine_decay(s.lr, max(1, s.steps - s.warmup), s.lr / 10)], [s.warmup])  # fmt: skip
+    warm = optim.linear_schedule(s.lr / s.warmup, s.lr, s.warmup)
+    decay = optim.cosine_decay(s.lr, max(1, s.steps - s.warmup), s.lr / 10)
+    schedule = optim.join_schedules([warm, decay], [s.warmup])
     opt = optim.AdamW(learning_rate=schedule, weight_decay=s.weight_decay)
     grad = nn.value_and_grad(model, lambda m, x, y: losses(m, x, y, s.mtp_weight))
     rng = np.random.default_rng(s.seed)
@@ -162,17 +162,15 @@ def write_artifact(model, config: dict, tok, out: Path, manifest: dict) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from engine.synth.artifact import file_record, write_model_files
+
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_ids, "do_sample": False}) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tok.tokenizer_json, ensure_ascii=False), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tok.tokenizer_config, indent=2) + "\n")
+    write_model_files(out, config, tok)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
-    files = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
-             for p in sorted(out.iterdir())}  # fmt: skip
-    (out / "manifest.json").write_text(json.dumps({**manifest, "files": files,
-                                                   "total_bytes": sum(f["bytes"] for f in files.values())}, indent=2) + "\n")  # fmt: skip
+    files = {p.name: file_record(p) for p in sorted(out.iterdir())}
+    total = sum(f["bytes"] for f in files.values())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "files": files, "total_bytes": total}, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
@@ -204,15 +202,18 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     corpus = load_corpus(args.max_bytes or DEFAULT_MAX_BYTES)
     tok = shared_tokenizer([f.text for f in corpus.train])
-    train_ids, held_ids = token_stream([f.text for f in corpus.train], tok), token_stream([f.text for f in corpus.held_out], tok)
+    train_ids = token_stream([f.text for f in corpus.train], tok)
+    held_ids = token_stream([f.text for f in corpus.held_out], tok)
     data = {**corpus.summary(), "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(held_ids))}
     log(f"text: {data['train_files']} train files ({len(train_ids):,} tokens), {data['held_out_files']} held out "
-        f"({len(held_ids):,}); Python {corpus.python}, sha256 {corpus.sha256[:16]}; {time.perf_counter() - start:.1f} s")  # fmt: skip
+        f"({len(held_ids):,}); Python {corpus.python}, sha256 {corpus.sha256[:16]}; "
+        f"{time.perf_counter() - start:.1f} s")
     for name in names:
         spec = get_spec(name)
         model, config = build_model(spec, tok.eos_ids, settings.seed)
         initial = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
-        log(f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of {settings.batch}x{settings.seq}")
+        log(f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of "
+            f"{settings.batch}x{settings.seq}")
         began = time.perf_counter()
         history = train(model, train_ids, settings, log)
         model.set_dtype(mx.bfloat16)
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
                   "training_seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
         log(f"{name}: train loss {result['train_loss']}, held-out loss {held:.3f} (perplexity "
             f"{result['held_out_perplexity']}) in {result['training_seconds']} s")  # fmt: skip
-        manifest = {"generator": GENERATOR, "name": name, "command": "python -m oracles.train " + " ".join(argv or sys.argv[1:]),
+        command = "python -m oracles.train " + " ".join(argv or sys.argv[1:])
+        manifest = {"generator": GENERATOR, "name": name, "command": command,
                     "settings": asdict(settings), "data": data, "result": result, "mlx": mx.__version__,
                     "device": str(mx.default_device()), "machine": platform.machine(),
                     "special_tokens": tok.special_ids}  # fmt: skip
@@ -232,8 +234,9 @@ def main(argv=None) -> int:
         four = {**result, "held_out_loss": round(held_out_loss(model, held_ids, settings.seq, settings.eval_tokens), 4)}
         config4 = {**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
         config4["quantization_config"] = config4["quantization"]
+        weights4 = "4-bit affine, group 64, bf16 scales"
         write_artifact(model, config4, tok, out_root / f"{name}-4bit",
-                       {**manifest, "name": f"{name}-4bit", "result": four, "weights": "4-bit affine, group 64, bf16 scales"})  # fmt: skip
+                       {**manifest, "name": f"{name}-4bit", "result": four, "weights": weights4})
         log(f"{name}-4bit: held-out loss {four['held_out_loss']:.3f}")
     log(f"wrote {', '.join(names)} (and -4bit) under {out_root} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine import env
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.registry import ModelSpec, get_spec
 from engine.synth import plan as P
 from engine.synth.safetensors_writer import TensorEntry, WrittenFile, write_safetensors
@@ -77,7 +77,16 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _file_record(path: Path) -> dict[str, object]:
+def write_model_files(out: Path, config: dict, tok: BuiltTokenizer) -> None:
+    """config.json, generation_config.json and the tokenizer's files: what an artifact holds beside its weights
+    (a synthesized one, and a trained one from `oracles/train.py`)."""
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"eos_token_id": tok.eos_ids, "do_sample": False})
+    (out / "tokenizer.json").write_text(json.dumps(tok.tokenizer_json, ensure_ascii=False), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", tok.tokenizer_config)
+
+
+def file_record(path: Path) -> dict[str, object]:
     import hashlib
 
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -123,7 +132,7 @@ def _manifest(spec: ModelSpec, seed: int, guard: Guard, tok: BuiltTokenizer, out
     files = {w.path.name: {"sha256": w.sha256, "bytes": w.nbytes} for w in weights}
     for p in sorted(out.iterdir()):
         if p.name not in files and p.name != MANIFEST:
-            files[p.name] = _file_record(p)
+            files[p.name] = file_record(p)
     quantized = [t.name for t in P.tensor_plan(spec) if is_quantized(t, spec)]
     return {
         "generator": GENERATOR,
@@ -167,7 +176,8 @@ def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None 
     """Write the artifact for `spec` into `out` (atomically: a temp dir, then a rename), in safetensors
     shards of at most `shard_bytes`."""
     if spec.tier == "trained":
-        raise ValueError(f"{spec.name} is a trained model: `python -m oracles.train` makes it, not synthesis")
+        raise UnsupportedModelError(f"{spec.name} is a trained model: `python -m oracles.train` makes it, "
+                                    "not synthesis")
     start = time.perf_counter()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -178,10 +188,7 @@ def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None 
         g = spec.geometry
         tok = build_tokenizer(g.model_type, g.vocab_size)
         guard = Guard.make(spec, tok.suppressed_ids)
-        _write_json(tmp / "config.json", P.model_config(spec, tok.eos_ids))
-        _write_json(tmp / "generation_config.json", {"eos_token_id": tok.eos_ids, "do_sample": False})
-        (tmp / "tokenizer.json").write_text(json.dumps(tok.tokenizer_json, ensure_ascii=False), encoding="utf-8")
-        _write_json(tmp / "tokenizer_config.json", tok.tokenizer_config)
+        write_model_files(tmp, P.model_config(spec, tok.eos_ids), tok)
         weights = _write_weights(spec, seed, guard, tmp, progress, shard_bytes)
         manifest = _manifest(spec, seed, guard, tok, tmp, weights, time.perf_counter() - start)
         _write_json(tmp / MANIFEST, manifest)

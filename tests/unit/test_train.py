@@ -74,3 +74,11 @@ def test_a_trained_name_is_never_synthesized(monkeypatch, tmp_path):
 def test_unknown_models_are_refused():
     with pytest.raises(SystemExit):
         train.main(["--models", "tiny-qwen3"])
+
+
+def test_synthesizing_a_trained_name_is_refused_before_anything_is_written(tmp_path, capsys):
+    from harness.cli import main
+
+    assert main(["models", "synth", "tiny-qwen3", "trained-qwen3", "--seed", "7"]) != 0
+    assert "trained models are made by `python -m oracles.train`" in capsys.readouterr().err
+    assert not artifact_dir("tiny-qwen3", 7).exists()
