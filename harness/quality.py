@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Callable, Optional
 
 import numpy as np
@@ -53,13 +54,19 @@ class QualityResult:
                 "rows": [asdict(r) for r in self.rows]}  # fmt: skip
 
 
-def held_out_ids(tokenizer, tokens: int) -> list[int]:
-    """The first `tokens` + 1 ids of the held-out files' text, file after file, in the model's tokenizer."""
+@lru_cache(maxsize=1)
+def held_out_texts() -> tuple[str, ...]:
+    """The held-out files' text, read once a process (choosing them reads the whole standard library)."""
     from oracles.train_data import load_corpus
 
+    return tuple(f.text for f in load_corpus().held_out)
+
+
+def held_out_ids(tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` + 1 ids of the held-out files' text, file after file, in the model's tokenizer."""
     ids: list[int] = []
-    for f in load_corpus().held_out:
-        ids.extend(tokenizer.encode(f.text))
+    for text in held_out_texts():
+        ids.extend(tokenizer.encode(text))
         if len(ids) >= tokens + 1:
             break
     if len(ids) < tokens + 1:

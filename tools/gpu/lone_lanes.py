@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     tier = engine.kernels.tier
     prompt = [(7 * i + 11) % 1000 + 10 for i in range(args.prompt_tokens)]
     stop = StopCriteria(max_tokens=args.tokens, ignore_eos=True)
-    continuous_cfg = ServeConfig().gateway_config(tier)
+    continuous_cfg = first["gateways"]["continuous"].config
 
     def run_generate() -> list[float]:
         stamps = []
