@@ -35,6 +35,7 @@ import mlx.core as mx
 from engine.models.gated_delta import repeat_heads
 
 CHUNK = 64
+LOG_FLOOR = 1e-30  # the smallest decay the chunked form takes: e^-69, a state forgotten to rounding
 
 
 def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
@@ -63,7 +64,7 @@ def _chunk_step(state, u_tilde, w, q_decayed, qk, k_decayed, chunk_decay):
 
 def _prepare(q, k, v, g, beta, size: int):
     """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]."""
-    log_g = mx.log(g)
+    log_g = mx.log(mx.maximum(g, LOG_FLOOR))  # g underflows to 0 when a head forgets at once; log(0) would be NaN
     cum = mx.cumsum(log_g, axis=-1)
     lower = mx.tril(mx.ones((size, size), dtype=mx.bool_))
     strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)

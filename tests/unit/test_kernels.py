@@ -165,6 +165,19 @@ def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
     assert mx.abs(y - y_ref).max().item() < tol
 
 
+def test_chunked_delta_rule_takes_a_decay_that_underflowed_to_zero():
+    # A head that forgets at once (exp(A) * softplus(a + dt_bias) > ~87) has g == 0 in float32: the chunked
+    # form works on log(g) and must not turn that into NaN where the recurrence simply clears the state.
+    q, k, v, g, beta, state = delta_inputs(70, 1, 2, 8, 8, dtype=mx.float32)
+    g[:, 10] = 0.0
+    g[:, 40:50] = 0.0
+    y_ref, s_ref = recurrence(q, k, v, g, beta, state)
+    y, s = chunked_gated_delta(q, k, v, g, beta, state)
+    tol = 2e-3 if on_cuda() else 1e-4
+    assert mx.abs(y - y_ref).max().item() < tol
+    assert mx.abs(s - s_ref).max().item() < tol
+
+
 def test_delta_update_uses_chunked_only_for_long_inputs_without_trace():
     calls = []
 
