@@ -3,6 +3,8 @@ manifest (command, seed, settings, data hash, losses), under goldens/trained/ by
 
     python -m oracles.train                                   # the whole family (minutes on an H200)
     python -m oracles.train --models trained-qwen3-draft --steps 300 --out /tmp/trained
+    python -m oracles.train --prepare data.npz                # text, tokenizer and ids only, for another machine
+    python -m oracles.train --data data.npz                   # train on them (the same text on any Python)
 
 Deterministic for a given machine kind and Python version: the text (`oracles.train_data`), the tokenizer
 learned from it, the initial weights (`--seed`) and the batches (`--seed`) are fixed. The family shares one
@@ -65,9 +67,39 @@ def token_stream(texts, tok) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def prepare(max_bytes: int) -> tuple[object, np.ndarray, np.ndarray, dict]:
+    """The tokenizer, the train and held-out ids and the data's summary, from the running interpreter's text."""
+    from oracles.train_data import load_corpus
+
+    corpus = load_corpus(max_bytes)
+    tok = shared_tokenizer([f.text for f in corpus.train])
+    train_ids = token_stream([f.text for f in corpus.train], tok)
+    held_ids = token_stream([f.text for f in corpus.held_out], tok)
+    return tok, train_ids, held_ids, {**corpus.summary(), "train_tokens": int(len(train_ids)),
+                                      "held_out_tokens": int(len(held_ids))}
+
+
+def save_prepared(path: Path, tok, train_ids: np.ndarray, held_ids: np.ndarray, data: dict) -> None:
+    """One compressed file (ids as uint16: the vocabulary has 4096 entries) that `load_prepared` reads."""
+    meta = json.dumps({"tokenizer": asdict(tok), "data": data})
+    np.savez_compressed(path, train=train_ids.astype(np.uint16), held_out=held_ids.astype(np.uint16),
+                        meta=np.array(meta))
+
+
+def load_prepared(path: Path):
+    from engine.synth.tokenizer import BuiltTokenizer
+
+    with np.load(path, allow_pickle=False) as f:
+        meta = json.loads(str(f["meta"]))
+        tok = meta["tokenizer"]
+        tok = BuiltTokenizer(**{**tok, "suppressed_ids": tuple(tok["suppressed_ids"])})
+        return tok, f["train"].astype(np.int32), f["held_out"].astype(np.int32), meta["data"]
+
+
 def build_model(spec, eos_ids: list[int], seed: int):
     import mlx.core as mx
 
+    from engine.kernels.gated_delta_chunked import chunked_gated_delta
     from engine.models import model_module
     from engine.synth import plan as P
 
@@ -79,6 +111,7 @@ def build_model(spec, eos_ids: list[int], seed: int):
         lin = getattr(layer, "linear_attn", None)
         if lin is not None:  # decay rates spread over heads (A in [1, 16], as Qwen3-Next initializes them)
             lin.A_log = mx.log(mx.random.uniform(1.0, 16.0, lin.A_log.shape))
+            lin.chunked_rule = chunked_gated_delta  # 64-token blocks: a few products, not a kernel chain a token
     return model, config
 
 
@@ -178,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(TRAINED), help=f"comma-separated, of {', '.join(TRAINED)}")
     p.add_argument("--out", type=Path, help="write here instead of goldens/trained/")
     p.add_argument("--max-bytes", type=int, help="text read at most (default oracles.train_data's)")
+    p.add_argument("--prepare", type=Path, metavar="FILE", help="write the tokenizer and ids to FILE and stop")
+    p.add_argument("--data", type=Path, metavar="FILE", help="train on a --prepare file instead of this Python's text")
     defaults = TrainSettings()
     for field, value in asdict(defaults).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
@@ -187,7 +222,7 @@ def main(argv=None) -> int:
 
     from engine import env
     from engine.registry import get_spec
-    from oracles.train_data import DEFAULT_MAX_BYTES, load_corpus
+    from oracles.train_data import DEFAULT_MAX_BYTES
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in TRAINED]
@@ -200,14 +235,17 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    corpus = load_corpus(args.max_bytes or DEFAULT_MAX_BYTES)
-    tok = shared_tokenizer([f.text for f in corpus.train])
-    train_ids = token_stream([f.text for f in corpus.train], tok)
-    held_ids = token_stream([f.text for f in corpus.held_out], tok)
-    data = {**corpus.summary(), "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(held_ids))}
+    if args.data:
+        tok, train_ids, held_ids, data = load_prepared(args.data)
+    else:
+        tok, train_ids, held_ids, data = prepare(args.max_bytes or DEFAULT_MAX_BYTES)
     log(f"text: {data['train_files']} train files ({len(train_ids):,} tokens), {data['held_out_files']} held out "
-        f"({len(held_ids):,}); Python {corpus.python}, sha256 {corpus.sha256[:16]}; "
+        f"({len(held_ids):,}); Python {data['python']}, sha256 {data['sha256'][:16]}; "
         f"{time.perf_counter() - start:.1f} s")
+    if args.prepare:
+        save_prepared(args.prepare, tok, train_ids, held_ids, data)
+        log(f"wrote {args.prepare} ({args.prepare.stat().st_size / 1e6:.1f} MB)")
+        return 0
     for name in names:
         spec = get_spec(name)
         model, config = build_model(spec, tok.eos_ids, settings.seed)

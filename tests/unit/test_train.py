@@ -64,6 +64,19 @@ def test_training_is_deterministic(trained, tmp_path):
     assert again["model.safetensors"] == first["model.safetensors"]
 
 
+def test_a_prepared_file_trains_the_same_weights_as_the_text_it_came_from(trained, tmp_path):
+    data = tmp_path / "data.npz"
+    assert train.main(["--prepare", str(data), *TINY_RUN]) == 0
+    assert not (tmp_path / "trained-qwen3-draft").exists()
+    args = [a for a in TINY_RUN if a not in ("--max-bytes", "300000")]
+    assert train.main(["--models", "trained-qwen3-draft", "--data", str(data), "--out", str(tmp_path), *args]) == 0
+    again = json.loads((tmp_path / "trained-qwen3-draft" / "manifest.json").read_text())
+    first = json.loads((trained / "trained-qwen3-draft" / "manifest.json").read_text())
+    assert again["files"]["model.safetensors"] == first["files"]["model.safetensors"]
+    assert again["files"]["tokenizer.json"] == first["files"]["tokenizer.json"]
+    assert again["data"] == first["data"]
+
+
 def test_a_trained_name_is_never_synthesized(monkeypatch, tmp_path):
     monkeypatch.setattr(env, "trained_dir", lambda: tmp_path)
     assert artifact_dir("trained-qwen3") == tmp_path / "trained-qwen3"
