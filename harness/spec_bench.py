@@ -10,8 +10,9 @@ Arms (all greedy, fixed output length, fresh caches per request):
     ngram            prompt lookup
     mtp              the target's Qwen3.5 MTP head
 
-Each block is one frozen natural-text prompt (corpus text at an offset set by
-the block's seed) run once on every arm, in an order that rotates from block
+Each block is one frozen natural-text prompt (`text`: the project's corpus at
+an offset set by the block's seed, or the trained models' held-out Python
+source, the block's slice of it) run once on every arm, in an order that rotates from block
 to block so drift hits every arm alike. Reported per arm: median decode rate
 ((tokens - 1) / time after the first token), median time to first token,
 acceptance and tokens per target forward over all blocks, whether every
@@ -21,7 +22,7 @@ harness.stats) once there are enough blocks.
 
 Random weights make a separate draft model or the MTP head agree with the
 target rarely: their acceptance here says how the machinery behaves at low
-acceptance, not what a trained pair would reach.
+acceptance; the trained models (`trained` tier) give a pair's real one.
 """
 
 from __future__ import annotations
@@ -81,6 +82,26 @@ class SpecBenchConfig:
     rollback: str = "trace"
     policy: str = "fixed"  # the benchmark's default shows the full draft count's cost; "adaptive" as served
     seed: int = 0
+    text: str = "corpus"  # where prompts come from: "corpus" or "held-out" (TEXTS)
+
+
+TEXTS = ("corpus", "held-out")
+
+
+def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
+    """Block `seed`'s prompt: corpus text at an offset the seed sets, or the seed-th `length`-token slice of the
+    held-out text."""
+    if text == "corpus":
+        return text_prompt(encode, seed, length)
+    if text != "held-out":
+        raise ValueError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
+    from harness.quality import held_out_ids
+
+    class _Encoder:
+        def encode(self, s: str) -> list[int]:
+            return encode(s)
+
+    return held_out_ids(_Encoder(), (seed + 1) * length)[seed * length : (seed + 1) * length]
 
 
 @dataclass
@@ -155,7 +176,7 @@ def run_spec_bench(
         stats_out.append(stats)
         return lambda: (t.token_id for t in setup.generate(prompt, stop=stop, stats=stats))
 
-    warm = text_prompt(encode, 10_000 + cfg.seed, cfg.prompt_tokens)
+    warm = block_prompt(encode, cfg.text, cfg.seed + cfg.blocks, cfg.prompt_tokens)
     for arm in arms:
         on_progress(f"warming up {arm.name}")
         for _ in range(cfg.warmup):
@@ -164,7 +185,7 @@ def run_spec_bench(
     pooled = {a.name: SpecStats(a.kind, cfg.num_draft) for a in arms if a.kind is not None}
     seeds = [cfg.seed + b for b in range(cfg.blocks)]
     for b, seed in enumerate(seeds):
-        prompt = text_prompt(encode, seed, cfg.prompt_tokens)
+        prompt = block_prompt(encode, cfg.text, seed, cfg.prompt_tokens)
         order = list(range(len(arms)))
         order = order[b % len(order) :] + order[: b % len(order)]
         tokens: dict[str, tuple[int, ...]] = {}
@@ -191,7 +212,7 @@ def markdown(result: SpecBenchResult) -> str:
     lines = [
         f"# Speculative decoding vs plain: {result.model} on {result.device}",
         "",
-        f"{c.blocks} blocks, {c.prompt_tokens}-token natural-text prompts, {c.decode_tokens} generated tokens "
+        f"{c.blocks} blocks, {c.prompt_tokens}-token prompts ({c.text} text), {c.decode_tokens} generated tokens "
         f"(greedy, EOS ignored), up to {c.num_draft} drafts per round ({c.policy} policy), {c.rollback} rollback. "
         "Ratios: decode rate against plain, "
         "geometric mean of per-block ratios with a 95% bootstrap interval.",

@@ -33,20 +33,30 @@ def add_spec(sub) -> None:
     p.add_argument("--rollback", choices=("trace", "replay"), default="trace",
                    help="how recurrent layers undo rejected drafts (default trace; replay feeds kept tokens again)")
     p.add_argument("--seed", type=int, default=0, help="first block's prompt seed (default 0)")
+    p.add_argument("--text", choices=("corpus", "held-out"), default=None, help="prompts from the project's corpus "
+                   "or from the trained models' held-out Python source (default: held-out for a trained target, "
+                   "corpus otherwise)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--md", type=Path, help="write a Markdown table here")
     p.set_defaults(func=cmd_spec)  # fmt: skip
 
 
 def cmd_spec(args) -> int:
+    from engine.errors import UnknownModelError
+    from engine.registry import get_spec
     from harness.spec_bench import SpecBenchConfig, markdown, parse_arms, run_spec_bench, write
 
     try:
         arms = parse_arms(args.arms, args.model)
     except ValueError as e:
         raise CliError(str(e)) from None
+    try:
+        trained = get_spec(args.model).tier == "trained"
+    except UnknownModelError as e:
+        raise CliError(str(e)) from None
+    text = args.text or ("held-out" if trained else "corpus")
     cfg = SpecBenchConfig(args.prompt_tokens, args.decode_tokens, args.blocks, args.warmup, args.num_draft,
-                          rollback=args.rollback, policy=args.policy, seed=args.seed)  # fmt: skip
+                          rollback=args.rollback, policy=args.policy, seed=args.seed, text=text)  # fmt: skip
     with status("loading") as progress:
         result = run_spec_bench(args.model, arms, cfg, on_progress=progress.update)
     write(result, args.json, args.md)

@@ -46,3 +46,17 @@ def test_the_cli_writes_json_and_markdown(tmp_path):
     rec = json.loads(out.read_text())
     assert [a["arm"] for a in rec["arms"]] == [PLAIN, "draft:tiny-qwen3-draft-f32", "ngram"]
     assert md.read_text().startswith("# Speculative decoding vs plain: tiny-qwen3-f32")
+
+
+def test_the_trained_pair_accepts_most_drafts_on_held_out_python(tmp_path):
+    # The committed trained target and its draft: a draft model that learned the same text agrees with the
+    # target's greedy choice most of the time (random weights: almost never), and greedy output is unchanged.
+    out = tmp_path / "spec.json"
+    code = harness_main(["spec", "--model", "trained-qwen3", "--arms", "draft:trained-qwen3-draft,ngram", "--blocks",
+                         "2", "--prompt-tokens", "64", "--decode-tokens", "32", "--warmup", "0", "--num-draft", "1",
+                         "--json", str(out)])  # fmt: skip
+    assert code == 0
+    rec = json.loads(out.read_text())
+    assert rec["config"]["text"] == "held-out"
+    draft = rec["arms"][1]["spec"]
+    assert draft["acceptance"] >= 0.5, draft
