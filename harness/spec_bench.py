@@ -11,9 +11,9 @@ Arms (all greedy, fixed output length, fresh caches per request):
     mtp              the target's Qwen3.5 MTP head
 
 Each block is one frozen natural-text prompt (`text`: the project's corpus at
-an offset set by the block's seed, or the trained models' held-out Python
-source, the block's slice of it) run once on every arm, in an order that rotates from block
-to block so drift hits every arm alike. Reported per arm: median decode rate
+an offset set by the block's seed, or the block's slice of the trained models'
+held-out Python source) run once on every arm, in an order that rotates from
+block to block so drift hits every arm alike. Reported per arm: median decode rate
 ((tokens - 1) / time after the first token), median time to first token,
 acceptance and tokens per target forward over all blocks, whether every
 block's tokens equal the plain arm's, and the paired ratio against plain
@@ -95,13 +95,11 @@ def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
         return text_prompt(encode, seed, length)
     if text != "held-out":
         raise ValueError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
+    from types import SimpleNamespace
+
     from harness.quality import held_out_ids
 
-    class _Encoder:
-        def encode(self, s: str) -> list[int]:
-            return encode(s)
-
-    return held_out_ids(_Encoder(), (seed + 1) * length)[seed * length : (seed + 1) * length]
+    return held_out_ids(SimpleNamespace(encode=encode), (seed + 1) * length)[seed * length : (seed + 1) * length]
 
 
 @dataclass

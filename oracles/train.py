@@ -87,6 +87,7 @@ def save_prepared(path: Path, tok, train_ids: np.ndarray, held_ids: np.ndarray, 
 
 
 def load_prepared(path: Path):
+    """What `prepare` returned, from a `save_prepared` file."""
     from engine.synth.tokenizer import BuiltTokenizer
 
     with np.load(path, allow_pickle=False) as f:
