@@ -6,7 +6,8 @@ count and prefill chunk: the generated tokens must be identical, and so must
 the acceptance trace (which tokens came from the draft). The pairs cover an
 early-exit draft (the target's first layer, so drafts are often right), a
 draft of another family with the same vocabulary, an unrelated draft
-(another seed: almost never right) and the target drafting for itself.
+(another seed: almost never right), the target drafting for itself, and the
+trained target with its trained draft.
 """
 
 import random
@@ -31,6 +32,7 @@ PAIRS = [
     (("tiny-qwen2", 0), ("tiny-qwen3-draft", 0)),
     (("tiny-llama", 0), ("tiny-llama", 1)),
     (("tiny-llama", 0), ("tiny-llama", 0)),
+    (("trained-qwen3", 0), ("trained-qwen3-draft", 0)),  # a trained pair: most rounds accept some drafts
 ]
 # (prompt length, drafts per round, prefill chunk): chunking past 512 as mlx-lm's default spec prefill does.
 CASES = [(1, 1, 2048), (7, 3, 2048), (300, 2, 2048), (700, 4, 512), (40, 6, 2048)]
@@ -78,3 +80,5 @@ def test_draft_model_speculation_matches_mlx_lm(pair):
         accepted += stats.accepted
     if pair[1] != (d, 1):  # all but the unrelated draft agree with their target some of the time
         assert accepted > 0
+    if t.startswith("trained"):
+        assert accepted >= sum(STEPS // 4 for _ in CASES), accepted
