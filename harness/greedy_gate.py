@@ -73,6 +73,12 @@ def agreed_steps(path: Sequence[int], logits: mx.array) -> int:
     return int((mx.argmax(logits, axis=-1) == mx.array(list(path))).sum().item())
 
 
+def path_count(paths: int, rows: int) -> int:
+    """At least `paths` prompts, and a whole number of batches of `rows`."""
+    count = max(paths, rows)
+    return count + -count % rows
+
+
 def run_greedy_gate(name: str, path: Path, rows: Sequence[int] = (1,), steps: int = GATE_STEPS,
                     fast: KernelConfig = KernelConfig(FAST), paths: int = PROMPTS,
                     lengths: Sequence[int] = PROMPT_TOKENS,
@@ -84,8 +90,7 @@ def run_greedy_gate(name: str, path: Path, rows: Sequence[int] = (1,), steps: in
     say = on_progress or (lambda message: None)
     engine = Engine.load(None, path, kernels="exact")
     model, family = engine.model, engine.config.get("model_type")
-    count = max(paths, *rows)
-    prompts = text_prompts(engine.tokenizer, count + max(-count % r for r in rows), lengths)
+    prompts = text_prompts(engine.tokenizer, max(path_count(paths, r) for r in rows), lengths)
     say(f"{name}: exact tier, {len(prompts)} greedy paths")
     install(model, KernelConfig(EXACT))
     tokens = [greedy(model, p, steps)[0] for p in prompts]
@@ -93,7 +98,7 @@ def run_greedy_gate(name: str, path: Path, rows: Sequence[int] = (1,), steps: in
     results = []
     try:
         for r in rows:
-            n = max(paths, r) + (-max(paths, r) % r)
+            n = path_count(paths, r)
             say(f"{name}: fast tier fed them, {r} row{'s' * (r > 1)} a batch")
             agreed = []
             for b in range(0, n, r):

@@ -210,14 +210,13 @@ def _greedy_gate(args, fast) -> list:
     """The greedy agreement part of the gate (`harness.greedy_gate`), printed as a table."""
     from rich.table import Table
 
-    from engine import env
     from engine.errors import UnknownModelError
-    from engine.registry import get_spec
+    from engine.registry import all_specs, get_spec
     from engine.synth.artifact import artifact_dir, is_cached
     from harness.greedy_gate import run_greedy_gate
 
     if args.gate_greedy is None:
-        names = [n.name for n in sorted(env.trained_dir().iterdir()) if (n / "manifest.json").exists()]
+        names = [spec.name for spec in all_specs(("trained",)) if is_cached(spec.name)]
     else:
         names = args.gate_greedy
         for name in names:
