@@ -375,11 +375,12 @@ def bench_delta(tokens: int, hk: int, hv: int, dk: int, dv: int, cfg: BenchConfi
     mx.eval(args)
     slow = dataclasses.replace(cfg, calls=1, repeats=max(3, cfg.repeats // 2), warmup=1)
     y_ref, s_ref = recurrence(*args)
-    y, s = chunked_gated_delta(*args)
+    chunked_args = (*args[:3], mx.log(args[3]), *args[4:])
+    y, s = chunked_gated_delta(*chunked_args)
     return DeltaResult(
         tokens=tokens, heads_k=hk, heads_v=hv, dk=dk, dv=dv,
         builtin_ms=time_us(lambda: recurrence(*args)[0], slow, include_build=True) / 1e3,
-        kernel_ms=time_us(lambda: chunked_gated_delta(*args)[0], slow, include_build=True) / 1e3,
+        kernel_ms=time_us(lambda: chunked_gated_delta(*chunked_args)[0], slow, include_build=True) / 1e3,
         max_abs_diff_y=mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item(),
         max_abs_diff_state=mx.abs(s - s_ref).max().item(),
     )  # fmt: skip

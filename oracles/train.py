@@ -151,11 +151,17 @@ def held_out_loss(model, ids: np.ndarray, seq: int, tokens: int) -> float:
     return total / (n * seq)
 
 
-def train(model, ids: np.ndarray, s: TrainSettings, log) -> list[float]:
-    """AdamW with a linear warm-up and a cosine decay to a tenth; returns the next-token loss of every step."""
+MAX_SKIPPED_IN_A_ROW = 20  # non-finite steps in a row that stop training: the weights themselves went bad
+
+
+def train(model, ids: np.ndarray, s: TrainSettings, log) -> tuple[list[float], list[int]]:
+    """AdamW with a linear warm-up and a cosine decay to a tenth. A step whose loss or gradient is not finite
+    is skipped (logged with the parameters whose gradient it was); returns the next-token loss of every step
+    taken and the skipped steps' numbers."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
 
     warm = optim.linear_schedule(s.lr / s.warmup, s.lr, s.warmup)
     decay = optim.cosine_decay(s.lr, max(1, s.steps - s.warmup), s.lr / 10)
@@ -163,19 +169,29 @@ def train(model, ids: np.ndarray, s: TrainSettings, log) -> list[float]:
     opt = optim.AdamW(learning_rate=schedule, weight_decay=s.weight_decay)
     grad = nn.value_and_grad(model, lambda m, x, y: losses(m, x, y, s.mtp_weight))
     rng = np.random.default_rng(s.seed)
-    history, start = [], time.perf_counter()
+    history, skipped, start = [], [], time.perf_counter()
     for step in range(s.steps):
         offsets = rng.integers(0, len(ids) - s.seq - 1, size=s.batch)
         window = np.stack([ids[o : o + s.seq + 1] for o in offsets])
         (_, lm), grads = grad(model, mx.array(window[:, :-1]), mx.array(window[:, 1:]))
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        grads, norm = optim.clip_grad_norm(grads, 1.0)
+        mx.eval(lm, norm)
+        if not (np.isfinite(lm.item()) and np.isfinite(norm.item())):
+            bad = [k for k, g in tree_flatten(grads) if not mx.isfinite(g).all().item()]
+            skipped.append(step + 1)
+            log(f"  step {step + 1}: loss {lm.item()}, gradient norm {norm.item()}; skipped (not finite: "
+                f"{', '.join(bad[:6]) or 'loss only'}{' ...' if len(bad) > 6 else ''})")
+            if skipped[-MAX_SKIPPED_IN_A_ROW:] == list(range(step + 2 - MAX_SKIPPED_IN_A_ROW, step + 2)):
+                raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} steps in a row were not finite (to step {step + 1})")
+            continue
         opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, lm)
+        mx.eval(model.parameters(), opt.state)
         history.append(lm.item())
         if step % 100 == 0 or step == s.steps - 1:
             rate = (step + 1) * s.batch * s.seq / (time.perf_counter() - start)
-            log(f"  step {step + 1}/{s.steps}: loss {np.mean(history[-100:]):.3f} ({rate:,.0f} tokens/s)")
-    return history
+            log(f"  step {step + 1}/{s.steps}: loss {np.mean(history[-100:]):.3f} ({rate:,.0f} tokens/s"
+                f"{f'; {len(skipped)} skipped' if skipped else ''})")
+    return history, skipped
 
 
 def quantized_names(spec) -> set[str]:
@@ -254,12 +270,12 @@ def main(argv=None) -> int:
         log(f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of "
             f"{settings.batch}x{settings.seq}")
         began = time.perf_counter()
-        history = train(model, train_ids, settings, log)
+        history, skipped = train(model, train_ids, settings, log)
         model.set_dtype(mx.bfloat16)
         held = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
         result = {"train_loss": round(float(np.mean(history[-100:])), 4), "held_out_loss": round(held, 4),
                   "held_out_perplexity": round(float(np.exp(held)), 2), "held_out_loss_at_init": round(initial, 4),
-                  "training_seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
+                  "training_seconds": round(time.perf_counter() - began, 1), "skipped_steps": skipped}  # fmt: skip
         log(f"{name}: train loss {result['train_loss']}, held-out loss {held:.3f} (perplexity "
             f"{result['held_out_perplexity']}) in {result['training_seconds']} s")  # fmt: skip
         command = "python -m oracles.train " + " ".join(argv or sys.argv[1:])

@@ -22,8 +22,11 @@ log2(C) factors: ten matrix products, no per-row substitution.
 
 All of it in float32 from the same inputs as the recurrence; the sums run in
 another order, so outputs and state agree to rounding (the fast tier).
-Padding past the last token uses g = 1 and beta = 0, which leaves the state
-as it is; positions a batch mask marks as padding get the same treatment.
+It takes log g, not g: a head that forgets at once has g = 0 in float32 but a
+finite log g, and a gradient through log(g) would carry a factor 1/g that
+overflows in training. Padding past the last token uses log g = 0 and beta =
+0, which leaves the state as it is; positions a batch mask marks as padding
+get the same treatment.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import mlx.core as mx
 from engine.models.gated_delta import repeat_heads
 
 CHUNK = 64
-LOG_FLOOR = 1e-30  # the smallest decay the chunked form takes: e^-69, a state forgotten to rounding
+LOG_FLOOR = -69.0  # the smallest log decay the chunked form takes (g = 1e-30: a state forgotten to rounding)
 
 
 def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
@@ -62,10 +65,9 @@ def _chunk_step(state, u_tilde, w, q_decayed, qk, k_decayed, chunk_decay):
     return y, state
 
 
-def _prepare(q, k, v, g, beta, size: int):
+def _prepare(q, k, v, log_g, beta, size: int):
     """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]."""
-    log_g = mx.log(mx.maximum(g, LOG_FLOOR))  # g underflows to 0 when a head forgets at once; log(0) would be NaN
-    cum = mx.cumsum(log_g, axis=-1)
+    cum = mx.cumsum(mx.maximum(log_g, LOG_FLOOR), axis=-1)  # the floor keeps the sums' rounding small
     lower = mx.tril(mx.ones((size, size), dtype=mx.bool_))
     strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)
     diff = cum[..., :, None] - cum[..., None, :]
@@ -87,38 +89,38 @@ def chunked_gated_delta(
     q: mx.array,
     k: mx.array,
     v: mx.array,
-    g: mx.array,
+    log_g: mx.array,
     beta: mx.array,
     state: mx.array,
     mask: Optional[mx.array] = None,
     chunk: int = CHUNK,
 ) -> tuple[mx.array, mx.array]:
-    """Same contract as `recurrence`: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
-    g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
+    """The contract of `recurrence` with log g for g: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
+    log_g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
     returns (y [B, T, Hv, Dv] in q's dtype, final state)."""
     out_dtype = q.dtype
     q, k = repeat_heads(q, k, v.shape[2])
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    g = g.astype(mx.float32)
+    log_g = log_g.astype(mx.float32)
     beta = beta.astype(mx.float32)
     if mask is not None:
         keep = mask[..., None]
-        g = mx.where(keep, g, 1.0)
+        log_g = mx.where(keep, log_g, 0.0)
         beta = mx.where(keep, beta, 0.0)
     n = -(-t // chunk)
     pad = n * chunk - t
 
-    def blocks(x, fill=0.0):
+    def blocks(x):
         x = x.astype(mx.float32)
         if pad:
             widths = [(0, 0)] * x.ndim
             widths[1] = (0, pad)
-            x = mx.pad(x, widths, constant_values=fill)
+            x = mx.pad(x, widths)
         x = x.reshape(b, n, chunk, h, *x.shape[3:])
         return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
 
-    parts = _prepare(blocks(q), blocks(k), blocks(v), blocks(g, 1.0), blocks(beta), chunk)
+    parts = _prepare(blocks(q), blocks(k), blocks(v), blocks(log_g), blocks(beta), chunk)
     ys = []
     for i in range(n):
         y, state = _chunk_step(state, *(p[:, :, i] for p in parts))

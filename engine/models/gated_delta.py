@@ -24,7 +24,14 @@ import mlx.nn as nn
 
 @partial(mx.compile, shapeless=True)
 def decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """g as mlx-lm computes it (one compiled kernel: the exact tier's bits)."""
     return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+@partial(mx.compile, shapeless=True)
+def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """log g: finite where g itself underflows to 0, and its gradient has no 1/g."""
+    return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias)
 
 
 def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float, eps: float):
@@ -82,14 +89,13 @@ CHUNKED_MIN_TOKENS = 16
 
 def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None):
     """Gates from (a, b), then the recurrence (or `chunked`, which takes the
-    recurrence's arguments, for long inputs that record no trace).
+    recurrence's arguments with log g in place of g, for long inputs that record no trace).
     Returns (y [B, T, Hv, Dv], new state)."""
     beta = mx.sigmoid(b)
-    g = decay(A_log, a, dt_bias)
     if state is None:
         batch, _, _, dk = q.shape
         hv, dv = v.shape[-2:]
         state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
     if chunked is not None and trace is None and q.shape[1] >= CHUNKED_MIN_TOKENS:
-        return chunked(q, k, v, g, beta, state, mask)
-    return recurrence(q, k, v, g, beta, state, mask, trace)
+        return chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state, mask)
+    return recurrence(q, k, v, decay(A_log, a, dt_bias), beta, state, mask, trace)

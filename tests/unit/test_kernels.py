@@ -154,7 +154,7 @@ def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
     state = state + 0.1
     mask = (mx.arange(t) >= t // 3)[None] if masked else None
     y_ref, s_ref = recurrence(q, k, v, g, beta, state, mask)
-    y, s = chunked_gated_delta(q, k, v, g, beta, state, mask)
+    y, s = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask)
     # Same inputs, float32 throughout, another order of the sums: agreement to float32 rounding. On CUDA
     # MLX runs float32 matrix products as TF32 by default (MLX_ENABLE_TF32=1: 10-bit mantissa inputs), and
     # the chunked form is matrix products where the recurrence is elementwise: there ~1e-3 relative.
@@ -167,12 +167,16 @@ def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
 
 def test_chunked_delta_rule_takes_a_decay_that_underflowed_to_zero():
     # A head that forgets at once (exp(A) * softplus(a + dt_bias) > ~87) has g == 0 in float32: the chunked
-    # form works on log(g) and must not turn that into NaN where the recurrence simply clears the state.
+    # form takes log g (-inf here, or any finite value below its floor) and must not turn that into NaN where
+    # the recurrence simply clears the state.
     q, k, v, g, beta, state = delta_inputs(70, 1, 2, 8, 8, dtype=mx.float32)
     g[:, 10] = 0.0
     g[:, 40:50] = 0.0
+    log_g = mx.log(g)
+    log_g[:, 60] = -1e30
+    g[:, 60] = 0.0
     y_ref, s_ref = recurrence(q, k, v, g, beta, state)
-    y, s = chunked_gated_delta(q, k, v, g, beta, state)
+    y, s = chunked_gated_delta(q, k, v, log_g, beta, state)
     tol = 2e-3 if on_cuda() else 1e-4
     assert mx.abs(y - y_ref).max().item() < tol
     assert mx.abs(s - s_ref).max().item() < tol
@@ -1065,3 +1069,26 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     err = mx.abs(got - want) / (mx.abs(want) + 2**-6 * mx.abs(want).max())
     print(f"largest error / |value|: {err.max().item():.3g} (bound 2^-6 = {2**-6:.3g})")
     assert (err <= 2**-6).all().item()
+
+
+def test_chunked_delta_rule_gradients_match_the_recurrence_and_stay_finite():
+    # Training runs through the chunked form: its gradients must be the recurrence's (to rounding), and stay
+    # finite for heads whose decay is far below float32's range (no 1/g factor from a log of g).
+    q, k, v, _, beta, state = delta_inputs(80, 2, 2, 16, 16, dtype=mx.float32, seed=3)
+    b = mx.random.normal(beta.shape, key=mx.random.key(1))
+    A_log, dt_bias = mx.log(mx.array([2.0, 16.0])), mx.ones(2)
+
+    def loss(a, A_log, chunked):
+        y, _ = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, chunked=chunked)
+        return (y * y).sum()
+
+    grad = mx.grad(loss, argnums=(0, 1))
+    a = mx.random.normal(beta.shape, key=mx.random.key(2))
+    ga, gA = grad(a, A_log, chunked_gated_delta)
+    ra, rA = grad(a, A_log, None)
+    tol = 2e-3 if on_cuda() else 1e-4
+    assert mx.abs(ga - ra).max().item() < tol * (1 + mx.abs(ra).max().item())
+    assert mx.abs(gA - rA).max().item() < tol * (1 + mx.abs(rA).max().item())
+    for shift in (3.0, 6.0, 12.0):  # g from ~1e-25 down to exact zeros
+        ga, gA = grad(a + shift, A_log, chunked_gated_delta)
+        assert mx.isfinite(ga).all().item() and mx.isfinite(gA).all().item()

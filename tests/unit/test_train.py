@@ -95,3 +95,32 @@ def test_synthesizing_a_trained_name_is_refused_before_anything_is_written(tmp_p
     assert main(["models", "synth", "tiny-qwen3", "trained-qwen3", "--seed", "7"]) != 0
     assert "trained models are made by `python -m oracles.train`" in capsys.readouterr().err
     assert not artifact_dir("tiny-qwen3", 7).exists()
+
+
+def test_a_step_that_is_not_finite_is_skipped_and_many_in_a_row_stop_training(monkeypatch):
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.registry import get_spec
+
+    model, _ = train.build_model(get_spec("trained-qwen3-draft"), [0], seed=0)
+    ids = np.arange(2000, dtype=np.int32) % 4000
+    real = train.losses
+    calls = []
+
+    def poisoned(model, x, y, weight):  # the second step's loss is NaN
+        calls.append(1)
+        total, lm = real(model, x, y, weight)
+        return (total * mx.nan, lm * mx.nan) if len(calls) == 2 else (total, lm)
+
+    monkeypatch.setattr(train, "losses", poisoned)
+    lines = []
+    settings = train.TrainSettings(steps=3, batch=2, seq=16, warmup=1)
+    history, skipped = train.train(model, ids, settings, lines.append)
+    assert skipped == [2] and len(history) == 2 and all(np.isfinite(history))
+    assert any("step 2:" in line and "skipped" in line for line in lines)
+
+    monkeypatch.setattr(train, "losses", lambda m, x, y, w: tuple(t * mx.nan for t in real(m, x, y, w)))
+    monkeypatch.setattr(train, "MAX_SKIPPED_IN_A_ROW", 3)
+    with pytest.raises(RuntimeError, match="3 steps in a row"):
+        train.train(model, ids, train.TrainSettings(steps=10, batch=2, seq=16, warmup=1), lines.append)
