@@ -4,6 +4,7 @@ On a CUDA machine: `python3 -m pytest -q tests/unit/test_kernels.py` (harness/gp
 """
 
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -700,7 +701,7 @@ def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
         return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
                                  gated=stages == "gated")[0]  # fmt: skip
 
-    staged = run()
+    staged = run(replace(staged_config(m, 5120, 64, 4), rounded=0, splits=1))
     assert mx.array_equal(staged, run(LaunchConfig(2, 1, 1, row_groups=2))).item()
     for layout in (StagedConfig(warps=8, row_tiles=1), StagedConfig(warps=2, row_tiles=4), StagedConfig(stages=2),
                    StagedConfig(stages=4), StagedConfig(chunk_tiles=4), StagedConfig(m_groups=2),
@@ -728,13 +729,82 @@ def test_staged_layouts_match_float32(m, layout):
     assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
 
 
+def _rounded_reference(x, q, group_size, bits):
+    # x times the weights rounded once to bf16, round(q * scale + bias), summed in float32 on the CPU
+    with mx.stream(mx.cpu):
+        f32 = mx.float32
+        w = mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), group_size, bits)
+        return x.astype(f32) @ w.astype(mx.bfloat16).astype(f32).T
+
+
+@cuda_only
+@pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
+@pytest.mark.parametrize("m", [9, 16, 17, 32, 33, 63, 64])
+@pytest.mark.parametrize("n, k", [(1000, 1536), (4096, 17408)])
+def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, k):
+    # rounded = 1: each weight enters as bf16 round(q * scale + bias) (one rounding) and every product adds into
+    # one float32 sum a row; against that function in float32, test_gemv_kernel_matches_mlx's bound (the bf16
+    # output's rounding; float32 sums in another order add far less). The float32 model gate judges the
+    # weights' rounding (harness kernels --gate-model).
+    q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    want = _rounded_reference(x, q, group, bits)
+    config = replace(staged_config(m, k, group, bits), rounded=1)
+    out = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits, config=config).astype(mx.float32)
+    tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
+    assert mx.all(mx.abs(out - want) <= tol).item(), mx.abs(out - want).max().item()
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [17, 63])
+@pytest.mark.parametrize("layout", [dict(splits=2), dict(m_groups=2), dict(warps=2, m_groups=2), dict(stages=3),
+                                    dict(stages=3, chunk_tiles=4), dict(warps=8, row_tiles=1), dict(min_blocks=2)])  # fmt: skip
+def test_rounded_staged_layouts_sum_the_same_function(m, layout):
+    # Unsplit, a rounded launch adds each row's k-tiles in k order whatever its warps, stages, chunks or m
+    # groups: the same bits; a split K adds the same float32 sums in another order (the bound above).
+    q = make_quantized(n=1000, k=6144, seed=m)
+    x = mx.random.normal((m, 6144)).astype(mx.bfloat16)
+    out = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(rounded=1, **layout))
+    if "splits" not in layout:
+        assert mx.array_equal(out, quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4,
+                                                    config=StagedConfig(rounded=1))).item()  # fmt: skip
+    want = _rounded_reference(x, q, 64, 4)
+    tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
+    assert mx.all(mx.abs(out.astype(mx.float32) - want) <= tol).item()
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [9, 40, 64])
+@pytest.mark.parametrize("stages", ["residual", "gated"])
+def test_rounded_staged_kernel_runs_the_fused_stages_on_its_sums(m, stages):
+    # The fused stages take the rounded sums as they take the exact ones: a residual launch is its plain
+    # launch's product rounded to bf16 and added; a gated one the SwiGLU of its two products (test_gated_launch's
+    # bound); split or not.
+    q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
+    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
+    residual = mx.random.normal((m, 3000)).astype(mx.bfloat16)
+    f32 = mx.float32
+    for splits in (1, 2):
+        config = StagedConfig(rounded=1, splits=splits)
+        plain = [quantized_matmuls(x, [(a.weight, a.scales, a.biases)], 64, 4, config)[0] for a in (q, up)]
+        if stages == "residual":
+            (y,) = quantized_matmuls(x, [(q.weight, q.scales, q.biases)], 64, 4, config, residual=residual)
+            want = (residual.astype(f32) + plain[0].astype(f32)).astype(mx.bfloat16)
+            assert mx.array_equal(y, want).item()
+        else:
+            (y,) = quantized_matmuls(x, [(a.weight, a.scales, a.biases) for a in (q, up)], 64, 4, config, gated=True)
+            g32, u32 = plain[0].astype(f32), plain[1].astype(f32)
+            want = g32 * mx.sigmoid(g32) * u32
+            assert mx.all(mx.abs(y.astype(f32) - want) <= 2.0**-7 * mx.abs(want)).item()
+
+
 def test_staged_kernel_splits_long_inputs_only():
-    # K past SPLIT_K_ABOVE is split into the fewest even parts of at most SPLIT_K_VALUES: qwen27b's down
-    # projection (17408) in 4, its attention and DeltaNet output projections (6144) in 2.
-    assert [splits(k, 128) for k in (1536, 5120, 6144, 17408)] == [1, 1, 2, 4]
-    assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=4)
-    assert staged_config(32, 5120, 64, 4) == StagedConfig(stages=2, splits=1)
-    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=1)
+    # K past SPLIT_K_VALUES is split into the fewest even parts of at most SPLIT_K_VALUES: qwen27b's down
+    # projection (17408) in 8, its output projections (6144) in 3, the projections of its hidden state in 4.
+    assert [splits(k, 128) for k in (1536, 2048, 5120, 6144, 17408)] == [1, 1, 4, 3, 8]
+    assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=8)
+    assert staged_config(32, 1536, 64, 4) == StagedConfig(stages=2, splits=1)
+    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4)
     assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
     assert staged_takes(9, 5120, 64, 4, Fusion()) and not staged_takes(8, 5120, 64, 4, Fusion())
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())

@@ -29,16 +29,18 @@ from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
 
 MIN_ROWS = 9  # from here the staged kernel takes a launch; the register kernel below
-SUM_ROWS = 128  # output rows a block of the split sums' launch takes (its blocks: the next launch's norm parts)
-SUM_THREADS = 4  # threads a row there, each taking every SUM_THREADS-th activation row
+SUM_ROWS = 64  # output rows a block of the split sums' launch takes (its blocks: the next launch's norm parts)
+SUM_THREADS = 16  # threads a row there, each taking every SUM_THREADS-th activation row
 
 
 @dataclass(frozen=True)
 class StagedConfig:
     """How a staged launch is laid out: a block's warps, each warp's 16-row tiles, k-tiles a chunk (0: two
     groups' worth, at least two k-tiles), chunks in shared memory at once, blocks a row block's K is split
-    over, blocks an SM must hold (0: as the registers allow), and warps that share each row tile's activation
-    blocks (`m_groups`: fewer sums a warp, more warps an SM)."""
+    over, blocks an SM must hold (0: as the registers allow), warps that share each row tile's activation
+    blocks (`m_groups`: fewer sums a warp, more warps an SM), and how the weights enter the products
+    (`rounded` 1: dequantized to bf16 first, MLX's rounding of them, into one float32 sum a row; 0: exact
+    integers with float32 group sums, the register kernel's arithmetic)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -47,6 +49,7 @@ class StagedConfig:
     splits: int = 1
     min_blocks: int = 0
     m_groups: int = 1
+    rounded: int = 0
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -55,7 +58,8 @@ class StagedConfig:
 
     def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
         return [("W", self.warps), ("RT", self.row_tiles), ("CK", self.chunk(group_size, bits)), ("ST", self.stages),
-                ("S", self.splits), ("MG", self.m_groups)] + ([("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
+                ("S", self.splits), ("MG", self.m_groups), ("RW", self.rounded)] + (
+                    [("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
 
     def threads(self) -> int:
         return self.warps * self.m_groups * 32
@@ -71,18 +75,17 @@ class StagedConfig:
         return self.stages * (per_stage + 4 * rows * (kc // group_size))
 
 
-# K past which a matrix splits its K over blocks, and how many k values a split then adds at most: qwen27b's
-# 5120-output matrices (K 6144 and 17408) fill too few blocks unsplit (docs/kernels.md, "Batched rows").
-SPLIT_K_ABOVE = 5120
-SPLIT_K_VALUES = 4352
+# The most k values one split adds: a longer K is split over blocks. The model's launches are dependent, so a
+# launch whose grid fills the SMs a fraction of a wave leaves them idle: qwen27b's decode step at 16 / 32 / 64
+# rows took 14.0 / 20.2 / 33.8 ms split at 2176 against 17.0 / 23.9 / 36.4 with only K > 5120 split at 4352
+# (docs/kernels.md, "Batched rows").
+SPLIT_K_VALUES = 2176
 
 
 def splits(k: int, chunk: int) -> int:
-    """Blocks a row block's K is split over: 1 up to SPLIT_K_ABOVE, else the fewest that divide its chunks
-    evenly into at most SPLIT_K_VALUES values each."""
+    """Blocks a row block's K is split over: the fewest that divide its chunks evenly into at most SPLIT_K_VALUES
+    values each (1 up to SPLIT_K_VALUES)."""
     chunks = k // chunk
-    if k <= SPLIT_K_ABOVE:
-        return 1
     return next(s for s in range(1, chunks + 1) if chunks % s == 0 and k // s <= SPLIT_K_VALUES)
 
 
@@ -236,60 +239,97 @@ _BODY = r"""
         xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
       }
   };
-  // Each k-tile of a stage: the warp's row tiles as exact integers (engine_pair), then each 8-row block of
-  // activations as B fragments, its sums (the bias term) and its products with every row tile.
-  auto multiply = [&](const int c) {
-    const int b = c % ST;
-    const __nv_bfloat16* sx = stage_x(b);
-    const uint32_t* sw = stage_w(b);
-    const __nv_bfloat16* ss = stage_s(b);
+  // Row tile r's A fragments of k-tile u (lane (g, t): its words of rows g and g + 8), each pair of values as
+  // `pair(word, j, row)` makes it (row 0: g, 1: g + 8).
+  auto weight_fragments = [&](uint32_t (&wa)[STEPS][4], const uint32_t* sw, const int r, const int u, auto pair) {
+    const int slot = (warp * RT + r) * 16 + g;
+    const Words q0 = *reinterpret_cast<const Words*>(sw + slot * WS + u * 4 * WL + t * WL);
+    const Words q1 = *reinterpret_cast<const Words*>(sw + (slot + 8) * WS + u * 4 * WL + t * WL);
+    const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&q0);
+    const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&q1);
     #pragma unroll
-    for (int u = 0; u < CK; ++u) {
-      uint32_t wa[RT][STEPS][4];
-      float s0[RT], s1[RT], b0[RT], b1[RT];
+    for (int wi = 0; wi < WL; ++wi)
+      #pragma unroll
+      for (int h = 0; h < SPW; ++h) {
+        wa[wi * SPW + h][0] = pair(w0[wi], 2 * h, 0);
+        wa[wi * SPW + h][1] = pair(w1[wi], 2 * h, 1);
+        wa[wi * SPW + h][2] = pair(w0[wi], 2 * h + 1, 0);
+        wa[wi * SPW + h][3] = pair(w1[wi], 2 * h + 1, 1);
+      }
+  };
+  // RW = 0, k-tile u of a stage: the warp's row tiles as exact integers (engine_pair), then each 8-row block of
+  // activations as B fragments, its sums (the bias term) and its products with every row tile, each row tile's
+  // group sums scaled in float32.
+  auto exact_tile = [&](const __nv_bfloat16* sx, const uint32_t* sw, const __nv_bfloat16* ss, const int u) {
+    uint32_t wa[RT][STEPS][4];
+    float s0[RT], s1[RT], b0[RT], b1[RT];
+    #pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int slot = (warp * RT + r) * 16 + g;
+      weight_fragments(wa[r], sw, r, u, [](const uint32_t w, const int j, const int) { return engine_pair<BITS>(w, j); });
+      constexpr float o = engine_offset<BITS>::value;
+      const int grp = u * TILE_K / GS;
+      s0[r] = __bfloat162float(ss[slot * GC + grp]);
+      s1[r] = __bfloat162float(ss[(slot + 8) * GC + grp]);
+      b0[r] = fmaf(-o, s0[r], __bfloat162float(ss[R * GC + slot * GC + grp]));
+      b1[r] = fmaf(-o, s1[r], __bfloat162float(ss[R * GC + (slot + 8) * GC + grp]));
+    }
+    #pragma unroll
+    for (int nbl = 0; nbl < NBW; ++nbl) {
+      const int nb = mg * NBW + nbl;
+      if (NB % MG && nb >= NB) break;
+      uint32_t xb[STEPS][2];
+      fragments(xb, sx, nb, u);
+      float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums over the tile (the bias term)
+      #pragma unroll
+      for (int st = 0; st < STEPS; ++st) engine_mma(xsum, ones, ones, ones, ones, xb[st][0], xb[st][1]);
       #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        const int slot = (warp * RT + r) * 16 + g;
-        const Words q0 = *reinterpret_cast<const Words*>(sw + slot * WS + u * 4 * WL + t * WL);
-        const Words q1 = *reinterpret_cast<const Words*>(sw + (slot + 8) * WS + u * 4 * WL + t * WL);
-        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&q0);
-        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&q1);
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         #pragma unroll
-        for (int wi = 0; wi < WL; ++wi)
-          #pragma unroll
-          for (int h = 0; h < SPW; ++h) {
-            wa[r][wi * SPW + h][0] = engine_pair<BITS>(w0[wi], 2 * h);
-            wa[r][wi * SPW + h][1] = engine_pair<BITS>(w1[wi], 2 * h);
-            wa[r][wi * SPW + h][2] = engine_pair<BITS>(w0[wi], 2 * h + 1);
-            wa[r][wi * SPW + h][3] = engine_pair<BITS>(w1[wi], 2 * h + 1);
-          }
-        constexpr float o = engine_offset<BITS>::value;
-        const int grp = u * TILE_K / GS;
-        s0[r] = __bfloat162float(ss[slot * GC + grp]);
-        s1[r] = __bfloat162float(ss[(slot + 8) * GC + grp]);
-        b0[r] = fmaf(-o, s0[r], __bfloat162float(ss[R * GC + slot * GC + grp]));
-        b1[r] = fmaf(-o, s1[r], __bfloat162float(ss[R * GC + (slot + 8) * GC + grp]));
+        for (int st = 0; st < STEPS; ++st) engine_mma(d, wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
+        acc[r][nbl][0] = fmaf(s0[r], d[0], fmaf(b0[r], xsum[0], acc[r][nbl][0]));
+        acc[r][nbl][1] = fmaf(s0[r], d[1], fmaf(b0[r], xsum[1], acc[r][nbl][1]));
+        acc[r][nbl][2] = fmaf(s1[r], d[2], fmaf(b1[r], xsum[2], acc[r][nbl][2]));
+        acc[r][nbl][3] = fmaf(s1[r], d[3], fmaf(b1[r], xsum[3], acc[r][nbl][3]));
       }
+    }
+  };
+  // RW = 1: the k-tile's weights as bf16 round(q * scale + bias), one rounding (engine_dequant), so every product
+  // adds into its row's one float32 sum: no group sums to scale, no bias term.
+  auto rounded_tile = [&](const __nv_bfloat16* sx, const uint32_t* sw, const __nv_bfloat16* ss, const int u) {
+    uint32_t wa[RT][STEPS][4];
+    const int grp = u * TILE_K / GS;
+    #pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const int slot = (warp * RT + r) * 16 + g;
+      const __nv_bfloat162 s0 = __bfloat162bfloat162(ss[slot * GC + grp]);
+      const __nv_bfloat162 s1 = __bfloat162bfloat162(ss[(slot + 8) * GC + grp]);
+      const __nv_bfloat162 b0 = __bfloat162bfloat162(ss[R * GC + slot * GC + grp]);
+      const __nv_bfloat162 b1 = __bfloat162bfloat162(ss[R * GC + (slot + 8) * GC + grp]);
+      weight_fragments(wa[r], sw, r, u, [&](const uint32_t w, const int j, const int row) {
+        return engine_dequant<BITS>(w, j, row ? s1 : s0, row ? b1 : b0);
+      });
+    }
+    #pragma unroll
+    for (int nbl = 0; nbl < NBW; ++nbl) {
+      const int nb = mg * NBW + nbl;
+      if (NB % MG && nb >= NB) break;
+      uint32_t xb[STEPS][2];
+      fragments(xb, sx, nb, u);
       #pragma unroll
-      for (int nbl = 0; nbl < NBW; ++nbl) {
-        const int nb = mg * NBW + nbl;
-        if (NB % MG && nb >= NB) break;
-        uint32_t xb[STEPS][2];
-        fragments(xb, sx, nb, u);
-        float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums over the tile (the bias term)
+      for (int st = 0; st < STEPS; ++st)
         #pragma unroll
-        for (int st = 0; st < STEPS; ++st) engine_mma(xsum, ones, ones, ones, ones, xb[st][0], xb[st][1]);
-        #pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          #pragma unroll
-          for (int st = 0; st < STEPS; ++st) engine_mma(d, wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
-          acc[r][nbl][0] = fmaf(s0[r], d[0], fmaf(b0[r], xsum[0], acc[r][nbl][0]));
-          acc[r][nbl][1] = fmaf(s0[r], d[1], fmaf(b0[r], xsum[1], acc[r][nbl][1]));
-          acc[r][nbl][2] = fmaf(s1[r], d[2], fmaf(b1[r], xsum[2], acc[r][nbl][2]));
-          acc[r][nbl][3] = fmaf(s1[r], d[3], fmaf(b1[r], xsum[3], acc[r][nbl][3]));
-        }
-      }
+        for (int r = 0; r < RT; ++r)
+          engine_mma(acc[r][nbl], wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
+    }
+  };
+  auto multiply = [&](const int c) {
+    const int b = c % ST;
+    #pragma unroll
+    for (int u = 0; u < CK; ++u) {
+      if constexpr (RW != 0) rounded_tile(stage_x(b), stage_w(b), stage_s(b), u);
+      else exact_tile(stage_x(b), stage_w(b), stage_s(b), u);
     }
   };
 
