@@ -1,6 +1,6 @@
 """Where a batched decode step of qwen27b goes, part by part: the device time of each part's kernel at M rows.
 
-    python3 -m tools.gpu.batch_parts --rows 1,8,16,32,64
+    python3 -m tools.gpu.batch_parts --rows 1,8,16,32,64 [--staged RW=1 --staged 64:RW=1,W=4,MG=2 ...]
 
 Times (median us a call, many calls an evaluation, weights warm) the fast tier's launches of qwen27b's
 layers at M activation rows ([M, 1, K], as a batched decode step gives them) beside MLX's quantized matmul
@@ -10,6 +10,9 @@ input projections in one launch (gate and up also as the model runs them, prenor
 the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows. Then the
 sum a step makes of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set
 against the whole step (`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
+`--staged SPEC` (repeatable, as `tools.gpu.step_kernels --staged`) times the parts again with the staged
+launches (9-64 rows) laid out by SPEC; `python3 -m tools.kernel_resources --parts ... --cache-dir DIR` compiles
+their kernels ahead on a machine with nvcc, for MLX_PTX_CACHE_DIR=DIR here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import mlx.core as mx
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
 from harness.kernel_bench import BenchConfig, random_quantized, time_us
+from tools.gpu.step_kernels import parse_staged, staged_layout
 
 HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
 HK, HV, DK, DV = 16, 48, 128, 128  # qwen27b's DeltaNet heads
@@ -78,17 +82,23 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50, help="calls an evaluation (default 50)")
     p.add_argument("--parts", default="", help="comma-separated parts to time (default all; e.g. 'gate+up,delta "
                                                "step' under ncu), no step sum then")  # fmt: skip
+    p.add_argument("--staged", action="append", default=[], metavar="SPEC",
+                   help="also time the parts with the staged launches laid out by SPEC (tools.gpu.step_kernels' form)")
     args = p.parse_args()
     only = frozenset(filter(None, (v.strip() for v in args.parts.split(","))))
     cfg = BenchConfig(repeats=5, calls=args.calls)
+    layouts = [(None, {}, "")] + [(*parse_staged(v), f" [{v}]") for v in args.staged]
     for m in (int(v) for v in args.rows.split(",")):
-        res = parts(m, cfg, only)
-        if only:
-            print(f"M={m}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
-            continue
-        step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (res["inputs"] + res["delta step"])
-        print(f"M={m}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items()) + f" | these parts a step {step / 1e3:.1f} ms",
-              flush=True)  # fmt: skip
+        for keep, fields, label in layouts:
+            if fields and (m < 9 or (keep is not None and m not in keep)):
+                continue
+            with staged_layout(fields):
+                res = parts(m, cfg, only)
+            line = f"M={m}{label}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items())
+            if not only:
+                step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (res["inputs"] + res["delta step"])
+                line += f" | these parts a step {step / 1e3:.1f} ms"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

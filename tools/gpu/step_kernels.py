@@ -19,9 +19,14 @@ busy for the whole step or waits on the host.
 `--staged SPEC` (repeatable) runs the rows again with every staged launch (9-64 rows) laid out by SPEC
 instead of `staged.staged_config`: `[ROWS:]KEY=VALUE,...` with the keys W (warps), RT (row tiles), CK
 (k-tiles a chunk), ST (stages), S (splits; default: as the tree splits K), MINB (blocks an SM), MG (m
-groups); ROWS (e.g. `16,32:`) keeps the variant to those row counts.
+groups), RW (1: weights rounded to bf16 before the products, 0: exact integers), KS (every K past it split into
+the fewest even parts of at most KS values, in place of `staged.SPLIT_K_VALUES`); ROWS (e.g. `16,32:`) keeps
+the variant to those row counts.
 
     python3 -m tools.gpu.step_kernels --rows 16,64 --time --staged ST=2,MG=2 --staged 64:ST=2,MG=2,MINB=2
+
+`--kernel-cache-dir DIR` compiles the engine's kernels into DIR as `engine serve` does (in parallel, before
+the forward that needs them runs; `engine.kernels.kernel_cache`), so new layouts cost seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional, Sequence
 
 MARKER = "engine_step_marker"
@@ -67,6 +73,7 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     import mlx.core as mx
 
     from engine.batch.runner import merge_rows
+    from engine.kernels import kernel_cache
 
     from engine.loading import text_config
 
@@ -75,6 +82,7 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     vocab = min(50000, int(text_config(eng.config)["vocab_size"])) - 10
     prompts = mx.array([[(i * 7919 + r * 104729) % vocab + 10 for i in range(prompt_tokens)] for r in range(rows)])
     logits = eng.model(prompts, cache)
+    kernel_cache.settle()
     for c in cache:
         if hasattr(c, "finalize"):
             c.finalize()
@@ -84,7 +92,7 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
 
 
 STAGED_KEYS = {"W": "warps", "RT": "row_tiles", "CK": "chunk_tiles", "ST": "stages", "S": "splits",
-               "MINB": "min_blocks", "MG": "m_groups"}
+               "MINB": "min_blocks", "MG": "m_groups", "RW": "rounded", "KS": "split_values"}
 
 
 def parse_staged(spec: str) -> tuple[Optional[set[int]], dict[str, int]]:
@@ -104,25 +112,29 @@ def staged_layout(fields: dict[str, int]):
     """Every staged launch traced inside laid out by `fields` (splits as the tree chooses unless given)."""
     from engine.kernels.quantized_gemv import calls, staged
 
-    chosen = staged.staged_config
-    if fields:
+    chosen, limit = staged.staged_config, staged.SPLIT_K_VALUES
+    fields = dict(fields)
+    values = fields.pop("split_values", None)
+    if values:
+        staged.SPLIT_K_VALUES = values
+    if fields or values:
         staged.staged_config = lambda *a: dataclasses.replace(chosen(*a), **fields)
         calls._compiled.cache_clear()  # the traced launches hold their layouts
     try:
         yield
     finally:
-        if fields:
-            staged.staged_config = chosen
-            calls._compiled.cache_clear()
+        staged.staged_config = chosen
+        staged.SPLIT_K_VALUES = limit
+        calls._compiled.cache_clear()
 
 
 def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
         timed: bool, warm: int = 3, batch_caches: bool = False, off: tuple[str, ...] = (),
-        variants: Sequence[str] = ()) -> None:  # fmt: skip
+        variants: Sequence[str] = (), only_staged: bool = False) -> None:  # fmt: skip
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
 
-    layouts = [(None, {}, "")] + [(*parse_staged(v), f" [{v}]") for v in variants]  # a bad SPEC stops it here
+    layouts = [(None, {}, "")] * (not only_staged) + [(*parse_staged(v), f" [{v}]") for v in variants]  # a bad SPEC stops it here
 
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
         return dataclasses.replace(KernelConfig.from_env(tier), **{name: False for name in off})
@@ -146,9 +158,12 @@ def step_rows(eng, label: str, rows: int, steps: int, prompt_tokens: int, timed:
     """One row count's decode steps: timed (pipelined), or one at a time between markers for ncu."""
     import mlx.core as mx
 
+    from engine.kernels import kernel_cache
+
     cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
     for _ in range(warm):  # compiles this shape's kernels
         token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        kernel_cache.settle()
         mx.eval(token)
     if timed:
         mx.synchronize()
@@ -229,15 +244,26 @@ def main() -> None:
                                              "attention_step, attention_kernels)")  # fmt: skip
     p.add_argument("--staged", action="append", default=[], metavar="SPEC",
                    help="also run the rows with the staged launches laid out by SPEC (see above); repeatable")
+    p.add_argument("--only-staged", action="store_true", help="run the --staged layouts only, not the tree's")
+    p.add_argument("--kernel-cache-dir", type=Path, help="compile the engine's kernels into DIR ahead of MLX, in "
+                                                          "parallel (MLX_PTX_CACHE_DIR)")  # fmt: skip
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
+        if args.kernel_cache_dir:
+            from engine.cli import use_kernel_cache
+
+            directory = use_kernel_cache(args.kernel_cache_dir)  # before MLX compiles anything
+            from engine.kernels import kernel_cache, on_cuda
+
+            if on_cuda():
+                kernel_cache.enable(directory)
         off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
         run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
-            args.prompt_tokens, args.time, args.warm, args.batch_caches, off, args.staged)  # fmt: skip
+            args.prompt_tokens, args.time, args.warm, args.batch_caches, off, args.staged, args.only_staged)  # fmt: skip
 
 
 if __name__ == "__main__":

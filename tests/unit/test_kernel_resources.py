@@ -1,0 +1,34 @@
+"""tools.kernel_resources builds the quantized matmul's launches as MLX would, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout, as its docstring says
+
+
+def _launches(*args: str) -> str:
+    cmd = [sys.executable, "-m", "tools.kernel_resources", "--list", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
+    out = _launches("--rows", "8,16", "--shape", "5120x17408", "--staged", "KS=4352,W=2")
+    # 8 rows: the register kernel; 16: the staged kernel split in 8 (SPLIT_K_VALUES) and the sums' launch
+    assert re.search(r"^5120x17408 M=8 \[default\] engine_affine_qmm1: grid \d+ x \d+ threads", out, re.M), out
+    assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm1_part: grid 320 x 128 threads", out, re.M), out
+    assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm_sum1: grid 80 x 1024 threads", out, re.M), out
+    # the layout: 2 warps (64 rows a block) and 4 splits of at most 4352 values
+    assert re.search(r"^5120x17408 M=16 \[KS=4352,W=2\] engine_affine_sqmm1_part: grid 320 x 64 threads", out, re.M), out
+    assert "M=8 [KS=4352,W=2]" not in out  # layouts are the staged kernel's (9-64 rows)
+
+
+def test_the_parts_of_a_batched_step_are_listed():
+    out = _launches("--rows", "32", "--parts", "gate+up prenormed,down+residual")
+    assert "M=32 [default] engine_affine_sqmm2_part" in out and "engine_affine_sqmm_sum2_g_pn" in out, out
+    assert "engine_affine_sqmm1_part" in out and "engine_affine_sqmm_sum1_r" in out, out

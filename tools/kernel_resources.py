@@ -1,0 +1,184 @@
+"""Registers, spills and shared memory of the quantized matmul's launches, from nvcc on any machine (no GPU).
+
+    python3 -m tools.kernel_resources --rows 16,32,64 [--shape 17408x5120] [--staged RW=1,ST=3] [--arch sm_90a]
+    python3 -m tools.kernel_resources --rows 16,64 --parts gate+up,down+residual --staged RW=1 --cache-dir DIR
+
+Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix (4-bit, group 64 unless
+`--bits`/`--group`), or those `tools.gpu.batch_parts` makes for its `--parts`, is built as MLX builds it
+(`kernel_cache.KernelBuild.mlx_source`), without running it, and compiled by nvcc with `-Xptxas -v`: what
+ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
+not. `--staged` lays the staged launches (9-64 rows) out as `tools.gpu.step_kernels --staged` does
+(`KEY=VALUE,...`; repeatable). `--cache-dir DIR` also writes each cubin where MLX looks for it
+(`kernel_cache`): a process on the GPU with MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of
+them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.kernels.cuda_source import compact
+from engine.kernels.kernel_cache import KernelBuild
+from engine.nvrtc import UTILS_HEADER
+
+PTXAS = re.compile(r"Used (\d+) registers.*")
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@contextmanager
+def recorded(builds: list):
+    """Every custom kernel the quantized matmul's modules ask for is recorded in `builds` (with its launch:
+    grid, block, dynamic shared bytes) and answered with zeros instead of being run."""
+    from engine.kernels.quantized_gemv import source, staged
+
+    def fake(*, name, input_names, output_names, source, header="", shared_memory=0):
+        def call(*, inputs, template=(), output_shapes, output_dtypes, grid, threadgroup, **_):
+            build = KernelBuild(name, tuple(input_names), tuple(output_names), compact(source), compact(header),
+                                tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes), tuple(template))  # fmt: skip
+            builds.append((build, grid, threadgroup, shared_memory))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    saved = source.cuda_kernel, staged.cuda_kernel
+    source.cuda_kernel = staged.cuda_kernel = fake
+    for cached in (source.kernel, staged.kernel, staged.sum_kernel):
+        cached.cache_clear()
+    try:
+        yield
+    finally:
+        source.cuda_kernel, staged.cuda_kernel = saved
+        for cached in (source.kernel, staged.kernel, staged.sum_kernel):
+            cached.cache_clear()
+
+
+@lru_cache(maxsize=None)
+def nvcc_compile(build_source: str, arch: str) -> tuple[str, bytes]:
+    """nvcc's -Xptxas -v report and cubin for one build's source ("" and b"" where it fails: the report holds
+    the error then)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        inc = Path(tmp) / "mlx" / "backend" / "cuda" / "device"
+        inc.mkdir(parents=True)
+        (inc / "utils.cuh").write_text(UTILS_HEADER)
+        src, out = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
+        src.write_text(build_source)
+        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(out), "-I", tmp, "-Xptxas", "-v",
+                               "--expt-relaxed-constexpr", "-std=c++17", str(src)], capture_output=True, text=True)  # fmt: skip
+        return done.stdout + done.stderr, out.read_bytes() if done.returncode == 0 else b""
+
+
+def nvcc_compiler(arch: str):
+    """A `kernel_cache.Compiler` on nvcc: (cubin, the kernel's mangled name, from ptxas's report)."""
+    def compile(source: str, kernel: str) -> tuple[bytes, str]:
+        report, code = nvcc_compile(source, arch)
+        entry = ENTRY.search(report)
+        if not code or not entry:
+            raise RuntimeError(report[-2000:])
+        return code, entry.group(1)
+
+    return compile
+
+
+ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def compile_report(build: KernelBuild, arch: str) -> dict:
+    """ptxas's registers and spill bytes for one build."""
+    text, code = nvcc_compile(build.mlx_source(), arch)
+    if not code:
+        return {"error": text[-3000:]}
+    regs = PTXAS.search(text)
+    spills = SPILLS.search(text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}  # fmt: skip
+
+
+def layout(spec: str) -> dict:
+    from tools.gpu.step_kernels import parse_staged
+
+    _, fields = parse_staged(spec)
+    return fields
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="16,32,64", help="activation rows M, comma-separated")
+    p.add_argument("--shape", action="append", default=[], metavar="NxK", help="matrix shape (repeatable; default 17408x5120)")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group", type=int, default=64)
+    p.add_argument("--gated", action="store_true", help="two matrices of the shape as a gated (SwiGLU) launch")
+    p.add_argument("--staged", action="append", default=[], metavar="SPEC", help="staged layout KEY=VALUE,... (repeatable)")
+    p.add_argument("--parts", default="", help="tools.gpu.batch_parts' parts (comma-separated) instead of --shape")
+    p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")
+    p.add_argument("--list", action="store_true", help="only list the launches (no nvcc)")
+    p.add_argument("--arch", default="sm_90a")
+    args = p.parse_args()
+
+    from engine.kernels.kernel_cache import KernelCache
+    from engine.kernels.quantized_gemv import quantized_matmuls
+    from engine.kernels.quantized_gemv import staged
+    from tools.gpu.step_kernels import staged_layout
+
+    variants = [("", {})] + [(s, layout(s)) for s in args.staged]
+    if args.list and args.cache_dir:
+        p.error("--list compiles nothing: no --cache-dir with it")
+    cache = KernelCache(args.cache_dir, compiler=nvcc_compiler(args.arch)) if args.cache_dir else None
+    seen = {}
+
+    def report(what: str, builds: list) -> None:
+        for build, grid, block, shared in builds:
+            key = build.module_name()
+            if key not in seen:
+                seen[key] = {"error": "not compiled (--list)"} if args.list else compile_report(build, args.arch)
+                if cache is not None:
+                    cache.submit(build)
+            r = seen[key]
+            res = r.get("error") or (f"{r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B")
+            print(f"{what} {build.name}: grid {grid[0] // block[0]} x {block[0]} threads, {shared} B dynamic "
+                  f"shared; {res}", flush=True)  # fmt: skip
+
+    rows = [int(v) for v in args.rows.split(",")]
+    if args.parts:
+        from tools.gpu import batch_parts
+
+        only = frozenset(v.strip() for v in args.parts.split(","))
+        zeros = lambda n, k, bits, gs: (mx.zeros((n, k * bits // 32), dtype=mx.uint32),  # noqa: E731
+                                        *[mx.zeros((n, k // gs), dtype=mx.bfloat16)] * 2)  # fmt: skip
+        batch_parts.random_quantized, batch_parts.time_us = zeros, lambda fn, cfg: [fn()] and 0.0
+        for m in rows:
+            for label, fields in variants:
+                if fields and m < staged.MIN_ROWS:
+                    continue
+                builds: list = []
+                with recorded(builds), staged_layout(fields):
+                    batch_parts.parts(m, None, only)
+                report(f"M={m} [{label or 'default'}]", builds)
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] or ([] if args.parts else [(17408, 5120)])
+    for n, k in shapes:
+        w = mx.zeros((n, k * args.bits // 32), dtype=mx.uint32)
+        sc = mx.zeros((n, k // args.group), dtype=mx.bfloat16)
+        matrices = [(w, sc, sc)] * (2 if args.gated else 1)
+        for m in rows:
+            x = mx.zeros((m, k), dtype=mx.bfloat16)
+            for label, fields in variants:
+                if fields and m < staged.MIN_ROWS:
+                    continue
+                builds = []
+                with recorded(builds), staged_layout(fields):
+                    quantized_matmuls(x, matrices, args.group, args.bits, gated=args.gated)
+                report(f"{n}x{k} M={m} [{label or 'default'}]", builds)
+    if cache is not None:
+        cache.settle()
+        print(f"kernel cache {args.cache_dir}: {cache.stats()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
