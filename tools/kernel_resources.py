@@ -7,7 +7,7 @@ Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix 
 `--bits`/`--group`), or those `tools.gpu.batch_parts` makes for its `--parts`, is built as MLX builds it
 (`kernel_cache.KernelBuild.mlx_source`), without running it, and compiled by nvcc with `-Xptxas -v`: what
 ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
-not. `--staged` lays the staged launches (9-64 rows) out as `tools.gpu.step_kernels --staged` does
+not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kernels --staged` does
 (`KEY=VALUE,...`; repeatable). `--cache-dir DIR` also writes each cubin where MLX looks for it
 (`kernel_cache`): a process on the GPU with MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of
 them.

@@ -18,14 +18,14 @@ def _launches(*args: str) -> str:
 
 
 def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
-    out = _launches("--rows", "8,16", "--shape", "5120x17408", "--staged", "KS=4352,W=2")
-    # 8 rows: the register kernel; 16: the staged kernel split in 8 (SPLIT_K_VALUES) and the sums' launch
-    assert re.search(r"^5120x17408 M=8 \[default\] engine_affine_qmm1: grid \d+ x \d+ threads", out, re.M), out
+    out = _launches("--rows", "1,16", "--shape", "5120x17408", "--staged", "KS=4352,W=2")
+    # one row: the register kernel; 16: the staged kernel split in 8 (SPLIT_K_VALUES) and the sums' launch
+    assert re.search(r"^5120x17408 M=1 \[default\] engine_affine_qmm1: grid \d+ x \d+ threads", out, re.M), out
     assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm1_part: grid 320 x 128 threads", out, re.M), out
     assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm_sum1: grid 80 x 1024 threads", out, re.M), out
     # the layout: 2 warps (64 rows a block) and 4 splits of at most 4352 values
     assert re.search(r"^5120x17408 M=16 \[KS=4352,W=2\] engine_affine_sqmm1_part: grid 320 x 64 threads", out, re.M), out
-    assert "M=8 [KS=4352,W=2]" not in out  # layouts are the staged kernel's (9-64 rows)
+    assert "M=1 [KS=4352,W=2]" not in out  # layouts are the staged kernel's (2-64 rows)
 
 
 def test_the_parts_of_a_batched_step_are_listed():

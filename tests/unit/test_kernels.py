@@ -806,7 +806,7 @@ def test_staged_kernel_splits_long_inputs_only():
     assert staged_config(32, 1536, 64, 4) == StagedConfig(stages=2, splits=1)
     assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4)
     assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
-    assert staged_takes(9, 5120, 64, 4, Fusion()) and not staged_takes(8, 5120, 64, 4, Fusion())
+    assert staged_takes(2, 5120, 64, 4, Fusion()) and not staged_takes(1, 5120, 64, 4, Fusion())
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())
 
 

@@ -11,7 +11,7 @@ the sums of squares' parts from the launch before); and the DeltaNet step kernel
 sum a step makes of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set
 against the whole step (`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
 `--staged SPEC` (repeatable, as `tools.gpu.step_kernels --staged`) times the parts again with the staged
-launches (9-64 rows) laid out by SPEC; `python3 -m tools.kernel_resources --parts ... --cache-dir DIR` compiles
+launches (2-64 rows) laid out by SPEC; `python3 -m tools.kernel_resources --parts ... --cache-dir DIR` compiles
 their kernels ahead on a machine with nvcc, for MLX_PTX_CACHE_DIR=DIR here.
 """
 
@@ -24,6 +24,7 @@ import mlx.core as mx
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
 from harness.kernel_bench import BenchConfig, random_quantized, time_us
+from engine.kernels.quantized_gemv.staged import MIN_ROWS
 from tools.gpu.step_kernels import parse_staged, staged_layout
 
 HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
@@ -90,7 +91,7 @@ def main() -> None:
     layouts = [(None, {}, "")] + [(*parse_staged(v), f" [{v}]") for v in args.staged]
     for m in (int(v) for v in args.rows.split(",")):
         for keep, fields, label in layouts:
-            if fields and (m < 9 or (keep is not None and m not in keep)):
+            if fields and (m < MIN_ROWS or (keep is not None and m not in keep)):
                 continue
             with staged_layout(fields):
                 res = parts(m, cfg, only)

@@ -1,7 +1,7 @@
 """Launch configurations of the quantized matmul kernel vs MLX on qwen27b's shapes, weights cold (rotated
 over copies larger than the L2), after checking its numerics against a float32 CPU reference on edge
 shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this, and from
-9 rows the staged kernel's (`staged.staged_config`: chunks in flight, warps, K splits).
+2 rows the staged kernel's (`staged.staged_config`: chunks in flight, warps, K splits).
 
     python3 -m tools.gpu.gemv_configs [--quick] [--no-numerics] [--serial] [--candidates W,RT,U[,MINB];...]
                                       [--rows 1,4,8,16,32,64]

@@ -16,7 +16,7 @@ rows it prints the sum of their durations (the device's busy time, kernels seria
 kernels that take the most, by name. Set against the wall step time, the sum says whether the device is
 busy for the whole step or waits on the host.
 
-`--staged SPEC` (repeatable) runs the rows again with every staged launch (9-64 rows) laid out by SPEC
+`--staged SPEC` (repeatable) runs the rows again with every staged launch (2-64 rows) laid out by SPEC
 instead of `staged.staged_config`: `[ROWS:]KEY=VALUE,...` with the keys W (warps), RT (row tiles), CK
 (k-tiles a chunk), ST (stages), S (splits; default: as the tree splits K), MINB (blocks an SM), MG (m
 groups), RW (1: weights rounded to bf16 before the products, 0: exact integers), KS (every K past it split into
@@ -133,6 +133,7 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
         variants: Sequence[str] = (), only_staged: bool = False) -> None:  # fmt: skip
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
+    from engine.kernels.quantized_gemv import staged
 
     layouts = [(None, {}, "")] * (not only_staged) + [(*parse_staged(v), f" [{v}]") for v in variants]  # a bad SPEC stops it here
 
@@ -146,7 +147,7 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
               + (f", off: {','.join(off)}" if off else "") + (", batch caches" if batch_caches else ""), flush=True)
         for keep, fields, label in layouts:
             for rows in rows_list:
-                if (keep is None or rows in keep) and (not fields or rows >= 9):
+                if (keep is None or rows in keep) and (not fields or rows >= staged.MIN_ROWS):
                     with staged_layout(fields):
                         if fields:  # new layer steps: the compiled ones hold the launches of their first trace
                             install(eng.model, config(tier), eng.config.get("model_type"))

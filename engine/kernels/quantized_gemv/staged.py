@@ -1,4 +1,4 @@
-"""The quantized matmul for 9 to 64 activation rows: activations staged in shared memory, K split over blocks.
+"""The quantized matmul for 2 to 64 activation rows: activations staged in shared memory, K split over blocks.
 
 At many rows the register kernel (`source`) reloads every activation row for
 every warp's k-tile: a 64-row launch moves twice as many activation bytes as
@@ -28,7 +28,7 @@ from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
 
-MIN_ROWS = 9  # from here the staged kernel takes a launch; the register kernel below
+MIN_ROWS = 2  # from here the staged kernel takes a launch; the register kernel below (one row)
 SUM_ROWS = 64  # output rows a block of the split sums' launch takes (its blocks: the next launch's norm parts)
 SUM_THREADS = 16  # threads a row there, each taking every SUM_THREADS-th activation row
 
