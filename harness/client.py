@@ -40,6 +40,12 @@ class Timeouts:
         return httpx.Timeout(connect=wait, read=wait, write=wait, pool=self.request_s)
 
 
+def prompt_sha256(prompt) -> str:
+    """Identity of a prompt (token ids, or text) as sent: requests of two arms with equal hashes did the same work."""
+    data = prompt if isinstance(prompt, str) else json.dumps(list(prompt))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
 @dataclass
 class RequestRecord:
     phase: str
@@ -63,6 +69,7 @@ class RequestRecord:
     text: str = ""
     token_ids: Optional[list[int]] = None  # when the server returns them
     usage: Optional[dict[str, Any]] = None
+    prompt_sha256: Optional[str] = None  # of the prompt sent (`prompt_sha256`): the same request on every arm
 
     @property
     def output_sha256(self) -> str:

@@ -78,6 +78,7 @@ def export_run(db: sqlite_utils.Database, run_id: str) -> dict:
         "schema_version": SCHEMA_VERSION, "run_id": r["run_id"], "created": r["created"], "kind": r["kind"],
         "label": r["label"], "diagnostic": bool(r["diagnostic"]), "settings": json.loads(r["settings"] or "{}"),
         "provenance": json.loads(r["provenance"] or "{}"), "preflight": json.loads(r["preflight"] or "{}"),
+        "preflight_end": json.loads(r.get("preflight_end") or "{}"),
         "commands": {a["arm"]: a["command"] for m in models.values() for a in m["arms"]},
         "models": list(models.values()), "finished": bool(r["finished"]), "status": status,
         "error": r.get("error"), "exported_from_db": True,
@@ -105,7 +106,7 @@ def _arm(db: sqlite_utils.Database, run_id: str, a: dict) -> dict:
             "status": a["status"], "error": a["error"], "load_to_ready_s": a["load_to_ready_s"],
             "peak_rss_bytes": a["peak_rss_bytes"], "rss_samples": samples, "stderr_tail": a["stderr_tail"] or "",
             "kernels": json.loads(a.get("kernels") or "null"), "quality": json.loads(a.get("quality") or "null"),
-            "cells": cells}  # fmt: skip
+            "device_memory": json.loads(a.get("device_memory") or "null"), "cells": cells}  # fmt: skip
 
 
 def _request(q: dict) -> dict:
@@ -116,4 +117,5 @@ def _request(q: dict) -> dict:
             "ttft_ms": q["ttft_ms"], "tpot_ms": q["tpot_ms"], "e2el_ms": q["e2el_ms"], "event_ms": [],
             "itl_ms": json.loads(q["itl_ms"] or "[]"), "output_tokens": q["output_tokens"],
             "prompt_tokens": q["prompt_tokens"], "cached_tokens": q["cached_tokens"], "finish_reason": q["finish_reason"],
-            "output_sha256": q["output_sha256"], "text": "", "token_ids": None}  # fmt: skip
+            "output_sha256": q["output_sha256"], "text": "", "token_ids": None,
+            "prompt_sha256": q.get("prompt_sha256")}  # fmt: skip

@@ -73,6 +73,7 @@ class ArmRun:
     stderr_tail: str = ""
     kernels: Optional[dict[str, Any]] = None  # an engine arm's KernelSet record, from its /stats
     quality: Optional[dict[str, Any]] = None  # an engine arm's held-out perplexity (harness.quality.held_out_score)
+    device_memory: Optional[dict[str, Any]] = None  # an engine server's MLX memory at the end (/stats `memory`)
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -119,6 +120,7 @@ class RunRecord:
     provenance: dict[str, Any]
     preflight: dict[str, Any]
     commands: dict[str, list[str]] = field(default_factory=dict)
+    preflight_end: dict[str, Any] = field(default_factory=dict)  # the same check once the last arm stopped
     models: list[ModelRun] = field(default_factory=list)
     finished: bool = False
     status: str = RUNNING  # running | finished | interrupted | failed
@@ -179,7 +181,13 @@ def _m4_arm_quality(db: sqlite_utils.Database) -> None:
     db["arms"].add_column("quality", str)  # JSON: the engine arm's held-out perplexity
 
 
-MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality]  # append only; each runs once, in order
+def _m5_stability(db: sqlite_utils.Database) -> None:
+    db["runs"].add_column("preflight_end", str)  # JSON: the preflight check after the last arm
+    db["arms"].add_column("device_memory", str)  # JSON: the engine server's MLX memory (/stats)
+    db["requests"].add_column("prompt_sha256", str)
+
+
+MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality, _m5_stability]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -207,6 +215,7 @@ def db_run(db: sqlite_utils.Database, record: RunRecord, json_path: Path) -> Non
                        "git_commit": p.get("git_commit"), "source_tree_sha256": p.get("source_tree_sha256"),
                        "host": p.get("host"), "provenance": json.dumps(p), "settings": json.dumps(record.settings),
                        "preflight": json.dumps(record.preflight), "finished": int(record.finished),
+                       "preflight_end": json.dumps(record.preflight_end),
                        "status": record.status, "error": record.error}, pk="run_id")  # fmt: skip
 
 
@@ -239,7 +248,7 @@ def _cell_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str
                          "prompt_tokens": r.prompt_tokens, "prompt_tokens_sent": r.prompt_tokens_sent,
                          "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
                          "output_sha256": r.output_sha256, "timeout_kind": r.timeout_kind,
-                         "status_code": r.status_code})  # fmt: skip
+                         "status_code": r.status_code, "prompt_sha256": r.prompt_sha256})  # fmt: skip
     db["requests"].upsert_all(rows, pk=REQUEST_KEYS)
 
 
@@ -256,7 +265,8 @@ def _arm_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmR
                        "status": arm.status, "error": arm.error, "stderr_tail": arm.stderr_tail,
                        "workload_sha256": model.workload_sha256, "manifest_sha256": model.manifest_sha256,
                        "kernels": None if arm.kernels is None else json.dumps(arm.kernels),
-                       "quality": None if arm.quality is None else json.dumps(arm.quality)},
+                       "quality": None if arm.quality is None else json.dumps(arm.quality),
+                       "device_memory": None if arm.device_memory is None else json.dumps(arm.device_memory)},
                       pk=ARM_KEYS)  # fmt: skip
     db["samples"].delete_where("run_id = ? and block = ? and model = ? and arm = ?", list(keys.values()))
     db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)

@@ -1,20 +1,26 @@
-"""`harness report`: saved run JSON -> one view model -> HTML (jinja2), Markdown or JSON.
+"""`harness report`: saved JSON -> one view model -> HTML (jinja2), Markdown or JSON.
 
 Reads only the JSON files it is given: no model, server, GPU or network. The
-HTML is one self-contained file: CSS inline, plots as inline SVG, no script
-and no external reference of any kind (a Content-Security-Policy forbids
-fetching anything). Ratios against the baseline arm appear only where both
-arms did the same work in that phase (same prompts, output counts and finish
-reasons); otherwise the ratio is withheld and the reason shown. A decode cell
-too short to time (`summary.too_short`) carries that flag. Every string from a
-run is escaped: by jinja2's autoescape in HTML, by `summary.md_cell` /
-`md_text` in Markdown.
+HTML is one self-contained file: CSS inline, plots as inline SVG
+(`report_plots`), no script and no external reference of any kind (a
+Content-Security-Policy forbids fetching anything). Its first screen is the
+headline: per model, each arm against the baseline arm on decode, TTFT,
+aggregate throughput at each concurrency, goodput and memory, every ratio with
+its interval and verdict from the paired requests (`stats.sample_ratio`), or
+the reason it is withheld (`comparable.withheld`: a busy machine, a cell too
+short to time, other work); then the throughput-latency curves, latency
+percentiles and distributions. A baseline arm from another file is compared
+only when host, artifact and workload match. In-process files (`harness
+native`, `spec`, `quality`; `report_inputs`) get sections of their own. Every
+string from a run is escaped: by jinja2's autoescape in HTML, by
+`summary.md_cell` / `md_text` in Markdown; in the plots it is drawn as paths.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -23,9 +29,9 @@ from typing import Any, Optional
 
 from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoescape
 
-from harness import stats
-from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED, SCHEMA_VERSION
-from harness.summary import cell_of, md_row, md_text, metric, ok_requests, same_work, too_short
+from harness import comparable, report_inputs, report_plots, stats
+from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
+from harness.summary import cell_of, md_row, md_text, metric, ok_requests, too_short
 
 
 def templates() -> Traversable:
@@ -41,6 +47,8 @@ def templates() -> Traversable:
 
 TEMPLATES = templates()
 BURST_GAP_MS = 0.1  # stream events closer than this arrived in one read
+
+CV_FLAG = 0.10  # a cell whose requests' coefficient of variation passes this is flagged unstable
 
 # (phase or phase prefix, metric key, label, higher is better)
 RATIO_METRICS = [
@@ -61,7 +69,8 @@ def _matches(phase: str, prefix: str) -> bool:
 class Input:
     path: Path
     sha256: str
-    run: dict
+    run: Any  # a run record; for the other kinds, what the command wrote
+    kind: str = report_inputs.RUN
 
 
 def load(paths: list[Path]) -> list[Input]:
@@ -69,14 +78,16 @@ def load(paths: list[Path]) -> list[Input]:
     for path in paths:
         try:
             raw = path.read_bytes()
-            run = json.loads(raw)
+            data = json.loads(raw)
         except OSError as e:
             raise ValueError(f"cannot read {path}: {e.strerror}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not JSON: {e}") from None
-        if not isinstance(run, dict) or run.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"{path}: not a harness run record (schema_version {SCHEMA_VERSION} expected)")
-        inputs.append(Input(path, hashlib.sha256(raw).hexdigest(), run))
+        kind = report_inputs.kind_of(data)
+        if kind is None:
+            raise ValueError(f"{path}: not a harness run record (harness run / trials) nor harness native, spec "
+                             "or quality JSON")  # fmt: skip
+        inputs.append(Input(path, hashlib.sha256(raw).hexdigest(), data, kind))
     return inputs
 
 
@@ -95,7 +106,20 @@ def _provenance(inp: Input) -> dict:
         "source_tree_sha256": p.get("source_tree_sha256"), "environment": p.get("environment") or {},
         "commands": run.get("commands", {}), "seeds": sorted({m["workload_seed"] for m in run["models"]}),
         "workloads": sorted({m["workload_sha256"][:16] for m in run["models"]}), "preflight": run.get("preflight"),
+        "stability": stability(run),
     }  # fmt: skip
+
+
+def stability(run: dict) -> list[str]:
+    """What marks a run as measured on an unquiet machine or a moving tree: the run-level reason, the preflight
+    check at the end, the cells after which it found the machine busy."""
+    out = [why] if (why := comparable.run_reason(run)) else []
+    out += [f"at the end of the run: {p}" for p in (run.get("preflight_end") or {}).get("problems") or ()]
+    busy = [f"{m['model']} / {a['arm']} / {c['phase']}" for m in run["models"] for a in m["arms"] for c in a["cells"]
+            if ((c.get("metrics") or {}).get("preflight") or {}).get("problems")]  # fmt: skip
+    if busy:
+        out.append(f"the machine was busy after {len(busy)} cells ({', '.join(busy[:3])}{', ...' if len(busy) > 3 else ''})")
+    return out
 
 
 def machine(run: dict) -> str:
@@ -131,6 +155,12 @@ def _cell_view(cell: dict) -> dict:
     if len(cell["attempts"]) > 1:
         flags.append(f"{len(cell['attempts'])} attempts")
     reqs = ok_requests(cell) if cell["status"] in (MEASURED, RECOVERED) else []
+    cv, n = coefficient_of_variation(cell) if reqs else (None, 0)
+    if cv is not None and cv > CV_FLAG:
+        flags.append(f"unstable: the requests' CV is {cv:.0%} over {n} (flagged above {CV_FLAG:.0%})")
+    busy = (m.get("preflight") or {}).get("problems")
+    if busy:
+        flags.append(f"machine busy after the cell: {busy[0]}")
     gaps = [g for r in reqs for g in r["itl_ms"]]
     instant = sum(g < BURST_GAP_MS for g in gaps)
     if gaps and instant * 2 > len(gaps):
@@ -141,6 +171,23 @@ def _cell_view(cell: dict) -> dict:
             "reason": cell.get("reason")}  # fmt: skip
 
 
+def coefficient_of_variation(cell: dict) -> tuple[Optional[float], int]:
+    """(CV, samples) of the per-request quantity a cell is read by: decode rates in the decode phase, TPOT at
+    concurrency (TTFT there grows with queueing by design), TTFT elsewhere; None below 3 requests."""
+    reqs = ok_requests(cell)
+    if cell["phase"] == "decode":
+        values = [1e3 / r["tpot_ms"] for r in reqs if r.get("tpot_ms")]
+    elif cell["phase"].startswith("concurrency-"):
+        values = [r["tpot_ms"] for r in reqs if r.get("tpot_ms")]
+    else:
+        values = [r["ttft_ms"] for r in reqs if r.get("ttft_ms") is not None]
+    if len(values) < 3:
+        return None, len(values)
+    mean = sum(values) / len(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return (sd / mean if mean else None), len(values)
+
+
 def _fmt(x: Optional[float], unit: str, digits: int = 1) -> Optional[str]:
     return None if x is None else f"{x:,.{digits}f} {unit}"
 
@@ -149,50 +196,83 @@ def _phases(arm: dict) -> list[str]:
     return [c["phase"] for c in arm["cells"]]
 
 
-def _ratio_rows(model: dict, baseline: str) -> list[dict]:
-    base = next((a for a in model["arms"] if a["arm"] == baseline), None)
+def _baseline(inp: Input, model: dict, runs: list[Input], baseline: str) -> tuple[Optional[dict], Optional[dict], str]:
+    """(the baseline's run, its arm, a note) for a model record: its own baseline arm, else one of another input
+    with the same host, artifact and workload; (None, None, why not) otherwise ("" where no input has one)."""
+    own = next((a for a in model["arms"] if a["arm"] == baseline), None)
+    if own is not None:
+        return inp.run, own, ""
+    host = inp.run["provenance"].get("host")
+    reasons = []
+    for other in runs:
+        for m in other.run["models"] if other is not inp else ():
+            arm = next((a for a in m["arms"] if a["arm"] == baseline), None)
+            if arm is None or m["model"] != model["model"]:
+                continue
+            differ = [what for what, x, y in (("host", other.run["provenance"].get("host"), host),
+                                               ("artifact", m["manifest_sha256"], model["manifest_sha256"]),
+                                               ("workload", m["workload_sha256"], model["workload_sha256"])) if x != y]  # fmt: skip
+            if not differ:
+                return other.run, arm, f"{baseline} from {other.path.name}"
+            reasons.append(f"{baseline} is in {other.path.name} on another {' and '.join(differ)}")
+    return None, None, "; ".join(reasons) + (": shown side by side, not divided" if reasons else "")
+
+
+def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict:
+    """Each arm against the baseline (`comparable.compare`): decode, TTFT, aggregate throughput and goodput at
+    each concurrency, then memory (one reading each: a ratio, no interval)."""
+    base_run, base, note = _baseline(inp, model, runs, baseline)
+    slo = dict(inp.run["settings"].get("goodput") or [])
     rows = []
-    if base is None:
-        return rows
     for arm in model["arms"]:
-        if arm is base:
+        if base is None or arm is base:
             continue
         for phase in _phases(arm):
             for prefix, key, label, higher in RATIO_METRICS:
                 if not _matches(phase, prefix):
                     continue
-                a, b = metric(arm, phase, key), metric(base, phase, key)
-                why = same_work(arm, base, phase)
-                row = {"arm": arm["arm"], "phase": phase, "metric": label, "value": a, "baseline": b,
-                       "ratio": None, "withheld": None, "higher_is_better": higher}  # fmt: skip
-                if why is None and a and b:
-                    row["ratio"] = a / b
-                else:
-                    row["withheld"] = why or "no value on one side"
-                rows.append(row)
-    return rows
+                name = label + (f" @{phase.split('-', 1)[1]}" if prefix == "concurrency-" else "")
+                rows.append(comparable.compare(inp.run, arm, base_run, base, phase, name, key, higher))
+                if prefix == "concurrency-" and slo:
+                    rows.append(comparable.compare(inp.run, arm, base_run, base, phase, f"goodput req/s @{phase.split('-', 1)[1]}",
+                                                   "request_goodput", True, slo))  # fmt: skip
+        for label, value in (("peak RSS MiB", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
+                             ("device peak MiB", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None)):  # fmt: skip
+            a, b = value(arm), value(base)
+            if a is None and b is None:
+                continue
+            rows.append({"arm": arm["arm"], "baseline_arm": base["arm"], "phase": "-", "metric": label, "value": a,
+                         "baseline": b, "higher_is_better": False, "ratio": a / b if a and b else None,
+                         "ci_low": None, "ci_high": None, "verdict": None, "samples": 0,
+                         "note": "one reading" if a and b else "", "withheld": None if a and b else "no value on one side"})  # fmt: skip
+    return {"where": _where(inp, model), "baseline": baseline, "note": note, "rows": rows}
 
 
-def _strip(values: list[float], width: int = 360, height: int = 28) -> dict:
-    """Points of a one-dimensional strip plot, scaled into the SVG box."""
-    if not values:
-        return {"points": [], "low": None, "high": None, "width": width, "height": height}
-    lo, hi = min(values), max(values)
-    span = (hi - lo) or 1.0
-    pts = [{"x": round(10 + (v - lo) / span * (width - 20), 1), "y": height / 2, "v": round(v, 2)} for v in values]
-    return {"points": pts, "low": round(lo, 2), "high": round(hi, 2), "width": width, "height": height}
+def _where(inp: Input, model: dict) -> str:
+    return f"{inp.run['run_id']} / {model['model']}" + (f" / block {model['block']}" if inp.run["kind"] == "trials" else "")
 
 
-def _scatter(points: list[dict], width: int = 520, height: int = 260) -> dict:
-    """Memory (x) versus decode rate (y), one labelled point per arm."""
-    pts = [p for p in points if p["x"] is not None and p["y"] is not None]
-    if not pts:
-        return {"points": [], "width": width, "height": height}
-    xs, ys = [p["x"] for p in pts], [p["y"] for p in pts]
-    x0, x1, y0, y1 = 0, max(xs) * 1.1, 0, max(ys) * 1.15
-    out = [{"cx": round(50 + (p["x"] - x0) / (x1 - x0) * (width - 80), 1),
-            "cy": round(height - 30 - (p["y"] - y0) / (y1 - y0) * (height - 50), 1), **p} for p in pts]  # fmt: skip
-    return {"points": out, "width": width, "height": height, "x_max": round(x1, 1), "y_max": round(y1, 1)}
+def _curves(inp: Input, model: dict) -> dict:
+    """The model's plots (`report_plots`): throughput and latency percentiles against concurrency, and the
+    distributions of TTFT and TPOT over the concurrency cells' requests (the decode phase's where none)."""
+    aggregate, per_request, cdf = {}, {}, {}
+    ttft: dict[str, dict] = {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
+    tpot: dict[str, dict] = {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
+    for arm in model["arms"]:
+        name = arm["arm"]
+        cells = [c for c in arm["cells"] if c["phase"].startswith("concurrency-") and c["status"] in (MEASURED, RECOVERED)]
+        for c in cells:
+            level, m = int(c["phase"].split("-", 1)[1]), c["metrics"]
+            aggregate.setdefault(name, []).append((level, m.get("output_throughput")))
+            per_request.setdefault(name, []).append((level, m.get("median_decode_tps")))
+            for pct in ttft:
+                ttft[pct].setdefault(name, []).append((level, m.get(f"{pct}_ttft_ms" if pct != "p50" else "median_ttft_ms")))
+                tpot[pct].setdefault(name, []).append((level, m.get(f"{pct}_tpot_ms" if pct != "p50" else "median_tpot_ms")))
+        decode = cell_of(arm, "decode")
+        pool = [r for c in cells or ([decode] if decode else []) for r in ok_requests(c)]
+        cdf[name] = {"TTFT ms": [r["ttft_ms"] for r in pool], "TPOT ms": [r.get("tpot_ms") for r in pool]}
+    return {"where": _where(inp, model), "throughput": report_plots.throughput(aggregate, per_request),
+            "latency": report_plots.latency(ttft, tpot), "cdf": report_plots.cdf(cdf)}
 
 
 def _requests(inp: Input, model: dict, arm: dict) -> list[dict]:
@@ -225,11 +305,11 @@ def _paired(inputs: list[Input], baseline: str) -> list[dict]:
                     phases = sorted({c["phase"] for b in blocks for a in b["arms"] for c in a["cells"]
                                      if _matches(c["phase"], prefix)})
                     for phase in phases:
-                        ratios, seeds, skipped = [], [], 0
+                        ratios, seeds, values, skipped = [], [], [], 0
                         for b in blocks:
                             arm = next((a for a in b["arms"] if a["arm"] == arm_name), None)
                             base = next((a for a in b["arms"] if a["arm"] == baseline), None)
-                            if arm is None or base is None or same_work(arm, base, phase) is not None:
+                            if arm is None or base is None or comparable.withheld(inp.run, arm, inp.run, base, phase):
                                 skipped += 1
                                 continue
                             x, y = metric(arm, phase, key), metric(base, phase, key)
@@ -238,12 +318,37 @@ def _paired(inputs: list[Input], baseline: str) -> list[dict]:
                                 continue
                             ratios.append(x / y)
                             seeds.append(b["workload_seed"])
+                            values.append((x, y))
                         if not ratios:
                             continue
                         res = stats.paired(f"{label} ({phase})", ratios, seeds, higher_is_better=higher)
                         out.append({"run": inp.run["run_id"], "model": name, "arm": arm_name, "baseline": baseline,
-                                    "skipped_blocks": skipped, **res.as_record()})  # fmt: skip
+                                    "skipped_blocks": skipped, "phase": phase, "label": label,
+                                    "higher_is_better_metric": higher, "arm_mean": _geomean(v[0] for v in values),
+                                    "baseline_mean": _geomean(v[1] for v in values), **res.as_record()})  # fmt: skip
     return out
+
+
+def _geomean(values) -> Optional[float]:
+    logs = [math.log(v) for v in values if v and v > 0]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def _trials_headline(inp: Input, paired: list[dict]) -> list[dict]:
+    """A trials file's headline: per model, each arm's paired-block results (geometric means over blocks)."""
+    groups: dict[str, list[dict]] = {}
+    for p in paired:
+        if p["run"] != inp.run["run_id"]:
+            continue
+        name = p["label"] + (f" @{p['phase'].split('-', 1)[1]}" if p["phase"].startswith("concurrency-") else "")
+        groups.setdefault(p["model"], []).append({
+            "arm": p["arm"], "baseline_arm": p["baseline"], "phase": p["phase"], "metric": name,
+            "value": p["arm_mean"], "baseline": p["baseline_mean"], "higher_is_better": p["higher_is_better"],
+            "ratio": p["geomean"], "ci_low": p["ci_low"], "ci_high": p["ci_high"], "verdict": p["verdict"],
+            "note": f"{p['blocks']} blocks" + (f"; {p['note']}" if p["note"] else ""), "samples": p["blocks"],
+            "withheld": None})  # fmt: skip
+    return [{"where": f"{inp.run['run_id']} / {model} (trials: geometric means over paired blocks)",
+             "baseline": paired[0]["baseline"] if paired else "", "note": "", "rows": rows} for model, rows in groups.items()]
 
 
 def _choose_baseline(inputs: list[Input], baseline: Optional[str]) -> str:
@@ -259,12 +364,13 @@ def _choose_baseline(inputs: list[Input], baseline: Optional[str]) -> str:
 
 
 def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str, Any]:
-    baseline = _choose_baseline(inputs, baseline)
+    runs = [i for i in inputs if i.kind == report_inputs.RUN]
+    baseline = _choose_baseline(runs, baseline)
     machines: dict[str, list[dict]] = {}
-    ratios, strips, memory, identity, failures, requests, quality = [], [], [], [], [], [], []
-    for inp in inputs:
+    headline, curves, identity, failures, requests, quality = [], [], [], [], [], []
+    for inp in runs:
         for model in inp.run["models"]:
-            where = f"{inp.run['run_id']} / {model['model']}" + (f" / block {model['block']}" if inp.run["kind"] == "trials" else "")
+            where = _where(inp, model)
             verdicts = (model.get("parity") or {}).get("verdicts", {})
             for arm in model["arms"]:
                 cells = [_cell_view(c) for c in arm["cells"]]
@@ -272,20 +378,14 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                     v = verdicts.get(arm["arm"])
                     if c["phase"] == "probe" and v is not None:
                         c["flags"].insert(0, "parity probe: " + ("same output" if v["match"] else "OUTPUT DIFFERS"))
+                memory = arm.get("device_memory") or {}
                 machines.setdefault(machine(inp.run), []).append({
                     "where": where, "arm": arm["arm"], "arm_status": arm["status"], "arm_error": arm.get("error"),
                     "load_to_ready_s": arm.get("load_to_ready_s"), "peak_rss_mib": (arm.get("peak_rss_bytes") or 0) / 2**20,
+                    "device_peak_mib": memory["peak_bytes"] / 2**20 if memory.get("peak_bytes") else None,
+                    "device_active_mib": memory["active_bytes"] / 2**20 if memory.get("active_bytes") else None,
                     "cells": cells, "diagnostic": inp.run["diagnostic"],
                 })  # fmt: skip
-                decode = cell_of(arm, "decode")
-                itl = [x for r in (ok_requests(decode) if decode else []) for x in r["itl_ms"]]
-                ttft = [r["ttft_ms"] for c in arm["cells"] if c["status"] in (MEASURED, RECOVERED)
-                        for r in ok_requests(c) if r["ttft_ms"] is not None and c["phase"] not in ("warmup",)]  # fmt: skip
-                strips.append({"where": where, "arm": arm["arm"],
-                               "decode": _strip((decode or {}).get("metrics", {}).get("decode_tps_samples") or []),
-                               "ttft": _strip(ttft), "itl": _strip(itl)})  # fmt: skip
-                memory.append({"label": f"{arm['arm']} ({model['model']})", "x": (arm.get("peak_rss_bytes") or 0) / 2**20 or None,
-                               "y": metric(arm, "decode", "median_decode_tps")})  # fmt: skip
                 if arm.get("quality"):
                     q = arm["quality"]
                     quality.append({"where": where, "arm": arm["arm"], "tier": q.get("tier"), "tokens": q.get("tokens"),
@@ -301,7 +401,10 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                         failures.append({"where": where, "arm": arm["arm"], "what": f"{c['phase']} ({c['status']})",
                                          "error": c.get("reason") or "; ".join(errors), "stderr_tail": ""})  # fmt: skip
                 requests += _requests(inp, model, arm)
-            ratios.append({"where": where, "rows": _ratio_rows(model, baseline)})
+            if inp.run["kind"] != "trials":
+                headline.append(_headline(inp, model, runs, baseline))
+            if model["block"] == min(m["block"] for m in inp.run["models"] if m["model"] == model["model"]):
+                curves.append(_curves(inp, model))  # trials: the first block's
             identity.append({"where": where, "reference": (model.get("parity") or {}).get("reference"),
                              "verdicts": (model.get("parity") or {}).get("verdicts", {}),
                              "arms": [a["arm"] for a in model["arms"]]})  # fmt: skip
@@ -313,20 +416,30 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
             r["cells"] = [by_phase.get(p) or {"phase": p, "status": NOT_MEASURED, "value": None, "flags": [],
                                               "reason": "not in this run"} for p in phases]  # fmt: skip
         matrix[mach] = {"phases": phases, "rows": rows}
+    paired = _paired(runs, baseline)
+    for inp in runs:
+        if inp.run["kind"] == "trials":
+            headline += _trials_headline(inp, paired)
+    others = [i for i in inputs if i.kind != report_inputs.RUN]
     return {
         "title": "harness report: " + ", ".join(i.path.name for i in inputs),
         "baseline": baseline,
-        "provenance": [_provenance(i) for i in inputs],
+        "provenance": [_provenance(i) for i in runs],
+        "headline": headline,
+        "curves": curves,
         "machines": matrix,
-        "ratios": ratios,
-        "paired": _paired(inputs, baseline),
-        "strips": strips,
-        "memory": _scatter(memory),
+        "paired": paired,
         "identity": identity,
         "quality": quality,
+        "native": [row for i in others if i.kind == report_inputs.NATIVE for row in report_inputs.native_view(i.path.name, i.run)],
+        "spec": [report_inputs.spec_view(i.path.name, i.run) for i in others if i.kind == report_inputs.SPEC],
+        "quality_files": [t for i in others if i.kind == report_inputs.QUALITY
+                          for t in report_inputs.quality_view(i.path.name, i.run)],
         "failures": failures,
         "requests": requests,
         "statuses": [MEASURED, RECOVERED, FAILED, NOT_MEASURED, "unsupported"],
+        "single_run_threshold": stats.SINGLE_RUN_THRESHOLD,
+        "cv_flag": CV_FLAG,
     }
 
 
@@ -340,8 +453,28 @@ def render_html(view: dict) -> str:
     return env.get_template("report.html.j2").render(**view)
 
 
+def ratio_text(r: dict) -> str:
+    """A compared row's ratio as text: the ratio with its interval and verdict, or why it is withheld."""
+    if r["withheld"]:
+        return f"withheld: {r['withheld']}"
+    if r["ratio"] is None:
+        return "-"
+    interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["ci_low"] is not None else ""
+    verdict = f" {r['verdict']}" if r["verdict"] else ""
+    return f"{r['ratio']:.2f}{interval}{verdict}" + (f" ({r['note']})" if r["note"] else "")
+
+
 def render_markdown(view: dict) -> str:
-    lines = [f"# {md_text(view['title'])}", "", f"Baseline arm: {md_text(view['baseline'])}", "", "## Serving matrix", ""]
+    lines = [f"# {md_text(view['title'])}", "", f"Baseline arm: {md_text(view['baseline'])}. Ratios: arm / baseline, "
+             f"95% interval from the paired requests, verdict against a {view['single_run_threshold']:.0%} noise "
+             "threshold (one run).", "", "## Headline", ""]  # fmt: skip
+    for group in view["headline"]:
+        lines += [f"### {md_text(group['where'])}", ""] + ([md_text(group["note"]), ""] if group["note"] else [])
+        lines += ["| arm | metric | value | baseline | ratio |", "|---|---|---|---|---|"]
+        for r in group["rows"]:
+            lines.append(md_row([r["arm"], r["metric"], _num(r["value"]), _num(r["baseline"]), ratio_text(r)]))
+        lines.append("")
+    lines += ["## Serving matrix", ""]
     for mach, m in view["machines"].items():
         lines += [f"### {md_text(mach)}", "", md_row(["run / model", "arm", *m["phases"]]),
                   "|---|---|" + "---|" * len(m["phases"])]  # fmt: skip
@@ -349,11 +482,6 @@ def render_markdown(view: dict) -> str:
             cells = [f"{c['status']}" + (f": {c['value']}" if c["value"] else "") for c in r["cells"]]
             lines.append(md_row([r["where"], r["arm"], *cells]))
         lines.append("")
-    lines += ["## Ratios against the baseline", "", "| run / model | arm | phase | metric | ratio |", "|---|---|---|---|---|"]
-    for group in view["ratios"]:
-        for r in group["rows"]:
-            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else f"withheld: {r['withheld']}"
-            lines.append(md_row([group["where"], r["arm"], r["phase"], r["metric"], ratio]))
     if view["paired"]:
         lines += ["", "## Paired blocks", "", "| model | arm | metric | blocks | geomean | 95% interval | verdict |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -361,6 +489,29 @@ def render_markdown(view: dict) -> str:
             ci = f"{p['ci_low']:.3f}-{p['ci_high']:.3f}" if p["ci_low"] is not None else "-"
             lines.append(md_row([p["model"], p["arm"], p["metric"], p["blocks"], f"{p['geomean']:.3f}", ci,
                                  f"{p['verdict']} {p['note']}"]))  # fmt: skip
+    for n in view["native"]:
+        lines += ["", f"## In process: {md_text(n['model'])} ({md_text(n['file'])})", "",
+                  "| arm | prefill tok/s | decode tok/s | TTFT ms |", "|---|---|---|---|"]  # fmt: skip
+        for side in ("engine", "mlx_lm"):
+            a = n[side]
+            lines.append(md_row([side, _num(a.get("prefill_tps")), _num(a.get("decode_tps")), _num(a.get("ttft_ms"))]))
+        for what in ("decode", "prefill"):
+            if n[what]:
+                p = n[what]
+                lines.append(f"\n{what} engine / mlx-lm: {p['geomean']:.2f} [{p['ci_low'] or 0:.2f}, {p['ci_high'] or 0:.2f}] "
+                             f"{p['verdict']} {md_text(p['note'])}")  # fmt: skip
+    for sp in view["spec"]:
+        lines += ["", f"## Speculative decoding: {md_text(sp['model'])} ({md_text(sp['file'])})", "",
+                  "| arm | decode tok/s | vs plain | acceptance | tokens / target forward |", "|---|---|---|---|---|"]  # fmt: skip
+        for a in sp["arms"]:
+            lines.append(md_row([a["arm"], _num(a["decode_tps"]), _num(a["ratio"]), _num(a["acceptance"]),
+                                 _num(a["tokens_per_forward"])]))  # fmt: skip
+    for q in view["quality_files"]:
+        lines += ["", f"## Held-out quality: {md_text(q['model'])} ({md_text(q['file'])})", "",
+                  "| variant | perplexity | mean KL | top-1 |", "|---|---|---|---|"]  # fmt: skip
+        for r in q["rows"]:
+            lines.append(md_row([r["variant"], _num(r["perplexity"]), _num(r.get("mean_kl"), ".2e"),
+                                 _num(r.get("top1_agreement"), ".1%")]))  # fmt: skip
     if view["quality"]:
         lines += ["", "## Quality and size", "", "| run / model | arm | tier | held-out tokens | perplexity | peak RSS MiB |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
@@ -372,6 +523,10 @@ def render_markdown(view: dict) -> str:
         lines += ["", "## Failures", ""] + [f"- {md_text(f['where'])} / {md_text(f['arm'])} / {md_text(f['what'])}: "
                                             f"{md_text(f['error'])}" for f in view["failures"]]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _num(x, spec: str = ",.2f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def render_json(view: dict) -> str:

@@ -13,13 +13,15 @@ from harness.cli_common import out as stdout
 def add_report(sub) -> None:
     p = sub.add_parser(
         "report",
-        help="render saved run JSON as one self-contained HTML file (or Markdown / JSON)",
-        description="Read `harness run` / `harness trials` JSON files (nothing else: no model, server or network) "
-        "and render a comparison: provenance, the serving matrix with a status on every cell, correctness "
-        "flags, ratios against the baseline arm where both sides did the same work, paired bootstrap verdicts "
-        "for trials, sample strips, distributions, memory vs decode, token identity, failures, raw requests.",
+        help="render saved JSON as one self-contained HTML file (or Markdown / JSON)",
+        description="Read `harness run all` / `harness trials` records and `harness native` / `spec` / `quality` "
+        "JSON (nothing else: no model, server or network) and render a comparison: the headline (each arm "
+        "against the baseline with a 95 percent interval and verdict, or the reason the ratio is withheld), the "
+        "throughput-latency curves and latency distributions, the serving matrix with a status on every cell, "
+        "paired verdicts for trials, the in-process results, token identity, provenance and stability, "
+        "failures, raw requests (docs/report.md).",
     )
-    p.add_argument("inputs", nargs="+", type=Path, help="run JSON files")
+    p.add_argument("inputs", nargs="+", type=Path, help="run, trials, native, spec or quality JSON files")
     p.add_argument("--out", type=Path, help="write here (default: stdout for md/json, compare.html for html)")
     p.add_argument("--baseline", help="arm the ratios divide by (default: mlx-lm when present)")
     p.add_argument("--format", choices=["html", "md", "json"], default="html")

@@ -48,7 +48,7 @@ import httpx
 
 from harness import provenance
 from harness.arms import ArmSpec
-from harness.client import STALLED, RequestRecord, Timeouts, stream_completion
+from harness.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
 from harness.metrics import summarize
 from harness.records import (
     FAILED,
@@ -175,8 +175,11 @@ class Runner:
     def __init__(self, settings: RunSettings, out: Path, db_path: Path, *, kind: str = "run",
                  label: Optional[str] = None, diagnostic: bool = False, preflight: Optional[dict] = None,
                  log: Log = print, on_phase: Callable[[str], None] = lambda _: None,
-                 interrupts: Optional[Interrupts] = None):  # fmt: skip
+                 interrupts: Optional[Interrupts] = None, recheck: Optional[Callable[[], dict]] = None):  # fmt: skip
+        """`recheck`: the preflight check run again after every measured cell (its record goes into the cell's
+        metrics as `preflight`) and once the last arm has stopped (`RunRecord.preflight_end`)."""
         self.settings, self.out, self.log, self.on_phase = settings, out, log, on_phase
+        self.recheck = recheck
         self.interrupts = interrupts or Interrupts()
         self.db = open_db(db_path)
         self.servers: list[ServerProcess] = []  # every server launched, stopped again when the run ends
@@ -202,12 +205,20 @@ class Runner:
                 for name, model_dir in targets:
                     self._run_model(name, model_dir, b, block)
             self.record.status, self.record.finished = FINISHED, True
+            self._end_checks()
         except BaseException as e:
             self.record.status, self.record.error = _ended(e, "the run")
             raise
         finally:
             self._close()
         return self.record
+
+    def _end_checks(self) -> None:
+        """The machine and the source tree once the last arm stopped: a busy machine or a changed tree marks the
+        run (the report withholds its ratios)."""
+        if self.recheck is not None:
+            self.record.preflight_end = self.recheck()
+        self.record.provenance["source_tree_sha256_end"] = provenance.source_tree_sha256()
 
     def _close(self) -> None:
         with self.interrupts.deferred():
@@ -288,6 +299,10 @@ class Runner:
                         cell.metrics["new_shapes"] = after - before
                         if after > before and phase != "warmup":
                             self.log(f"  {phase}: {after - before} forward shapes new since ready (compiled on CUDA)")
+                    if self.recheck is not None and cell.metrics:
+                        cell.metrics["preflight"] = self.recheck()
+                        for problem in cell.metrics["preflight"].get("problems") or ():
+                            self.log(f"  {phase}: the machine was busy after the cell: {problem}")
                     arm.cells.append(cell)
                     gone = _server_gone(server, cell, timeouts)
                     if gone:
@@ -298,6 +313,8 @@ class Runner:
                     self._save()
                     if gone:
                         break
+                if spec.is_engine:
+                    arm.device_memory = server_memory(client)
         finally:
             arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
         if spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
@@ -334,7 +351,7 @@ class Runner:
             prompts = workload.prompts(phase, attempt) * self.settings.repeats(phase)
             bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                        **spec.extra_body} for p in prompts]  # fmt: skip
-            records = [RequestRecord(phase, attempt, i, len(p)) for i, p in enumerate(prompts)]
+            records = [RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)) for i, p in enumerate(prompts)]
             start = time.perf_counter()
             alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
             for body, rec in zip(bodies[:alone], records[:alone]):
@@ -399,6 +416,12 @@ def server_kernels(client: httpx.Client) -> Optional[dict]:
     """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
     kernels = server_stats(client).get("kernels")
     return kernels if isinstance(kernels, dict) else None
+
+
+def server_memory(client: httpx.Client) -> Optional[dict]:
+    """An engine server's MLX memory (/stats `memory`: active, peak and cached bytes); None if it does not say."""
+    memory = server_stats(client).get("memory")
+    return memory if isinstance(memory, dict) else None
 
 
 def server_new_shapes(client: httpx.Client) -> Optional[int]:

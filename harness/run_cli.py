@@ -12,6 +12,7 @@ from rich.markup import escape
 from harness.cli_common import CliError, console, csv, csv_ints, non_negative, positive, positive_seconds
 from harness.cli_common import out as stdout
 
+RECHECK_S = 0.25  # the preflight check after every cell: CPU use sampled over this long
 # With no --models and no --model-path: a set that finishes in a few minutes on 2 CPU cores.
 DEFAULT_CPU_MODELS = ["small-qwen3"]
 DEFAULT_CPU_TOKENS = 64  # and no long-context phase, unless --tokens / --context say otherwise
@@ -182,7 +183,8 @@ def _run(args, seeds: list[int], kind: str) -> int:
     interrupts = Interrupts()
     runner = Runner(settings, out, args.db, kind=kind, label=args.label, diagnostic=args.diagnostic,
                     preflight=check.as_record(), log=lambda m: progress.console.print(m, markup=False, highlight=False),
-                    on_phase=on_phase, interrupts=interrupts)  # fmt: skip
+                    on_phase=on_phase, interrupts=interrupts,
+                    recheck=lambda: preflight.check(RECHECK_S).as_record())  # fmt: skip
     signum = None
     with interrupts.installed(), progress:
         try:
@@ -214,6 +216,12 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
     stdout.print(table)
+    latency = Table(title="latency percentiles per timed cell")
+    for h in summary.LATENCY_HEADERS:
+        latency.add_column(h)
+    for row in summary.latency_rows(run):
+        latency.add_row(*(escape(c) for c in row))
+    stdout.print(latency)
     for line in summary.goodput_lines(run) + summary.quality_lines(run):
         stdout.print(line, markup=False, highlight=False)
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)

@@ -1,17 +1,26 @@
-"""Paired statistics for A-vs-B claims (`harness trials` output).
+"""Verdicts for A-vs-B claims: paired blocks (`harness trials`) and paired requests (one run).
 
-Each block ran both arms on one workload seed, so each block gives one ratio
-(arm / baseline) of a metric. The claim is the geometric mean of those
-ratios, with a 95% percentile-bootstrap interval (scipy) over blocks; the
-resampling seed and count are part of the result. A verdict needs at least
-five distinct workload seeds:
+Blocks: each block ran both arms on one workload seed, so each gives one ratio
+(arm / baseline) of a metric; the claim is the geometric mean of those ratios
+with a 95% percentile-bootstrap interval (scipy) over blocks, and a verdict
+needs at least five distinct workload seeds (`paired`).
 
-    faster / slower  the whole interval lies beyond the noise threshold (default 1%)
+Requests: within one run both arms got the same frozen requests in the same
+order, so requests pair by index; the claim is the ratio of a statistic of
+each arm's requests (a median, or an aggregate rate) with a percentile
+interval from resampling the pairs (`sample_ratio`). It sees the spread
+inside one run only, not between runs (two back-to-back runs of a tiny model
+differed ~2x), so its noise threshold is wider (`SINGLE_RUN_THRESHOLD`).
+
+The verdict, three-way against the noise threshold (criterion.rs' reading of
+a change, Pinpoint's same / different / unknown):
+
+    faster / slower  the whole interval lies beyond the threshold (different)
     same             the whole interval lies inside it
-    inconclusive     neither; with an estimate of how many blocks would likely settle it
-    too few blocks   fewer than five distinct seeds
+    unknown          neither, or too few blocks or requests; the note says how many would likely settle it
 
 "faster" follows the metric's direction: a higher decode rate, a lower TTFT.
+The resampling seed and count are part of every result.
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ import numpy as np
 from scipy import stats as sps
 
 MIN_SEEDS = 5
+MIN_SAMPLES = 3  # paired requests a one-run verdict needs
 NOISE_THRESHOLD = 0.01
+SINGLE_RUN_THRESHOLD = 0.05
 RESAMPLES = 10_000
 CONFIDENCE = 0.95
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -73,8 +85,8 @@ def paired(metric: str, ratios: Sequence[float], seeds: Sequence[int], *, higher
         raise ValueError(f"ratios must be positive and finite, got {bad[:3]}")
     if len(set(seeds)) < MIN_SEEDS:
         gm = math.exp(float(np.mean(np.log(ratios)))) if ratios else None
-        return PairedResult(**base, geomean=gm, ci_low=None, ci_high=None, verdict="too few blocks",
-                            note=f"{len(set(seeds))} distinct seeds; a verdict needs at least {MIN_SEEDS}")  # fmt: skip
+        return PairedResult(**base, geomean=gm, ci_low=None, ci_high=None, verdict=UNKNOWN,
+                            note=f"too few blocks: {len(set(seeds))} distinct seeds; a verdict needs at least {MIN_SEEDS}")  # fmt: skip
     logs = np.log(np.asarray(ratios))
     center = float(logs.mean())
     if np.ptp(logs) == 0:  # every block agrees: the interval is that point
@@ -83,19 +95,84 @@ def paired(metric: str, ratios: Sequence[float], seeds: Sequence[int], *, higher
         res = sps.bootstrap((logs,), np.mean, confidence_level=confidence, n_resamples=resamples,
                             method="percentile", random_state=np.random.default_rng(rng_seed))  # fmt: skip
         lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    t = math.log1p(threshold)
-    better, worse = ("faster", "slower") if higher_is_better else ("slower", "faster")
-    note = ""
-    if lo > t:
-        verdict = better
-    elif hi < -t:
-        verdict = worse
-    elif lo >= -t and hi <= t:
-        verdict = "same"
-    else:
-        verdict = "inconclusive"
-        need = _blocks_to_settle(len(ratios), center, (hi - lo) / 2, t)
-        note = (f"about {need} blocks would likely settle it" if need
-                else "the estimate sits on the threshold: more blocks are unlikely to settle it")  # fmt: skip
+    verdict, note = _verdict(lo, hi, center, len(ratios), threshold, higher_is_better, "blocks")
     return PairedResult(**base, geomean=math.exp(center), ci_low=math.exp(lo), ci_high=math.exp(hi),
                         verdict=verdict, note=note)  # fmt: skip
+
+
+def _verdict(lo: float, hi: float, center: float, n: int, threshold: float, higher_is_better: bool,
+             unit: str) -> tuple[str, str]:  # fmt: skip
+    """(verdict, note) for a log-ratio interval [lo, hi] around `center` from `n` blocks or requests."""
+    t = math.log1p(threshold)
+    better, worse = ("faster", "slower") if higher_is_better else ("slower", "faster")
+    if lo > t:
+        return better, ""
+    if hi < -t:
+        return worse, ""
+    if lo >= -t and hi <= t:
+        return "same", ""
+    need = _blocks_to_settle(n, center, (hi - lo) / 2, t)
+    return UNKNOWN, (f"about {need} {unit} would likely settle it" if need
+                     else f"the estimate sits on the threshold: more {unit} are unlikely to settle it")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SampleRatio:
+    """The ratio of one statistic of two arms' paired requests, its interval and verdict (`sample_ratio`)."""
+
+    metric: str
+    higher_is_better: bool
+    samples: int
+    ratio: Optional[float]
+    ci_low: Optional[float]
+    ci_high: Optional[float]
+    confidence: float
+    resamples: int
+    rng_seed: int
+    threshold: float
+    verdict: str
+    note: str
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+
+def median_of(values: np.ndarray) -> np.ndarray:
+    """The statistic of a decode rate or a TTFT: the median of column 0 of [..., n, columns] samples."""
+    return np.median(values[..., 0], axis=-1)
+
+
+def rate_of(values: np.ndarray) -> np.ndarray:
+    """An aggregate rate of [..., n, (count, start s, end s)] samples: all counts over the span they cover."""
+    span = values[..., 2].max(axis=-1) - values[..., 1].min(axis=-1)
+    return values[..., 0].sum(axis=-1) / np.where(span > 0, span, np.nan)
+
+
+def sample_ratio(metric: str, arm: Sequence[Sequence[float]], base: Sequence[Sequence[float]], statistic=median_of,
+                 *, higher_is_better: bool = True, threshold: float = SINGLE_RUN_THRESHOLD,
+                 resamples: int = RESAMPLES, rng_seed: int = 0, confidence: float = CONFIDENCE) -> SampleRatio:  # fmt: skip
+    """statistic(arm) / statistic(base) for requests paired by index (each a row of columns the statistic reads),
+    with a percentile interval from resampling the pairs together and a verdict (module docstring)."""
+    a, b = np.asarray(arm, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.ndim == 1:
+        a, b = a[:, None], b[:, None]
+    if a.shape != b.shape:
+        raise ValueError(f"paired requests: {a.shape} against {b.shape}")
+    n = len(a)
+    record = {"metric": metric, "higher_is_better": higher_is_better, "samples": n, "confidence": confidence,
+              "resamples": resamples, "rng_seed": rng_seed, "threshold": threshold}  # fmt: skip
+    point = float(statistic(a) / statistic(b)) if n else float("nan")
+    if not (point > 0 and math.isfinite(point)):
+        return SampleRatio(**record, ratio=None, ci_low=None, ci_high=None, verdict=UNKNOWN,
+                           note="no positive value on one side")  # fmt: skip
+    if n < MIN_SAMPLES:
+        return SampleRatio(**record, ratio=point, ci_low=None, ci_high=None, verdict=UNKNOWN,
+                           note=f"{n} request{'s' * (n != 1)} a side: no interval below {MIN_SAMPLES}")  # fmt: skip
+    idx = np.random.default_rng(rng_seed).integers(0, n, size=(resamples, n))
+    logs = np.log(statistic(a[idx]) / statistic(b[idx]))
+    logs = logs[np.isfinite(logs)]
+    alpha = (1 - confidence) / 2
+    lo, hi = (float(v) for v in np.quantile(logs, [alpha, 1 - alpha]))
+    lo, hi = min(lo, math.log(point)), max(hi, math.log(point))
+    verdict, note = _verdict(lo, hi, math.log(point), n, threshold, higher_is_better, "requests a side")
+    return SampleRatio(**record, ratio=point, ci_low=math.exp(lo), ci_high=math.exp(hi), verdict=verdict, note=note)

@@ -5,7 +5,8 @@
     TTFT cold/warm median TTFT of the cold and warm phases, ms
     agg@C          output tokens per second with C requests at once
     peak RSS       of the server's whole process tree
-    x mlx-lm       decode rate / the mlx-lm arm's (only when both did the same work)
+    x mlx-lm       decode rate / the mlx-lm arm's, its interval and verdict from the paired requests
+                   (`comparable.compare`; withheld with the reason on a busy machine or other work)
     roofline       decode rate / (memory bandwidth / weight bytes), where the bandwidth is known
     kernels        the kernel tier an engine arm's server reported (/stats); - for other servers
 
@@ -75,17 +76,28 @@ def decode_rate(arm: dict) -> tuple[Optional[float], Optional[str]]:
 
 
 def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
-    """None when both arms did the same work in `phase` (same prompts, output counts, finish reasons); else why not."""
+    """None when both arms did the same work in `phase`: the same attempt (a retry sends other prompts), the
+    same requests (prompt hashes where both records have them, else prompt lengths), output counts, finish
+    reasons and cached prompt tokens (a server that reports none counts as 0); else why not."""
     ca, cb = cell_of(a, phase), cell_of(b, phase)
     if ca is None or cb is None:
         return "not measured on both"
+    attempts = [[t["attempt"] for t in c["attempts"] if t["ok"]] for c in (ca, cb)]
+    if attempts[0] != attempts[1]:
+        return f"different attempts (measured on attempt {attempts[0][-1]} against {attempts[1][-1]})"
     ra, rb = ok_requests(ca), ok_requests(cb)
+    hashes = [[r.get("prompt_sha256") for r in rs] for rs in (ra, rb)]
+    if all(h is not None for h in hashes[0] + hashes[1]) and hashes[0] != hashes[1]:
+        return "different requests (prompt hashes)"
     if [r["prompt_tokens_sent"] for r in ra] != [r["prompt_tokens_sent"] for r in rb]:
         return "different prompts"
     if [r["output_tokens"] for r in ra] != [r["output_tokens"] for r in rb]:
         return "different output counts"
     if [r["finish_reason"] for r in ra] != [r["finish_reason"] for r in rb]:
         return "different finish reasons"
+    cached = [[r.get("cached_tokens") or 0 for r in rs] for rs in (ra, rb)]
+    if cached[0] != cached[1]:
+        return f"different cached tokens ({sum(cached[0])} against {sum(cached[1])})"
     return None
 
 
@@ -121,12 +133,15 @@ def rows(run: dict) -> list[dict]:
                                               ((probe_ref or {}).get("kernels") or {}).get("tier")),
             }  # fmt: skip
             if base is not None and arm is not base:
-                b, base_short = decode_rate(base)
-                why = same_work(arm, base, "decode") or short or (base_short and f"mlx-lm {base_short}")
-                if why is None and decode and b:
-                    row["vs_mlx_lm"] = round(decode / b, 4)
+                from harness.comparable import compare  # it reads this module's cells
+
+                c = compare(run, arm, run, base, "decode", "decode tok/s", "median_decode_tps", True)
+                if c["withheld"] is None and c["ratio"]:
+                    row["vs_mlx_lm"] = round(c["ratio"], 4)
+                    interval = f" [{c['ci_low']:.2f}, {c['ci_high']:.2f}]" if c["ci_low"] is not None else ""
+                    row["vs_mlx_lm_note"] = f"{interval} {c['verdict']}".strip()
                 else:
-                    row["vs_mlx_lm_note"] = why or "no decode rate"
+                    row["vs_mlx_lm_note"] = c["withheld"] or "no decode rate"
             out.append(row)
     return out
 
@@ -139,7 +154,7 @@ def fmt(x, spec: str = ".1f") -> str:
 def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[str]:
     parity = {True: "same", False: "differs (fast tier)" if r.get("probe_rounds") else "DIFFERS", None: "-"}[r["parity"]]
     if r["vs_mlx_lm"] is not None:
-        ratio = fmt(r["vs_mlx_lm"], ".3f")
+        ratio = f"{r['vs_mlx_lm']:.2f} {r['vs_mlx_lm_note'] or ''}".strip()
     else:
         ratio = f"withheld ({r['vs_mlx_lm_note']})" if r["vs_mlx_lm_note"] else "-"
     decode = "too short" if r.get("decode_note") else fmt(r["decode_tps"])
@@ -187,6 +202,10 @@ def markdown(run: dict) -> str:
         lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
     lines += [md_row(head), "|" + "---|" * len(head)]
     lines += [md_row(table_cells(r, conc, blocks)) for r in rs]
+    latency = latency_rows(run)
+    if latency:
+        lines += ["", "Latency percentiles per timed cell:", "", md_row(LATENCY_HEADERS), "|" + "---|" * len(LATENCY_HEADERS)]
+        lines += [md_row(r) for r in latency]
     goodput = goodput_lines(run)
     if goodput:
         lines += ["", md_text(goodput[0]), ""] + [f"- {md_text(line)}" for line in goodput[1:]]
@@ -199,6 +218,32 @@ def markdown(run: dict) -> str:
         lines += ["", "Cells during which an engine server first ran forward shapes (on CUDA: compiled kernels "
                   "while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+LATENCY_HEADERS = ["model", "arm", "phase", "requests", "TTFT p50 / p90 / p99 ms", "TPOT p50 / p90 / p99 ms",
+                   "ITL p50 / p99 ms", "E2EL p50 / p99 ms", "goodput req/s", "SLO attainment"]  # fmt: skip
+
+
+def latency_rows(run: dict) -> list[list[str]]:
+    """Per timed cell (decode, TTFT phases, each concurrency, long context): its requests' latency percentiles
+    (the JSON's {median,p90,p99}_{ttft,tpot,itl,e2el}_ms) and, with SLOs, goodput and attainment."""
+    def pcts(m: dict, name: str, which=("median", "p90", "p99")) -> str:
+        values = [m.get(f"{w}_{name}_ms") for w in which]
+        return "-" if all(v is None for v in values) else " / ".join(fmt(v, ".0f" if (v or 0) >= 100 else ".1f") for v in values)
+
+    slos = bool(run["settings"].get("goodput"))
+    out = []
+    for mrun in run.get("models", []):
+        for arm in mrun.get("arms", []):
+            for cell in arm.get("cells", []):
+                m = cell.get("metrics") or {}
+                if cell["phase"] in ("warmup", "probe") or cell["status"] not in (MEASURED, RECOVERED):
+                    continue
+                out.append([mrun["model"], arm["arm"], cell["phase"], str(m.get("completed", "-")), pcts(m, "ttft"),
+                            pcts(m, "tpot"), pcts(m, "itl", ("median", "p99")), pcts(m, "e2el", ("median", "p99")),
+                            fmt(m.get("request_goodput"), ".3g") if slos else "-",
+                            f"{m['slo_attainment']:.0%}" if slos and m.get("slo_attainment") is not None else "-"])  # fmt: skip
+    return out
 
 
 def goodput_lines(run: dict) -> list[str]:

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import mlx.core as mx
+
 from engine.gateway import Gateway, Placement
 from engine.kernels import kernel_cache
 from engine.kernels.cuda_source import builds as kernel_builds
@@ -359,6 +361,9 @@ class EngineWorker:
                        "decode_buckets": list(gateway.config.decode_buckets), "kernel_builds": builds,
                        "kernel_builds_since_ready": builds - gateway.kernel_builds_at_ready},  # fmt: skip
             "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
+            # MLX's memory: arrays alive, the most alive at once since start, freed buffers kept for reuse
+            "memory": {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
+                       "cache_bytes": mx.get_cache_memory()},  # fmt: skip
         }
 
     def _shutdown(self, gateway: Gateway) -> None:

@@ -88,6 +88,17 @@ def test_the_json_follows_the_schema(cli_run):
     assert quality["engine"]["tokens"] == 64 and quality["engine"]["perplexity"] > 1
     warm = {a["arm"]: next(c for c in a["cells"] if c["phase"] == "warm") for a in model["arms"]}
     assert warm["engine"]["metrics"]["cached_tokens"][0] > 0  # the cold prompt, served from the prefix cache
+    # stability: the preflight check after every cell and at the end, the source tree at both ends, each request's
+    # prompt hash (the same on every arm), an engine server's MLX memory
+    assert {"other_cpu_percent", "problems"} <= set(run["preflight_end"])
+    assert run["provenance"]["source_tree_sha256_end"] == run["provenance"]["source_tree_sha256"]
+    hashes = {a["arm"]: [r["prompt_sha256"] for c in a["cells"] for r in c["attempts"][0]["requests"]]
+              for a in model["arms"]}  # fmt: skip
+    assert hashes["engine"] == hashes["mlx-lm"] and all(len(h) == 64 for h in hashes["engine"])
+    for arm in model["arms"]:
+        assert all("other_cpu_percent" in c["metrics"]["preflight"] for c in arm["cells"])
+        memory = arm["device_memory"]
+        assert memory is None if arm["arm"] == "mlx-lm" else memory["peak_bytes"] >= memory["active_bytes"] > 0
 
 
 def test_the_parity_probe_agrees_across_arms(cli_run):
@@ -107,7 +118,7 @@ def test_the_database_indexes_the_run(cli_run):
     n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
     assert n_requests == 3 * ((1 + 2) + 1 + 2 + 1 + 1 + 2)  # warmup: one alone, then one per stream
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5]
     assert db.execute("select count(*) from arms where json_extract(quality, '$.tokens') = 64").fetchone()[0] == 2
     tiers = dict(db.execute("select arm, json_extract(kernels, '$.requested') from arms").fetchall())
     assert tiers == {"engine": AUTO, "engine-serial": AUTO, "mlx-lm": None}

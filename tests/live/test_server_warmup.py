@@ -27,6 +27,8 @@ def test_the_full_warmup_runs_every_bucket_before_ready(server):
     ready = tail(server.server.stdout_path).splitlines()[0]
     assert "batch 8, decode buckets 1,2,4,8," in ready and "warm-up full" in ready
     assert "engine serve: warm-up decode rows 1-10: 10 requests" in tail(server.server.stderr_path)
+    memory = stats["memory"]  # MLX's: the model's weights at least, alive since the load
+    assert memory["peak_bytes"] >= memory["active_bytes"] > 0 and memory["cache_bytes"] >= 0
 
 
 def test_a_new_shape_after_ready_is_counted(server):

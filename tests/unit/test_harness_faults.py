@@ -276,7 +276,7 @@ def test_the_database_export_is_the_json_companion_after_a_fault(tmp_path):
     assert statuses == [("a", "measured", ["measured"]), ("b", "failed", ["failed", "not_measured"]),
                         ("c", "interrupted", ["not_measured", "not_measured"])]  # fmt: skip
     assert exported["models"][0]["arms"][1]["cells"][0]["attempts"][0]["requests"][0]["timeout_kind"] == STALLED
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5]
 
 
 def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):
@@ -329,8 +329,10 @@ def hostile_run() -> dict:
 def test_the_run_summary_escapes_labels_in_its_markdown():
     md = summary.markdown(hostile_run())
     assert "<script" not in md and "&lt;script&gt;alert(1)&lt;/script&gt;\\|x y" in md
-    table = [line for line in md.splitlines() if line.startswith("|")]
-    assert len(table) == 4 and len({columns(line) for line in table}) == 1  # header, rule, two arms
+    for block in md.split("\n\n"):  # each table keeps its columns: header, rule, a row an arm or cell
+        table = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({columns(line) for line in table}) <= 1, block
+    assert len([line for line in md.split("\n\n")[1].splitlines() if line.startswith("|")]) == 4  # two arms
 
 
 def test_the_report_escapes_labels_in_markdown_and_html(tmp_path):
@@ -359,9 +361,9 @@ def decode_arm(name: str, tokens: int, decode_ms: float, rate: float) -> dict:
     return {"arm": name, "status": "measured", "cells": [cell], "peak_rss_bytes": None, "load_to_ready_s": 1.0}
 
 
-def summary_of(*arms: dict) -> list[dict]:
-    run = {"provenance": {}, "models": [{"model": "m", "model_dir": "/none", "block": 0, "parity": {},
-                                         "arms": list(arms)}]}  # fmt: skip
+def summary_of(*arms: dict, diagnostic: bool = False) -> list[dict]:
+    run = {"provenance": {}, "diagnostic": diagnostic, "models": [{"model": "m", "model_dir": "/none", "block": 0,
+                                                                   "parity": {}, "arms": list(arms)}]}  # fmt: skip
     return summary.rows(run)
 
 
@@ -369,22 +371,28 @@ def test_a_decode_cell_too_short_to_time_gets_no_rate_and_no_ratio():
     # --tokens 8 against mlx_lm.server: seven tokens after the first, all in one burst
     engine, mlx = summary_of(decode_arm("engine", 8, 30.0, 233.0), decode_arm("mlx-lm", 8, 0.37, 18814.0))
     assert engine["decode_tps"] is None and mlx["decode_tps"] is None and engine["vs_mlx_lm"] is None
-    assert engine["vs_mlx_lm_note"] == "too short: 7 timed tokens (< 16)"
+    assert engine["vs_mlx_lm_note"] == "engine: too short: 7 timed tokens (< 16)"
     cells = summary.table_cells(engine, [])
-    assert cells[3] == "too short" and cells[-4] == "withheld (too short: 7 timed tokens (< 16))"
+    assert cells[3] == "too short" and cells[-4] == "withheld (engine: too short: 7 timed tokens (< 16))"
     assert summary.table_cells(mlx, [])[-4] == "-"  # the baseline itself
 
 
 def test_a_burst_of_enough_tokens_is_still_too_short():
     engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 3.0, 21000.0))
     assert engine["decode_tps"] == 70.0 and mlx["decode_tps"] is None
-    assert engine["vs_mlx_lm"] is None and engine["vs_mlx_lm_note"] == "mlx-lm too short: 3.0 ms of decode (< 50 ms)"
+    assert engine["vs_mlx_lm"] is None and engine["vs_mlx_lm_note"] == "mlx-lm: too short: 3.0 ms of decode (< 50 ms)"
 
 
 def test_a_decode_cell_long_enough_keeps_its_rate_and_ratio():
     engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0))
     assert (engine["decode_tps"], mlx["decode_tps"], engine["vs_mlx_lm"]) == (70.0, 50.0, 1.4)
     assert summary.table_cells(engine, [])[3] == "70.0"
+
+
+def test_a_diagnostic_run_prints_its_rates_and_no_ratio():
+    engine, _ = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0), diagnostic=True)
+    assert engine["decode_tps"] == 70.0 and engine["vs_mlx_lm"] is None
+    assert summary.table_cells(engine, [])[-4] == "withheld (diagnostic run (measured on a busy machine))"
 
 
 def test_a_run_without_the_baseline_shows_no_withheld_ratio():

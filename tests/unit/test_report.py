@@ -17,9 +17,30 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 HOSTILE = '<script>alert("x")</script>'
 
 
+def clean_run() -> dict:
+    """The real tiny run as a clean measurement: not diagnostic, and every request long enough to time a rate (the
+    fixture's cells took 10-40 ms): 64 tokens at 5 ms a token, the engine's 1.3x slower."""
+    run = json.loads(FIXTURE.read_text())
+    run["diagnostic"] = False
+    for arm in run["models"][0]["arms"]:
+        for c in arm["cells"]:
+            if c["phase"] == "decode":  # three requests: enough for an interval
+                requests = c["attempts"][0]["requests"]
+                requests.append({**requests[-1], "index": len(requests)})
+            for t in c["attempts"]:
+                t["wall_s"] = max(t["wall_s"], 1.0)
+                for r in t["requests"]:
+                    r["output_tokens"] = 64
+                    r["tpot_ms"] = 5.0 * (1.3 if arm["arm"] == "engine" else 1.0) * (1 + 0.001 * r["index"])
+                    r["e2el_ms"] = r["ttft_ms"] + 63 * r["tpot_ms"]
+            if c["phase"] == "decode":
+                c["metrics"]["median_decode_tps"] = 1e3 / (5.0 * (1.3 if arm["arm"] == "engine" else 1.0))
+    return run
+
+
 def hostile_run() -> dict:
     """The real tiny run, edited into every case the report must handle."""
-    run = json.loads(FIXTURE.read_text())
+    run = clean_run()
     run["run_id"], run["label"] = "hostile0001", HOSTILE
     model = run["models"][0]
     model["model"] = '<img src="http://evil.example/x.png" onerror="alert(1)">'
@@ -41,11 +62,20 @@ def hostile_run() -> dict:
     return run
 
 
+def write(tmp_path, name: str, data) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
 @pytest.fixture
 def view(tmp_path):
-    path = tmp_path / "hostile.json"
-    path.write_text(json.dumps(hostile_run()))
-    return report.build_view(report.load([path, FIXTURE]))
+    return report.build_view(report.load([write(tmp_path, "hostile.json", hostile_run()),
+                                          write(tmp_path, "clean.json", clean_run())]))  # fmt: skip
+
+
+def headline_row(view, group: int, phase: str, arm: str = "engine") -> dict:
+    return next(r for r in view["headline"][group]["rows"] if r["phase"] == phase and r["arm"] == arm)
 
 
 def test_every_cell_has_a_status_and_failures_are_listed(view):
@@ -62,11 +92,111 @@ def test_every_cell_has_a_status_and_failures_are_listed(view):
 
 
 def test_the_ratio_is_withheld_for_the_mismatched_pair(view):
-    hostile = view["ratios"][0]["rows"]
-    decode = next(r for r in hostile if r["phase"] == "decode")
+    decode = headline_row(view, 0, "decode")
     assert decode["ratio"] is None and decode["withheld"] == "different output counts"
-    clean = next(r for r in view["ratios"][1]["rows"] if r["phase"] == "decode")
-    assert clean["ratio"] is not None and clean["withheld"] is None
+    clean = headline_row(view, 1, "decode")
+    assert clean["withheld"] is None and abs(clean["ratio"] - 1 / 1.3) < 0.01 and clean["verdict"] == "slower"
+    assert clean["ci_low"] <= clean["ratio"] <= clean["ci_high"] < 0.95 and clean["samples"] == 3
+    cold = headline_row(view, 1, "cold")  # one request a side: a ratio, no interval
+    assert cold["ratio"] is not None and cold["ci_low"] is None and cold["verdict"] == "unknown" and "below 3" in cold["note"]
+
+
+def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
+    def withheld(edit, phase="decode") -> str:
+        run = clean_run()
+        edit(run, {a["arm"]: {c["phase"]: c for c in a["cells"]} for a in run["models"][0]["arms"]})
+        view = report.build_view(report.load([write(tmp_path, "r.json", run)]))
+        return headline_row(view, 0, phase)["withheld"] or ""
+
+    def busy(run, cells):
+        cells["mlx-lm"]["decode"]["metrics"]["preflight"] = {"problems": ["other processes use 90% of the CPUs"]}
+
+    def short(run, cells):
+        for r in cells["engine"]["decode"]["attempts"][0]["requests"]:
+            r["output_tokens"], r["e2el_ms"] = 8, r["ttft_ms"] + 7 * 5.0
+
+    def retried(run, cells):
+        c = cells["engine"]["cold"]
+        c["attempts"] = [{**c["attempts"][0], "ok": False, "error": "HTTP 500"}, {**c["attempts"][0], "attempt": 1}]
+
+    def cached(run, cells):
+        cells["engine"]["warm"]["attempts"][0]["requests"][0]["cached_tokens"] = 120
+
+    def other_prompts(run, cells):
+        for name in ("engine", "mlx-lm"):
+            for i, r in enumerate(cells[name]["decode"]["attempts"][0]["requests"]):
+                r["prompt_sha256"] = f"{name}{i}"
+
+    assert withheld(lambda run, cells: run.update(diagnostic=True)).startswith("diagnostic run")
+    assert withheld(lambda run, cells: run["provenance"].update(source_tree_sha256_end="x")) == "the source tree changed during the run"
+    assert withheld(busy) == "mlx-lm: the machine was busy after the cell (other processes use 90% of the CPUs)"
+    assert withheld(short).startswith("engine: too short: 7 timed tokens")
+    assert withheld(lambda run, cells: cells["engine"]["concurrency-2"]["attempts"][0].update(wall_s=0.02),
+                    "concurrency-2") == "engine: too short: the cell took 20 ms (< 50 ms)"  # fmt: skip
+    assert withheld(retried, "cold").startswith("different attempts")
+    assert withheld(cached, "warm").startswith("different cached tokens (120 against")
+    assert withheld(other_prompts) == "different requests (prompt hashes)"
+
+
+def test_a_baseline_in_another_file_is_compared_only_on_the_same_host_artifact_and_workload(tmp_path):
+    run = clean_run()
+    engine_only, mlx_only = copy.deepcopy(run), copy.deepcopy(run)
+    engine_only["models"][0]["arms"] = [run["models"][0]["arms"][0]]
+    mlx_only["models"][0]["arms"] = [run["models"][0]["arms"][1]]
+    mlx_only["run_id"] = "other0000001"
+    a = write(tmp_path, "a.json", engine_only)
+    view = report.build_view(report.load([a, write(tmp_path, "b.json", mlx_only)]), baseline="mlx-lm")
+    assert view["headline"][0]["note"] == "mlx-lm from b.json" and headline_row(view, 0, "decode")["ratio"] is not None
+    mlx_only["provenance"]["host"] = "elsewhere"
+    view = report.build_view(report.load([a, write(tmp_path, "b.json", mlx_only)]), baseline="mlx-lm")
+    assert view["headline"][0]["rows"] == []
+    assert view["headline"][0]["note"] == "mlx-lm is in b.json on another host: shown side by side, not divided"
+    assert "on another host" in report.render_html(view)
+
+
+def test_in_process_files_get_sections_of_their_own(tmp_path):
+    reports = Path(__file__).resolve().parents[2] / "reports"
+    quality = [{"model": "tiny", "settings": {}, "tokens": 64, "rows": [
+        {"variant": "bf16", "weights": "bf16", "kv_bits": None, "tier": "exact", "nll": 2.0, "perplexity": 7.39,
+         "mean_kl": None, "top1_agreement": None},
+        {"variant": "4bit", "weights": "4bit", "kv_bits": None, "tier": "exact", "nll": 2.1, "perplexity": 8.17,
+         "mean_kl": 0.05, "top1_agreement": 0.9}]}]  # fmt: skip
+    inputs = report.load([reports / "gpu" / "qwen27b-native.json", reports / "cpu-spec-small-qwen35.json",
+                          write(tmp_path, "quality.json", quality), write(tmp_path, "run.json", clean_run())])  # fmt: skip
+    assert [i.kind for i in inputs] == ["native", "spec", "quality", "run"]
+    view = report.build_view(inputs)
+    (native,) = view["native"]
+    assert native["model"] == "qwen27b" and native["decode"]["verdict"] in ("faster", "slower", "same", "unknown")
+    assert [a["arm"] for a in view["spec"][0]["arms"]][0] == "plain"
+    assert view["quality_files"][0]["rows"][1]["perplexity"] == 8.17
+    html = report.render_html(view)
+    assert "harness native" in html and "Speculative decoding: small-qwen35" in html and "8.170" in html
+    md = report.render_markdown(view)
+    assert "## In process: qwen27b" in md and "| 4bit | 8.17 |" in md
+
+
+def test_the_curves_are_inline_svg_that_fetch_nothing(tmp_path):
+    run = clean_run()
+    run["models"][0]["arms"][0]["arm"] = HOSTILE
+    view = report.build_view(report.load([write(tmp_path, "r.json", run)]), baseline="mlx-lm")
+    (curves,) = view["curves"]
+    for key in ("throughput", "latency", "cdf"):
+        svg = curves[key]
+        assert svg.startswith("<svg") and "<script" not in svg.lower() and HOSTILE not in svg
+        assert not re.search(r"""(src|href)\s*=\s*["'](?!#)""", svg)
+
+
+def test_a_cell_whose_requests_spread_widely_is_flagged_unstable():
+    run = clean_run()
+    decode = next(c for c in run["models"][0]["arms"][0]["cells"] if c["phase"] == "decode")
+    requests = decode["attempts"][0]["requests"]
+    requests.append({**requests[0], "index": 2})
+    for r, tpot in zip(requests, (5.0, 9.0, 5.5)):
+        r["tpot_ms"] = tpot
+    assert any(f.startswith("unstable: the requests' CV is") for f in report._cell_view(decode)["flags"])
+    for r in requests:
+        r["tpot_ms"] = 5.0
+    assert not any(f.startswith("unstable") for f in report._cell_view(decode)["flags"])
 
 
 def test_html_escapes_hostile_strings_and_references_nothing_outside(view):
@@ -108,14 +238,14 @@ def test_a_baseline_that_is_not_there_is_an_error(tmp_path):
 def test_inputs_that_are_not_run_records_are_refused(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match="not a harness run record"):
+    with pytest.raises(ValueError, match="not a harness run record .* nor harness native, spec or quality JSON"):
         report.load([bad])
     with pytest.raises(ValueError, match="cannot read"):
         report.load([tmp_path / "missing.json"])
 
 
 def test_trials_get_paired_verdicts(tmp_path):
-    base = json.loads(FIXTURE.read_text())
+    base = clean_run()
     base["kind"] = "trials"
     blocks = []
     for i in range(5):  # five seeds; engine decode 10% faster in every block
@@ -132,6 +262,9 @@ def test_trials_get_paired_verdicts(tmp_path):
     decode = next(p for p in view["paired"] if p["metric"].startswith("decode"))
     assert decode["blocks"] == 5 and decode["verdict"] == "faster" and abs(decode["geomean"] - 1.1) < 1e-9
     assert "Paired blocks" in report.render_html(view)
+    (group,) = view["headline"]  # one table over the blocks, not one a block
+    row = next(r for r in group["rows"] if r["phase"] == "decode")
+    assert row["verdict"] == "faster" and row["note"].startswith("5 blocks") and abs(row["ratio"] - 1.1) < 1e-9
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -147,10 +280,9 @@ def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(NO_BROWSER, reason="no chromium here (.ci/run installs Debian's: apt-get install chromium)")
 def test_the_report_renders_in_chromium(tmp_path):
-    hostile = tmp_path / "hostile.json"
-    hostile.write_text(json.dumps(hostile_run()))
+    hostile = write(tmp_path, "hostile.json", hostile_run())
     page = tmp_path / "compare.html"
-    page.write_text(report.render_html(report.build_view(report.load([hostile, FIXTURE]))))
+    page.write_text(report.render_html(report.build_view(report.load([hostile, write(tmp_path, "c.json", clean_run())]))))
     shot = tmp_path / "compare.png"
     run = chromium(f"--screenshot={shot}", "--window-size=1400,2000", page.as_uri(), cwd=tmp_path)
     assert shot.exists() and shot.stat().st_size > 20_000, run.stderr[-2000:]
@@ -158,6 +290,7 @@ def test_the_report_renders_in_chromium(tmp_path):
     assert not console, console
     dom = chromium("--dump-dom", page.as_uri(), cwd=tmp_path).stdout
     assert dom.count("<table") >= 6 and "Serving matrix" in dom and "withheld: different output counts" in dom
+    assert dom.index("Headline") < dom.index("<svg") < dom.index("Serving matrix")  # the first screen: table, curves
     assert "<script" not in dom.lower()
 
 

@@ -31,7 +31,7 @@ def test_a_tiny_run_records_every_arm_and_block():
     plain, self_draft = rec["arms"][0], rec["arms"][1]
     assert "paired" not in plain and plain["spec"] is None
     assert self_draft["spec"]["acceptance"] == 1.0  # the target agrees with itself
-    assert self_draft["paired"]["verdict"] == "too few blocks"  # 2 blocks: no verdict
+    assert self_draft["paired"]["verdict"] == "unknown" and "too few blocks" in self_draft["paired"]["note"]  # 2 blocks
     md = markdown(result)
     assert "| self |" in md and "| plain |" in md
     json.dumps(rec)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from harness.stats import paired
+from harness.stats import median_of, paired, rate_of, sample_ratio
 
 SEEDS = list(range(8))
 
@@ -32,15 +32,15 @@ def test_lower_is_better_metrics_flip_the_words():
     assert paired("ttft", noisy(1.3, 0.01), SEEDS, higher_is_better=False).verdict == "slower"
 
 
-def test_wide_noise_is_inconclusive_and_says_how_many_blocks_might_settle_it():
+def test_wide_noise_is_unknown_and_says_how_many_blocks_might_settle_it():
     r = paired("decode", noisy(1.05, 0.08, n=5), range(5))
-    assert r.verdict == "inconclusive" and "blocks" in r.note
+    assert r.verdict == "unknown" and "blocks" in r.note
     assert r.ci_low < 1.0 < r.ci_high or r.ci_low < 1.01
 
 
 def test_fewer_than_five_seeds_gets_no_verdict():
     r = paired("decode", [1.2, 1.21, 1.19, 1.2, 1.2], [0, 0, 1, 2, 3])
-    assert r.verdict == "too few blocks" and r.ci_low is None and "5" in r.note
+    assert r.verdict == "unknown" and r.ci_low is None and "too few blocks" in r.note and "5" in r.note
 
 
 def test_the_interval_is_reproducible_from_its_seed():
@@ -51,3 +51,37 @@ def test_the_interval_is_reproducible_from_its_seed():
 def test_bad_ratios_are_refused():
     with pytest.raises(ValueError):
         paired("d", [1.0, 0.0, 1.0, 1.0, 1.0], range(5))
+
+
+def test_paired_requests_clearly_faster_are_faster():
+    base = np.random.default_rng(0).normal(100, 2, 16)
+    r = sample_ratio("decode", base * 1.3, base * np.random.default_rng(1).normal(1, 0.01, 16))
+    assert r.verdict == "faster" and 1.25 < r.ratio < 1.35 and r.ci_low > 1.05 and r.samples == 16
+
+
+def test_paired_requests_that_agree_are_the_same():
+    base = np.random.default_rng(2).normal(50, 5, 32)
+    r = sample_ratio("ttft", base * np.random.default_rng(3).normal(1, 0.002, 32), base, higher_is_better=False)
+    assert r.verdict == "same" and 0.95 < r.ci_low <= r.ratio <= r.ci_high < 1.05
+
+
+def test_too_few_or_too_noisy_requests_are_unknown_and_say_what_would_settle_it():
+    few = sample_ratio("decode", [110, 111], [100, 100])
+    assert few.verdict == "unknown" and few.ci_low is None and "below 3" in few.note and few.ratio == 110.5 / 100
+    rng = np.random.default_rng(4)
+    noisy_ = sample_ratio("decode", rng.normal(106, 15, 6), rng.normal(100, 15, 6))
+    assert noisy_.verdict == "unknown" and "requests a side" in noisy_.note
+
+
+def test_an_aggregate_rate_resamples_whole_requests():
+    # (tokens, start s, end s): the arm finishes the same tokens in half the span
+    arm = [(64, 0.0, 1.0), (64, 0.0, 1.1), (64, 0.1, 0.9), (64, 0.0, 1.0)]
+    base = [(64, 0.0, 2.0), (64, 0.0, 2.2), (64, 0.2, 1.8), (64, 0.0, 2.0)]
+    r = sample_ratio("aggregate", arm, base, rate_of)
+    assert r.verdict == "faster" and abs(r.ratio - 2.0) < 1e-9
+    assert float(median_of(np.array([[3.0], [1.0], [2.0]]))) == 2.0
+
+
+def test_lower_is_better_requests_flip_the_words():
+    base = np.linspace(90, 110, 12)
+    assert sample_ratio("ttft", base * 0.5, base, higher_is_better=False).verdict == "faster"

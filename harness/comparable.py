@@ -1,0 +1,116 @@
+"""When two arms' numbers for one phase may be set against each other, and why not.
+
+A ratio of two measurements means something only when both measured the same
+thing the same way:
+
+- a quiet machine: not a diagnostic run, no problem found by the preflight check
+  run again after the cell (`Runner(recheck=...)`), the source tree the same at
+  the end of the run as at its start;
+- long enough to time a rate: a decode cell with enough timed tokens
+  (`summary.too_short`), a decode or concurrency cell at least MIN_CELL_MS long
+  (a TTFT is a latency, timed however short);
+- the same work (`summary.same_work`): attempt, requests, output counts, finish
+  reasons, cached tokens.
+
+`withheld` gives the first reason that applies, or None.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from harness.summary import cell_of, metric as metric_of, ok_requests, same_work, too_short
+
+MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
+
+
+def run_reason(run: dict) -> Optional[str]:
+    """Why no ratio of this run means anything, or None."""
+    if run.get("diagnostic"):
+        return "diagnostic run (measured on a busy machine)"
+    p = run.get("provenance") or {}
+    end = p.get("source_tree_sha256_end")
+    if end and end != p.get("source_tree_sha256"):
+        return "the source tree changed during the run"
+    return None
+
+
+def cell_reason(cell: dict) -> Optional[str]:
+    """Why this measured cell's numbers should not be compared, or None."""
+    problems = ((cell.get("metrics") or {}).get("preflight") or {}).get("problems")
+    if problems:
+        return f"the machine was busy after the cell ({problems[0]})"
+    if cell["phase"] == "decode":
+        short = too_short(cell)
+        if short:
+            return short
+    walls = [t["wall_s"] for t in cell["attempts"] if t["ok"] and t.get("wall_s") is not None]
+    rate = cell["phase"] == "decode" or cell["phase"].startswith("concurrency-")
+    if rate and walls and walls[-1] * 1e3 < MIN_CELL_MS:
+        return f"too short: the cell took {walls[-1] * 1e3:.0f} ms (< {MIN_CELL_MS:g} ms)"
+    return None
+
+
+def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> Optional[str]:
+    """Why arm_a's and arm_b's `phase` should not be compared (the first reason), or None when they may be."""
+    for run in (run_a, run_b):
+        why = run_reason(run)
+        if why:
+            return why
+    for arm in (arm_a, arm_b):
+        cell = cell_of(arm, phase)
+        if cell is None:
+            return "not measured on both"
+        why = cell_reason(cell)
+        if why:
+            return f"{arm['arm']}: {why}"
+    return same_work(arm_a, arm_b, phase)
+
+
+# The per-request samples behind each compared metric (requests paired by index; `stats.sample_ratio`): a
+# decode rate and a TTFT are medians of their requests, an aggregate rate is all output tokens (or, for
+# goodput, requests meeting every SLO) over the span the requests cover.
+def request_samples(cell: dict, phase: str, slo: Optional[dict] = None) -> tuple[list[list[float]], object]:
+    """(rows, statistic) of a cell's successful requests for its headline metric; `slo` (metric: ms): goodput."""
+    from harness import stats
+
+    reqs = ok_requests(cell)
+    if phase.startswith("concurrency-"):
+        def count(r):
+            if slo is None:
+                return r["output_tokens"] or 0
+            values = {"ttft": r.get("ttft_ms"), "tpot": r.get("tpot_ms"), "e2el": r.get("e2el_ms")}
+            return float(all(values[k] is not None and values[k] <= ms for k, ms in slo.items()))
+
+        rows = [[count(r), r["sent_at"], r["sent_at"] + r["e2el_ms"] / 1e3] for r in reqs
+                if r.get("sent_at") and r.get("e2el_ms") is not None]  # fmt: skip
+        return rows, stats.rate_of
+    if phase == "decode":
+        return [[1e3 / r["tpot_ms"]] for r in reqs if r.get("tpot_ms")], stats.median_of
+    return [[r["ttft_ms"]] for r in reqs if r.get("ttft_ms") is not None], stats.median_of
+
+
+def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metric: str, key: str,
+            higher_is_better: bool, slo: Optional[dict] = None) -> dict:  # fmt: skip
+    """arm_a against arm_b on one phase: both values (the cells' `key`), the ratio of their requests' statistic
+    with its interval and verdict (`stats.sample_ratio`), or the reason it is withheld."""
+    from harness import stats
+
+    a, b = metric_of(arm_a, phase, key), metric_of(arm_b, phase, key)
+    row = {"arm": arm_a["arm"], "baseline_arm": arm_b["arm"], "phase": phase, "metric": metric, "value": a,
+           "baseline": b, "higher_is_better": higher_is_better, "ratio": None, "ci_low": None, "ci_high": None,
+           "verdict": None, "note": "", "samples": 0, "withheld": None}  # fmt: skip
+    why = withheld(run_a, arm_a, run_b, arm_b, phase)
+    if why is None and not (a and b):
+        why = "no value on one side"
+    if why:
+        return row | {"withheld": why}
+    sa, stat = request_samples(cell_of(arm_a, phase), phase, slo)
+    sb, _ = request_samples(cell_of(arm_b, phase), phase, slo)
+    if len(sa) != len(sb) or not sa:
+        return row | {"ratio": a / b, "verdict": stats.UNKNOWN, "note": "no paired request timings"}
+    r = stats.sample_ratio(metric, sa, sb, stat, higher_is_better=higher_is_better)
+    if r.ratio is None:
+        return row | {"withheld": r.note}
+    return row | {"ratio": r.ratio, "ci_low": r.ci_low, "ci_high": r.ci_high, "verdict": r.verdict, "note": r.note,
+                  "samples": r.samples}  # fmt: skip

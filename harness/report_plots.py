@@ -1,0 +1,130 @@
+"""The report's plots: matplotlib figures as inline SVG, for one HTML file that fetches nothing.
+
+Text is drawn as paths (no font to load), the SVG carries no metadata, and each
+figure salts its ids so that several SVGs share a page without their clip paths
+and markers colliding. Strings from a run (arm names) reach the SVG only as
+glyph paths and escaped comments.
+
+    throughput   aggregate and per-request output tok/s against concurrency, one line an arm
+    latency      TTFT and TPOT p50 / p90 / p99 against concurrency
+    cdf          TTFT and TPOT of every timed request, one curve an arm
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from typing import Optional, Sequence
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+matplotlib.use("svg")
+
+_salt = itertools.count()
+COLORS = ("#2a5db0", "#b0482a", "#2c8a3b", "#7a3fa0", "#b08a1a", "#3a8f9e", "#555555")
+PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
+
+# {arm: [(concurrency, value), ...]}
+Series = dict[str, list[tuple[int, Optional[float]]]]
+
+
+def svg(fig: Figure) -> str:
+    """The figure as SVG markup for inlining in HTML (no XML prolog, no metadata)."""
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "path", "svg.hashsalt": f"fig{next(_salt)}"}):
+        fig.savefig(buf, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
+    text = buf.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _figure(panels: int) -> tuple[Figure, Sequence]:
+    fig = Figure(figsize=(5.2 * panels, 3.4), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    for ax in axes:
+        ax.grid(True, color="#dde2ea", linewidth=0.6)
+        ax.tick_params(labelsize=8)
+    return fig, axes
+
+
+_PLAIN = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
+
+
+def _plain_log(axis) -> None:
+    """A log axis labelled with plain numbers (1,000, not 10^3), minor ticks too where there is no major one."""
+    axis.set_major_formatter(_PLAIN)
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if str(int(v))[0] in "25" and v >= 1 else ""))
+
+
+def _concurrency_axis(ax, levels: Sequence[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(levels), [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent requests", fontsize=9)
+
+
+def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label_suffix: str = "") -> None:
+    for arm, color in zip(arms, itertools.cycle(COLORS)):
+        points = [(c, v) for c, v in series.get(arm, []) if v is not None]
+        if points:
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, style, color=color, marker="o", markersize=4, linewidth=1.4, label=arm + label_suffix)
+
+
+def throughput(aggregate: Series, per_request: Series) -> Optional[str]:
+    """Aggregate and per-request output tok/s against concurrency; None without concurrency cells."""
+    arms = list(dict.fromkeys([*aggregate, *per_request]))
+    levels = sorted({c for s in (aggregate, per_request) for pts in s.values() for c, _ in pts})
+    if not levels:
+        return None
+    fig, (left, right) = _figure(2)
+    for ax, series, title in ((left, aggregate, "aggregate output tok/s"), (right, per_request, "per-request tok/s (median 1000 / TPOT)")):
+        _lines(ax, series, arms)
+        _concurrency_axis(ax, levels)
+        ax.set_ylabel("tok/s", fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    return svg(fig)
+
+
+def latency(ttft: dict[str, dict[str, Series]], tpot: dict[str, dict[str, Series]]) -> Optional[str]:
+    """TTFT and TPOT percentiles against concurrency: {percentile: {arm: [(C, ms)]}} for each."""
+    arms = list(dict.fromkeys(a for d in (ttft, tpot) for s in d.values() for a in s))
+    levels = sorted({c for d in (ttft, tpot) for s in d.values() for pts in s.values() for c, _ in pts})
+    if not levels:
+        return None
+    fig, axes = _figure(2)
+    for ax, by_pct, title in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
+        for pct, style in PERCENTILE_STYLES:
+            _lines(ax, by_pct.get(pct, {}), arms, style, f" {pct}")
+        _concurrency_axis(ax, levels)
+        ax.set_yscale("log")
+        _plain_log(ax.yaxis)
+        ax.set_ylabel("ms (log scale)", fontsize=9)
+        ax.set_title(f"{title} p50 (solid), p90 (dashed), p99 (dotted)", fontsize=10)
+    axes[0].legend(fontsize=7, ncol=2)
+    return svg(fig)
+
+
+def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
+    """{arm: {"TTFT ms": [...], "TPOT ms": [...]}}: each metric's empirical CDF, one curve an arm."""
+    metrics = list(dict.fromkeys(m for d in samples.values() for m, v in d.items() if v))
+    if not metrics:
+        return None
+    fig, axes = _figure(len(metrics))
+    for ax, name in zip(axes, metrics):
+        for (arm, by_metric), color in zip(samples.items(), itertools.cycle(COLORS)):
+            values = sorted(v for v in by_metric.get(name, []) if v is not None and v > 0)
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color,
+                        linewidth=1.4, label=f"{arm} ({len(values)})")  # fmt: skip
+        ax.set_xscale("log")
+        _plain_log(ax.xaxis)
+        ax.set_xlabel(f"{name} (log scale)", fontsize=9)
+        ax.set_ylabel("share of requests", fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{name.split()[0]} distribution", fontsize=10)
+        ax.legend(fontsize=8)
+    return svg(fig)
