@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Sequence
 
 import psutil
 
@@ -48,18 +49,21 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def source_tree_sha256() -> str:
-    """Hash of every tracked and untracked-but-not-ignored file as it is on disk (uncommitted edits count)."""
+def source_tree_sha256(exclude: Sequence[Path] = ()) -> str:
+    """Hash of every tracked and untracked-but-not-ignored file as it is on disk (uncommitted edits count), but
+    `exclude` (a run's own outputs, which it rewrites while it runs)."""
     files = _run(["git", "ls-files", "--cached", "--others", "--exclude-standard"]).splitlines()
+    skip = {Path(p).resolve() for p in exclude}
     h = hashlib.sha256()
     for name in sorted(files):
         path = ROOT / name
-        if path.is_file():
+        if path.is_file() and path.resolve() not in skip:
             h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
-def collect() -> dict:
+def collect(exclude: Sequence[Path] = ()) -> dict:
+    """The machine, the software and the source tree (`source_tree_sha256(exclude)`)."""
     import mlx.core as mx
 
     return {
@@ -75,7 +79,7 @@ def collect() -> dict:
         "mlx_lm": _version("mlx-lm"),
         "git_commit": _run(["git", "rev-parse", "HEAD"]),
         "git_dirty": bool(_run(["git", "status", "--porcelain"])),
-        "source_tree_sha256": source_tree_sha256(),
+        "source_tree_sha256": source_tree_sha256(exclude),
         "environment": env.snapshot(),
     }
 

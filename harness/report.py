@@ -31,7 +31,7 @@ from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoesca
 
 from harness import comparable, report_inputs, report_plots, stats
 from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
-from harness.summary import cell_of, md_row, md_text, metric, ok_requests, too_short
+from harness.summary import LATENCY_HEADERS, cell_of, latency_rows, md_row, md_text, metric, ok_requests, too_short
 
 
 def templates() -> Traversable:
@@ -428,6 +428,8 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "headline": headline,
         "curves": curves,
         "machines": matrix,
+        "latency_headers": LATENCY_HEADERS,
+        "latency": [{"run": i.run["run_id"], "rows": latency_rows(i.run)} for i in runs],
         "paired": paired,
         "identity": identity,
         "quality": quality,
@@ -482,6 +484,10 @@ def render_markdown(view: dict) -> str:
             cells = [f"{c['status']}" + (f": {c['value']}" if c["value"] else "") for c in r["cells"]]
             lines.append(md_row([r["where"], r["arm"], *cells]))
         lines.append("")
+    lines += ["## Latency percentiles", ""]
+    for group in view["latency"]:
+        lines += [f"### {md_text(group['run'])}", "", md_row(view["latency_headers"]),
+                  "|" + "---|" * len(view["latency_headers"])] + [md_row(r) for r in group["rows"]] + [""]  # fmt: skip
     if view["paired"]:
         lines += ["", "## Paired blocks", "", "| model | arm | metric | blocks | geomean | 95% interval | verdict |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -180,6 +180,7 @@ class Runner:
         metrics as `preflight`) and once the last arm has stopped (`RunRecord.preflight_end`)."""
         self.settings, self.out, self.log, self.on_phase = settings, out, log, on_phase
         self.recheck = recheck
+        self.outputs = (out, out.with_suffix(".md"), db_path)  # rewritten while the run runs: not its source
         self.interrupts = interrupts or Interrupts()
         self.db = open_db(db_path)
         self.servers: list[ServerProcess] = []  # every server launched, stopped again when the run ends
@@ -190,7 +191,7 @@ class Runner:
             label=label,
             diagnostic=diagnostic,
             settings=asdict(settings),
-            provenance=provenance.collect(),
+            provenance=provenance.collect(self.outputs),
             preflight=preflight or {},
         )
 
@@ -218,7 +219,7 @@ class Runner:
         run (the report withholds its ratios)."""
         if self.recheck is not None:
             self.record.preflight_end = self.recheck()
-        self.record.provenance["source_tree_sha256_end"] = provenance.source_tree_sha256()
+        self.record.provenance["source_tree_sha256_end"] = provenance.source_tree_sha256(self.outputs)
 
     def _close(self) -> None:
         with self.interrupts.deferred():

@@ -62,3 +62,21 @@ def test_goodput_slos_parse_and_a_bad_one_is_refused(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["run", "all", "--goodput", bad])
         assert "give METRIC:MS" in capsys.readouterr().err
+
+
+def test_the_source_tree_hash_leaves_out_a_runs_own_outputs(monkeypatch, tmp_path):
+    # A run writing its record over a tracked file (reports/cpu-small-qwen3.json) must not find its tree changed.
+    from pathlib import Path
+
+    from harness import provenance
+
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "run.json").write_text("{}")
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    monkeypatch.setattr(provenance, "_run", lambda cmd: "code.py\nrun.json")
+    outputs = [tmp_path / "run.json"]
+    start = provenance.source_tree_sha256(outputs)
+    (tmp_path / "run.json").write_text('{"written": "during the run"}')
+    assert provenance.source_tree_sha256(outputs) == start != provenance.source_tree_sha256()
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert provenance.source_tree_sha256(outputs) != start and isinstance(Path(outputs[0]), Path)
