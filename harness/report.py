@@ -239,7 +239,7 @@ def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict
         for label, value in (("peak RSS MiB", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
                              ("device peak MiB", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None)):  # fmt: skip
             a, b = value(arm), value(base)
-            if a is None and b is None:
+            if a is None or (b is None and label.startswith("device")):  # mlx_lm.server reports no device memory
                 continue
             rows.append({"arm": arm["arm"], "baseline_arm": base["arm"], "phase": "-", "metric": label, "value": a,
                          "baseline": b, "higher_is_better": False, "ratio": a / b if a and b else None,
