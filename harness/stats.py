@@ -171,6 +171,9 @@ def sample_ratio(metric: str, arm: Sequence[Sequence[float]], base: Sequence[Seq
     idx = np.random.default_rng(rng_seed).integers(0, n, size=(resamples, n))
     logs = np.log(statistic(a[idx]) / statistic(b[idx]))
     logs = logs[np.isfinite(logs)]
+    if not logs.size:
+        return SampleRatio(**record, ratio=point, ci_low=None, ci_high=None, verdict=UNKNOWN,
+                           note="no resample had a value on both sides")  # fmt: skip
     alpha = (1 - confidence) / 2
     lo, hi = (float(v) for v in np.quantile(logs, [alpha, 1 - alpha]))
     lo, hi = min(lo, math.log(point)), max(hi, math.log(point))

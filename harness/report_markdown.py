@@ -1,0 +1,86 @@
+"""`harness report --format md`: the report's view (`report.build_view`) as Markdown, every string escaped
+(`summary.md_cell` / `md_text`)."""
+
+from __future__ import annotations
+
+from harness.summary import md_row, md_text
+
+
+def ratio_text(r: dict) -> str:
+    """A compared row's ratio as text: the ratio with its interval and verdict, or why it is withheld."""
+    if r["withheld"]:
+        return f"withheld: {r['withheld']}"
+    if r["ratio"] is None:
+        return "-"
+    interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["ci_low"] is not None else ""
+    verdict = f" {r['verdict']}" if r["verdict"] else ""
+    return f"{r['ratio']:.2f}{interval}{verdict}" + (f" ({r['note']})" if r["note"] else "")
+
+
+def render_markdown(view: dict) -> str:
+    lines = [f"# {md_text(view['title'])}", "", f"Baseline arm: {md_text(view['baseline'])}. Ratios: arm / baseline, "
+             f"95% interval from the paired requests, verdict against a {view['single_run_threshold']:.0%} noise "
+             "threshold (one run).", "", "## Headline", ""]  # fmt: skip
+    for group in view["headline"]:
+        lines += [f"### {md_text(group['where'])}", ""] + ([md_text(group["note"]), ""] if group["note"] else [])
+        lines += ["| arm | metric | value | baseline | ratio |", "|---|---|---|---|---|"]
+        for r in group["rows"]:
+            lines.append(md_row([r["arm"], r["metric"], _num(r["value"]), _num(r["baseline"]), ratio_text(r)]))
+        lines.append("")
+    lines += ["## Serving matrix", ""]
+    for mach, m in view["machines"].items():
+        lines += [f"### {md_text(mach)}", "", md_row(["run / model", "arm", *m["phases"]]),
+                  "|---|---|" + "---|" * len(m["phases"])]  # fmt: skip
+        for r in m["rows"]:
+            cells = [f"{c['status']}" + (f": {c['value']}" if c["value"] else "") for c in r["cells"]]
+            lines.append(md_row([r["where"], r["arm"], *cells]))
+        lines.append("")
+    lines += ["## Latency percentiles", ""]
+    for group in view["latency"]:
+        lines += [f"### {md_text(group['run'])}", "", md_row(view["latency_headers"]),
+                  "|" + "---|" * len(view["latency_headers"])] + [md_row(r) for r in group["rows"]] + [""]  # fmt: skip
+    if view["paired"]:
+        lines += ["", "## Paired blocks", "", "| model | arm | metric | blocks | geomean | 95% interval | verdict |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for p in view["paired"]:
+            ci = f"{p['ci_low']:.3f}-{p['ci_high']:.3f}" if p["ci_low"] is not None else "-"
+            lines.append(md_row([p["model"], p["arm"], p["metric"], p["blocks"], f"{p['geomean']:.3f}", ci,
+                                 f"{p['verdict']} {p['note']}"]))  # fmt: skip
+    for n in view["native"]:
+        lines += ["", f"## In process: {md_text(n['model'])} ({md_text(n['file'])})", "",
+                  "| arm | prefill tok/s | decode tok/s | TTFT ms |", "|---|---|---|---|"]  # fmt: skip
+        for side in ("engine", "mlx_lm"):
+            a = n[side]
+            lines.append(md_row([side, _num(a.get("prefill_tps")), _num(a.get("decode_tps")), _num(a.get("ttft_ms"))]))
+        for what in ("decode", "prefill"):
+            if n[what]:
+                p = n[what]
+                lines.append(f"\n{what} engine / mlx-lm: {p['geomean']:.2f} [{p['ci_low'] or 0:.2f}, {p['ci_high'] or 0:.2f}] "
+                             f"{p['verdict']} {md_text(p['note'])}")  # fmt: skip
+    for sp in view["spec"]:
+        lines += ["", f"## Speculative decoding: {md_text(sp['model'])} ({md_text(sp['file'])})", "",
+                  "| arm | decode tok/s | vs plain | acceptance | tokens / target forward |", "|---|---|---|---|---|"]  # fmt: skip
+        for a in sp["arms"]:
+            lines.append(md_row([a["arm"], _num(a["decode_tps"]), _num(a["ratio"]), _num(a["acceptance"]),
+                                 _num(a["tokens_per_forward"])]))  # fmt: skip
+    for q in view["quality_files"]:
+        lines += ["", f"## Held-out quality: {md_text(q['model'])} ({md_text(q['file'])})", "",
+                  "| variant | perplexity | mean KL | top-1 |", "|---|---|---|---|"]  # fmt: skip
+        for r in q["rows"]:
+            lines.append(md_row([r["variant"], _num(r["perplexity"]), _num(r.get("mean_kl"), ".2e"),
+                                 _num(r.get("top1_agreement"), ".1%")]))  # fmt: skip
+    if view["quality"]:
+        lines += ["", "## Quality and size", "", "| run / model | arm | tier | held-out tokens | perplexity | peak RSS MiB |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for q in view["quality"]:
+            ppl = f"{q['perplexity']:g}" if q["perplexity"] is not None else f"not measured: {q['error']}"
+            rss = f"{q['peak_rss_mib']:.0f}" if q["peak_rss_mib"] else "-"
+            lines.append(md_row([q["where"], q["arm"], q["tier"] or "-", q["tokens"] or "-", ppl, rss]))
+    if view["failures"]:
+        lines += ["", "## Failures", ""] + [f"- {md_text(f['where'])} / {md_text(f['arm'])} / {md_text(f['what'])}: "
+                                            f"{md_text(f['error'])}" for f in view["failures"]]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _num(x, spec: str = ",.2f") -> str:
+    return "-" if x is None else format(x, spec)
