@@ -99,12 +99,17 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
     a, b = metric_of(arm_a, phase, key), metric_of(arm_b, phase, key)
     row = {"arm": arm_a["arm"], "baseline_arm": arm_b["arm"], "phase": phase, "metric": metric, "value": a,
            "baseline": b, "higher_is_better": higher_is_better, "ratio": None, "ci_low": None, "ci_high": None,
-           "verdict": None, "note": "", "samples": 0, "withheld": None}  # fmt: skip
+           "verdict": None, "note": "", "samples": 0, "withheld": None, "outputs": ""}  # fmt: skip
     why = withheld(run_a, arm_a, run_b, arm_b, phase)
     if why is None and not (a and b):
         why = "no value on one side"
     if why:
         return row | {"withheld": why}
+    # token ids' hashes, where both servers returned them (mlx_lm.server returns text only)
+    outputs = [[r.get("output_sha256") if r.get("token_ids") is not None else None for r in ok_requests(cell_of(arm, phase))]
+               for arm in (arm_a, arm_b)]  # fmt: skip
+    if None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
+        row["outputs"] = f"outputs differ in {sum(x != y for x, y in zip(*outputs))} of {len(outputs[0])} requests"
     sa, stat = request_samples(cell_of(arm_a, phase), phase, slo)
     sb, _ = request_samples(cell_of(arm_b, phase), phase, slo)
     if len(sa) != len(sb) or not sa:

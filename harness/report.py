@@ -245,7 +245,8 @@ def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict
             rows.append({"arm": arm["arm"], "baseline_arm": base["arm"], "phase": "-", "metric": label, "value": a,
                          "baseline": b, "higher_is_better": False, "ratio": a / b if a and b else None,
                          "ci_low": None, "ci_high": None, "verdict": None, "samples": 0,
-                         "note": "one reading" if a and b else "", "withheld": None if a and b else "no value on one side"})  # fmt: skip
+                         "note": "one reading" if a and b else "", "withheld": None if a and b else "no value on one side",
+                         "outputs": ""})  # fmt: skip
     return {"where": _where(inp, model), "baseline": baseline, "note": note, "rows": rows}
 
 
@@ -347,7 +348,7 @@ def _trials_headline(inp: Input, paired: list[dict]) -> list[dict]:
             "value": p["arm_mean"], "baseline": p["baseline_mean"], "higher_is_better": p["higher_is_better"],
             "ratio": p["geomean"], "ci_low": p["ci_low"], "ci_high": p["ci_high"], "verdict": p["verdict"],
             "note": f"{p['blocks']} blocks" + (f"; {p['note']}" if p["note"] else ""), "samples": p["blocks"],
-            "withheld": None})  # fmt: skip
+            "withheld": None, "outputs": ""})  # fmt: skip
     return [{"where": f"{inp.run['run_id']} / {model} (trials: geometric means over paired blocks)",
              "baseline": paired[0]["baseline"] if paired else "", "note": "", "rows": rows} for model, rows in groups.items()]
 

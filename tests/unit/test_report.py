@@ -97,6 +97,7 @@ def test_the_ratio_is_withheld_for_the_mismatched_pair(view):
     clean = headline_row(view, 1, "decode")
     assert clean["withheld"] is None and abs(clean["ratio"] - 1 / 1.3) < 0.01 and clean["verdict"] == "slower"
     assert clean["ci_low"] <= clean["ratio"] <= clean["ci_high"] < 0.95 and clean["samples"] == 3
+    assert clean["outputs"] == ""  # the fixture's arms gave the same tokens
     cold = headline_row(view, 1, "cold")  # one request a side: a ratio, no interval
     assert cold["ratio"] is not None and cold["ci_low"] is None and cold["verdict"] == "unknown" and "below 3" in cold["note"]
 
@@ -136,6 +137,17 @@ def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
     assert withheld(retried, "cold").startswith("different attempts")
     assert withheld(cached, "warm").startswith("different cached tokens (120 against")
     assert withheld(other_prompts) == "different requests (prompt hashes)"
+
+
+def test_outputs_that_differ_do_not_withhold_the_ratio_but_are_named(tmp_path):
+    run = clean_run()  # the fast tier rounds otherwise than mlx-lm: other tokens, the same work
+    for arm in run["models"][0]["arms"]:  # both servers returned token ids (the engine's two lanes, say)
+        for r in next(c for c in arm["cells"] if c["phase"] == "decode")["attempts"][0]["requests"]:
+            r["token_ids"], r["output_sha256"] = [1, 2], "a" * 64
+    decode = next(c for c in run["models"][0]["arms"][0]["cells"] if c["phase"] == "decode")
+    decode["attempts"][0]["requests"][0]["output_sha256"] = "f" * 64
+    row = headline_row(report.build_view(report.load([write(tmp_path, "r.json", run)])), 0, "decode")
+    assert row["ratio"] is not None and row["outputs"] == "outputs differ in 1 of 3 requests"
 
 
 def test_a_baseline_in_another_file_is_compared_only_on_the_same_host_artifact_and_workload(tmp_path):
