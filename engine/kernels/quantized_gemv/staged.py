@@ -39,8 +39,8 @@ class StagedConfig:
     groups' worth, at least two k-tiles), chunks in shared memory at once, blocks a row block's K is split
     over, blocks an SM must hold (0: as the registers allow), warps that share each row tile's activation
     blocks (`m_groups`: fewer sums a warp, more warps an SM), and how the weights enter the products
-    (`rounded` 1: dequantized to bf16 first, MLX's rounding of them, into one float32 sum a row; 0: exact
-    integers with float32 group sums, the register kernel's arithmetic)."""
+    (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
+    exact integers with float32 group sums, the register kernel's arithmetic)."""
 
     warps: int = 4
     row_tiles: int = 2
