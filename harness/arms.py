@@ -8,6 +8,10 @@
                    and says so: each run records the tier the server reports in /stats, not the flag)
     mlx-lm         stock `mlx_lm.server` through oracles/mlx_lm_server.py, which adds
                    only token-id prompts, `ignore_eos` and a listen backlog (see that file)
+    engine-NAME    `engine serve` with the options `--arm-args 'engine-NAME=OPTIONS'` gives (a variant
+                   of the engine arm: `engine-spec=--draft-kind ngram`, say)
+    NAME=URL       (`--arm`) an OpenAI-compatible server the harness did not start: vLLM, llama-server,
+                   another `engine serve`; measured through its URL, every request naming its first model
 
 Every arm gets the same request body; `extra_body` adds what only that arm
 understands (our server refuses unknown fields, mlx-lm ignores them).
@@ -20,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from engine.kernels import EXACT, FAST
 from harness.servers import engine_serve_command
@@ -37,6 +41,7 @@ class ArmSpec:
     probe: Optional[dict] = None  # a completion that must succeed before the arm counts as ready
     returns_token_ids: bool = False
     is_engine: bool = False  # an `engine serve` arm: its /stats says which kernel tier runs
+    url: Optional[str] = None  # a server the harness did not start (`external_arm`): no command to run
 
 
 def _hf_env() -> dict[str, str]:
@@ -84,16 +89,35 @@ def parse_arm_options(items: list[str]) -> dict[str, list[str]]:
     return parsed
 
 
+def external_arm(item: str) -> ArmSpec:
+    """An --arm value, NAME=URL (http or https), as an arm the harness measures but does not start."""
+    name, sep, url = item.partition("=")
+    name, url = name.strip(), url.strip()
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--arm {item!r}: give NAME=URL, e.g. vllm=http://127.0.0.1:8000")
+    if name in standard_arms() or name.startswith("engine-"):
+        raise ValueError(f"--arm {name}: a name the harness's own arms use; choose another")
+    return ArmSpec(name, lambda d, p, url=url: ["(external)", url], url=url)
+
+
 def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
-                 options: Optional[dict[str, list[str]]] = None) -> list[ArmSpec]:  # fmt: skip
-    """The arms by name, each with its server `options` (`parse_arm_options`) appended; ValueError for an
-    unknown arm, or options for an arm not run."""
-    known = known or standard_arms()
+                 options: Optional[dict[str, list[str]]] = None, external: Sequence[ArmSpec] = ()) -> list[ArmSpec]:  # fmt: skip
+    """The arms by name, each with its server `options` (`parse_arm_options`) appended, then the `external` ones;
+    an `engine-NAME` arm that is not a standard one is the engine arm with its options (a variant). ValueError
+    for an unknown arm, a variant without options, or options for an arm not run."""
+    known = dict(known or standard_arms())
     options = options or {}
+    for n in names:
+        if n not in known and n.startswith("engine-") and n in options:
+            known[n] = _engine_arm(n)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(known)} (an engine variant "
+                         "engine-NAME needs --arm-args 'engine-NAME=OPTIONS'; another server, --arm NAME=URL)")  # fmt: skip
     idle = [n for n in options if n not in names]
     if idle:
         raise ValueError(f"--arm-args for {', '.join(idle)}, which this run does not run (--arms {','.join(names)})")
-    return [with_options(known[n], options[n]) if n in options else known[n] for n in names]
+    clash = [a.name for a in external if a.name in names]
+    if clash:
+        raise ValueError(f"--arm {', '.join(clash)}: also in --arms")
+    return [with_options(known[n], options[n]) if n in options else known[n] for n in names] + list(external)

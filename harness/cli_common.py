@@ -79,14 +79,23 @@ def non_negative(value: str) -> int:
     return n
 
 
-def positive_seconds(value: str) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not s > 0 or s == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value}")
-    return s
+def float_type(ok, expected: str):
+    """An argparse type: a float for which `ok` holds; otherwise the error says it expected `expected`."""
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return x
+
+    return parse
+
+
+positive_seconds = float_type(lambda s: 0 < s < float("inf"), "a positive number of seconds")
+positive_float = float_type(lambda x: 0 < x < float("inf"), "a number above 0")
+share = float_type(lambda x: 0 < x <= 1, "a share in (0, 1], e.g. 0.9")
 
 
 def model_source(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,10 @@ def request_samples(cell: dict, phase: str, slo: Optional[dict] = None) -> tuple
     from harness import stats
 
     reqs = ok_requests(cell)
-    if phase.startswith("concurrency-"):
+    window = (cell.get("metrics") or {}).get("measured_requests")  # a rate cell: its warm-up and cool-down left out
+    if window:
+        reqs = reqs[window[0] : window[1]]
+    if phase.startswith(("concurrency-", "rate-")):
         def count(r):
             if slo is None:
                 return r["output_tokens"] or 0

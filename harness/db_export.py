@@ -106,7 +106,8 @@ def _arm(db: sqlite_utils.Database, run_id: str, a: dict) -> dict:
             "status": a["status"], "error": a["error"], "load_to_ready_s": a["load_to_ready_s"],
             "peak_rss_bytes": a["peak_rss_bytes"], "rss_samples": samples, "stderr_tail": a["stderr_tail"] or "",
             "kernels": json.loads(a.get("kernels") or "null"), "quality": json.loads(a.get("quality") or "null"),
-            "device_memory": json.loads(a.get("device_memory") or "null"), "cells": cells}  # fmt: skip
+            "device_memory": json.loads(a.get("device_memory") or "null"),
+            "endpoint": json.loads(a.get("endpoint") or "null"), "cells": cells}  # fmt: skip
 
 
 def _request(q: dict) -> dict:

@@ -74,6 +74,7 @@ class ArmRun:
     kernels: Optional[dict[str, Any]] = None  # an engine arm's KernelSet record, from its /stats
     quality: Optional[dict[str, Any]] = None  # an engine arm's held-out perplexity (harness.quality.held_out_score)
     device_memory: Optional[dict[str, Any]] = None  # an engine server's MLX memory at the end (/stats `memory`)
+    endpoint: Optional[dict[str, Any]] = None  # a server the harness did not start: its url and model id
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -187,7 +188,11 @@ def _m5_stability(db: sqlite_utils.Database) -> None:
     db["requests"].add_column("prompt_sha256", str)
 
 
-MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality, _m5_stability]  # append only; each runs once, in order
+def _m6_external_arms(db: sqlite_utils.Database) -> None:
+    db["arms"].add_column("endpoint", str)  # JSON: an external server's url and model id
+
+
+MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality, _m5_stability, _m6_external_arms]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -266,7 +271,8 @@ def _arm_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmR
                        "workload_sha256": model.workload_sha256, "manifest_sha256": model.manifest_sha256,
                        "kernels": None if arm.kernels is None else json.dumps(arm.kernels),
                        "quality": None if arm.quality is None else json.dumps(arm.quality),
-                       "device_memory": None if arm.device_memory is None else json.dumps(arm.device_memory)},
+                       "device_memory": None if arm.device_memory is None else json.dumps(arm.device_memory),
+                       "endpoint": None if arm.endpoint is None else json.dumps(arm.endpoint)},
                       pk=ARM_KEYS)  # fmt: skip
     db["samples"].delete_where("run_id = ? and block = ? and model = ? and arm = ?", list(keys.values()))
     db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)

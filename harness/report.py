@@ -58,6 +58,8 @@ RATIO_METRICS = [
     ("warm", "median_ttft_ms", "TTFT warm", False),
     ("long", "median_ttft_ms", "TTFT long", False),
     ("concurrency-", "output_throughput", "aggregate tok/s", True),
+    ("prefix", "median_ttft_ms", "TTFT shared prefix", False),
+    ("rate-", "output_throughput", "aggregate tok/s", True),
 ]
 
 
@@ -134,10 +136,12 @@ def _cell_view(cell: dict) -> dict:
     if cell["status"] in (MEASURED, RECOVERED):
         if cell["phase"] == "decode":
             value = _fmt(m.get("median_decode_tps"), "tok/s")
-        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe"):
+        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix"):
             value = _fmt(m.get("median_ttft_ms"), "ms TTFT", 0)
         elif cell["phase"].startswith("concurrency-"):
             value = _fmt(m.get("output_throughput"), "tok/s")
+        elif cell["phase"].startswith("rate-"):
+            value = f"{_fmt(m.get('output_throughput'), 'tok/s')}, {_fmt(m.get('request_throughput'), 'req/s', 2)} achieved"
     flags = []
     if cell["phase"] == "decode" and cell["status"] in (MEASURED, RECOVERED):
         short = too_short(cell)
@@ -156,7 +160,7 @@ def _cell_view(cell: dict) -> dict:
     if len(cell["attempts"]) > 1:
         flags.append(f"{len(cell['attempts'])} attempts")
     reqs = ok_requests(cell) if cell["status"] in (MEASURED, RECOVERED) else []
-    cv, n = coefficient_of_variation(cell) if reqs else (None, 0)
+    cv, n = coefficient_of_variation(cell) if reqs and cell["phase"] not in ("warmup", "probe") else (None, 0)
     if cv is not None and cv > CV_FLAG:
         flags.append(f"unstable: the requests' CV is {cv:.0%} over {n} (flagged above {CV_FLAG:.0%})")
     busy = (m.get("preflight") or {}).get("problems")
@@ -232,10 +236,12 @@ def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict
             for prefix, key, label, higher in RATIO_METRICS:
                 if not _matches(phase, prefix):
                     continue
-                name = label + (f" @{phase.split('-', 1)[1]}" if prefix == "concurrency-" else "")
+                level = phase.split("-", 1)[1] if prefix in ("concurrency-", "rate-") else ""
+                name = label + (f" @{level}" if level else "") + (" req/s" if prefix == "rate-" else "")
                 rows.append(comparable.compare(inp.run, arm, base_run, base, phase, name, key, higher))
-                if prefix == "concurrency-" and slo:
-                    rows.append(comparable.compare(inp.run, arm, base_run, base, phase, f"goodput req/s @{phase.split('-', 1)[1]}",
+                if prefix in ("concurrency-", "rate-") and slo:
+                    rows.append(comparable.compare(inp.run, arm, base_run, base, phase,
+                                                   f"goodput req/s @{level}" + (" req/s" if prefix == "rate-" else ""),
                                                    "request_goodput", True, slo))  # fmt: skip
         for label, value in (("peak RSS MiB", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
                              ("device peak MiB", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None)):  # fmt: skip
@@ -273,8 +279,18 @@ def _curves(inp: Input, model: dict) -> dict:
         decode = cell_of(arm, "decode")
         pool = [r for c in cells or ([decode] if decode else []) for r in ok_requests(c)]
         cdf[name] = {"TTFT ms": [r["ttft_ms"] for r in pool], "TPOT ms": [r.get("tpot_ms") for r in pool]}
+    offered, rate_ttft = {}, {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
+    for arm in model["arms"]:
+        for c in arm["cells"]:
+            if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED):
+                m = c["metrics"]
+                offered.setdefault(arm["arm"], []).append((m["offered_rate"], m.get("output_throughput")))
+                for pct in rate_ttft:
+                    rate_ttft[pct].setdefault(arm["arm"], []).append(
+                        (m["offered_rate"], m.get(f"{pct}_ttft_ms" if pct != "p50" else "median_ttft_ms")))
     return {"where": _where(inp, model), "throughput": report_plots.throughput(aggregate, per_request),
-            "latency": report_plots.latency(ttft, tpot), "cdf": report_plots.cdf(cdf)}
+            "latency": report_plots.latency(ttft, tpot), "cdf": report_plots.cdf(cdf),
+            "rates": report_plots.rates(offered, rate_ttft)}
 
 
 def _requests(inp: Input, model: dict, arm: dict) -> list[dict]:

@@ -8,6 +8,7 @@ glyph paths and escaped comments.
     throughput   aggregate and per-request output tok/s against concurrency, one line an arm
     latency      TTFT and TPOT p50 / p90 / p99 against concurrency
     cdf          TTFT and TPOT of every timed request, one curve an arm
+    rates        output tok/s and TTFT percentiles against the offered request rate (open-loop cells)
 """
 
 from __future__ import annotations
@@ -127,4 +128,31 @@ def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
         ax.set_ylim(0, 1.02)
         ax.set_title(f"{name.split()[0]} distribution", fontsize=10)
         ax.legend(fontsize=8)
+    return svg(fig)
+
+
+def rates(output: Series, ttft: dict[str, Series]) -> Optional[str]:
+    """Output tok/s and TTFT p50 / p90 / p99 against the offered requests/s: where throughput flattens while
+    latency climbs, the server saturated."""
+    arms = list(dict.fromkeys([*output, *(a for s in ttft.values() for a in s)]))
+    levels = sorted({r for pts in output.values() for r, _ in pts})
+    if not levels:
+        return None
+    fig, (left, right) = _figure(2)
+    _lines(left, output, arms)
+    left.set_ylabel("tok/s", fontsize=9)
+    left.set_title("output tok/s against the offered rate", fontsize=10)
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    for pct, style in PERCENTILE_STYLES:
+        _lines(right, ttft.get(pct, {}), arms, style, f" {pct}")
+    right.set_yscale("log")
+    _plain_log(right.yaxis)
+    right.set_ylabel("ms (log scale)", fontsize=9)
+    right.set_title("TTFT p50 (solid), p90 (dashed), p99 (dotted)", fontsize=10)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [f"{r:g}" for r in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("offered requests/s", fontsize=9)
     return svg(fig)

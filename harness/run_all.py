@@ -11,6 +11,12 @@ throughout, then run the phases in order:
     cold            a ~1K-token prompt never seen before (TTFT)
     warm            the same prompt again (TTFT with whatever prefix cache the arm has)
     concurrency-C   C requests at once (aggregate throughput), for each C
+    prefix          shared-prefix groups (agents on one system prompt): each group's first request alone,
+                    then the rest at once (cached tokens, TTFT cold against warm)
+    rate-R          open loop: `rate_requests` requests arriving at R requests/s (`arrivals`; gamma gaps
+                    of shape `burstiness`), at most `max_concurrency` in flight; the first and last tenth are
+                    sent and recorded but left out of the cell's metrics. With `sweep` the rates double until
+                    the arm saturates (`arrivals.saturated`); the rates past that are not measured
     long            a `context`-token prompt, then decode (unless skipped)
 
 then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
@@ -35,18 +41,21 @@ propagates.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
+import numpy as np
 
-from harness import provenance
+from harness import counters, provenance
+from harness.arrivals import measured, offsets, rate_of_phase, saturated
 from harness.arms import ArmSpec
 from harness.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
 from harness.metrics import summarize
@@ -72,8 +81,16 @@ from harness.records import (
     write_json,
 )
 from harness.rss import RssSampler
-from harness.servers import ServerProcess, ServerStartError, free_port, server_stats, start_server, tail
-from harness.workloads import ATTEMPTS, Workload, WorkloadSettings, load_or_build, phase_names
+from harness.servers import (
+    ExternalServer,
+    ServerProcess,
+    ServerStartError,
+    free_port,
+    server_stats,
+    start_server,
+    tail,
+)
+from harness.workloads import ATTEMPTS, PREFIX, Workload, WorkloadSettings, load_or_build, phase_names
 
 Log = Callable[[str], None]
 
@@ -149,7 +166,11 @@ class RunSettings:
     request_timeout_s: float = 1800  # one whole request
     stall_timeout_s: float = 300  # a request without a byte for this long: the server is taken as hung
     goodput: tuple[tuple[str, float], ...] = ()  # SLOs, (metric, ms): a request meeting all counts as goodput
+    slo_target: float = 0.9  # the SLO attainment the summary's highest sustained rate must keep
     quality_tokens: int = 512  # held-out tokens an engine arm's perplexity is measured on, in process (0: none)
+    burstiness: float = 1.0  # rate cells' gamma shape: 1 Poisson, below 1 burstier
+    max_concurrency: Optional[int] = None  # rate cells: requests in flight at most (None: as they arrive)
+    sweep: bool = False  # rate cells stop at the arm's saturation point
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -259,10 +280,15 @@ class Runner:
         self.log(f"{mrun.model} / {spec.name}: starting `{' '.join(arm.command)}`")
         server, grace_s = None, STOP_GRACE_S
         try:
-            server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
-                                  probe=spec.probe, on_launch=self.servers.append,
-                                  spawning=self.interrupts.deferred)  # fmt: skip
-            arm.load_to_ready_s = round(server.load_to_ready_s, 3)
+            if spec.url:  # a server someone else runs: its model's id goes into every request
+                server = ExternalServer.connect(spec.url)
+                arm.endpoint = {"url": server.url, "model_id": server.model_id}
+                spec = replace(spec, extra_body={**spec.extra_body, **({"model": server.model_id} if server.model_id else {})})
+            else:
+                server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
+                                      probe=spec.probe, on_launch=self.servers.append,
+                                      spawning=self.interrupts.deferred)  # fmt: skip
+                arm.load_to_ready_s = round(server.load_to_ready_s, 3)
             self._measure(mrun, arm, spec, server, workload, phases)
         except ServerStartError as e:
             arm.status, arm.error, arm.stderr_tail = FAILED, f"server did not start: {str(e).splitlines()[0]}", str(e)
@@ -284,17 +310,25 @@ class Runner:
     def _measure(self, mrun: ModelRun, arm: ArmRun, spec: ArmSpec, server: ServerProcess, workload: Workload,
                  phases: list[str]) -> None:  # fmt: skip
         timeouts = self.settings.timeouts
-        rss = RssSampler(server.proc.pid)
+        rss = RssSampler(server.proc.pid) if server.proc is not None else None  # an external server: not ours to sample
         try:
-            with rss, server.client(timeouts.for_httpx()) as client:
+            with rss or nullcontext(), server.client(timeouts.for_httpx()) as client:
                 if spec.is_engine:
                     arm.kernels = server_kernels(client)
                     tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
                     self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
+                saturation = None  # a sweep's rate past which the arm's rate cells are not measured
                 for phase in phases:
+                    if saturation is not None and phase.startswith("rate-"):
+                        arm.cells.append(Cell(phase, NOT_MEASURED, f"past the saturation point ({saturation})"))
+                        continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     before = server_new_shapes(client) if spec.is_engine else None
+                    read_before = counters.read(client)
                     cell = self._phase(server, client, spec, workload, phase)
+                    changed = counters.delta(read_before, counters.read(client) if read_before is not None else None)
+                    if changed is not None and cell.metrics:
+                        cell.metrics["server_counters"] = changed
                     after = server_new_shapes(client) if before is not None else None
                     if after is not None and cell.metrics:  # forward shapes first run in the cell: compiles
                         cell.metrics["new_shapes"] = after - before
@@ -314,10 +348,14 @@ class Runner:
                     self._save()
                     if gone:
                         break
+                    if self.settings.sweep and phase.startswith("rate-") and _saturated(arm):
+                        saturation = f"{phase.split('-', 1)[1]} req/s"
+                        self.log(f"  {phase}: the arm saturated; higher rates not measured")
                 if spec.is_engine:
                     arm.device_memory = server_memory(client)
         finally:
-            arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
+            if rss is not None:
+                arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
         if spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
             self._quality(mrun, arm, Path(mrun.model_dir))
 
@@ -354,20 +392,45 @@ class Runner:
                        **spec.extra_body} for p in prompts]  # fmt: skip
             records = [RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)) for i, p in enumerate(prompts)]
             start = time.perf_counter()
-            alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
-            for body, rec in zip(bodies[:alone], records[:alone]):
-                stream_completion(client, body, rec, timeouts)
-            if len(bodies) > alone:  # the rest at once
-                _at_once(client, list(zip(bodies[alone:], records[alone:])), timeouts)
+            pairs = list(zip(bodies, records))
+            if phase.startswith("rate-"):
+                rate = rate_of_phase(phase)
+                _open_loop(client, pairs, offsets(rate, len(pairs), self.settings.burstiness, self.settings.workload.seed),
+                           self.settings.max_concurrency, timeouts)  # fmt: skip
+            elif phase == PREFIX:  # each group's first request computes its prefix, then the others at once
+                size = self.settings.workload.prefix_group_size
+                for g in range(0, len(pairs), size):
+                    stream_completion(client, *pairs[g], timeouts)
+                    _at_once(client, pairs[g + 1 : g + size], timeouts)
+            else:
+                alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
+                for body, rec in pairs[:alone]:
+                    stream_completion(client, body, rec, timeouts)
+                if len(bodies) > alone:  # the rest at once
+                    _at_once(client, pairs[alone:], timeouts)
             wall = time.perf_counter() - start
             errors = [r.error for r in records if not r.ok]
             cell.attempts.append(Attempt(attempt, not errors, errors[0] if errors else None, round(wall, 4), records))
             if not errors:
                 cell.status = MEASURED if attempt == 0 else RECOVERED
-                cell.metrics = summarize(records, wall, dict(self.settings.goodput)) | {
+                window = measured(len(records)) if phase.startswith("rate-") else slice(0, len(records))
+                kept = records[window]
+                span = (max(r.sent_at + r.e2el_ms / 1e3 for r in kept) - min(r.sent_at for r in kept)) if window.start else wall
+                cell.metrics = summarize(kept, span, dict(self.settings.goodput)) | {
                     "requested_output_tokens": max_tokens,
                     "short_outputs": sum((r.output_tokens or 0) != max_tokens for r in records),
                 }
+                if phase.startswith("rate-"):
+                    cell.metrics |= {"offered_rate": rate_of_phase(phase), "burstiness": self.settings.burstiness,
+                                     "max_concurrency": self.settings.max_concurrency,
+                                     "measured_requests": [window.start, window.stop],
+                                     "request_throughput": round(len(kept) / span, 4) if span > 0 else None}  # fmt: skip
+                if phase == PREFIX:
+                    size = self.settings.workload.prefix_group_size
+                    firsts = [r.ttft_ms for i, r in enumerate(records) if i % size == 0]
+                    rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
+                    cell.metrics |= {"median_first_ttft_ms": round(float(np.median(firsts)), 3),
+                                     "median_shared_ttft_ms": round(float(np.median(rest)), 3) if rest else None}  # fmt: skip
                 cell.reason = None if attempt == 0 else f"first attempt failed: {cell.attempts[0].error}"
                 return cell
             cell.status, cell.reason = FAILED, f"{len(errors)} of {len(records)} requests failed: {errors[0]}"
@@ -391,7 +454,35 @@ def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], time
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _server_gone(server: ServerProcess, cell: Cell, timeouts: Timeouts) -> Optional[str]:
+def _open_loop(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], at: Sequence[float],
+               max_concurrency: Optional[int], timeouts: Timeouts) -> None:  # fmt: skip
+    """Each request sent at its offset (s) from now, whatever the others are doing, at most `max_concurrency`
+    in flight (a later arrival then waits its turn, and its TTFT counts the wait, as vLLM's does)."""
+    start = time.perf_counter()
+    gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
+
+    def send(i: int) -> None:
+        time.sleep(max(0.0, start + at[i] - time.perf_counter()))
+        if gate is None:
+            stream_completion(client, *pairs[i], timeouts)
+            return
+        with gate:
+            stream_completion(client, *pairs[i], timeouts)
+
+    pool = ThreadPoolExecutor(len(pairs))
+    try:
+        list(pool.map(send, range(len(pairs))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _saturated(arm: ArmRun) -> bool:
+    """Whether the arm's rate cells so far show it saturated (`arrivals.saturated`)."""
+    cells = [c for c in arm.cells if c.phase.startswith("rate-") and c.status in (MEASURED, RECOVERED)]
+    return saturated([c.metrics.get("output_throughput") for c in cells], [c.metrics.get("median_ttft_ms") for c in cells])
+
+
+def _server_gone(server: ServerProcess | ExternalServer, cell: Cell, timeouts: Timeouts) -> Optional[str]:
     """Why the arm cannot go on after `cell` (its server died, or stopped answering); None if it can."""
     if not server.alive:
         return f"the server exited (status {server.proc.returncode})"

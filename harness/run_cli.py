@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 from dataclasses import replace
 from pathlib import Path
 
 from rich.markup import escape
 
-from harness.cli_common import CliError, console, csv, csv_ints, non_negative, positive, positive_seconds
+from harness.cli_common import CliError, console, csv, csv_ints, non_negative, positive, positive_float, positive_seconds, share
 from harness.cli_common import out as stdout
 
 RECHECK_S = 0.25  # the preflight check after every cell: CPU use sampled over this long
@@ -60,13 +61,40 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
                    f"mlx-lm (default {arms_default})")  # fmt: skip
     p.add_argument("--arm-args", action="append", default=[], metavar="ARM=OPTIONS",
                    help="server options for one arm, appended to its command line (recorded with the run); "
-                   "repeat for more arms, e.g. --arm-args 'engine=--batch 64'")  # fmt: skip
+                   "repeat for more arms, e.g. --arm-args 'engine=--batch 64'; an arm engine-NAME that is not a "
+                   "standard one is engine serve with these options, e.g. --arms engine,engine-ngram --arm-args "
+                   "'engine-ngram=--draft-kind ngram'")  # fmt: skip
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=URL",
+                   help="also measure a running OpenAI-compatible server the harness did not start (vLLM, "
+                   "llama-server, another engine serve), e.g. --arm vllm=http://127.0.0.1:8000: its model id "
+                   "from /v1/models goes into every request; repeatable")  # fmt: skip
+    p.add_argument("--export", choices=["vllm"], action="append", default=[],
+                   help="also write the timed cells in another tool's result format: vllm (vllm bench serve's "
+                   "keys) to OUT with .vllm.json")  # fmt: skip
     p.add_argument("--tokens", type=positive, default=None, help="output tokens per timed request (default 192)")
     ctx = p.add_mutually_exclusive_group()
     ctx.add_argument("--context", type=positive, default=None, help="long-context prompt tokens (default 4096)")
     ctx.add_argument("--skip-context", action="store_true", help="no long-context phase")
     p.add_argument("--concurrency", type=csv_ints, default=[4, 8], help="concurrent streams (default 4,8)")
     p.add_argument("--decode-samples", type=positive, default=5, help="decode requests (default 5)")
+    p.add_argument("--rates", type=rates, default=(), metavar="R,R,...|sweep",
+                   help="open-loop cells: requests arriving at R requests/s each, or 'sweep' "
+                   "('sweep:START'): START (1), twice that, ... 8 rates at most, until the arm saturates (throughput "
+                   "stops rising while TTFT climbs); each cell leaves its first and last tenth out of its metrics")  # fmt: skip
+    p.add_argument("--rate-requests", type=positive, default=32, metavar="N", help="requests a rate cell (default 32)")
+    p.add_argument("--burstiness", type=positive_float, default=1.0,
+                   help="rate cells' arrival gaps: gamma of this shape (1: Poisson, the default; below 1 burstier)")
+    p.add_argument("--max-concurrency", type=positive, default=None, metavar="N",
+                   help="rate cells: at most N requests in flight; later arrivals wait (default: no limit)")
+    p.add_argument("--slo-target", type=share, default=0.9, metavar="SHARE",
+                   help="with --goodput and --rates: the summary names the highest rate whose SLO attainment "
+                   "stays at or above this share (default 0.9)")  # fmt: skip
+    p.add_argument("--prefix-groups", type=non_negative, default=0, metavar="G",
+                   help="a shared-prefix cell: G groups of --prefix-group-size requests, each group on a system "
+                   "prompt of its own (--prefix-tokens) plus a suffix a request; 0: none (default)")  # fmt: skip
+    p.add_argument("--prefix-group-size", type=positive, default=4, metavar="N", help="requests a group (default 4)")
+    p.add_argument("--prefix-tokens", type=positive, default=512, metavar="P",
+                   help="tokens of each group's shared system prompt (default 512)")
     p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs, e.g. --goodput ttft:2000 tpot:50 (metrics ttft, tpot, e2el; ms): a request meeting all "
                         "counts toward each cell's goodput (requests/s) and SLO attainment (vLLM's definition)")
@@ -91,6 +119,30 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--diagnostic", action="store_true", help="run on a busy machine, labelled as diagnostic")
 
 
+def rates(text: str) -> tuple[float, ...]:
+    """--rates: 'sweep' or 'sweep:START' (requests/s), or requests/s separated by commas (all at once is what the
+    concurrency cells do)."""
+    from harness.arrivals import SWEEP_START, sweep_rates
+
+    if text.strip().startswith("sweep"):
+        _, _, start = text.strip().partition(":")
+        try:
+            first = float(start) if start else SWEEP_START
+        except ValueError:
+            first = -1.0
+        if not 0 < first < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: sweep, or sweep:START with START requests/s above 0")
+        return ("sweep",) + tuple(sweep_rates(first))
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v < float("inf") for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give finite requests/s above 0, separated by commas (e.g. "
+                                         "1,2,4), or sweep; all at once is --concurrency N")  # fmt: skip
+    return values
+
+
 def slo(text: str) -> tuple[str, float]:
     """A --goodput item, METRIC:MS, as (metric, ms)."""
     from harness.metrics import SLO_METRICS
@@ -108,12 +160,13 @@ def slo(text: str) -> tuple[str, float]:
 
 def _run_plan(args):
     from engine.model_source import resolve_model_dir
-    from harness.arms import parse_arm_options, resolve_arms
+    from harness.arms import external_arm, parse_arm_options, resolve_arms
     from harness.run_all import RunSettings
     from harness.workloads import WorkloadSettings
 
     try:
-        arms = resolve_arms(args.arms, options=parse_arm_options(args.arm_args))
+        arms = resolve_arms(args.arms, options=parse_arm_options(args.arm_args),
+                            external=[external_arm(item) for item in args.arm])  # fmt: skip
     except ValueError as e:
         raise CliError(str(e)) from None
     if len({a.name for a in arms}) != len(arms):
@@ -126,9 +179,15 @@ def _run_plan(args):
         raise CliError("--goodput names a metric twice")
     settings = RunSettings(tokens=tokens, decode_samples=args.decode_samples, request_timeout_s=args.request_timeout,
                            stall_timeout_s=args.stall_timeout, goodput=tuple(args.goodput),
-                           quality_tokens=args.quality_tokens,
+                           quality_tokens=args.quality_tokens, burstiness=args.burstiness,
+                           max_concurrency=args.max_concurrency, sweep=args.rates[:1] == ("sweep",),
+                           slo_target=args.slo_target,
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
-                                                     context_tokens=context))  # fmt: skip
+                                                     context_tokens=context, rate_requests=args.rate_requests,
+                                                     rates=tuple(r for r in args.rates if r != "sweep"),
+                                                     prefix_groups=args.prefix_groups,
+                                                     prefix_group_size=args.prefix_group_size,
+                                                     prefix_tokens=args.prefix_tokens))  # fmt: skip
     if args.model_path:
         targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]
     else:
@@ -192,6 +251,12 @@ def _run(args, seeds: list[int], kind: str) -> int:
         except KeyboardInterrupt:
             signum = interrupts.fired or signal.SIGINT
     rs = _print_summary(runner.record, out, args.db)
+    if "vllm" in args.export:
+        from harness.vllm_export import export
+
+        path = out.with_suffix(".vllm.json")
+        path.write_text(json.dumps(export(runner.record.to_json()), indent=1) + "\n")
+        console.print(f"vLLM bench serve results: {path}", markup=False, highlight=False)
     if signum is not None:
         console.print(f"{runner.record.error}: recorded as interrupted in {out} and {args.db}", markup=False)
         return 128 + signum
@@ -222,7 +287,7 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     for row in summary.latency_rows(run):
         latency.add_row(*(escape(c) for c in row))
     stdout.print(latency)
-    for line in summary.goodput_lines(run) + summary.quality_lines(run):
+    for line in summary.load_lines(run) + summary.goodput_lines(run) + summary.quality_lines(run):
         stdout.print(line, markup=False, highlight=False)
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
     return rs

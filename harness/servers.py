@@ -137,6 +137,44 @@ class ServerProcess:
         self.stop()
 
 
+@dataclass
+class ExternalServer:
+    """A server the harness did not start (`harness run all --arm NAME=URL`): measured through its URL, with
+    nothing to stop and no process to sample. `model_id`: the first model its /v1/models lists, which every
+    request names (servers such as vLLM require it)."""
+
+    url: str
+    model_id: Optional[str] = None
+    headers: dict[str, str] = field(default_factory=dict)
+    load_to_ready_s: Optional[float] = None
+    proc = None
+    stderr_path = Path(os.devnull)
+    alive = True
+
+    @classmethod
+    def connect(cls, url: str, timeout_s: float = 30) -> "ExternalServer":
+        """The server at `url`, its model id read from /v1/models; ServerStartError when it does not answer."""
+        server = cls(url.rstrip("/"))
+        try:
+            with server.client(timeout_s) as c:
+                r = c.get("/v1/models")
+                r.raise_for_status()
+                data = r.json().get("data") or []
+        except (httpx.HTTPError, ValueError) as e:
+            raise ServerStartError(f"{url}: /v1/models did not answer ({e})") from None
+        server.model_id = data[0].get("id") if data and isinstance(data[0], dict) else None
+        return server
+
+    def client(self, timeout: float | httpx.Timeout = 600) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def exited(self, within_s: float) -> bool:
+        return False
+
+    def stop(self, grace_s: float = 20) -> Optional[int]:
+        return None
+
+
 def start_server(
     command: Sequence[str],
     port: int,

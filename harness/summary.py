@@ -212,6 +212,9 @@ def markdown(run: dict) -> str:
     if latency:
         lines += ["", "Latency percentiles per timed cell:", "", md_row(LATENCY_HEADERS), "|" + "---|" * len(LATENCY_HEADERS)]
         lines += [md_row(r) for r in latency]
+    load = load_lines(run)
+    if load:
+        lines += ["", "Load:", ""] + [f"- {md_text(line)}" for line in load]
     goodput = goodput_lines(run)
     if goodput:
         lines += ["", md_text(goodput[0]), ""] + [f"- {md_text(line)}" for line in goodput[1:]]
@@ -249,6 +252,43 @@ def latency_rows(run: dict) -> list[list[str]]:
                             pcts(m, "tpot"), pcts(m, "itl", ("median", "p99")), pcts(m, "e2el", ("median", "p99")),
                             fmt(m.get("request_goodput"), ".3g") if slos else "-",
                             f"{m['slo_attainment']:.0%}" if slos and m.get("slo_attainment") is not None else "-"])  # fmt: skip
+    return out
+
+
+def load_lines(run: dict) -> list[str]:
+    """Per arm with rate cells: each offered rate's achieved requests/s, output tok/s and TTFT, the saturation
+    point (`arrivals.saturated`: the first rate at which the arm was saturated) and, with SLOs, the highest rate
+    whose attainment stayed at `slo_target`; per arm with a shared-prefix cell: its groups' first TTFT against the
+    rest's, and the cached tokens."""
+    from harness.arrivals import saturated
+
+    target = run["settings"].get("slo_target", 0.9)
+    slos = bool(run["settings"].get("goodput"))
+    out = []
+    for mrun in run.get("models", []):
+        for arm in mrun.get("arms", []):
+            name = f"{mrun['model']} / {arm['arm']}"
+            cells = [c for c in arm.get("cells", []) if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED)]
+            if cells:
+                steps = ", ".join(f"{c['metrics']['offered_rate']:g} -> {fmt(c['metrics'].get('request_throughput'), '.2f')} req/s "
+                                  f"{fmt(c['metrics'].get('output_throughput'), '.1f')} tok/s TTFT {fmt(c['metrics'].get('median_ttft_ms'), '.0f')} ms"
+                                  for c in cells)  # fmt: skip
+                knee = next((c for i, c in enumerate(cells, 1) if saturated(
+                    [x["metrics"].get("output_throughput") for x in cells[:i]], [x["metrics"].get("median_ttft_ms") for x in cells[:i]])), None)  # fmt: skip
+                line = f"{name}: offered -> achieved: {steps}; " + (
+                    f"saturated at {knee['metrics']['offered_rate']:g} req/s (throughput no higher than at the rate "
+                    "before while TTFT climbed)" if knee else "not saturated at the rates measured")  # fmt: skip
+                if slos:
+                    held = [c["metrics"]["offered_rate"] for c in cells if (c["metrics"].get("slo_attainment") or 0) >= target]
+                    line += (f"; highest rate with SLO attainment >= {target:.0%}: {max(held):g} req/s" if held
+                             else f"; no rate kept SLO attainment >= {target:.0%}")  # fmt: skip
+                out.append(line)
+            prefix = next((c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)), None)
+            if prefix:
+                m = prefix["metrics"]
+                out.append(f"{name} / prefix: a group's first request TTFT {fmt(m.get('median_first_ttft_ms'), '.0f')} ms, "
+                           f"the others {fmt(m.get('median_shared_ttft_ms'), '.0f')} ms, cached tokens "
+                           f"{sum(x or 0 for x in m.get('cached_tokens') or [])}")  # fmt: skip
     return out
 
 

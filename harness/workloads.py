@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from engine.synth.tokenizer import corpus_text
+from harness.arrivals import rate_name
 
 SCHEMA = 1
 ATTEMPTS = 2  # a failed phase is retried once, with fresh nonces
@@ -42,6 +43,11 @@ class WorkloadSettings:
     concurrency: tuple[int, ...] = (4, 8)
     concurrent_prompt_tokens: int = 128
     context_tokens: Optional[int] = None  # long-context phase; None: no such phase
+    rates: tuple[float, ...] = ()  # open-loop cells, requests/s (`arrivals`), each `rate_requests` prompts
+    rate_requests: int = 32
+    prefix_groups: int = 0  # agentic shared-prefix cell: groups x `prefix_group_size` requests, 0: none
+    prefix_group_size: int = 4
+    prefix_tokens: int = 512  # each group's shared system prompt; each request adds a suffix of its own
 
     def covers(self, other: "WorkloadSettings") -> bool:
         """Whether a workload built with these settings has every prompt `other` asks for."""
@@ -50,7 +56,10 @@ class WorkloadSettings:
             same == (other.seed, other.decode_prompt_tokens, other.cold_prompt_tokens, other.concurrent_prompt_tokens)
             and set(other.concurrency) <= set(self.concurrency)
             and other.context_tokens in (None, self.context_tokens)
-        )
+            and set(other.rates) <= set(self.rates) and (not other.rates or other.rate_requests == self.rate_requests)
+            and (not other.prefix_groups or (other.prefix_groups, other.prefix_group_size, other.prefix_tokens)
+                 == (self.prefix_groups, self.prefix_group_size, self.prefix_tokens))
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,7 @@ class Workload:
             raise ValueError("workload sha256 does not match its content (edited by hand?)")
         s = dict(obj["settings"])
         s["concurrency"] = tuple(s["concurrency"])
+        s["rates"] = tuple(s.get("rates", ()))
         return cls(obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"])
 
 
@@ -93,9 +103,15 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
     """The phases a run with these settings measures, in order."""
     names = ["warmup", "probe", "decode", "cold", "warm"]
     names += [f"concurrency-{c}" for c in settings.concurrency]
+    if settings.prefix_groups:
+        names.append(PREFIX)
+    names += [rate_name(r) for r in settings.rates]
     if settings.context_tokens:
         names.append("long")
     return names
+
+
+PREFIX = "prefix"  # the shared-prefix groups' cell
 
 
 class _Text:
@@ -138,12 +154,25 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
     }
     if settings.context_tokens:
         sizes["long"] = [settings.context_tokens]
+    # (drawn after the phases above, so that adding these leaves those prompts as they were)
+    sizes |= {rate_name(r): [settings.concurrent_prompt_tokens] * settings.rate_requests for r in settings.rates}
     phases = {
         phase: [[prompt(phase, a, i, n) for i, n in enumerate(lengths)] for a in range(ATTEMPTS)]
         for phase, lengths in sizes.items()
     }
     phases["warm"] = phases["cold"]  # the cold prompt again: served from the cache when there is one
+    if settings.prefix_groups:
+        phases[PREFIX] = [[p for g in range(settings.prefix_groups) for p in _group(prompt, text, settings, a, g)]
+                          for a in range(ATTEMPTS)]  # fmt: skip
     return Workload(model, settings, tokenizer_sha256, phases)
+
+
+def _group(prompt, text: "_Text", settings: WorkloadSettings, attempt: int, group: int) -> list[list[int]]:
+    """One shared-prefix group: a system prompt of its own (opened by the group's nonce), then for each request a
+    nonce and a suffix of its own (the decode prompts' length)."""
+    shared = prompt(PREFIX, attempt, 1000 * (group + 1), settings.prefix_tokens)
+    return [shared + prompt(PREFIX, attempt, 1000 * (group + 1) + i + 1, settings.decode_prompt_tokens // 2)
+            for i in range(settings.prefix_group_size)]  # fmt: skip
 
 
 def tokenizer_for(model_dir: Path) -> tuple[Encode, str]:

@@ -118,7 +118,7 @@ def test_the_database_indexes_the_run(cli_run):
     n_requests = db.execute("select count(*) from requests where ok = 1").fetchone()[0]
     assert n_requests == 3 * ((1 + 2) + 1 + 2 + 1 + 1 + 2)  # warmup: one alone, then one per stream
     assert db.execute("select count(*) from samples").fetchone()[0] > 0
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5, 6]
     assert db.execute("select count(*) from arms where json_extract(quality, '$.tokens') = 64").fetchone()[0] == 2
     tiers = dict(db.execute("select arm, json_extract(kernels, '$.requested') from arms").fetchall())
     assert tiers == {"engine": AUTO, "engine-serial": AUTO, "mlx-lm": None}

@@ -276,7 +276,7 @@ def test_the_database_export_is_the_json_companion_after_a_fault(tmp_path):
     assert statuses == [("a", "measured", ["measured"]), ("b", "failed", ["failed", "not_measured"]),
                         ("c", "interrupted", ["not_measured", "not_measured"])]  # fmt: skip
     assert exported["models"][0]["arms"][1]["cells"][0]["attempts"][0]["requests"][0]["timeout_kind"] == STALLED
-    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5]
+    assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):

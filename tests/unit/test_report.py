@@ -313,3 +313,20 @@ def test_a_stream_whose_tokens_arrive_together_is_flagged():
     assert any(f.startswith("bursty stream: 3 of 3") for f in report._cell_view(cell)["flags"])
     cell["attempts"][0]["requests"][0]["itl_ms"] = [30.0, 30.0, 30.0]
     assert not any(f.startswith("bursty") for f in report._cell_view(cell)["flags"])
+
+
+def test_rate_cells_get_a_headline_row_and_a_curve_against_the_offered_rate(tmp_path):
+    run = clean_run()
+    for arm in run["models"][0]["arms"]:
+        conc = next(c for c in arm["cells"] if c["phase"] == "concurrency-2")
+        for rate in (2.0, 8.0):
+            cell = copy.deepcopy(conc)
+            cell["phase"] = f"rate-{rate:g}"
+            cell["metrics"] |= {"offered_rate": rate, "request_throughput": rate * 0.9, "measured_requests": [0, 2]}
+            arm["cells"].append(cell)
+    view = report.build_view(report.load([write(tmp_path, "r.json", run)]))
+    row = headline_row(view, 0, "rate-8")
+    assert row["metric"] == "aggregate tok/s @8 req/s" and row["withheld"] is None and row["ratio"] is not None
+    assert view["curves"][0]["rates"].startswith("<svg")
+    cells = {c["phase"]: c for m in view["machines"].values() for r in m["rows"] for c in r["cells"]}
+    assert cells["rate-2"]["value"].endswith("1.80 req/s achieved")
