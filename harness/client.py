@@ -108,7 +108,9 @@ def _content(event: dict) -> tuple[str, Optional[list[int]], Optional[str]]:
 
 def stream_completion(client: httpx.Client, body: dict[str, Any], record: RequestRecord,
                       timeouts: Timeouts = Timeouts()) -> RequestRecord:  # fmt: skip
-    """POST /v1/completions with stream: true and fill `record`; never raises for a bad response or a limit."""
+    """POST /v1/completions (/v1/chat/completions for a body with messages) with stream: true and fill `record`;
+    never raises for a bad response or a limit."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     record.sent_at = time.time()
     start = time.perf_counter()
@@ -118,7 +120,7 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
 
     done, ids = False, []
     try:
-        with client.stream("POST", "/v1/completions", json=body, timeout=timeouts.for_httpx()) as r:
+        with client.stream("POST", path, json=body, timeout=timeouts.for_httpx()) as r:
             record.headers_ms, record.status_code = ms(), r.status_code
             if r.status_code != 200:
                 record.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}"

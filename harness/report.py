@@ -59,6 +59,7 @@ RATIO_METRICS = [
     ("long", "median_ttft_ms", "TTFT long", False),
     ("concurrency-", "output_throughput", "aggregate tok/s", True),
     ("prefix", "median_ttft_ms", "TTFT shared prefix", False),
+    ("multiturn", "median_ttft_ms", "TTFT multi-turn", False),
     ("rate-", "output_throughput", "aggregate tok/s", True),
 ]
 
@@ -136,7 +137,7 @@ def _cell_view(cell: dict) -> dict:
     if cell["status"] in (MEASURED, RECOVERED):
         if cell["phase"] == "decode":
             value = _fmt(m.get("median_decode_tps"), "tok/s")
-        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix"):
+        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix", "multiturn"):
             value = _fmt(m.get("median_ttft_ms"), "ms TTFT", 0)
         elif cell["phase"].startswith("concurrency-"):
             value = _fmt(m.get("output_throughput"), "tok/s")

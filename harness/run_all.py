@@ -13,6 +13,8 @@ throughout, then run the phases in order:
     concurrency-C   C requests at once (aggregate throughput), for each C
     prefix          shared-prefix groups (agents on one system prompt): each group's first request alone,
                     then the rest at once (cached tokens, TTFT cold against warm)
+    multiturn       chat sessions through /v1/chat/completions, side by side, each turn's messages the
+                    conversation so far (canned replies) and a new user message (TTFT and cached tokens a turn)
     rate-R          open loop: `rate_requests` requests arriving at R requests/s (`arrivals`; gamma gaps
                     of shape `burstiness`), at most `max_concurrency` in flight; the first and last tenth are
                     sent and recorded but left out of the cell's metrics. With `sweep` the rates double until
@@ -40,6 +42,7 @@ propagates.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -90,7 +93,7 @@ from harness.servers import (
     start_server,
     tail,
 )
-from harness.workloads import ATTEMPTS, PREFIX, Workload, WorkloadSettings, load_or_build, phase_names
+from harness.workloads import ATTEMPTS, MULTITURN, PREFIX, Workload, WorkloadSettings, load_or_build, phase_names
 
 Log = Callable[[str], None]
 
@@ -388,9 +391,16 @@ class Runner:
         timeouts = self.settings.timeouts
         for attempt in range(ATTEMPTS):
             prompts = workload.prompts(phase, attempt) * self.settings.repeats(phase)
-            bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                       **spec.extra_body} for p in prompts]  # fmt: skip
-            records = [RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)) for i, p in enumerate(prompts)]
+            if phase == MULTITURN:  # a chat conversation: the server's template makes its prompt (no thinking block)
+                bodies = [{**p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                           "chat_template_kwargs": {"enable_thinking": False}, **spec.extra_body} for p in prompts]  # fmt: skip
+                records = [RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"])))
+                           for i, p in enumerate(prompts)]  # fmt: skip
+            else:
+                bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                           **spec.extra_body} for p in prompts]  # fmt: skip
+                records = [RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p))
+                           for i, p in enumerate(prompts)]  # fmt: skip
             start = time.perf_counter()
             pairs = list(zip(bodies, records))
             if phase.startswith("rate-"):
@@ -402,6 +412,9 @@ class Runner:
                 for g in range(0, len(pairs), size):
                     stream_completion(client, *pairs[g], timeouts)
                     _at_once(client, pairs[g + 1 : g + size], timeouts)
+            elif phase == MULTITURN:  # the sessions side by side, each one's turns one after another
+                turns = self.settings.workload.turns
+                _sessions(client, [pairs[s : s + turns] for s in range(0, len(pairs), turns)], timeouts)
             else:
                 alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
                 for body, rec in pairs[:alone]:
@@ -425,6 +438,12 @@ class Runner:
                                      "max_concurrency": self.settings.max_concurrency,
                                      "measured_requests": [window.start, window.stop],
                                      "request_throughput": round(len(kept) / span, 4) if span > 0 else None}  # fmt: skip
+                if phase == MULTITURN:
+                    turns = self.settings.workload.turns
+                    by_turn = [[r for i, r in enumerate(records) if i % turns == t] for t in range(turns)]
+                    cell.metrics |= {"turn_ttft_ms": [round(float(np.median([r.ttft_ms for r in rs])), 3) for rs in by_turn],
+                                     "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
+                                     "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn]}  # fmt: skip
                 if phase == PREFIX:
                     size = self.settings.workload.prefix_group_size
                     firsts = [r.ttft_ms for i, r in enumerate(records) if i % size == 0]
@@ -472,6 +491,15 @@ def _open_loop(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], at
     pool = ThreadPoolExecutor(len(pairs))
     try:
         list(pool.map(send, range(len(pairs))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sessions(client: httpx.Client, sessions: list[list[tuple[dict, RequestRecord]]], timeouts: Timeouts) -> None:
+    """Each session in a thread of its own, its turns one after another."""
+    pool = ThreadPoolExecutor(max(len(sessions), 1))
+    try:
+        list(pool.map(lambda turns: [stream_completion(client, *t, timeouts) for t in turns], sessions))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

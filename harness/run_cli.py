@@ -93,6 +93,11 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
                    help="a shared-prefix cell: G groups of --prefix-group-size requests, each group on a system "
                    "prompt of its own (--prefix-tokens) plus a suffix a request; 0: none (default)")  # fmt: skip
     p.add_argument("--prefix-group-size", type=positive, default=4, metavar="N", help="requests a group (default 4)")
+    p.add_argument("--sessions", type=non_negative, default=0, metavar="S",
+                   help="a multi-turn chat cell: S sessions side by side through /v1/chat/completions, each of "
+                   "--turns turns whose messages are the conversation so far (canned replies) and a new user "
+                   "message; 0: none (default)")  # fmt: skip
+    p.add_argument("--turns", type=positive, default=4, metavar="T", help="turns a session (default 4)")
     p.add_argument("--prefix-tokens", type=positive, default=512, metavar="P",
                    help="tokens of each group's shared system prompt (default 512)")
     p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
@@ -187,7 +192,8 @@ def _run_plan(args):
                                                      rates=tuple(r for r in args.rates if r != "sweep"),
                                                      prefix_groups=args.prefix_groups,
                                                      prefix_group_size=args.prefix_group_size,
-                                                     prefix_tokens=args.prefix_tokens))  # fmt: skip
+                                                     prefix_tokens=args.prefix_tokens, sessions=args.sessions,
+                                                     turns=args.turns))  # fmt: skip
     if args.model_path:
         targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]
     else:
@@ -321,6 +327,8 @@ def _dry_run(args, blocks, settings, targets, out: Path) -> int:
             print_(f"    workload sha256 {wl.sha256[:16]} ({path or 'built now, not committed'})")
             for phase in phase_names(settings.workload):
                 prompts = wl.prompts(phase, 0)
-                print_(f"      {phase:16s} {len(prompts) * settings.repeats(phase)} request(s), prompt tokens "
-                       f"{[len(p) for p in prompts][:8]}, output {settings.output_tokens(phase)} tokens")  # fmt: skip
+                sizes = [f"{len(p['messages'])} messages" if isinstance(p, dict) else len(p) for p in prompts][:8]
+                print_(f"      {phase:16s} {len(prompts) * settings.repeats(phase)} request(s), prompt "
+                       f"{'sizes' if isinstance(prompts[0], dict) else 'tokens'} {sizes}, output "
+                       f"{settings.output_tokens(phase)} tokens")  # fmt: skip
     return 0

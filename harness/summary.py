@@ -283,6 +283,12 @@ def load_lines(run: dict) -> list[str]:
                     line += (f"; highest rate with SLO attainment >= {target:.0%}: {max(held):g} req/s" if held
                              else f"; no rate kept SLO attainment >= {target:.0%}")  # fmt: skip
                 out.append(line)
+            chat = next((c for c in arm.get("cells", []) if c["phase"] == "multiturn" and c["status"] in (MEASURED, RECOVERED)), None)
+            if chat:
+                m = chat["metrics"]
+                turns = "; ".join(f"turn {t + 1}: {ms:.0f} ms, {cached} of {prompt} prompt tokens cached" for t, (ms, cached, prompt)
+                                  in enumerate(zip(m["turn_ttft_ms"], m["turn_cached_tokens"], m["turn_prompt_tokens"])))  # fmt: skip
+                out.append(f"{name} / multiturn (median TTFT over the sessions): {turns}")
             prefix = next((c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)), None)
             if prefix:
                 m = prefix["metrics"]

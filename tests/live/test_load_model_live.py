@@ -20,7 +20,8 @@ def run(tiny_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine-serial",
            "--arm", f"hand={hand.url}", "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples",
            "2", "--rates", "sweep:4", "--rate-requests", "8", "--prefix-groups", "1", "--prefix-group-size", "3",
-           "--prefix-tokens", "64", "--goodput", "ttft:60000", "--quality-tokens", "0", "--diagnostic",
+           "--prefix-tokens", "64", "--sessions", "2", "--turns", "2", "--goodput", "ttft:60000", "--quality-tokens",
+           "0", "--diagnostic",
            "--export", "vllm", "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
     run_tag = new_tag()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
@@ -58,9 +59,14 @@ def test_the_rate_sweep_and_the_shared_prefix_cell(run):
         prefix = next(c for c in arm["cells"] if c["phase"] == "prefix")
         cached = prefix["metrics"]["cached_tokens"]
         assert cached[0] == 0 and all(x >= 64 for x in cached[1:])  # the others start from the group's prompt
+        chat = next(c for c in arm["cells"] if c["phase"] == "multiturn")["metrics"]  # through the chat endpoint
+        # turn 1: at most the chat template's opening tokens; turn 2: turn 1's prompt up to where the template
+        # renders the reply otherwise than it opened the answer
+        first, second = chat["turn_cached_tokens"]
+        assert first < 8 and chat["turn_prompt_tokens"][0] * 0.8 < second < chat["turn_prompt_tokens"][1]
     md = (out / "run.md").read_text()
     assert "offered -&gt; achieved: 4 -&gt;" in md and "highest rate with SLO attainment &gt;= 90%" in md
-    assert "/ prefix: a group&#x27;s first request TTFT" in md
+    assert "/ prefix: a group&#x27;s first request TTFT" in md and "/ multiturn (median TTFT over the sessions): turn 1:" in md
 
 
 def test_the_vllm_export_lists_every_timed_cell(run):
