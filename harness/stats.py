@@ -169,7 +169,8 @@ def sample_ratio(metric: str, arm: Sequence[Sequence[float]], base: Sequence[Seq
         return SampleRatio(**record, ratio=point, ci_low=None, ci_high=None, verdict=UNKNOWN,
                            note=f"{n} request{'s' * (n != 1)} a side: no interval below {MIN_SAMPLES}")  # fmt: skip
     idx = np.random.default_rng(rng_seed).integers(0, n, size=(resamples, n))
-    logs = np.log(statistic(a[idx]) / statistic(b[idx]))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample with no value on a side: dropped below
+        logs = np.log(statistic(a[idx]) / statistic(b[idx]))
     logs = logs[np.isfinite(logs)]
     if not logs.size:
         return SampleRatio(**record, ratio=point, ci_low=None, ci_high=None, verdict=UNKNOWN,
