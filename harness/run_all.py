@@ -13,7 +13,7 @@ throughout, then run the phases in order:
     concurrency-C   C requests at once (aggregate throughput), for each C
     prefix          shared-prefix groups (agents on one system prompt): each group's first request alone,
                     then the rest at once (cached tokens, TTFT cold against warm)
-    multiturn       chat sessions through /v1/chat/completions, side by side, each turn's messages the
+    multiturn       chats through /v1/chat/completions, side by side, each turn's messages the
                     conversation so far (canned replies) and a new user message (TTFT and cached tokens a turn)
     rate-R          open loop: `rate_requests` requests arriving at R requests/s (`arrivals`; gamma gaps
                     of shape `burstiness`), at most `max_concurrency` in flight; the first and last tenth are
@@ -391,65 +391,16 @@ class Runner:
         timeouts = self.settings.timeouts
         for attempt in range(ATTEMPTS):
             prompts = workload.prompts(phase, attempt) * self.settings.repeats(phase)
-            if phase == MULTITURN:  # a chat conversation: the server's template makes its prompt (no thinking block)
-                bodies = [{**p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                           "chat_template_kwargs": {"enable_thinking": False}, **spec.extra_body} for p in prompts]  # fmt: skip
-                records = [RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"])))
-                           for i, p in enumerate(prompts)]  # fmt: skip
-            else:
-                bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                           **spec.extra_body} for p in prompts]  # fmt: skip
-                records = [RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p))
-                           for i, p in enumerate(prompts)]  # fmt: skip
+            pairs = _requests(phase, attempt, prompts, max_tokens, spec.extra_body)
             start = time.perf_counter()
-            pairs = list(zip(bodies, records))
-            if phase.startswith("rate-"):
-                rate = rate_of_phase(phase)
-                _open_loop(client, pairs, offsets(rate, len(pairs), self.settings.burstiness, self.settings.workload.seed),
-                           self.settings.max_concurrency, timeouts)  # fmt: skip
-            elif phase == PREFIX:  # each group's first request computes its prefix, then the others at once
-                size = self.settings.workload.prefix_group_size
-                for g in range(0, len(pairs), size):
-                    stream_completion(client, *pairs[g], timeouts)
-                    _at_once(client, pairs[g + 1 : g + size], timeouts)
-            elif phase == MULTITURN:  # the sessions side by side, each one's turns one after another
-                turns = self.settings.workload.turns
-                _sessions(client, [pairs[s : s + turns] for s in range(0, len(pairs), turns)], timeouts)
-            else:
-                alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(bodies))
-                for body, rec in pairs[:alone]:
-                    stream_completion(client, body, rec, timeouts)
-                if len(bodies) > alone:  # the rest at once
-                    _at_once(client, pairs[alone:], timeouts)
+            self._send(client, phase, pairs, timeouts)
             wall = time.perf_counter() - start
+            records = [r for _, r in pairs]
             errors = [r.error for r in records if not r.ok]
             cell.attempts.append(Attempt(attempt, not errors, errors[0] if errors else None, round(wall, 4), records))
             if not errors:
                 cell.status = MEASURED if attempt == 0 else RECOVERED
-                window = measured(len(records)) if phase.startswith("rate-") else slice(0, len(records))
-                kept = records[window]
-                span = (max(r.sent_at + r.e2el_ms / 1e3 for r in kept) - min(r.sent_at for r in kept)) if window.start else wall
-                cell.metrics = summarize(kept, span, dict(self.settings.goodput)) | {
-                    "requested_output_tokens": max_tokens,
-                    "short_outputs": sum((r.output_tokens or 0) != max_tokens for r in records),
-                }
-                if phase.startswith("rate-"):
-                    cell.metrics |= {"offered_rate": rate_of_phase(phase), "burstiness": self.settings.burstiness,
-                                     "max_concurrency": self.settings.max_concurrency,
-                                     "measured_requests": [window.start, window.stop],
-                                     "request_throughput": round(len(kept) / span, 4) if span > 0 else None}  # fmt: skip
-                if phase == MULTITURN:
-                    turns = self.settings.workload.turns
-                    by_turn = [[r for i, r in enumerate(records) if i % turns == t] for t in range(turns)]
-                    cell.metrics |= {"turn_ttft_ms": [round(float(np.median([r.ttft_ms for r in rs])), 3) for rs in by_turn],
-                                     "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
-                                     "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn]}  # fmt: skip
-                if phase == PREFIX:
-                    size = self.settings.workload.prefix_group_size
-                    firsts = [r.ttft_ms for i, r in enumerate(records) if i % size == 0]
-                    rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
-                    cell.metrics |= {"median_first_ttft_ms": round(float(np.median(firsts)), 3),
-                                     "median_shared_ttft_ms": round(float(np.median(rest)), 3) if rest else None}  # fmt: skip
+                cell.metrics = self._metrics(phase, records, wall, max_tokens)
                 cell.reason = None if attempt == 0 else f"first attempt failed: {cell.attempts[0].error}"
                 return cell
             cell.status, cell.reason = FAILED, f"{len(errors)} of {len(records)} requests failed: {errors[0]}"
@@ -458,6 +409,53 @@ class Runner:
             if any(r.timeout_kind for r in records) or server.exited(within_s=2.0):
                 break  # a limit would end the retry the same way; no retry against a dead server
         return cell
+
+    def _send(self, client, phase: str, pairs: list[tuple[dict, RequestRecord]], timeouts: Timeouts) -> None:
+        """A phase's requests, sent as the phase sends them (the module docstring)."""
+        load = self.settings.workload
+        if phase.startswith("rate-"):
+            at = offsets(rate_of_phase(phase), len(pairs), self.settings.burstiness, load.seed)
+            _open_loop(client, pairs, at, self.settings.max_concurrency, timeouts)
+        elif phase == PREFIX:  # each group's first request computes its prefix, then the others at once
+            for g in range(0, len(pairs), load.prefix_group_size):
+                stream_completion(client, *pairs[g], timeouts)
+                _at_once(client, pairs[g + 1 : g + load.prefix_group_size], timeouts)
+        elif phase == MULTITURN:  # the chats side by side, each one's turns one after another
+            _chats(client, [pairs[c : c + load.turns] for c in range(0, len(pairs), load.turns)], timeouts)
+        else:
+            alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(pairs))
+            for body, rec in pairs[:alone]:
+                stream_completion(client, body, rec, timeouts)
+            if len(pairs) > alone:  # the rest at once
+                _at_once(client, pairs[alone:], timeouts)
+
+    def _metrics(self, phase: str, records: list[RequestRecord], wall: float, max_tokens: int) -> dict:
+        """A measured cell's metrics (`metrics.summarize`), over a rate cell's measured window, with what the
+        rate, shared-prefix and multi-turn cells add."""
+        window = measured(len(records)) if phase.startswith("rate-") else slice(0, len(records))
+        kept = records[window]
+        span = (max(r.sent_at + r.e2el_ms / 1e3 for r in kept) - min(r.sent_at for r in kept)) if window.start else wall
+        metrics = summarize(kept, span, dict(self.settings.goodput)) | {
+            "requested_output_tokens": max_tokens,
+            "short_outputs": sum((r.output_tokens or 0) != max_tokens for r in records),
+        }
+        median = lambda values: round(float(np.median(values)), 3)  # noqa: E731
+        if phase.startswith("rate-"):
+            metrics |= {"offered_rate": rate_of_phase(phase), "burstiness": self.settings.burstiness,
+                        "max_concurrency": self.settings.max_concurrency, "measured_requests": [window.start, window.stop],
+                        "request_throughput": round(len(kept) / span, 4) if span > 0 else None}  # fmt: skip
+        elif phase == MULTITURN:
+            turns = self.settings.workload.turns
+            by_turn = [records[t::turns] for t in range(turns)]
+            metrics |= {"turn_ttft_ms": [median([r.ttft_ms for r in rs]) for rs in by_turn],
+                        "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
+                        "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn]}  # fmt: skip
+        elif phase == PREFIX:
+            size = self.settings.workload.prefix_group_size
+            rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
+            metrics |= {"median_first_ttft_ms": median([r.ttft_ms for r in records[::size]]),
+                        "median_shared_ttft_ms": median(rest) if rest else None}  # fmt: skip
+        return metrics
 
     def _save(self) -> None:
         write_json(self.record, self.out)
@@ -471,6 +469,18 @@ def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], time
     finally:
         # On a signal, do not wait for the streams: stopping the server ends them.
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _requests(phase: str, attempt: int, prompts: list, max_tokens: int, extra_body: dict) -> list[tuple[dict, RequestRecord]]:
+    """(body, record) for each prompt: token ids to /v1/completions; a multi-turn chat's messages to the chat
+    endpoint, where the server's template makes the prompt (no thinking block)."""
+    common = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if phase == MULTITURN:
+        return [({**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
+                 RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"]))))
+                for i, p in enumerate(prompts)]  # fmt: skip
+    return [({"prompt": p, **common, **extra_body}, RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)))
+            for i, p in enumerate(prompts)]  # fmt: skip
 
 
 def _open_loop(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], at: Sequence[float],
@@ -495,11 +505,11 @@ def _open_loop(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], at
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _sessions(client: httpx.Client, sessions: list[list[tuple[dict, RequestRecord]]], timeouts: Timeouts) -> None:
-    """Each session in a thread of its own, its turns one after another."""
-    pool = ThreadPoolExecutor(max(len(sessions), 1))
+def _chats(client: httpx.Client, chats: list[list[tuple[dict, RequestRecord]]], timeouts: Timeouts) -> None:
+    """Each chat in a thread of its own, its turns one after another."""
+    pool = ThreadPoolExecutor(max(len(chats), 1))
     try:
-        list(pool.map(lambda turns: [stream_completion(client, *t, timeouts) for t in turns], sessions))
+        list(pool.map(lambda turns: [stream_completion(client, *t, timeouts) for t in turns], chats))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

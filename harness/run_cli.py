@@ -93,11 +93,11 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
                    help="a shared-prefix cell: G groups of --prefix-group-size requests, each group on a system "
                    "prompt of its own (--prefix-tokens) plus a suffix a request; 0: none (default)")  # fmt: skip
     p.add_argument("--prefix-group-size", type=positive, default=4, metavar="N", help="requests a group (default 4)")
-    p.add_argument("--sessions", type=non_negative, default=0, metavar="S",
-                   help="a multi-turn chat cell: S sessions side by side through /v1/chat/completions, each of "
+    p.add_argument("--chats", type=non_negative, default=0, metavar="C",
+                   help="a multi-turn cell: C chats side by side through /v1/chat/completions, each of "
                    "--turns turns whose messages are the conversation so far (canned replies) and a new user "
                    "message; 0: none (default)")  # fmt: skip
-    p.add_argument("--turns", type=positive, default=4, metavar="T", help="turns a session (default 4)")
+    p.add_argument("--turns", type=positive, default=4, metavar="T", help="turns a chat (default 4)")
     p.add_argument("--prefix-tokens", type=positive, default=512, metavar="P",
                    help="tokens of each group's shared system prompt (default 512)")
     p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
@@ -192,7 +192,7 @@ def _run_plan(args):
                                                      rates=tuple(r for r in args.rates if r != "sweep"),
                                                      prefix_groups=args.prefix_groups,
                                                      prefix_group_size=args.prefix_group_size,
-                                                     prefix_tokens=args.prefix_tokens, sessions=args.sessions,
+                                                     prefix_tokens=args.prefix_tokens, chats=args.chats,
                                                      turns=args.turns))  # fmt: skip
     if args.model_path:
         targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]

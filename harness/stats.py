@@ -41,14 +41,12 @@ CONFIDENCE = 0.95
 UNKNOWN = "unknown"
 
 
-@dataclass(frozen=True)
-class PairedResult:
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """A ratio's interval, verdict and note (the module docstring), and how the interval was resampled."""
+
     metric: str
     higher_is_better: bool
-    blocks: int
-    seeds: tuple[int, ...]
-    ratios: tuple[float, ...]
-    geomean: Optional[float]
     ci_low: Optional[float]
     ci_high: Optional[float]
     confidence: float
@@ -60,6 +58,16 @@ class PairedResult:
 
     def as_record(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedResult(Claim):
+    """The geometric mean of per-block ratios (`paired`)."""
+
+    blocks: int
+    seeds: tuple[int, ...]
+    ratios: tuple[float, ...]
+    geomean: Optional[float]
 
 
 def _blocks_to_settle(n: int, log_center: float, log_half_width: float, log_threshold: float) -> Optional[int]:
@@ -116,25 +124,12 @@ def _verdict(lo: float, hi: float, center: float, n: int, threshold: float, high
                      else f"the estimate sits on the threshold: more {unit} are unlikely to settle it")  # fmt: skip
 
 
-@dataclass(frozen=True)
-class SampleRatio:
-    """The ratio of one statistic of two arms' paired requests, its interval and verdict (`sample_ratio`)."""
+@dataclass(frozen=True, kw_only=True)
+class SampleRatio(Claim):
+    """The ratio of one statistic of two arms' paired requests (`sample_ratio`)."""
 
-    metric: str
-    higher_is_better: bool
     samples: int
     ratio: Optional[float]
-    ci_low: Optional[float]
-    ci_high: Optional[float]
-    confidence: float
-    resamples: int
-    rng_seed: int
-    threshold: float
-    verdict: str
-    note: str
-
-    def as_record(self) -> dict:
-        return asdict(self)
 
 
 def median_of(values: np.ndarray) -> np.ndarray:

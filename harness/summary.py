@@ -288,7 +288,7 @@ def load_lines(run: dict) -> list[str]:
                 m = chat["metrics"]
                 turns = "; ".join(f"turn {t + 1}: {ms:.0f} ms, {cached} of {prompt} prompt tokens cached" for t, (ms, cached, prompt)
                                   in enumerate(zip(m["turn_ttft_ms"], m["turn_cached_tokens"], m["turn_prompt_tokens"])))  # fmt: skip
-                out.append(f"{name} / multiturn (median TTFT over the sessions): {turns}")
+                out.append(f"{name} / multiturn (median TTFT over the chats): {turns}")
             prefix = next((c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)), None)
             if prefix:
                 m = prefix["metrics"]

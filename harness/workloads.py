@@ -48,7 +48,7 @@ class WorkloadSettings:
     prefix_groups: int = 0  # agentic shared-prefix cell: groups x `prefix_group_size` requests, 0: none
     prefix_group_size: int = 4
     prefix_tokens: int = 512  # each group's shared system prompt; each request adds a suffix of its own
-    sessions: int = 0  # multi-turn chat cell: sessions of `turns` turns through the chat endpoint, 0: none
+    chats: int = 0  # multi-turn cell: chats of `turns` turns through the chat endpoint, 0: none
     turns: int = 4
     turn_chars: int = 400  # each user message's characters; each canned assistant reply half as many
 
@@ -62,8 +62,8 @@ class WorkloadSettings:
             and set(other.rates) <= set(self.rates) and (not other.rates or other.rate_requests == self.rate_requests)
             and (not other.prefix_groups or (other.prefix_groups, other.prefix_group_size, other.prefix_tokens)
                  == (self.prefix_groups, self.prefix_group_size, self.prefix_tokens))
-            and (not other.sessions or (other.sessions, other.turns, other.turn_chars)
-                 == (self.sessions, self.turns, self.turn_chars))
+            and (not other.chats or (other.chats, other.turns, other.turn_chars)
+                 == (self.chats, self.turns, self.turn_chars))
         )  # fmt: skip
 
 
@@ -110,7 +110,7 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
     names += [f"concurrency-{c}" for c in settings.concurrency]
     if settings.prefix_groups:
         names.append(PREFIX)
-    if settings.sessions:
+    if settings.chats:
         names.append(MULTITURN)
     names += [rate_name(r) for r in settings.rates]
     if settings.context_tokens:
@@ -119,7 +119,7 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
 
 
 PREFIX = "prefix"  # the shared-prefix groups' cell
-MULTITURN = "multiturn"  # the multi-turn chat sessions' cell
+MULTITURN = "multiturn"  # the multi-turn chats' cell
 
 
 class _Text:
@@ -172,13 +172,13 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
     if settings.prefix_groups:
         phases[PREFIX] = [[p for g in range(settings.prefix_groups) for p in _group(prompt, text, settings, a, g)]
                           for a in range(ATTEMPTS)]  # fmt: skip
-    if settings.sessions:
-        phases[MULTITURN] = [_sessions(settings, a) for a in range(ATTEMPTS)]
+    if settings.chats:
+        phases[MULTITURN] = [_chats(settings, a) for a in range(ATTEMPTS)]
     return Workload(model, settings, tokenizer_sha256, phases)
 
 
-def _sessions(settings: WorkloadSettings, attempt: int) -> list[dict]:
-    """The multi-turn cell's requests, session after session: turn t's messages are the session's system message,
+def _chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
+    """The multi-turn cell's requests, chat after chat: turn t's messages are the chat's system message,
     its first t user messages and, between them, canned assistant replies (the same for every arm, so that every
     arm is sent the same conversation whatever it replied before); text from the corpus at a seeded offset."""
     corpus = corpus_text()
@@ -191,7 +191,7 @@ def _sessions(settings: WorkloadSettings, attempt: int) -> list[dict]:
         return " ".join(out.split())
 
     requests = []
-    for s in range(settings.sessions):
+    for s in range(settings.chats):
         tag = hashlib.sha256(f"{settings.seed}/{MULTITURN}/{attempt}/{s}".encode()).hexdigest()[:12]
         history = [{"role": "system", "content": f"{tag}: {text(settings.turn_chars)}"}]
         for _ in range(settings.turns):

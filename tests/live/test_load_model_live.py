@@ -20,7 +20,7 @@ def run(tiny_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine-serial",
            "--arm", f"hand={hand.url}", "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples",
            "2", "--rates", "sweep:4", "--rate-requests", "8", "--prefix-groups", "1", "--prefix-group-size", "3",
-           "--prefix-tokens", "64", "--sessions", "2", "--turns", "2", "--goodput", "ttft:60000", "--quality-tokens",
+           "--prefix-tokens", "64", "--chats", "2", "--turns", "2", "--goodput", "ttft:60000", "--quality-tokens",
            "0", "--diagnostic",
            "--export", "vllm", "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
     run_tag = new_tag()
@@ -66,7 +66,7 @@ def test_the_rate_sweep_and_the_shared_prefix_cell(run):
         assert first < 8 and chat["turn_prompt_tokens"][0] * 0.8 < second < chat["turn_prompt_tokens"][1]
     md = (out / "run.md").read_text()
     assert "offered -&gt; achieved: 4 -&gt;" in md and "highest rate with SLO attainment &gt;= 90%" in md
-    assert "/ prefix: a group&#x27;s first request TTFT" in md and "/ multiturn (median TTFT over the sessions): turn 1:" in md
+    assert "/ prefix: a group&#x27;s first request TTFT" in md and "/ multiturn (median TTFT over the chats): turn 1:" in md
 
 
 def test_the_vllm_export_lists_every_timed_cell(run):

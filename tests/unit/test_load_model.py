@@ -56,15 +56,15 @@ def test_rate_and_shared_prefix_cells_leave_the_other_prompts_as_they_were():
     assert group[0] != group[1] and settings.covers(settings) and not plain.settings.covers(settings)
 
 
-def test_chat_sessions_replay_the_same_conversation_on_every_arm():
+def test_chats_replay_the_same_conversation_on_every_arm():
     encode = lambda s: [ord(c) % 500 + 3 for c in s]  # noqa: E731
-    settings = WorkloadSettings(concurrency=(2,), sessions=2, turns=3, turn_chars=80)
+    settings = WorkloadSettings(concurrency=(2,), chats=2, turns=3, turn_chars=80)
     w = build("m", encode, "sha", settings)
     turns = w.prompts("multiturn", 0)
     assert [len(t["messages"]) for t in turns] == [2, 4, 6, 2, 4, 6]  # system, then user / canned assistant pairs
     assert turns[2]["messages"][:4] == turns[1]["messages"]  # each turn the conversation so far and a new message
     assert [m["role"] for m in turns[2]["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert turns[0]["messages"][0] != turns[3]["messages"][0]  # a system message a session
+    assert turns[0]["messages"][0] != turns[3]["messages"][0]  # a system message a chat
     assert build("m", encode, "sha", settings).phases == w.phases and w.prompts("multiturn", 1) != turns
 
 

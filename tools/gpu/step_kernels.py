@@ -117,15 +117,16 @@ def staged_layout(fields: dict[str, int]):
     values = fields.pop("split_values", None)
     if values:
         staged.SPLIT_K_VALUES = values
-    if fields or values:
+    changed = bool(fields or values)
+    if changed:
         staged.staged_config = lambda *a: dataclasses.replace(chosen(*a), **fields)
         calls._compiled.cache_clear()  # the traced launches hold their layouts
     try:
         yield
     finally:
-        staged.staged_config = chosen
-        staged.SPLIT_K_VALUES = limit
-        calls._compiled.cache_clear()
+        staged.staged_config, staged.SPLIT_K_VALUES = chosen, limit
+        if changed:
+            calls._compiled.cache_clear()
 
 
 def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
