@@ -54,12 +54,16 @@ CV_FLAG = 0.10  # a cell whose requests' coefficient of variation passes this is
 # (phase or phase prefix, metric key, label, higher is better)
 RATIO_METRICS = [
     ("decode", "median_decode_tps", "decode tok/s", True),
+    ("chat", "median_decode_tps", "decode tok/s chat", True),
     ("cold", "median_ttft_ms", "TTFT cold", False),
+    ("cold", "median_prefill_tps", "prefill tok/s cold", True),
     ("warm", "median_ttft_ms", "TTFT warm", False),
     ("long", "median_ttft_ms", "TTFT long", False),
     ("concurrency-", "output_throughput", "aggregate tok/s", True),
     ("prefix", "median_ttft_ms", "TTFT shared prefix", False),
     ("multiturn", "median_ttft_ms", "TTFT multi-turn", False),
+    ("staggered", "median_ttft_ms", "TTFT staggered", False),
+    ("staggered", "median_prefill_tps", "prefill tok/s staggered", True),
     ("rate-", "output_throughput", "aggregate tok/s", True),
 ]
 
@@ -135,10 +139,12 @@ def _cell_view(cell: dict) -> dict:
     m = cell.get("metrics") or {}
     value = None
     if cell["status"] in (MEASURED, RECOVERED):
-        if cell["phase"] == "decode":
+        if cell["phase"] in ("decode", "chat"):
             value = _fmt(m.get("median_decode_tps"), "tok/s")
-        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix", "multiturn"):
+        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix", "multiturn", "staggered"):
             value = _fmt(m.get("median_ttft_ms"), "ms TTFT", 0)
+            if value and m.get("median_prefill_tps") is not None:
+                value += f", prefill {_fmt(m['median_prefill_tps'], 'tok/s', 0)}"
         elif cell["phase"].startswith("concurrency-"):
             value = _fmt(m.get("output_throughput"), "tok/s")
         elif cell["phase"].startswith("rate-"):

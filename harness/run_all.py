@@ -8,6 +8,8 @@ throughout, then run the phases in order:
                     (kernels compile; on CUDA, per shape)
     probe           greedy, `probe_tokens`, output compared across arms afterwards
     decode          `decode_samples` requests of `tokens` output, one at a time
+    chat            single-turn chats through /v1/chat/completions, one at a time (the server's chat template
+                    makes the prompt; the first reply is compared across arms, as the probe's is)
     cold            a ~1K-token prompt never seen before (TTFT)
     warm            the same prompt again (TTFT with whatever prefix cache the arm has)
     concurrency-C   C requests at once (aggregate throughput), for each C
@@ -19,7 +21,12 @@ throughout, then run the phases in order:
                     of shape `burstiness`), at most `max_concurrency` in flight; the first and last tenth are
                     sent and recorded but left out of the cell's metrics. With `sweep` the rates double until
                     the arm saturates (`arrivals.saturated`); the rates past that are not measured
+    staggered       long prompts (`staggered_tokens`) arriving `stagger_s` apart, each decoding while the next
+                    prefills (TTFT and prefill rate under load, the decoding rows' TPOT beside a prefill)
     long            a `context`-token prompt, then decode (unless skipped)
+
+Cold, staggered and long cells report their prefill rate: a request's prompt tokens not served from a cache
+over its TTFT (median over the cell).
 
 then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
 its server ran (`quality_tokens`, `harness.quality.held_out_score`).
@@ -93,7 +100,8 @@ from harness.servers import (
     start_server,
     tail,
 )
-from harness.workloads import ATTEMPTS, MULTITURN, PREFIX, Workload, WorkloadSettings, load_or_build, phase_names
+from harness.workloads import (ATTEMPTS, CHAT, MULTITURN, PREFIX, STAGGERED, Workload, WorkloadSettings, load_or_build,
+                               phase_names)
 
 Log = Callable[[str], None]
 
@@ -174,6 +182,7 @@ class RunSettings:
     burstiness: float = 1.0  # rate cells' gamma shape: 1 Poisson, below 1 burstier
     max_concurrency: Optional[int] = None  # rate cells: requests in flight at most (None: as they arrive)
     sweep: bool = False  # rate cells stop at the arm's saturation point
+    stagger_s: float = 2.0  # the staggered cell's gap between arrivals
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -270,6 +279,8 @@ class Runner:
         for arm in block.arms:
             self._run_arm(mrun, arm, model_dir, workload, phase_names(wl_settings))
         mrun.parity = probe_parity(mrun)
+        if wl_settings.chat_requests:
+            mrun.parity["chat"] = probe_parity(mrun, CHAT)
         db_model(self.db, self.record.run_id, mrun)
         self._save()
 
@@ -422,6 +433,8 @@ class Runner:
                 _at_once(client, pairs[g + 1 : g + load.prefix_group_size], timeouts)
         elif phase == MULTITURN:  # the chats side by side, each one's turns one after another
             _chats(client, [pairs[c : c + load.turns] for c in range(0, len(pairs), load.turns)], timeouts)
+        elif phase == STAGGERED:
+            _open_loop(client, pairs, [i * self.settings.stagger_s for i in range(len(pairs))], None, timeouts)
         else:
             alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(pairs))
             for body, rec in pairs[:alone]:
@@ -450,6 +463,8 @@ class Runner:
             metrics |= {"turn_ttft_ms": [median([r.ttft_ms for r in rs]) for rs in by_turn],
                         "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
                         "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn]}  # fmt: skip
+        elif phase in PREFILL_PHASES:
+            metrics["median_prefill_tps"] = prefill_rate(kept)
         elif phase == PREFIX:
             size = self.settings.workload.prefix_group_size
             rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
@@ -460,6 +475,16 @@ class Runner:
     def _save(self) -> None:
         write_json(self.record, self.out)
         db_run(self.db, self.record, self.out)
+
+
+PREFILL_PHASES = ("cold", STAGGERED, "long")  # cells whose TTFT is mostly the prompt's prefill
+
+
+def prefill_rate(records: Sequence[RequestRecord]) -> Optional[float]:
+    """Median over the requests of their prompt tokens not served from a cache per second of TTFT."""
+    rates = [((r.prompt_tokens or r.prompt_tokens_sent) - (r.cached_tokens or 0)) / (r.ttft_ms / 1e3)
+             for r in records if r.ok and r.ttft_ms]  # fmt: skip
+    return round(float(np.median(rates)), 1) if rates else None
 
 
 def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], timeouts: Timeouts) -> None:
@@ -475,7 +500,7 @@ def _requests(phase: str, attempt: int, prompts: list, max_tokens: int, extra_bo
     """(body, record) for each prompt: token ids to /v1/completions; a multi-turn chat's messages to the chat
     endpoint, where the server's template makes the prompt (no thinking block)."""
     common = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    if phase == MULTITURN:
+    if phase in (MULTITURN, CHAT):
         return [({**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
                  RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"]))))
                 for i, p in enumerate(prompts)]  # fmt: skip
@@ -565,14 +590,15 @@ def server_new_shapes(client: httpx.Client) -> Optional[int]:
 def _same_text(a: str, b: str) -> bool:
     # mlx_lm.server's streaming detokenizer drops the space that opens the first token's text;
     # one leading space is the only difference forgiven.
-    return a == b or a.removeprefix(" ") == b.removeprefix(" ")
+    return a == b or (b.startswith(" ") and a == b[1:]) or (a.startswith(" ") and b == a[1:])
 
 
-def probe_parity(mrun: ModelRun) -> dict:
-    """The probe's greedy output of every arm against the first arm that produced one."""
+def probe_parity(mrun: ModelRun, phase: str = "probe") -> dict:
+    """The greedy output of `phase`'s first request (the probe's, or the chat cell's) of every arm against the first
+    arm that produced one; for the chat cell also the prompt tokens each server's template made of the messages."""
     outputs = {}
     for arm in mrun.arms:
-        cell = next((c for c in arm.cells if c.phase == "probe" and c.status in (MEASURED, RECOVERED)), None)
+        cell = next((c for c in arm.cells if c.phase == phase and c.status in (MEASURED, RECOVERED)), None)
         if cell is not None:
             outputs[arm.arm] = next(a for a in cell.attempts if a.ok).requests[0]
     if not outputs:
@@ -584,6 +610,11 @@ def probe_parity(mrun: ModelRun) -> dict:
         match = rec.token_ids == ref.token_ids if both_ids else _same_text(rec.text, ref.text)
         verdicts[name] = {"match": match, "compared": "token ids" if both_ids else "text",
                           "output_tokens": rec.output_tokens}  # fmt: skip
+        if phase == CHAT:
+            verdicts[name] |= {"prompt_tokens": rec.prompt_tokens,
+                               "same_prompt_tokens": rec.prompt_tokens == ref.prompt_tokens}  # fmt: skip
+            match = match and rec.prompt_tokens == ref.prompt_tokens
+            verdicts[name]["match"] = match
         if not match:
             a, b = rec.text.removeprefix(" "), ref.text.removeprefix(" ")
             at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

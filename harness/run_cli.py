@@ -100,6 +100,17 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--turns", type=positive, default=4, metavar="T", help="turns a chat (default 4)")
     p.add_argument("--prefix-tokens", type=positive, default=512, metavar="P",
                    help="tokens of each group's shared system prompt (default 512)")
+    p.add_argument("--chat-requests", type=non_negative, default=0, metavar="N",
+                   help="a chat cell: N single-turn chats through /v1/chat/completions, one at a time, timed as the "
+                   "decode cell is (--tokens); the servers' templates make the prompts, and the first reply and its "
+                   "prompt tokens are compared across arms (the chat probe); 0: none (default)")  # fmt: skip
+    p.add_argument("--staggered", type=non_negative, default=0, metavar="N",
+                   help="a staggered cell: N long prompts (--staggered-tokens) arriving --stagger seconds apart, each "
+                   "decoding --tokens while the next prefills: TTFT and prefill rate under load; 0: none (default)")  # fmt: skip
+    p.add_argument("--staggered-tokens", type=positive, default=2048, metavar="P",
+                   help="prompt tokens of each staggered request (default 2048)")
+    p.add_argument("--stagger", type=positive_float, default=2.0, metavar="SECONDS",
+                   help="seconds between the staggered cell's arrivals (default 2)")
     p.add_argument("--goodput", type=slo, nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs, e.g. --goodput ttft:2000 tpot:50 (metrics ttft, tpot, e2el; ms): a request meeting all "
                         "counts toward each cell's goodput (requests/s) and SLO attainment (vLLM's definition)")
@@ -186,14 +197,16 @@ def _run_plan(args):
                            stall_timeout_s=args.stall_timeout, goodput=tuple(args.goodput),
                            quality_tokens=args.quality_tokens, burstiness=args.burstiness,
                            max_concurrency=args.max_concurrency, sweep=args.rates[:1] == ("sweep",),
-                           slo_target=args.slo_target,
+                           slo_target=args.slo_target, stagger_s=args.stagger,
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context, rate_requests=args.rate_requests,
                                                      rates=tuple(r for r in args.rates if r != "sweep"),
                                                      prefix_groups=args.prefix_groups,
                                                      prefix_group_size=args.prefix_group_size,
                                                      prefix_tokens=args.prefix_tokens, chats=args.chats,
-                                                     turns=args.turns))  # fmt: skip
+                                                     turns=args.turns, staggered=args.staggered,
+                                                     staggered_tokens=args.staggered_tokens,
+                                                     chat_requests=args.chat_requests))  # fmt: skip
     if args.model_path:
         targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]
     else:

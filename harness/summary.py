@@ -259,13 +259,18 @@ def load_lines(run: dict) -> list[str]:
     """Per arm with rate cells: each offered rate's achieved requests/s, output tok/s and TTFT, the saturation
     point (`arrivals.saturated`: the first rate at which the arm was saturated) and, with SLOs, the highest rate
     whose attainment stayed at `slo_target`; per arm with a shared-prefix cell: its groups' first TTFT against the
-    rest's, and the cached tokens."""
+    rest's, and the cached tokens; each cell's prefill rate; the chat probe's verdicts."""
     from harness.arrivals import saturated
 
     target = run["settings"].get("slo_target", 0.9)
     slos = bool(run["settings"].get("goodput"))
     out = []
     for mrun in run.get("models", []):
+        chat = (mrun.get("parity") or {}).get("chat") or {}
+        if chat.get("verdicts"):
+            out.append(f"{mrun['model']} / chat probe (first chat reply and prompt tokens against {chat['reference']}): " + "; ".join(
+                f"{arm}: {'same' if v['match'] else 'DIFFERS'} ({v.get('prompt_tokens')} prompt tokens)"
+                for arm, v in chat["verdicts"].items()))  # fmt: skip
         for arm in mrun.get("arms", []):
             name = f"{mrun['model']} / {arm['arm']}"
             cells = [c for c in arm.get("cells", []) if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED)]
@@ -289,6 +294,12 @@ def load_lines(run: dict) -> list[str]:
                 turns = "; ".join(f"turn {t + 1}: {ms:.0f} ms, {cached} of {prompt} prompt tokens cached" for t, (ms, cached, prompt)
                                   in enumerate(zip(m["turn_ttft_ms"], m["turn_cached_tokens"], m["turn_prompt_tokens"])))  # fmt: skip
                 out.append(f"{name} / multiturn (median TTFT over the chats): {turns}")
+            for c in arm.get("cells", []):
+                m = c.get("metrics") or {}
+                if c["status"] in (MEASURED, RECOVERED) and m.get("median_prefill_tps") is not None:
+                    out.append(f"{name} / {c['phase']}: prefill {m['median_prefill_tps']:,.0f} prompt tok/s (median over "
+                               f"{m['completed']}), TTFT p50 {fmt(m.get('median_ttft_ms'), '.0f')} ms p99 "
+                               f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms")  # fmt: skip
             prefix = next((c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)), None)
             if prefix:
                 m = prefix["metrics"]

@@ -51,6 +51,9 @@ class WorkloadSettings:
     chats: int = 0  # multi-turn cell: chats of `turns` turns through the chat endpoint, 0: none
     turns: int = 4
     turn_chars: int = 400  # each user message's characters; each canned assistant reply half as many
+    staggered: int = 0  # long prompts arriving one after another (`RunSettings.stagger_s` apart), 0: none
+    staggered_tokens: int = 2048
+    chat_requests: int = 0  # single-turn chats through the chat endpoint, one at a time, 0: none
 
     def covers(self, other: "WorkloadSettings") -> bool:
         """Whether a workload built with these settings has every prompt `other` asks for."""
@@ -64,6 +67,10 @@ class WorkloadSettings:
                  == (self.prefix_groups, self.prefix_group_size, self.prefix_tokens))
             and (not other.chats or (other.chats, other.turns, other.turn_chars)
                  == (self.chats, self.turns, self.turn_chars))
+            and (not other.staggered or (other.staggered, other.staggered_tokens)
+                 == (self.staggered, self.staggered_tokens))
+            and (not other.chat_requests or (other.chat_requests, other.turn_chars)
+                 == (self.chat_requests, self.turn_chars))
         )  # fmt: skip
 
 
@@ -106,13 +113,15 @@ def _sha(obj: dict) -> str:
 
 def phase_names(settings: WorkloadSettings) -> list[str]:
     """The phases a run with these settings measures, in order."""
-    names = ["warmup", "probe", "decode", "cold", "warm"]
+    names = ["warmup", "probe", "decode"] + [CHAT] * bool(settings.chat_requests) + ["cold", "warm"]
     names += [f"concurrency-{c}" for c in settings.concurrency]
     if settings.prefix_groups:
         names.append(PREFIX)
     if settings.chats:
         names.append(MULTITURN)
     names += [rate_name(r) for r in settings.rates]
+    if settings.staggered:
+        names.append(STAGGERED)
     if settings.context_tokens:
         names.append("long")
     return names
@@ -120,6 +129,8 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
 
 PREFIX = "prefix"  # the shared-prefix groups' cell
 MULTITURN = "multiturn"  # the multi-turn chats' cell
+CHAT = "chat"  # single-turn chats through the chat endpoint (the server's template makes the prompt)
+STAGGERED = "staggered"  # long prompts arriving one after another while the earlier ones decode
 
 
 class _Text:
@@ -174,22 +185,44 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
                           for a in range(ATTEMPTS)]  # fmt: skip
     if settings.chats:
         phases[MULTITURN] = [_chats(settings, a) for a in range(ATTEMPTS)]
+    if settings.staggered:
+        phases[STAGGERED] = [[prompt(STAGGERED, a, i, settings.staggered_tokens) for i in range(settings.staggered)]
+                             for a in range(ATTEMPTS)]  # fmt: skip
+    if settings.chat_requests:
+        phases[CHAT] = [_single_chats(settings, a) for a in range(ATTEMPTS)]
     return Workload(model, settings, tokenizer_sha256, phases)
 
 
-def _chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
-    """The multi-turn cell's requests, chat after chat: turn t's messages are the chat's system message,
-    its first t user messages and, between them, canned assistant replies (the same for every arm, so that every
-    arm is sent the same conversation whatever it replied before); text from the corpus at a seeded offset."""
+def _corpus_chars(seed: int, attempt: int, stream: int) -> Callable[[int], str]:
+    """`text(n)`: the corpus's next n characters (whitespace runs folded) from an offset drawn from the seed, the
+    attempt and `stream` (one stream a cell)."""
     corpus = corpus_text()
-    start = int(np.random.Generator(np.random.PCG64([settings.seed, attempt, 0x7A1C])).integers(0, len(corpus)))
-    pos = [start]
+    pos = [int(np.random.Generator(np.random.PCG64([seed, attempt, stream])).integers(0, len(corpus)))]
 
     def text(n: int) -> str:
         out = "".join(corpus[(pos[0] + i) % len(corpus)] for i in range(n))
         pos[0] = (pos[0] + n) % len(corpus)
         return " ".join(out.split())
 
+    return text
+
+
+def _single_chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
+    """The chat cell's requests: a system message opened by a nonce of its own and one user message each."""
+    text = _corpus_chars(settings.seed, attempt, 0xC4A7)
+    requests = []
+    for i in range(settings.chat_requests):
+        tag = hashlib.sha256(f"{settings.seed}/{CHAT}/{attempt}/{i}".encode()).hexdigest()[:12]
+        requests.append({"messages": [{"role": "system", "content": f"{tag}: You answer questions about the text."},
+                                      {"role": "user", "content": text(settings.turn_chars)}]})  # fmt: skip
+    return requests
+
+
+def _chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
+    """The multi-turn cell's requests, chat after chat: turn t's messages are the chat's system message,
+    its first t user messages and, between them, canned assistant replies (the same for every arm, so that every
+    arm is sent the same conversation whatever it replied before); text from the corpus at a seeded offset."""
+    text = _corpus_chars(settings.seed, attempt, 0x7A1C)
     requests = []
     for s in range(settings.chats):
         tag = hashlib.sha256(f"{settings.seed}/{MULTITURN}/{attempt}/{s}".encode()).hexdigest()[:12]

@@ -1,5 +1,5 @@
 """`harness run all`'s load model end to end on a tiny model: a server started by hand measured through --arm,
-a rate sweep, a shared-prefix cell, counters from /metrics, the vLLM export."""
+a rate sweep, a shared-prefix cell, the chat and staggered cells, counters from /metrics, the vLLM export."""
 
 import json
 import subprocess
@@ -20,7 +20,8 @@ def run(tiny_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine-serial",
            "--arm", f"hand={hand.url}", "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples",
            "2", "--rates", "sweep:4", "--rate-requests", "8", "--prefix-groups", "1", "--prefix-group-size", "3",
-           "--prefix-tokens", "64", "--chats", "2", "--turns", "2", "--goodput", "ttft:60000", "--quality-tokens",
+           "--prefix-tokens", "64", "--chats", "2", "--turns", "2", "--chat-requests", "2", "--staggered", "2",
+           "--staggered-tokens", "96", "--stagger", "0.5", "--goodput", "ttft:60000", "--quality-tokens",
            "0", "--diagnostic",
            "--export", "vllm", "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
     run_tag = new_tag()
@@ -76,3 +77,27 @@ def test_the_vllm_export_lists_every_timed_cell(run):
     assert {("hand", "decode"), ("engine-serial", "rate-4"), ("hand", "prefix")} <= phases
     rate = next(r for r in results if r["harness"]["phase"] == "rate-4")
     assert rate["request_rate"] == 4.0 and rate["num_prompts"] == 6 and rate["completed"] == 6
+
+
+def test_the_chat_cell_and_its_probe_and_the_staggered_cell(run):
+    _, out, _, _ = run
+    record = json.loads((out / "run.json").read_text())
+    model = record["models"][0]
+    chat_probe = model["parity"]["chat"]
+    assert chat_probe["reference"] == "engine-serial" and set(chat_probe["verdicts"]) == {"engine-serial", "hand"}
+    assert all(v["match"] and v["same_prompt_tokens"] and v["prompt_tokens"] > 20 for v in chat_probe["verdicts"].values())
+    for arm in model["arms"]:
+        phases = [c["phase"] for c in arm["cells"]]
+        assert phases.index("chat") == phases.index("decode") + 1 and phases[-1] == "staggered"
+        chat = next(c for c in arm["cells"] if c["phase"] == "chat")
+        assert chat["status"] == "measured" and chat["metrics"]["completed"] == 2
+        assert all(r["output_tokens"] == 8 for r in chat["attempts"][0]["requests"])
+        staggered = next(c for c in arm["cells"] if c["phase"] == "staggered")
+        sent = [r["sent_at"] for r in staggered["attempts"][0]["requests"]]
+        assert sent[1] - sent[0] >= 0.45  # the second arrived a stagger after the first
+        assert staggered["metrics"]["median_prefill_tps"] > 0
+        cold = next(c for c in arm["cells"] if c["phase"] == "cold")
+        assert cold["metrics"]["median_prefill_tps"] > 0
+    md = (out / "run.md").read_text()
+    assert "/ chat probe (first chat reply and prompt tokens against engine-serial): engine-serial: same" in md
+    assert "/ staggered: prefill " in md and "prompt tok/s (median over 2)" in md

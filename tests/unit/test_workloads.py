@@ -46,3 +46,23 @@ def test_committed_workloads_match_a_fresh_build(tiny_path, name):
     assert stored == build(name, *tokenizer_for(path), settings)
     used, where = load_or_build(name, path, replace(settings, concurrency=(4,), context_tokens=None))
     assert where == golden_path(name, settings) and used.sha256 == stored.sha256
+
+
+def test_the_staggered_and_chat_cells_leave_the_other_prompts_as_they_were(tok):
+    plain = build("m", *tok, SMALL)
+    more = build("m", *tok, replace(SMALL, staggered=2, staggered_tokens=120, chat_requests=3))
+    assert all(more.phases[p] == plain.phases[p] for p in plain.phases)
+    assert [len(p) for p in more.prompts("staggered", 0)] == [120, 120]
+    chats = more.prompts("chat", 0)
+    assert len(chats) == 3 and all([m["role"] for m in c["messages"]] == ["system", "user"] for c in chats)
+    assert len({c["messages"][0]["content"][:12] for c in chats + more.prompts("chat", 1)}) == 6  # nonces
+    assert more.settings.covers(replace(SMALL, staggered=2, staggered_tokens=120))
+    assert not more.settings.covers(replace(SMALL, staggered=2, staggered_tokens=100))
+
+
+@pytest.mark.parametrize("a, b, same", [(" x", "x", True), ("x", " x", True), ("   x", "    x", True),
+                                        ("  x", "x", False), ("x", "y", False)])  # fmt: skip
+def test_probe_texts_forgive_one_leading_space(a, b, same):
+    from harness.run_all import _same_text
+
+    assert _same_text(a, b) is same
