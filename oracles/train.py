@@ -5,6 +5,7 @@ manifest (command, seed, settings, data hash, losses), under goldens/trained/ by
     python -m oracles.train --models trained-qwen3-draft --steps 300 --out /tmp/trained
     python -m oracles.train --prepare data.npz                # text, tokenizer and ids only, for another machine
     python -m oracles.train --data data.npz                   # train on them (the same text on any Python)
+    python -m oracles.train --data data.npz --models M --quantize  # M's -4bit from its bf16 files under --out
 
 Deterministic for a given machine kind and Python version: the text (`oracles.train_data`), the tokenizer
 learned from it, the initial weights (`--seed`) and the batches (`--seed`) are fixed. The family shares one
@@ -223,6 +224,39 @@ def write_artifact(model, config: dict, tok, out: Path, manifest: dict) -> None:
     (out / "manifest.json").write_text(json.dumps({**manifest, "files": files, "total_bytes": total}, indent=2) + "\n")
 
 
+def write_four_bit(model, spec, config: dict, tok, held_ids: np.ndarray, settings: TrainSettings, out_root: Path,
+                   manifest: dict, log) -> None:
+    """Quantize the bf16 `model` to 4 bits (group 64, the matrices a synthesized 4-bit artifact quantizes), measure
+    its held-out loss and write it as `<name>-4bit` with `manifest` (the bf16 model's, its result's loss replaced)."""
+    import mlx.nn as nn
+
+    names4 = quantized_names(spec)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, _m: path in names4)
+    held4 = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
+    four = {**manifest["result"], "held_out_loss": round(held4, 4), "held_out_perplexity": round(float(np.exp(held4)), 2)}
+    config4 = {**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
+    config4["quantization_config"] = config4["quantization"]
+    name = f"{manifest['name']}-4bit"
+    manifest = {k: v for k, v in manifest.items() if k not in ("files", "total_bytes")}
+    write_artifact(model, config4, tok, out_root / name,
+                   {**manifest, "name": name, "result": four, "weights": "4-bit affine, group 64, bf16 scales"})
+    log(f"{name}: held-out loss {held4:.3f}")
+
+
+def load_trained(spec, path: Path, eos_ids: list[int]):
+    """(model, config, manifest) of a bf16 artifact `write_artifact` wrote for `spec`."""
+    import mlx.core as mx
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    if manifest.get("weights") != "bf16":
+        raise SystemExit(f"{path}: not a bf16 trained model (weights: {manifest.get('weights')})")
+    config = json.loads((path / "config.json").read_text())
+    model, _ = build_model(spec, eos_ids, manifest["settings"]["seed"])
+    model.set_dtype(mx.bfloat16)
+    model.load_weights(str(path / "model.safetensors"), strict=True)
+    return model, config, manifest
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(TRAINED), help=f"comma-separated, of {', '.join(TRAINED)}")
@@ -230,12 +264,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, help="text read at most (default oracles.train_data's)")
     p.add_argument("--prepare", type=Path, metavar="FILE", help="write the tokenizer and ids to FILE and stop")
     p.add_argument("--data", type=Path, metavar="FILE", help="train on a --prepare file instead of this Python's text")
+    p.add_argument("--quantize", action="store_true",
+                   help="write each model's -4bit from its bf16 weights already under --out (no training): for a "
+                        "machine whose outputs came back without the 4-bit files")
     defaults = TrainSettings()
     for field, value in asdict(defaults).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     args = p.parse_args(argv)
     import mlx.core as mx
-    import mlx.nn as nn
 
     from engine import env
     from engine.registry import get_spec
@@ -263,6 +299,14 @@ def main(argv=None) -> int:
         save_prepared(args.prepare, tok, train_ids, held_ids, data)
         log(f"wrote {args.prepare} ({args.prepare.stat().st_size / 1e6:.1f} MB)")
         return 0
+    if args.quantize:
+        for name in names:
+            model, config, manifest = load_trained(get_spec(name), out_root / name, tok.eos_ids)
+            settings = TrainSettings(**manifest["settings"])
+            write_four_bit(model, get_spec(name), config, tok, held_ids, settings, out_root,
+                           {**manifest, "quantized_by": "python -m oracles.train " + " ".join(argv or sys.argv[1:]),
+                            "quantized_on": str(mx.default_device())}, log)  # fmt: skip
+        return 0
     for name in names:
         spec = get_spec(name)
         model, config = build_model(spec, tok.eos_ids, settings.seed)
@@ -284,15 +328,7 @@ def main(argv=None) -> int:
                     "device": str(mx.default_device()), "machine": platform.machine(),
                     "special_tokens": tok.special_ids}  # fmt: skip
         write_artifact(model, config, tok, out_root / name, {**manifest, "weights": "bf16"})
-        names4 = quantized_names(spec)
-        nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, _m: path in names4)
-        four = {**result, "held_out_loss": round(held_out_loss(model, held_ids, settings.seq, settings.eval_tokens), 4)}
-        config4 = {**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
-        config4["quantization_config"] = config4["quantization"]
-        weights4 = "4-bit affine, group 64, bf16 scales"
-        write_artifact(model, config4, tok, out_root / f"{name}-4bit",
-                       {**manifest, "name": f"{name}-4bit", "result": four, "weights": weights4})
-        log(f"{name}-4bit: held-out loss {four['held_out_loss']:.3f}")
+        write_four_bit(model, spec, config, tok, held_ids, settings, out_root, {**manifest, "result": result}, log)
     log(f"wrote {', '.join(names)} (and -4bit) under {out_root} in {time.perf_counter() - start:.1f} s")
     return 0
 
