@@ -10,7 +10,10 @@ recorded, and left out of the cell's metrics.
 A sweep doubles the rate from `SWEEP_START` until the server saturates:
 throughput no longer rises with the offered rate (under `SATURATION_GAIN` over
 the cell before) while TTFT climbs (median over `SATURATION_TTFT` times the
-first cell's).
+first cell's). A cell whose requests all arrived within their median E2EL is a
+burst, not a sustained rate (`is_burst`): the cell is too short for its rate, and
+the higher rates of a sweep would be the same burst, so the sweep stops there
+when the server was not saturated.
 """
 
 from __future__ import annotations
@@ -71,3 +74,11 @@ def rate_name(rate: float) -> str:
 
 def rate_of_phase(phase: str) -> float:
     return float(phase.split("-", 1)[1])
+
+
+def is_burst(sent_at: Sequence[float], median_e2el_ms: Optional[float]) -> bool:
+    """Whether a rate cell's arrivals (wall-clock send times, s) spanned less than its requests' median E2EL: the
+    server then saw one burst of the cell's requests, whatever the offered rate."""
+    if len(sent_at) < 2 or median_e2el_ms is None:
+        return False
+    return max(sent_at) - min(sent_at) < median_e2el_ms / 1e3

@@ -68,10 +68,12 @@ def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> 
 
 
 # The per-request samples behind each compared metric (requests paired by index; `stats.sample_ratio`): a
-# decode rate and a TTFT are medians of their requests, an aggregate rate is all output tokens (or, for
-# goodput, requests meeting every SLO) over the span the requests cover.
-def request_samples(cell: dict, phase: str, slo: Optional[dict] = None) -> tuple[list[list[float]], object]:
-    """(rows, statistic) of a cell's successful requests for its headline metric; `slo` (metric: ms): goodput."""
+# decode rate, a prefill rate and a TTFT are medians of their requests, an aggregate rate is all output tokens
+# (or, for goodput, requests meeting every SLO) over the span the requests cover.
+def request_samples(cell: dict, phase: str, slo: Optional[dict] = None,
+                    key: str = "median_ttft_ms") -> tuple[list[list[float]], object]:  # fmt: skip
+    """(rows, statistic) of a cell's successful requests for the metric `key` (a rate cell's: its aggregate);
+    `slo` (metric: ms): goodput."""
     from harness import stats
 
     reqs = ok_requests(cell)
@@ -88,8 +90,13 @@ def request_samples(cell: dict, phase: str, slo: Optional[dict] = None) -> tuple
         rows = [[count(r), r["sent_at"], r["sent_at"] + r["e2el_ms"] / 1e3] for r in reqs
                 if r.get("sent_at") and r.get("e2el_ms") is not None]  # fmt: skip
         return rows, stats.rate_of
-    if phase == "decode":
+    if key == "median_decode_tps":
         return [[1e3 / r["tpot_ms"]] for r in reqs if r.get("tpot_ms")], stats.median_of
+    if key == "median_prefill_tps":  # prompt tokens not from a cache per second of TTFT (run_all.prefill_rate)
+        return [[((r.get("prompt_tokens") or r.get("prompt_tokens_sent") or 0) - (r.get("cached_tokens") or 0))
+                 / (r["ttft_ms"] / 1e3)] for r in reqs if r.get("ttft_ms")], stats.median_of  # fmt: skip
+    if key != "median_ttft_ms":
+        raise ValueError(f"no per-request samples for {key}")
     return [[r["ttft_ms"]] for r in reqs if r.get("ttft_ms") is not None], stats.median_of
 
 
@@ -113,8 +120,8 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
                for arm in (arm_a, arm_b)]  # fmt: skip
     if None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
         row["outputs"] = f"outputs differ in {sum(x != y for x, y in zip(*outputs))} of {len(outputs[0])} requests"
-    sa, stat = request_samples(cell_of(arm_a, phase), phase, slo)
-    sb, _ = request_samples(cell_of(arm_b, phase), phase, slo)
+    sa, stat = request_samples(cell_of(arm_a, phase), phase, slo, key)
+    sb, _ = request_samples(cell_of(arm_b, phase), phase, slo, key)
     if len(sa) != len(sb) or not sa:
         return row | {"ratio": a / b, "verdict": stats.UNKNOWN, "note": "no paired request timings"}
     r = stats.sample_ratio(metric, sa, sb, stat, higher_is_better=higher_is_better)

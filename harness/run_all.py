@@ -65,7 +65,7 @@ import httpx
 import numpy as np
 
 from harness import counters, provenance
-from harness.arrivals import measured, offsets, rate_of_phase, saturated
+from harness.arrivals import is_burst, measured, offsets, rate_of_phase, saturated
 from harness.arms import ArmSpec
 from harness.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
 from harness.metrics import summarize
@@ -265,6 +265,8 @@ class Runner:
                         arm.status = INTERRUPTED if self.record.status == INTERRUPTED else FAILED
                         arm.error = self.record.error
                     _fill_not_measured(arm, phases)
+                if not mrun.parity:  # the run ended before the model's last arm: the probes that finished
+                    _set_parity(mrun)
             write_json(self.record, self.out)
             db_sync(self.db, self.record, self.out)
 
@@ -278,9 +280,7 @@ class Runner:
         db_model(self.db, self.record.run_id, mrun)
         for arm in block.arms:
             self._run_arm(mrun, arm, model_dir, workload, phase_names(wl_settings))
-        mrun.parity = probe_parity(mrun)
-        if wl_settings.chat_requests:
-            mrun.parity["chat"] = probe_parity(mrun, CHAT)
+        _set_parity(mrun)
         db_model(self.db, self.record.run_id, mrun)
         self._save()
 
@@ -334,7 +334,7 @@ class Runner:
                 saturation = None  # a sweep's rate past which the arm's rate cells are not measured
                 for phase in phases:
                     if saturation is not None and phase.startswith("rate-"):
-                        arm.cells.append(Cell(phase, NOT_MEASURED, f"past the saturation point ({saturation})"))
+                        arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({saturation})"))
                         continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     before = server_new_shapes(client) if spec.is_engine else None
@@ -365,6 +365,10 @@ class Runner:
                     if self.settings.sweep and phase.startswith("rate-") and _saturated(arm):
                         saturation = f"{phase.split('-', 1)[1]} req/s"
                         self.log(f"  {phase}: the arm saturated; higher rates not measured")
+                    elif self.settings.sweep and phase.startswith("rate-") and _burst(cell):
+                        saturation = (f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
+                                      "within their median E2EL, so more --rate-requests are needed for higher rates")  # fmt: skip
+                        self.log(f"  {phase}: a burst (arrivals within a request's E2EL), not saturated; higher rates not measured")
                 if spec.is_engine:
                     arm.device_memory = server_memory(client)
         finally:
@@ -545,6 +549,14 @@ def _saturated(arm: ArmRun) -> bool:
     return saturated([c.metrics.get("output_throughput") for c in cells], [c.metrics.get("median_ttft_ms") for c in cells])
 
 
+def _burst(cell: Cell) -> bool:
+    """Whether a measured rate cell was a burst (`arrivals.is_burst`)."""
+    if cell.status not in (MEASURED, RECOVERED):
+        return False
+    ok = next(a for a in cell.attempts if a.ok)
+    return is_burst([r.sent_at for r in ok.requests], cell.metrics.get("median_e2el_ms"))
+
+
 def _server_gone(server: ServerProcess | ExternalServer, cell: Cell, timeouts: Timeouts) -> Optional[str]:
     """Why the arm cannot go on after `cell` (its server died, or stopped answering); None if it can."""
     if not server.alive:
@@ -591,6 +603,12 @@ def _same_text(a: str, b: str) -> bool:
     # mlx_lm.server's streaming detokenizer drops the space that opens the first token's text;
     # one leading space is the only difference forgiven.
     return a == b or (b.startswith(" ") and a == b[1:]) or (a.startswith(" ") and b == a[1:])
+
+
+def _set_parity(mrun: ModelRun) -> None:
+    mrun.parity = probe_parity(mrun)
+    if any(c.phase == CHAT for arm in mrun.arms for c in arm.cells):
+        mrun.parity["chat"] = probe_parity(mrun, CHAT)
 
 
 def probe_parity(mrun: ModelRun, phase: str = "probe") -> dict:

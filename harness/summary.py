@@ -259,8 +259,9 @@ def load_lines(run: dict) -> list[str]:
     """Per arm with rate cells: each offered rate's achieved requests/s, output tok/s and TTFT, the saturation
     point (`arrivals.saturated`: the first rate at which the arm was saturated) and, with SLOs, the highest rate
     whose attainment stayed at `slo_target`; per arm with a shared-prefix cell: its groups' first TTFT against the
-    rest's, and the cached tokens; each cell's prefill rate; the chat probe's verdicts."""
-    from harness.arrivals import saturated
+    rest's, and the cached tokens; each cell's prefill rate; the chat probe's verdicts. A sweep that ended on a burst
+    (`arrivals.is_burst`) says so."""
+    from harness.arrivals import is_burst, saturated
 
     target = run["settings"].get("slo_target", 0.9)
     slos = bool(run["settings"].get("goodput"))
@@ -280,9 +281,17 @@ def load_lines(run: dict) -> list[str]:
                                   for c in cells)  # fmt: skip
                 knee = next((c for i, c in enumerate(cells, 1) if saturated(
                     [x["metrics"].get("output_throughput") for x in cells[:i]], [x["metrics"].get("median_ttft_ms") for x in cells[:i]])), None)  # fmt: skip
+                bursts = [c for c in cells if is_burst([r["sent_at"] for a in c["attempts"] if a["ok"] for r in a["requests"]],
+                                                       c["metrics"].get("median_e2el_ms"))]  # fmt: skip
                 line = f"{name}: offered -> achieved: {steps}; " + (
                     f"saturated at {knee['metrics']['offered_rate']:g} req/s (throughput no higher than at the rate "
                     "before while TTFT climbed)" if knee else "not saturated at the rates measured")  # fmt: skip
+                if bursts and not knee:
+                    b = bursts[0]["metrics"]
+                    sent = sum(len(a["requests"]) for a in bursts[0]["attempts"] if a["ok"])
+                    line += (f" (from {b['offered_rate']:g} req/s on, a cell's {sent} requests arrived within their "
+                             f"median E2EL of {b['median_e2el_ms'] / 1e3:.1f} s: a burst, not a sustained rate; more "
+                             "--rate-requests load higher rates)")  # fmt: skip
                 if slos:
                     held = [c["metrics"]["offered_rate"] for c in cells if (c["metrics"].get("slo_attainment") or 0) >= target]
                     line += (f"; highest rate with SLO attainment >= {target:.0%}: {max(held):g} req/s" if held

@@ -113,7 +113,7 @@ def test_a_signal_to_the_harness_stops_its_server_and_is_recorded(tiny_path, tmp
     try:
         (server,) = wait_for(lambda: servers_of(harness.pid, "engine serve"), 60, "the engine server")
         if when == "measuring":
-            wait_for(lambda: json_cells(out) >= 1, 60, "the first cell")
+            wait_for(lambda: json_cells(out) >= 2, 60, "the warmup and probe cells")
         harness.send_signal(sig)
         rc = harness.wait(timeout=60)
     finally:
@@ -128,7 +128,9 @@ def test_a_signal_to_the_harness_stops_its_server_and_is_recorded(tiny_path, tmp
     assert arm["status"] == "interrupted" and sig.name in arm["error"]
     assert [c["phase"] for c in arm["cells"]] == PHASES  # the CLI run has the same phases
     measured = [c["status"] for c in arm["cells"]].count("measured")
-    assert (measured == 0) if when == "loading" else (measured >= 1)
+    assert (measured == 0) if when == "loading" else (measured >= 2)
+    if when == "measuring":  # the probes that finished are compared, though the model's arms did not all run
+        assert run["models"][0]["parity"]["verdicts"]["engine"]["match"]
     assert all(sig.name in c["reason"] for c in arm["cells"] if c["status"] == "not_measured")
     assert sig.name in (tmp_path / "stderr").read_text()
     exported = subprocess.run([sys.executable, "-m", "harness", "db", "export", run["run_id"], "--db", str(db),

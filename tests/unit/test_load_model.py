@@ -135,3 +135,9 @@ def test_bad_rates_are_refused(value, message, capsys):
     with pytest.raises(SystemExit) as e:
         harness_main(["run", "all", "--rates", value, "--dry-run"])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_cell_whose_arrivals_fit_in_one_request_is_a_burst():
+    assert arrivals.is_burst([100.0, 100.5, 101.0], median_e2el_ms=1500)  # all in before a request's time
+    assert not arrivals.is_burst([100.0, 101.0, 102.0], median_e2el_ms=1500)
+    assert not arrivals.is_burst([100.0], median_e2el_ms=1500) and not arrivals.is_burst([1.0, 9.0], None)

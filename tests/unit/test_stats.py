@@ -85,3 +85,14 @@ def test_an_aggregate_rate_resamples_whole_requests():
 def test_lower_is_better_requests_flip_the_words():
     base = np.linspace(90, 110, 12)
     assert sample_ratio("ttft", base * 0.5, base, higher_is_better=False).verdict == "faster"
+
+
+def test_each_compared_metric_reads_its_own_per_request_samples():
+    from harness.comparable import request_samples
+
+    reqs = [{"ok": True, "ttft_ms": 500.0, "tpot_ms": 20.0, "prompt_tokens": 1000, "cached_tokens": 0},
+            {"ok": True, "ttft_ms": 250.0, "tpot_ms": 10.0, "prompt_tokens": 1000, "cached_tokens": 500}]  # fmt: skip
+    cell = {"attempts": [{"ok": True, "requests": reqs}], "metrics": {}}
+    assert request_samples(cell, "chat", key="median_decode_tps")[0] == [[50.0], [100.0]]  # not its TTFTs
+    assert request_samples(cell, "cold", key="median_prefill_tps")[0] == [[2000.0], [2000.0]]
+    assert request_samples(cell, "cold")[0] == [[500.0], [250.0]]
