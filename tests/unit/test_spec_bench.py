@@ -60,3 +60,16 @@ def test_the_trained_pair_accepts_most_drafts_on_held_out_python(tmp_path):
     assert rec["config"]["text"] == "held-out"
     draft = rec["arms"][1]["spec"]
     assert draft["acceptance"] >= 0.5, draft
+
+
+def test_the_trained_hybrid_and_its_mtp_head_accept_most_drafts(tmp_path):
+    # The committed hybrid target: its MTP head, trained beside it, and the dense family's draft both agree with
+    # its greedy choice most of the time, and greedy output is unchanged (exact tier, trace rollback).
+    out = tmp_path / "spec.json"
+    code = harness_main(["spec", "--model", "trained-qwen35", "--arms", "mtp,draft:trained-qwen3-draft", "--blocks",
+                         "2", "--prompt-tokens", "64", "--decode-tokens", "32", "--warmup", "0", "--num-draft", "2",
+                         "--json", str(out)])  # fmt: skip
+    assert code == 0  # every arm's tokens equal plain's
+    rec = json.loads(out.read_text())
+    mtp, draft = (a["spec"] for a in rec["arms"][1:])
+    assert mtp["acceptance"] >= 0.5 and draft["acceptance"] >= 0.5, (mtp, draft)

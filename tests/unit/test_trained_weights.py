@@ -12,9 +12,10 @@ from harness.quality import held_out_score
 COMMITTED = sorted(p for p in env.trained_dir().iterdir() if (p / MANIFEST).exists())
 
 
-def test_the_dense_target_and_its_draft_are_committed():
+def test_the_whole_family_is_committed():
     names = {p.name for p in COMMITTED}
-    assert {"trained-qwen3", "trained-qwen3-4bit", "trained-qwen3-draft", "trained-qwen3-draft-4bit"} <= names
+    family = ("trained-qwen35", "trained-qwen3", "trained-qwen3-draft")
+    assert {n + v for n in family for v in ("", "-4bit")} <= names
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
