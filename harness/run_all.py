@@ -20,7 +20,8 @@ throughout, then run the phases in order:
     rate-R          open loop: `rate_requests` requests arriving at R requests/s (`arrivals`; gamma gaps
                     of shape `burstiness`), at most `max_concurrency` in flight; the first and last tenth are
                     sent and recorded but left out of the cell's metrics. With `sweep` the rates double until
-                    the arm saturates (`arrivals.saturated`); the rates past that are not measured
+                    the arm saturates (`arrivals.saturated`) or a cell is a burst (`arrivals.is_burst`); the
+                    rates past that are not measured
     staggered       long prompts (`staggered_tokens`) arriving `stagger_s` apart, each decoding while the next
                     prefills (TTFT and prefill rate under load, the decoding rows' TPOT beside a prefill)
     long            a `context`-token prompt, then decode (unless skipped)
@@ -331,10 +332,10 @@ class Runner:
                     arm.kernels = server_kernels(client)
                     tier = (arm.kernels or {}).get("tier", "unknown (no /stats)")
                     self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
-                saturation = None  # a sweep's rate past which the arm's rate cells are not measured
+                sweep_end = None  # why a sweep's higher rates are not measured (saturated, or a burst)
                 for phase in phases:
-                    if saturation is not None and phase.startswith("rate-"):
-                        arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({saturation})"))
+                    if sweep_end is not None and phase.startswith("rate-"):
+                        arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({sweep_end})"))
                         continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     before = server_new_shapes(client) if spec.is_engine else None
@@ -363,10 +364,10 @@ class Runner:
                     if gone:
                         break
                     if self.settings.sweep and phase.startswith("rate-") and _saturated(arm):
-                        saturation = f"{phase.split('-', 1)[1]} req/s"
+                        sweep_end = f"saturated at {phase.split('-', 1)[1]} req/s"
                         self.log(f"  {phase}: the arm saturated; higher rates not measured")
                     elif self.settings.sweep and phase.startswith("rate-") and _burst(cell):
-                        saturation = (f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
+                        sweep_end = (f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
                                       "within their median E2EL, so more --rate-requests are needed for higher rates")  # fmt: skip
                         self.log(f"  {phase}: a burst (arrivals within a request's E2EL), not saturated; higher rates not measured")
                 if spec.is_engine:
