@@ -48,7 +48,7 @@ import mlx.nn as nn
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, quantized_matmul, quantized_matmuls, refusal,
+    DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, quantized_matmul, quantized_matmuls, refusal,
 )
 from engine.models import model_module
 from engine.models.gated_delta import normalize_qk, recurrence
@@ -422,7 +422,7 @@ def run_kernel_bench(
     # matrices the fast tier runs as dequantize + GEMM; not the head, which a prefill runs on one position.
     chunk_rows = [t - 1 for t in cfg.tokens if DENSE_MIN_ROWS is not None and t - 1 >= DENSE_MIN_ROWS]
     for (n, k), layers in shapes:
-        if n >= DENSE_MIN_OUTPUTS and n != g.vocab_size:
+        if n != g.vocab_size:
             for m in chunk_rows:
                 done(out.prefill, bench_prefill(n, k, m, bits, group, layers, cfg))
     if g.linear_num_value_heads:

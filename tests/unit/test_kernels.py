@@ -13,7 +13,7 @@ import pytest
 from engine.kernels import EXACT, FAST, KernelConfig, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    BITS, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
+    BITS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
     LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, refusal, tile_k,
 )
 from engine.kernels.quantized_gemv.fusion import Fusion
@@ -234,24 +234,26 @@ def test_dense_matmul_computes_the_quantized_layer():
     assert mx.abs(got - want).max().item() <= bound * mx.abs(want).max().item()
 
 
-def test_prompt_chunks_through_large_matrices_take_the_dense_path(monkeypatch):
+def test_prompt_chunks_past_the_kernels_rows_take_the_dense_path(monkeypatch):
     import engine.kernels.quantized_gemv.layer as layer_module
 
     calls = []
     monkeypatch.setattr(layer_module, "dense_matmul", lambda x, *_: calls.append(x.shape) or x)  # a spy
-    never = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), True, dense_min_rows=None)
-    large = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=True)
+    assert DENSE_MIN_ROWS == LAYER_MAX_ROWS + 1  # MLX's quantized matmul takes no prompt chunk
+    never = KernelQuantizedLinear.from_module(make_quantized(n=1024, k=64), True, dense_min_rows=None)
+    large = KernelQuantizedLinear.from_module(make_quantized(n=1024, k=64), use_kernel=True)
     small = KernelQuantizedLinear.from_module(make_quantized(n=48, k=64), use_kernel=True)
-    off_cuda = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64), use_kernel=False)
-    in_float32 = KernelQuantizedLinear.from_module(make_quantized(n=DENSE_MIN_OUTPUTS, k=64, dtype=mx.float32), True)
+    off_cuda = KernelQuantizedLinear.from_module(make_quantized(n=1024, k=64), use_kernel=False)
+    in_float32 = KernelQuantizedLinear.from_module(make_quantized(n=1024, k=64, dtype=mx.float32), True)
     chunk = mx.zeros((1, DENSE_MIN_ROWS, 64), dtype=mx.bfloat16)
-    for layer in (small, off_cuda, in_float32, never):
+    for layer in (off_cuda, in_float32, never):
         layer(chunk)
     assert calls == []
-    large(chunk[:, :-1])  # one row short: MLX's quantized matmul
+    large(chunk[:, :-1])  # one row short: the kernel's rows (here, below its outputs, MLX's matmul)
     assert calls == []
     large(chunk)
-    assert calls == [chunk.shape]
+    small(chunk)  # a matrix of few outputs too
+    assert calls == [chunk.shape, chunk.shape]
 
 
 @cuda_only

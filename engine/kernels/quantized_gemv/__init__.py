@@ -23,13 +23,13 @@ from engine.kernels.quantized_gemv.launch import (
     LaunchConfig, Launches, launch_config, launches_setting, parse_launches, tile_k,
 )  # fmt: skip
 from engine.kernels.quantized_gemv.layer import (
-    DENSE_DTYPES, DENSE_MIN_OUTPUTS, DENSE_MIN_ROWS, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
+    DENSE_DTYPES, DENSE_MIN_ROWS, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
     no_bias, one_launch, retyped,
 )  # fmt: skip
 from engine.kernels.quantized_gemv.source import input_names, kernel_source, launch_bounds, output_names
 
 __all__ = [
-    "BITS", "DEFAULT_FUSION", "DENSE_DTYPES", "DENSE_MIN_OUTPUTS", "DENSE_MIN_ROWS", "GROUP_SIZES", "LAYER_MAX_ROWS",
+    "BITS", "DEFAULT_FUSION", "DENSE_DTYPES", "DENSE_MIN_ROWS", "GROUP_SIZES", "LAYER_MAX_ROWS",
     "LAYER_MIN_OUTPUTS", "MAX_ROWS", "Fusion", "KernelQuantizedLinear", "LaunchConfig", "Launches", "dense_matmul",
     "float_bits", "input_names", "kernel_source", "launch_arguments", "launch_bounds", "launch_config",
     "launches_setting", "no_bias", "one_launch", "output_names", "parse_launches", "quantized_matmul",

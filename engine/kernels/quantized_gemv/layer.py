@@ -3,8 +3,9 @@
 Where the layer uses which path was measured on an H200 with qwen27b's shapes
 (docs/kernels.md): the kernel for up to `LAYER_MAX_ROWS` rows through
 matrices of at least 2048 outputs (MLX's kernel wins below); prompt chunks of
-at least `DENSE_MIN_ROWS` rows through matrices of at least `DENSE_MIN_OUTPUTS` outputs as
-a dequantize and one GEMM. MLX's operation takes the rows as one matrix:
+more rows than the kernel takes (`DENSE_MIN_ROWS`) as a dequantize and one GEMM, so
+that MLX's quantized matmul, whose JIT compilation is the longest of a start, never
+runs in a forward of the model. MLX's operation takes the rows as one matrix:
 given a batch [B, 1, K], it runs B one-row products, each reading all the
 weights.
 """
@@ -21,8 +22,7 @@ from engine.kernels.quantized_gemv.launch import Launches
 
 LAYER_MAX_ROWS = 64
 LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
-DENSE_MIN_ROWS = 256  # the default of KernelConfig.dense_min_rows (docs/kernels.md, "Prefill")
-DENSE_MIN_OUTPUTS = 1024
+DENSE_MIN_ROWS = LAYER_MAX_ROWS + 1  # the default of KernelConfig.dense_min_rows (docs/kernels.md, "Prefill")
 # Half-precision layers only: CUDA runs a float32 GEMM as TF32, less exact than MLX's quantized matmul.
 DENSE_DTYPES = (mx.bfloat16, mx.float16)
 
@@ -59,7 +59,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         new.min_outputs = min_outputs
         new.dense_prefill = (
             use_kernel and dense_min_rows is not None and q.mode == "affine"
-            and q["weight"].shape[0] >= DENSE_MIN_OUTPUTS and q["scales"].dtype in DENSE_DTYPES
+            and q["scales"].dtype in DENSE_DTYPES
         )  # fmt: skip
         new.dense_min_rows = dense_min_rows
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
