@@ -28,9 +28,11 @@ from engine.engine import Engine, kernels_notice
 from engine.kernels import FAST, KernelConfig, kernel_cache, on_cuda
 from engine.kernels.quantized_gemv import LAYER_MAX_ROWS
 from engine.batch.runner import bucket, chunk_buckets, power_buckets, trace_forwards
+from engine.batch.scheduler import SchedulerConfig
 from engine.cache.prompt_disk import DiskTier, artifact_key
 from engine.gateway import Gateway, GatewayConfig
 from engine.kernels.cuda_source import builds as kernel_builds
+from engine.kernels.indexing_warmup import compile_indexing
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
@@ -158,21 +160,34 @@ def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Opt
     return LOOPBACK | {host.lower().strip("[]")}
 
 
-def _group_waves(config: GatewayConfig, context: int, fits) -> list[list[GenerationRequest]]:
+def longest_chunk(scheduler: SchedulerConfig, rows: int) -> int:
+    """The longest chunk each of `rows` prefilling joiners takes in one forward: its share of the prefill budget,
+    cut at the block snapshots' boundary where the batcher takes them (a hybrid model's prompt runs in
+    `snapshot_block`-token chunks, so a longer prompt adds no forward shape)."""
+    chunk = scheduler.chunk(rows)
+    return min(chunk, scheduler.snapshot_block) if scheduler.snapshot_block else chunk
+
+
+def _group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int,
+                 fits) -> list[list[GenerationRequest]]:  # fmt: skip
     """The full warm-up's prefill groups: for each group bucket past one, its fewest prompts (one more than the
-    bucket below), each of a chunk bucket's length up to the bucket of the chunk such a group takes, so that
-    the group's prefill forwards (filled to the bucket) take every shape a burst can give them. `fits(rows,
-    tokens)`: whether that many prompts of that length fit the KV budget."""
-    chunk = config.scheduler().chunk
+    bucket below), each of a chunk bucket's length up to the bucket of the chunk such a group takes
+    (`longest_chunk`), so that the group's prefill forwards (filled to the bucket) take every shape a burst can
+    give them. `fits(rows, tokens)`: whether that many prompts of that length fit the KV budget. Every prompt
+    opens with tokens of its own (its row, its wave), so that none starts from another's prefix in the prompt
+    cache, which would run a shorter chunk than its wave is for."""
     waves, below = [], 1
     for group in config.group_buckets:
         if group > 1:
             rows = below + 1
-            longest = bucket(chunk(rows), config.chunk_buckets)
-            waves += [[GenerationRequest(f"warmup-group-{group}-{n}-{j}",
-                                         (100 + j, 150 + len(waves) % 50, *(1 + i % 97 for i in range(n - 1))),
-                                         stop=StopCriteria(max_tokens=2, ignore_eos=True)) for j in range(rows)]
-                      for n in config.chunk_buckets if n <= longest and n + 3 <= context and fits(rows, n)]  # fmt: skip
+            longest = bucket(longest_chunk(scheduler, rows), config.chunk_buckets)
+            for n in config.chunk_buckets:
+                if n <= longest and n + 3 <= context and fits(rows, n):
+                    w = len(waves)
+                    waves.append([GenerationRequest(f"warmup-group-{group}-{n}-{j}",
+                                                    (100 + j, 150 + w % 50, 200 + w // 50, *(1 + i % 97 for i in range(n - 2))),
+                                                    stop=StopCriteria(max_tokens=2, ignore_eos=True))
+                                  for j in range(rows)])  # fmt: skip
         below = group
     return waves
 
@@ -195,10 +210,12 @@ class WarmupStage:
 
 def _prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> WarmupStage:
     """Every decode bucket's and short prefill chunk's forward built but not run (`trace_forwards`), so that
-    the engine's kernels they call compile at once (`cache`), before the requests that run them."""
+    the engine's kernels they call compile at once (`cache`), before the requests that run them; MLX's
+    indexing kernels compile meanwhile (`compile_indexing`)."""
     start, builds = time.perf_counter(), kernel_builds()
     trace_forwards(gateway.model, gateway.config.decode_buckets or (1,),
                    [n for n in gateway.config.chunk_buckets if n <= LAYER_MAX_ROWS])  # fmt: skip
+    compile_indexing(gateway.model)  # MLX's own, while the engine's compile in other processes
     cache.settle()
     return WarmupStage("kernel builds", 0, 0, kernel_builds() - builds, round(time.perf_counter() - start, 3))
 
@@ -209,9 +226,9 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     compile; returns its stages, each passed to `log` as it ends. `quick`: one short request (two on the
     continuous lane, decoding together). `full`: also `batch` requests at once on the continuous lane, each
     a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
-    its way up and down; then, one at a time, a prompt a prefill chunk bucket long (within `context` and the
-    KV budget), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the
-    kernels of all of them are built first (`_prebuild_kernels`; `prebuild` False leaves that stage out, for
+    its way up and down; then, one at a time, a prompt a prefill chunk bucket long (up to the longest chunk
+    one takes, `longest_chunk`; within `context` and the KV budget), and the prefill groups of each group
+    bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first (`_prebuild_kernels`; `prebuild` False leaves that stage out, for
     measuring what it changes). `off`: none. A warm-up request that fails stops the start (a setting the
     model cannot take would fail every request)."""
     if mode == "off":
@@ -229,10 +246,13 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         stages = [(f"decode rows 1-{batch + 2}", [first])]
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
         budget = gateway.config.kv_budget_bytes
+        scheduler = gateway.batcher.scheduler.config
+        longest = bucket(longest_chunk(scheduler, 1), gateway.config.chunk_buckets)
         chunks = [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
                   for k, n in enumerate(gateway.config.chunk_buckets)
-                  if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
-        groups = _group_waves(gateway.config, context,
+                  if n <= longest and n + 3 <= context
+                  and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
+        groups = _group_waves(gateway.config, scheduler, context,
                               lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
         stages += [(f"prefill chunks ({len(chunks)} lengths)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
     if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:

@@ -74,20 +74,25 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
 
 
-def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path):
+@pytest.mark.parametrize("block, warmup_requests", [
+    (0, 2 + 8 + 5 + 2 * 3 + 3 * 2 + 5 * 1),  # 5 chunk buckets, then groups: 2 prompts of 16-32, 3 of 16-24, 5 of 16
+    (24, 2 + 8 + 2 + 2 * 2 + 3 * 2 + 5 * 1),  # chunks cut at 24 (block snapshots): no prompt past bucket 24
+])
+def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warmup_requests):
     # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
     # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
-    # length, arriving at once, runs only the warm-up's forward shapes.
+    # length, arriving at once, runs only the warm-up's forward shapes. A hybrid model's prompts cut at every
+    # block (the prompt cache's snapshots) take no chunk past it, so the warm-up runs none.
     model = load_model(tiny_path("tiny-qwen35"))[0]
     config = GatewayConfig(batch=8, prefill_chunk=64, prefill_budget=64, decode_buckets=power_buckets(8),
-                           chunk_buckets=chunk_buckets(64), group_buckets=(1, 2, 4, 8))  # fmt: skip
+                           chunk_buckets=chunk_buckets(64), group_buckets=(1, 2, 4, 8), prompt_cache_bytes=(1 << 24) * (block > 0),
+                           prompt_cache_block=block)  # fmt: skip
     gateway = Gateway(model, config)
-    # 2 + 8 + the 5 chunk buckets, then groups: 2 prompts of 16-32 tokens, 3 of 16-24, 5 of 16
-    assert requests(_warm_up(gateway, "full")) == 2 + 8 + 5 + 2 * 3 + 3 * 2 + 5 * 1
-    assert {("prefill", 2, 32), ("prefill", 4, 24), ("prefill", 8, 16)} <= gateway.shapes
+    assert requests(_warm_up(gateway, "full")) == warmup_requests
+    assert {("prefill", 2, 24), ("prefill", 4, 24), ("prefill", 8, 16)} <= gateway.shapes
     gateway.mark_ready()
     sinks = []
-    for i, n in enumerate((5, 17, 30, 44, 9, 63, 2)):
+    for i, n in enumerate((5, 17, 30, 44, 9, 63, 2, 100)):
         sinks.append(CollectingSink())
         gateway.submit(GenerationRequest(f"burst-{i}", tuple(7 + (i * 31 + j) % 500 for j in range(n)),
                                          stop=StopCriteria(max_tokens=3, ignore_eos=True)), sinks[-1])  # fmt: skip
