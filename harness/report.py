@@ -158,6 +158,8 @@ def _cell_view(cell: dict) -> dict:
         flags.append(f"{m['short_outputs']} outputs shorter than {m.get('requested_output_tokens')} tokens")
     if m.get("new_shapes") and cell["phase"] != "warmup":
         flags.append(f"{m['new_shapes']} new forward shapes (compiled on CUDA during the cell)")
+    if m.get("compiled_modules") and cell["phase"] != "warmup":
+        flags.append(f"{m['compiled_modules']} kernel modules compiled during the cell")
     reasons = m.get("finish_reasons") or []
     if reasons and reasons != ["length"]:
         flags.append("finish: " + ", ".join(reasons) + (" (early EOS?)" if "stop" in reasons else ""))

@@ -339,6 +339,7 @@ class Runner:
                         continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     before = server_new_shapes(client) if spec.is_engine else None
+                    modules_before = server_compiled_modules(client) if spec.is_engine else None
                     read_before = counters.read(client)
                     cell = self._phase(server, client, spec, workload, phase)
                     changed = counters.delta(read_before, counters.read(client) if read_before is not None else None)
@@ -349,6 +350,11 @@ class Runner:
                         cell.metrics["new_shapes"] = after - before
                         if after > before and phase != "warmup":
                             self.log(f"  {phase}: {after - before} forward shapes new since ready (compiled on CUDA)")
+                    modules_after = server_compiled_modules(client) if modules_before is not None else None
+                    if modules_after is not None and cell.metrics:  # modules compiled while the cell's requests waited
+                        cell.metrics["compiled_modules"] = modules_after - modules_before
+                        if modules_after > modules_before and phase != "warmup":
+                            self.log(f"  {phase}: {modules_after - modules_before} kernel modules compiled during the cell")
                     if self.recheck is not None and cell.metrics:
                         cell.metrics["preflight"] = self.recheck()
                         for problem in cell.metrics["preflight"].get("problems") or ():
@@ -597,6 +603,14 @@ def server_new_shapes(client: httpx.Client) -> Optional[int]:
     compiled kernels while requests waited: a cell during which this grew timed compilation too."""
     shapes = server_stats(client).get("shapes")
     value = shapes.get("new_since_ready") if isinstance(shapes, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def server_compiled_modules(client: httpx.Client) -> Optional[int]:
+    """The kernel modules an engine server compiled after ready (/stats `compiled_modules`, files written to its
+    kernel cache directory: MLX's own and the engine's); None if it does not say."""
+    modules = server_stats(client).get("compiled_modules")
+    value = modules.get("since_ready") if isinstance(modules, dict) else None
     return value if isinstance(value, int) else None
 
 

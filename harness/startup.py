@@ -80,6 +80,7 @@ class Requests:
     errors: list[str] = field(default_factory=list)
     new_shapes: Optional[int] = None
     kernel_builds: Optional[int] = None
+    compiled_modules: Optional[int] = None  # kernel modules compiled meanwhile (MLX's and the engine's)
 
     def quantile(self, q: float) -> Optional[float]:
         return float(np.quantile(self.ttft_ms, q)) if self.ttft_ms else None
@@ -116,10 +117,11 @@ class StartupResult:
     errors: list[str] = field(default_factory=list)
 
 
-def _shapes(client: httpx.Client) -> tuple[Optional[int], Optional[int]]:
-    """The server's (forward shapes, kernel builds) first run after ready, from /stats."""
-    shapes = server_stats(client).get("shapes") or {}
-    return shapes.get("new_since_ready"), shapes.get("kernel_builds_since_ready")
+def _shapes(client: httpx.Client) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """The server's (forward shapes, kernel builds, kernel modules compiled) after ready, from /stats."""
+    stats = server_stats(client)
+    shapes, modules = stats.get("shapes") or {}, stats.get("compiled_modules") or {}
+    return shapes.get("new_since_ready"), shapes.get("kernel_builds_since_ready"), modules.get("since_ready")
 
 
 def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str,
@@ -140,8 +142,8 @@ def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label
         else:
             out.errors.append(r.error or "failed")
     after = _shapes(client)
-    if None not in before and None not in after:
-        out.new_shapes, out.kernel_builds = after[0] - before[0], after[1] - before[1]
+    out.new_shapes, out.kernel_builds, out.compiled_modules = (
+        None if None in (a, b) else a - b for a, b in zip(after, before))
     return out
 
 
@@ -173,7 +175,7 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
         result.requests.append(got)
         p99 = got.quantile(0.99)
         log(f"{label}: TTFT p99 {p99:.0f} ms, {len(got.errors)} failed, new shapes {got.new_shapes}, kernel builds "
-            f"{got.kernel_builds}" if p99 is not None else f"{label}: every request failed ({got.errors[:1]})")  # fmt: skip
+            f"{got.kernel_builds}, modules compiled {got.compiled_modules}" if p99 is not None else f"{label}: every request failed ({got.errors[:1]})")  # fmt: skip
         return got
 
     with ExitStack() as stack:

@@ -91,14 +91,14 @@ def cmd_startup(args) -> int:
         out.print(starts)
         reqs = Table(title=f"{name}: requests after ready ({cfg.prompt_tokens}-token prompts)")
         for col in ("requests", "n", "TTFT p50 ms", "p99", "max", "decode tok/s", "failed", "new shapes",
-                    "kernel builds", f"p99 <= {cfg.ttft_slo_ms:.0f} ms"):  # fmt: skip
+                    "kernel builds", "modules compiled", f"p99 <= {cfg.ttft_slo_ms:.0f} ms"):  # fmt: skip
             reqs.add_column(col)
         for q in (q for q in r.requests if q.label != "lone"):
             met = q.meets(cfg.ttft_slo_ms)
             ok &= met
             reqs.add_row(q.label, str(q.size), _ms(q.quantile(0.5)), _ms(q.quantile(0.99)), _ms(q.quantile(1.0)),
                          "-" if q.decode_tps is None else f"{q.decode_tps:.1f}", str(len(q.errors)),
-                         str(q.new_shapes), str(q.kernel_builds), verdict(met))  # fmt: skip
+                         str(q.new_shapes), str(q.kernel_builds), str(q.compiled_modules), verdict(met))  # fmt: skip
         out.print(reqs)
         for e in r.errors:
             ok = False

@@ -224,8 +224,8 @@ def markdown(run: dict) -> str:
         lines += [f"- {md_text(q)}" for q in quality]
     compiled = compiled_cells(run)
     if compiled:
-        lines += ["", "Cells during which an engine server first ran forward shapes (on CUDA: compiled kernels "
-                  "while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
+        lines += ["", "Cells during which an engine server first ran forward shapes or compiled kernel modules "
+                  "(on CUDA: compilations while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -350,12 +350,16 @@ def quality_lines(run: dict) -> list[str]:
 
 
 def compiled_cells(run: dict) -> list[str]:
-    """'model / arm / phase: N new shapes' for each measured cell after the warm-up that ran new shapes."""
+    """'model / arm / phase: N new shapes, M kernel modules compiled' for each measured cell after the warm-up
+    that ran new shapes or compiled modules."""
     out = []
     for m in run.get("models", []):
         for arm in m.get("arms", []):
             for cell in arm.get("cells", []):
-                n = (cell.get("metrics") or {}).get("new_shapes")
-                if n and cell["phase"] != "warmup":
-                    out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: {n} new shapes")
+                metrics = cell.get("metrics") or {}
+                parts = [f"{metrics['new_shapes']} new shapes"] if metrics.get("new_shapes") else []
+                if metrics.get("compiled_modules"):
+                    parts.append(f"{metrics['compiled_modules']} kernel modules compiled")
+                if parts and cell["phase"] != "warmup":
+                    out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: {', '.join(parts)}")
     return out

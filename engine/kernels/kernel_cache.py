@@ -244,3 +244,13 @@ def settle() -> None:
     """Wait for the kernels being compiled ahead of MLX, if any (call before evaluating a forward)."""
     if _active is not None:
         _active.settle()
+
+
+def module_files(directory: Optional[Path]) -> Optional[int]:
+    """Compiled modules in a kernel cache directory (None: no directory): MLX writes `<module>.ptx` there for
+    each module it compiles, its own and the engine's kernels alike (this cache writes those first), so a count
+    that grows after ready is compilations that requests waited for."""
+    if directory is None or not directory.is_dir():
+        return None
+    return sum(1 for _ in directory.rglob("*.ptx"))
+

@@ -16,6 +16,7 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from starlette.applications import Starlette
@@ -28,6 +29,7 @@ from starlette.routing import Route
 from engine.errors import RequestTooLarge
 from engine.grammar import Constraint, GrammarError, Grammars
 from engine.kernels import KernelSet
+from engine.kernels.kernel_cache import module_files
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.reasoning import ReasoningParser, opened
@@ -60,6 +62,8 @@ class ServerContext:
     tool_parser: Optional[Parser] = None  # the chat template's tool-call format (None: it renders no tools)
     grammars: Optional[Grammars] = None  # constrained decoding (response_format, forced tool calls)
     reasoning: bool = False  # the chat template thinks: <think> blocks go to reasoning_content
+    kernel_cache_dir: Optional[Path] = None  # MLX_PTX_CACHE_DIR: /stats counts the modules compiled into it
+    modules_at_ready: Optional[int] = None  # how many it held at ready (`kernel_cache.module_files`)
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
@@ -72,6 +76,15 @@ class AppState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_hosts: Optional[frozenset[str]] = None  # Host header names accepted; None: any
     ctx: Optional[ServerContext] = None
+
+
+def compiled_modules(ctx: ServerContext) -> Optional[dict]:
+    """The kernel cache directory's compiled modules, and those written since ready (each a compilation that
+    requests waited for); None without a directory."""
+    files = module_files(ctx.kernel_cache_dir)
+    if files is None or ctx.modules_at_ready is None:
+        return None
+    return {"directory": str(ctx.kernel_cache_dir), "files": files, "since_ready": files - ctx.modules_at_ready}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -456,7 +469,8 @@ def make_app(state: AppState) -> Starlette:
         return JSONResponse({"status": "ok", "model": state.ctx.model_id})
 
     async def stats(ctx: ServerContext, request: Request) -> Response:
-        return JSONResponse({**ctx.worker.snapshot, "kernels": ctx.kernels.as_record()})
+        return JSONResponse({**ctx.worker.snapshot, "kernels": ctx.kernels.as_record(),
+                             "compiled_modules": compiled_modules(ctx)})  # fmt: skip
 
     async def metrics(ctx: ServerContext, request: Request) -> Response:
         if ctx.metrics is None:

@@ -343,6 +343,8 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         tool_parser=parser_for(engine.tokenizer.chat_template),
         grammars=Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config)),
         reasoning=cfg.reasoning_parser == "auto" and thinks(engine.tokenizer.chat_template),
+        kernel_cache_dir=cfg.kernel_cache_dir,
+        modules_at_ready=kernel_cache.module_files(cfg.kernel_cache_dir),
     )
     return worker, ctx
 

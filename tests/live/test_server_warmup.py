@@ -23,6 +23,7 @@ def test_the_full_warmup_runs_every_bucket_before_ready(server):
     assert shapes["decode_buckets"] == [1, 2, 4, 8] and shapes["new_since_ready"] == 0
     # the CPU runs none of the engine's CUDA kernels: nothing to build
     assert shapes["kernel_builds"] == shapes["kernel_builds_since_ready"] == warm["kernel_builds"] == 0
+    assert stats["compiled_modules"]["since_ready"] == 0  # the kernel cache directory's modules (none on the CPU)
     assert [st["name"] for st in warm["stages"]] == ["decode rows 1-10"]
     ready = tail(server.server.stdout_path).splitlines()[0]
     assert "batch 8, decode buckets 1,2,4,8," in ready and "warm-up full" in ready

@@ -28,6 +28,7 @@ def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tm
     for label, n in (("first", 1), ("burst-3", 3), ("burst-5", 5)):
         assert bursts[label]["size"] == n and len(bursts[label]["ttft_ms"]) == n and not bursts[label]["errors"]
         assert bursts[label]["kernel_builds"] == 0  # the CPU runs none of the engine's CUDA kernels
+        assert bursts[label]["compiled_modules"] == 0  # and compiles no module into the kernel cache
     assert len(record["lone"]["default_tps"]) == len(record["lone"]["serial_tps"]) == 2
     assert (logs / "start" / "stderr.log").is_file() and (logs / "restart" / "stdout.log").is_file()
     assert "server starts" in proc.stdout and "paired ratio" in proc.stdout

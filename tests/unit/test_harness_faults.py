@@ -423,9 +423,12 @@ def test_cells_that_ran_new_shapes_are_listed_and_flagged(tmp_path):
         cell["metrics"]["new_shapes"] = 5 if cell["phase"] == "warmup" else 0
     later = next(c for c in cells if c["phase"] != "warmup")
     later["metrics"]["new_shapes"] = 3
-    assert summary.compiled_cells(run) == [f"{model} / {arm['arm']} / {later['phase']}: 3 new shapes"]
-    assert "first ran forward shapes" in summary.markdown(run)
+    later["metrics"]["compiled_modules"] = 2  # MLX compiled modules of its own meanwhile
+    assert summary.compiled_cells(run) == [
+        f"{model} / {arm['arm']} / {later['phase']}: 3 new shapes, 2 kernel modules compiled"]
+    assert "first ran forward shapes or compiled kernel modules" in summary.markdown(run)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     html = report.render_html(report.build_view(report.load([path])))
     assert "3 new forward shapes (compiled on CUDA during the cell)" in html and "5 new forward shapes" not in html
+    assert "2 kernel modules compiled during the cell" in html
