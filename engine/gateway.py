@@ -77,7 +77,8 @@ class GatewayConfig:
     def scheduler(self) -> SchedulerConfig:
         """The continuous lane's scheduler settings."""
         return SchedulerConfig(max_rows=self.batch, prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
-                               kv_budget_bytes=self.kv_budget_bytes, prefill_budget=self.prefill_budget)  # fmt: skip
+                               kv_budget_bytes=self.kv_budget_bytes, prefill_budget=self.prefill_budget,
+                               chunk_buckets=self.chunk_buckets)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class SchedulerConfig:
     # Prompt tokens all joiners take in one iteration, shared equally (each at most prefill_chunk): a burst of
     # long prompts then holds the decoding rows for about one such forward a step. None: prefill_chunk each.
     prefill_budget: Optional[int] = None
+    # The prefill forwards' chunk buckets (a forward is padded to the smallest that holds its longest chunk): with a
+    # budget, a joiner's share is rounded down to the largest bucket within it, so no forward pads its chunks.
+    chunk_buckets: tuple[int, ...] = ()
     # A joiner's chunks stop at every multiple of this many prompt tokens (the prompt cache's block snapshots
     # are taken there); 0: chunks as long as they come.
     snapshot_block: int = 0
@@ -76,10 +79,12 @@ class SchedulerConfig:
             raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
 
     def chunk(self, joiners: int) -> int:
-        """Prompt tokens each of `joiners` prefilling joiners takes this iteration."""
+        """Prompt tokens each of `joiners` prefilling joiners takes this iteration: its share of the budget, rounded
+        down to a chunk bucket where one fits (31 joiners of 2048: 64 tokens each, not 66 padded to 96)."""
         if self.prefill_budget is None or joiners == 0:
             return self.prefill_chunk
-        return max(1, min(self.prefill_chunk, self.prefill_budget // joiners))
+        share = max(1, min(self.prefill_chunk, self.prefill_budget // joiners))
+        return max((b for b in self.chunk_buckets if b <= share), default=share)
 
 
 @dataclass(eq=False)

@@ -108,6 +108,9 @@ def test_a_prefill_budget_is_shared_by_the_joiners():
     cfg = SchedulerConfig(prefill_chunk=16, prefill_budget=24)
     assert [cfg.chunk(n) for n in (0, 1, 2, 3, 30)] == [16, 16, 12, 8, 1]
     assert SchedulerConfig(prefill_chunk=16).chunk(5) == 16
+    # with chunk buckets a share is rounded down to one, so a forward pads none of its chunks
+    buckets = SchedulerConfig(prefill_chunk=2048, prefill_budget=2048, chunk_buckets=chunk_buckets(2048))
+    assert [buckets.chunk(n) for n in (1, 2, 3, 31, 200)] == [2048, 1024, 512, 64, 10]  # 200: below the first, its share
     with pytest.raises(ValueError, match="prefill_budget"):
         SchedulerConfig(prefill_budget=0)
 
