@@ -253,4 +253,3 @@ def module_files(directory: Optional[Path]) -> Optional[int]:
     if directory is None or not directory.is_dir():
         return None
     return sum(1 for _ in directory.rglob("*.ptx"))
-

@@ -184,8 +184,9 @@ def _group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int
             for n in config.chunk_buckets:
                 if n <= longest and n + 3 <= context and fits(rows, n):
                     w = len(waves)
+                    body = tuple(1 + i % 97 for i in range(n - 2))
                     waves.append([GenerationRequest(f"warmup-group-{group}-{n}-{j}",
-                                                    (100 + j, 150 + w % 50, 200 + w // 50, *(1 + i % 97 for i in range(n - 2))),
+                                                    (100 + j, 150 + w % 50, 200 + w // 50, *body),
                                                     stop=StopCriteria(max_tokens=2, ignore_eos=True))
                                   for j in range(rows)])  # fmt: skip
         below = group
@@ -228,9 +229,10 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
     its way up and down; then, one at a time, a prompt a prefill chunk bucket long (up to the longest chunk
     one takes, `longest_chunk`; within `context` and the KV budget), and the prefill groups of each group
-    bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first (`_prebuild_kernels`; `prebuild` False leaves that stage out, for
-    measuring what it changes). `off`: none. A warm-up request that fails stops the start (a setting the
-    model cannot take would fail every request)."""
+    bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first
+    (`_prebuild_kernels`; `prebuild` False leaves that stage out, for measuring what it changes). `off`:
+    none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
+    request)."""
     if mode == "off":
         return []
 
