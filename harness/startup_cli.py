@@ -38,7 +38,8 @@ def add_startup(sub) -> None:
     p.add_argument("--serial-kernel-cache", choices=("own", "shared"), default="own",
                    help="the `--batch 1` server's kernel cache: own (default), a fresh directory, so that the "
                    "default server's start is not helped by what it compiled; shared, the default server's, so "
-                   "that on a filled directory it compiles nothing (when the lone rounds are what is measured)")
+                   "that on a filled directory it compiles nothing (when the lone rounds are what is measured; it starts "
+                   "first, so on an empty directory the default server's start is no longer a fresh one)")
     p.add_argument("--no-restart", dest="restart", action="store_false", help="skip the restart")
     p.add_argument("--kernel-cache-dir", type=Path,
                    help="the servers' --kernel-cache-dir (default: a fresh temporary directory)")
