@@ -98,6 +98,7 @@ from harness.servers import (
     ServerStartError,
     free_port,
     server_stats,
+    since_ready,
     start_server,
     tail,
 )
@@ -109,6 +110,9 @@ Log = Callable[[str], None]
 STOP_GRACE_S = 20  # a healthy server's time to exit after SIGTERM
 QUICK_STOP_S = 2  # a hung server's, or any server's once the run is interrupted
 CELL_STDERR_CHARS = 2000
+# what an engine server first ran or compiled after ready, recorded per cell (`servers.since_ready`), as logged
+SINCE_READY = (("new_shapes", "forward shapes new since ready (compiled on CUDA)"),
+               ("compiled_modules", "kernel modules compiled during the cell"))
 INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
@@ -338,23 +342,18 @@ class Runner:
                         arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({sweep_end})"))
                         continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
-                    before = server_new_shapes(client) if spec.is_engine else None
-                    modules_before = server_compiled_modules(client) if spec.is_engine else None
+                    before = since_ready(client) if spec.is_engine else None
                     read_before = counters.read(client)
                     cell = self._phase(server, client, spec, workload, phase)
                     changed = counters.delta(read_before, counters.read(client) if read_before is not None else None)
                     if changed is not None and cell.metrics:
                         cell.metrics["server_counters"] = changed
-                    after = server_new_shapes(client) if before is not None else None
-                    if after is not None and cell.metrics:  # forward shapes first run in the cell: compiles
-                        cell.metrics["new_shapes"] = after - before
-                        if after > before and phase != "warmup":
-                            self.log(f"  {phase}: {after - before} forward shapes new since ready (compiled on CUDA)")
-                    modules_after = server_compiled_modules(client) if modules_before is not None else None
-                    if modules_after is not None and cell.metrics:  # modules compiled while the cell's requests waited
-                        cell.metrics["compiled_modules"] = modules_after - modules_before
-                        if modules_after > modules_before and phase != "warmup":
-                            self.log(f"  {phase}: {modules_after - modules_before} kernel modules compiled during the cell")
+                    after = since_ready(client) if before is not None else None
+                    for key, what in SINCE_READY:  # first run or compiled in the cell: compilations waited for
+                        if after is not None and None not in (before[key], after[key]) and cell.metrics:
+                            cell.metrics[key] = after[key] - before[key]
+                            if after[key] > before[key] and phase != "warmup":
+                                self.log(f"  {phase}: {after[key] - before[key]} {what}")
                     if self.recheck is not None and cell.metrics:
                         cell.metrics["preflight"] = self.recheck()
                         for problem in cell.metrics["preflight"].get("problems") or ():
@@ -596,22 +595,6 @@ def server_memory(client: httpx.Client) -> Optional[dict]:
     """An engine server's MLX memory (/stats `memory`: active, peak and cached bytes); None if it does not say."""
     memory = server_stats(client).get("memory")
     return memory if isinstance(memory, dict) else None
-
-
-def server_new_shapes(client: httpx.Client) -> Optional[int]:
-    """The forward shapes an engine server first ran after ready (/stats); None if it does not say. On CUDA each
-    compiled kernels while requests waited: a cell during which this grew timed compilation too."""
-    shapes = server_stats(client).get("shapes")
-    value = shapes.get("new_since_ready") if isinstance(shapes, dict) else None
-    return value if isinstance(value, int) else None
-
-
-def server_compiled_modules(client: httpx.Client) -> Optional[int]:
-    """The kernel modules an engine server compiled after ready (/stats `compiled_modules`, files written to its
-    kernel cache directory: MLX's own and the engine's); None if it does not say."""
-    modules = server_stats(client).get("compiled_modules")
-    value = modules.get("since_ready") if isinstance(modules, dict) else None
-    return value if isinstance(value, int) else None
 
 
 def _same_text(a: str, b: str) -> bool:

@@ -52,6 +52,18 @@ def server_stats(client: httpx.Client) -> dict:
     return stats if isinstance(stats, dict) else {}
 
 
+def since_ready(client: httpx.Client) -> dict[str, Optional[int]]:
+    """What an engine server first ran or compiled after ready, from one /stats read: forward shapes
+    (`new_shapes`), the engine's kernel builds (`kernel_builds`) and the modules written to its kernel cache
+    directory, MLX's and the engine's (`compiled_modules`); each None where it does not say."""
+    stats = server_stats(client)
+    shapes, modules = stats.get("shapes"), stats.get("compiled_modules")
+    values = {"new_shapes": shapes.get("new_since_ready") if isinstance(shapes, dict) else None,
+              "kernel_builds": shapes.get("kernel_builds_since_ready") if isinstance(shapes, dict) else None,
+              "compiled_modules": modules.get("since_ready") if isinstance(modules, dict) else None}  # fmt: skip
+    return {k: v if isinstance(v, int) else None for k, v in values.items()}
+
+
 def tail(path: Path, limit: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-limit:]

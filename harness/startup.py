@@ -34,7 +34,7 @@ import numpy as np
 from harness.client import RequestRecord, Timeouts, stream_completion
 from harness.native import geomean
 from harness.servers import (
-    ServerProcess, ServerStartError, engine_serve_command, free_port, server_stats, start_server,
+    ServerProcess, ServerStartError, engine_serve_command, free_port, server_stats, since_ready, start_server,
 )  # fmt: skip
 from oracles.cases import frozen_prompt_ids
 
@@ -117,17 +117,10 @@ class StartupResult:
     errors: list[str] = field(default_factory=list)
 
 
-def _shapes(client: httpx.Client) -> tuple[Optional[int], Optional[int], Optional[int]]:
-    """The server's (forward shapes, kernel builds, kernel modules compiled) after ready, from /stats."""
-    stats = server_stats(client)
-    shapes, modules = stats.get("shapes") or {}, stats.get("compiled_modules") or {}
-    return shapes.get("new_since_ready"), shapes.get("kernel_builds_since_ready"), modules.get("since_ready")
-
-
 def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str,
           timeouts: Timeouts) -> Requests:  # fmt: skip
     """The prompts at once (one thread each); their records folded into a `Requests`."""
-    before = _shapes(client)
+    before = since_ready(client)
     bodies = [{"prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0} for p in prompts]
     records = [RequestRecord(label, 0, i, len(p)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
@@ -141,9 +134,10 @@ def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label
                 out.tpot_ms.append(r.tpot_ms)
         else:
             out.errors.append(r.error or "failed")
-    after = _shapes(client)
+    after = since_ready(client)
     out.new_shapes, out.kernel_builds, out.compiled_modules = (
-        None if None in (a, b) else a - b for a, b in zip(after, before))
+        None if None in (after[k], before[k]) else after[k] - before[k]
+        for k in ("new_shapes", "kernel_builds", "compiled_modules"))
     return out
 
 

@@ -69,6 +69,10 @@ def test_a_run_records_the_tier_the_server_reported(tiny_path, tmp_path):
     assert [a["kernels"]["tier"] for a in saved] == [RAN, EXACT]
     probe = next(c for c in saved[0]["cells"] if c["phase"] == "probe")
     assert probe["attempts"][0]["requests"][0]["usage"]["engine"]["kernels"] == RAN
+    # each engine cell records what the server first ran and compiled meanwhile (on the CPU: nothing compiles)
+    measured = [c for c in saved[0]["cells"] if c.get("metrics")]
+    assert measured and all(c["metrics"]["compiled_modules"] == 0 and isinstance(c["metrics"]["new_shapes"], int)
+                            for c in measured)  # fmt: skip
     db = sqlite3.connect(tmp_path / "runs.sqlite")
     stored = dict(db.execute("select arm, kernels from arms").fetchall())
     assert json.loads(stored["engine-fast"])["tier"] == RAN and json.loads(stored["engine-exact"])["tier"] == EXACT
