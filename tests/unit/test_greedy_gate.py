@@ -73,3 +73,12 @@ def test_the_gate_cli_adds_the_greedy_table_and_refuses_untrained_models(tiny_pa
     assert "greedy agreement on trained models" in capsys.readouterr().out
     assert harness_main(["kernels", "--gate-model", "tiny-qwen3-4bit", "--gate-greedy", "tiny-qwen3"]) == 2
     assert "takes trained models" in capsys.readouterr().err
+
+
+def test_an_empty_gate_greedy_list_means_no_greedy_part():
+    from harness.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["kernels", "--gate-model", "qwen27b", "--gate-greedy", ""]).gate_greedy == []
+    assert parse(["kernels", "--gate-model", "qwen27b", "--gate-greedy", "a,b"]).gate_greedy == ["a", "b"]
+    assert parse(["kernels", "--gate-model", "qwen27b"]).gate_greedy is None
