@@ -262,8 +262,8 @@ def _add_serve(sub) -> None:
                    "the start), so a restart compiles none (sets MLX_PTX_CACHE_DIR; default: $MLX_PTX_CACHE_DIR, "
                    "else ~/.cache/engine-harness/kernels/mlx-<version>)")
     p.add_argument("--mlx-cache", type=parse_bytes, default=None, metavar="BYTES",
-                   help="device memory MLX keeps for reuse once freed (its cache limit; default 16GiB on CUDA, so "
-                   "that other processes on the GPU can load; MLX's own elsewhere)")
+                   help="device memory MLX keeps for reuse once freed (its cache limit; default 64GiB on CUDA, at most "
+                   "half the GPU, so that other processes on the GPU can load; MLX's own elsewhere)")
     add_kernels_flag(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip

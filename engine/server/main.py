@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import mlx.core as mx
 
@@ -52,10 +52,19 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 # the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
 # the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
 FAST_PREFILL_BATCH = 32
-# the default --mlx-cache on CUDA: device memory MLX keeps after it is freed, for reuse. MLX's own limit is 95%
-# of the device, which lets one server's freed buffers starve any other process on the GPU (a second server
-# fails to load); a decode step at 64 rows recycles ~10 GB.
-CUDA_MLX_CACHE = 16 << 30
+# the default --mlx-cache on CUDA: device memory MLX keeps after it is freed, for reuse, at most half the device.
+# MLX's own limit is 95% of the device, which lets one server's freed buffers starve any other process on the GPU
+# (a second server fails to load). MLX caches a freed buffer only while its cache is under the limit and evicts
+# only under memory pressure, so once the warm-up's shapes fill a small cache, a lone row's buffers go to
+# cudaMallocAsync / cudaFreeAsync every step: on an H200 (qwen27b) a lone request after the full warm-up decoded
+# at 0.755x the `--batch 1` server's rate with 16 GiB and 0.934x with 64 GiB (docs/serving.md).
+CUDA_MLX_CACHE = 64 << 30
+
+
+def cuda_cache_limit(device_info: Mapping) -> int:
+    """The default --mlx-cache on CUDA: CUDA_MLX_CACHE, at most half of the device's memory where MLX reports it."""
+    total = device_info.get("total_memory") or device_info.get("memory_size")
+    return min(CUDA_MLX_CACHE, int(total) // 2) if isinstance(total, int) and total > 0 else CUDA_MLX_CACHE
 
 
 def default_batch() -> int:
@@ -102,7 +111,7 @@ class ServeConfig:
     chat_template: Optional[str] = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
     kernel_cache_dir: Optional[Path] = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
-    mlx_cache_bytes: Optional[int] = None  # MLX's buffer cache limit; None: CUDA_MLX_CACHE on CUDA, MLX's elsewhere
+    mlx_cache_bytes: Optional[int] = None  # MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
 
     def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
@@ -287,7 +296,9 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer; raises on a bad model or setting."""
     cfg.gateway_config()  # setting errors before any loading
-    cache_limit = cfg.mlx_cache_bytes if cfg.mlx_cache_bytes is not None else CUDA_MLX_CACHE if on_cuda() else None
+    cache_limit = cfg.mlx_cache_bytes
+    if cache_limit is None and on_cuda():
+        cache_limit = cuda_cache_limit(mx.device_info())
     if cache_limit is not None:
         mx.set_cache_limit(cache_limit)
     if cfg.kernel_cache_dir is not None and on_cuda():

@@ -131,3 +131,12 @@ def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tin
         gateway.run_until_idle()
         outputs.append(sink.token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+def test_the_cuda_buffer_cache_is_64_gib_at_most_half_the_device():
+    from engine.server.main import CUDA_MLX_CACHE, cuda_cache_limit
+
+    assert CUDA_MLX_CACHE == 64 << 30
+    assert cuda_cache_limit({"total_memory": 143 << 30}) == 64 << 30  # an H200
+    assert cuda_cache_limit({"memory_size": 80 << 30}) == 40 << 30
+    assert cuda_cache_limit({"device_name": "a GPU"}) == 64 << 30  # no memory reported
