@@ -3,7 +3,7 @@
 One artifact, real server processes, frozen token-id prompts:
 
     start     `engine serve` with a kernel cache directory (a fresh one unless given): load to
-              ready, and the warm-up's stages as the server reports them (/stats)
+              ready, the warm-up's stages and MLX's memory as the server reports them (/stats)
     first     one request right after ready: TTFT and decode rate
     burst-N   N requests at once, each its own prompt: TTFT quantiles, decode rate, and the
               forward shapes and kernel builds the server first ran during it (each a
@@ -11,7 +11,9 @@ One artifact, real server processes, frozen token-id prompts:
     lone      rounds of one lone request to the default server and one to `--batch 1` (the
               serial lane, started first, on a kernel cache directory of its own unless
               `serial_kernel_cache` is "shared"), the order alternating, so a drift of the machine
-              hits both alike: decode rates and the geometric mean of the per-round ratios
+              hits both alike: decode rates, the geometric mean of the per-round ratios, and the
+              default server's MLX buffer cache after each round (a full cache sends a lone row's
+              buffers to the device allocator at every step: docs/serving.md)
     restart   the default server again on the same kernel cache directory: load to ready
 
 A request that fails is counted, never timed.
@@ -66,6 +68,7 @@ class Start:
     command: list[str]
     load_to_ready_s: float
     warmup: dict = field(default_factory=dict)  # the server's /stats "warmup"
+    memory: dict = field(default_factory=dict)  # its /stats "memory" at ready: MLX's active, peak and cached bytes
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Lone:
 
     default_tps: list[float] = field(default_factory=list)
     serial_tps: list[float] = field(default_factory=list)
+    # the default server's MLX buffer cache after each kept round: a full cache keeps a lone row's buffers out
+    default_cache_bytes: list[Optional[int]] = field(default_factory=list)
 
     @property
     def ratio(self) -> Optional[float]:
@@ -115,6 +120,10 @@ class StartupResult:
     requests: list[Requests] = field(default_factory=list)
     lone: Optional[Lone] = None
     errors: list[str] = field(default_factory=list)
+
+
+def _gib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
 def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str,
@@ -159,9 +168,11 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
         server = stack.enter_context(start_server(cmd, port, timeout_s=cfg.ready_timeout_s, log_dir=logs))
         client = stack.enter_context(httpx.Client(base_url=server.url, timeout=timeouts.for_httpx(),
                                                   limits=httpx.Limits(max_connections=max(cfg.bursts, default=1) + 8)))  # fmt: skip
-        started = Start(label, cmd, round(server.load_to_ready_s, 2), server_stats(client).get("warmup") or {})
+        stats = server_stats(client)
+        started = Start(label, cmd, round(server.load_to_ready_s, 2), stats.get("warmup") or {}, stats.get("memory") or {})
         result.starts.append(started)
-        log(f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s)")
+        log(f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s, "
+            f"MLX cache {_gib(started.memory.get('cache_bytes'))})")
         return server, client
 
     def run(client: httpx.Client, label: str, n: int, tokens: int) -> Requests:
@@ -195,11 +206,14 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
                 order = list(lanes) if i % 2 == 0 else list(lanes)[::-1]
                 tps = {lane: _send(lanes[lane], [prompt()], cfg.lone_tokens, "lone", timeouts).decode_tps
                        for lane in order}  # fmt: skip
+                cached = (server_stats(client).get("memory") or {}).get("cache_bytes")
                 if i and None not in tps.values():
                     result.lone.default_tps.append(tps["default"])
                     result.lone.serial_tps.append(tps["serial"])
+                    result.lone.default_cache_bytes.append(cached)
                 log(f"lone round {i + 1}/{cfg.rounds + 1}" + (" (warm-up)" if i == 0 else "") + ": " + ", ".join(
-                    f"{lane} {v:.1f} tok/s" if v else f"{lane} failed" for lane, v in tps.items()))
+                    f"{lane} {v:.1f} tok/s" if v else f"{lane} failed" for lane, v in tps.items())
+                    + f"; default server's MLX cache {_gib(cached)}")
     if cfg.restart:
         with ExitStack() as stack:
             start(stack, "restart")

@@ -30,6 +30,10 @@ def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tm
         assert bursts[label]["kernel_builds"] == 0  # the CPU runs none of the engine's CUDA kernels
         assert bursts[label]["compiled_modules"] == 0  # and compiles no module into the kernel cache
     assert len(record["lone"]["default_tps"]) == len(record["lone"]["serial_tps"]) == 2
+    # MLX's memory at ready and its buffer cache after each lone round: what a lone row's allocations met
+    assert all(s["memory"]["active_bytes"] > 0 for s in record["starts"])
+    assert len(record["lone"]["default_cache_bytes"]) == 2
+    assert all(isinstance(b, int) and b >= 0 for b in record["lone"]["default_cache_bytes"])
     assert (logs / "start" / "stderr.log").is_file() and (logs / "restart" / "stdout.log").is_file()
     assert "server starts" in proc.stdout and "paired ratio" in proc.stdout
     assert not leftovers(tag)
