@@ -53,13 +53,19 @@ def add_kernels(sub) -> None:
     p.add_argument("--gate-rows", type=csv_ints, default=[1], help="rows decoding together in the gate, one gate "
                    "each, comma-separated (default 1; e.g. 1,8): each row is scored against its own reference")
     p.add_argument("--gate-steps", type=_positive, default=64, help="decode steps per gate prompt (default 64)")
-    p.add_argument("--gate-greedy", type=lambda v: csv(v) if v.strip() else [], default=None, metavar="MODELS", help="with --gate-model: also the "
-                   "greedy agreement of the fast tier with the exact tier on these trained models at the gate's row "
-                   "counts (default: every trained model with committed weights; '' for none)")
+    p.add_argument("--gate-greedy", type=_models_or_none, default=None, metavar="MODELS",
+                   help="with --gate-model: also the greedy agreement of the fast tier with the exact tier on these "
+                   "trained models at the gate's row counts (default: every trained model with committed weights; '' "
+                   "for none)")
     p.add_argument("--force", action="store_true", help="run the gate's fast tier off CUDA too (the chunked "
                    "delta rule and compiled steps run; quantized layers fall back to MLX's op): for testing")
     p.add_argument("--json", type=Path, help="write the results here")
     p.set_defaults(func=cmd_kernels)  # fmt: skip
+
+
+def _models_or_none(value: str) -> list[str]:
+    """--gate-greedy's value: comma-separated names, or '' for none."""
+    return csv(value) if value.strip() else []
 
 
 def cmd_kernels(args) -> int:

@@ -97,6 +97,7 @@ from harness.servers import (
     ServerProcess,
     ServerStartError,
     free_port,
+    server_memory,
     server_stats,
     since_ready,
     start_server,
@@ -589,12 +590,6 @@ def server_kernels(client: httpx.Client) -> Optional[dict]:
     """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
     kernels = server_stats(client).get("kernels")
     return kernels if isinstance(kernels, dict) else None
-
-
-def server_memory(client: httpx.Client) -> Optional[dict]:
-    """An engine server's MLX memory (/stats `memory`: active, peak and cached bytes); None if it does not say."""
-    memory = server_stats(client).get("memory")
-    return memory if isinstance(memory, dict) else None
 
 
 def _same_text(a: str, b: str) -> bool:

@@ -52,6 +52,12 @@ def server_stats(client: httpx.Client) -> dict:
     return stats if isinstance(stats, dict) else {}
 
 
+def server_memory(client: httpx.Client) -> Optional[dict]:
+    """An engine server's MLX memory (/stats `memory`: active, peak and cached bytes); None if it does not say."""
+    memory = server_stats(client).get("memory")
+    return memory if isinstance(memory, dict) else None
+
+
 def since_ready(client: httpx.Client) -> dict[str, Optional[int]]:
     """What an engine server first ran or compiled after ready, from one /stats read: forward shapes
     (`new_shapes`), the engine's kernel builds (`kernel_builds`) and the modules written to its kernel cache

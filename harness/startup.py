@@ -36,7 +36,8 @@ import numpy as np
 from harness.client import RequestRecord, Timeouts, stream_completion
 from harness.native import geomean
 from harness.servers import (
-    ServerProcess, ServerStartError, engine_serve_command, free_port, server_stats, since_ready, start_server,
+    ServerProcess, ServerStartError, engine_serve_command, free_port, server_memory, server_stats, since_ready,
+    start_server,
 )  # fmt: skip
 from oracles.cases import frozen_prompt_ids
 
@@ -168,8 +169,8 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
         server = stack.enter_context(start_server(cmd, port, timeout_s=cfg.ready_timeout_s, log_dir=logs))
         client = stack.enter_context(httpx.Client(base_url=server.url, timeout=timeouts.for_httpx(),
                                                   limits=httpx.Limits(max_connections=max(cfg.bursts, default=1) + 8)))  # fmt: skip
-        stats = server_stats(client)
-        started = Start(label, cmd, round(server.load_to_ready_s, 2), stats.get("warmup") or {}, stats.get("memory") or {})
+        started = Start(label, cmd, round(server.load_to_ready_s, 2), server_stats(client).get("warmup") or {},
+                        server_memory(client) or {})
         result.starts.append(started)
         log(f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s, "
             f"MLX cache {_gib(started.memory.get('cache_bytes'))})")
@@ -206,7 +207,7 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
                 order = list(lanes) if i % 2 == 0 else list(lanes)[::-1]
                 tps = {lane: _send(lanes[lane], [prompt()], cfg.lone_tokens, "lone", timeouts).decode_tps
                        for lane in order}  # fmt: skip
-                cached = (server_stats(client).get("memory") or {}).get("cache_bytes")
+                cached = (server_memory(client) or {}).get("cache_bytes")
                 if i and None not in tps.values():
                     result.lone.default_tps.append(tps["default"])
                     result.lone.serial_tps.append(tps["serial"])
