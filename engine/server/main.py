@@ -12,6 +12,7 @@ cancelled); then the engine loop ends.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -237,8 +238,8 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     continuous lane, decoding together). `full`: also `batch` requests at once on the continuous lane, each
     a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
     its way up and down; then, one at a time, a prompt a prefill chunk bucket long (up to the longest chunk
-    one takes, `longest_chunk`; within `context` and the KV budget), and the prefill groups of each group
-    bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first
+    one takes, `longest_chunk`), one of two such chunks and a short one (within `context` and the KV budget
+    each), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first
     (`_prebuild_kernels`; `prebuild` False leaves that stage out, for measuring what it changes). `off`:
     none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
     request)."""
@@ -259,13 +260,16 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         budget = gateway.config.kv_budget_bytes
         scheduler = gateway.batcher.scheduler.config
         longest = bucket(longest_chunk(scheduler, 1), gateway.config.chunk_buckets)
+        # and one prompt two chunks and a short one long: chunks after the first (a cache ahead of them, the
+        # caches growing) run kernels of their own, which a long prompt would otherwise compile after ready
+        buckets = gateway.config.chunk_buckets
+        lengths = [n for n in buckets if n <= longest] + ([2 * longest + buckets[0]] if buckets else [])
         chunks = [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
-                  for k, n in enumerate(gateway.config.chunk_buckets)
-                  if n <= longest and n + 3 <= context
-                  and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
+                  for k, n in enumerate(lengths)
+                  if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
         groups = _group_waves(gateway.config, scheduler, context,
                               lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
-        stages += [(f"prefill chunks ({len(chunks)} lengths)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
+        stages += [(f"prefill chunks ({len(chunks)} prompts)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
     if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
         report.append(_prebuild_kernels(gateway, kernel_cache.active()))
         log(report[-1].line())
@@ -320,6 +324,10 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     warmup = cfg.warmup or default_warmup()
     context = cfg.max_context or _context_of(engine.config)
     stages = _warm_up(gateway, warmup, cfg.kv_bits, context, log=lambda line: print(line, file=sys.stderr, flush=True))
+    # the warm-up's freed buffers (20 GB of qwen27b's, of shapes live traffic may never take) would stay in
+    # MLX's cache, out of other processes' reach and filling the cache a lone row's buffers need
+    gc.collect()
+    mx.clear_cache()
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
         full = gateway.prompt_cache.full_chunk  # quantized KV: entries are made and served past this first chunk
         kv = f"{cfg.kv_bits} bits, group {cfg.kv_group_size}, first chunk {full}" if cfg.kv_bits else "full"
