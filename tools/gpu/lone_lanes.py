@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     p.add_argument("--arms", default="generate,runner,serial,continuous")
     p.add_argument("--warmup", choices=("off", "quick", "full"), default="off",
                    help="first run `engine serve`'s warm-up on the continuous gateway")
+    p.add_argument("--warmup-passes", type=int, default=1, help="run the warm-up this many times: the later passes' "
+                   "stage times are what its requests cost with every shape and kernel already built")
     p.add_argument("--no-prebuild", action="store_true", help="the warm-up without its kernel-build stage (the "
                    "decode steps' forwards built, not run, before any request): whether the steps it traces are slower")
     p.add_argument("--burst", type=int, default=0, help="then a burst of this many requests, and the rounds again")
@@ -181,10 +183,11 @@ def main(argv=None) -> None:
                   f"garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request")  # fmt: skip
 
     if args.warmup != "off":
-        start = time.perf_counter()
-        _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print,
-                 prebuild=not args.no_prebuild)
-        print(f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s", flush=True)
+        for n in range(args.warmup_passes):
+            start = time.perf_counter()
+            _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print,
+                     prebuild=not args.no_prebuild and n == 0)
+            print(f"warm-up {args.warmup} (pass {n + 1}): {time.perf_counter() - start:.1f} s", flush=True)
     rounds("fresh", warm=True)
     if args.burst:
         sinks, busy = [_Stamps() for _ in range(args.burst)], first["gateways"]["continuous"]
