@@ -214,8 +214,9 @@ def _add_serve(sub) -> None:
                    "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)")
     p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
                    help="before /health says ready: full runs every decode row count, a prompt of each prefill "
-                   "bucket and one of three chunks, and each prefill group bucket at the chunks it can take, quick one request a lane, off "
-                   "none (default full on CUDA, quick elsewhere)")
+                   "bucket and one of three chunks, and each prefill group bucket at the chunks it can take, then "
+                   "empties MLX's buffer cache; quick one request a lane, off none (default full on CUDA, quick "
+                   "elsewhere)")
     p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
     p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")

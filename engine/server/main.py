@@ -239,9 +239,9 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
     a token longer than the one before, so the decode batch takes every row count (every decode bucket) on
     its way up and down; then, one at a time, a prompt a prefill chunk bucket long (up to the longest chunk
     one takes, `longest_chunk`), one of two such chunks and a short one (within `context` and the KV budget
-    each), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the kernels of all of them are built first
-    (`_prebuild_kernels`; `prebuild` False leaves that stage out, for measuring what it changes). `off`:
-    none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
+    each), and the prefill groups of each group bucket (`_group_waves`); with the kernel cache on, the
+    kernels of all of them are built first (`_prebuild_kernels`; `prebuild` False leaves that stage out, for
+    measuring what it changes). `off`: none. A warm-up request that fails stops the start (a setting the model cannot take would fail every
     request)."""
     if mode == "off":
         return []
@@ -259,16 +259,19 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
         budget = gateway.config.kv_budget_bytes
         scheduler = gateway.batcher.scheduler.config
-        longest = bucket(longest_chunk(scheduler, 1), gateway.config.chunk_buckets)
-        # and one prompt two chunks and a short one long: chunks after the first (a cache ahead of them, the
-        # caches growing) run kernels of their own, which a long prompt would otherwise compile after ready
         buckets = gateway.config.chunk_buckets
+        longest = bucket(longest_chunk(scheduler, 1), buckets)
+
+        def fits(rows: int, n: int) -> bool:  # that many prompts of n tokens, each with 2 generated, in the KV budget
+            return budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget
+
+        # a prompt of each chunk bucket up to the longest chunk, and one of two longest chunks and a short one:
+        # chunks after the first (a cache ahead of them, the caches growing) run kernels of their own, which a
+        # long prompt would otherwise compile after ready
         lengths = [n for n in buckets if n <= longest] + ([2 * longest + buckets[0]] if buckets else [])
         chunks = [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
-                  for k, n in enumerate(lengths)
-                  if n + 3 <= context and (budget is None or gateway.layout.row_bytes(n + 1, 2) <= budget)]  # fmt: skip
-        groups = _group_waves(gateway.config, scheduler, context,
-                              lambda rows, n: budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget)
+                  for k, n in enumerate(lengths) if n + 3 <= context and fits(1, n)]  # fmt: skip
+        groups = _group_waves(gateway.config, scheduler, context, fits)
         stages += [(f"prefill chunks ({len(chunks)} prompts)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
     if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
         report.append(_prebuild_kernels(gateway, kernel_cache.active()))
@@ -325,7 +328,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     context = cfg.max_context or _context_of(engine.config)
     stages = _warm_up(gateway, warmup, cfg.kv_bits, context, log=lambda line: print(line, file=sys.stderr, flush=True))
     # the warm-up's freed buffers (20 GB of qwen27b's, of shapes live traffic may never take) would stay in
-    # MLX's cache, out of other processes' reach and filling the cache a lone row's buffers need
+    # MLX's cache, out of other processes' reach
     gc.collect()
     mx.clear_cache()
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
