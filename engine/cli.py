@@ -253,6 +253,9 @@ def _add_serve(sub) -> None:
                    "for a loopback --host, that address and the loopback names for another, any for 0.0.0.0)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default="8MiB", metavar="BYTES",
                    help="largest request body; larger ones get a 413 unread (default 8MiB)")
+    p.add_argument("--max-header-bytes", type=parse_bytes, default="32KiB", metavar="BYTES",
+                   help="largest request head (request line and headers); a larger one gets a 431 and its "
+                   "connection closed (default 32KiB)")
     p.add_argument("--max-queued-requests", type=_non_negative, default=256, metavar="N",
                    help="requests waiting to start at once; more get a 503 with Retry-After (0: no limit; "
                    "default 256)")
@@ -319,6 +322,7 @@ def cmd_serve(args) -> int:
             draft_model=args.draft_model,
             draft_model_path=args.draft_model_path,
             max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
             allowed_hosts=args.allowed_hosts,
             max_queued_requests=args.max_queued_requests or None,
             max_queued_tokens=args.max_queued_tokens or None,

@@ -3,8 +3,9 @@
 Handlers never touch the model: they tokenize, validate, hand the request to
 the engine thread and relay its events. Bad input is answered with an
 OpenAI-style error body and a 4xx; the server stays up whatever the body.
-Before any of it, a request must name an allowed Host (`HostCheck`, against
-DNS rebinding) and POST a JSON body of at most `AppState.max_body_bytes`.
+Before any of it, the HTTP edges (`engine.server.http_edges`) refuse ambiguous
+framing and a Host that is not served here, and a POST must carry a JSON body of
+at most `AppState.max_body_bytes`.
 Until the model is loaded and warm (`AppState.ctx` unset) every route
 answers 503 and /health says "loading".
 """
@@ -32,6 +33,7 @@ from engine.kernels import KernelSet
 from engine.kernels.kernel_cache import module_files
 from engine.server import responses
 from engine.server.detokenizer import StreamingDetokenizer
+from engine.server.http_edges import FramingCheck, HostCheck
 from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
@@ -89,32 +91,6 @@ def compiled_modules(ctx: ServerContext) -> Optional[dict]:
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def host_name(header: str) -> str:
-    """The name in a Host header, without its port ("[::1]:8000" -> "::1", "localhost:80" -> "localhost")."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1 : header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
-class HostCheck:
-    """ASGI middleware: a JSON 400 for a request whose Host header names no allowed host (a page on another
-    site that resolves its own name to this address, DNS rebinding, cannot reach a local server)."""
-
-    def __init__(self, app, allowed: Optional[frozenset[str]]):
-        self.app, self.allowed = app, allowed
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.allowed is not None:
-            headers = dict(scope.get("headers") or [])
-            name = host_name(headers.get(b"host", b"").decode("latin-1"))
-            if name not in self.allowed:
-                error = ApiError(400, f"Host '{name}' is not served here (--allowed-hosts)", code="invalid_host")
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------ preparation
@@ -493,4 +469,4 @@ def make_app(state: AppState) -> Starlette:
         Route("/metrics", ready(metrics), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
-                     middleware=[Middleware(HostCheck, allowed=state.allowed_hosts)])  # fmt: skip
+                     middleware=[Middleware(FramingCheck), Middleware(HostCheck, allowed=state.allowed_hosts)])  # fmt: skip

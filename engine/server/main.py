@@ -36,6 +36,7 @@ from engine.kernels.cuda_source import builds as kernel_builds
 from engine.kernels.indexing_warmup import compile_indexing
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.loading import text_config, vocab_size
+from engine.server.http_edges import DEFAULT_MAX_HEADER_BYTES, HeadLimit
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
 from engine.grammar import Grammars
 from engine.server.reasoning import thinks
@@ -100,6 +101,7 @@ class ServeConfig:
     draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
     draft_model_path: Optional[Path] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a request head past this: 431 (`http_edges.HeadLimit`)
     allowed_hosts: Optional[frozenset[str]] = None  # None: from the bound address (`allowed_hosts`)
     max_queued_requests: Optional[int] = 256  # None: no limit
     max_queued_tokens: Optional[int] = None
@@ -397,7 +399,7 @@ def serve(cfg: ServeConfig) -> int:
     state = AppState(max_body_bytes=cfg.max_body_bytes, allowed_hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
     server = uvicorn.Server(
         uvicorn.Config(make_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                       lifespan="off")  # fmt: skip
+                       lifespan="off", http=HeadLimit, h11_max_incomplete_event_size=cfg.max_header_bytes)  # fmt: skip
     )
     worker: Optional[EngineWorker] = None
     stopped = threading.Event()

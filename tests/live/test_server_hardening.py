@@ -115,6 +115,51 @@ def test_a_host_header_naming_another_site_is_refused(server):
         assert server.client.get("/health", headers={"host": host}).status_code == 200
 
 
+def exchange(server, raw: bytes, wait: float = 5.0) -> tuple[bytes, bool]:
+    """Raw bytes to the server over a socket of their own: (all it answered, whether it closed the connection)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as s:
+        try:
+            s.sendall(raw)
+        except OSError:  # the server closed early; its answer is still there to read
+            pass
+        answer = b""
+        try:
+            while chunk := s.recv(1 << 16):
+                answer += chunk
+        except TimeoutError:
+            return answer, False
+    return answer, True
+
+
+def test_content_length_with_transfer_encoding_is_a_400_that_closes_the_connection(server):
+    # the bytes after the chunked body would be a second request (GET /stats) on a connection kept open
+    smuggled = b"GET /stats HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    answer, closed = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                      b"Content-Type: application/json\r\nContent-Length: 4\r\n"
+                                      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)  # fmt: skip
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") == 1 and b'"ambiguous_framing"' in answer
+    assert closed
+
+
+@pytest.mark.parametrize("size", [40_000, 100_000, 1_000_000])
+def test_a_request_head_over_the_limit_is_a_431_that_closes_the_connection(server, size):
+    answer, closed = exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b'"request_header_fields_too_large"' in answer and closed
+
+
+def test_a_head_within_the_limit_is_served(server):
+    answer, _ = exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 30_000 + b"\r\n\r\n", 1.0)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def test_http_1_0_without_a_host_is_served(server):
+    answer, closed = exchange(server, b"GET /health HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"ok"' in answer, answer[:300]
+    assert closed  # HTTP/1.0 without keep-alive: one request a connection
+
+
 # arbitrary bodies against the live server; max_tokens kept small where it is a valid count
 _values = st.recursive(st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | st.text(max_size=8),
                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
