@@ -41,6 +41,7 @@ from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.kernels.cuda_source import builds as kernel_builds
+from engine.prompt_logprobs import PromptScorer
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.spec.config import Speculation
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
@@ -178,6 +179,8 @@ class Gateway:
         if spec is None:
             return placement
         refusal = spec.refusal(request.sampling)
+        if refusal is None and request.prompt_logprobs is not None:
+            refusal = "a scored prompt (echo with logprobs) runs without speculation"
         if refusal is None and self.config.kv_quantization is not None:
             refusal = "quantized KV runs without speculation"
         if refusal is not None:
@@ -207,7 +210,8 @@ class Gateway:
         prefix = None
         if self.prompt_cache is not None:
             state = self.speculation.prefix_state if placement.lane is Lane.SPEC else None
-            prefix = self.prompt_cache.lookup(request.prompt_ids, draft=state)
+            if request.prompt_logprobs is None:  # a scored prompt needs the logits of every position: cold
+                prefix = self.prompt_cache.lookup(request.prompt_ids, draft=state)
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
@@ -284,13 +288,14 @@ class Gateway:
         snapshots: list[tuple[int, list]] = []
         stats: Optional[SpecStats] = None
         cache = None
+        scorer = PromptScorer(request.prompt_ids, request.prompt_logprobs or 0)
         sink.on_start()
         try:
             if queued.lane is Lane.SPEC:
                 stats = self.speculation.new_stats()
                 tokens = self._spec_tokens(queued, stats, kept)
             else:
-                cache, tokens = self._plain_tokens(queued, fed, kept, snapshots)
+                cache, tokens = self._plain_tokens(queued, fed, kept, snapshots, scorer)
             for tok in tokens:
                 generated += 1
                 if tok.finish_reason is not None:
@@ -306,7 +311,9 @@ class Gateway:
             kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots),
                                      full_chunk=self._serial_full_chunk(queued)))  # fmt: skip
         n = len(request.prompt_ids)
-        sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats))
+        scored = scorer.result() if request.prompt_logprobs is not None and reason is not FinishReason.ERROR else ()
+        sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats,
+                                  scored))  # fmt: skip
 
     def _spec_tokens(self, queued: _Queued, stats: SpecStats, kept: list[CachedPrefix]):
         """Speculative generation, the target (and the MTP head) starting from the request's cached prefix if it
@@ -328,8 +335,9 @@ class Gateway:
         return None if full is None else min(full, len(queued.request.prompt_ids) - 1)
 
     def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
-                      snapshots: list[tuple[int, list]]):  # fmt: skip
-        """The strict B=1 generation, starting from the request's cached prefix if it has one."""
+                      snapshots: list[tuple[int, list]], scorer: PromptScorer):  # fmt: skip
+        """The strict B=1 generation, starting from the request's cached prefix if it has one (`scorer` fed
+        the prefill's logits where the request scores its prompt)."""
         request, prefix = queued.request, queued.prefix
         cache = prefix.cache if prefix else self.model.make_cache()
         self._serial_shapes.add(("serial", len(request.prompt_ids) - (len(prefix.tokens) if prefix else 0)))
@@ -352,5 +360,6 @@ class Gateway:
             fed=fed,
             on_prompt=on_prompt,
             blocks=blocks,
+            on_hidden=None if request.prompt_logprobs is None else lambda h, n: scorer.add(self.model.logits(h)[0]),
         )
         return cache, tokens

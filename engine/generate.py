@@ -156,13 +156,14 @@ def decode_steps(
     cached_tokens: int = 0,
     on_prompt: Optional[Callable[[list], None]] = None,
     blocks: Optional[BlockSnapshots] = None,
+    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
 ) -> Iterator[_Step]:
     """Yield up to `max_steps` sampled steps (the caller may stop earlier).
 
     The cache already holds the first `cached_tokens` prompt tokens (a prompt
     cache hit); prefill starts after them. `on_prompt` sees the cache once it
     holds all but the last prompt token; `blocks` takes block snapshots on the way (its start: the cached
-    tokens).
+    tokens); `on_hidden` sees each prefill chunk's final hidden states (`prefill`).
     """
     if kv_quantization:
         kv_quantization.check(cache)
@@ -174,7 +175,7 @@ def decode_steps(
     if blocks is not None:
         blocks = dataclasses.replace(blocks, start=cached_tokens)
     tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization,
-                   blocks=blocks)  # fmt: skip
+                   on_hidden, blocks)  # fmt: skip
     if on_prompt is not None:
         on_prompt(cache)
 
@@ -216,6 +217,7 @@ def generate(
     fed: Optional[list[int]] = None,
     on_prompt: Optional[Callable[[list], None]] = None,
     blocks: Optional[BlockSnapshots] = None,
+    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
 ) -> Iterator[GeneratedToken]:
     """Generate tokens for one prompt. The last token carries the finish reason.
 
@@ -231,7 +233,7 @@ def generate(
     tracker = FinishTracker(stop)
     steps = decode_steps(
         model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
-        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt, blocks,
+        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt, blocks, on_hidden,
     )
     for n, step in enumerate(steps):
         token_id = step.token.item()

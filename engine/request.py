@@ -117,6 +117,8 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     stop: StopCriteria = StopCriteria()
+    # score the prompt (engine.prompt_logprobs), each token with this many alternatives; None: not scored
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -160,3 +162,4 @@ class RequestResult:
     # models whose caches cannot rewind also those at the prompt's boundary.
     caches: tuple[CachedPrefix, ...] = ()
     spec: Optional[SpecStats] = None  # on the spec lane: what speculation did
+    prompt_logprobs: tuple[GeneratedToken, ...] = ()  # prompt tokens 1.. scored, where the request asked

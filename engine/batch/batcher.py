@@ -73,6 +73,7 @@ class ContinuousBatcher:
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
         self._snapshots: dict[str, list[tuple[int, list]]] = {}  # their block snapshots (`prompt_cache.snapshot`)
+        self._scores: dict[str, tuple[GeneratedToken, ...]] = {}  # scored prompts, for their results
 
     # ---------------------------------------------------------------- intake
 
@@ -213,6 +214,7 @@ class ContinuousBatcher:
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
         snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}
         output = self.runner.first_tokens([s.request_id for s in ready], snapshot)
+        self._scores.update(output.scores)
         self._fail_rows(output.failures)
         seqs = {s.request_id: s for s in ready}
         for request_id, cache in output.prompts.items():
@@ -243,7 +245,8 @@ class ContinuousBatcher:
         if sink is not None:
             sink.on_start()
         req = seq.request
-        return Joiner(req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None))
+        return Joiner(req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None),
+                      req.prompt_logprobs)  # fmt: skip
 
     def _deliver(self, seq: Sequence, tokens: tuple[GeneratedToken, ...]) -> None:
         sink = self._sinks.get(seq.request_id)
@@ -268,6 +271,7 @@ class ContinuousBatcher:
         self._full_chunks.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)
         snapshots = tuple(self._snapshots.pop(seq.request_id, ()))
+        scores = self._scores.pop(seq.request_id, ())
         if cache is not None and snapshots:
             cache = dataclasses.replace(cache, snapshots=snapshots)
         sink = self._sinks.pop(seq.request_id, None)
@@ -281,6 +285,7 @@ class ContinuousBatcher:
             generated_tokens=seq.generated,
             error=seq.error,
             caches=tuple(c for c in (boundary, cache) if c is not None),
+            prompt_logprobs=scores,
         )
         try:
             sink.on_end(result)

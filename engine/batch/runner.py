@@ -59,6 +59,7 @@ from engine.cache import (
 )
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
+from engine.prompt_logprobs import PromptScorer
 from engine.kernels.kernel_cache import settle as settle_kernels
 from engine.sampling import Sampler, emitted_token, make_processors
 from engine.request import GeneratedToken, SamplingParams
@@ -112,6 +113,7 @@ class RowTokens:
     tokens: dict[str, GeneratedToken]
     failures: tuple[RowFailure, ...] = ()
     prompts: dict[str, list] = field(default_factory=dict)
+    scores: dict[str, tuple[GeneratedToken, ...]] = field(default_factory=dict)  # token 0: scored prompts
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Joiner:
     params: SamplingParams
     prompt_ids: Sequence[int]
     cache: Optional[list] = None  # single-row caches holding a cached prefix of the prompt
+    prompt_logprobs: Optional[int] = None  # score the prompt (`GenerationRequest.prompt_logprobs`); never cached
 
 
 @dataclass
@@ -131,13 +134,15 @@ class _Row:
     history: Optional[mx.array]  # tokens seen, for processors (prompt, then fed tokens)
     last_prompt_token: int  # what the token-0 forward feeds
     grammar: Optional[Any] = None  # the request's grammar matcher (engine.grammar), masked with the batch's others
+    scorer: Optional[PromptScorer] = None  # fed the prefill chunks' logits where the request scores its prompt
 
     @classmethod
     def start(cls, j: Joiner) -> "_Row":
         history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
         grammar = j.params.constraint.processor() if j.params.constraint is not None else None
+        scorer = PromptScorer(j.prompt_ids, j.prompt_logprobs) if j.prompt_logprobs is not None else None
         return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params, constraint=False), history,
-                   j.prompt_ids[-1], grammar)  # fmt: skip
+                   j.prompt_ids[-1], grammar, scorer)  # fmt: skip
 
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's processors to its logits [1, V], given this step's input token(s)."""
@@ -291,7 +296,8 @@ class BatchRunner:
 
     def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
         """One chunk per joiner (group order) through the model, right-padded to the longest (to its chunk
-        bucket), the group filled with ghost joiners to its group bucket."""
+        bucket), the group filled with ghost joiners to its group bucket; a joiner that scores its prompt is fed
+        its rows of the forward's logits."""
         joiners = len(chunks)
         ghosts = bucket(joiners, self.group_buckets) - joiners
         if ghosts > 0:  # empty rows fed the last joiner's chunk: no joiner's caches move (they are the longer side)
@@ -306,8 +312,11 @@ class BatchRunner:
         if max(padding) > 0:
             for c in self.joiner_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self.model(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), cache=self.joiner_cache)
+        hidden = self.model.hidden(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), self.joiner_cache)
         settle_kernels()
+        for i, row in enumerate(self.joiners[:joiners]):
+            if row.scorer is not None:
+                row.scorer.add(self.model.logits(hidden[i, : lengths[i]]))
         mx.eval(cache_arrays(self.joiner_cache))
         if max(padding) > 0:
             for c in self.joiner_cache:
@@ -349,8 +358,9 @@ class BatchRunner:
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
         tokens = self._emitted(self.ready, sampled, failed)
+        scores = {row.request_id: row.scorer.result() for row in self.ready if row.scorer is not None}
         if not failed:
-            return RowTokens(tokens, prompts=prompts)
+            return RowTokens(tokens, prompts=prompts, scores=scores)
         failures = _failures(self.ready, failed)
         keep = [i for i in range(len(self.ready)) if i not in failed]
         for f in failures:
@@ -362,7 +372,7 @@ class BatchRunner:
             self.ready_first = sampled.take(keep)
         else:
             self.ready_cache = self.ready_first = None
-        return RowTokens(tokens, failures, prompts)
+        return RowTokens(tokens, failures, prompts, scores)
 
     def _first_forward(self, inputs: mx.array) -> mx.array:
         """The split's L=1 forward, its rows filled with ghosts to their decode bucket (a shape the decode
