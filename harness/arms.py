@@ -102,10 +102,11 @@ def external_arm(item: str) -> ArmSpec:
 
 def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
                  options: Optional[dict[str, list[str]]] = None, external: Sequence[ArmSpec] = ()) -> list[ArmSpec]:  # fmt: skip
-    """The arms by name, each with its server `options` (`parse_arm_options`) appended, then the `external` ones;
-    an `engine-NAME` arm that is not a standard one is the engine arm with its options (a variant). ValueError
-    for an unknown arm, a variant without options, or options for an arm not run."""
-    known = dict(known or standard_arms())
+    """The arms by name, each with its server `options` (`parse_arm_options`) appended, then the `external` ones
+    that `names` does not place (a name an external arm has stands for it: `--arms ext --arm ext=URL`, or no names
+    and only external arms); an `engine-NAME` arm that is not a standard one is the engine arm with its options (a
+    variant). ValueError for an unknown arm, a variant without options, or options for an arm not run."""
+    known = dict(known or standard_arms()) | {a.name: a for a in external}
     options = options or {}
     for n in names:
         if n not in known and n.startswith("engine-") and n in options:
@@ -117,7 +118,9 @@ def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
     idle = [n for n in options if n not in names]
     if idle:
         raise ValueError(f"--arm-args for {', '.join(idle)}, which this run does not run (--arms {','.join(names)})")
-    clash = [a.name for a in external if a.name in names]
-    if clash:
-        raise ValueError(f"--arm {', '.join(clash)}: also in --arms")
-    return [with_options(known[n], options[n]) if n in options else known[n] for n in names] + list(external)
+    started_elsewhere = [a.name for a in external if a.name in options]
+    if started_elsewhere:
+        raise ValueError(f"--arm-args for {', '.join(started_elsewhere)}: a server the harness did not start takes "
+                         "no server options")
+    arms = [with_options(known[n], options[n]) if n in options else known[n] for n in names]
+    return arms + [a for a in external if a.name not in names]

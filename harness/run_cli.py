@@ -56,9 +56,10 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     )
     src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
     p.add_argument("--label", help="name for --model-path in the records (default: the directory name)")
-    p.add_argument("--arms", type=csv, default=csv(arms_default),
-                   help=f"arms to run, from engine, engine-serial, engine-exact, engine-fast (--kernels exact|fast), "
-                   f"mlx-lm (default {arms_default})")  # fmt: skip
+    p.add_argument("--arms", type=arm_names, default=csv(arms_default),
+                   help=f"arms the harness starts, from engine, engine-serial, engine-exact, engine-fast (--kernels "
+                   f"exact|fast), mlx-lm (default {arms_default}); '' for none, so that only the --arm servers are "
+                   "measured; a NAME an --arm gives places that server in the order")  # fmt: skip
     p.add_argument("--arm-args", action="append", default=[], metavar="ARM=OPTIONS",
                    help="server options for one arm, appended to its command line (recorded with the run); "
                    "repeat for more arms, e.g. --arm-args 'engine=--batch 64'; an arm engine-NAME that is not a "
@@ -67,7 +68,8 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--arm", action="append", default=[], metavar="NAME=URL",
                    help="also measure a running OpenAI-compatible server the harness did not start (vLLM, "
                    "llama-server, another engine serve), e.g. --arm vllm=http://127.0.0.1:8000: its model id "
-                   "from /v1/models goes into every request; repeatable")  # fmt: skip
+                   "from /v1/models goes into every request; repeatable. Measured after the --arms arms; alone "
+                   "with --arms '' --arm vllm=URL")  # fmt: skip
     p.add_argument("--export", choices=["vllm"], action="append", default=[],
                    help="also write the timed cells in another tool's result format: vllm (vllm bench serve's "
                    "keys) to OUT with .vllm.json")  # fmt: skip
@@ -135,6 +137,11 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
     p.add_argument("--diagnostic", action="store_true", help="run on a busy machine, labelled as diagnostic")
 
 
+def arm_names(text: str) -> list[str]:
+    """--arms: names separated by commas; '' (none) leaves only the --arm servers."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def rates(text: str) -> tuple[float, ...]:
     """--rates: 'sweep' or 'sweep:START' (requests/s), or requests/s separated by commas (all at once is what the
     concurrency cells do)."""
@@ -185,6 +192,8 @@ def _run_plan(args):
                             external=[external_arm(item) for item in args.arm])  # fmt: skip
     except ValueError as e:
         raise CliError(str(e)) from None
+    if not arms:
+        raise CliError("no arms: name them with --arms, or give a server the harness did not start with --arm NAME=URL")
     if len({a.name for a in arms}) != len(arms):
         raise CliError("an arm is listed twice")
     cpu_default = not args.models and not args.model_path
@@ -220,8 +229,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_trials(args) -> int:
-    if len(args.arms) < 2:
-        raise CliError("trials compare arms: give at least two (--arms A,B)")
     return _run(args, seeds=[args.workload_seed + i for i in range(args.seeds)], kind="trials")
 
 
@@ -237,6 +244,8 @@ def _run(args, seeds: list[int], kind: str) -> int:
     from harness.workloads import phase_names
 
     arms, settings, targets = _run_plan(args)
+    if kind == "trials" and len(arms) < 2:
+        raise CliError("trials compare arms: give at least two (--arms A,B, or --arm NAME=URL)")
     blocks = [Block(seed, tuple(arms if i % 2 == 0 else arms[::-1])) for i, seed in enumerate(seeds)]
     out = args.out or Path("reports") / f"{kind}-{_time.strftime('%Y%m%d-%H%M%S')}.json"
     if args.dry_run:

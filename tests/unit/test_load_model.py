@@ -107,6 +107,21 @@ def test_arms_from_urls_and_engine_variants():
         resolve_arms(["engine-ngram"])
 
 
+def test_a_server_the_harness_did_not_start_is_measured_alone(capsys):
+    ext = external_arm("ext=http://127.0.0.1:9")
+    assert [a.name for a in resolve_arms([], external=[ext])] == ["ext"]
+    assert [a.name for a in resolve_arms(["ext", "engine"], external=[ext])] == ["ext", "engine"]  # --arms places it
+    with pytest.raises(ValueError, match="takes no server options"):
+        resolve_arms(["ext"], options={"ext": ["--batch", "4"]}, external=[ext])
+    for arms in ("", "ext"):
+        assert harness_main(["run", "all", "--models", "tiny-qwen3", "--arms", arms, "--arm", "ext=http://127.0.0.1:9",
+                             "--dry-run"]) == 0  # fmt: skip
+        out = capsys.readouterr().out
+        assert "arms in order ['ext']" in out and "(external) http://127.0.0.1:9" in out
+    assert harness_main(["run", "all", "--arms", "", "--dry-run"]) == 2
+    assert "no arms" in capsys.readouterr().err
+
+
 # vLLM 0.31's `vllm bench serve --save-result` keys (vllm/benchmarks/serve.py), the percentiles at their default (99)
 VLLM_KEYS = {
     "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
