@@ -122,17 +122,37 @@ class Grammars:
             raise GrammarError(str(e)) from None
         return self._compile(grammar)
 
-    def tool_calls(self, tools: Sequence[dict[str, Any]], several: bool = True) -> Constraint:
-        """Output that is `<tool_call>` blocks (one, or one or more with `several`), each calling one of
-        `tools` (OpenAI function entries) with arguments valid under its parameters."""
+    def tool_calls(self, tools: Sequence[dict[str, Any]], several: bool = False) -> Constraint:
+        """Output that is one `<tool_call>` block calling one of `tools` (OpenAI function entries) with arguments
+        valid under its parameters; with `several`, one or more blocks, the reply free to end after each."""
+        return self._lark(f"start: {_calls(several)}\n{_call_rule(tools)}")
+
+    def call_or_json(self, tools: Sequence[dict[str, Any]], schema: dict[str, Any],
+                     several: bool = False) -> Constraint:  # fmt: skip
+        """Output that is either the calls of `tool_calls` or one JSON value valid under `schema`: a reply under
+        response_format where tools are offered and not forced."""
+        options = {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}
+        reply = f"reply: %json {json.dumps({**schema, 'x-guidance': options})}\n"
+        return self._lark(f"start: {_calls(several)} | reply\n{reply}{_call_rule(tools)}")
+
+    def _lark(self, lark: str) -> Constraint:
         import llguidance
 
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": t["function"]["name"]},
-                                 "arguments": t["function"].get("parameters") or {"type": "object"}}}
-                 for t in tools]  # fmt: skip
-        schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
-        schema = {**schema, "x-guidance": _JSON_OPTIONS}
-        lark = (f'start: call{"+" if several else ""}\n'
-                f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n')  # fmt: skip
         return self._compile(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _calls(several: bool) -> str:
+    # `call+` is accepting after each call, so end-of-sequence is allowed there: a model that would repeat a
+    # call can stop instead (it is never forced to write a second)
+    return "call+" if several else "call"
+
+
+def _call_rule(tools: Sequence[dict[str, Any]]) -> str:
+    """The lark rule of one `<tool_call>` JSON block calling one of `tools`."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}}
+             for t in tools]  # fmt: skip
+    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema = {**schema, "x-guidance": _JSON_OPTIONS}
+    return f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n'

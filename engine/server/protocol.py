@@ -67,7 +67,7 @@ class ParsedRequest:
     return_token_ids: bool
     tools: Optional[list[dict[str, Any]]] = None  # chat: the functions the model may call (rendered, parsed)
     forced_tools: Optional[list[dict[str, Any]]] = None  # tool_choice required (all) or named (one): a call must come
-    several_calls: bool = True  # parallel_tool_calls: a forced reply may hold more than one call
+    several_calls: bool = False  # parallel_tool_calls true, no named choice: a constrained reply may hold more calls
     json_schema: Optional[dict[str, Any]] = None  # response_format json_object / json_schema: the reply's schema
     template_kwargs: Optional[dict[str, Any]] = None  # chat_template_kwargs: more variables for the chat template
 
@@ -348,6 +348,14 @@ def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[di
     return tools, named[:1]
 
 
+def _several_calls(body: dict) -> bool:
+    """Whether a constrained reply may hold more than one call: only where `parallel_tool_calls` is true and
+    `tool_choice` names no function (vLLM's named choice is one call). Unset counts as false, not OpenAI's
+    true: a small model forced into `call+` repeated its call to the length limit."""
+    parallel = _typed(body, "parallel_tool_calls", (bool,), "true or false", False)
+    return parallel and not isinstance(body.get("tool_choice"), dict)
+
+
 def _response_format(body: dict) -> Optional[dict[str, Any]]:
     """The JSON schema the reply must follow (None: free text)."""
     fmt = body.get("response_format")
@@ -404,7 +412,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     if schema is not None and forced is not None:
         raise bad("a reply cannot both follow response_format and be a forced tool call", param="response_format")
     common = _common(body, is_chat=True)
-    several = _typed(body, "parallel_tool_calls", (bool,), "true or false", True)
+    several = _several_calls(body)
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object (e.g. {\"enable_thinking\": false})")
     if kwargs and {"messages", "tools", "add_generation_prompt"} & set(kwargs):
         raise bad("chat_template_kwargs may not set messages, tools or add_generation_prompt",

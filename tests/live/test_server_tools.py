@@ -76,8 +76,10 @@ def test_a_forced_call_comes_back_as_a_valid_call_streaming_and_not(client):
             entry["name"] += tc.function.name or ""
             entry["arguments"] += tc.function.arguments or ""
     assert list(calls.values()) == [{"name": call.function.name, "arguments": call.function.arguments}]
-    several = client.chat.completions.create(**forced).choices[0].message.tool_calls  # one or more, each whole
+    several = client.chat.completions.create(**forced, parallel_tool_calls=True).choices[0].message.tool_calls
     assert several and all(jsonschema.validate(json.loads(c.function.arguments), SCHEMA) is None for c in several)
+    several = client.chat.completions.create(**forced).choices[0].message.tool_calls  # one unless parallel is true
+    assert len(several) == 1
 
 
 @pytest.mark.parametrize("concurrent", [1, 8])
@@ -133,3 +135,26 @@ def test_the_artifacts_own_template_takes_tools():
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
     finally:
         assert srv.stop()[0] == 0
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """trained-qwen3 on its own template (which renders tools and writes <tool_call> JSON blocks): a model that
+    writes calls as it was trained to, repeating them where the grammar lets it."""
+    srv = LiveServer("--model", "trained-qwen3")
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    assert srv.stop()[0] == 0
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_forced_call_is_one_call_that_ends_the_reply(trained, choice):
+    r = trained.chat.completions.create(model="trained-qwen3", messages=ASK, tools=[CITY], tool_choice=choice,
+                                        max_tokens=400)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls  # one call, not the same call until max_tokens
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens < 400
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}

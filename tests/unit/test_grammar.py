@@ -54,6 +54,34 @@ def test_a_forced_call_is_a_valid_call(engine, grammars):
     jsonschema.validate(json.loads(call.arguments), params)
 
 
+def allowed_after(grammars, constraint, text, tokenizer):
+    """The token ids the grammar allows once `text` is written (None: it does not allow the text)."""
+    import llguidance
+    import llguidance.numpy as lnp
+    import numpy as np
+
+    matcher = llguidance.LLMatcher(grammars.tokenizer, constraint.grammar, log_level=0)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if matcher.validate_tokens(ids) < len(ids):
+        return None
+    matcher.consume_tokens(ids)
+    bitmask = lnp.allocate_token_bitmask(1, grammars.vocab_size)
+    lnp.fill_next_token_bitmask(matcher, bitmask, 0)
+    return set(np.nonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))[0].tolist())
+
+
+CALL = '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>'
+
+
+def test_a_forced_call_is_one_call_unless_several_are_asked_for(engine, grammars):
+    eos = set(engine.tokenizer.eos_ids)
+    once = allowed_after(grammars, grammars.tool_calls(TOOLS), CALL, engine.tokenizer)
+    assert once == eos  # the call written, the reply can only end
+    several = allowed_after(grammars, grammars.tool_calls(TOOLS, several=True), CALL, engine.tokenizer)
+    assert eos < several  # it may end after each call, or open another
+    assert allowed_after(grammars, grammars.tool_calls(TOOLS, several=True), CALL * 2, engine.tokenizer) == several
+
+
 def test_constrained_rows_in_the_batch_leave_the_others_alone(engine, grammars):
     def run(constrained):
         b = ContinuousBatcher(engine.model, SchedulerConfig(max_rows=4))

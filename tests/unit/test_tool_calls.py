@@ -137,7 +137,12 @@ def test_a_forced_call_and_a_schema_are_parsed():
     ask = [{"role": "user", "content": "x"}]
     other = {"type": "function", "function": {"name": "other"}}
     r = parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": "required"})
-    assert r.forced_tools == [TOOL, other] and r.several_calls
+    assert r.forced_tools == [TOOL, other] and not r.several_calls  # one call unless parallel_tool_calls is true
+    r = parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": "required", "parallel_tool_calls": True})
+    assert r.several_calls
+    named = {"type": "function", "function": {"name": "other"}}
+    assert not parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": named,
+                           "parallel_tool_calls": True}).several_calls  # fmt: skip
     r = parse_chat({"messages": ask, "tools": [TOOL, other], "parallel_tool_calls": False,
                     "tool_choice": {"type": "function", "function": {"name": "other"}}})  # fmt: skip
     assert r.forced_tools == [other] and not r.several_calls and r.tools == [TOOL, other]
