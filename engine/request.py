@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Optional["Constraint"] = None  # a grammar the output must follow (engine.grammar)
+    min_tokens: int = 0  # none of `end_ids` before this many tokens (vLLM's min_tokens)
+    end_ids: frozenset[int] = frozenset()  # the tokens that would end the output: EOS, stop token ids
 
     @property
     def is_greedy(self) -> bool:
@@ -41,7 +43,7 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty
-                    or self.constraint)  # fmt: skip
+                    or self.constraint or self.min_tokens)  # fmt: skip
 
     @property
     def wants_logprobs(self) -> bool:

@@ -87,10 +87,27 @@ def _frequency(penalty: float, context: int) -> LogitsProcessor:
     return process
 
 
+def _min_tokens(count: int, end_ids: frozenset[int]) -> LogitsProcessor:
+    """No token of `end_ids` for the first `count` tokens: called once per token the row samples."""
+    banned = mx.array(sorted(end_ids))
+    calls = 0
+
+    def process(history: mx.array, logits: mx.array) -> mx.array:
+        nonlocal calls
+        calls += 1
+        if calls > count:
+            return logits
+        return logits.at[:, banned].add(mx.array(-mx.inf, dtype=logits.dtype))
+
+    return process
+
+
 def make_processors(p: SamplingParams, constraint: bool = True) -> list[LogitsProcessor]:
     """The request's logits processors, its grammar's matcher last (`constraint`; the batch masks its rows'
     grammars together instead)."""
     processors = []
+    if p.min_tokens and p.end_ids:
+        processors.append(_min_tokens(p.min_tokens, p.end_ids))
     if p.logit_bias:
         processors.append(_logit_bias(p.logit_bias))
     if p.repetition_penalty:

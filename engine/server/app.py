@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
@@ -40,7 +40,7 @@ from engine.server.stop_text import TextStopper
 from engine.server.tool_calls import Parser, ToolCall, writes_json_blocks
 from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected
 from engine.tokenizer import Tokenizer
-from engine.request import FinishReason, GenerationRequest, StopCriteria
+from engine.request import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
 
 if TYPE_CHECKING:
     from engine.server.metrics import Metrics
@@ -78,6 +78,7 @@ class AppState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_hosts: Optional[frozenset[str]] = None  # Host header names accepted; None: any
     ctx: Optional[ServerContext] = None
+    ignored_seen: set[str] = field(default_factory=set)  # ignored request fields the log has named
 
 
 def compiled_modules(ctx: ServerContext) -> Optional[dict]:
@@ -113,25 +114,26 @@ def _too_long(ctx: ServerContext, parsed: ParsedRequest, tokens: int, at_least: 
     )
 
 
-async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest) -> tuple[int, ...]:
+async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest, prompt: str | tuple[int, ...] | None) -> tuple[int, ...]:
+    """The token ids of one of a completion's prompts, or of a chat's messages (`prompt` None)."""
     tok = ctx.tokenizer
     # A text prompt far over the context is refused before it is tokenized (seconds of CPU for megabytes).
-    chars = len(parsed.prompt_text or "") + sum(len(m["content"]) for m in parsed.messages or ())
+    chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in parsed.messages or ())
     fewest = -(-chars // tok.max_token_chars())
     if fewest >= ctx.max_context:
         raise _too_long(ctx, parsed, fewest, at_least=True)
-    if parsed.prompt_ids is not None:
-        bad_ids = [t for t in parsed.prompt_ids if not 0 <= t < ctx.vocab_size]
+    if isinstance(prompt, tuple):
+        bad_ids = [t for t in prompt if not 0 <= t < ctx.vocab_size]
         if bad_ids:
             raise bad(f"prompt token ids must be in [0, {ctx.vocab_size}); got {bad_ids[:5]}", "prompt", "invalid_token_id")
-        return parsed.prompt_ids
+        return prompt
     if parsed.messages is not None:
         if not tok.has_chat_template:
             raise bad("this model has no chat template; use /v1/completions", "messages")
         ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages, True, parsed.tools,
                                       parsed.template_kwargs)  # fmt: skip
     else:
-        ids = await run_in_threadpool(tok.encode, parsed.prompt_text)
+        ids = await run_in_threadpool(tok.encode, prompt)
     if not ids:
         raise bad("the prompt encodes to no tokens", "prompt")
     return tuple(ids)
@@ -165,6 +167,8 @@ def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple
     if n >= ctx.max_context:
         raise _too_long(ctx, parsed, n)
     max_tokens = parsed.max_tokens
+    if max_tokens == 0:  # echo alone: the prompt through the model (its last token's forward included), no token kept
+        max_tokens = 1
     if max_tokens is None:
         max_tokens = min(ctx.default_max_tokens, ctx.max_context - n)
     elif n + max_tokens > ctx.max_context:
@@ -179,8 +183,12 @@ def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple
     except ValueError as e:
         raise bad(str(e)) from None
     stops = tuple(tuple(ctx.tokenizer.encode(s, add_special_tokens=False)) for s in parsed.stop)
+    stops += tuple((t,) for t in parsed.stop_token_ids)
     stop = StopCriteria(max_tokens, ctx.tokenizer.eos_ids, tuple(s for s in stops if s), parsed.ignore_eos)
-    return GenerationRequest(rid, prompt, replace(parsed.sampling, constraint=constraint), stop)
+    sampling = replace(parsed.sampling, constraint=constraint, min_tokens=parsed.min_tokens,
+                       end_ids=frozenset(ctx.tokenizer.eos_ids) | frozenset(parsed.stop_token_ids))  # fmt: skip
+    scored = parsed.sampling.top_logprobs if parsed.echo and parsed.sampling.wants_logprobs else None
+    return GenerationRequest(rid, prompt, sampling, stop, prompt_logprobs=scored)
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -205,15 +213,22 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_chat: bool):
+    """The parsed request and a generation request per prompt (one for a chat), ids `RID` or `RID-i`."""
     _check_auth(ctx, request)
     parsed = (parse_chat if is_chat else parse_completion)(parse_json(await _body(request, state.max_body_bytes)))
     if parsed.model is not None and parsed.model != ctx.model_id and parsed.model not in ctx.model_aliases:
         raise ApiError(404, f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
                        "model", "model_not_found")  # fmt: skip
+    new = set(parsed.ignored) - state.ignored_seen
+    if new:
+        state.ignored_seen.update(new)
+        log.info("accepted and ignored (first seen): %s", ", ".join(sorted(new)))
     rid = ("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12)
     constraint = await run_in_threadpool(_constraint, ctx, parsed)  # llguidance's first use reads the vocabulary
-    gen = _generation_request(ctx, parsed, await _prompt_ids(ctx, parsed), rid, constraint)
-    return parsed, gen
+    prompts = parsed.prompts or (None,)
+    gens = [_generation_request(ctx, parsed, await _prompt_ids(ctx, parsed, p), rid if len(prompts) == 1 else f"{rid}-{i}",
+                                constraint) for i, p in enumerate(prompts)]  # fmt: skip
+    return parsed, rid, gens
 
 
 def _rejection(error: Exception) -> ApiError:
@@ -232,10 +247,16 @@ def _rejection(error: Exception) -> ApiError:
 class _Relay:
     """One request in flight: submits it, then turns its events into text, tokens and a result."""
 
-    def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest):
+    def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest, response_id: str,
+                 index: int = 0):  # fmt: skip
         self.ctx, self.parsed, self.gen = ctx, parsed, gen
         self.stream = ctx.worker.stream(gen.request_id)
-        self.out = responses.Output(gen.request_id, ctx.model_id, parsed.is_chat)
+        self.out = responses.Output(response_id, ctx.model_id, parsed.is_chat, index)
+        if parsed.echo:  # the prompt as sent (its text, or its ids' text), its tokens scored when they come
+            prompt = parsed.prompts[index]
+            self.out.echo_text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(list(prompt))
+            self.out.echo_tokens = [GeneratedToken(t) for t in gen.prompt_ids]
+        self.echo_only = parsed.max_tokens == 0  # the prompt's token through the model, no token kept
         self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
         self.stopper = TextStopper(parsed.stop)
         # tool calls parsed out of the text where the request offers tools and the template writes calls
@@ -266,12 +287,14 @@ class _Relay:
             event = await self.stream.events.get()
             if isinstance(event, Ended):
                 self.result = self._stopped(event.result)
+                if self.result.prompt_logprobs:
+                    self.out.echo_tokens = [self.out.echo_tokens[0], *self.result.prompt_logprobs]
                 delta = self._content(self.stopper.push(self.detok.flush()) + self.stopper.flush(), [], True)
                 yield replace(delta, finish=self._finish())
                 return
             tok = event.token
-            if self.stopper.stopped:
-                continue  # a stop string already ended the output; the engine is dropping the row
+            if self.stopper.stopped or self.echo_only:
+                continue  # a stop string already ended the output (the engine is dropping the row), or none is kept
             tokens = [] if tok.is_stop else [tok]
             text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
             self.out.tokens += tokens
@@ -300,7 +323,11 @@ class _Relay:
     def _stopped(self, result):
         """The engine's result as the client sees it: a stop string's end is a stop with the tokens up to the
         one that completed it, however many more the engine made before the cancel reached it."""
-        if self.stop_tokens is None or result.finish_reason is FinishReason.ERROR:
+        if result.finish_reason is FinishReason.ERROR:
+            return result
+        if self.echo_only:
+            return replace(result, finish_reason=FinishReason.LENGTH, generated_tokens=0)
+        if self.stop_tokens is None:
             return result
         return replace(result, finish_reason=FinishReason.STOP, generated_tokens=self.stop_tokens)
 
@@ -312,7 +339,11 @@ class _Relay:
 
     def usage(self) -> dict[str, Any]:
         p = self.placement
-        return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier)
+        return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier,
+                               self.parsed.ignored)  # fmt: skip
+
+    def usage_so_far(self) -> dict[str, int]:
+        return responses.running_usage(len(self.gen.prompt_ids), len(self.out.tokens))
 
     def cancel(self, stop_tokens: Optional[int] = None) -> None:
         """Drop the row (`stop_tokens`: a stop string ended the output there, which the engine records)."""
@@ -334,74 +365,152 @@ class _Relay:
         return ApiError(500, f"generation failed: {self.result.error}", code="engine_error")
 
 
-async def _cancel_on_disconnect(request: Request, relay: _Relay) -> None:
+async def _cancel_on_disconnect(request: Request, relays: list[_Relay]) -> None:
     """Wait for the client to go away (the body is read: the next message is the disconnect), then drop the
-    row, as a stream's end does."""
+    rows, as a stream's end does."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    if relay.result is None:
-        log.info("%s cancelled: the client went away before the response", relay.gen.request_id)
-        relay.cancel()
+    for relay in relays:
+        if relay.result is None:
+            log.info("%s cancelled: the client went away before the response", relay.gen.request_id)
+            relay.cancel()
+
+
+async def _open(ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]) -> list[_Relay]:
+    """A relay per prompt, each submitted (all in the queue together, so they prefill and decode as rows of one
+    batch); a refusal of any cancels those already in."""
+    relays = [_Relay(ctx, parsed, gen, rid, i) for i, gen in enumerate(gens)]
+    try:
+        for relay in relays:
+            await relay.open()
+    except ApiError:
+        for relay in relays:
+            if relay.placement is not None:
+                relay.cancel()
+        raise
+    return relays
+
+
+async def _finish(relay: _Relay) -> Optional[str]:
+    """Read a relay to its end: its finish reason."""
+    finish = None
+    async for delta in relay.events():
+        finish = delta.finish
+    return finish
 
 
 async def _complete(ctx: ServerContext, state: AppState, request: Request, is_chat: bool) -> Response:
     try:
-        parsed, gen = await _prepare(ctx, state, request, is_chat)
-        relay = _Relay(ctx, parsed, gen)
-        await relay.open()
+        parsed, rid, gens = await _prepare(ctx, state, request, is_chat)
+        relays = await _open(ctx, parsed, rid, gens)
     except ApiError as e:
         return error_response(e)
     if parsed.stream:
-        return StreamingResponse(_sse(relay), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    watch = asyncio.ensure_future(_cancel_on_disconnect(request, relay))
+        return StreamingResponse(_sse(relays), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watch = asyncio.ensure_future(_cancel_on_disconnect(request, relays))
     try:
-        finish = None
-        async for delta in relay.events():
-            finish = delta.finish
+        finishes = await asyncio.gather(*(_finish(r) for r in relays))
     finally:
         watch.cancel()
-        relay.cancel()  # no-op once the result is in; otherwise the handler itself was cancelled
-    relay.log_line()
-    if relay.result.finish_reason is FinishReason.ERROR:
-        return error_response(relay.failure())
-    return JSONResponse(responses.body(relay.out, finish, relay.usage(), relay.text_of, parsed.return_token_ids))
+        for relay in relays:
+            relay.cancel()  # no-op once the result is in; otherwise the handler itself was cancelled
+    for relay in relays:
+        relay.log_line()
+    failed = [r for r in relays if r.result.finish_reason is FinishReason.ERROR]
+    if failed:
+        return error_response(failed[0].failure())
+    usage = responses.total_usage([r.usage() for r in relays])
+    outs = [(r.out, finish) for r, finish in zip(relays, finishes)]
+    return JSONResponse(responses.body(outs, usage, relays[0].text_of, parsed.return_token_ids))
 
 
 def _sse_event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(relay: _Relay) -> AsyncIterator[str]:
-    """The response's SSE events; those of the engine events already at hand go out in one write."""
+async def _chunks(relay: _Relay) -> AsyncIterator[str]:
+    """One relay's SSE events (its choice's), those of the engine events already at hand in one piece; with
+    continuous usage, each chunk carries the usage so far."""
     parsed, out = relay.parsed, relay.out
     ids = parsed.return_token_ids
     pending: list[str] = []
+
+    def event(obj: dict[str, Any]) -> str:
+        if parsed.include_usage and parsed.continuous_usage:
+            obj["usage"] = relay.usage_so_far()
+        return _sse_event(obj)
+
+    if parsed.is_chat:
+        pending.append(event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True)))
+    elif out.echo_text:
+        pending.append(event(responses.chunk(out, out.echo_text, [], None, relay.text_of, ids)))
+    async for delta in relay.events():
+        if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
+            pending.append(_sse_event(relay.failure().body()))
+            break
+        # the text, then the tool calls completed with it, then the finish (with the text where no call came)
+        text_finish = None if delta.calls else delta.finish
+        if delta.tokens or delta.text or delta.reasoning or text_finish:
+            pending.append(event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
+                                                 ids, reasoning=delta.reasoning)))  # fmt: skip
+        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids)]
+        if delta.calls and delta.finish:
+            pending.append(event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
+        if pending and relay.stream.events.empty():
+            yield "".join(pending)
+            pending.clear()
+    if pending:
+        yield "".join(pending)
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The pieces of several streams as each comes (one stream: its own)."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put(piece)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
     try:
-        if parsed.is_chat:
-            pending.append(_sse_event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True)))
-        async for delta in relay.events():
-            if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
-                pending.append(_sse_event(relay.failure().body()))
-                break
-            # the text, then the tool calls completed with it, then the finish (with the text where no call came)
-            text_finish = None if delta.calls else delta.finish
-            if delta.tokens or delta.text or delta.reasoning or text_finish:
-                pending.append(_sse_event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
-                                                          ids, reasoning=delta.reasoning)))  # fmt: skip
-            pending += [_sse_event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids)]
-            if delta.calls and delta.finish:
-                pending.append(_sse_event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
-            if pending and relay.stream.events.empty():
-                yield "".join(pending)
-                pending.clear()
-        if parsed.include_usage and relay.result.finish_reason is not FinishReason.ERROR:
-            pending.append(_sse_event(responses.usage_chunk(out, relay.usage())))
-        yield "".join(pending) + "data: [DONE]\n\n"
-        relay.log_line()
+        ended = 0
+        while ended < len(tasks):
+            piece = await queue.get()
+            if piece is None:
+                ended += 1
+            else:
+                yield piece
     finally:
-        if relay.result is None:  # the client went away mid-stream: drop the row
-            log.info("%s cancelled: the client went away after %d tokens", relay.gen.request_id, len(out.tokens))
-            relay.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(relays: list[_Relay]) -> AsyncIterator[str]:
+    """The response's SSE events: every choice's, as they come, then the usage (where asked) and [DONE]."""
+    parsed = relays[0].parsed
+    try:
+        async for piece in _merged([_chunks(r) for r in relays]):
+            yield piece
+        done = "data: [DONE]\n\n"
+        if parsed.include_usage and all(r.result.finish_reason is not FinishReason.ERROR for r in relays):
+            usage = responses.total_usage([r.usage() for r in relays])
+            done = _sse_event(responses.usage_chunk(relays[0].out, usage)) + done
+        yield done
+        for relay in relays:
+            relay.log_line()
+    finally:
+        for relay in relays:
+            if relay.result is None:  # the client went away mid-stream: drop the row
+                log.info("%s cancelled: the client went away after %d tokens", relay.gen.request_id,
+                         len(relay.out.tokens))  # fmt: skip
+                relay.cancel()
 
 
 # ------------------------------------------------------------------ routes

@@ -1,9 +1,8 @@
 """The OpenAI request bodies the server accepts, parsed into typed requests (no model, no arrays).
 
 Every field is checked for type and range here; anything wrong becomes an
-`ApiError` whose message names the field. Unknown fields are refused (a typo
-such as `max_token` would otherwise be ignored silently), except a few
-OpenAI fields that cannot change what is computed (`user`, `metadata`, ...).
+`ApiError` whose message names the field. Which fields are honoured, accepted
+and ignored, or refused: `engine.server.fields`.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.request import SamplingParams
+from engine.server import fields
 
 
 class ApiError(Exception):
@@ -39,14 +39,8 @@ def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -
     return ApiError(400, message, param, code)
 
 
-_SHARED = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "logit_bias", "logprobs",
-    "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "stream", "stream_options",
-    "ignore_eos", "return_token_ids", "n", "user", "metadata", "store", "service_tier",
-}  # fmt: skip
-COMPLETION_FIELDS = _SHARED | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SHARED | {"messages", "max_completion_tokens", "parallel_tool_calls", "response_format", "tools",
-                         "tool_choice", "chat_template_kwargs"}  # fmt: skip
+COMPLETION_FIELDS, CHAT_FIELDS = fields.COMPLETION, fields.CHAT
+MAX_PROMPTS = 256  # prompts in one completions request
 
 
 @dataclass(frozen=True)
@@ -55,16 +49,20 @@ class ParsedRequest:
 
     is_chat: bool
     model: Optional[str]
-    prompt_text: Optional[str]  # completions, text prompt
-    prompt_ids: Optional[tuple[int, ...]]  # completions, token-id prompt
+    prompts: tuple[str | tuple[int, ...], ...]  # completions: each prompt, text or token ids (a choice each)
     messages: Optional[list[dict[str, Any]]]  # chat, as the chat template takes them
-    max_tokens: Optional[int]  # None: the server's default, within the context
+    max_tokens: Optional[int]  # None: the server's default, within the context; 0 (echo only): none generated
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     ignore_eos: bool
     return_token_ids: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM)
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs the logprobs)
+    stop_token_ids: tuple[int, ...] = ()  # vLLM: more tokens that end the output, as EOS does
+    min_tokens: int = 0  # vLLM: no end-of-sequence token before this many tokens
+    ignored: tuple[str, ...] = ()  # fields accepted and ignored (`fields.IGNORED`), named in usage.engine
     tools: Optional[list[dict[str, Any]]] = None  # chat: the functions the model may call (rendered, parsed)
     forced_tools: Optional[list[dict[str, Any]]] = None  # tool_choice required (all) or named (one): a call must come
     several_calls: bool = False  # parallel_tool_calls true, no named choice: a constrained reply may hold more calls
@@ -170,8 +168,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _reject_unknown(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
+def _reject_unknown(body: dict, known: frozenset[str]) -> None:
+    unknown = fields.unknown_fields(body, known)
     if unknown:
         raise bad(f"unknown field(s): {', '.join(unknown)}", param=unknown[0], code="unknown_field")
 
@@ -181,8 +179,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("only n=1 is supported", param="n")
     if _int(body, "best_of", 1) != 1:
         raise bad("only best_of=1 is supported", param="best_of")
-    if _flag(body, "echo"):
-        raise bad("echo is not supported", param="echo")
     if body.get("suffix") is not None:
         raise bad("suffix is not supported", param="suffix")
 
@@ -223,42 +219,62 @@ def _seed(body: dict) -> Optional[int]:
     return seed
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool, tuple[str, ...]]:
+    """(include_usage, continuous_usage_stats, the options ignored)."""
     opts = _typed(body, "stream_options", (dict,), "an object", {})
     if opts and not stream:
         raise bad("'stream_options' is only allowed with stream: true", param="stream_options")
-    unknown = set(opts) - {"include_usage"}
+    unknown = set(opts) - fields.STREAM_OPTIONS - fields.STREAM_OPTIONS_IGNORED
     if unknown:
         raise bad(f"unknown stream_options field(s): {', '.join(sorted(unknown))}", param="stream_options")
-    return _flag(opts, "include_usage")
+    ignored = tuple(f"stream_options.{k}" for k in sorted(set(opts) & fields.STREAM_OPTIONS_IGNORED))
+    return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats"), ignored
 
 
-def _max_tokens(body: dict, names: tuple[str, ...]) -> Optional[int]:
+def _max_tokens(body: dict, names: tuple[str, ...], least: int = 1) -> Optional[int]:
     for name in names:
         value = _int(body, name)
         if value is not None:
-            if value <= 0:
-                raise bad(f"'{name}' must be at least 1, got {value}", param=name)
+            if value < least:
+                raise bad(f"'{name}' must be at least {least}, got {value}", param=name)
             return value
     return None
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    ids = body.get(name)
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise bad(f"'{name}' must be a list of token ids", param=name)
+    return tuple(ids)
 
 
 # ---------------------------------------------------------------- requests
 
 
-def _prompt(body: dict) -> tuple[Optional[str], Optional[tuple[int, ...]]]:
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
+    """The request's prompts: a string or a list of token ids is one; a list of those is several, one choice
+    each (`index` in this order)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' must not be empty", param="prompt")
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, tuple(prompt)
-    if isinstance(prompt, list) and not prompt:
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and not prompt:
         raise bad("'prompt' must not be empty", param="prompt")
-    raise bad("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+    else:
+        raise bad("'prompt' must be a string, a list of token ids, or a list of either (several prompts)",
+                  param="prompt")  # fmt: skip
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} in one request", param="prompt")
+    if any(not p for p in prompts):
+        raise bad("'prompt' must not be empty (nor any of its prompts)", param="prompt")
+    return tuple(p if isinstance(p, str) else tuple(p) for p in prompts)
 
 
 def _text(content: Any, where: str, allow_none: bool = False) -> str:
@@ -385,23 +401,33 @@ def _common(body: dict, is_chat: bool) -> dict[str, Any]:
         top = _int(body, "logprobs")
         _in_range("logprobs", top, 0, 20, "in [0, 20]")
         want, top = top is not None, top or 0
+    include_usage, continuous_usage, ignored_options = _stream_options(body, stream)
+    min_tokens = _int(body, "min_tokens", 0)
+    _in_range("min_tokens", min_tokens, 0, 1 << 30, ">= 0")
     return {
         "model": model,
         "sampling": _sampling(body, top, want),
         "stop": _stop(body),
         "stream": stream,
-        "include_usage": _stream_options(body, stream),
+        "include_usage": include_usage,
+        "continuous_usage": continuous_usage,
         "ignore_eos": _flag(body, "ignore_eos"),
         "return_token_ids": _flag(body, "return_token_ids"),
+        "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "min_tokens": min_tokens,
+        "ignored": fields.ignored_fields(body, COMPLETION_FIELDS if not is_chat else CHAT_FIELDS) + ignored_options,
     }
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     _reject_unknown(body, COMPLETION_FIELDS)
-    text, ids = _prompt(body)
+    prompts = _prompts(body)
     common = _common(body, is_chat=False)
-    return ParsedRequest(False, prompt_text=text, prompt_ids=ids, messages=None,
-                         max_tokens=_max_tokens(body, ("max_tokens",)), **common)  # fmt: skip
+    echo = _flag(body, "echo")
+    if echo and common["stream"] and common["sampling"].wants_logprobs:
+        raise bad("echo with logprobs needs stream: false (the prompt's logprobs come with the whole reply)", "echo")
+    max_tokens = _max_tokens(body, ("max_tokens",), least=0 if echo else 1)  # echo alone: the prompt's scores
+    return ParsedRequest(False, prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo, **common)
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
@@ -417,6 +443,6 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     if kwargs and {"messages", "tools", "add_generation_prompt"} & set(kwargs):
         raise bad("chat_template_kwargs may not set messages, tools or add_generation_prompt",
                   param="chat_template_kwargs")  # fmt: skip
-    return ParsedRequest(True, prompt_text=None, prompt_ids=None, messages=messages, tools=tools, forced_tools=forced,
+    return ParsedRequest(True, prompts=(), messages=messages, tools=tools, forced_tools=forced,
                          several_calls=several, json_schema=schema, template_kwargs=kwargs or None,
                          max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip

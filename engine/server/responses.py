@@ -9,7 +9,8 @@ The usage object carries the OpenAI fields plus one extension, `engine`:
       "batch_size": 3,                     most rows in the batch while it ran
       "finish": "stop" | "length" | ...,   the engine's finish reason
       "timings_ms": {"queue", "prefill", "first_token", "decode", "total"},
-      "spec": {...}                        on the spec lane: SpecStats.as_dict()
+      "spec": {...},                       on the spec lane: SpecStats.as_dict()
+      "ignored_fields": [...]              request fields accepted and ignored (engine.server.fields), if any
     }
 """
 
@@ -44,19 +45,23 @@ class Output:
     request_id: str
     model: str
     is_chat: bool
+    index: int = 0  # the choice's index: its prompt's place in the request
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     tokens: list[GeneratedToken] = field(default_factory=list)  # emitted, stop tokens excluded
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed out of the text (not in `text`)
     reasoning: str = ""  # a thinking template's reasoning (not in `text`)
+    echo_text: str = ""  # completions with echo: the prompt, ahead of `text`
+    echo_tokens: list[GeneratedToken] = field(default_factory=list)  # and its tokens (scored where asked)
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.is_chat else "text_completion"
 
 
-def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str, kernels: str) -> dict[str, Any]:
+def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str, kernels: str,
+          ignored: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.generated_tokens,
@@ -70,8 +75,24 @@ def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason
             "finish": result.finish_reason.value,
             "timings_ms": stream.times.as_ms(),
             **({"spec": result.spec.as_dict()} if result.spec is not None else {}),
+            **({"ignored_fields": list(ignored)} if ignored else {}),
         },
     }
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage so far, on every chunk of a stream that asked for it (vLLM's continuous_usage_stats)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def total_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One request's usage over its prompts: the counts summed, the first prompt's `engine` block."""
+    if len(usages) == 1:
+        return usages[0]
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}, "engine": usages[0]["engine"]}
 
 
 def completion_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[str, Any]:
@@ -84,7 +105,8 @@ def completion_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) ->
     return {
         "tokens": texts,
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{text_of(x.token_id): x.logprob for x in (t.top_logprobs or ())} for t in tokens],
+        "top_logprobs": [None if t.logprob is None else {text_of(x.token_id): x.logprob for x in (t.top_logprobs or ())}
+                         for t in tokens],  # fmt: skip
         "text_offset": offsets,
     }
 
@@ -103,20 +125,21 @@ def chat_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[
 
 
 def _logprobs(out: Output, tokens: Sequence[GeneratedToken], text_of: TokenText) -> Optional[dict[str, Any]]:
-    if not tokens or tokens[0].logprob is None:
+    if all(t.logprob is None for t in tokens):  # none asked (an echoed prompt's first token has none either)
         return None
     return chat_logprobs(tokens, text_of) if out.is_chat else completion_logprobs(tokens, text_of)
 
 
 def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: TokenText, ids: bool, delta=None):
     """A choice; for a chat stream chunk, `delta` is the message delta."""
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if not out.is_chat:
         choice["text"] = text
     elif delta is not None:
         choice["delta"] = delta
     else:
-        choice["message"] = {"role": "assistant", "content": text if text or not out.tool_calls else None}
+        # no content: null, where the reply is calls or reasoning only (OpenAI's)
+        choice["message"] = {"role": "assistant", "content": text or (None if out.tool_calls or out.reasoning else "")}
         if out.reasoning:
             choice["message"]["reasoning_content"] = out.reasoning
         if out.tool_calls:
@@ -128,16 +151,19 @@ def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: Toke
     return choice
 
 
-def body(out: Output, finish: str, usage_obj: dict[str, Any], text_of: TokenText, ids: bool) -> dict[str, Any]:
-    """The whole non-streaming response."""
-    return {
-        "id": out.request_id,
-        "object": out.object,
-        "created": out.created,
-        "model": out.model,
-        "choices": [_choice(out, out.text, out.tokens, finish, text_of, ids)],
-        "usage": usage_obj,
-    }
+def body(outs: Sequence[tuple[Output, Optional[str]]], usage_obj: dict[str, Any], text_of: TokenText,
+         ids: bool) -> dict[str, Any]:  # fmt: skip
+    """The whole non-streaming response: a choice per (output, finish reason), an echoed prompt ahead of its
+    text and logprobs."""
+    choices = []
+    for out, finish in outs:
+        choice = _choice(out, out.echo_text + out.text, out.tokens, finish, text_of, ids)
+        if out.echo_tokens:
+            choice["logprobs"] = _logprobs(out, out.echo_tokens + out.tokens, text_of)
+        choices.append(choice)
+    first = outs[0][0]
+    return {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
+            "choices": choices, "usage": usage_obj}  # fmt: skip
 
 
 def chunk(

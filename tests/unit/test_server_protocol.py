@@ -11,7 +11,7 @@ def test_a_full_completion_body():
                           "logprobs": 2, "repetition_penalty": 1.1, "stream": True,
                           "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True,
                           "user": "someone"})  # fmt: skip
-    assert r.prompt_ids == (1, 2, 3) and r.prompt_text is None and r.max_tokens == 7
+    assert r.prompts == ((1, 2, 3),) and r.max_tokens == 7 and r.ignored == ("user",)
     s = r.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.repetition_penalty) == (0.5, 0.9, 4, 0.1, 3, 1.1)
     assert s.logit_bias == {5: -100.0} and s.logprobs and s.top_logprobs == 2
@@ -20,13 +20,58 @@ def test_a_full_completion_body():
 
 def test_defaults_are_greedy_without_logprobs():
     r = parse_completion({"prompt": "hi"})
-    assert r.prompt_text == "hi" and r.max_tokens is None and r.sampling.is_greedy
+    assert r.prompts == ("hi",) and r.max_tokens is None and r.sampling.is_greedy
     assert not r.sampling.wants_logprobs and not r.stream and r.stop == ()
 
 
 def test_a_batch_of_one_prompt_is_accepted():
-    assert parse_completion({"prompt": [[4, 5]]}).prompt_ids == (4, 5)
-    assert parse_completion({"prompt": ["x"]}).prompt_text == "x"
+    assert parse_completion({"prompt": [[4, 5]]}).prompts == ((4, 5),)
+    assert parse_completion({"prompt": ["x"]}).prompts == ("x",)
+
+
+def test_a_list_of_prompts_is_a_choice_each_in_order():
+    assert parse_completion({"prompt": ["a", "b", "c"]}).prompts == ("a", "b", "c")
+    assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == ((1, 2), (3,))
+    assert parse_completion({"prompt": ["a", [3]]}).prompts == ("a", (3,))
+    for prompt in ([], ["a", ""], [[1], []], [["a"]], ["a"] * 257):
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": prompt})
+        assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_echo_takes_max_tokens_0_and_logprobs_but_not_when_streamed():
+    r = parse_completion({"prompt": "x y", "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert r.echo and r.max_tokens == 0 and r.sampling.top_logprobs == 1
+    with pytest.raises(ApiError, match="at least 1"):
+        parse_completion({"prompt": "x", "max_tokens": 0})
+    with pytest.raises(ApiError, match="stream: false"):
+        parse_completion({"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+    assert parse_completion({"prompt": "x", "echo": True, "stream": True}).echo
+
+
+def test_stream_options_of_vllm_and_openai():
+    r = parse_completion({"prompt": "x", "stream": True,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True,
+                                             "include_obfuscation": False}})  # fmt: skip
+    assert r.include_usage and r.continuous_usage and r.ignored == ("stream_options.include_obfuscation",)
+    with pytest.raises(ApiError, match="unknown stream_options"):
+        parse_completion({"prompt": "x", "stream": True, "stream_options": {"include_usag": True}})
+
+
+def test_fields_of_openai_and_vllm_are_honoured_or_ignored_by_name_and_others_refused():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    r = parse_chat({**chat, "reasoning_effort": "low", "verbosity": "low", "prompt_cache_key": "k",
+                    "safety_identifier": "s", "modalities": ["text"], "prediction": None, "skip_special_tokens": True,
+                    "min_tokens": 3, "stop_token_ids": [7, 9]})  # fmt: skip
+    assert r.ignored == ("modalities", "prediction", "prompt_cache_key", "reasoning_effort", "safety_identifier",
+                         "skip_special_tokens", "verbosity")  # fmt: skip
+    assert r.min_tokens == 3 and r.stop_token_ids == (7, 9)
+    with pytest.raises(ApiError, match=r"unknown field\(s\): max_token$") as e:
+        parse_chat({**chat, "max_token": 5})
+    assert e.value.param == "max_token"
+    for bad in ({"min_tokens": -1}, {"stop_token_ids": [1, "2"]}, {"stop_token_ids": 3}):
+        with pytest.raises(ApiError):
+            parse_chat({**chat, **bad})
 
 
 def test_chat_logprobs_and_max_completion_tokens():

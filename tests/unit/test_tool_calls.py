@@ -78,11 +78,11 @@ def test_responses_carry_calls_as_openai_does():
     assert [tc["function"].get("name") for tc in streamed] == ["get_weather", None, "get_time", None]
     assert streamed[0]["id"].startswith("call_") and streamed[0]["type"] == "function" and "id" not in streamed[1]
     assert [tc["function"]["arguments"] for tc in streamed[:2]] == ["", out.tool_calls[0].arguments]
-    message = responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]
+    message = responses.body([(out, "tool_calls")], {}, str, False)["choices"][0]["message"]
     assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["get_weather", "get_time"]
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
     out.text = ""
-    assert responses.body(out, "tool_calls", {}, str, False)["choices"][0]["message"]["content"] is None
+    assert responses.body([(out, "tool_calls")], {}, str, False)["choices"][0]["message"]["content"] is None
 
 
 XML = ("Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n"
