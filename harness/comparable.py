@@ -10,7 +10,9 @@ thing the same way:
   (`summary.too_short`), a decode or concurrency cell at least MIN_CELL_MS long
   (a TTFT is a latency, timed however short);
 - the same work (`summary.same_work`): attempt, requests, output counts, finish
-  reasons, cached tokens.
+  reasons, cached tokens;
+- no more cached tokens than the workload explains (`anomalies.unexplained_cache`):
+  a server that kept an earlier run's prompts times its cache.
 
 `withheld` gives the first reason that applies, or None.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from harness.anomalies import unexplained_cache
 from harness.summary import cell_of, metric as metric_of, ok_requests, same_work, too_short
 
 MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
@@ -35,8 +38,11 @@ def run_reason(run: dict) -> Optional[str]:
     return None
 
 
-def cell_reason(cell: dict) -> Optional[str]:
-    """Why this measured cell's numbers should not be compared, or None."""
+def cell_reason(cell: dict, load: Optional[dict] = None) -> Optional[str]:
+    """Why this measured cell's numbers should not be compared, or None; `load`: the run's workload settings."""
+    cached = unexplained_cache(cell, load or {})
+    if cached:
+        return cached
     problems = ((cell.get("metrics") or {}).get("preflight") or {}).get("problems")
     if problems:
         return f"the machine was busy after the cell ({problems[0]})"
@@ -57,11 +63,11 @@ def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> 
         why = run_reason(run)
         if why:
             return why
-    for arm in (arm_a, arm_b):
+    for run, arm in ((run_a, arm_a), (run_b, arm_b)):
         cell = cell_of(arm, phase)
         if cell is None:
             return "not measured on both"
-        why = cell_reason(cell)
+        why = cell_reason(cell, (run.get("settings") or {}).get("workload"))
         if why:
             return f"{arm['arm']}: {why}"
     return same_work(arm_a, arm_b, phase)

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoescape
 
-from harness import comparable, report_inputs, report_plots, stats
+from harness import anomalies, comparable, report_inputs, report_plots, stats
 from harness.report_markdown import render_markdown  # noqa: F401 - the report's renderers are all here
 from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
 from harness.summary import LATENCY_HEADERS, cell_of, latency_rows, metric, ok_requests, too_short
@@ -135,7 +135,8 @@ def machine(run: dict) -> str:
     return p.get("gpu") or f"{p.get('cpu')} ({p.get('cpu_count')} CPUs)"
 
 
-def _cell_view(cell: dict) -> dict:
+def _cell_view(cell: dict, load: Optional[dict] = None) -> dict:
+    """A serving-matrix cell: its status, its value and its flags; `load`: the run's workload settings."""
     m = cell.get("metrics") or {}
     value = None
     if cell["status"] in (MEASURED, RECOVERED):
@@ -149,7 +150,7 @@ def _cell_view(cell: dict) -> dict:
             value = _fmt(m.get("output_throughput"), "tok/s")
         elif cell["phase"].startswith("rate-"):
             value = f"{_fmt(m.get('output_throughput'), 'tok/s')}, {_fmt(m.get('request_throughput'), 'req/s', 2)} achieved"
-    flags = []
+    flags = anomalies.cell_flags(cell, load or {})
     if cell["phase"] == "decode" and cell["status"] in (MEASURED, RECOVERED):
         short = too_short(cell)
         if short:
@@ -400,7 +401,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
             where = _where(inp, model)
             verdicts = (model.get("parity") or {}).get("verdicts", {})
             for arm in model["arms"]:
-                cells = [_cell_view(c) for c in arm["cells"]]
+                cells = [_cell_view(c, inp.run["settings"].get("workload") or {}) for c in arm["cells"]]
                 for c in cells:
                     v = verdicts.get(arm["arm"])
                     if c["phase"] == "probe" and v is not None:
@@ -465,6 +466,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "quality_files": [t for i in others if i.kind == report_inputs.QUALITY
                           for t in report_inputs.quality_view(i.path.name, i.run)],
         "failures": failures,
+        "flagged": [f"{i.run['run_id']} / {line}" for i in runs for line in anomalies.flagged_lines(i.run)],
         "requests": requests,
         "statuses": [MEASURED, RECOVERED, FAILED, NOT_MEASURED, "unsupported"],
         "single_run_threshold": stats.SINGLE_RUN_THRESHOLD,

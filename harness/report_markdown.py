@@ -27,6 +27,8 @@ def render_markdown(view: dict) -> str:
         for r in group["rows"]:
             lines.append(md_row([r["arm"], r["metric"], _num(r["value"]), _num(r["baseline"]), ratio_text(r)]))
         lines.append("")
+    if view["flagged"]:
+        lines += ["## Flagged cells", ""] + [f"- {md_text(f)}" for f in view["flagged"]] + [""]
     lines += ["## Serving matrix", ""]
     for mach, m in view["machines"].items():
         lines += [f"### {md_text(mach)}", "", md_row(["run / model", "arm", *m["phases"]]),

@@ -295,6 +295,7 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     from rich.table import Table
 
     from harness import summary
+    from harness.anomalies import flagged_lines
 
     run = record.to_json()
     rs = summary.rows(run)
@@ -317,6 +318,8 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
     stdout.print(latency)
     for line in summary.load_lines(run) + summary.goodput_lines(run) + summary.quality_lines(run):
         stdout.print(line, markup=False, highlight=False)
+    for line in flagged_lines(run):
+        stdout.print(f"FLAGGED {line}", markup=False, highlight=False)
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
     return rs
 

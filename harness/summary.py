@@ -222,6 +222,11 @@ def markdown(run: dict) -> str:
     if quality:
         lines += ["", "Held-out perplexity (`harness quality`'s text, in process):", ""]
         lines += [f"- {md_text(q)}" for q in quality]
+    from harness.anomalies import flagged_lines  # it reads this module's cells
+
+    flagged = flagged_lines(run)
+    if flagged:
+        lines += ["", "Flagged cells (docs/benchmark.md states the rules):", ""] + [f"- {md_text(f)}" for f in flagged]
     compiled = compiled_cells(run)
     if compiled:
         lines += ["", "Cells during which an engine server first ran forward shapes or compiled kernel modules "

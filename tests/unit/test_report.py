@@ -121,7 +121,7 @@ def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
         c["attempts"] = [{**c["attempts"][0], "ok": False, "error": "HTTP 500"}, {**c["attempts"][0], "attempt": 1}]
 
     def cached(run, cells):
-        cells["engine"]["warm"]["attempts"][0]["requests"][0]["cached_tokens"] = 120
+        cells["engine"]["warm"]["attempts"][0]["requests"][0]["cached_tokens"] = 60
 
     def other_prompts(run, cells):
         for name in ("engine", "mlx-lm"):
@@ -135,7 +135,7 @@ def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
     assert withheld(lambda run, cells: cells["engine"]["concurrency-2"]["attempts"][0].update(wall_s=0.02),
                     "concurrency-2") == "engine: too short: the cell took 20 ms (< 50 ms)"  # fmt: skip
     assert withheld(retried, "cold").startswith("different attempts")
-    assert withheld(cached, "warm").startswith("different cached tokens (120 against")
+    assert withheld(cached, "warm").startswith("different cached tokens (60 against")
     assert withheld(other_prompts) == "different requests (prompt hashes)"
 
 
