@@ -115,11 +115,23 @@ def test_the_child_process_computes_the_same_reference(tiny_path):
 
 
 def test_the_command_writes_the_gate_record_and_exits_by_its_verdict(tiny_path, tmp_path, capsys):
+    # the command's wiring, without the greedy part (test_greedy_gate.py runs that small; the full one is slow)
     tiny_path("tiny-qwen3")
     out = tmp_path / "gate.json"
     rc = harness_main(["kernels", "--gate-model", "tiny-qwen3", "--gate-steps", "4", "--gate-rows", "1,2", "--force",
-                       "--json", str(out)])  # fmt: skip
+                       "--gate-greedy", "", "--json", str(out)])  # fmt: skip
     record = json.loads(out.read_text())["gate"]
     assert rc == (0 if record["passed"] else 1) and record["model"] == "tiny-qwen3"
     assert [r["rows"] for r in record["results"]] == [1, 2] and record["results"][0]["fast"]["positions"] == 16
     assert "each tier against the float32 reference" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_full_gate_with_the_greedy_part_over_every_trained_model(tiny_path, tmp_path):
+    """`harness kernels --gate-model tiny-qwen3` as documented: the greedy part decodes every committed trained
+    model (about 19 minutes on 2 cores)."""
+    tiny_path("tiny-qwen3")
+    out = tmp_path / "gate.json"
+    rc = harness_main(["kernels", "--gate-model", "tiny-qwen3", "--gate-rows", "1,2", "--force", "--json", str(out)])
+    gate = json.loads(out.read_text())["gate"]
+    assert rc == (0 if gate["passed"] else 1) and gate["greedy"]
