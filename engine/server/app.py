@@ -296,6 +296,8 @@ class _Relay:
             if self.stopper.stopped or self.echo_only:
                 continue  # a stop string already ended the output (the engine is dropping the row), or none is kept
             tokens = [] if tok.is_stop else [tok]
+            if tok.is_stop:
+                self.out.end_token = tok
             text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
             self.out.tokens += tokens
             delta = self._content(text, tokens)

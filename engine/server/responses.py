@@ -54,6 +54,7 @@ class Output:
     reasoning: str = ""  # a thinking template's reasoning (not in `text`)
     echo_text: str = ""  # completions with echo: the prompt, ahead of `text`
     echo_tokens: list[GeneratedToken] = field(default_factory=list)  # and its tokens (scored where asked)
+    end_token: Optional[GeneratedToken] = None  # the token that ended the output (EOS, a stop id), not in `tokens`
 
     @property
     def object(self) -> str:
@@ -158,8 +159,9 @@ def body(outs: Sequence[tuple[Output, Optional[str]]], usage_obj: dict[str, Any]
     choices = []
     for out, finish in outs:
         choice = _choice(out, out.echo_text + out.text, out.tokens, finish, text_of, ids)
-        if out.echo_tokens:
-            choice["logprobs"] = _logprobs(out, out.echo_tokens + out.tokens, text_of)
+        if out.echo_tokens:  # every token through the model: the prompt's, then each generated, the ending one too
+            ended = [out.end_token] if out.end_token is not None else []
+            choice["logprobs"] = _logprobs(out, out.echo_tokens + out.tokens + ended, text_of)
         choices.append(choice)
     first = outs[0][0]
     return {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,

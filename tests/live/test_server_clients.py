@@ -3,6 +3,7 @@ lists of prompts (lm-eval), the fields of OpenAI's and vLLM's request schemas (a
 stop_token_ids. Requests captured from the clients themselves are in tests/fixtures/clients/."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -105,11 +106,60 @@ def test_fields_of_openai_and_vllm_are_ignored_by_name_typos_refused(server):
 
 def test_the_readmes_curl_examples_send_json(server):
     """The README's examples carry the JSON content type: a form post (curl -d alone) is refused with 415."""
-    from pathlib import Path
-
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     curls = [line for line in readme.splitlines() if line.lstrip().startswith("curl ")]
     assert curls and all("-H 'Content-Type: application/json'" in line for line in curls)
     r = server.client.post("/v1/completions", content=json.dumps({"prompt": "x"}),
                            headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
     assert r.status_code == 415
+
+
+# ------------------------------------------------------------------ requests captured from the clients
+
+FIXTURES = sorted((Path(__file__).parents[1] / "fixtures" / "clients").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    srv = LiveServer("--model", "trained-qwen3")
+    yield srv
+    assert srv.stop()[0] == 0
+
+
+def replay(server, capture: dict) -> dict | list[dict]:
+    """The captured request again: the JSON reply, or a stream's events (ended by [DONE])."""
+    body = capture["body"]
+    if body.get("stream"):
+        events, done = stream(server.client, capture["path"], body)
+        assert done
+        return events
+    return post(server, capture["path"], body)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_what_the_clients_sent_is_served(trained, path):
+    capture = json.loads(path.read_text())
+    body, reply, name = capture["body"], replay(trained, capture), path.stem
+    if name.startswith("guidellm"):  # usage on every chunk, as vLLM's continuous_usage_stats gives it
+        assert all("usage" in e for e in reply) and reply[-1]["usage"]["completion_tokens"] == body.get("max_tokens", body.get("max_completion_tokens"))
+        return
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    if name.startswith("lm-eval"):  # one choice per prompt; scored: the prompt, then the token generated
+        assert [c["index"] for c in choices] == list(range(len(body["prompt"])))
+        if body.get("echo"):  # each prompt's tokens and one more: together the prompt tokens and a token a choice
+            assert sum(len(c["logprobs"]["tokens"]) - 1 for c in choices) == reply["usage"]["prompt_tokens"]
+        for choice, prompt in zip(choices, body["prompt"]):
+            if body.get("echo"):
+                logprobs = choice["logprobs"]
+                assert logprobs["token_logprobs"][0] is None
+                assert isinstance(prompt, str) or len(logprobs["token_logprobs"]) == len(prompt) + 1
+                # lm-eval's reading: the continuation's sum and whether each token was the greedy one
+                assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:-1])
+                assert all(max(top.values()) >= lp for top, lp in zip(logprobs["top_logprobs"][1:-1],
+                                                                      logprobs["token_logprobs"][1:-1]))  # fmt: skip
+        return
+    message = choices[0]["message"]
+    if "tool_choice" in body and body["tool_choice"] not in ("auto", "none"):
+        assert len(message["tool_calls"]) == 1 and choices[0]["finish_reason"] == "tool_calls"
+    if body.get("reasoning_effort"):
+        assert "reasoning_effort" in reply["usage"]["engine"]["ignored_fields"]
