@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from harness.anomalies import unexplained_cache
-from harness.summary import cell_of, metric as metric_of, ok_requests, same_work, too_short
+from harness.summary import cell_of, metric as metric_of, ok_requests, run_nonce, same_work, too_short
 
 MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
 
@@ -121,10 +121,10 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
         why = "no value on one side"
     if why:
         return row | {"withheld": why}
-    # token ids' hashes, where both servers returned them (mlx_lm.server returns text only)
+    # token ids' hashes, where both servers returned them (mlx_lm.server returns text only) for the same prompts
     outputs = [[r.get("output_sha256") if r.get("token_ids") is not None else None for r in ok_requests(cell_of(arm, phase))]
                for arm in (arm_a, arm_b)]  # fmt: skip
-    if None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
+    if run_nonce(arm_a) == run_nonce(arm_b) and None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
         row["outputs"] = f"outputs differ in {sum(x != y for x, y in zip(*outputs))} of {len(outputs[0])} requests"
     sa, stat = request_samples(cell_of(arm_a, phase), phase, slo, key)
     sb, _ = request_samples(cell_of(arm_b, phase), phase, slo, key)

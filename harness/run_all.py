@@ -29,6 +29,10 @@ throughout, then run the phases in order:
 Cold, staggered and long cells report their prefill rate: a request's prompt tokens not served from a cache
 over its TTFT (median over the cell).
 
+A server the harness did not start (`--arm`) keeps its cache from one run to the next: it is sent the workload
+with every prompt but the probe's opened by the run's nonce (`workloads.with_run_nonce`), recorded in the run's
+settings and the arm's endpoint.
+
 then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
 its server ran (`quality_tokens`, `harness.quality.held_out_score`).
 
@@ -51,6 +55,7 @@ propagates.
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import threading
 import time
@@ -104,7 +109,7 @@ from harness.servers import (
     tail,
 )
 from harness.workloads import (ATTEMPTS, CHAT, MULTITURN, PREFIX, STAGGERED, Workload, WorkloadSettings, load_or_build,
-                               phase_names)
+                               phase_names, tokenizer_for, with_run_nonce)
 
 Log = Callable[[str], None]
 
@@ -189,6 +194,9 @@ class RunSettings:
     max_concurrency: Optional[int] = None  # rate cells: requests in flight at most (None: as they arrive)
     sweep: bool = False  # rate cells stop at the arm's saturation point
     stagger_s: float = 2.0  # the staggered cell's gap between arrivals
+    # opens the prompts of the servers the harness did not start (`workloads.with_run_nonce`); None: the Runner
+    # draws one, so that no run finds them in a cache an earlier run filled; an earlier run's sends its prompts again
+    run_nonce: Optional[str] = None
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -216,7 +224,9 @@ class Runner:
                  log: Log = print, on_phase: Callable[[str], None] = lambda _: None,
                  interrupts: Optional[Interrupts] = None, recheck: Optional[Callable[[], dict]] = None):  # fmt: skip
         """`recheck`: the preflight check run again after every measured cell (its record goes into the cell's
-        metrics as `preflight`) and once the last arm has stopped (`RunRecord.preflight_end`)."""
+        metrics as `preflight`) and once the last arm has stopped (`RunRecord.preflight_end`). Without a run nonce
+        in `settings`, a random one (recorded with the settings)."""
+        settings = replace(settings, run_nonce=settings.run_nonce or secrets.token_hex(8))
         self.settings, self.out, self.log, self.on_phase = settings, out, log, on_phase
         self.recheck = recheck
         self.outputs = (out, out.with_suffix(".md"), db_path)  # rewritten while the run runs: not its source
@@ -284,8 +294,11 @@ class Runner:
                         arm_order=[a.name for a in block.arms])  # fmt: skip
         self.record.models.append(mrun)
         db_model(self.db, self.record.run_id, mrun)
+        nonced = None  # what the servers the harness did not start are sent
+        if any(arm.url for arm in block.arms):
+            nonced = with_run_nonce(workload, tokenizer_for(model_dir)[0], self.settings.run_nonce)
         for arm in block.arms:
-            self._run_arm(mrun, arm, model_dir, workload, phase_names(wl_settings))
+            self._run_arm(mrun, arm, model_dir, nonced if arm.url else workload, phase_names(wl_settings))
         _set_parity(mrun)
         db_model(self.db, self.record.run_id, mrun)
         self._save()
@@ -302,7 +315,8 @@ class Runner:
         try:
             if spec.url:  # a server someone else runs: its model's id goes into every request
                 server = ExternalServer.connect(spec.url)
-                arm.endpoint = {"url": server.url, "model_id": server.model_id}
+                arm.endpoint = {"url": server.url, "model_id": server.model_id, "run_nonce": workload.run_nonce,
+                                "workload_sha256": workload.sha256}  # fmt: skip
                 spec = replace(spec, extra_body={**spec.extra_body, **({"model": server.model_id} if server.model_id else {})})
             else:
                 server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
@@ -606,17 +620,23 @@ def _set_parity(mrun: ModelRun) -> None:
 
 def probe_parity(mrun: ModelRun, phase: str = "probe") -> dict:
     """The greedy output of `phase`'s first request (the probe's, or the chat cell's) of every arm against the first
-    arm that produced one; for the chat cell also the prompt tokens each server's template made of the messages."""
-    outputs = {}
+    arm that produced one; for the chat cell also the prompt tokens each server's template made of the messages.
+    An arm sent other prompts (the chat cell of a server the harness did not start: `workloads.with_run_nonce`) is
+    not compared."""
+    outputs, nonces = {}, {}
     for arm in mrun.arms:
         cell = next((c for c in arm.cells if c.phase == phase and c.status in (MEASURED, RECOVERED)), None)
         if cell is not None:
             outputs[arm.arm] = next(a for a in cell.attempts if a.ok).requests[0]
+            nonces[arm.arm] = "" if phase == "probe" else (arm.endpoint or {}).get("run_nonce") or ""
     if not outputs:
         return {"reference": None, "verdicts": {}}
     ref_name, ref = next(iter(outputs.items()))
     verdicts = {}
     for name, rec in outputs.items():
+        if nonces[name] != nonces[ref_name]:
+            verdicts[name] = {"match": None, "compared": "not compared: other prompts (the run's nonce opens them)"}
+            continue
         both_ids = rec.token_ids is not None and ref.token_ids is not None
         match = rec.token_ids == ref.token_ids if both_ids else _same_text(rec.text, ref.text)
         verdicts[name] = {"match": match, "compared": "token ids" if both_ids else "text",

@@ -70,6 +70,10 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
                    "llama-server, another engine serve), e.g. --arm vllm=http://127.0.0.1:8000: its model id "
                    "from /v1/models goes into every request; repeatable. Measured after the --arms arms; alone "
                    "with --arms '' --arm vllm=URL")  # fmt: skip
+    p.add_argument("--nonce", type=hex_nonce, default=None, metavar="HEX",
+                   help="the run's nonce: every prompt sent to an --arm server but the probe opens with hex drawn "
+                   "from it, so that none is in a cache an earlier run filled (default: random; recorded as "
+                   "settings.run_nonce in the JSON); an earlier run's sends its prompts again")  # fmt: skip
     p.add_argument("--export", choices=["vllm"], action="append", default=[],
                    help="also write the timed cells in another tool's result format: vllm (vllm bench serve's "
                    "keys) to OUT with .vllm.json")  # fmt: skip
@@ -140,6 +144,14 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
 def arm_names(text: str) -> list[str]:
     """--arms: names separated by commas; '' (none) leaves only the --arm servers."""
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def hex_nonce(text: str) -> str:
+    """--nonce: hex digits, at most 64."""
+    value = text.strip().lower()
+    if not 0 < len(value) <= 64 or value.strip("0123456789abcdef"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give hex digits (at most 64), e.g. a run's settings.run_nonce")
+    return value
 
 
 def rates(text: str) -> tuple[float, ...]:
@@ -216,6 +228,8 @@ def _run_plan(args):
                                                      turns=args.turns, staggered=args.staggered,
                                                      staggered_tokens=args.staggered_tokens,
                                                      chat_requests=args.chat_requests))  # fmt: skip
+    if args.nonce:
+        settings = replace(settings, run_nonce=args.nonce)
     if args.model_path:
         targets = [(args.label or args.model_path.name, resolve_model_dir(model_path=args.model_path))]
     else:
@@ -342,6 +356,9 @@ def _dry_run(args, blocks, settings, targets, out: Path) -> int:
             print_(f"model {name}: {model_dir}")
         for i, block in enumerate(blocks):
             print_(f"  block {i}: workload seed {block.seed}; arms in order {[a.name for a in block.arms]}")
+            if any(a.url for a in block.arms):
+                nonce = settings.run_nonce or "(drawn when the run starts)"
+                print_(f"    --arm servers: every prompt but the probe's opened by run nonce {nonce}")
             for arm in block.arms:
                 print_(
                     f"    {arm.name}: {' '.join(arm.command(model_dir or Path(f'<{name}>'), 0))}  (port: free, at start)"

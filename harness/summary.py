@@ -75,11 +75,17 @@ def decode_rate(arm: dict) -> tuple[Optional[float], Optional[str]]:
     return (None, short) if short else (cell["metrics"].get("median_decode_tps"), None)
 
 
+def run_nonce(arm: dict) -> str:
+    """The run nonce that opened the arm's prompts (`workloads.with_run_nonce`: a server the harness did not
+    start); "" for the frozen workload."""
+    return (arm.get("endpoint") or {}).get("run_nonce") or ""
+
+
 def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
     """None when both arms did the same work in `phase`: the same attempt (a retry sends other prompts), the
-    same requests (prompt hashes where both records have them, else prompt lengths), output counts, finish
-    reasons and cached prompt tokens to within CACHED_SLACK of the prompts' (a server that reports none counts
-    as 0); else why not."""
+    same requests (prompt hashes where both records have them and one run nonce opened both arms' prompts, else
+    prompt lengths), output counts, finish reasons and cached prompt tokens to within CACHED_SLACK of the
+    prompts' (a server that reports none counts as 0); else why not."""
     ca, cb = cell_of(a, phase), cell_of(b, phase)
     if ca is None or cb is None:
         return "not measured on both"
@@ -88,7 +94,7 @@ def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
         return f"different attempts (measured on attempt {attempts[0][-1]} against {attempts[1][-1]})"
     ra, rb = ok_requests(ca), ok_requests(cb)
     hashes = [[r.get("prompt_sha256") for r in rs] for rs in (ra, rb)]
-    if all(h is not None for h in hashes[0] + hashes[1]) and hashes[0] != hashes[1]:
+    if run_nonce(a) == run_nonce(b) and None not in hashes[0] + hashes[1] and hashes[0] != hashes[1]:
         return "different requests (prompt hashes)"
     if [r["prompt_tokens_sent"] for r in ra] != [r["prompt_tokens_sent"] for r in rb]:
         return "different prompts"
@@ -275,6 +281,7 @@ def load_lines(run: dict) -> list[str]:
         chat = (mrun.get("parity") or {}).get("chat") or {}
         if chat.get("verdicts"):
             out.append(f"{mrun['model']} / chat probe (first chat reply and prompt tokens against {chat['reference']}): " + "; ".join(
+                f"{arm}: {v['compared']}" if v["match"] is None else
                 f"{arm}: {'same' if v['match'] else 'DIFFERS'} ({v.get('prompt_tokens')} prompt tokens)"
                 for arm, v in chat["verdicts"].items()))  # fmt: skip
         for arm in mrun.get("arms", []):

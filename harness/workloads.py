@@ -9,6 +9,10 @@ a shared first token of the hex). The same
 seed, settings and tokenizer give the same ids on any machine; the workload's
 sha256 (over its canonical JSON) is recorded with every run.
 
+A server the harness did not start keeps its prompt cache from one run to the
+next, so its prompts open with nonces drawn from the run's nonce as well
+(`with_run_nonce`): nothing it is sent was sent by an earlier run.
+
 Standard workloads for the registry models are committed under
 goldens/workloads/; `load_or_build` uses them when the settings match.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -81,6 +85,8 @@ class Workload:
     tokenizer_sha256: str
     # phase -> attempt -> prompts (token ids; the multi-turn cell's: {"messages": [...]} for the chat endpoint)
     phases: dict[str, list[list]]
+    run_nonce: str = ""  # `with_run_nonce`: the run's nonce opens every prompt but the probe's
+
 
     def prompts(self, phase: str, attempt: int) -> list[list[int]]:
         return self.phases[phase][attempt]
@@ -88,6 +94,8 @@ class Workload:
     def to_json(self) -> dict:
         body = {"schema": SCHEMA, "model": self.model, "settings": asdict(self.settings),
                 "tokenizer_sha256": self.tokenizer_sha256, "phases": self.phases}  # fmt: skip
+        if self.run_nonce:  # (absent otherwise: the frozen workloads keep their hashes)
+            body["run_nonce"] = self.run_nonce
         return {**body, "sha256": _sha(body)}
 
     @property
@@ -104,7 +112,8 @@ class Workload:
         s = dict(obj["settings"])
         s["concurrency"] = tuple(s["concurrency"])
         s["rates"] = tuple(s.get("rates", ()))
-        return cls(obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"])
+        return cls(obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"],
+                   obj.get("run_nonce", ""))
 
 
 def _sha(obj: dict) -> str:
@@ -154,12 +163,20 @@ def text_prompt(encode: Encode, seed: int, length: int) -> list[int]:
     return _Text(encode, seed).take(length)
 
 
-def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings) -> Workload:
+def _tag(settings: WorkloadSettings, phase: str, attempt: int, index: int, run_nonce: str) -> str:
+    """The nonce that opens a prompt: hex unique to the seed, phase, attempt and index (and the run's nonce)."""
+    key = f"{settings.seed}/{phase}/{attempt}/{index}"
+    return hashlib.sha256(f"{run_nonce}/{key}".encode() if run_nonce else key.encode()).hexdigest()[:12]
+
+
+def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings,
+          run_nonce: str = "") -> Workload:  # fmt: skip
+    """The workload; `run_nonce` (for `with_run_nonce`) draws every prompt's nonce from it as well."""
     text = _Text(encode, settings.seed)
 
     def prompt(phase: str, attempt: int, index: int, length: int) -> list[int]:
-        tag = hashlib.sha256(f"{settings.seed}/{phase}/{attempt}/{index}".encode()).hexdigest()[:12]
-        nonce = encode(f"{tag}: ")  # first, so that prompts part at their first token or two
+        # first, so that prompts part at their first token or two
+        nonce = encode(f"{_tag(settings, phase, attempt, index, run_nonce)}: ")
         return nonce + text.take(max(length - len(nonce), 1))
 
     sizes = {
@@ -184,13 +201,21 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
         phases[PREFIX] = [[p for g in range(settings.prefix_groups) for p in _group(prompt, text, settings, a, g)]
                           for a in range(ATTEMPTS)]  # fmt: skip
     if settings.chats:
-        phases[MULTITURN] = [_chats(settings, a) for a in range(ATTEMPTS)]
+        phases[MULTITURN] = [_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
     if settings.staggered:
         phases[STAGGERED] = [[prompt(STAGGERED, a, i, settings.staggered_tokens) for i in range(settings.staggered)]
                              for a in range(ATTEMPTS)]  # fmt: skip
     if settings.chat_requests:
-        phases[CHAT] = [_single_chats(settings, a) for a in range(ATTEMPTS)]
-    return Workload(model, settings, tokenizer_sha256, phases)
+        phases[CHAT] = [_single_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
+    return Workload(model, settings, tokenizer_sha256, phases, run_nonce)
+
+
+def with_run_nonce(workload: Workload, encode: Encode, run_nonce: str) -> Workload:
+    """`workload` for a server the harness did not start: the same prompt lengths and corpus, every prompt opened by a
+    nonce drawn from `run_nonce` too (a server that outlives a run keeps its prompt cache), but the probe's, which
+    stays the frozen one so that its greedy output compares with the other arms'."""
+    fresh = build(workload.model, encode, workload.tokenizer_sha256, workload.settings, run_nonce)
+    return replace(fresh, phases={**fresh.phases, "probe": workload.phases["probe"]})
 
 
 def _corpus_chars(seed: int, attempt: int, stream: int) -> Callable[[int], str]:
@@ -207,25 +232,25 @@ def _corpus_chars(seed: int, attempt: int, stream: int) -> Callable[[int], str]:
     return text
 
 
-def _single_chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
+def _single_chats(settings: WorkloadSettings, attempt: int, run_nonce: str) -> list[dict]:
     """The chat cell's requests: a system message opened by a nonce of its own and one user message each."""
     text = _corpus_chars(settings.seed, attempt, 0xC4A7)
     requests = []
     for i in range(settings.chat_requests):
-        tag = hashlib.sha256(f"{settings.seed}/{CHAT}/{attempt}/{i}".encode()).hexdigest()[:12]
+        tag = _tag(settings, CHAT, attempt, i, run_nonce)
         requests.append({"messages": [{"role": "system", "content": f"{tag}: You answer questions about the text."},
                                       {"role": "user", "content": text(settings.turn_chars)}]})  # fmt: skip
     return requests
 
 
-def _chats(settings: WorkloadSettings, attempt: int) -> list[dict]:
+def _chats(settings: WorkloadSettings, attempt: int, run_nonce: str) -> list[dict]:
     """The multi-turn cell's requests, chat after chat: turn t's messages are the chat's system message,
     its first t user messages and, between them, canned assistant replies (the same for every arm, so that every
     arm is sent the same conversation whatever it replied before); text from the corpus at a seeded offset."""
     text = _corpus_chars(settings.seed, attempt, 0x7A1C)
     requests = []
     for s in range(settings.chats):
-        tag = hashlib.sha256(f"{settings.seed}/{MULTITURN}/{attempt}/{s}".encode()).hexdigest()[:12]
+        tag = _tag(settings, MULTITURN, attempt, s, run_nonce)
         history = [{"role": "system", "content": f"{tag}: {text(settings.turn_chars)}"}]
         for _ in range(settings.turns):
             history.append({"role": "user", "content": text(settings.turn_chars)})

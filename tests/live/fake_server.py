@@ -1,9 +1,11 @@
-"""A minimal OpenAI-style streaming server that dies on purpose, for the harness's failure tests.
+"""A minimal OpenAI-style streaming server for the harness's tests: it dies, caches prompts or stalls on purpose.
 
-    python fake_server.py --port N --exit-after K
+    python fake_server.py --port N [--exit-after K] [--prompt-cache] [--stall K:SECONDS]
 
-Answers /health, and /v1/completions with a fixed-length SSE stream; the K-th
-completion request writes one chunk, prints a message to stderr and exits 3.
+Answers /health, /v1/models, and /v1/completions with a fixed-length SSE stream. --exit-after K: the K-th
+completion request writes one chunk, prints a message to stderr and exits 3. --prompt-cache: each response's usage
+reports as cached the longest prefix its prompt shares with an earlier one (all but the last token at most, as a
+prompt cache serves it). --stall K:SECONDS: the K-th completion request waits SECONDS after its second token.
 """
 
 import argparse
@@ -19,20 +21,42 @@ from starlette.routing import Route
 
 args = argparse.ArgumentParser()
 args.add_argument("--port", type=int, required=True)
-args.add_argument("--exit-after", type=int, required=True)
+args.add_argument("--exit-after", type=int, default=0)
+args.add_argument("--prompt-cache", action="store_true")
+args.add_argument("--stall", default="0:0", metavar="K:SECONDS")
 opts = args.parse_args()
+stall_at, stall_s = int(opts.stall.split(":")[0]), float(opts.stall.split(":")[1])
 seen = 0
+prompts: list[list[int]] = []
 
 
 async def health(request):
     return JSONResponse({"status": "ok"})
 
 
+async def models(request):
+    return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+
+def cached_tokens(prompt: list[int]) -> int:
+    def shared(other: list[int]) -> int:
+        n = 0
+        while n < min(len(prompt), len(other)) and prompt[n] == other[n]:
+            n += 1
+        return n
+
+    return min(max((shared(p) for p in prompts), default=0), len(prompt) - 1)
+
+
 async def completions(request):
     global seen
     seen += 1
     body = await request.json()
-    n, dying = body["max_tokens"], seen >= opts.exit_after
+    n, dying, stalling = body["max_tokens"], seen == opts.exit_after, seen == stall_at
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": len(body["prompt"]) + n}
+    if opts.prompt_cache:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens(body["prompt"])}
+        prompts.append(body["prompt"])
 
     async def events():
         for i in range(n):
@@ -40,14 +64,14 @@ async def completions(request):
             if dying:
                 print("fake server: exiting on purpose", file=sys.stderr, flush=True)
                 os._exit(3)
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(stall_s if stalling and i == 1 else 0.001)
         yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": len(body["prompt"]) + n}
         yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-app = Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
+app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                        Route("/v1/completions", completions, methods=["POST"])])  # fmt: skip
 uvicorn.run(app, host="127.0.0.1", port=opts.port, log_level="warning")

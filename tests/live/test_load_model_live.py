@@ -59,7 +59,8 @@ def test_the_rate_sweep_and_the_shared_prefix_cell(run):
                 assert c["status"] == "not_measured" and c["reason"].startswith("past the sweep's end")
         prefix = next(c for c in arm["cells"] if c["phase"] == "prefix")
         cached = prefix["metrics"]["cached_tokens"]
-        assert cached[0] == 0 and all(x >= 64 for x in cached[1:])  # the others start from the group's prompt
+        # the others start from the group's prompt; the first shares at most its nonce's first hex token or two
+        assert cached[0] <= 2 and all(x >= 64 for x in cached[1:])
         chat = next(c for c in arm["cells"] if c["phase"] == "multiturn")["metrics"]  # through the chat endpoint
         # turn 1: at most the chat template's opening tokens; turn 2: turn 1's prompt up to where the template
         # renders the reply otherwise than it opened the answer
@@ -85,7 +86,10 @@ def test_the_chat_cell_and_its_probe_and_the_staggered_cell(run):
     model = record["models"][0]
     chat_probe = model["parity"]["chat"]
     assert chat_probe["reference"] == "engine-serial" and set(chat_probe["verdicts"]) == {"engine-serial", "hand"}
-    assert all(v["match"] and v["same_prompt_tokens"] and v["prompt_tokens"] > 20 for v in chat_probe["verdicts"].values())
+    serial, hand = chat_probe["verdicts"]["engine-serial"], chat_probe["verdicts"]["hand"]
+    assert serial["match"] and serial["same_prompt_tokens"] and serial["prompt_tokens"] > 20
+    assert hand["match"] is None and hand["compared"].startswith("not compared")  # its chats open with the run nonce
+    assert model["parity"]["verdicts"]["hand"]["match"]  # the probe is the frozen one on every arm
     for arm in model["arms"]:
         phases = [c["phase"] for c in arm["cells"]]
         assert phases.index("chat") == phases.index("decode") + 1 and phases[-1] == "staggered"
