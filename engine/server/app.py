@@ -37,7 +37,7 @@ from engine.server.http_edges import FramingCheck, HostCheck
 from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.stop_text import TextStopper
-from engine.server.tool_calls import Parser, ToolCall, writes_json_blocks
+from engine.server.tool_calls import CallDelta, Parsed, Parser, writes_json_blocks
 from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected
 from engine.tokenizer import Tokenizer
 from engine.request import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
@@ -307,19 +307,19 @@ class _Relay:
             yield delta
 
     def _content(self, text: str, tokens: list, end: bool = False) -> responses.Delta:
-        """The text split into reasoning, content and the tool calls completed in the content (all content
-        where the template neither thinks nor the request offers tools)."""
+        """The text split into reasoning, content and tool calls (what to stream of them; those that ended go
+        to the output); all content where the template neither thinks nor the request offers tools."""
         reasoning = ""
         if self.reasoning is not None:
             parts = [self.reasoning.push(text)] + ([self.reasoning.flush()] if end else [])
             reasoning, text = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
-        calls: tuple[ToolCall, ...] = ()
+        calls: tuple[CallDelta, ...] = ()
         if self.tools is not None:
-            parsed = self.tools.push(text)
-            text, calls = parsed.content + (self.tools.flush().content if end else ""), parsed.calls
+            parsed = self.tools.push(text) + (self.tools.flush() if end else Parsed())
+            text, calls = parsed.content, parsed.deltas
+            self.out.tool_calls += parsed.calls
         self.out.text += text
         self.out.reasoning += reasoning
-        self.out.tool_calls += calls
         return responses.Delta(text, tokens, None, calls, reasoning)
 
     def _stopped(self, result):
@@ -450,12 +450,15 @@ async def _chunks(relay: _Relay) -> AsyncIterator[str]:
         if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
             pending.append(_sse_event(relay.failure().body()))
             break
-        # the text, then the tool calls completed with it, then the finish (with the text where no call came)
+        # the text, then what it streams of tool calls, then the finish (with the text where no call came); the
+        # tokens go with the text, or with the first call chunk where there is none
         text_finish = None if delta.calls else delta.finish
-        if delta.tokens or delta.text or delta.reasoning or text_finish:
+        has_text = delta.text or delta.reasoning or text_finish or (delta.tokens and not delta.calls)
+        if has_text:
             pending.append(event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
                                                  ids, reasoning=delta.reasoning)))  # fmt: skip
-        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids)]
+        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids,
+                                                                    [] if has_text else delta.tokens)]
         if delta.calls and delta.finish:
             pending.append(event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
         if pending and relay.stream.events.empty():

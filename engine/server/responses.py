@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from engine.server.tool_calls import ToolCall
+from engine.server.tool_calls import CallDelta, ToolCall
 from engine.server.worker import Stream
 from engine.request import GeneratedToken, RequestResult
 
@@ -34,7 +34,7 @@ class Delta:
     text: str
     tokens: list
     finish: Optional[str] = None
-    calls: tuple[ToolCall, ...] = ()
+    calls: tuple[CallDelta, ...] = ()  # what it streams of tool calls
     reasoning: str = ""
 
 
@@ -191,16 +191,16 @@ def chunk(
     }
 
 
-def call_chunks(out: Output, calls: Sequence[ToolCall], text_of: TokenText, ids: bool) -> list[dict[str, Any]]:
-    """The stream chunks of tool calls just completed (the last of `out.tool_calls`), as OpenAI streams a call:
-    one delta with its index, id, type and name (arguments ''), then one with its arguments."""
-    chunks, first = [], len(out.tool_calls) - len(calls)
-    for i, call in enumerate(calls):
-        head = {"index": first + i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        for entry in (head, {"index": first + i, "function": {"arguments": call.arguments}}):
-            piece = chunk(out, "", [], None, text_of, ids)
-            piece["choices"][0]["delta"] = {"tool_calls": [entry]}
-            chunks.append(piece)
+def call_chunks(out: Output, deltas: Sequence[CallDelta], text_of: TokenText, ids: bool,
+                tokens: Sequence[GeneratedToken] = ()) -> list[dict[str, Any]]:  # fmt: skip
+    """The stream chunks of tool calls, as OpenAI streams a call: a delta with its index, id, type and name
+    (arguments ''), then deltas with fragments of its arguments; `tokens` (their logprobs, ids) go with the
+    first."""
+    chunks = []
+    for i, delta in enumerate(deltas):
+        piece = chunk(out, "", tokens if i == 0 else [], None, text_of, ids)
+        piece["choices"][0]["delta"] = {"tool_calls": [delta.as_entry()]}
+        chunks.append(piece)
     return chunks
 
 

@@ -82,6 +82,37 @@ def test_a_forced_call_comes_back_as_a_valid_call_streaming_and_not(client):
     assert len(several) == 1
 
 
+def test_a_call_streams_its_name_then_fragments_of_its_arguments(client):
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
+                  max_tokens=120)  # fmt: skip
+    (whole,) = client.chat.completions.create(**forced).choices[0].message.tool_calls
+    entries = [tc for chunk in client.chat.completions.create(**forced, stream=True)
+               for tc in chunk.choices[0].delta.tool_calls or ()]  # fmt: skip
+    head, fragments = entries[0], entries[1:]
+    assert head.id.startswith("call_") and head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(fragments) > 5 and all(f.id is None and f.function.name is None for f in fragments)
+    assert "".join(f.function.arguments for f in fragments) == whole.function.arguments
+
+
+@pytest.mark.parametrize("max_tokens, names", [(26, ["get_weather"]), (4, [])])
+def test_a_call_cut_off_by_max_tokens_is_no_content(client, max_tokens, names):
+    """Cut inside its arguments, a call keeps those written so far (as OpenAI's truncated call); cut before its
+    name, nothing of it is left: in neither case does its markup come back as text for a client to replay."""
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
+                  max_tokens=max_tokens)  # fmt: skip
+    choice = client.chat.completions.create(**forced).choices[0]
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert [c.function.name for c in calls] == names
+    chunks = list(client.chat.completions.create(**forced, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed = "".join(tc.function.arguments or "" for c in chunks for tc in c.choices[0].delta.tool_calls or ())
+    assert streamed == "".join(c.function.arguments for c in calls)
+    if calls:  # as far as it was written: an open JSON object
+        assert streamed.startswith("{") and not streamed.endswith("}")
+
+
 @pytest.mark.parametrize("concurrent", [1, 8])
 def test_a_json_schema_reply_validates(client, concurrent):
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}

@@ -16,6 +16,24 @@ def calls_of(parsed):
     return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
 
 
+def streamed(pieces):
+    """The calls as a stream gives them: per index the head's id and name, then the argument fragments joined."""
+    calls = {}
+    for piece in pieces:
+        for d in piece.deltas:
+            if d.name is not None:
+                assert d.index not in calls and d.arguments == "" and d.id.startswith("call_")
+                calls[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
+            else:
+                assert d.id is None and d.arguments
+                calls[d.index]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def whole(pieces):
+    return [{"id": c.id, "name": c.name, "arguments": c.arguments} for p in pieces for c in p.calls]
+
+
 def test_a_whole_text_gives_its_content_and_calls():
     parsed = split(TEXT)
     assert parsed.content == "Let me check.  done"
@@ -35,6 +53,24 @@ def test_every_split_of_the_stream_gives_the_same(pieces):
             got = [parser.push(TEXT[:a]), parser.push(TEXT[a:b]), parser.push(TEXT[b:]), parser.flush()]
             assert "".join(p.content for p in got) == want.content, (a, b)
             assert [(c.name, c.arguments) for p in got for c in p.calls] == [(c.name, c.arguments) for c in want.calls]
+            assert streamed(got) == whole(got), (a, b)
+
+
+def test_a_call_streams_its_name_then_its_arguments_as_they_are_written():
+    parser = ToolCallParser()
+    pieces = [parser.push(ch) for ch in TEXT] + [parser.flush()]
+    first = next(i for i, p in enumerate(pieces) if p.deltas)
+    assert TEXT[: first + 1].endswith('"arguments": {')  # the name as soon as the arguments open
+    assert pieces[first].deltas[0].name == "get_weather"
+    fragments = [d.arguments for p in pieces for d in p.deltas if d.index == 0 and d.name is None]
+    assert len(fragments) > 10 and "".join(fragments) == '{"city": "Paris", "unit": "C"}'
+    assert streamed(pieces) == whole(pieces)
+
+
+def test_an_argument_may_hold_the_closing_tag():
+    text = '<tool_call>\n{"name": "f", "arguments": {"html": "</tool_call>"}}\n</tool_call>after'
+    parsed = split(text)
+    assert calls_of(parsed) == [("f", {"html": "</tool_call>"})] and parsed.content == "after"
 
 
 def test_content_is_not_held_back_past_what_may_open_a_call():
@@ -44,16 +80,32 @@ def test_content_is_not_held_back_past_what_may_open_a_call():
     assert parser.push("a < b").content == "a < b"
 
 
-@pytest.mark.parametrize("block", ['{"name": "f", "arguments": {oops}', '{"arguments": {}}', '["f"]',
-                                   '{"name": "f", "arguments": "not json"}', '{"name": "", "arguments": {}}'])  # fmt: skip
+@pytest.mark.parametrize("block", ['{"arguments": {}}', '["f"]', '{"name": "f", "arguments": "not json"}',
+                                   '{"name": "", "arguments": {}}', '{"name": "f", "arguments": 3}'])  # fmt: skip
 def test_a_block_that_is_not_a_call_stays_content(block):
     text = f"a<tool_call>{block}</tool_call>b"
     assert split(text).content == text and split(text).calls == ()
 
 
-def test_an_unclosed_block_stays_content():
-    text = 'a <tool_call>\n{"name": "f", "arguments": {}}'
-    assert split(text).content == text and split(text).calls == ()
+def test_a_block_that_opens_as_a_call_is_one_with_its_arguments_as_written():
+    # its name and arguments were streamed as they came; OpenAI's arguments, too, are the model's text
+    parsed = split('a<tool_call>{"name": "f", "arguments": {oops}}</tool_call>b')
+    assert parsed.content == "ab" and [(c.name, c.arguments) for c in parsed.calls] == [("f", "{oops}")]
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('a <tool_call>\n{"name": "f", "arguments": {"city": "Pa', [("f", '{"city": "Pa')]),  # cut: as far as written
+    ('a <tool_call>\n{"name": "f", "arguments": {}}', [("f", "{}")]),
+    ('a <tool_call>\n{"na', []),  # no name yet: dropped
+    ('a <tool_call>', []),
+    ('a <tool_c', []),  # the start of a call
+])  # fmt: skip
+def test_a_block_cut_off_is_never_content(text, calls):
+    parser = ToolCallParser()
+    pieces = [parser.push(text), parser.flush()]
+    assert "".join(p.content for p in pieces) == "a "
+    assert [(c.name, c.arguments) for p in pieces for c in p.calls] == calls
+    assert streamed(pieces) == whole(pieces)
 
 
 def test_the_format_comes_from_the_template(tiny_path):
@@ -67,17 +119,18 @@ def test_the_format_comes_from_the_template(tiny_path):
 def test_responses_carry_calls_as_openai_does():
     out = responses.Output("chatcmpl-x", "m", True)
     parser = ToolCallParser()
-    streamed = []
-    for piece in (TEXT[:60], TEXT[60:]):
-        parsed = parser.push(piece)
+    entries = []
+    for piece in (TEXT[:70], TEXT[70:90], TEXT[90:], ""):
+        parsed = parser.push(piece) if piece else parser.flush()
         out.text += parsed.content
         out.tool_calls += parsed.calls
-        streamed += [c["choices"][0]["delta"]["tool_calls"][0] for c in responses.call_chunks(out, parsed.calls, str, False)]
-    # per call: its index, id, type and name with empty arguments, then its arguments
-    assert [tc["index"] for tc in streamed] == [0, 0, 1, 1]
-    assert [tc["function"].get("name") for tc in streamed] == ["get_weather", None, "get_time", None]
-    assert streamed[0]["id"].startswith("call_") and streamed[0]["type"] == "function" and "id" not in streamed[1]
-    assert [tc["function"]["arguments"] for tc in streamed[:2]] == ["", out.tool_calls[0].arguments]
+        entries += [c["choices"][0]["delta"]["tool_calls"][0] for c in responses.call_chunks(out, parsed.deltas, str, False)]
+    # per call: its index, id, type and name with empty arguments, then fragments of its arguments
+    assert [tc["index"] for tc in entries] == [0, 0, 0, 0, 1, 1]
+    assert [tc["function"].get("name") for tc in entries] == ["get_weather", None, None, None, "get_time", None]
+    assert entries[0]["id"].startswith("call_") and entries[0]["type"] == "function" and "id" not in entries[1]
+    assert entries[0]["function"]["arguments"] == ""
+    assert "".join(tc["function"]["arguments"] for tc in entries[1:4]) == out.tool_calls[0].arguments
     message = responses.body([(out, "tool_calls")], {}, str, False)["choices"][0]["message"]
     assert [tc["function"]["name"] for tc in message["tool_calls"]] == ["get_weather", "get_time"]
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
@@ -98,8 +151,22 @@ def test_the_xml_format_of_qwen3_coder_templates():
         p = xml()
         got = [p.push(XML[:cut]), p.push(XML[cut:]), p.flush()]
         assert [c.arguments for g in got for c in g.calls] == [parsed.calls[0].arguments], cut
+        assert streamed(got) == whole(got), cut
     broken = "<tool_call>\n<function=f>\nloose text\n</function>\n</tool_call>"
     assert split(broken, xml).content == broken
+
+
+def test_the_xml_format_streams_a_parameter_at_a_time():
+    xml = parser_for("{{ '<tool_call>\n<function=' }}")
+    p = xml()
+    pieces = [p.push(ch) for ch in XML] + [p.flush()]
+    fragments = [d.arguments for piece in pieces for d in piece.deltas if d.name is None]
+    assert fragments == ["{", '"city": "San José"', ", \"days\": 3", ", \"hourly\": true", "}"]
+    assert streamed(pieces) == whole(pieces)
+    cut = split(XML[: XML.index("<parameter=hourly>") + 22], xml)  # cut inside a value: the parameters before it
+    assert [(c.name, json.loads(c.arguments)) for c in cut.calls] == [("get_weather", {"city": "San José", "days": 3})]
+    inside = "<tool_call>\n<function=f>\n<parameter=html>\n</tool_call>\n</parameter>\n</function>\n</tool_call>"
+    assert calls_of(split(inside, xml)) == [("f", {"html": "</tool_call>"})]
 
 
 def test_llama_3_writes_a_call_as_the_whole_reply():
