@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from engine.request import SamplingParams
 from engine.server import fields
+from engine.server.strict_schema import strict_schema
 
 
 class ApiError(Exception):
@@ -348,6 +349,7 @@ def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[di
                       param="tools")  # fmt: skip
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
+    tools = [_strict_tool(t) for t in tools]
     if choice in (None, "auto"):
         return tools, None
     if choice == "none":
@@ -364,6 +366,14 @@ def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[di
     return tools, named[:1]
 
 
+def _strict_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool with `function.strict: true` takes its parameters in OpenAI's strict mode (`strict_schema`)."""
+    fn = tool["function"]
+    if fn.get("strict") is not True or not fn.get("parameters"):
+        return tool
+    return {**tool, "function": {**fn, "parameters": strict_schema(fn["parameters"])}}
+
+
 def _several_calls(body: dict) -> bool:
     """Whether a constrained reply may hold more than one call: only where `parallel_tool_calls` is true and
     `tool_choice` names no function (vLLM's named choice is one call). Unset counts as false, not OpenAI's
@@ -373,7 +383,7 @@ def _several_calls(body: dict) -> bool:
 
 
 def _response_format(body: dict) -> Optional[dict[str, Any]]:
-    """The JSON schema the reply must follow (None: free text)."""
+    """The JSON schema the reply must follow (None: free text); with `strict: true`, in OpenAI's strict mode."""
     fmt = body.get("response_format")
     if fmt is None or fmt == {"type": "text"}:
         return None
@@ -384,7 +394,8 @@ def _response_format(body: dict) -> Optional[dict[str, Any]]:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise bad("response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
                   "'json_schema': {'name': ..., 'schema': {...}}}", param="response_format")  # fmt: skip
-    return spec.get("schema") or {}
+    schema = spec.get("schema") or {}
+    return strict_schema(schema) if spec.get("strict") is True else schema
 
 
 def _common(body: dict, is_chat: bool) -> dict[str, Any]:

@@ -128,6 +128,18 @@ def test_a_json_schema_reply_validates(client, concurrent):
         jsonschema.validate(json.loads(reply), SCHEMA)
 
 
+def test_a_strict_schema_reply_holds_only_the_keys_it_lists(client):
+    """instructor and pydantic send pydantic's schemas, which leave additionalProperties unsaid, with strict: true."""
+    person = {"type": "object", "title": "Person", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "Person", "schema": person, "strict": True}}
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=seed,
+                                           max_tokens=60)  # fmt: skip
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
+
+
 def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}
     with pytest.raises(openai.BadRequestError, match="nonsense"):

@@ -11,6 +11,7 @@ from engine.engine import Engine
 from engine.grammar import GrammarError, Grammars
 from engine.loading import vocab_size
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
+from engine.server.strict_schema import strict_schema
 from engine.server.tool_calls import split
 from engine.sinks import CollectingSink
 
@@ -80,6 +81,16 @@ def test_a_forced_call_is_one_call_unless_several_are_asked_for(engine, grammars
     several = allowed_after(grammars, grammars.tool_calls(TOOLS, several=True), CALL, engine.tokenizer)
     assert eos < several  # it may end after each call, or open another
     assert allowed_after(grammars, grammars.tool_calls(TOOLS, several=True), CALL * 2, engine.tokenizer) == several
+
+
+def test_a_strict_schema_takes_no_key_it_does_not_list(engine, grammars):
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # fmt: skip
+    extra = '{"name":"a","age":1,"myl":"}}}'
+    assert allowed_after(grammars, grammars.json_schema(person), extra, engine.tokenizer) is not None  # JSON Schema's
+    assert allowed_after(grammars, grammars.json_schema(strict_schema(person)), extra, engine.tokenizer) is None
+    done = allowed_after(grammars, grammars.json_schema(strict_schema(person)), '{"name":"a","age":1', engine.tokenizer)
+    assert done is not None and not done & set(engine.tokenizer.encode(',"', add_special_tokens=False))
 
 
 def test_constrained_rows_in_the_batch_leave_the_others_alone(engine, grammars):

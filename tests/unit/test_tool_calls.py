@@ -217,7 +217,7 @@ def test_a_forced_call_and_a_schema_are_parsed():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     r = parse_chat({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
                                                                                             "strict": True}}})  # fmt: skip
-    assert r.json_schema == schema and r.forced_tools is None
+    assert r.json_schema == {**schema, "additionalProperties": False} and r.forced_tools is None  # strict
 
 
 @pytest.mark.parametrize("body, match", [
