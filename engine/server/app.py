@@ -140,22 +140,26 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest, prompt: str | t
 
 
 def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Optional[Constraint]:
-    """The grammar the reply must follow: the response_format's schema, or a forced tool call's (400 for what
-    cannot be compiled, naming the problem)."""
+    """The grammar the reply must follow: a forced tool call's (response_format then applies to nothing), else
+    the response_format's schema, or where tools are offered in the JSON blocks a grammar writes, a call or the
+    schema's JSON (400 for what cannot be compiled, naming the problem)."""
     if parsed.json_schema is None and parsed.forced_tools is None:
         return None
-    param = "response_format" if parsed.json_schema is not None else "tool_choice"
+    param = "tool_choice" if parsed.forced_tools is not None else "response_format"
     if ctx.grammars is None:
         raise bad("this server has no constrained decoding", param)
     if parsed.ignore_eos:
         raise bad("ignore_eos does not combine with a constrained reply (it ends at the grammar's end)", "ignore_eos")
+    json_blocks = writes_json_blocks(ctx.tool_parser)
     try:
-        if parsed.json_schema is not None:
-            return ctx.grammars.json_schema(parsed.json_schema)
-        if not writes_json_blocks(ctx.tool_parser):
-            raise bad("a forced tool call needs a chat template that writes <tool_call> JSON blocks (--chat-template)",
-                      param)  # fmt: skip
-        return ctx.grammars.tool_calls(parsed.forced_tools, parsed.several_calls)
+        if parsed.forced_tools is not None:
+            if not json_blocks:
+                raise bad("a forced tool call needs a chat template that writes <tool_call> JSON blocks "
+                          "(--chat-template)", param)  # fmt: skip
+            return ctx.grammars.tool_calls(parsed.forced_tools, parsed.several_calls)
+        if parsed.tools and json_blocks:
+            return ctx.grammars.call_or_json(parsed.tools, parsed.json_schema, parsed.several_calls)
+        return ctx.grammars.json_schema(parsed.json_schema)
     except GrammarError as e:
         raise bad(f"the schema cannot be compiled: {e}", "tools" if param == "tool_choice" else param,
                   "invalid_schema") from None  # fmt: skip
@@ -457,8 +461,8 @@ async def _chunks(relay: _Relay) -> AsyncIterator[str]:
         if has_text:
             pending.append(event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
                                                  ids, reasoning=delta.reasoning)))  # fmt: skip
-        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids,
-                                                                    [] if has_text else delta.tokens)]
+        call_tokens = [] if has_text else delta.tokens
+        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids, call_tokens)]
         if delta.calls and delta.finish:
             pending.append(event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
         if pending and relay.stream.events.empty():

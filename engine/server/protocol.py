@@ -446,8 +446,6 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     messages = _messages(body)
     tools, forced = _tools(body)
     schema = _response_format(body)
-    if schema is not None and forced is not None:
-        raise bad("a reply cannot both follow response_format and be a forced tool call", param="response_format")
     common = _common(body, is_chat=True)
     several = _several_calls(body)
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object (e.g. {\"enable_thinking\": false})")

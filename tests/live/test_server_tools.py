@@ -16,6 +16,7 @@ from live_server import LiveServer
 
 MODEL = "tiny-qwen3"
 TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_template.jinja"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "clients"  # requests real clients sent
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}  # fmt: skip
@@ -140,6 +141,34 @@ def test_a_strict_schema_reply_holds_only_the_keys_it_lists(client):
         assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
 
 
+FORECAST = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA, "strict": True}}
+
+
+def test_with_tools_and_a_schema_a_forced_call_is_a_call(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       response_format=FORECAST, temperature=1.0, seed=3, max_tokens=120)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_with_tools_and_a_schema_the_reply_may_be_a_call_or_the_schemas_json(client):
+    from tokenizers import Tokenizer
+
+    from engine.synth import ensure_model
+
+    opening = Tokenizer.from_file(str(ensure_model(MODEL) / "tokenizer.json")).encode("<", add_special_tokens=False)
+    ask = dict(model=MODEL, messages=ASK, tools=[WEATHER], response_format=FORECAST, max_tokens=120)
+    # the model pushed to open a call: only the call's alternative of the grammar takes "<"
+    r = client.chat.completions.create(**ask, logit_bias={str(opening.ids[0]): 100})
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    r = client.chat.completions.create(**ask, logit_bias={str(opening.ids[0]): -100})  # kept from it: the schema
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
 def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}
     with pytest.raises(openai.BadRequestError, match="nonsense"):
@@ -192,6 +221,23 @@ def trained():
 CITY = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_pydantic_ais_native_output_with_a_tool(trained, choice):
+    """pydantic-ai's NativeOutput beside a tool sends tools and a strict json_schema together (its request as
+    captured): the reply is a valid call or the schema's JSON, and a call where one is required."""
+    body = json.loads((FIXTURES / "pydantic-ai-native-output-tool.json").read_text())["body"]
+    r = trained.chat.completions.create(**{**body, "tool_choice": choice})
+    schema = body["response_format"]["json_schema"]["schema"]
+    message, params = r.choices[0].message, body["tools"][0]["function"]["parameters"]
+    if message.tool_calls or choice == "required":
+        (call,) = message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    else:
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(message.content), schema)
 
 
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])

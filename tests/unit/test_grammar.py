@@ -83,6 +83,22 @@ def test_a_forced_call_is_one_call_unless_several_are_asked_for(engine, grammars
     assert allowed_after(grammars, grammars.tool_calls(TOOLS, several=True), CALL * 2, engine.tokenizer) == several
 
 
+def test_a_reply_offered_tools_under_a_schema_is_a_call_or_the_schemas_json(engine, grammars):
+    tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
+    either = grammars.call_or_json(TOOLS, SCHEMA)
+    assert allowed_after(grammars, either, CALL, tok) == eos
+    assert allowed_after(grammars, either, '{"city":"Oslo","days":3,"rain":true}', tok) == eos
+    assert allowed_after(grammars, either, "Sunny", tok) is None
+    assert allowed_after(grammars, either, '{"name":"ping","arguments":{}}', tok) is None  # a call outside a block
+    for seed in range(4):
+        sampling = SamplingParams(temperature=1.0, seed=seed, constraint=either)
+        parsed = split(text_of(engine, list(range(30, 50)), sampling, max_tokens=160))
+        if parsed.calls:
+            assert len(parsed.calls) == 1 and parsed.content.strip() == ""
+        else:
+            jsonschema.validate(json.loads(parsed.content), SCHEMA)
+
+
 def test_a_strict_schema_takes_no_key_it_does_not_list(engine, grammars):
     person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}  # fmt: skip

@@ -218,12 +218,14 @@ def test_a_forced_call_and_a_schema_are_parsed():
     r = parse_chat({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
                                                                                             "strict": True}}})  # fmt: skip
     assert r.json_schema == {**schema, "additionalProperties": False} and r.forced_tools is None  # strict
+    # pydantic-ai's NativeOutput with a tool: both at once (a forced call's grammar then wins)
+    r = parse_chat({"messages": ask, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert r.forced_tools == [TOOL] and r.json_schema == {"type": "object"}
 
 
 @pytest.mark.parametrize("body, match", [
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among 'tools'"),
     ({"tools": [TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
-    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
     ({"response_format": {"type": "json_schema"}}, "response_format must be"),
     ({"response_format": {"type": "xml"}}, "response_format must be"),
     ({"tool_choice": "required"}, "needs 'tools'"),
