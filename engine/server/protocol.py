@@ -398,6 +398,35 @@ def _response_format(body: dict) -> Optional[dict[str, Any]]:
     return strict_schema(schema) if spec.get("strict") is True else schema
 
 
+def _structured(body: dict) -> Optional[dict[str, Any]]:
+    """The JSON schema the reply must follow: OpenAI's `response_format`, or vLLM's spellings of it, `guided_json`
+    (a schema, or its JSON text) and `structured_outputs` (`{"json": schema}` or `{"json_object": true}`); at most
+    one of the three."""
+    given = [k for k in ("response_format", "guided_json", "structured_outputs") if body.get(k) is not None]
+    if len(given) > 1:
+        raise bad(f"give one of {', '.join(given)}: each asks for the reply's format", param=given[1])
+    if given == ["guided_json"]:
+        schema = body["guided_json"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                schema = None
+        if not isinstance(schema, dict):
+            raise bad("'guided_json' must be a JSON schema (an object, or its JSON text)", param="guided_json")
+        return schema
+    if given == ["structured_outputs"]:
+        outputs = body["structured_outputs"]
+        kinds = set(outputs) if isinstance(outputs, dict) else set()
+        if kinds == {"json"} and isinstance(outputs["json"], (dict, str)):
+            return _structured({"guided_json": outputs["json"]})
+        if kinds == {"json_object"} and outputs["json_object"] is True:
+            return {"type": "object"}
+        raise bad("structured_outputs must be {'json': schema} or {'json_object': true} here (regex, choice and "
+                  "grammar are not supported)", param="structured_outputs")  # fmt: skip
+    return _response_format(body)
+
+
 def _common(body: dict, is_chat: bool) -> dict[str, Any]:
     _refuse_unsupported(body)
     model = _typed(body, "model", (str,), "a string")
@@ -438,14 +467,15 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     if echo and common["stream"] and common["sampling"].wants_logprobs:
         raise bad("echo with logprobs needs stream: false (the prompt's logprobs come with the whole reply)", "echo")
     max_tokens = _max_tokens(body, ("max_tokens",), least=0 if echo else 1)  # echo alone: the prompt's scores
-    return ParsedRequest(False, prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo, **common)
+    return ParsedRequest(False, prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo,
+                         json_schema=_structured(body), **common)  # fmt: skip
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     _reject_unknown(body, CHAT_FIELDS)
     messages = _messages(body)
     tools, forced = _tools(body)
-    schema = _response_format(body)
+    schema = _structured(body)
     common = _common(body, is_chat=True)
     several = _several_calls(body)
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object (e.g. {\"enable_thinking\": false})")

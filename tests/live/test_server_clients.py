@@ -163,3 +163,11 @@ def test_what_the_clients_sent_is_served(trained, path):
         assert len(message["tool_calls"]) == 1 and choices[0]["finish_reason"] == "tool_calls"
     if body.get("reasoning_effort"):
         assert "reasoning_effort" in reply["usage"]["engine"]["ignored_fields"]
+
+
+@pytest.mark.parametrize("spelling", ["guided_json", "structured_outputs"])
+def test_vllms_structured_outputs_constrain_a_completion(server, spelling):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    value = schema if spelling == "guided_json" else {"json": schema}
+    got = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 32, spelling: value})
+    assert json.loads(got["choices"][0]["text"]) in ({"ok": True}, {"ok": False})

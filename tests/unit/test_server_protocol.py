@@ -1,5 +1,7 @@
 """Request bodies -> typed requests, without a server."""
 
+import json
+
 import pytest
 
 from engine.server.protocol import ApiError, parse_chat, parse_completion, parse_json
@@ -119,3 +121,17 @@ def test_accepted_connections_have_nagle_off():
     finally:
         for s in (conn, client, server):
             s.close()
+
+
+def test_vllms_structured_output_spellings_are_the_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for extra in ({"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}):
+        assert parse_completion({"prompt": "x", **extra}).json_schema == schema
+        assert parse_chat({"messages": [{"role": "user", "content": "x"}], **extra}).json_schema == schema
+    assert parse_completion({"prompt": "x", "structured_outputs": {"json_object": True}}).json_schema == {"type": "object"}
+    for bad in ({"structured_outputs": {"regex": "a+"}}, {"guided_json": "not json"},
+                {"guided_json": schema, "response_format": {"type": "json_object"}}):
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "x", **bad})
+        assert e.value.status == 400
