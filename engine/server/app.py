@@ -13,12 +13,11 @@ answers 503 and /health says "loading".
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -27,20 +26,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import RequestTooLarge
 from engine.grammar import Constraint, GrammarError, Grammars
 from engine.kernels import KernelSet
 from engine.kernels.kernel_cache import module_files
 from engine.server import responses
-from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.http_edges import FramingCheck, HostCheck
-from engine.server.reasoning import ReasoningParser, opened
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
-from engine.server.stop_text import TextStopper
-from engine.server.tool_calls import CallDelta, Parsed, Parser, writes_json_blocks
-from engine.server.worker import Accepted, EngineWorker, Ended, QueueFull, Rejected
+from engine.server.relay import Relay, finish, open_relays
+from engine.server.sse import sse
+from engine.server.tool_calls import Parser, writes_json_blocks
+from engine.server.worker import EngineWorker
 from engine.tokenizer import Tokenizer
-from engine.request import FinishReason, GeneratedToken, GenerationRequest, StopCriteria
+from engine.request import FinishReason, GenerationRequest, StopCriteria
 
 if TYPE_CHECKING:
     from engine.server.metrics import Metrics
@@ -235,143 +232,7 @@ async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_cha
     return parsed, rid, gens
 
 
-def _rejection(error: Exception) -> ApiError:
-    if isinstance(error, RequestTooLarge):
-        return bad(str(error), "max_tokens", "kv_budget_exceeded")
-    if isinstance(error, QueueFull):
-        return ApiError(503, str(error), code="queue_full", headers={"Retry-After": str(error.retry_after_s)})
-    if isinstance(error, ValueError):
-        return bad(str(error))
-    return ApiError(500, f"the engine refused the request: {error!r}")
-
-
-# -------------------------------------------------------------- handlers
-
-
-class _Relay:
-    """One request in flight: submits it, then turns its events into text, tokens and a result."""
-
-    def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest, response_id: str,
-                 index: int = 0):  # fmt: skip
-        self.ctx, self.parsed, self.gen = ctx, parsed, gen
-        self.stream = ctx.worker.stream(gen.request_id)
-        self.out = responses.Output(response_id, ctx.model_id, parsed.is_chat, index)
-        if parsed.echo:  # the prompt as sent (its text, or its ids' text), its tokens scored when they come
-            prompt = parsed.prompts[index]
-            self.out.echo_text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(list(prompt))
-            self.out.echo_tokens = [GeneratedToken(t) for t in gen.prompt_ids]
-        self.echo_only = parsed.max_tokens == 0  # the prompt's token through the model, no token kept
-        self.detok = StreamingDetokenizer(ctx.tokenizer.decode)
-        self.stopper = TextStopper(parsed.stop)
-        # tool calls parsed out of the text where the request offers tools and the template writes calls
-        self.tools = ctx.tool_parser() if parsed.tools and ctx.tool_parser is not None else None
-        # the reply's reasoning apart, starting inside the block where the prompt opened it
-        self.reasoning = None
-        if ctx.reasoning and parsed.is_chat:
-            self.reasoning = ReasoningParser(inside=opened(ctx.tokenizer.decode(list(gen.prompt_ids[-16:]))))
-        self.placement = None
-        self.result = None
-        self.stop_tokens: Optional[int] = None  # tokens the output kept when a stop string ended it
-
-    def text_of(self, token_id: int) -> str:
-        return self.ctx.tokenizer.decode([token_id])
-
-    async def open(self) -> None:
-        self.ctx.worker.submit(self.gen, self.stream)
-        event = await self.stream.events.get()
-        if isinstance(event, Rejected):
-            raise _rejection(event.error)
-        assert isinstance(event, Accepted), event
-        self.placement = event.placement
-
-    async def events(self) -> AsyncIterator[responses.Delta]:
-        """What each engine event adds (content, reasoning, tokens, tool calls; the finish reason at the end),
-        until the end."""
-        while True:
-            event = await self.stream.events.get()
-            if isinstance(event, Ended):
-                self.result = self._stopped(event.result)
-                if self.result.prompt_logprobs:
-                    self.out.echo_tokens = [self.out.echo_tokens[0], *self.result.prompt_logprobs]
-                delta = self._content(self.stopper.push(self.detok.flush()) + self.stopper.flush(), [], True)
-                yield replace(delta, finish=self._finish())
-                return
-            tok = event.token
-            if self.stopper.stopped or self.echo_only:
-                continue  # a stop string already ended the output (the engine is dropping the row), or none is kept
-            tokens = [] if tok.is_stop else [tok]
-            if tok.is_stop:
-                self.out.end_token = tok
-            text = self.stopper.push(self.detok.add(tok.token_id) if tokens else self.detok.flush())
-            self.out.tokens += tokens
-            delta = self._content(text, tokens)
-            if self.stopper.stopped:
-                self.stop_tokens = len(self.out.tokens)
-                self.cancel(stop_tokens=self.stop_tokens)
-            yield delta
-
-    def _content(self, text: str, tokens: list, end: bool = False) -> responses.Delta:
-        """The text split into reasoning, content and tool calls (what to stream of them; those that ended go
-        to the output); all content where the template neither thinks nor the request offers tools."""
-        reasoning = ""
-        if self.reasoning is not None:
-            parts = [self.reasoning.push(text)] + ([self.reasoning.flush()] if end else [])
-            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
-        calls: tuple[CallDelta, ...] = ()
-        if self.tools is not None:
-            parsed = self.tools.push(text) + (self.tools.flush() if end else Parsed())
-            text, calls = parsed.content, parsed.deltas
-            self.out.tool_calls += parsed.calls
-        self.out.text += text
-        self.out.reasoning += reasoning
-        return responses.Delta(text, tokens, None, calls, reasoning)
-
-    def _stopped(self, result):
-        """The engine's result as the client sees it: a stop string's end is a stop with the tokens up to the
-        one that completed it, however many more the engine made before the cancel reached it."""
-        if result.finish_reason is FinishReason.ERROR:
-            return result
-        if self.echo_only:
-            return replace(result, finish_reason=FinishReason.LENGTH, generated_tokens=0)
-        if self.stop_tokens is None:
-            return result
-        return replace(result, finish_reason=FinishReason.STOP, generated_tokens=self.stop_tokens)
-
-    def _finish(self) -> Optional[str]:
-        reason = self.result.finish_reason
-        if reason is FinishReason.STOP and self.out.tool_calls:
-            return "tool_calls"
-        return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
-
-    def usage(self) -> dict[str, Any]:
-        p = self.placement
-        return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier,
-                               self.parsed.ignored)  # fmt: skip
-
-    def usage_so_far(self) -> dict[str, int]:
-        return responses.running_usage(len(self.gen.prompt_ids), len(self.out.tokens))
-
-    def cancel(self, stop_tokens: Optional[int] = None) -> None:
-        """Drop the row (`stop_tokens`: a stop string ended the output there, which the engine records)."""
-        if self.result is None and self.stream.alive:
-            self.stream.alive = False
-            self.ctx.worker.cancel(self.gen.request_id, stop_tokens)
-
-    def log_line(self) -> None:
-        r, t = self.result, self.stream.times.as_ms()
-        log.info(
-            "%s lane=%s prompt=%d completion=%d cached=%d batch=%d queue=%sms prefill=%sms ttft=%sms decode=%sms "
-            "total=%sms finish=%s%s",
-            r.request_id, r.lane.value, r.prompt_tokens, r.generated_tokens, self.placement.cached_tokens,
-            self.stream.max_batch, t["queue"], t["prefill"], t["first_token"], t["decode"], t["total"],
-            r.finish_reason.value, f" error={r.error}" if r.error else "",
-        )  # fmt: skip
-
-    def failure(self) -> ApiError:
-        return ApiError(500, f"generation failed: {self.result.error}", code="engine_error")
-
-
-async def _cancel_on_disconnect(request: Request, relays: list[_Relay]) -> None:
+async def _cancel_on_disconnect(request: Request, relays: list[Relay]) -> None:
     """Wait for the client to go away (the body is read: the next message is the disconnect), then drop the
     rows, as a stream's end does."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -382,40 +243,17 @@ async def _cancel_on_disconnect(request: Request, relays: list[_Relay]) -> None:
             relay.cancel()
 
 
-async def _open(ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]) -> list[_Relay]:
-    """A relay per prompt, each submitted (all in the queue together, so they prefill and decode as rows of one
-    batch); a refusal of any cancels those already in."""
-    relays = [_Relay(ctx, parsed, gen, rid, i) for i, gen in enumerate(gens)]
-    try:
-        for relay in relays:
-            await relay.open()
-    except ApiError:
-        for relay in relays:
-            if relay.placement is not None:
-                relay.cancel()
-        raise
-    return relays
-
-
-async def _finish(relay: _Relay) -> Optional[str]:
-    """Read a relay to its end: its finish reason."""
-    finish = None
-    async for delta in relay.events():
-        finish = delta.finish
-    return finish
-
-
 async def _complete(ctx: ServerContext, state: AppState, request: Request, is_chat: bool) -> Response:
     try:
         parsed, rid, gens = await _prepare(ctx, state, request, is_chat)
-        relays = await _open(ctx, parsed, rid, gens)
+        relays = await open_relays(ctx, parsed, rid, gens)
     except ApiError as e:
         return error_response(e)
     if parsed.stream:
-        return StreamingResponse(_sse(relays), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(sse(relays), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     watch = asyncio.ensure_future(_cancel_on_disconnect(request, relays))
     try:
-        finishes = await asyncio.gather(*(_finish(r) for r in relays))
+        finishes = await asyncio.gather(*(finish(r) for r in relays))
     finally:
         watch.cancel()
         for relay in relays:
@@ -428,98 +266,6 @@ async def _complete(ctx: ServerContext, state: AppState, request: Request, is_ch
     usage = responses.total_usage([r.usage() for r in relays])
     outs = [(r.out, finish) for r, finish in zip(relays, finishes)]
     return JSONResponse(responses.body(outs, usage, relays[0].text_of, parsed.return_token_ids))
-
-
-def _sse_event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _chunks(relay: _Relay) -> AsyncIterator[str]:
-    """One relay's SSE events (its choice's), those of the engine events already at hand in one piece; with
-    continuous usage, each chunk carries the usage so far."""
-    parsed, out = relay.parsed, relay.out
-    ids = parsed.return_token_ids
-    pending: list[str] = []
-
-    def event(obj: dict[str, Any]) -> str:
-        if parsed.include_usage and parsed.continuous_usage:
-            obj["usage"] = relay.usage_so_far()
-        return _sse_event(obj)
-
-    if parsed.is_chat:
-        pending.append(event(responses.chunk(out, "", [], None, relay.text_of, ids, role=True)))
-    elif out.echo_text:
-        pending.append(event(responses.chunk(out, out.echo_text, [], None, relay.text_of, ids)))
-    async for delta in relay.events():
-        if relay.result is not None and relay.result.finish_reason is FinishReason.ERROR:
-            pending.append(_sse_event(relay.failure().body()))
-            break
-        # the text, then what it streams of tool calls, then the finish (with the text where no call came); the
-        # tokens go with the text, or with the first call chunk where there is none
-        text_finish = None if delta.calls else delta.finish
-        has_text = delta.text or delta.reasoning or text_finish or (delta.tokens and not delta.calls)
-        if has_text:
-            pending.append(event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
-                                                 ids, reasoning=delta.reasoning)))  # fmt: skip
-        call_tokens = [] if has_text else delta.tokens
-        pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids, call_tokens)]
-        if delta.calls and delta.finish:
-            pending.append(event(responses.chunk(out, "", [], delta.finish, relay.text_of, ids)))
-        if pending and relay.stream.events.empty():
-            yield "".join(pending)
-            pending.clear()
-    if pending:
-        yield "".join(pending)
-
-
-async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
-    """The pieces of several streams as each comes (one stream: its own)."""
-    if len(streams) == 1:
-        async for piece in streams[0]:
-            yield piece
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[str]) -> None:
-        try:
-            async for piece in stream:
-                await queue.put(piece)
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
-    try:
-        ended = 0
-        while ended < len(tasks):
-            piece = await queue.get()
-            if piece is None:
-                ended += 1
-            else:
-                yield piece
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _sse(relays: list[_Relay]) -> AsyncIterator[str]:
-    """The response's SSE events: every choice's, as they come, then the usage (where asked) and [DONE]."""
-    parsed = relays[0].parsed
-    try:
-        async for piece in _merged([_chunks(r) for r in relays]):
-            yield piece
-        done = "data: [DONE]\n\n"
-        if parsed.include_usage and all(r.result.finish_reason is not FinishReason.ERROR for r in relays):
-            usage = responses.total_usage([r.usage() for r in relays])
-            done = _sse_event(responses.usage_chunk(relays[0].out, usage)) + done
-        yield done
-        for relay in relays:
-            relay.log_line()
-    finally:
-        for relay in relays:
-            if relay.result is None:  # the client went away mid-stream: drop the row
-                log.info("%s cancelled: the client went away after %d tokens", relay.gen.request_id,
-                         len(relay.out.tokens))  # fmt: skip
-                relay.cancel()
 
 
 # ------------------------------------------------------------------ routes
