@@ -78,12 +78,17 @@ def instructor_tools(base_url: str, model: str) -> dict:
 
 
 def pydantic_ai_native_output_tool(base_url: str, model: str) -> dict:
-    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai import Agent, NativeOutput, Tool
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
+    async def first_step_only(ctx, tool_def):
+        # A small model offered the tool calls it on every step (the reply may be a call or the schema's JSON), so
+        # the tool is offered on the first request only: its second answers from the result under the schema.
+        return tool_def if ctx.run_step <= 1 else None
+
     chat = OpenAIChatModel(model, provider=OpenAIProvider(base_url=base_url + "/v1", api_key="none"))
-    agent = Agent(chat, output_type=NativeOutput(Forecast), tools=[get_weather],
+    agent = Agent(chat, output_type=NativeOutput(Forecast), tools=[Tool(get_weather, prepare=first_step_only)],
                   model_settings={"max_tokens": 64})  # fmt: skip
     result = agent.run_sync(QUESTION)
     return {"output": result.output.model_dump()}
