@@ -165,17 +165,21 @@ class Relay:
 
 async def open_relays(ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]) -> list[Relay]:
     """A relay per prompt, each submitted (all in the queue together, so they prefill and decode as rows of one
-    batch); a refusal of any cancels those already in."""
+    batch); a refusal of any cancels those the engine took, and raises the first refusal."""
     relays = [Relay(ctx, parsed, gen, rid, i) for i, gen in enumerate(gens)]
     for relay in relays:
         relay.submit()
-    try:
-        for relay in relays:
+    refusals = []
+    for relay in relays:
+        try:
             await relay.accepted()
-    except ApiError:
+        except ApiError as e:
+            refusals.append(e)
+    if refusals:
         for relay in relays:
-            relay.cancel()  # those the engine took; a refused one has ended already
-        raise
+            if relay.placement is not None:
+                relay.cancel()
+        raise refusals[0]
     return relays
 
 
