@@ -62,3 +62,13 @@ def test_a_scored_prompt_starts_cold_whatever_the_prompt_cache_holds(model):
 
 def test_a_one_token_prompt_has_nothing_to_score(model):
     assert scored(Gateway(model, GatewayConfig(batch=4)), [(5,)]) == [()]
+
+
+def test_padded_chunks_and_ghost_rows_score_only_the_real_positions(model):
+    """The fast tier's shapes: chunks padded to a bucket, groups filled with ghost joiners (bit for bit on the CPU)."""
+    prompts = [tuple(range(3 + i, 3 + i + n)) for i, n in enumerate((9, 14, 5))]
+    config = GatewayConfig(batch=4, prefill_chunk=8, chunk_buckets=(4, 8), group_buckets=(1, 2, 4), decode_buckets=(1, 2, 4))
+    for prompt, got in zip(prompts, scored(Gateway(model, config), prompts)):
+        want = reference(model, prompt, chunk=8)
+        assert [t.token_id for t in got] == list(prompt[1:])
+        assert [t.logprob for t in got] == [want[i, t].item() for i, t in enumerate(prompt[1:])]
