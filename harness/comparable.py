@@ -19,10 +19,11 @@ thing the same way:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from harness.anomalies import unexplained_cache
-from harness.summary import cell_of, metric as metric_of, ok_requests, run_nonce, same_work, too_short
+from harness.repetitions import is_load_phase
+from harness.summary import cell_of, geomean, metric as metric_of, ok_requests, run_nonce, same_work, too_short
 
 MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
 
@@ -73,43 +74,30 @@ def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> 
     return same_work(arm_a, arm_b, phase)
 
 
-# The per-request samples behind each compared metric (requests paired by index; `stats.sample_ratio`): a
-# decode rate, a prefill rate and a TTFT are medians of their requests, an aggregate rate is all output tokens
-# (or, for goodput, requests meeting every SLO) over the span the requests cover.
-def request_samples(cell: dict, phase: str, slo: Optional[dict] = None,
-                    key: str = "median_ttft_ms") -> tuple[list[list[float]], object]:  # fmt: skip
-    """(rows, statistic) of a cell's successful requests for the metric `key` (a rate cell's: its aggregate);
-    `slo` (metric: ms): goodput."""
-    from harness import stats
-
+# The per-request samples behind each compared median (requests paired by index; `stats.sample_ratio`): a decode
+# rate, a prefill rate and a TTFT are medians of their requests. A load cell's aggregate is not (`compare`).
+def request_samples(cell: dict, phase: str, key: str = "median_ttft_ms") -> list[float]:
+    """A cell's successful requests' values of the median `key` (a rate cell's measured window only)."""
     reqs = ok_requests(cell)
     window = (cell.get("metrics") or {}).get("measured_requests")  # a rate cell: its warm-up and cool-down left out
     if window:
         reqs = reqs[window[0] : window[1]]
-    if phase.startswith(("concurrency-", "rate-")):
-        def count(r):
-            if slo is None:
-                return r["output_tokens"] or 0
-            values = {"ttft": r.get("ttft_ms"), "tpot": r.get("tpot_ms"), "e2el": r.get("e2el_ms")}
-            return float(all(values[k] is not None and values[k] <= ms for k, ms in slo.items()))
-
-        rows = [[count(r), r["sent_at"], r["sent_at"] + r["e2el_ms"] / 1e3] for r in reqs
-                if r.get("sent_at") and r.get("e2el_ms") is not None]  # fmt: skip
-        return rows, stats.rate_of
     if key == "median_decode_tps":
-        return [[1e3 / r["tpot_ms"]] for r in reqs if r.get("tpot_ms")], stats.median_of
+        return [1e3 / r["tpot_ms"] for r in reqs if r.get("tpot_ms")]
     if key == "median_prefill_tps":  # prompt tokens not from a cache per second of TTFT (run_all.prefill_rate)
-        return [[((r.get("prompt_tokens") or r.get("prompt_tokens_sent") or 0) - (r.get("cached_tokens") or 0))
-                 / (r["ttft_ms"] / 1e3)] for r in reqs if r.get("ttft_ms")], stats.median_of  # fmt: skip
+        return [((r.get("prompt_tokens") or r.get("prompt_tokens_sent") or 0) - (r.get("cached_tokens") or 0))
+                / (r["ttft_ms"] / 1e3) for r in reqs if r.get("ttft_ms")]  # fmt: skip
     if key != "median_ttft_ms":
         raise ValueError(f"no per-request samples for {key}")
-    return [[r["ttft_ms"]] for r in reqs if r.get("ttft_ms") is not None], stats.median_of
+    return [r["ttft_ms"] for r in reqs if r.get("ttft_ms") is not None]
 
 
 def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metric: str, key: str,
-            higher_is_better: bool, slo: Optional[dict] = None) -> dict:  # fmt: skip
-    """arm_a against arm_b on one phase: both values (the cells' `key`), the ratio of their requests' statistic
-    with its interval and verdict (`stats.sample_ratio`), or the reason it is withheld."""
+            higher_is_better: bool, repeats: Sequence[tuple[dict, dict]] = ()) -> dict:  # fmt: skip
+    """arm_a against arm_b on one phase: both values (the cells' `key`), the ratio with its interval and verdict,
+    or the reason it is withheld. A median's ratio resamples the paired requests (`stats.sample_ratio`); a load
+    cell's aggregate (`repetitions`) comes from the cell's repetitions, `repeats` being the (arm_a, arm_b) records of
+    the run's repetition blocks (`stats.repeated`), and from one burst is unknown."""
     from harness import stats
 
     a, b = metric_of(arm_a, phase, key), metric_of(arm_b, phase, key)
@@ -126,12 +114,35 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
                for arm in (arm_a, arm_b)]  # fmt: skip
     if run_nonce(arm_a) == run_nonce(arm_b) and None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
         row["outputs"] = f"outputs differ in {sum(x != y for x, y in zip(*outputs))} of {len(outputs[0])} requests"
-    sa, stat = request_samples(cell_of(arm_a, phase), phase, slo, key)
-    sb, _ = request_samples(cell_of(arm_b, phase), phase, slo, key)
+    if is_load_phase(phase):
+        return row | _repeated(run_a, run_b, [(arm_a, arm_b), *repeats], phase, metric, key, higher_is_better)
+    sa = request_samples(cell_of(arm_a, phase), phase, key)
+    sb = request_samples(cell_of(arm_b, phase), phase, key)
     if len(sa) != len(sb) or not sa:
         return row | {"ratio": a / b, "verdict": stats.UNKNOWN, "note": "no paired request timings"}
-    r = stats.sample_ratio(metric, sa, sb, stat, higher_is_better=higher_is_better)
+    r = stats.sample_ratio(metric, sa, sb, higher_is_better=higher_is_better)
     if r.ratio is None:
         return row | {"withheld": r.note}
     return row | {"ratio": r.ratio, "ci_low": r.ci_low, "ci_high": r.ci_high, "verdict": r.verdict, "note": r.note,
                   "samples": r.samples}  # fmt: skip
+
+
+def _repeated(run_a: dict, run_b: dict, pairs: list[tuple[dict, dict]], phase: str, metric: str, key: str,
+              higher_is_better: bool) -> dict:  # fmt: skip
+    """The compared row's numbers from a load cell's repetitions: the geometric means of each side's values over
+    the repetitions both may be compared in, their ratio's interval and verdict (`stats.repeated`)."""
+    from harness import stats
+
+    kept, left_out = [], []
+    for arm, base in pairs:
+        a, b = metric_of(arm, phase, key), metric_of(base, phase, key)
+        why = withheld(run_a, arm, run_b, base, phase) or (None if a and b else "no value on one side")
+        if why:
+            left_out.append(why)
+        else:
+            kept.append((a, b))
+    r = stats.repeated(metric, [a / b for a, b in kept], higher_is_better=higher_is_better)
+    note = r.note if len(pairs) == 1 else "; ".join(filter(None, [
+        f"{r.repetitions} repetitions" + (f" ({len(left_out)} left out: {left_out[0]})" if left_out else ""), r.note]))  # fmt: skip
+    return {"value": geomean([a for a, _ in kept]), "baseline": geomean([b for _, b in kept]), "ratio": r.geomean,
+            "ci_low": r.ci_low, "ci_high": r.ci_high, "verdict": r.verdict, "note": note, "samples": r.repetitions}  # fmt: skip

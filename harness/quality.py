@@ -11,9 +11,11 @@ the model in chunks, as a prompt is prefilled, so a quantized KV cache takes eff
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -158,7 +160,9 @@ def held_out_score(model_path, tier: str, tokens: int) -> dict:
     ids = held_out_ids(engine.tokenizer, tokens)
     row = score(engine.kernels.tier, "artifact", None, engine.kernels.tier, logprobs(engine.model, ids, s, None),
                 np.array(ids[1:]), None)  # fmt: skip
-    return {"tokens": tokens, "tier": row.tier, "nll": row.nll, "perplexity": row.perplexity}
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return {"tokens": tokens, "tier": row.tier, "nll": row.nll, "perplexity": row.perplexity, "vocab_size": vocab}
 
 
 def _dtype_name(model) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -29,10 +29,11 @@ from typing import Any, Optional
 
 from jinja2 import Environment, FunctionLoader, StrictUndefined, select_autoescape
 
-from harness import anomalies, comparable, report_inputs, report_plots, stats
+from harness import anomalies, comparable, headline, report_inputs, report_plots, stats
 from harness.report_markdown import render_markdown  # noqa: F401 - the report's renderers are all here
 from harness.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
-from harness.summary import LATENCY_HEADERS, cell_of, latency_rows, metric, ok_requests, too_short
+from harness.repetitions import is_load_phase, is_repetition, repetitions
+from harness.summary import LATENCY_HEADERS, cell_of, latency_rows, metric, ok_requests, perplexity_note, too_short
 
 
 def templates() -> Traversable:
@@ -50,28 +51,6 @@ TEMPLATES = templates()
 BURST_GAP_MS = 0.1  # stream events closer than this arrived in one read
 
 CV_FLAG = 0.10  # a cell whose requests' coefficient of variation passes this is flagged unstable
-
-# (phase or phase prefix, metric key, label, higher is better)
-RATIO_METRICS = [
-    ("decode", "median_decode_tps", "decode tok/s", True),
-    ("chat", "median_decode_tps", "decode tok/s chat", True),
-    ("cold", "median_ttft_ms", "TTFT cold", False),
-    ("cold", "median_prefill_tps", "prefill tok/s cold", True),
-    ("warm", "median_ttft_ms", "TTFT warm", False),
-    ("long", "median_ttft_ms", "TTFT long", False),
-    ("concurrency-", "output_throughput", "aggregate tok/s", True),
-    ("prefix", "median_ttft_ms", "TTFT shared prefix", False),
-    ("multiturn", "median_ttft_ms", "TTFT multi-turn", False),
-    ("staggered", "median_ttft_ms", "TTFT staggered", False),
-    ("staggered", "median_prefill_tps", "prefill tok/s staggered", True),
-    ("rate-", "output_throughput", "aggregate tok/s", True),
-]
-
-
-def _matches(phase: str, prefix: str) -> bool:
-    """A RATIO_METRICS entry names a phase, or with a trailing '-' a family of them."""
-    return phase == prefix or (prefix.endswith("-") and phase.startswith(prefix))
-
 
 @dataclass(frozen=True)
 class Input:
@@ -135,8 +114,18 @@ def machine(run: dict) -> str:
     return p.get("gpu") or f"{p.get('cpu')} ({p.get('cpu_count')} CPUs)"
 
 
-def _cell_view(cell: dict, load: Optional[dict] = None) -> dict:
-    """A serving-matrix cell: its status, its value and its flags; `load`: the run's workload settings."""
+def machine_name(run: dict) -> str:
+    """The machine in a few words: 'NVIDIA H200', '2-core CPU (Intel Xeon Processor)'."""
+    p = run["provenance"]
+    if p.get("gpu"):
+        return p["gpu"].split(",")[0]
+    cpu = " ".join(w for w in str(p.get("cpu") or "").replace("(R)", "").replace("(TM)", "").split() if w != "None")
+    return f"{p.get('cpu_count')}-core CPU" + (f" ({cpu})" if cpu else "")
+
+
+def _cell_view(cell: dict, load: Optional[dict] = None, on_gpu: bool = False) -> dict:
+    """A serving-matrix cell: its status, its value and its flags; `load`: the run's workload settings; `on_gpu`: the
+    run's machine has a GPU (a new forward shape compiles there)."""
     m = cell.get("metrics") or {}
     value = None
     if cell["status"] in (MEASURED, RECOVERED):
@@ -158,7 +147,7 @@ def _cell_view(cell: dict, load: Optional[dict] = None) -> dict:
     if m.get("short_outputs"):
         flags.append(f"{m['short_outputs']} outputs shorter than {m.get('requested_output_tokens')} tokens")
     if m.get("new_shapes") and cell["phase"] != "warmup":
-        flags.append(f"{m['new_shapes']} new forward shapes (compiled on CUDA during the cell)")
+        flags.append(f"{m['new_shapes']} new forward shapes" + (" (compiled on CUDA during the cell)" if on_gpu else ""))
     if m.get("compiled_modules") and cell["phase"] != "warmup":
         flags.append(f"{m['compiled_modules']} kernel modules compiled during the cell")
     reasons = m.get("finish_reasons") or []
@@ -234,73 +223,63 @@ def _baseline(inp: Input, model: dict, runs: list[Input], baseline: str) -> tupl
 
 
 def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict:
-    """Each arm against the baseline (`comparable.compare`): decode, TTFT, aggregate throughput and goodput at
-    each concurrency, then memory (one reading each: a ratio, no interval)."""
+    """Each arm against the baseline (`headline.model_rows`), the verdict lines that sum them up and the withheld
+    count; the table leaves out the ratios of cells measured on one side only (counted)."""
     base_run, base, note = _baseline(inp, model, runs, baseline)
-    slo = dict(inp.run["settings"].get("goodput") or [])
-    rows = []
-    for arm in model["arms"]:
-        if base is None or arm is base:
-            continue
-        for phase in _phases(arm):
-            for prefix, key, label, higher in RATIO_METRICS:
-                if not _matches(phase, prefix):
-                    continue
-                level = phase.split("-", 1)[1] if prefix in ("concurrency-", "rate-") else ""
-                name = label + (f" @{level}" if level else "") + (" req/s" if prefix == "rate-" else "")
-                rows.append(comparable.compare(inp.run, arm, base_run, base, phase, name, key, higher))
-                if prefix in ("concurrency-", "rate-") and slo:
-                    rows.append(comparable.compare(inp.run, arm, base_run, base, phase,
-                                                   f"goodput req/s @{level}" + (" req/s" if prefix == "rate-" else ""),
-                                                   "request_goodput", True, slo))  # fmt: skip
-        for label, value in (("peak RSS MiB", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
-                             ("device peak MiB", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None)):  # fmt: skip
-            a, b = value(arm), value(base)
-            if a is None or (b is None and label.startswith("device")):  # mlx_lm.server reports no device memory
-                continue
-            rows.append({"arm": arm["arm"], "baseline_arm": base["arm"], "phase": "-", "metric": label, "value": a,
-                         "baseline": b, "higher_is_better": False, "ratio": a / b if a and b else None,
-                         "ci_low": None, "ci_high": None, "verdict": None, "samples": 0,
-                         "note": "one reading" if a and b else "", "withheld": None if a and b else "no value on one side",
-                         "outputs": ""})  # fmt: skip
-    return {"where": _where(inp, model), "baseline": baseline, "note": note, "rows": rows}
+    rows = headline.model_rows(inp.run, model, base_run, base)
+    return {"where": _where(inp, model), "title": f"{model['model']} on {machine_name(inp.run)}",
+            "source": f"{inp.path.name}, run {inp.run['run_id']}", "baseline": baseline, "note": note,
+            "rows": [r for r in rows if r["withheld"] != headline.NOT_ON_BOTH], "lines": _lines(rows),
+            "withheld": headline.withheld_count(rows)}  # fmt: skip
+
+
+def _lines(rows: list[dict]) -> list[dict]:
+    return [asdict(line) for line in headline.verdict_lines(rows)]
 
 
 def _where(inp: Input, model: dict) -> str:
-    return f"{inp.run['run_id']} / {model['model']}" + (f" / block {model['block']}" if inp.run["kind"] == "trials" else "")
+    block = (f" / block {model['block']}" if inp.run["kind"] == "trials" else
+             f" / repetition {model['block'] + 1}" if is_repetition(inp.run, model) else "")  # fmt: skip
+    return f"{inp.run['run_id']} / {model['model']}{block}"
 
 
 def _curves(inp: Input, model: dict) -> dict:
-    """The model's plots (`report_plots`): throughput and latency percentiles against concurrency, and the
-    distributions of TTFT and TPOT over the concurrency cells' requests (the decode phase's where none)."""
-    aggregate, per_request, cdf = {}, {}, {}
-    ttft: dict[str, dict] = {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
-    tpot: dict[str, dict] = {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
+    """The model's plots (`report_plots`): throughput and latency percentiles against concurrency and against the
+    offered rate, each point with its values in every repetition of the cell (`repetitions`; a band where there is
+    more than one), and the distributions of TTFT and TPOT over the concurrency cells' requests (the decode
+    phase's where none)."""
+    blocks = [model, *repetitions(inp.run, model)]
+    pcts = [p for p, _ in report_plots.PERCENTILE_STYLES]
+    aggregate, per_request, offered, cdf = {}, {}, {}, {}
+    ttft, tpot, rate_ttft = ({p: {} for p in pcts} for _ in range(3))
+    key = lambda pct, what: f"{pct}_{what}_ms" if pct != "p50" else f"median_{what}_ms"  # noqa: E731
     for arm in model["arms"]:
         name = arm["arm"]
-        cells = [c for c in arm["cells"] if c["phase"].startswith("concurrency-") and c["status"] in (MEASURED, RECOVERED)]
-        for c in cells:
-            level, m = int(c["phase"].split("-", 1)[1]), c["metrics"]
-            aggregate.setdefault(name, []).append((level, m.get("output_throughput")))
-            per_request.setdefault(name, []).append((level, m.get("median_decode_tps")))
-            for pct in ttft:
-                ttft[pct].setdefault(name, []).append((level, m.get(f"{pct}_ttft_ms" if pct != "p50" else "median_ttft_ms")))
-                tpot[pct].setdefault(name, []).append((level, m.get(f"{pct}_tpot_ms" if pct != "p50" else "median_tpot_ms")))
+        again = [a for m in blocks for a in m["arms"] if a["arm"] == name]  # the arm in block 0 and each repetition
+        for phase in [c["phase"] for c in arm["cells"] if is_load_phase(c["phase"])]:
+            cells = [c for c in (cell_of(a, phase) for a in again) if c is not None]
+            if not cells:
+                continue
+            values = lambda k: [c["metrics"].get(k) for c in cells]  # noqa: E731
+            if phase.startswith("concurrency-"):
+                level = int(phase.split("-", 1)[1])
+                aggregate.setdefault(name, []).append((level, values("output_throughput")))
+                per_request.setdefault(name, []).append((level, values("median_decode_tps")))
+                for pct in pcts:
+                    ttft[pct].setdefault(name, []).append((level, values(key(pct, "ttft"))))
+                    tpot[pct].setdefault(name, []).append((level, values(key(pct, "tpot"))))
+            else:
+                rate = cells[0]["metrics"]["offered_rate"]
+                offered.setdefault(name, []).append((rate, values("output_throughput")))
+                for pct in pcts:
+                    rate_ttft[pct].setdefault(name, []).append((rate, values(key(pct, "ttft"))))
+        conc = [c for c in arm["cells"] if c["phase"].startswith("concurrency-") and c["status"] in (MEASURED, RECOVERED)]
         decode = cell_of(arm, "decode")
-        pool = [r for c in cells or ([decode] if decode else []) for r in ok_requests(c)]
+        pool = [r for c in conc or ([decode] if decode else []) for r in ok_requests(c)]
         cdf[name] = {"TTFT ms": [r["ttft_ms"] for r in pool], "TPOT ms": [r.get("tpot_ms") for r in pool]}
-    offered, rate_ttft = {}, {p: {} for p, _ in report_plots.PERCENTILE_STYLES}
-    for arm in model["arms"]:
-        for c in arm["cells"]:
-            if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED):
-                m = c["metrics"]
-                offered.setdefault(arm["arm"], []).append((m["offered_rate"], m.get("output_throughput")))
-                for pct in rate_ttft:
-                    rate_ttft[pct].setdefault(arm["arm"], []).append(
-                        (m["offered_rate"], m.get(f"{pct}_ttft_ms" if pct != "p50" else "median_ttft_ms")))
-    return {"where": _where(inp, model), "throughput": report_plots.throughput(aggregate, per_request),
-            "latency": report_plots.latency(ttft, tpot), "cdf": report_plots.cdf(cdf),
-            "rates": report_plots.rates(offered, rate_ttft)}
+    return {"where": _where(inp, model), "repetitions": len(blocks),
+            "throughput": report_plots.throughput(aggregate, per_request), "latency": report_plots.latency(ttft, tpot),
+            "cdf": report_plots.cdf(cdf), "rates": report_plots.rates(offered, rate_ttft)}  # fmt: skip
 
 
 def _requests(inp: Input, model: dict, arm: dict) -> list[dict]:
@@ -329,31 +308,35 @@ def _paired(inputs: list[Input], baseline: str) -> list[dict]:
         for name, blocks in by_model.items():
             arms = sorted({a["arm"] for b in blocks for a in b["arms"]} - {baseline})
             for arm_name in arms:
-                for prefix, key, label, higher in RATIO_METRICS:
-                    phases = sorted({c["phase"] for b in blocks for a in b["arms"] for c in a["cells"]
-                                     if _matches(c["phase"], prefix)})
+                for rm in headline.RATIO_METRICS:
+                    phases = sorted({c["phase"] for b in blocks for a in b["arms"] for c in a["cells"] if rm.matches(c["phase"])})
                     for phase in phases:
-                        ratios, seeds, values, skipped = [], [], [], 0
+                        if all(metric(a, phase, rm.key) is None for b in blocks for a in b["arms"]):
+                            continue  # a metric these records do not hold (an older run's)
+                        ratios, seeds, values, skipped = [], [], [], []
                         for b in blocks:
                             arm = next((a for a in b["arms"] if a["arm"] == arm_name), None)
                             base = next((a for a in b["arms"] if a["arm"] == baseline), None)
-                            if arm is None or base is None or comparable.withheld(inp.run, arm, inp.run, base, phase):
-                                skipped += 1
-                                continue
-                            x, y = metric(arm, phase, key), metric(base, phase, key)
-                            if not x or not y:
-                                skipped += 1
+                            x, y = (metric(arm, phase, rm.key), metric(base, phase, rm.key)) if arm and base else (None, None)
+                            why = ("not measured on both" if arm is None or base is None else
+                                   comparable.withheld(inp.run, arm, inp.run, base, phase) or
+                                   (None if x and y else "no value on one side"))  # fmt: skip
+                            if why:
+                                skipped.append(why)
                                 continue
                             ratios.append(x / y)
                             seeds.append(b["workload_seed"])
                             values.append((x, y))
-                        if not ratios:
+                        record = {"run": inp.run["run_id"], "model": name, "arm": arm_name, "baseline": baseline,
+                                  "skipped_blocks": len(skipped), "phase": phase, "label": rm.label + headline.level(phase),
+                                  "short": rm.short + headline.level(phase).replace(" @", "@"), "unit": rm.unit,
+                                  "higher_is_better": rm.higher_is_better, "withheld": None}  # fmt: skip
+                        if not ratios:  # every block withheld: the first reason, for the headline
+                            out.append(record | {"withheld": f"{skipped[0]} (all {len(skipped)} blocks)"})
                             continue
-                        res = stats.paired(f"{label} ({phase})", ratios, seeds, higher_is_better=higher)
-                        out.append({"run": inp.run["run_id"], "model": name, "arm": arm_name, "baseline": baseline,
-                                    "skipped_blocks": skipped, "phase": phase, "label": label,
-                                    "higher_is_better_metric": higher, "arm_mean": _geomean(v[0] for v in values),
-                                    "baseline_mean": _geomean(v[1] for v in values), **res.as_record()})  # fmt: skip
+                        res = stats.paired(f"{rm.label} ({phase})", ratios, seeds, higher_is_better=rm.higher_is_better)
+                        out.append(record | {"arm_mean": _geomean(v[0] for v in values),
+                                             "baseline_mean": _geomean(v[1] for v in values), **res.as_record()})  # fmt: skip
     return out
 
 
@@ -368,15 +351,35 @@ def _trials_headline(inp: Input, paired: list[dict]) -> list[dict]:
     for p in paired:
         if p["run"] != inp.run["run_id"]:
             continue
-        name = p["label"] + (f" @{p['phase'].split('-', 1)[1]}" if p["phase"].startswith("concurrency-") else "")
-        groups.setdefault(p["model"], []).append({
-            "arm": p["arm"], "baseline_arm": p["baseline"], "phase": p["phase"], "metric": name,
-            "value": p["arm_mean"], "baseline": p["baseline_mean"], "higher_is_better": p["higher_is_better"],
-            "ratio": p["geomean"], "ci_low": p["ci_low"], "ci_high": p["ci_high"], "verdict": p["verdict"],
-            "note": f"{p['blocks']} blocks" + (f"; {p['note']}" if p["note"] else ""), "samples": p["blocks"],
-            "withheld": None, "outputs": ""})  # fmt: skip
+        row = {"arm": p["arm"], "baseline_arm": p["baseline"], "phase": p["phase"], "metric": p["label"],
+               "short": p["short"], "unit": p["unit"], "higher_is_better": p["higher_is_better"], "outputs": "",
+               "withheld": p["withheld"], "value": None, "baseline": None, "ratio": None, "ci_low": None,
+               "ci_high": None, "verdict": None, "samples": 0, "note": ""}  # fmt: skip
+        if not p["withheld"]:
+            row |= {"value": p["arm_mean"], "baseline": p["baseline_mean"], "ratio": p["geomean"], "ci_low": p["ci_low"],
+                    "ci_high": p["ci_high"], "verdict": p["verdict"], "samples": p["blocks"],
+                    "note": f"{p['blocks']} blocks" + (f"; {p['note']}" if p["note"] else "")}  # fmt: skip
+        groups.setdefault(p["model"], []).append(row)
+    blocks = {m["model"]: sum(x["model"] == m["model"] for x in inp.run["models"]) for m in inp.run["models"]}
     return [{"where": f"{inp.run['run_id']} / {model} (trials: geometric means over paired blocks)",
-             "baseline": paired[0]["baseline"] if paired else "", "note": "", "rows": rows} for model, rows in groups.items()]
+             "title": f"{model} on {machine_name(inp.run)}, {blocks[model]} paired blocks",
+             "source": f"{inp.path.name}, trials {inp.run['run_id']}", "baseline": paired[0]["baseline"], "note": "",
+             "rows": rows, "lines": _lines(rows), "withheld": headline.withheld_count(rows)}
+            for model, rows in groups.items()]  # fmt: skip
+
+
+def _native_verdicts(native: list[dict]) -> list[dict]:
+    """A `harness native` file's verdicts in the first screen's words: decode and prefill, engine / mlx-lm."""
+    groups = []
+    for n in native:
+        rows = [{"arm": "engine", "phase": what, "short": what, "higher_is_better": True, "ratio": p["geomean"],
+                 "ci_low": p["ci_low"], "ci_high": p["ci_high"], "verdict": p["verdict"], "note": p["note"],
+                 "withheld": None} for what in ("decode", "prefill") if (p := n[what])]  # fmt: skip
+        device = str(n["device"] or "?").removeprefix("Device(").split(",")[0]  # 'Device(gpu, 0)': gpu
+        groups.append({"title": f"{n['model']} in process on the {device}",
+                       "source": f"{n['file']}, engine against mlx-lm, {n['tier'] or '?'} tier", "note": "",
+                       "lines": _lines(rows), "withheld": ""})  # fmt: skip
+    return groups
 
 
 def _choose_baseline(inputs: list[Input], baseline: Optional[str]) -> str:
@@ -401,7 +404,8 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
             where = _where(inp, model)
             verdicts = (model.get("parity") or {}).get("verdicts", {})
             for arm in model["arms"]:
-                cells = [_cell_view(c, inp.run["settings"].get("workload") or {}) for c in arm["cells"]]
+                cells = [_cell_view(c, inp.run["settings"].get("workload") or {}, bool(inp.run["provenance"].get("gpu")))
+                         for c in arm["cells"]]  # fmt: skip
                 for c in cells:
                     v = verdicts.get(arm["arm"])
                     if c["phase"] == "probe" and v is not None:
@@ -417,6 +421,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                 if arm.get("quality"):
                     q = arm["quality"]
                     quality.append({"where": where, "arm": arm["arm"], "tier": q.get("tier"), "tokens": q.get("tokens"),
+                                    "note": perplexity_note(q, model["model"]) if q.get("perplexity") else "",
                                     "perplexity": q.get("perplexity"), "error": q.get("error"),
                                     "peak_rss_mib": (arm.get("peak_rss_bytes") or 0) / 2**20 or None})  # fmt: skip
                 if arm["status"] == FAILED or arm.get("error"):
@@ -429,13 +434,14 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                         failures.append({"where": where, "arm": arm["arm"], "what": f"{c['phase']} ({c['status']})",
                                          "error": c.get("reason") or "; ".join(errors), "stderr_tail": ""})  # fmt: skip
                 requests += _requests(inp, model, arm)
-            if inp.run["kind"] != "trials":
+            if inp.run["kind"] != "trials" and not is_repetition(inp.run, model):
                 headline.append(_headline(inp, model, runs, baseline))
             if model["block"] == min(m["block"] for m in inp.run["models"] if m["model"] == model["model"]):
-                curves.append(_curves(inp, model))  # trials: the first block's
-            identity.append({"where": where, "reference": (model.get("parity") or {}).get("reference"),
-                             "verdicts": (model.get("parity") or {}).get("verdicts", {}),
-                             "arms": [a["arm"] for a in model["arms"]]})  # fmt: skip
+                curves.append(_curves(inp, model))  # trials: the first block's; a run: block 0 with its repetitions
+            if not is_repetition(inp.run, model):
+                identity.append({"where": where, "reference": (model.get("parity") or {}).get("reference"),
+                                 "verdicts": (model.get("parity") or {}).get("verdicts", {}),
+                                 "arms": [a["arm"] for a in model["arms"]]})  # fmt: skip
     matrix = {}
     for mach, rows in machines.items():
         phases = list(dict.fromkeys(c["phase"] for r in rows for c in r["cells"]))
@@ -449,8 +455,11 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         if inp.run["kind"] == "trials":
             headline += _trials_headline(inp, paired)
     others = [i for i in inputs if i.kind != report_inputs.RUN]
+    native = [row for i in others if i.kind == report_inputs.NATIVE for row in report_inputs.native_view(i.path.name, i.run)]
     return {
         "title": "harness report: " + ", ".join(i.path.name for i in inputs),
+        "files": [i.path.name for i in inputs],
+        "verdicts": headline + _native_verdicts(native),
         "baseline": baseline,
         "provenance": [_provenance(i) for i in runs],
         "headline": headline,
@@ -461,7 +470,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "paired": paired,
         "identity": identity,
         "quality": quality,
-        "native": [row for i in others if i.kind == report_inputs.NATIVE for row in report_inputs.native_view(i.path.name, i.run)],
+        "native": native,
         "spec": [report_inputs.spec_view(i.path.name, i.run) for i in others if i.kind == report_inputs.SPEC],
         "quality_files": [t for i in others if i.kind == report_inputs.QUALITY
                           for t in report_inputs.quality_view(i.path.name, i.run)],
@@ -470,6 +479,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         "requests": requests,
         "statuses": [MEASURED, RECOVERED, FAILED, NOT_MEASURED, "unsupported"],
         "single_run_threshold": stats.SINGLE_RUN_THRESHOLD,
+        "trials_threshold": stats.NOISE_THRESHOLD,
         "cv_flag": CV_FLAG,
     }
 
@@ -481,6 +491,7 @@ def render_html(view: dict) -> str:
     loader = FunctionLoader(lambda name: (TEMPLATES / name).read_text(encoding="utf-8"))
     env = Environment(loader=loader, autoescape=select_autoescape(["html", "j2"], default=True),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)  # fmt: skip
+    env.globals |= {"value_text": headline.value_text, "interval_text": headline.interval_text}
     return env.get_template("report.html.j2").render(**view)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from harness.headline import Part, VerdictLine, interval_text, line_text, value_text
 from harness.summary import md_row, md_text
 
 
@@ -12,20 +13,30 @@ def ratio_text(r: dict) -> str:
         return f"withheld: {r['withheld']}"
     if r["ratio"] is None:
         return "-"
-    interval = f" [{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if r["ci_low"] is not None else ""
+    interval = interval_text(r["ci_low"], r["ci_high"])
     verdict = f" {r['verdict']}" if r["verdict"] else ""
-    return f"{r['ratio']:.2f}{interval}{verdict}" + (f" ({r['note']})" if r["note"] else "")
+    return f"{r['ratio']:.2f}{' ' + interval if interval else ''}{verdict}" + (f" ({r['note']})" if r["note"] else "")
 
 
 def render_markdown(view: dict) -> str:
-    lines = [f"# {md_text(view['title'])}", "", f"Baseline arm: {md_text(view['baseline'])}. Ratios: arm / baseline, "
-             f"95% interval from the paired requests, verdict against a {view['single_run_threshold']:.0%} noise "
-             "threshold (one run).", "", "## Headline", ""]  # fmt: skip
+    lines = [f"# {md_text(view['title'])}", "", f"## Verdicts: each arm against {md_text(view['baseline'])}", "",
+             f"Nx: how many times as fast as {md_text(view['baseline'])} (a rate: arm / baseline; a time: baseline / "
+             f"arm), its 95% interval in brackets; a verdict against a {view['single_run_threshold']:.0%} noise "
+             "threshold; an aggregate rate of one burst has no interval.", ""]  # fmt: skip
+    for group in view["verdicts"]:
+        lines += [f"**{md_text(group['title'])}** ({md_text(group['source'])})", ""]
+        lines += [f"- {md_text(line_text(VerdictLine(line['arm'], [Part(**p) for p in line['parts']], line['rest'])))}"
+                  for line in group["lines"]]  # fmt: skip
+        lines += [f"- {md_text(group['withheld'])}"] * bool(group["withheld"]) + [""]
+    lines += ["## Headline: every ratio", "", "Ratio = arm / baseline; a median's interval resamples the paired "
+              "requests (one run), a repeated load cell's comes from its repetitions.", ""]  # fmt: skip
     for group in view["headline"]:
-        lines += [f"### {md_text(group['where'])}", ""] + ([md_text(group["note"]), ""] if group["note"] else [])
+        lines += [f"### {md_text(group['title'])} ({md_text(group['source'])})", ""]
+        lines += [md_text(group["note"]), ""] if group["note"] else []
         lines += ["| arm | metric | value | baseline | ratio |", "|---|---|---|---|---|"]
         for r in group["rows"]:
-            lines.append(md_row([r["arm"], r["metric"], _num(r["value"]), _num(r["baseline"]), ratio_text(r)]))
+            lines.append(md_row([r["arm"], r["metric"], value_text(r["value"], r["unit"]),
+                                 value_text(r["baseline"], r["unit"]), ratio_text(r)]))  # fmt: skip
         lines.append("")
     if view["flagged"]:
         lines += ["## Flagged cells", ""] + [f"- {md_text(f)}" for f in view["flagged"]] + [""]
@@ -45,6 +56,10 @@ def render_markdown(view: dict) -> str:
         lines += ["", "## Paired blocks", "", "| model | arm | metric | blocks | geomean | 95% interval | verdict |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for p in view["paired"]:
+            if p["withheld"]:
+                lines.append(md_row([p["model"], p["arm"], f"{p['label']} ({p['phase']})", "-", "-", "-",
+                                     f"withheld: {p['withheld']}"]))  # fmt: skip
+                continue
             ci = f"{p['ci_low']:.3f}-{p['ci_high']:.3f}" if p["ci_low"] is not None else "-"
             lines.append(md_row([p["model"], p["arm"], p["metric"], p["blocks"], f"{p['geomean']:.3f}", ci,
                                  f"{p['verdict']} {p['note']}"]))  # fmt: skip
@@ -57,7 +72,7 @@ def render_markdown(view: dict) -> str:
         for what in ("decode", "prefill"):
             if n[what]:
                 p = n[what]
-                lines.append(f"\n{what} engine / mlx-lm: {p['geomean']:.2f} [{p['ci_low'] or 0:.2f}, {p['ci_high'] or 0:.2f}] "
+                lines.append(f"\n{what} engine / mlx-lm: {p['geomean']:.2f} {interval_text(p['ci_low'], p['ci_high'])} "
                              f"{p['verdict']} {md_text(p['note'])}")  # fmt: skip
     for sp in view["spec"]:
         lines += ["", f"## Speculative decoding: {md_text(sp['model'])} ({md_text(sp['file'])})", "",
@@ -75,7 +90,8 @@ def render_markdown(view: dict) -> str:
         lines += ["", "## Quality and size", "", "| run / model | arm | tier | held-out tokens | perplexity | peak RSS MiB |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for q in view["quality"]:
-            ppl = f"{q['perplexity']:g}" if q["perplexity"] is not None else f"not measured: {q['error']}"
+            ppl = f"not measured: {q['error']}" if q["perplexity"] is None else f"{q['perplexity']:g}"
+            ppl += f" ({q['note']})" if q.get("note") else ""
             rss = f"{q['peak_rss_mib']:.0f}" if q["peak_rss_mib"] else "-"
             lines.append(md_row([q["where"], q["arm"], q["tier"] or "-", q["tokens"] or "-", ppl, rss]))
     if view["failures"]:

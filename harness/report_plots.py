@@ -9,16 +9,22 @@ glyph paths and escaped comments.
     latency      TTFT and TPOT p50 / p90 / p99 against concurrency
     cdf          TTFT and TPOT of every timed request, one curve an arm
     rates        output tok/s and TTFT percentiles against the offered request rate (open-loop cells)
+
+A point holds the cell's value in each repetition (`harness run all --cell-repeats`): the line runs through their
+geometric mean and a band spans their lowest to highest; one value (one burst) draws a point and no band. Legends
+sit below the panels, never on the data; every tick label has one size; a figure is as wide as the page.
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import math
 from typing import Optional, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 matplotlib.use("svg")
@@ -27,8 +33,10 @@ _salt = itertools.count()
 COLORS = ("#2a5db0", "#b0482a", "#2c8a3b", "#7a3fa0", "#b08a1a", "#3a8f9e", "#555555")
 PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
 
-# {arm: [(concurrency, value), ...]}
-Series = dict[str, list[tuple[int, Optional[float]]]]
+# {arm: [(concurrency or offered rate, [the value in each repetition]), ...]}
+Series = dict[str, list[tuple[float, list[Optional[float]]]]]
+TICK_SIZE = 8
+WIDTH_IN, HEIGHT_IN = 11.0, 3.6  # every figure: two panels, the page's width (the template scales it to 100%)
 
 
 def svg(fig: Figure) -> str:
@@ -41,12 +49,29 @@ def svg(fig: Figure) -> str:
 
 
 def _figure(panels: int) -> tuple[Figure, Sequence]:
-    fig = Figure(figsize=(5.2 * panels, 3.4), layout="constrained")
+    fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), layout="constrained")
     axes = fig.subplots(1, panels, squeeze=False)[0]
     for ax in axes:
         ax.grid(True, color="#dde2ea", linewidth=0.6)
-        ax.tick_params(labelsize=8)
     return fig, axes
+
+
+def _finish(fig: Figure, axes: Sequence, styles: bool = False) -> str:
+    """Tick labels of one size, then one legend below the panels (the arms' colours; with `styles`, the
+    percentiles' line styles too), and the SVG."""
+    for ax in axes:
+        ax.tick_params(axis="both", which="both", labelsize=TICK_SIZE)
+    handles = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if styles:
+        for pct, style in PERCENTILE_STYLES:
+            handles[pct] = Line2D([], [], color="#333333", linestyle=style, linewidth=1.4)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 6),
+                   fontsize=TICK_SIZE, frameon=False)  # fmt: skip
+    return svg(fig)
 
 
 _PLAIN = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
@@ -65,12 +90,24 @@ def _concurrency_axis(ax, levels: Sequence[int]) -> None:
     ax.set_xlabel("concurrent requests", fontsize=9)
 
 
-def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label_suffix: str = "") -> None:
+def _center(values: Sequence[Optional[float]]) -> Optional[float]:
+    kept = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in kept) / len(kept)) if kept else None
+
+
+def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label: bool = True) -> None:
+    """One line an arm through each point's geometric mean, a band from its lowest to its highest repetition."""
     for arm, color in zip(arms, itertools.cycle(COLORS)):
-        points = [(c, v) for c, v in series.get(arm, []) if v is not None]
-        if points:
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, style, color=color, marker="o", markersize=4, linewidth=1.4, label=arm + label_suffix)
+        points = sorted((x, _center(vs), [v for v in vs if v is not None]) for x, vs in series.get(arm, []))
+        points = [(x, c, vs) for x, c, vs in points if c is not None]
+        if not points:
+            continue
+        xs = [x for x, _, _ in points]
+        ax.plot(xs, [c for _, c, _ in points], style, color=color, marker="o", markersize=4, linewidth=1.4,
+                label=arm if label else None)  # fmt: skip
+        if any(len(vs) > 1 for _, _, vs in points):
+            ax.fill_between(xs, [min(vs) for _, _, vs in points], [max(vs) for _, _, vs in points], color=color,
+                            alpha=0.18, linewidth=0)  # fmt: skip
 
 
 def throughput(aggregate: Series, per_request: Series) -> Optional[str]:
@@ -79,34 +116,38 @@ def throughput(aggregate: Series, per_request: Series) -> Optional[str]:
     levels = sorted({c for s in (aggregate, per_request) for pts in s.values() for c, _ in pts})
     if not levels:
         return None
-    fig, (left, right) = _figure(2)
-    for ax, series, title in ((left, aggregate, "aggregate output tok/s"), (right, per_request, "per-request tok/s (median 1000 / TPOT)")):
+    fig, axes = _figure(2)
+    for ax, series, title in zip(axes, (aggregate, per_request), ("aggregate output tok/s",
+                                                                  "per-request tok/s (median 1000 / TPOT)")):  # fmt: skip
         _lines(ax, series, arms)
         _concurrency_axis(ax, levels)
         ax.set_ylabel("tok/s", fontsize=9)
         ax.set_title(title, fontsize=10)
         ax.set_ylim(bottom=0)
-    left.legend(fontsize=8)
-    return svg(fig)
+    return _finish(fig, axes)
 
 
-def latency(ttft: dict[str, dict[str, Series]], tpot: dict[str, dict[str, Series]]) -> Optional[str]:
-    """TTFT and TPOT percentiles against concurrency: {percentile: {arm: [(C, ms)]}} for each."""
+def _percentiles(ax, by_pct: dict[str, Series], arms: Sequence[str]) -> None:
+    """p50 / p90 / p99 lines of each arm on a log axis (the arm's name on its p50 line only)."""
+    for pct, style in PERCENTILE_STYLES:
+        _lines(ax, by_pct.get(pct, {}), arms, style, label=pct == "p50")
+    ax.set_yscale("log")
+    _plain_log(ax.yaxis)
+    ax.set_ylabel("ms (log scale)", fontsize=9)
+
+
+def latency(ttft: dict[str, Series], tpot: dict[str, Series]) -> Optional[str]:
+    """TTFT and TPOT percentiles against concurrency: {percentile: {arm: [(C, [ms])]}} for each."""
     arms = list(dict.fromkeys(a for d in (ttft, tpot) for s in d.values() for a in s))
     levels = sorted({c for d in (ttft, tpot) for s in d.values() for pts in s.values() for c, _ in pts})
     if not levels:
         return None
     fig, axes = _figure(2)
     for ax, by_pct, title in ((axes[0], ttft, "TTFT"), (axes[1], tpot, "TPOT")):
-        for pct, style in PERCENTILE_STYLES:
-            _lines(ax, by_pct.get(pct, {}), arms, style, f" {pct}")
+        _percentiles(ax, by_pct, arms)
         _concurrency_axis(ax, levels)
-        ax.set_yscale("log")
-        _plain_log(ax.yaxis)
-        ax.set_ylabel("ms (log scale)", fontsize=9)
-        ax.set_title(f"{title} p50 (solid), p90 (dashed), p99 (dotted)", fontsize=10)
-    axes[0].legend(fontsize=7, ncol=2)
-    return svg(fig)
+        ax.set_title(f"{title} p50, p90, p99", fontsize=10)
+    return _finish(fig, axes, styles=True)
 
 
 def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
@@ -114,21 +155,23 @@ def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
     metrics = list(dict.fromkeys(m for d in samples.values() for m, v in d.items() if v))
     if not metrics:
         return None
-    fig, axes = _figure(len(metrics))
+    fig, axes = _figure(2)
+    for ax in axes[len(metrics) :]:
+        ax.set_visible(False)
     for ax, name in zip(axes, metrics):
         for (arm, by_metric), color in zip(samples.items(), itertools.cycle(COLORS)):
             values = sorted(v for v in by_metric.get(name, []) if v is not None and v > 0)
             if values:
                 ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color,
-                        linewidth=1.4, label=f"{arm} ({len(values)})")  # fmt: skip
+                        linewidth=1.4, label=arm)  # fmt: skip
         ax.set_xscale("log")
         _plain_log(ax.xaxis)
         ax.set_xlabel(f"{name} (log scale)", fontsize=9)
         ax.set_ylabel("share of requests", fontsize=9)
         ax.set_ylim(0, 1.02)
-        ax.set_title(f"{name.split()[0]} distribution", fontsize=10)
-        ax.legend(fontsize=8)
-    return svg(fig)
+        counts = ", ".join(f"{arm} {sum(v is not None and v > 0 for v in d.get(name, []))}" for arm, d in samples.items())
+        ax.set_title(f"{name.split()[0]} distribution (requests: {counts})", fontsize=10)
+    return _finish(fig, axes[: len(metrics)])
 
 
 def rates(output: Series, ttft: dict[str, Series]) -> Optional[str]:
@@ -143,16 +186,11 @@ def rates(output: Series, ttft: dict[str, Series]) -> Optional[str]:
     left.set_ylabel("tok/s", fontsize=9)
     left.set_title("output tok/s against the offered rate", fontsize=10)
     left.set_ylim(bottom=0)
-    left.legend(fontsize=8)
-    for pct, style in PERCENTILE_STYLES:
-        _lines(right, ttft.get(pct, {}), arms, style, f" {pct}")
-    right.set_yscale("log")
-    _plain_log(right.yaxis)
-    right.set_ylabel("ms (log scale)", fontsize=9)
-    right.set_title("TTFT p50 (solid), p90 (dashed), p99 (dotted)", fontsize=10)
+    _percentiles(right, ttft, arms)
+    right.set_title("TTFT p50, p90, p99", fontsize=10)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [f"{r:g}" for r in levels])
         ax.minorticks_off()
         ax.set_xlabel("offered requests/s", fontsize=9)
-    return svg(fig)
+    return _finish(fig, (left, right), styles=True)

@@ -305,43 +305,79 @@ def _run(args, seeds: list[int], kind: str) -> int:
     return 1 if any(r["status"] != "measured" for r in rs) else 0
 
 
-def _print_summary(record, out: Path, db: Path) -> list[dict]:
-    from rich.table import Table
+SUMMARY_COLUMNS = 100  # the summary's tables and wrapped lines fit this many columns
 
+
+def _print_summary(record, out: Path, db: Path) -> list[dict]:
+    """The summary (`summary.model_summaries`) on stdout, its Markdown next to the JSON; every table and line
+    fits SUMMARY_COLUMNS (a run nonce or a path may not), and every label is printed as text, never as markup."""
     from harness import summary
     from harness.anomalies import flagged_lines
 
     run = record.to_json()
-    rs = summary.rows(run)
-    conc = summary.concurrency_levels(rs)
-    title = f"{record.kind} {record.run_id}" + (" [DIAGNOSTIC]" if record.diagnostic else "")
-    table = Table(title=escape(title))
-    blocks = record.kind == "trials"
-    for h in summary.headers(conc, blocks):
-        table.add_column(h)
-    for r in rs:
-        table.add_row(*(escape(c) for c in summary.table_cells(r, conc, blocks)))  # a label is text, not markup
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
-    stdout.print(table)
-    latency = Table(title="latency percentiles per timed cell")
-    for h in summary.LATENCY_HEADERS:
-        latency.add_column(h)
-    for row in summary.latency_rows(run):
-        latency.add_row(*(escape(c) for c in row))
-    stdout.print(latency)
+    stdout.print(f"{record.kind} {record.run_id}" + (" [DIAGNOSTIC: measured on a busy machine]" if record.diagnostic else ""),
+                 markup=False, highlight=False)  # fmt: skip
+    for ms in summary.model_summaries(run):
+        stdout.print(_table(ms.model, ms.headers, ms.rows))
+        for line in ms.lines + ms.notes:
+            _say(line, "  ", "      ")
+        stdout.print()
+    latency = summary.latency_rows(run)
+    if latency:
+        # the Markdown's columns less the model's (one a row) and ITL's (TPOT's, but for stalls, flagged below)
+        slos = bool(run["settings"].get("goodput"))
+        keep = [i for i, h in enumerate(summary.LATENCY_HEADERS) if h != "model" and not h.startswith("ITL")
+                and (slos or i < 8)]  # fmt: skip
+        rows = [[row[i].replace(" / ", "/") for i in keep] for row in latency]
+        names = {"requests": "n", "SLO attainment": "SLO met"}
+        heads = [names.get(h, h.replace(" / ", "/")) for h in (summary.LATENCY_HEADERS[i] for i in keep)]
+        stdout.print(_table("latency percentiles per timed cell", heads, rows))
+        stdout.print()
     for line in summary.load_lines(run) + summary.goodput_lines(run) + summary.quality_lines(run):
-        stdout.print(line, markup=False, highlight=False)
+        _say(line, "", "    ")
     for line in flagged_lines(run):
-        stdout.print(f"FLAGGED {line}", markup=False, highlight=False)
+        _say(f"FLAGGED {line}", "", "    ")
     stdout.print(f"JSON: {out}   Markdown: {out_md}   DB: {db} (run {record.run_id})", markup=False, highlight=False)
-    return rs
+    return summary.rows(run)
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]]):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 0, 0, 1))
+    for h in headers:
+        table.add_column(escape(_two_lines(h)), overflow="fold")
+    for row in rows:
+        table.add_row(*(escape(c) for c in row))  # a label is text, not markup
+    return table
+
+
+def _two_lines(header: str) -> str:
+    """A header over two lines, split where its longer line is shortest ('TTFT' over 'cold ms'): a column's values
+    are mostly narrower than its name."""
+    words = header.split(" ")
+    if len(header) <= 8 or len(words) < 2:
+        return header
+    cut = min(range(1, len(words)), key=lambda i: max(len(" ".join(words[:i])), len(" ".join(words[i:]))))
+    return " ".join(words[:cut]) + "\n" + " ".join(words[cut:])
+
+
+def _say(text: str, indent: str, hanging: str) -> None:
+    import textwrap
+
+    for line in textwrap.wrap(text, SUMMARY_COLUMNS, initial_indent=indent, subsequent_indent=hanging,
+                              break_on_hyphens=False) or [""]:  # fmt: skip
+        stdout.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _dry_run(args, blocks, settings, targets, out: Path) -> int:
     from engine.registry import get_spec
     from engine.synth import artifact_dir, is_cached
-    from harness.workloads import load_or_build, phase_names
+    from harness.workloads import load_or_build
 
     print_ = stdout.print
     print_(f"would write {out} and {args.db}; nothing is started")

@@ -1,4 +1,4 @@
-"""Verdicts for A-vs-B claims: paired blocks (`harness trials`) and paired requests (one run).
+"""Verdicts for A-vs-B claims: paired blocks (`harness trials`), paired requests (one run) and repeated cells.
 
 Blocks: each block ran both arms on one workload seed, so each gives one ratio
 (arm / baseline) of a metric; the claim is the geometric mean of those ratios
@@ -6,18 +6,28 @@ with a 95% percentile-bootstrap interval (scipy) over blocks, and a verdict
 needs at least five distinct workload seeds (`paired`).
 
 Requests: within one run both arms got the same frozen requests in the same
-order, so requests pair by index; the claim is the ratio of a statistic of
-each arm's requests (a median, or an aggregate rate) with a percentile
-interval from resampling the pairs (`sample_ratio`). It sees the spread
-inside one run only, not between runs (two back-to-back runs of a tiny model
-differed ~2x), so its noise threshold is wider (`SINGLE_RUN_THRESHOLD`).
+order, so requests pair by index; the claim is the ratio of a median of each
+arm's requests with a percentile interval from resampling the pairs
+(`sample_ratio`). It sees the spread inside one run only, not between runs
+(two back-to-back runs of a tiny model differed ~2x), so its noise threshold
+is wider (`SINGLE_RUN_THRESHOLD`). An aggregate rate (a burst's output tokens
+over its span) is one number a burst, not a statistic of its requests:
+resampling them shrinks the span and counts requests twice, which put every
+resample on one side of the point. It gets no interval from one burst.
+
+Repetitions: a concurrency or rate cell run N times (`harness run all
+--cell-repeats N`, blocks in alternating arm order) gives one ratio a
+repetition; the claim is their geometric mean with a Student-t interval over
+the log ratios (`repeated`): with three to five values a percentile bootstrap
+covers far less than its nominal 95%.
 
 The verdict, three-way against the noise threshold (criterion.rs' reading of
 a change, Pinpoint's same / different / unknown):
 
     faster / slower  the whole interval lies beyond the threshold (different)
     same             the whole interval lies inside it
-    unknown          neither, or too few blocks or requests; the note says how many would likely settle it
+    unknown          neither, or too few blocks or requests; the note says how many would likely settle it;
+                     also an interval of zero width, or one whose point sits at or past an end (the note says so)
 
 "faster" follows the metric's direction: a higher decode rate, a lower TTFT.
 The resampling seed and count are part of every result.
@@ -97,7 +107,7 @@ def paired(metric: str, ratios: Sequence[float], seeds: Sequence[int], *, higher
                             note=f"too few blocks: {len(set(seeds))} distinct seeds; a verdict needs at least {MIN_SEEDS}")  # fmt: skip
     logs = np.log(np.asarray(ratios))
     center = float(logs.mean())
-    if np.ptp(logs) == 0:  # every block agrees: the interval is that point
+    if np.ptp(logs) == 0:  # every block agrees: a zero-width interval, which `_verdict` takes for no evidence
         lo = hi = center
     else:
         res = sps.bootstrap((logs,), np.mean, confidence_level=confidence, n_resamples=resamples,
@@ -111,6 +121,11 @@ def paired(metric: str, ratios: Sequence[float], seeds: Sequence[int], *, higher
 def _verdict(lo: float, hi: float, center: float, n: int, threshold: float, higher_is_better: bool,
              unit: str) -> tuple[str, str]:  # fmt: skip
     """(verdict, note) for a log-ratio interval [lo, hi] around `center` from `n` blocks or requests."""
+    if hi <= lo:
+        return UNKNOWN, f"a zero-width interval (every resample of the {n} {unit} gave one ratio) is no evidence"
+    if not lo < center < hi:
+        return UNKNOWN, (f"the resamples of the {n} {unit} lie to one side of the ratio (at or past an end of their "
+                         "interval): no verdict")  # fmt: skip
     t = math.log1p(threshold)
     better, worse = ("faster", "slower") if higher_is_better else ("slower", "faster")
     if lo > t:
@@ -137,17 +152,12 @@ def median_of(values: np.ndarray) -> np.ndarray:
     return np.median(values[..., 0], axis=-1)
 
 
-def rate_of(values: np.ndarray) -> np.ndarray:
-    """An aggregate rate of [..., n, (count, start s, end s)] samples: all counts over the span they cover."""
-    span = values[..., 2].max(axis=-1) - values[..., 1].min(axis=-1)
-    return values[..., 0].sum(axis=-1) / np.where(span > 0, span, np.nan)
-
-
 def sample_ratio(metric: str, arm: Sequence[Sequence[float]], base: Sequence[Sequence[float]], statistic=median_of,
                  *, higher_is_better: bool = True, threshold: float = SINGLE_RUN_THRESHOLD,
                  resamples: int = RESAMPLES, rng_seed: int = 0, confidence: float = CONFIDENCE) -> SampleRatio:  # fmt: skip
     """statistic(arm) / statistic(base) for requests paired by index (each a row of columns the statistic reads),
-    with a percentile interval from resampling the pairs together and a verdict (module docstring)."""
+    with a percentile interval from resampling the pairs together and a verdict (module docstring). The interval is
+    the resamples' own: where the point sits at or past an end of it, the verdict is unknown and the note says so."""
     a, b = np.asarray(arm, dtype=np.float64), np.asarray(base, dtype=np.float64)
     if a.ndim == 1:
         a, b = a[:, None], b[:, None]
@@ -172,6 +182,40 @@ def sample_ratio(metric: str, arm: Sequence[Sequence[float]], base: Sequence[Seq
                            note="no resample had a value on both sides")  # fmt: skip
     alpha = (1 - confidence) / 2
     lo, hi = (float(v) for v in np.quantile(logs, [alpha, 1 - alpha]))
-    lo, hi = min(lo, math.log(point)), max(hi, math.log(point))
     verdict, note = _verdict(lo, hi, math.log(point), n, threshold, higher_is_better, "requests a side")
     return SampleRatio(**record, ratio=point, ci_low=math.exp(lo), ci_high=math.exp(hi), verdict=verdict, note=note)
+
+
+MIN_REPEATS = 2  # repetitions a t interval needs (one is one burst)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepeatedResult(Claim):
+    """The geometric mean of per-repetition ratios of a repeated cell (`repeated`); nothing is resampled."""
+
+    repetitions: int
+    ratios: tuple[float, ...]
+    geomean: Optional[float]
+
+
+def repeated(metric: str, ratios: Sequence[float], *, higher_is_better: bool = True,
+             threshold: float = SINGLE_RUN_THRESHOLD, confidence: float = CONFIDENCE) -> RepeatedResult:  # fmt: skip
+    """The geometric mean of one ratio a repetition with a Student-t interval over the log ratios (symmetric about
+    its point) and a verdict; one repetition is one burst: a ratio, no interval."""
+    ratios = tuple(float(r) for r in ratios)
+    if not ratios or not all(r > 0 and math.isfinite(r) for r in ratios):
+        raise ValueError(f"ratios must be positive and finite, got {ratios[:3]}")
+    n, logs = len(ratios), np.log(np.asarray(ratios))
+    center = float(logs.mean())
+    base = {"metric": metric, "higher_is_better": higher_is_better, "repetitions": n, "ratios": ratios,
+            "geomean": ratios[0] if n == 1 else math.exp(center), "confidence": confidence, "resamples": 0, "rng_seed": 0,
+            "threshold": threshold}  # fmt: skip
+    if n < MIN_REPEATS:
+        return RepeatedResult(**base, ci_low=None, ci_high=None, verdict=UNKNOWN, note=ONE_BURST)
+    half = float(sps.t.ppf((1 + confidence) / 2, n - 1)) * float(logs.std(ddof=1)) / math.sqrt(n)
+    verdict, note = _verdict(center - half, center + half, center, n, threshold, higher_is_better, "repetitions")
+    return RepeatedResult(**base, ci_low=math.exp(center - half), ci_high=math.exp(center + half), verdict=verdict,
+                          note=note)  # fmt: skip
+
+
+ONE_BURST = "one burst"  # an aggregate rate measured once: a ratio, no interval, no verdict

@@ -1,23 +1,29 @@
-"""The table a person reads at the end of a run: per model, one row per arm.
+"""The summary a person reads at the end of a run: per model, a table of one row an arm, the verdict lines
+against mlx-lm (`headline`), and numbered notes for what a cell cannot say.
 
     decode tok/s   median over the decode phase's requests (1000 / TPOT); "too short" when the decode
                    phase is too short to time (`too_short`), and then no ratio or roofline either
     TTFT cold/warm median TTFT of the cold and warm phases, ms
-    agg@C          output tokens per second with C requests at once
+    agg@C          output tokens per second with C requests at once (the geometric mean over the cell's
+                   repetitions, `repetitions`)
     peak RSS       of the server's whole process tree
-    x mlx-lm       decode rate / the mlx-lm arm's, its interval and verdict from the paired requests
-                   (`comparable.compare`; withheld with the reason on a busy machine or other work)
     roofline       decode rate / (memory bandwidth / weight bytes), where the bandwidth is known
+    probe          the greedy parity probe against the first arm
     kernels        the kernel tier an engine arm's server reported (/stats); - for other servers
 
-`markdown` escapes every cell (`md_cell`): labels, model and arm names come
-from the command line and must not break the table or inject HTML.
+Below each table, a line an arm against mlx-lm (`headline.verdict_lines`: decode, cold TTFT, the largest
+concurrency's aggregate, every faster or slower verdict), withheld ratios and too-short cells as numbered
+notes, so that the table keeps narrow columns (it fits 100 columns on a CPU run). `markdown` escapes every cell
+(`md_cell`): labels, model and arm names come from the command line and must not break the table or inject
+HTML.
 """
 
 from __future__ import annotations
 
 import html
+import math
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -118,44 +124,47 @@ def weight_bytes(model_dir: str) -> int:
 
 
 def rows(run: dict) -> list[dict]:
+    """One row an arm of each model record (a trials file: of each block; a run: block 0, a load cell's value the
+    geometric mean over its repetitions)."""
+    from harness.repetitions import is_repetition, repetitions
+
     gpu = run["provenance"].get("gpu", "")
     bandwidth = next((bw for name, bw in KNOWN_BANDWIDTH.items() if name in gpu), None)
     out = []
     for m in run["models"]:
-        base = next((a for a in m["arms"] if a["arm"] == "mlx-lm"), None)
+        if is_repetition(run, m):
+            continue
+        again = repetitions(run, m)
         probe_ref = next((a for a in m["arms"] if a["arm"] == m["parity"].get("reference")), None)
         roof = bandwidth / weight_bytes(m["model_dir"]) if bandwidth and Path(m["model_dir"]).exists() else None
         for arm in m["arms"]:
             decode, short = decode_rate(arm)
-            row = {
+            same = [arm] + [a for r in again for a in r["arms"] if a["arm"] == arm["arm"]]
+            out.append({
                 "block": m["block"], "model": m["model"], "arm": arm["arm"], "status": arm["status"],
                 "decode_tps": decode, "decode_note": short,
                 "ttft_cold_ms": metric(arm, "cold", "median_ttft_ms"),
                 "ttft_warm_ms": metric(arm, "warm", "median_ttft_ms"),
-                "aggregate_tps": {p.split("-", 1)[1]: metric(arm, p, "output_throughput")
+                "aggregate_tps": {p.split("-", 1)[1]: geomean([metric(a, p, "output_throughput") for a in same])
                                   for p in (c["phase"] for c in arm["cells"]) if p.startswith("concurrency-")},
                 "peak_rss_bytes": arm["peak_rss_bytes"],
                 "load_to_ready_s": arm["load_to_ready_s"],
                 "parity": (m["parity"].get("verdicts", {}).get(arm["arm"]) or {}).get("match"),
-                "vs_mlx_lm": None, "vs_mlx_lm_note": None,
                 "roofline": round(decode / roof, 4) if decode and roof else None,
                 "kernels": (arm.get("kernels") or {}).get("tier"),
                 # token identity is the expectation between exact-tier arms only: the fast tier rounds otherwise
                 "probe_rounds": FAST_TIER in ((arm.get("kernels") or {}).get("tier"),
                                               ((probe_ref or {}).get("kernels") or {}).get("tier")),
-            }  # fmt: skip
-            if base is not None and arm is not base:
-                from harness.comparable import compare  # it reads this module's cells
-
-                c = compare(run, arm, run, base, "decode", "decode tok/s", "median_decode_tps", True)
-                if c["withheld"] is None and c["ratio"]:
-                    row["vs_mlx_lm"] = round(c["ratio"], 4)
-                    interval = f" [{c['ci_low']:.2f}, {c['ci_high']:.2f}]" if c["ci_low"] is not None else ""
-                    row["vs_mlx_lm_note"] = f"{interval} {c['verdict']}".strip()
-                else:
-                    row["vs_mlx_lm_note"] = c["withheld"] or "no decode rate"
-            out.append(row)
+            })  # fmt: skip
     return out
+
+
+def geomean(values: list[Optional[float]]) -> Optional[float]:
+    """The geometric mean of the positive values; None without one."""
+    kept = [v for v in values if v is not None and v > 0]
+    if len(kept) < 2:
+        return kept[0] if kept else None
+    return math.exp(sum(math.log(v) for v in kept) / len(kept))
 
 
 def fmt(x, spec: str = ".1f") -> str:
@@ -163,27 +172,89 @@ def fmt(x, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table_cells(r: dict, concurrency: list[str], blocks: bool = False) -> list[str]:
-    parity = {True: "same", False: "differs (fast tier)" if r.get("probe_rounds") else "DIFFERS", None: "-"}[r["parity"]]
-    if r["vs_mlx_lm"] is not None:
-        ratio = f"{r['vs_mlx_lm']:.2f} {r['vs_mlx_lm_note'] or ''}".strip()
-    else:
-        ratio = f"withheld ({r['vs_mlx_lm_note']})" if r["vs_mlx_lm_note"] else "-"
-    decode = "too short" if r.get("decode_note") else fmt(r["decode_tps"])
-    return [*([str(r["block"])] if blocks else []), r["model"], r["arm"], r["status"], decode, fmt(r["ttft_cold_ms"], ".0f"),
-            fmt(r["ttft_warm_ms"], ".0f"), *[fmt(r["aggregate_tps"].get(c)) for c in concurrency],
-            fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"), ratio,
-            fmt(r["roofline"], ".1%"), parity, r.get("kernels") or "-"]  # fmt: skip
+class Notes:
+    """Numbered notes under a table: `mark(text)` gives text's '[n]' (the same number for the same text)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[str]:
+        return [f"[{i}] {t}" for i, t in enumerate(self.texts, 1)]
 
 
-def headers(concurrency: list[str], blocks: bool = False) -> list[str]:
-    return [*(["block"] if blocks else []), "model", "arm", "status", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
-            *[f"agg@{c} tok/s" for c in concurrency], "peak RSS MiB", "decode x mlx-lm", "roofline", "probe",
-            "kernels"]  # fmt: skip
+FAST_TIER_PROBE = ("the probe's output differs from its reference arm's: the fast tier rounds otherwise (token "
+                   "identity is expected between exact-tier arms only)")  # fmt: skip
+
+
+def table_cells(r: dict, concurrency: list[str], notes: Notes, blocks: bool = False, roofline: bool = False) -> list[str]:
+    """A row's cells (`headers`); what a cell cannot say in a few characters goes to `notes`."""
+    parity = {True: "same", False: f"differs {notes.mark(FAST_TIER_PROBE)}" if r.get("probe_rounds") else "DIFFERS",
+              None: "-"}[r["parity"]]  # fmt: skip
+    arm = r["arm"] + ("" if r["status"] == MEASURED else f" ({r['status']})")
+    decode = f"too short {notes.mark(r['arm'] + ': ' + r['decode_note'])}" if r.get("decode_note") else fmt(r["decode_tps"])
+    agg = "/".join(fmt(x, ".0f" if x is not None and x >= 100 else ".1f") for x in (r["aggregate_tps"].get(c) for c in concurrency))
+    return [*([str(r["block"])] if blocks else []), arm, decode, fmt(r["ttft_cold_ms"], ".0f"),
+            fmt(r["ttft_warm_ms"], ".0f"), *([agg] if concurrency else []),
+            fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"),
+            *([fmt(r["roofline"], ".1%")] if roofline else []), parity, r.get("kernels") or "-"]  # fmt: skip
+
+
+def headers(concurrency: list[str], blocks: bool = False, roofline: bool = False) -> list[str]:
+    """The table's columns: aggregate tok/s at every concurrency in one ('agg@4/8 tok/s': '28.4/32.3')."""
+    return [*(["block"] if blocks else []), "arm", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
+            *([f"agg@{'/'.join(concurrency)} tok/s"] if concurrency else []), "peak RSS MiB",
+            *(["roofline"] if roofline else []), "probe", "kernels"]  # fmt: skip
 
 
 def concurrency_levels(rs: list[dict]) -> list[str]:
     return sorted({c for r in rs for c in r["aggregate_tps"]}, key=int)
+
+
+@dataclass
+class ModelSummary:
+    """One model's part of the summary: its table, its verdict lines, and the notes both refer to."""
+
+    model: str
+    headers: list[str]
+    rows: list[list[str]]
+    lines: list[str] = field(default_factory=list)  # against mlx-lm, one an arm, then what was withheld
+    notes: list[str] = field(default_factory=list)
+
+
+BASELINE = "mlx-lm"
+
+
+def model_summaries(run: dict) -> list[ModelSummary]:
+    """Per model (a trials file: its blocks in one table), its table, verdict lines and notes."""
+    from harness import headline
+    from harness.repetitions import is_repetition
+
+    rs, blocks = rows(run), run["kind"] == "trials"
+    out = []
+    for name in dict.fromkeys(r["model"] for r in rs):
+        mine, notes = [r for r in rs if r["model"] == name], Notes()
+        conc, roofline = concurrency_levels(mine), any(r["roofline"] is not None for r in mine)
+        summary = ModelSummary(name, headers(conc, blocks, roofline),
+                               [table_cells(r, conc, notes, blocks, roofline) for r in mine])  # fmt: skip
+        if blocks:
+            summary.lines.append(f"paired verdicts over the blocks against {BASELINE}: harness report on this file")
+        for m in (m for m in run["models"] if m["model"] == name and not blocks and not is_repetition(run, m)):
+            base = next((a for a in m["arms"] if a["arm"] == BASELINE), None)
+            compared = headline.model_rows(run, m, run, base)
+            if compared:
+                summary.lines.append(f"against {BASELINE} (Nx: times as fast, [95% interval], verdict):")
+            for line in headline.verdict_lines(compared):
+                summary.lines.append(headline.line_text(line, lambda why: f"withheld {notes.mark(why)}"))
+            if withheld := headline.withheld_count(compared):
+                summary.lines.append(withheld)
+        summary.notes = notes.lines()
+        out.append(summary)
+    return out
 
 
 def md_text(x) -> str:
@@ -201,9 +272,6 @@ def md_row(cells: list) -> str:
 
 
 def markdown(run: dict) -> str:
-    rs = rows(run)
-    conc, blocks = concurrency_levels(rs), run["kind"] == "trials"
-    head = headers(conc, blocks)
     title = f"# Run {md_text(run['run_id'])} ({md_text(run['created'])})"
     if run.get("label"):
         title += f": {md_text(run['label'])}"
@@ -212,11 +280,13 @@ def markdown(run: dict) -> str:
     lines = [title, ""]
     if run.get("status") not in (None, "finished"):
         lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
-    lines += [md_row(head), "|" + "---|" * len(head)]
-    lines += [md_row(table_cells(r, conc, blocks)) for r in rs]
+    for ms in model_summaries(run):
+        lines += [f"## {md_text(ms.model)}", "", md_row(ms.headers), "|" + "---|" * len(ms.headers)]
+        lines += [md_row(r) for r in ms.rows] + [""]
+        lines += [f"- {md_text(line)}" for line in ms.lines + ms.notes] + [""] * bool(ms.lines or ms.notes)
     latency = latency_rows(run)
     if latency:
-        lines += ["", "Latency percentiles per timed cell:", "", md_row(LATENCY_HEADERS), "|" + "---|" * len(LATENCY_HEADERS)]
+        lines += ["Latency percentiles per timed cell:", "", md_row(LATENCY_HEADERS), "|" + "---|" * len(LATENCY_HEADERS)]
         lines += [md_row(r) for r in latency]
     load = load_lines(run)
     if load:
@@ -348,17 +418,38 @@ def goodput_lines(run: dict) -> list[str]:
 
 
 def quality_lines(run: dict) -> list[str]:
-    """'model / arm: held-out perplexity P over N tokens (tier T)' for each engine arm that measured it."""
+    """'model / arm: held-out perplexity P over N tokens (tier T)' for each engine arm that measured it, with
+    `perplexity_note` where it applies."""
     out = []
     for m in run.get("models", []):
         for arm in m.get("arms", []):
             q = arm.get("quality")
             if q and "perplexity" in q:
+                note = perplexity_note(q, m["model"])
                 out.append(f"{m['model']} / {arm['arm']}: held-out perplexity {q['perplexity']:g} over {q['tokens']} "
-                           f"tokens ({q['tier']} tier)")  # fmt: skip
+                           f"tokens ({q['tier']} tier)" + (f"; {note}" if note else ""))  # fmt: skip
             elif q:
                 out.append(f"{m['model']} / {arm['arm']}: held-out perplexity not measured ({q.get('error')})")
     return out
+
+
+def perplexity_note(quality: dict, model: str) -> str:
+    """Why a held-out perplexity says nothing of a model, or '': above the vocabulary's size a model predicts worse
+    than a uniform guess would, as random (synthetic) weights do. The vocabulary: the record's (`vocab_size`), else
+    the registry's for a registry name."""
+    vocab = quality.get("vocab_size")
+    if vocab is None:
+        from engine.registry import get_spec  # the light registry, no MLX
+        from engine.errors import UnknownModelError
+
+        try:
+            vocab = get_spec(model).geometry.vocab_size
+        except UnknownModelError:
+            return ""
+    if not (quality.get("perplexity") or 0) > vocab:
+        return ""
+    return (f"worse than a uniform guess over the {vocab:,}-token vocabulary (perplexity {vocab:,}): random weights, "
+            "so it checks the measurement, not a model")  # fmt: skip
 
 
 def compiled_cells(run: dict) -> list[str]:

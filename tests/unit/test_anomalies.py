@@ -49,7 +49,7 @@ def test_a_stall_far_past_the_median_gap_is_flagged_in_the_summary_and_the_repor
     assert anomalies.stall(decode) == flag
     record = SimpleNamespace(to_json=lambda: run, kind="run", run_id=run["run_id"], diagnostic=False)
     _print_summary(record, tmp_path / "run.json", tmp_path / "runs.sqlite")
-    assert f"FLAGGED tiny-qwen3 / engine / decode: {flag}" in capsys.readouterr().out
+    assert f"FLAGGED tiny-qwen3 / engine / decode: {flag}" in " ".join(capsys.readouterr().out.split())  # wrapped
     assert f"tiny-qwen3 / engine / decode: {flag}" in (tmp_path / "run.md").read_text()
     view, md, html = rendered(tmp_path, run)
     assert flag in md.split("## Flagged cells")[1] and html.count(flag) == 2  # the list and the matrix cell

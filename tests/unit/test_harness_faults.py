@@ -332,7 +332,8 @@ def test_the_run_summary_escapes_labels_in_its_markdown():
     for block in md.split("\n\n"):  # each table keeps its columns: header, rule, a row an arm or cell
         table = [line for line in block.splitlines() if line.startswith("|")]
         assert len({columns(line) for line in table}) <= 1, block
-    assert len([line for line in md.split("\n\n")[1].splitlines() if line.startswith("|")]) == 4  # two arms
+    table = next(b for b in md.split("\n\n") if b.startswith("| arm |"))
+    assert len(table.splitlines()) == 4  # the header, its rule, two arms
 
 
 def test_the_report_escapes_labels_in_markdown_and_html(tmp_path):
@@ -361,43 +362,42 @@ def decode_arm(name: str, tokens: int, decode_ms: float, rate: float) -> dict:
     return {"arm": name, "status": "measured", "cells": [cell], "peak_rss_bytes": None, "load_to_ready_s": 1.0}
 
 
-def summary_of(*arms: dict, diagnostic: bool = False) -> list[dict]:
-    run = {"provenance": {}, "diagnostic": diagnostic, "models": [{"model": "m", "model_dir": "/none", "block": 0,
-                                                                   "parity": {}, "arms": list(arms)}]}  # fmt: skip
-    return summary.rows(run)
+def summary_of(*arms: dict, diagnostic: bool = False) -> tuple[list[dict], summary.ModelSummary]:
+    run = {"kind": "run", "settings": {}, "provenance": {}, "diagnostic": diagnostic, "models": [
+        {"model": "m", "model_dir": "/none", "block": 0, "parity": {}, "arms": list(arms)}]}  # fmt: skip
+    return summary.rows(run), summary.model_summaries(run)[0]
 
 
 def test_a_decode_cell_too_short_to_time_gets_no_rate_and_no_ratio():
     # --tokens 8 against mlx_lm.server: seven tokens after the first, all in one burst
-    engine, mlx = summary_of(decode_arm("engine", 8, 30.0, 233.0), decode_arm("mlx-lm", 8, 0.37, 18814.0))
-    assert engine["decode_tps"] is None and mlx["decode_tps"] is None and engine["vs_mlx_lm"] is None
-    assert engine["vs_mlx_lm_note"] == "engine: too short: 7 timed tokens (< 16)"
-    cells = summary.table_cells(engine, [])
-    assert cells[3] == "too short" and cells[-4] == "withheld (engine: too short: 7 timed tokens (< 16))"
-    assert summary.table_cells(mlx, [])[-4] == "-"  # the baseline itself
+    (engine, mlx), ms = summary_of(decode_arm("engine", 8, 30.0, 233.0), decode_arm("mlx-lm", 8, 0.37, 18814.0))
+    assert engine["decode_tps"] is None and mlx["decode_tps"] is None
+    assert [r[1] for r in ms.rows] == ["too short [1]", "too short [2]"]  # the reasons are notes, not cells
+    assert ms.notes == ["[1] engine: too short: 7 timed tokens (< 16)", "[2] mlx-lm: too short: 7 timed tokens (< 16)"]
+    assert "engine: decode withheld [1]" in ms.lines  # the ratio's reason is the cell's note
 
 
 def test_a_burst_of_enough_tokens_is_still_too_short():
-    engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 3.0, 21000.0))
+    (engine, mlx), ms = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 3.0, 21000.0))
     assert engine["decode_tps"] == 70.0 and mlx["decode_tps"] is None
-    assert engine["vs_mlx_lm"] is None and engine["vs_mlx_lm_note"] == "mlx-lm: too short: 3.0 ms of decode (< 50 ms)"
+    assert "engine: decode withheld [1]" in ms.lines and ms.notes == ["[1] mlx-lm: too short: 3.0 ms of decode (< 50 ms)"]
 
 
 def test_a_decode_cell_long_enough_keeps_its_rate_and_ratio():
-    engine, mlx = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0))
-    assert (engine["decode_tps"], mlx["decode_tps"], engine["vs_mlx_lm"]) == (70.0, 50.0, 1.4)
-    assert summary.table_cells(engine, [])[3] == "70.0"
+    (engine, mlx), ms = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0))
+    assert (engine["decode_tps"], mlx["decode_tps"]) == (70.0, 50.0) and ms.rows[0][1] == "70.0"
+    assert "engine: decode 1.40x unknown" in ms.lines and not ms.notes  # no per-request timings: no interval
 
 
 def test_a_diagnostic_run_prints_its_rates_and_no_ratio():
-    engine, _ = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0), diagnostic=True)
-    assert engine["decode_tps"] == 70.0 and engine["vs_mlx_lm"] is None
-    assert summary.table_cells(engine, [])[-4] == "withheld (diagnostic run (measured on a busy machine))"
+    (engine, _), ms = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0), diagnostic=True)
+    assert engine["decode_tps"] == 70.0 and ms.rows[0][1] == "70.0"
+    assert "engine: decode withheld [1]" in ms.lines and ms.notes == ["[1] diagnostic run (measured on a busy machine)"]
 
 
 def test_a_run_without_the_baseline_shows_no_withheld_ratio():
-    (engine,) = summary_of(decode_arm("engine", 64, 900.0, 70.0))
-    assert summary.table_cells(engine, [])[-4] == "-"
+    _, ms = summary_of(decode_arm("engine", 64, 900.0, 70.0))
+    assert ms.lines == [] and ms.notes == []
 
 
 def test_the_terminal_summary_and_db_list_print_markup_like_names_as_text(tmp_path, capsys):
@@ -430,5 +430,6 @@ def test_cells_that_ran_new_shapes_are_listed_and_flagged(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     html = report.render_html(report.build_view(report.load([path])))
-    assert "3 new forward shapes (compiled on CUDA during the cell)" in html and "5 new forward shapes" not in html
+    assert "3 new forward shapes" in html and "5 new forward shapes" not in html
+    assert "compiled on CUDA" not in html  # a CPU run: a new shape compiles nothing
     assert "2 kernel modules compiled during the cell" in html

@@ -201,13 +201,14 @@ def test_the_summary_shows_the_reported_tier_not_the_arm_name():
 
 
 def test_a_probe_that_differs_on_the_fast_tier_is_named_rounding_not_a_failure():
-    from harness.summary import table_cells
+    from harness.summary import FAST_TIER_PROBE, Notes, table_cells
 
     run = make_run(make_arm_record("engine", {"tier": FAST, "requested": AUTO}), make_arm_record("engine-exact",
                    {"tier": EXACT, "requested": EXACT}), make_arm_record("mlx-lm"))  # fmt: skip
     run["models"][0]["parity"] = {"reference": "engine", "verdicts": {
         "engine": {"match": True}, "engine-exact": {"match": False}, "mlx-lm": {"match": False}}}  # fmt: skip
-    probes = [table_cells(r, [])[-2] for r in rows(run)]
-    assert probes == ["same", "differs (fast tier)", "differs (fast tier)"]
+    notes = Notes()
+    assert [table_cells(r, [], notes)[-2] for r in rows(run)] == ["same", "differs [1]", "differs [1]"]
+    assert notes.lines() == [f"[1] {FAST_TIER_PROBE}"] and "fast tier rounds" in FAST_TIER_PROBE
     run["models"][0]["arms"][0]["kernels"]["tier"] = EXACT  # exact arms that differ: a parity failure
-    assert [table_cells(r, [])[-2] for r in rows(run)][1:] == ["DIFFERS", "DIFFERS"]
+    assert [table_cells(r, [], Notes())[-2] for r in rows(run)][1:] == ["DIFFERS", "DIFFERS"]

@@ -3,6 +3,7 @@ and the page in a real headless Chromium."""
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -29,9 +30,10 @@ def clean_run() -> dict:
                 requests.append({**requests[-1], "index": len(requests)})
             for t in c["attempts"]:
                 t["wall_s"] = max(t["wall_s"], 1.0)
-                for r in t["requests"]:
+                for r in t["requests"]:  # each pair's ratio its own: no resample is the point itself
                     r["output_tokens"] = 64
-                    r["tpot_ms"] = 5.0 * (1.3 if arm["arm"] == "engine" else 1.0) * (1 + 0.001 * r["index"])
+                    slope = 0.002 if arm["arm"] == "engine" else 0.001
+                    r["tpot_ms"] = 5.0 * (1.3 if arm["arm"] == "engine" else 1.0) * (1 + slope * r["index"])
                     r["e2el_ms"] = r["ttft_ms"] + 63 * r["tpot_ms"]
             if c["phase"] == "decode":
                 c["metrics"]["median_decode_tps"] = 1e3 / (5.0 * (1.3 if arm["arm"] == "engine" else 1.0))
@@ -330,3 +332,92 @@ def test_rate_cells_get_a_headline_row_and_a_curve_against_the_offered_rate(tmp_
     assert view["curves"][0]["rates"].startswith("<svg")
     cells = {c["phase"]: c for m in view["machines"].values() for r in m["rows"] for c in r["cells"]}
     assert cells["rate-2"]["value"].endswith("1.80 req/s achieved")
+
+
+# ------------------------------------------------- aggregate rates, repetitions
+
+
+def with_repetitions(run: dict, engine_tps: list[float], mlx_tps: list[float]) -> dict:
+    """`run` with its concurrency-2 cell measured len(engine_tps) times: block 0 and repetition blocks (the warm-up
+    and the load cell again, `--cell-repeats`), each arm's aggregate tok/s as given."""
+    model = run["models"][0]
+    for b, (e, m) in enumerate(zip(engine_tps, mlx_tps)):
+        block = model if b == 0 else copy.deepcopy({**model, "block": b, "parity": {}})
+        for arm in block["arms"]:
+            arm["cells"] = [c for c in arm["cells"] if b == 0 or c["phase"] in ("warmup", "concurrency-2")]
+            conc = next(c for c in arm["cells"] if c["phase"] == "concurrency-2")
+            conc["metrics"]["output_throughput"] = e if arm["arm"] == "engine" else m
+        if b:
+            run["models"].append(block)
+    run["settings"]["cell_repeats"] = len(engine_tps)
+    return run
+
+
+def test_one_bursts_aggregate_ratio_is_unknown_without_an_interval(tmp_path):
+    view = report.build_view(report.load([write(tmp_path, "one.json", clean_run())]))
+    agg = headline_row(view, 0, "concurrency-2")
+    assert agg["ratio"] == agg["value"] / agg["baseline"] and agg["ci_low"] is None and agg["ci_high"] is None
+    assert agg["verdict"] == "unknown" and agg["note"] == "one burst"
+    last = view["headline"][0]["lines"][0]["parts"][-1]
+    assert last == {"text": "agg@2 1.43x unknown (one burst)", "verdict": "unknown", "withheld": ""}
+    assert "One burst a point: no band" in report.render_html(view)
+
+
+def test_a_repeated_cells_interval_holds_its_point_and_comes_from_the_repetitions(tmp_path):
+    engine, mlx = [400.0, 420.0, 390.0, 410.0], [280.0, 282.0, 275.0, 290.0]
+    view = report.build_view(report.load([write(tmp_path, "rep.json", with_repetitions(clean_run(), engine, mlx))]))
+    assert len(view["headline"]) == 1  # one headline for the model: repetition blocks feed its load cells
+    agg = headline_row(view, 0, "concurrency-2")
+    ratios = [e / m for e, m in zip(engine, mlx)]
+    assert abs(agg["ratio"] - math.exp(sum(map(math.log, ratios)) / 4)) < 1e-12 and agg["samples"] == 4
+    assert agg["ci_low"] < agg["ratio"] < agg["ci_high"] and agg["note"].startswith("4 repetitions")
+    assert agg["ci_low"] > min(ratios) * 0.9 and agg["ci_high"] < max(ratios) * 1.1  # from the repetitions' spread
+    assert agg["verdict"] == "faster"
+    curves = view["curves"][0]
+    assert curves["repetitions"] == 4 and curves["throughput"].count("fill-opacity: 0.18") >= 2  # a band an arm
+    matrix = next(iter(view["machines"].values()))["rows"]
+    assert any(r["where"].endswith("/ repetition 4") for r in matrix)
+    one = report.build_view(report.load([write(tmp_path, "one.json", clean_run())]))["curves"][0]
+    assert "fill-opacity: 0.18" not in one["throughput"]  # one burst: a point, no band
+
+
+def test_the_first_screen_names_each_models_verdicts_before_the_tables(tmp_path):
+    view = report.build_view(report.load([write(tmp_path, "clean.json", clean_run())]))
+    html = report.render_html(view)
+    line = html[html.index("Verdicts: each arm against mlx-lm") : html.index("Headline: every ratio")]
+    assert "tiny-qwen3 on 2-core CPU (AMD EPYC)" in line and "decode 0.77x [" in line and "slower" in line
+    assert html.index("Headline: every ratio") < html.index("<svg")
+    assert "<th>value</th><th>mlx-lm</th>" in html  # one column an arm, headed by what it holds
+    md = report.render_markdown(view)
+    assert "- engine: decode 0.77x [" in md and md.index("## Verdicts") < md.index("## Headline")
+
+
+def test_cells_measured_on_one_side_are_counted_not_listed(tmp_path):
+    run = clean_run()
+    mlx = run["models"][0]["arms"][1]
+    mlx["cells"] = [c for c in mlx["cells"] if c["phase"] != "concurrency-2"]
+    view = report.build_view(report.load([write(tmp_path, "r.json", run)]))
+    group = view["headline"][0]
+    assert all(r["phase"] != "concurrency-2" for r in group["rows"])
+    assert group["withheld"] == "withheld: 1 ratio (not measured on both 1)"
+
+
+def test_no_committed_report_draws_a_verdict_from_a_zero_width_or_one_sided_interval():
+    from harness import headline
+    from harness.repetitions import is_repetition
+
+    reports = FIXTURE.parent.parent.parent / "reports"
+    checked = 0
+    for path in [*reports.glob("*.json"), *reports.glob("gpu/*.json")]:
+        run = json.loads(path.read_text())
+        if report.report_inputs.kind_of(run) != report.report_inputs.RUN or run["kind"] != "run":
+            continue
+        for model in (m for m in run["models"] if not is_repetition(run, m)):
+            base = next((a for a in model["arms"] if a["arm"] == "mlx-lm"), None)
+            for r in headline.model_rows(run, model, run, base):
+                checked += 1
+                if r["ci_low"] is not None:
+                    assert r["ci_low"] < r["ratio"] < r["ci_high"] or r["verdict"] == "unknown", (path.name, r)
+                if r["phase"].startswith(("concurrency-", "rate-")) and r["withheld"] is None:
+                    assert r["verdict"] == "unknown" and r["note"] == "one burst", (path.name, r)
+    assert checked > 50

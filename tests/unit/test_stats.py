@@ -1,9 +1,9 @@
-"""Paired bootstrap verdicts against known distributions."""
+"""Paired bootstrap verdicts, repeated-cell intervals and aggregate ratios against known distributions."""
 
 import numpy as np
 import pytest
 
-from harness.stats import median_of, paired, rate_of, sample_ratio
+from harness.stats import ONE_BURST, median_of, paired, repeated, sample_ratio
 
 SEEDS = list(range(8))
 
@@ -18,9 +18,9 @@ def test_a_true_ten_percent_gain_with_small_noise_is_faster():
     assert r.resamples == 10_000 and r.rng_seed == 0 and r.confidence == 0.95
 
 
-def test_identical_inputs_are_the_same():
+def test_identical_blocks_give_a_zero_width_interval_and_no_verdict():
     r = paired("decode", [1.0] * 6, range(6))
-    assert r.verdict == "same" and r.ci_low == r.ci_high == 1.0
+    assert r.ci_low == r.ci_high == 1.0 and r.verdict == "unknown" and "zero-width" in r.note
 
 
 def test_a_tiny_difference_inside_the_threshold_is_the_same():
@@ -73,18 +73,41 @@ def test_too_few_or_too_noisy_requests_are_unknown_and_say_what_would_settle_it(
     assert noisy_.verdict == "unknown" and "requests a side" in noisy_.note
 
 
-def test_an_aggregate_rate_resamples_whole_requests():
-    # (tokens, start s, end s): the arm finishes the same tokens in half the span
-    arm = [(64, 0.0, 1.0), (64, 0.0, 1.1), (64, 0.1, 0.9), (64, 0.0, 1.0)]
-    base = [(64, 0.0, 2.0), (64, 0.0, 2.2), (64, 0.2, 1.8), (64, 0.0, 2.0)]
-    r = sample_ratio("aggregate", arm, base, rate_of)
-    assert r.verdict == "faster" and abs(r.ratio - 2.0) < 1e-9
-    assert float(median_of(np.array([[3.0], [1.0], [2.0]]))) == 2.0
+def burst_rate(values: np.ndarray) -> np.ndarray:
+    """A burst's aggregate rate over [..., n, (tokens, start s, end s)]: what resampling requests cannot estimate."""
+    span = values[..., 2].max(axis=-1) - values[..., 1].min(axis=-1)
+    return values[..., 0].sum(axis=-1) / span
+
+
+def test_an_interval_with_its_point_at_an_end_gives_no_verdict_and_says_so():
+    # resampling a burst's requests shrinks its span and counts requests twice: every resample on one side of it
+    arm = [(64, 0.0, 1.0), (64, 0.0, 1.1), (64, 0.1, 0.9), (64, 0.0, 1.0), (64, 0.05, 1.05), (64, 0.0, 1.02)]
+    base = [(64, 0.0, 1.0), (64, 0.0, 1.0), (64, 0.0, 1.0), (64, 0.0, 1.0), (64, 0.0, 1.0), (64, 0.0, 1.0)]
+    r = sample_ratio("aggregate", arm, base, burst_rate)
+    assert r.ratio == r.ci_low < r.ci_high  # the resamples' own interval (not widened), the point at its end
+    assert r.verdict == "unknown" and "lie to one side of the ratio" in r.note
+
+
+def test_a_repeated_cell_interval_holds_its_point_and_comes_from_the_repetitions():
+    r = repeated("aggregate", [1.31, 1.29, 1.30, 1.32])
+    assert r.repetitions == 4 and r.ci_low < r.geomean < r.ci_high and r.verdict == "faster" and r.resamples == 0
+    assert abs(r.geomean - np.exp(np.mean(np.log([1.31, 1.29, 1.30, 1.32])))) < 1e-12
+    wider = repeated("aggregate", [1.5, 1.1, 1.3, 1.2])  # more spread between the repetitions, a wider interval
+    assert wider.ci_high - wider.ci_low > r.ci_high - r.ci_low and wider.ci_low < wider.geomean < wider.ci_high
+    assert repeated("aggregate", [0.98, 1.02, 1.0]).verdict == "unknown"  # wide against a 5% threshold at n=3
+
+
+def test_one_burst_is_a_ratio_without_an_interval_or_a_verdict():
+    r = repeated("aggregate", [2.0])
+    assert r.geomean == 2.0 and r.ci_low is None and r.verdict == "unknown" and r.note == ONE_BURST
+    with pytest.raises(ValueError):
+        repeated("aggregate", [1.0, 0.0])
 
 
 def test_lower_is_better_requests_flip_the_words():
     base = np.linspace(90, 110, 12)
-    assert sample_ratio("ttft", base * 0.5, base, higher_is_better=False).verdict == "faster"
+    noise = np.random.default_rng(5).normal(1, 0.01, 12)
+    assert sample_ratio("ttft", base * 0.5 * noise, base, higher_is_better=False).verdict == "faster"
 
 
 def test_each_compared_metric_reads_its_own_per_request_samples():
@@ -93,6 +116,7 @@ def test_each_compared_metric_reads_its_own_per_request_samples():
     reqs = [{"ok": True, "ttft_ms": 500.0, "tpot_ms": 20.0, "prompt_tokens": 1000, "cached_tokens": 0},
             {"ok": True, "ttft_ms": 250.0, "tpot_ms": 10.0, "prompt_tokens": 1000, "cached_tokens": 500}]  # fmt: skip
     cell = {"attempts": [{"ok": True, "requests": reqs}], "metrics": {}}
-    assert request_samples(cell, "chat", key="median_decode_tps")[0] == [[50.0], [100.0]]  # not its TTFTs
-    assert request_samples(cell, "cold", key="median_prefill_tps")[0] == [[2000.0], [2000.0]]
-    assert request_samples(cell, "cold")[0] == [[500.0], [250.0]]
+    assert request_samples(cell, "chat", key="median_decode_tps") == [50.0, 100.0]  # not its TTFTs
+    assert request_samples(cell, "cold", key="median_prefill_tps") == [2000.0, 2000.0]
+    assert request_samples(cell, "cold") == [500.0, 250.0]
+    assert float(median_of(np.array([[3.0], [1.0], [2.0]]))) == 2.0
