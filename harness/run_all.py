@@ -33,6 +33,11 @@ A server the harness did not start (`--arm`) keeps its cache from one run to the
 with every prompt but the probe's opened by the run's nonce (`workloads.with_run_nonce`), recorded in the run's
 settings and the arm's endpoint.
 
+With `cell_repeats` N, blocks 1 .. N-1 of a run are repetition blocks (`repetitions`): every arm's server starts
+again, in alternating arm order, and measures the warm-up and the concurrency and rate cells on the same workload
+(a server the harness did not start: under a nonce of the block's own), so that each load cell's aggregate rate
+has N measures.
+
 then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
 its server ran (`quality_tokens`, `harness.quality.held_out_score`).
 
@@ -96,6 +101,7 @@ from harness.records import (
     open_db,
     write_json,
 )
+from harness.repetitions import repeated_phases
 from harness.rss import RssSampler
 from harness.servers import (
     ExternalServer,
@@ -197,6 +203,7 @@ class RunSettings:
     # opens the prompts of the servers the harness did not start (`workloads.with_run_nonce`); None: the Runner
     # draws one, so that no run finds them in a cache an earlier run filled; an earlier run's sends its prompts again
     run_nonce: Optional[str] = None
+    cell_repeats: int = 1  # measures of each load cell: block 0 and the repetition blocks (`repetitions`)
 
     def output_tokens(self, phase: str) -> int:
         return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
@@ -212,10 +219,35 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class Block:
-    """One pass over the models: a workload seed and the order the arms run in."""
+    """One pass over the models: a workload seed and the order the arms run in; a repetition block measures only
+    the warm-up and the load cells again (`repetitions`)."""
 
     seed: int
     arms: tuple[ArmSpec, ...]
+    is_repetition: bool = False
+
+    def phases(self, workload: WorkloadSettings) -> list[str]:
+        names = phase_names(workload)
+        return repeated_phases(names) if self.is_repetition else names
+
+
+def blocks_of(kind: str, seeds: Sequence[int], arms: Sequence[ArmSpec], cell_repeats: int = 1) -> list[Block]:
+    """Trials: a block a seed; a run: one block, then cell_repeats - 1 repetition blocks on its seed. Either way
+    the arms run in the given order in even blocks and reversed in odd ones."""
+    order = lambda i: tuple(arms if i % 2 == 0 else arms[::-1])  # noqa: E731
+    if kind == "trials":
+        return [Block(seed, order(i)) for i, seed in enumerate(seeds)]
+    return [Block(seeds[0], order(i), is_repetition=i > 0) for i in range(cell_repeats)]
+
+
+def progress_steps(settings: "RunSettings", blocks: Sequence[Block], targets: int) -> int:
+    """The phases a run will measure and the held-out scores it will take (`Runner(on_phase=...)` calls)."""
+    steps = 0
+    for block in blocks:
+        steps += targets * len(block.arms) * len(block.phases(settings.workload))
+        if settings.quality_tokens and not block.is_repetition:
+            steps += targets * sum(a.is_engine for a in block.arms)
+    return steps
 
 
 class Runner:
@@ -233,6 +265,7 @@ class Runner:
         self.interrupts = interrupts or Interrupts()
         self.db = open_db(db_path)
         self.servers: list[ServerProcess] = []  # every server launched, stopped again when the run ends
+        self.block_phases: dict[int, list[str]] = {}  # what each block measures (`Block.phases`)
         self.record = RunRecord(
             run_id=uuid.uuid4().hex[:12],
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -274,13 +307,12 @@ class Runner:
         with self.interrupts.deferred():
             for server in self.servers:
                 server.stop(grace_s=QUICK_STOP_S)  # those stopped already: only a sweep of their process group
-            phases = phase_names(self.settings.workload)
             for mrun in self.record.models:
                 for arm in mrun.arms:
                     if arm.status == RUNNING:  # the exception came while the arm was being closed
                         arm.status = INTERRUPTED if self.record.status == INTERRUPTED else FAILED
                         arm.error = self.record.error
-                    _fill_not_measured(arm, phases)
+                    _fill_not_measured(arm, self.block_phases[mrun.block])
                 if not mrun.parity:  # the run ended before the model's last arm: the probes that finished
                     _set_parity(mrun)
             write_json(self.record, self.out)
@@ -288,22 +320,26 @@ class Runner:
 
     def _run_model(self, name: str, model_dir: Path, b: int, block: Block) -> None:
         wl_settings = replace(self.settings.workload, seed=block.seed)
+        self.block_phases[b] = block.phases(wl_settings)
         workload, path = load_or_build(name, model_dir, wl_settings)
         mrun = ModelRun(name, str(model_dir), provenance.manifest_sha256(model_dir), workload.sha256,
                         str(path) if path else None, block=b, workload_seed=block.seed,
                         arm_order=[a.name for a in block.arms])  # fmt: skip
         self.record.models.append(mrun)
         db_model(self.db, self.record.run_id, mrun)
-        nonced = None  # what the servers the harness did not start are sent
+        nonced = None  # what the servers the harness did not start are sent; a repetition's nonce is its own
         if any(arm.url for arm in block.arms):
-            nonced = with_run_nonce(workload, tokenizer_for(model_dir)[0], self.settings.run_nonce)
+            nonce = self.settings.run_nonce + (f"{b:02x}" if block.is_repetition else "")
+            nonced = with_run_nonce(workload, tokenizer_for(model_dir)[0], nonce)
         for arm in block.arms:
-            self._run_arm(mrun, arm, model_dir, nonced if arm.url else workload, phase_names(wl_settings))
+            self._run_arm(mrun, arm, model_dir, nonced if arm.url else workload, self.block_phases[b],
+                          quality=not block.is_repetition)  # fmt: skip
         _set_parity(mrun)
         db_model(self.db, self.record.run_id, mrun)
         self._save()
 
-    def _run_arm(self, mrun: ModelRun, spec: ArmSpec, model_dir: Path, workload: Workload, phases: list[str]):
+    def _run_arm(self, mrun: ModelRun, spec: ArmSpec, model_dir: Path, workload: Workload, phases: list[str],
+                 quality: bool = True):  # fmt: skip
         port = free_port()
         arm = ArmRun(spec.name, spec.command(model_dir, port), spec.env, status=RUNNING)
         self.record.commands[spec.name] = arm.command
@@ -323,7 +359,7 @@ class Runner:
                                       probe=spec.probe, on_launch=self.servers.append,
                                       spawning=self.interrupts.deferred)  # fmt: skip
                 arm.load_to_ready_s = round(server.load_to_ready_s, 3)
-            self._measure(mrun, arm, spec, server, workload, phases)
+            self._measure(mrun, arm, spec, server, workload, phases, quality)
         except ServerStartError as e:
             arm.status, arm.error, arm.stderr_tail = FAILED, f"server did not start: {str(e).splitlines()[0]}", str(e)
         except BaseException as e:
@@ -342,7 +378,7 @@ class Runner:
                 self._finish_arm(mrun, arm)
 
     def _measure(self, mrun: ModelRun, arm: ArmRun, spec: ArmSpec, server: ServerProcess, workload: Workload,
-                 phases: list[str]) -> None:  # fmt: skip
+                 phases: list[str], quality: bool = True) -> None:  # fmt: skip
         timeouts = self.settings.timeouts
         rss = RssSampler(server.proc.pid) if server.proc is not None else None  # an external server: not ours to sample
         try:
@@ -395,7 +431,7 @@ class Runner:
         finally:
             if rss is not None:
                 arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
-        if spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
+        if quality and spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
             self._quality(mrun, arm, Path(mrun.model_dir))
 
     def _quality(self, mrun: ModelRun, arm: ArmRun, model_dir: Path) -> None:

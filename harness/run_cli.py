@@ -31,6 +31,10 @@ def add_run(sub) -> None:
     )
     run.add_argument("what", choices=["all"], help="`all`: every phase")
     add_options(run)
+    run.add_argument("--cell-repeats", type=positive, default=1, metavar="N",
+                     help="measure each concurrency and rate cell N times: after the run's block, N-1 blocks start "
+                     "every arm again in alternating order and repeat its warm-up and those cells; an aggregate rate's "
+                     "ratio then has an interval from the repetitions (one burst has none; default 1)")  # fmt: skip
     run.set_defaults(func=cmd_run)
 
 
@@ -219,6 +223,7 @@ def _run_plan(args):
                            quality_tokens=args.quality_tokens, burstiness=args.burstiness,
                            max_concurrency=args.max_concurrency, sweep=args.rates[:1] == ("sweep",),
                            slo_target=args.slo_target, stagger_s=args.stagger,
+                           cell_repeats=getattr(args, "cell_repeats", 1),
                            workload=WorkloadSettings(seed=args.workload_seed, concurrency=tuple(args.concurrency),
                                                      context_tokens=context, rate_requests=args.rate_requests,
                                                      rates=tuple(r for r in args.rates if r != "sweep"),
@@ -254,13 +259,12 @@ def _run(args, seeds: list[int], kind: str) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from harness import preflight
-    from harness.run_all import Block, Interrupts, Runner
-    from harness.workloads import phase_names
+    from harness.run_all import Interrupts, Runner, blocks_of, progress_steps
 
     arms, settings, targets = _run_plan(args)
     if kind == "trials" and len(arms) < 2:
         raise CliError("trials compare arms: give at least two (--arms A,B, or --arm NAME=URL)")
-    blocks = [Block(seed, tuple(arms if i % 2 == 0 else arms[::-1])) for i, seed in enumerate(seeds)]
+    blocks = blocks_of(kind, seeds, arms, settings.cell_repeats)
     out = args.out or Path("reports") / f"{kind}-{_time.strftime('%Y%m%d-%H%M%S')}.json"
     if args.dry_run:
         return _dry_run(args, blocks, settings, targets, out)
@@ -268,8 +272,7 @@ def _run(args, seeds: list[int], kind: str) -> int:
     if not check.ok and not args.diagnostic:
         raise CliError("the machine is busy: " + "; ".join(check.problems) + " (wait, or pass --diagnostic to "
                        "run anyway with the run labelled diagnostic)")  # fmt: skip
-    phases = phase_names(settings.workload)
-    total = len(blocks) * len(targets) * len(arms) * len(phases)
+    total = progress_steps(settings, blocks, len(targets))
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=console, transient=True)  # fmt: skip
     task = progress.add_task("starting", total=total)
@@ -391,7 +394,8 @@ def _dry_run(args, blocks, settings, targets, out: Path) -> int:
         else:
             print_(f"model {name}: {model_dir}")
         for i, block in enumerate(blocks):
-            print_(f"  block {i}: workload seed {block.seed}; arms in order {[a.name for a in block.arms]}")
+            print_(f"  block {i}: workload seed {block.seed}; arms in order {[a.name for a in block.arms]}"
+                   + ("; a repetition of the warm-up and the load cells" if block.is_repetition else ""))  # fmt: skip
             if any(a.url for a in block.arms):
                 nonce = settings.run_nonce or "(drawn when the run starts)"
                 print_(f"    --arm servers: every prompt but the probe's opened by run nonce {nonce}")
@@ -403,7 +407,7 @@ def _dry_run(args, blocks, settings, targets, out: Path) -> int:
                 continue
             wl, path = load_or_build(name, model_dir, replace(settings.workload, seed=block.seed))
             print_(f"    workload sha256 {wl.sha256[:16]} ({path or 'built now, not committed'})")
-            for phase in phase_names(settings.workload):
+            for phase in block.phases(settings.workload):
                 prompts = wl.prompts(phase, 0)
                 sizes = [f"{len(p['messages'])} messages" if isinstance(p, dict) else len(p) for p in prompts][:8]
                 print_(f"      {phase:16s} {len(prompts) * settings.repeats(phase)} request(s), prompt "

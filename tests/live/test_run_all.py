@@ -193,3 +193,32 @@ def test_an_arm_that_never_starts_is_recorded_with_its_error(tiny_path, tmp_path
     assert {c.status for c in arm.cells} == {"not_measured"}
     db = sqlite3.connect(tmp_path / "runs.sqlite")
     assert db.execute("select count(*) from cells where status = 'not_measured'").fetchone()[0] == len(arm.cells)
+
+
+def test_repeated_cells_run_in_alternating_blocks_and_give_the_aggregate_an_interval(tiny_path, tmp_path, tag):
+    from harness import report
+    from harness.run_all import blocks_of, progress_steps
+
+    fake = [ArmSpec(name, lambda d, port: [sys.executable, str(FAKE), "--port", str(port)]) for name in ("a", "b")]
+    settings = RunSettings(tokens=64, decode_samples=1, quality_tokens=0, cell_repeats=3, workload=WorkloadSettings(
+        cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,), rates=(50.0,),
+        rate_requests=10))  # fmt: skip
+    blocks = blocks_of("run", [0], fake, settings.cell_repeats)
+    steps = []
+    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None, on_phase=steps.append)
+    record = runner.run([(MODEL, tiny_path(MODEL))], blocks)
+    assert len(steps) == progress_steps(settings, blocks, 1) == 2 * 7 + 2 * (2 * 3)  # the counter ends at its total
+    models = record.models
+    assert [m.block for m in models] == [0, 1, 2] and {m.workload_seed for m in models} == {0}
+    assert [m.arm_order for m in models] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    for m in models[1:]:  # a repetition: every server again, its warm-up and the load cells only
+        assert all([c.phase for c in arm.cells] == ["warmup", "concurrency-2", "rate-50"] for arm in m.arms)
+        assert all(c.status == "measured" for arm in m.arms for c in arm.cells)
+    view = report.build_view(report.load([tmp_path / "run.json"]))
+    (group,) = view["headline"]
+    for phase in ("concurrency-2", "rate-50"):
+        row = next(r for r in group["rows"] if r["phase"] == phase)
+        assert row["withheld"] is None and row["samples"] == 3 and row["note"].startswith("3 repetitions"), row
+        assert row["ci_low"] < row["ratio"] < row["ci_high"]
+    assert view["curves"][0]["repetitions"] == 3
+    assert not leftovers(tag)

@@ -302,6 +302,21 @@ def test_request_and_stall_timeouts_reach_the_run_settings():
     assert (defaults.request_timeout_s, defaults.stall_timeout_s) == (1800, 300)
 
 
+def test_cell_repeats_plan_repetition_blocks_of_the_load_cells_in_alternating_order(capsys):
+    from harness.cli import main as harness_main
+
+    assert harness_main(["run", "all", "--models", "tiny-qwen3", "--arms", "engine,mlx-lm", "--concurrency", "2",
+                         "--rates", "4", "--cell-repeats", "3", "--skip-context", "--dry-run"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "block 0: workload seed 0; arms in order ['engine', 'mlx-lm']\n" in out
+    assert "block 1: workload seed 0; arms in order ['mlx-lm', 'engine']; a repetition of the warm-up and the load" in out
+    assert "block 2: workload seed 0; arms in order ['engine', 'mlx-lm']; a repetition" in out
+    repeated = out.split("block 1:")[1]
+    assert "concurrency-2" in repeated and "rate-4" in repeated and "decode" not in repeated
+    with pytest.raises(SystemExit):  # trials repeat whole blocks already
+        build_parser().parse_args(["trials", "--cell-repeats", "2"])
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(value, capsys):
     with pytest.raises(SystemExit) as exited:
