@@ -11,10 +11,14 @@ from typing import Iterator
 
 from rich.console import Console
 
+# Piped or captured (a log, CI): rich would wrap every line at 80 columns; lines are left whole (soft wrap) and
+# tables get room to take their natural width.
 console = Console(stderr=True)
+if not console.is_terminal:
+    console = Console(stderr=True, width=200, soft_wrap=True)
 out = Console()
-if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-    out = Console(width=200)
+if not out.is_terminal:
+    out = Console(width=200, soft_wrap=True)
 
 
 class _Lines:

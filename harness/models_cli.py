@@ -95,7 +95,8 @@ def cmd_models_synth(args) -> int:
     for spec in specs:
         target = args.out or artifact_dir(spec.name, args.seed)
         if (target / "manifest.json").exists() and not args.force:
-            console.print(f"{spec.name}: already at {target} (use --force to rewrite)")
+            console.print(f"{spec.name}: already synthesized (--force rewrites it)")
+            out.print(str(target))
             continue
         if target.exists() and not (target / "manifest.json").exists() and any(target.iterdir()):
             raise CliError(f"{target} exists and is not a synthesized artifact; choose another --out")
@@ -108,9 +109,7 @@ def cmd_models_synth(args) -> int:
 
             synthesize(spec, args.seed, target, progress=report)
         manifest = json.loads((target / "manifest.json").read_text())
-        console.print(
-            f"{spec.name}: {manifest['parameters'] / 1e6:.1f}M parameters, "
-            f"{manifest['total_bytes'] / 1e6:.1f} MB in {manifest['synthesis_seconds']:.1f}s -> {target}"
-        )
-        out.print(str(target))
+        console.print(f"{spec.name}: {manifest['parameters'] / 1e6:.1f}M parameters, "
+                      f"{manifest['total_bytes'] / 1e6:.1f} MB in {manifest['synthesis_seconds']:.1f}s")  # fmt: skip
+        out.print(str(target))  # the path once, on stdout, for $(harness models synth NAME)
     return 0

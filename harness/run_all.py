@@ -123,7 +123,7 @@ STOP_GRACE_S = 20  # a healthy server's time to exit after SIGTERM
 QUICK_STOP_S = 2  # a hung server's, or any server's once the run is interrupted
 CELL_STDERR_CHARS = 2000
 # what an engine server first ran or compiled after ready, recorded per cell (`servers.since_ready`), as logged
-SINCE_READY = (("new_shapes", "forward shapes new since ready (compiled on CUDA)"),
+SINCE_READY = (("new_shapes", "forward shapes new since ready"),
                ("compiled_modules", "kernel modules compiled during the cell"))
 INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -403,8 +403,9 @@ class Runner:
                     for key, what in SINCE_READY:  # first run or compiled in the cell: compilations waited for
                         if after is not None and None not in (before[key], after[key]) and cell.metrics:
                             cell.metrics[key] = after[key] - before[key]
-                            if after[key] > before[key] and phase != "warmup":
-                                self.log(f"  {phase}: {after[key] - before[key]} {what}")
+                            if after[key] > before[key] and phase != "warmup":  # CUDA compiles a new shape, a CPU not
+                                gpu = key == "new_shapes" and self.record.provenance.get("gpu")
+                                self.log(f"  {phase}: {after[key] - before[key]} {what}" + (" (compiled on CUDA)" if gpu else ""))
                     if self.recheck is not None and cell.metrics:
                         cell.metrics["preflight"] = self.recheck()
                         for problem in cell.metrics["preflight"].get("problems") or ():

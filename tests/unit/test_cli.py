@@ -38,8 +38,11 @@ def test_synth_into_a_directory(tmp_path, capsys):
     out = tmp_path / "m"
     assert harness_main(["models", "synth", "tiny-llama-4bit", "--out", str(out)]) == 0
     assert (out / "manifest.json").exists() and (out / "model.safetensors").exists()
+    written = capsys.readouterr()
+    assert written.out.split() == [str(out)] and str(out) not in written.err  # the path once, on stdout
     assert harness_main(["models", "synth", "tiny-llama-4bit", "--out", str(out)]) == 0  # already there
-    assert "already" in capsys.readouterr().err
+    again = capsys.readouterr()
+    assert "already" in again.err and again.out.split() == [str(out)]
 
 
 def test_parity_command_passes_and_writes_json(tmp_path, capsys):
@@ -90,3 +93,13 @@ def test_kernel_cache_dir_points_mlx_at_it(tmp_path):
         use_kernel_cache(tmp_path / "file" / "sub", {})
     args = build_parser().parse_args(["serve", "--model", "tiny-qwen3", "--kernel-cache-dir", str(tmp_path)])
     assert args.kernel_cache_dir == tmp_path
+
+
+def test_output_to_a_pipe_is_not_wrapped_at_80_columns(capsys):
+    from harness.cli_common import console, out
+
+    line = "word " * 60  # 300 characters: a log line with a server's command, say
+    console.print(line, markup=False)
+    out.print(line, markup=False)
+    written = capsys.readouterr()
+    assert written.err.strip() == line.strip() and written.out.strip() == line.strip()
