@@ -226,6 +226,8 @@ def _headline(inp: Input, model: dict, runs: list[Input], baseline: str) -> dict
     """Each arm against the baseline (`headline.model_rows`), the verdict lines that sum them up and the withheld
     count; the table leaves out the ratios of cells measured on one side only (counted)."""
     base_run, base, note = _baseline(inp, model, runs, baseline)
+    if base is not None and base["status"] != MEASURED:  # why its cells are missing: an arm that stopped early
+        note = "; ".join(filter(None, [note, f"{baseline} {base['status']}" + (f": {base['error']}" if base.get("error") else "")]))
     rows = headline.model_rows(inp.run, model, base_run, base)
     return {"where": _where(inp, model), "title": f"{model['model']} on {machine_name(inp.run)}",
             "source": f"{inp.path.name}, run {inp.run['run_id']}", "baseline": baseline, "note": note,
@@ -375,8 +377,8 @@ def _native_verdicts(native: list[dict]) -> list[dict]:
         rows = [{"arm": "engine", "phase": what, "short": what, "higher_is_better": True, "ratio": p["geomean"],
                  "ci_low": p["ci_low"], "ci_high": p["ci_high"], "verdict": p["verdict"], "note": p["note"],
                  "withheld": None} for what in ("decode", "prefill") if (p := n[what])]  # fmt: skip
-        device = str(n["device"] or "?").removeprefix("Device(").split(",")[0]  # 'Device(gpu, 0)': gpu
-        groups.append({"title": f"{n['model']} in process on the {device}",
+        device = str(n["device"] or "?").removeprefix("Device(").split(",")[0].upper()  # 'Device(gpu, 0)': GPU
+        groups.append({"title": f"{n['model']} in process ({device})",
                        "source": f"{n['file']}, engine against mlx-lm, {n['tier'] or '?'} tier", "note": "",
                        "lines": _lines(rows), "withheld": ""})  # fmt: skip
     return groups

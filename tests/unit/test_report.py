@@ -396,10 +396,12 @@ def test_cells_measured_on_one_side_are_counted_not_listed(tmp_path):
     run = clean_run()
     mlx = run["models"][0]["arms"][1]
     mlx["cells"] = [c for c in mlx["cells"] if c["phase"] != "concurrency-2"]
+    mlx["status"], mlx["error"] = "interrupted", "the run was interrupted by SIGTERM during phase concurrency-2"
     view = report.build_view(report.load([write(tmp_path, "r.json", run)]))
     group = view["headline"][0]
     assert all(r["phase"] != "concurrency-2" for r in group["rows"])
     assert group["withheld"] == "withheld: 1 ratio (not measured on both 1)"
+    assert group["note"] == f"mlx-lm interrupted: {mlx['error']}"  # why the baseline's cell is missing
 
 
 def test_no_committed_report_draws_a_verdict_from_a_zero_width_or_one_sided_interval():
