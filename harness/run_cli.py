@@ -324,7 +324,7 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
                  markup=False, highlight=False)  # fmt: skip
     for ms in summary.model_summaries(run):
         stdout.print(_table(ms.model, ms.headers, ms.rows))
-        for line in ms.lines + ms.notes:
+        for line in [ms.against] * bool(ms.against) + ms.lines + ms.notes:
             _say(line, "  ", "      ")
         stdout.print()
     latency = summary.latency_rows(run)

@@ -222,7 +222,8 @@ class ModelSummary:
     model: str
     headers: list[str]
     rows: list[list[str]]
-    lines: list[str] = field(default_factory=list)  # against mlx-lm, one an arm, then what was withheld
+    against: str = ""  # what the lines compare with
+    lines: list[str] = field(default_factory=list)  # a verdict line an arm, then what was withheld
     notes: list[str] = field(default_factory=list)
 
 
@@ -242,12 +243,12 @@ def model_summaries(run: dict) -> list[ModelSummary]:
         summary = ModelSummary(name, headers(conc, blocks, roofline),
                                [table_cells(r, conc, notes, blocks, roofline) for r in mine])  # fmt: skip
         if blocks:
-            summary.lines.append(f"paired verdicts over the blocks against {BASELINE}: harness report on this file")
+            summary.against = f"paired verdicts over the blocks against {BASELINE}: harness report on this file"
         for m in (m for m in run["models"] if m["model"] == name and not blocks and not is_repetition(run, m)):
             base = next((a for a in m["arms"] if a["arm"] == BASELINE), None)
             compared = headline.model_rows(run, m, run, base)
             if compared:
-                summary.lines.append(f"against {BASELINE} (Nx: times as fast, [95% interval], verdict):")
+                summary.against = f"against {BASELINE} (Nx: times as fast, [95% interval], verdict):"
             for line in headline.verdict_lines(compared):
                 summary.lines.append(headline.line_text(line, lambda why: f"withheld {notes.mark(why)}"))
             if withheld := headline.withheld_count(compared):
@@ -282,7 +283,7 @@ def markdown(run: dict) -> str:
         lines += [f"**{md_text(run['status'])}**" + (f": {md_text(run['error'])}" if run.get("error") else ""), ""]
     for ms in model_summaries(run):
         lines += [f"## {md_text(ms.model)}", "", md_row(ms.headers), "|" + "---|" * len(ms.headers)]
-        lines += [md_row(r) for r in ms.rows] + [""]
+        lines += [md_row(r) for r in ms.rows] + [""] + ([md_text(ms.against), ""] if ms.against else [])
         lines += [f"- {md_text(line)}" for line in ms.lines + ms.notes] + [""] * bool(ms.lines or ms.notes)
     latency = latency_rows(run)
     if latency:
