@@ -418,7 +418,7 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
                     "load_to_ready_s": arm.get("load_to_ready_s"), "peak_rss_mib": (arm.get("peak_rss_bytes") or 0) / 2**20,
                     "device_peak_mib": memory["peak_bytes"] / 2**20 if memory.get("peak_bytes") else None,
                     "device_active_mib": memory["active_bytes"] / 2**20 if memory.get("active_bytes") else None,
-                    "cells": cells, "diagnostic": inp.run["diagnostic"],
+                    "cells": cells, "diagnostic": inp.run["diagnostic"], "is_repetition": is_repetition(inp.run, model),
                 })  # fmt: skip
                 if arm.get("quality"):
                     q = arm["quality"]
@@ -449,8 +449,9 @@ def build_view(inputs: list[Input], baseline: Optional[str] = None) -> dict[str,
         phases = list(dict.fromkeys(c["phase"] for r in rows for c in r["cells"]))
         for r in rows:
             by_phase = {c["phase"]: c for c in r["cells"]}
+            why = "a repetition: the load cells only" if r["is_repetition"] else "not in this run"
             r["cells"] = [by_phase.get(p) or {"phase": p, "status": NOT_MEASURED, "value": None, "flags": [],
-                                              "reason": "not in this run"} for p in phases]  # fmt: skip
+                                              "reason": why} for p in phases]  # fmt: skip
         matrix[mach] = {"phases": phases, "rows": rows}
     paired = _paired(runs, baseline)
     for inp in runs:

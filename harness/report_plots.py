@@ -95,7 +95,7 @@ def _center(values: Sequence[Optional[float]]) -> Optional[float]:
     return math.exp(sum(math.log(v) for v in kept) / len(kept)) if kept else None
 
 
-def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label: bool = True) -> None:
+def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label: bool = True, band: bool = True) -> None:
     """One line an arm through each point's geometric mean, a band from its lowest to its highest repetition."""
     for arm, color in zip(arms, itertools.cycle(COLORS)):
         points = sorted((x, _center(vs), [v for v in vs if v is not None]) for x, vs in series.get(arm, []))
@@ -105,7 +105,7 @@ def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label: boo
         xs = [x for x, _, _ in points]
         ax.plot(xs, [c for _, c, _ in points], style, color=color, marker="o", markersize=4, linewidth=1.4,
                 label=arm if label else None)  # fmt: skip
-        if any(len(vs) > 1 for _, _, vs in points):
+        if band and any(len(vs) > 1 for _, _, vs in points):
             ax.fill_between(xs, [min(vs) for _, _, vs in points], [max(vs) for _, _, vs in points], color=color,
                             alpha=0.18, linewidth=0)  # fmt: skip
 
@@ -128,9 +128,10 @@ def throughput(aggregate: Series, per_request: Series) -> Optional[str]:
 
 
 def _percentiles(ax, by_pct: dict[str, Series], arms: Sequence[str]) -> None:
-    """p50 / p90 / p99 lines of each arm on a log axis (the arm's name on its p50 line only)."""
+    """p50 / p90 / p99 lines of each arm on a log axis (the arm's name and the repetitions' band on its p50 line
+    only: three bands an arm hide each other)."""
     for pct, style in PERCENTILE_STYLES:
-        _lines(ax, by_pct.get(pct, {}), arms, style, label=pct == "p50")
+        _lines(ax, by_pct.get(pct, {}), arms, style, label=pct == "p50", band=pct == "p50")
     ax.set_yscale("log")
     _plain_log(ax.yaxis)
     ax.set_ylabel("ms (log scale)", fontsize=9)

@@ -317,20 +317,24 @@ LATENCY_HEADERS = ["model", "arm", "phase", "requests", "TTFT p50 / p90 / p99 ms
 
 def latency_rows(run: dict) -> list[list[str]]:
     """Per timed cell (decode, TTFT phases, each concurrency, long context): its requests' latency percentiles
-    (the JSON's {median,p90,p99}_{ttft,tpot,itl,e2el}_ms) and, with SLOs, goodput and attainment."""
+    (the JSON's {median,p90,p99}_{ttft,tpot,itl,e2el}_ms) and, with SLOs, goodput and attainment. Where a model
+    has several blocks (trials, repeated cells) a phase is named with its block's number ('concurrency-4 #2')."""
     def pcts(m: dict, name: str, which=("median", "p90", "p99")) -> str:
         values = [m.get(f"{w}_{name}_ms") for w in which]
         return "-" if all(v is None for v in values) else " / ".join(fmt(v, ".0f" if (v or 0) >= 100 else ".1f") for v in values)
 
     slos = bool(run["settings"].get("goodput"))
+    models = run.get("models", [])
     out = []
-    for mrun in run.get("models", []):
+    for mrun in models:
+        several = sum(m["model"] == mrun["model"] for m in models) > 1
         for arm in mrun.get("arms", []):
             for cell in arm.get("cells", []):
                 m = cell.get("metrics") or {}
                 if cell["phase"] in ("warmup", "probe") or cell["status"] not in (MEASURED, RECOVERED):
                     continue
-                out.append([mrun["model"], arm["arm"], cell["phase"], str(m.get("completed", "-")), pcts(m, "ttft"),
+                phase = cell["phase"] + (f" #{mrun.get('block', 0) + 1}" if several else "")
+                out.append([mrun["model"], arm["arm"], phase, str(m.get("completed", "-")), pcts(m, "ttft"),
                             pcts(m, "tpot"), pcts(m, "itl", ("median", "p99")), pcts(m, "e2el", ("median", "p99")),
                             fmt(m.get("request_goodput"), ".3g") if slos else "-",
                             f"{m['slo_attainment']:.0%}" if slos and m.get("slo_attainment") is not None else "-"])  # fmt: skip
