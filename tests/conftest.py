@@ -1,4 +1,5 @@
-"""Shared test setup: a model cache that survives between runs of the suite, and the `cuda` marker's skip.
+"""Shared test setup: a model cache that survives between runs of the suite, the `cuda` marker's skip, and a line
+at the end for a test skipped for want of a tool.
 
 Synthesized tiny models are deterministic, so tests share one cache
 (ENGINE_HARNESS_CACHE if set, else the user's cache) instead of paying for
@@ -22,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A test skipped for want of a tool says so at the end of every run, not only under -rs: the report's
+    browser test needs chromium, which only .ci/run installs."""
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+        if "chromium" in reason:
+            terminalreporter.write_line(f"{report.nodeid} skipped: {reason.removeprefix('Skipped: ')}")
 
 
 @pytest.fixture(scope="session")
