@@ -290,18 +290,20 @@ def test_a_full_queue_answers_503_with_retry_after(keyed):
 
 
 def test_a_list_of_prompts_past_the_queue_is_refused_whole(keyed):
-    # 5 prompts, a queue of 2: a 503, and the prompts the engine took leave with it, cancelled
+    # 5 prompts, a queue of 2: a 503, and the prompts the engine took leave with it, cancelled (not completed)
     before = keyed.stats()["totals"]
     r = keyed.client.post("/v1/completions", json={"prompt": [[9, 9, 9]] * 5, "max_tokens": 200, "ignore_eos": True})
     assert error_of(r, 503)["code"] == "queue_full"
-    deadline = time.monotonic() + 30
-    while keyed.stats()["batch"]["live_requests"] and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while True:  # /stats is refreshed between engine steps: wait for the five to be counted
+        stats = keyed.stats()
+        totals = stats["totals"]
+        gone = totals["rejected"] - before["rejected"] + totals["cancelled"] - before["cancelled"]
+        if (gone >= 5 and not stats["batch"]["live_requests"]) or time.monotonic() > deadline:
+            break
         time.sleep(0.1)
-    batch = keyed.stats()["batch"]
-    assert batch["live_requests"] == batch["pending_rows"] == batch["waiting_requests"] == 0
-    totals = keyed.stats()["totals"]
-    assert totals["rejected"] - before["rejected"] >= 1
-    assert totals["cancelled"] - before["cancelled"] + totals["rejected"] - before["rejected"] == 5
+    assert gone == 5 and totals["rejected"] > before["rejected"]
+    assert stats["batch"]["live_requests"] == stats["batch"]["pending_rows"] == 0
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
