@@ -50,7 +50,7 @@ STREAM_OPTIONS_IGNORED = frozenset({"include_obfuscation"})
 
 def ignored_fields(body: dict, known: Iterable[str]) -> tuple[str, ...]:
     """The body's fields that are neither honoured (`known`) nor refused: ignored, sorted."""
-    return tuple(sorted(set(body) - set(known) & IGNORED))
+    return tuple(sorted((set(body) - set(known)) & IGNORED))
 
 
 def unknown_fields(body: dict, known: Iterable[str]) -> list[str]:
