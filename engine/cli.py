@@ -136,7 +136,7 @@ def kernel_config(args):
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    from engine.spec.rollback import ROLLBACKS, Rollback
+    from engine.speculative.rollback import ROLLBACKS, Rollback
 
     g = p.add_argument_group(
         "speculative decoding",
@@ -164,7 +164,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
 
 def spec_config(args):
     """The SpecConfig the flags ask for, or None when speculation is off."""
-    from engine.spec.config import SpecConfig
+    from engine.speculative.config import SpecConfig
 
     kind = args.draft_kind
     if kind is None and (args.draft_model or args.draft_model_path):
@@ -357,7 +357,7 @@ def cmd_generate(args) -> int:
     spec = spec_config(args)
     stats = None
     if spec is not None:
-        from engine.spec.config import load_speculation
+        from engine.speculative.config import load_speculation
         from engine.request import StopCriteria
 
         speculation = load_speculation(spec, eng, args.draft_model, args.draft_model_path, seed=args.seed)

@@ -43,10 +43,10 @@ from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.kernels.cuda_source import builds as kernel_builds
 from engine.prompt_logprobs import PromptScorer
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
-from engine.spec.config import Speculation
+from engine.speculative.config import Speculation
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
 from engine.sinks import ForwardingSink, TokenSink
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from engine.errors import InvalidSamplingError
 
 if TYPE_CHECKING:
     from engine.grammar import Constraint
-    from engine.spec.stats import SpecStats
+    from engine.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from engine.engine import Engine
 from engine.generate import generate
-from engine.spec.config import SpecConfig, load_speculation
+from engine.speculative.config import SpecConfig, load_speculation
 from engine.request import StopCriteria
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 from harness.native import _time, geomean
 from harness.stats import paired
 from harness.workloads import text_prompt, tokenizer_for

@@ -10,7 +10,7 @@ manifest (command, seed, settings, data hash, losses), under goldens/trained/ by
 Deterministic for a given machine kind and Python version: the text (`oracles.train_data`), the tokenizer
 learned from it, the initial weights (`--seed`) and the batches (`--seed`) are fixed. The family shares one
 byte-level BPE tokenizer; the hybrid target trains its MTP head beside its next-token loss (the head sees the
-target's hidden state at t and the embedding of token t + 1, and predicts token t + 2, as `engine.spec.mtp`
+target's hidden state at t and the embedding of token t + 1, and predicts token t + 2, as `engine.speculative.mtp`
 runs it). Weights train in float32 and are saved as bf16, then quantized from the bf16 weights to 4 bits
 (group 64, the matrices a synthesized 4-bit artifact quantizes).
 """

@@ -42,7 +42,7 @@ from engine.grammar import Grammars
 from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
-from engine.spec.config import SpecConfig, load_speculation
+from engine.speculative.config import SpecConfig, load_speculation
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
 

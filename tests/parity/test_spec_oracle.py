@@ -15,11 +15,11 @@ import random
 import pytest
 
 from engine.loading import load_model as load_ours
-from engine.spec.draft_model import DraftModelSource
-from engine.spec.verifier import speculative_generate
+from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.verifier import speculative_generate
 from engine.synth import ensure_model
 from engine.request import StopCriteria
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 from oracles import reference
 
 pytestmark = pytest.mark.parity

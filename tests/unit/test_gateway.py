@@ -79,7 +79,7 @@ def test_cancelling_a_queued_serial_request(model):
 
 
 def _speculation(model, kind="ngram"):
-    from engine.spec.config import SpecConfig, Speculation
+    from engine.speculative.config import SpecConfig, Speculation
 
     return Speculation(SpecConfig(kind, num_draft=2), model, model if kind == "draft" else None)
 

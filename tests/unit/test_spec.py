@@ -23,15 +23,15 @@ from engine.cache import KVCache, RecurrentCache
 from engine.engine import Engine
 from engine.errors import DraftMismatchError
 from engine.generate import generate
-from engine.spec.config import SpecConfig, Speculation, load_speculation
-from engine.spec.draft_model import DraftModelSource
-from engine.spec.mtp import MTPSource
-from engine.spec.ngram import NgramSource
-from engine.spec.rollback import checkpoint, rewind
-from engine.spec.source import Round
-from engine.spec.verifier import speculative_generate
+from engine.speculative.config import SpecConfig, Speculation, load_speculation
+from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.mtp import MTPSource
+from engine.speculative.ngram import NgramSource
+from engine.speculative.rollback import checkpoint, rewind
+from engine.speculative.source import Round
+from engine.speculative.verifier import speculative_generate
 from engine.request import SamplingParams, StopCriteria
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 
 TIE_MARGIN = 1e-3  # between the best and second-best logit at every plain greedy step (f32)
 STEPS = 48
@@ -388,7 +388,7 @@ def test_ngram_zero_limit_and_bad_sizes():
 
 
 def test_the_adaptive_policy_changes_windows_not_tokens(hybrid, hybrid_draft, prompts):
-    from engine.spec.policy import AdaptivePolicy
+    from engine.speculative.policy import AdaptivePolicy
 
     for source in (DraftModelSource(hybrid_draft, 2048), MTPSource(hybrid.model), NgramSource()):
         stats = SpecStats(source.kind, 3)
@@ -401,7 +401,7 @@ def test_the_adaptive_policy_changes_windows_not_tokens(hybrid, hybrid_draft, pr
 
 
 def test_an_eos_inside_a_pipelined_plain_stretch_ends_the_request_there(hybrid, prompts):
-    from engine.spec.policy import AdaptivePolicy
+    from engine.speculative.policy import AdaptivePolicy
 
     ref = plain(hybrid.model, prompts[0])
     eos = ref[30]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.spec.policy import MAX_PROBE, PROBE, AdaptivePolicy, FixedPolicy, make_policy
+from engine.speculative.policy import MAX_PROBE, PROBE, AdaptivePolicy, FixedPolicy, make_policy
 
 
 def test_fixed_always_drafts_the_limit():

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache, cache_nbytes
 from engine.cache.kv import owned_copies
-from engine.spec.source import Round
+from engine.speculative.source import Round
 
 
 @dataclass(frozen=True)

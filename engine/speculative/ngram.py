@@ -12,7 +12,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.spec.source import Round
+from engine.speculative.source import Round
 
 
 class NgramSource:

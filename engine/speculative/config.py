@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import mlx.nn as nn
 
 from engine.errors import DraftMismatchError
-from engine.spec.draft_model import DraftModelSource
-from engine.spec.mtp import MTPSource
-from engine.spec.ngram import NgramSource
-from engine.spec.policy import POLICIES, make_policy
-from engine.spec.rollback import ROLLBACKS, Rollback
-from engine.spec.source import DraftSource
+from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.mtp import MTPSource
+from engine.speculative.ngram import NgramSource
+from engine.speculative.policy import POLICIES, make_policy
+from engine.speculative.rollback import ROLLBACKS, Rollback
+from engine.speculative.source import DraftSource
 from engine.tokenizer import Tokenizer
-from engine.spec.verifier import speculative_generate
+from engine.speculative.verifier import speculative_generate
 from engine.request import GeneratedToken, SamplingParams, StopCriteria
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
     from engine.engine import Engine

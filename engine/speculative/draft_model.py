@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import prefill
-from engine.spec.rollback import Checkpoint, checkpoint, rewind, room
-from engine.spec.source import Round
+from engine.speculative.rollback import Checkpoint, checkpoint, rewind, room
+from engine.speculative.source import Round
 
 
 def _greedy(model: nn.Module, cache: list, tokens: mx.array) -> mx.array:
