@@ -1,3 +1,5 @@
-from engine.cli import main
 import sys
+
+from engine.cli import main
+
 sys.exit(main())

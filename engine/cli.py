@@ -1,8 +1,8 @@
 """`engine`: run the inference engine from the command line.
 
-    engine generate --model tiny-qwen35 --prompt "Hello" --max-tokens 32
-    engine generate --model-path ~/models/Qwen3-4B-4bit --chat --prompt "Hi"
-    engine serve --model tiny-qwen35 --port 0
+engine generate --model tiny-qwen35 --prompt "Hello" --max-tokens 32
+engine generate --model-path ~/models/Qwen3-4B-4bit --chat --prompt "Hi"
+engine serve --model tiny-qwen35 --port 0
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from engine import env
 from engine.errors import USER_ERRORS
@@ -72,7 +72,7 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _buckets(text: str) -> Optional[tuple[int, ...]]:
+def _buckets(text: str) -> tuple[int, ...] | None:
     """--decode-buckets, --prefill-buckets and --prefill-groups: None for auto, () for off, else the counts."""
     if text == "auto":
         return None
@@ -87,12 +87,12 @@ def _buckets(text: str) -> Optional[tuple[int, ...]]:
     return values
 
 
-def _auto_positive(text: str) -> Optional[int]:
+def _auto_positive(text: str) -> int | None:
     """auto (None) or a count >= 1."""
     return None if text == "auto" else _positive(text)
 
 
-def _budget(text: str) -> Optional[int]:
+def _budget(text: str) -> int | None:
     """--prefill-budget: None for auto, 0 for off, else the tokens."""
     if text in ("auto", "off"):
         return None if text == "auto" else 0
@@ -119,13 +119,15 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     from engine.kernels import AUTO, TIERS
 
     p.add_argument(
-        "--kernels", choices=TIERS, default=AUTO,
+        "--kernels",
+        choices=TIERS,
+        default=AUTO,
         help="kernel tier: exact = MLX's operations, bit-exact with mlx-lm; fast = the engine's custom CUDA kernels "
         "(quantized GEMV, chunked DeltaNet prefill, compiled decode steps), equal to exact up to rounding and "
         "gated against a float32 reference, on MLX's CUDA backend only: elsewhere the exact tier runs and the "
         "reason is printed; auto = fast on CUDA for model families whose numerics gate passed, else exact "
         "(default auto). ENGINE_FUSE and ENGINE_GEMV_LAUNCH tune the fast tier (README)",
-    )  # fmt: skip
+    )
 
 
 def kernel_config(args):
@@ -144,22 +146,40 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         "Off unless --draft-model or --draft-kind is given.",
     )
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--draft-model", metavar="NAME", help="registry name of a draft model with the target's "
-                     "tokenizer (e.g. small-qwen35-draft; the target's own name = self-draft)")
+    src.add_argument(
+        "--draft-model",
+        metavar="NAME",
+        help="registry name of a draft model with the target's "
+        "tokenizer (e.g. small-qwen35-draft; the target's own name = self-draft)",
+    )
     src.add_argument("--draft-model-path", type=Path, metavar="DIR", help="an mlx-lm draft model directory")
-    g.add_argument("--draft-kind", choices=("draft", "ngram", "mtp"), default=None,
-                   help="draft = the draft model (default when one is given); ngram = prompt lookup; "
-                   "mtp = the target's Qwen3.5 MTP head")
-    g.add_argument("--num-draft-tokens", type=_positive, default=3, metavar="N", help="most drafts per round (default 3)")
+    g.add_argument(
+        "--draft-kind",
+        choices=("draft", "ngram", "mtp"),
+        default=None,
+        help="draft = the draft model (default when one is given); ngram = prompt lookup; "
+        "mtp = the target's Qwen3.5 MTP head",
+    )
+    g.add_argument(
+        "--num-draft-tokens", type=_positive, default=3, metavar="N", help="most drafts per round (default 3)"
+    )
     g.add_argument("--ngram-min", type=_positive, default=2, metavar="N", help="shortest n-gram to match (default 2)")
     g.add_argument("--ngram-max", type=_positive, default=4, metavar="N", help="longest n-gram to match (default 4)")
-    g.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
-                   help="adaptive = per round, the draft count with the most expected tokens per second from the "
-                   "request's measured acceptance and timings, 0 when drafting does not pay (default); "
-                   "fixed = always --num-draft-tokens (mlx-lm's rule)")
-    g.add_argument("--spec-rollback", choices=ROLLBACKS, default=Rollback.TRACE.value,
-                   help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
-                   "the last accepted token (default); replay = restore and feed the kept tokens again")
+    g.add_argument(
+        "--draft-policy",
+        choices=("adaptive", "fixed"),
+        default="adaptive",
+        help="adaptive = per round, the draft count with the most expected tokens per second from the "
+        "request's measured acceptance and timings, 0 when drafting does not pay (default); "
+        "fixed = always --num-draft-tokens (mlx-lm's rule)",
+    )
+    g.add_argument(
+        "--spec-rollback",
+        choices=ROLLBACKS,
+        default=Rollback.TRACE.value,
+        help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
+        "the last accepted token (default); replay = restore and feed the kept tokens again",
+    )
 
 
 def spec_config(args):
@@ -171,8 +191,14 @@ def spec_config(args):
         kind = "draft"
     if kind is None:
         return None
-    return SpecConfig(kind, num_draft=args.num_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                      rollback=args.spec_rollback, policy=args.draft_policy)  # fmt: skip
+    return SpecConfig(
+        kind,
+        num_draft=args.num_draft_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        rollback=args.spec_rollback,
+        policy=args.draft_policy,
+    )
 
 
 def _add_serve(sub) -> None:
@@ -190,90 +216,207 @@ def _add_serve(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
-    p.add_argument("--batch", type=_positive, default=None,
-                   help="most requests decoding together; 1 = strict serial, bit-exact with mlx-lm B=1 (default 64 "
-                   "on CUDA, where the fast tier's kernels take up to 64 rows; 8 elsewhere)")
-    p.add_argument("--decode-buckets", type=_buckets, default=None, metavar="auto|off|N,N,...",
-                   help="row counts the continuous lane's decode steps take, the batch filled with ghost rows up "
-                   "to the next one, so each shape compiles once (auto, the default: 1,2,4,... up to --batch on "
-                   "the fast tier, off on the exact tier, which stays bit-exact with mlx-lm at every row count)")
-    p.add_argument("--prefill-buckets", type=_buckets, default=None, metavar="auto|off|N,N,...",
-                   help="prompt chunk lengths a prefill forward is padded up to, so each compiles once (auto, the "
-                   "default: 16, 24, 32, 48, ... up to --prefill-chunk on the fast tier, at most 1.5x the tokens; "
-                   "off on the exact tier)")
-    p.add_argument("--prefill-groups", type=_buckets, default=None, metavar="auto|off|N,N,...",
-                   help="counts of prompts prefilled together, a group filled with ghost prompts up to the next "
-                   "one, so each compiles once (auto, the default: 1, 2, 4, ... up to --prefill-batch on the fast "
-                   "tier, at most 2x the rows; off on the exact tier)")
-    p.add_argument("--prefill-batch", type=_auto_positive, default=None, metavar="auto|N",
-                   help="most prompts prefilled together on the continuous lane (auto, the default: 32 on the fast "
-                   "tier, so a burst shares a few large forwards; 8 elsewhere, as mlx_lm.server)")
-    p.add_argument("--prefill-budget", type=_budget, default=None, metavar="auto|off|N",
-                   help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
-                   "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
-                   "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)")
-    p.add_argument("--warmup", choices=("full", "quick", "off"), default=None,
-                   help="before /health says ready: full runs every decode row count, a prompt of each prefill "
-                   "bucket and one of three chunks, and each prefill group bucket at the chunks it can take, then "
-                   "empties MLX's buffer cache; quick one request a lane, off none (default full on CUDA, quick "
-                   "elsewhere)")
+    p.add_argument(
+        "--batch",
+        type=_positive,
+        default=None,
+        help="most requests decoding together; 1 = strict serial, bit-exact with mlx-lm B=1 (default 64 "
+        "on CUDA, where the fast tier's kernels take up to 64 rows; 8 elsewhere)",
+    )
+    p.add_argument(
+        "--decode-buckets",
+        type=_buckets,
+        default=None,
+        metavar="auto|off|N,N,...",
+        help="row counts the continuous lane's decode steps take, the batch filled with ghost rows up "
+        "to the next one, so each shape compiles once (auto, the default: 1,2,4,... up to --batch on "
+        "the fast tier, off on the exact tier, which stays bit-exact with mlx-lm at every row count)",
+    )
+    p.add_argument(
+        "--prefill-buckets",
+        type=_buckets,
+        default=None,
+        metavar="auto|off|N,N,...",
+        help="prompt chunk lengths a prefill forward is padded up to, so each compiles once (auto, the "
+        "default: 16, 24, 32, 48, ... up to --prefill-chunk on the fast tier, at most 1.5x the tokens; "
+        "off on the exact tier)",
+    )
+    p.add_argument(
+        "--prefill-groups",
+        type=_buckets,
+        default=None,
+        metavar="auto|off|N,N,...",
+        help="counts of prompts prefilled together, a group filled with ghost prompts up to the next "
+        "one, so each compiles once (auto, the default: 1, 2, 4, ... up to --prefill-batch on the fast "
+        "tier, at most 2x the rows; off on the exact tier)",
+    )
+    p.add_argument(
+        "--prefill-batch",
+        type=_auto_positive,
+        default=None,
+        metavar="auto|N",
+        help="most prompts prefilled together on the continuous lane (auto, the default: 32 on the fast "
+        "tier, so a burst shares a few large forwards; 8 elsewhere, as mlx_lm.server)",
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=_budget,
+        default=None,
+        metavar="auto|off|N",
+        help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
+        "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
+        "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)",
+    )
+    p.add_argument(
+        "--warmup",
+        choices=("full", "quick", "off"),
+        default=None,
+        help="before /health says ready: full runs every decode row count, a prompt of each prefill "
+        "bucket and one of three chunks, and each prefill group bucket at the chunks it can take, then "
+        "empties MLX's buffer cache; quick one request a lane, off none (default full on CUDA, quick "
+        "elsewhere)",
+    )
     p.add_argument("--prefill-chunk", type=_positive, default=2048, help="prompt tokens per forward (default 2048)")
-    p.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="BYTES",
-                   help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)")
-    p.add_argument("--prompt-cache-bytes", type=parse_bytes, default="2GiB", metavar="BYTES",
-                   help="prefix cache shared by all requests; 0 disables (default 2GiB)")
-    p.add_argument("--prompt-cache-block", type=_non_negative, default=256, metavar="N",
-                   help="on models whose caches cannot rewind (Gated DeltaNet, sliding windows), keep their state "
-                   "every N prompt tokens, so a prompt sharing a prefix with an earlier one starts from the last such "
-                   "boundary inside it; 0 keeps only whole requests' boundaries (default 256)")
-    p.add_argument("--prompt-cache-dir", type=Path, default=None, metavar="DIR",
-                   help="the prompt cache's disk tier: entries evicted from RAM and all of them at shutdown are "
-                   "written here, per model artifact and kernel tier, and a restart finds them (default: RAM only)")
-    p.add_argument("--prompt-cache-disk-bytes", type=parse_bytes, default="16GiB", metavar="BYTES",
-                   help="what the disk tier may hold; the oldest entries go first (default 16GiB)")
-    p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
-                   help="render chats with this Jinja template in place of the model's (one that renders `tools` "
-                   "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)")
-    p.add_argument("--reasoning-parser", choices=("auto", "none"), default="auto",
-                   help="auto (the default): where the chat template thinks (<think> blocks), the reply's reasoning "
-                   "goes to reasoning_content; none: it stays in content")
-    p.add_argument("--max-context", type=_positive, default=None, metavar="N",
-                   help="prompt + completion tokens at most (default: the model's max_position_embeddings)")
-    p.add_argument("--max-tokens", type=_positive, default=512, help="completion tokens when a request names none "
-                   "(default 512, capped by the context)")
-    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
-                   help="affine-quantized KV cache from the first token (the prompt cache then serves starts "
-                        "past a prompt's first prefill chunk, which attends to full-precision keys)")
+    p.add_argument(
+        "--kv-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="admit requests while their projected KV cache fits (e.g. 8GiB; default: unlimited)",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=parse_bytes,
+        default="2GiB",
+        metavar="BYTES",
+        help="prefix cache shared by all requests; 0 disables (default 2GiB)",
+    )
+    p.add_argument(
+        "--prompt-cache-block",
+        type=_non_negative,
+        default=256,
+        metavar="N",
+        help="on models whose caches cannot rewind (Gated DeltaNet, sliding windows), keep their state "
+        "every N prompt tokens, so a prompt sharing a prefix with an earlier one starts from the last such "
+        "boundary inside it; 0 keeps only whole requests' boundaries (default 256)",
+    )
+    p.add_argument(
+        "--prompt-cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the prompt cache's disk tier: entries evicted from RAM and all of them at shutdown are "
+        "written here, per model artifact and kernel tier, and a restart finds them (default: RAM only)",
+    )
+    p.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=parse_bytes,
+        default="16GiB",
+        metavar="BYTES",
+        help="what the disk tier may hold; the oldest entries go first (default 16GiB)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_template_file,
+        default=None,
+        metavar="FILE",
+        help="render chats with this Jinja template in place of the model's (one that renders `tools` "
+        "with <tool_call> blocks, as Qwen's do, turns on tool-call parsing)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (the default): where the chat template thinks (<think> blocks), the reply's reasoning "
+        "goes to reasoning_content; none: it stays in content",
+    )
+    p.add_argument(
+        "--max-context",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="prompt + completion tokens at most (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=512,
+        help="completion tokens when a request names none (default 512, capped by the context)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="affine-quantized KV cache from the first token (the prompt cache then serves starts "
+        "past a prompt's first prefill chunk, which attends to full-precision keys)",
+    )
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64)
-    p.add_argument("--api-key", default=env.api_key(),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $ENGINE_API_KEY, "
-                   "else no key)")
-    p.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
-                   help="Host header names accepted, comma-separated, '*' for any (default: the loopback names "
-                   "for a loopback --host, that address and the loopback names for another, any for 0.0.0.0)")
-    p.add_argument("--max-body-bytes", type=parse_bytes, default="8MiB", metavar="BYTES",
-                   help="largest request body; larger ones get a 413 unread (default 8MiB)")
-    p.add_argument("--max-header-bytes", type=parse_bytes, default="32KiB", metavar="BYTES",
-                   help="largest request head (request line and headers); a larger one gets a 431 and its "
-                   "connection closed (default 32KiB)")
-    p.add_argument("--max-queued-requests", type=_non_negative, default=256, metavar="N",
-                   help="requests waiting to start at once; more get a 503 with Retry-After (0: no limit; "
-                   "default 256)")
-    p.add_argument("--max-queued-tokens", type=_non_negative, default=0, metavar="N",
-                   help="prompt tokens waiting to start at once, as --max-queued-requests (0: no limit, the default)")
-    p.add_argument("--kernel-cache-dir", type=Path, default=None, metavar="DIR",
-                   help="where compiled CUDA kernels are kept, MLX's and the engine's (compiled in parallel at "
-                   "the start), so a restart compiles none (sets MLX_PTX_CACHE_DIR; default: $MLX_PTX_CACHE_DIR, "
-                   "else ~/.cache/engine-harness/kernels/mlx-<version>)")
-    p.add_argument("--mlx-cache", type=parse_bytes, default=None, metavar="BYTES",
-                   help="device memory MLX keeps for reuse once freed (its cache limit; default 64GiB on CUDA, at most "
-                   "half the GPU, so that other processes on the GPU can load; MLX's own elsewhere)")
+    p.add_argument(
+        "--api-key",
+        default=env.api_key(),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $ENGINE_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_host_list,
+        default=None,
+        metavar="NAMES",
+        help="Host header names accepted, comma-separated, '*' for any (default: the loopback names "
+        "for a loopback --host, that address and the loopback names for another, any for 0.0.0.0)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default="8MiB",
+        metavar="BYTES",
+        help="largest request body; larger ones get a 413 unread (default 8MiB)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=parse_bytes,
+        default="32KiB",
+        metavar="BYTES",
+        help="largest request head (request line and headers); a larger one gets a 431 and its "
+        "connection closed (default 32KiB)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=_non_negative,
+        default=256,
+        metavar="N",
+        help="requests waiting to start at once; more get a 503 with Retry-After (0: no limit; default 256)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="prompt tokens waiting to start at once, as --max-queued-requests (0: no limit, the default)",
+    )
+    p.add_argument(
+        "--kernel-cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where compiled CUDA kernels are kept, MLX's and the engine's (compiled in parallel at "
+        "the start), so a restart compiles none (sets MLX_PTX_CACHE_DIR; default: $MLX_PTX_CACHE_DIR, "
+        "else ~/.cache/engine-harness/kernels/mlx-<version>)",
+    )
+    p.add_argument(
+        "--mlx-cache",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="device memory MLX keeps for reuse once freed (its cache limit; default 64GiB on CUDA, at most "
+        "half the GPU, so that other processes on the GPU can load; MLX's own elsewhere)",
+    )
     add_kernels_flag(p)
     _add_spec_flags(p)
-    p.set_defaults(func=cmd_serve)  # fmt: skip
+    p.set_defaults(func=cmd_serve)
 
 
-def use_kernel_cache(directory: Optional[Path], environ=None) -> Path:
+def use_kernel_cache(directory: Path | None, environ=None) -> Path:
     """The compiled-kernel cache directory (created): `directory`, else MLX_PTX_CACHE_DIR where set, else
     `env.kernels_dir()`; MLX_PTX_CACHE_DIR points MLX at it, before its first compilation (MLX's CUDA backend
     reads it once). The engine's own kernels are compiled into it too (`engine.kernels.kernel_cache`)."""
@@ -357,8 +500,8 @@ def cmd_generate(args) -> int:
     spec = spec_config(args)
     stats = None
     if spec is not None:
-        from engine.speculative.config import load_speculation
         from engine.request import StopCriteria
+        from engine.speculative.config import load_speculation
 
         speculation = load_speculation(spec, eng, args.draft_model, args.draft_model_path, seed=args.seed)
         stats = speculation.new_stats()
@@ -391,7 +534,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import mlx.nn as nn
 
@@ -25,7 +26,7 @@ def _eos_ids(config: dict[str, Any]) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def kernels_notice(kernels: KernelSet) -> Optional[str]:
+def kernels_notice(kernels: KernelSet) -> str | None:
     """The one stderr line for a tier chosen by `auto` or asked for and not run (None otherwise)."""
     if kernels.tier == kernels.requested:
         return None
@@ -46,20 +47,20 @@ class Engine:
     model: nn.Module
     config: dict[str, Any]
     path: Path
-    tokenizer: Optional[Tokenizer] = None
+    tokenizer: Tokenizer | None = None
     kernels: KernelSet = KernelSet(tier=EXACT, requested=EXACT)  # what `load_model` gives: MLX's ops
 
     @classmethod
     def load(
         cls,
-        model: Optional[str] = None,
-        model_path: Optional[str | Path] = None,
+        model: str | None = None,
+        model_path: str | Path | None = None,
         *,
         seed: int = 0,
         lazy: bool = False,
         with_tokenizer: bool = True,
         kernels: KernelConfig | str | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Load a registry model or a model directory with the kernels `kernels`.
 
         `kernels`: a `KernelConfig`, or a tier name ("auto", "exact", "fast") with the
@@ -90,10 +91,10 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         stop_sequences: Sequence[Sequence[int]] = (),
         ignore_eos: bool = False,
-        cache: Optional[list] = None,
+        cache: list | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
-        tap: Optional[Callable[[StepTap], None]] = None,
-        kv_quantization: Optional[KVQuantization] = None,
+        tap: Callable[[StepTap], None] | None = None,
+        kv_quantization: KVQuantization | None = None,
     ) -> Iterator[GeneratedToken]:
         stop = StopCriteria(
             max_tokens=max_tokens,
@@ -102,6 +103,12 @@ class Engine:
             ignore_eos=ignore_eos,
         )
         return generate(
-            self.model, prompt_ids, sampling=sampling, stop=stop, cache=cache,
-            prefill_step_size=prefill_step_size, tap=tap, kv_quantization=kv_quantization,
+            self.model,
+            prompt_ids,
+            sampling=sampling,
+            stop=stop,
+            cache=cache,
+            prefill_step_size=prefill_step_size,
+            tap=tap,
+            kv_quantization=kv_quantization,
         )

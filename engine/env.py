@@ -7,8 +7,8 @@ settings it ran under.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 PROJECT = "engine-harness"
 
@@ -16,9 +16,9 @@ _VARS = {
     "ENGINE_HARNESS_CACHE": "where synthesized models live (default ~/.cache/engine-harness)",
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
     "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (residual, gated, norm_scale, "
-                   "norm_out; 'none'), in place of the default residual,gated,norm_out (KernelConfig.fusion)",
+    "norm_out; 'none'), in place of the default residual,gated,norm_out (KernelConfig.fusion)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
-                          "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
+    "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
 _SECRETS = {"ENGINE_API_KEY"}
 

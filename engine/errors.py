@@ -27,7 +27,6 @@ class InvalidSamplingError(EngineError, ValueError):
     pass
 
 
-
 class DraftMismatchError(EngineError, ValueError):
     """A draft model whose tokenizer is not the target's (its drafts would be other tokens)."""
 

@@ -30,8 +30,8 @@ import copy
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import mlx.nn as nn
 
@@ -40,12 +40,12 @@ from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
+from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.kernels.cuda_source import builds as kernel_builds
 from engine.prompt_logprobs import PromptScorer
-from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
-from engine.speculative.config import Speculation
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
 from engine.sinks import ForwardingSink, TokenSink
+from engine.speculative.config import Speculation
 from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,14 @@ class GatewayConfig:
     batch: int = 8  # concurrency cap; 1 = strict serial
     prefill_chunk: int = DEFAULT_PREFILL_STEP
     prefill_batch: int = 8  # prompts prefilled together on the continuous lane
-    kv_budget_bytes: Optional[int] = None
-    kv_quantization: Optional[KVQuantization] = None
+    kv_budget_bytes: int | None = None
+    kv_quantization: KVQuantization | None = None
     prompt_cache_bytes: int = 0  # 0: no prompt cache
     prompt_cache_block: int = 256  # block snapshots of caches that cannot rewind, every this many tokens; 0: none
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
     chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
     group_buckets: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
-    prefill_budget: Optional[int] = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
+    prefill_budget: int | None = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
 
     def __post_init__(self):
         if self.batch < 1:
@@ -77,9 +77,14 @@ class GatewayConfig:
 
     def scheduler(self) -> SchedulerConfig:
         """The continuous lane's scheduler settings."""
-        return SchedulerConfig(max_rows=self.batch, prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
-                               kv_budget_bytes=self.kv_budget_bytes, prefill_budget=self.prefill_budget,
-                               chunk_buckets=self.chunk_buckets)  # fmt: skip
+        return SchedulerConfig(
+            max_rows=self.batch,
+            prefill_chunk=self.prefill_chunk,
+            prefill_batch=self.prefill_batch,
+            kv_budget_bytes=self.kv_budget_bytes,
+            prefill_budget=self.prefill_budget,
+            chunk_buckets=self.chunk_buckets,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Placement:
 class _Queued:
     request: GenerationRequest
     sink: TokenSink
-    prefix: Optional[CachedPrefix]
+    prefix: CachedPrefix | None
     lane: Lane = Lane.SERIAL
 
 
@@ -115,20 +120,23 @@ class _StoringSink(ForwardingSink):
         self.inner.on_end(dataclasses.replace(result, caches=()))
 
 
-def _keeps_boundary(request: GenerationRequest, kept: list[CachedPrefix],
-                    full_chunk: Optional[int] = None) -> Optional[Callable[..., None]]:  # fmt: skip
+def _keeps_boundary(
+    request: GenerationRequest, kept: list[CachedPrefix], full_chunk: int | None = None
+) -> Callable[..., None] | None:
     """What keeps a copy of the caches at the prompt's boundary (all but its last token) in `kept`, with the
     draft source's state there where the speculative lane hands one over; None for a one-token prompt, which
     has no such boundary."""
     if len(request.prompt_ids) < 2:
         return None
-    return lambda cache, draft=None: kept.append(CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache),
-                                                              draft=draft, full_chunk=full_chunk))  # fmt: skip
+    return lambda cache, draft=None: kept.append(
+        CachedPrefix(request.prompt_ids[:-1], copy.deepcopy(cache), draft=draft, full_chunk=full_chunk)
+    )
 
 
 class Gateway:
-    def __init__(self, model: nn.Module, config: GatewayConfig = GatewayConfig(),
-                 speculation: Optional[Speculation] = None):  # fmt: skip
+    def __init__(
+        self, model: nn.Module, config: GatewayConfig = GatewayConfig(), speculation: Speculation | None = None
+    ):
         self.model = model
         self.config = config
         self.speculation = speculation
@@ -138,10 +146,10 @@ class Gateway:
         self.layout = kv_layout(model, config.kv_quantization)
         continuous = config.batch > 1 and self.batchable and self._kv_batches
         # Quantized KV switching on past the first tokens (mlx-lm's quantized_kv_start) has no prompt cache.
-        self.prompt_cache: Optional[PromptCache] = None
+        self.prompt_cache: PromptCache | None = None
         if config.prompt_cache_bytes > 0 and self._kv_batches:
             self.prompt_cache = PromptCache(config.prompt_cache_bytes, full_chunk=self._full_chunk(continuous))
-        self.batcher: Optional[ContinuousBatcher] = None
+        self.batcher: ContinuousBatcher | None = None
         if continuous:
             self.batcher = ContinuousBatcher(
                 model,
@@ -164,7 +172,7 @@ class Gateway:
         kv = self.config.kv_quantization
         return kv is None or kv.start == 0
 
-    def _full_chunk(self, continuous: bool) -> Optional[int]:
+    def _full_chunk(self, continuous: bool) -> int | None:
         """With quantized KV, the first prefill chunk of a prompt alone on its lane (at most this long; the
         prompt cache's starts begin past it): the chunk, or the continuous lane's prefill budget if smaller
         (block snapshots never cut it). None without quantized KV."""
@@ -185,8 +193,11 @@ class Gateway:
             refusal = "quantized KV runs without speculation"
         if refusal is not None:
             return Placement(placement.lane, f"{refusal}; {placement.reason}")
-        return Placement(Lane.SPEC, f"speculative decoding ({spec.config.kind}, up to {spec.config.num_draft} "
-                                    f"drafts per round, {spec.config.policy}), alone on the device")  # fmt: skip
+        return Placement(
+            Lane.SPEC,
+            f"speculative decoding ({spec.config.kind}, up to {spec.config.num_draft} "
+            f"drafts per round, {spec.config.policy}), alone on the device",
+        )
 
     def _place_plain(self) -> Placement:
         if self.config.batch == 1:
@@ -286,7 +297,7 @@ class Gateway:
         fed: list[int] = []
         kept: list[CachedPrefix] = []
         snapshots: list[tuple[int, list]] = []
-        stats: Optional[SpecStats] = None
+        stats: SpecStats | None = None
         cache = None
         scorer = PromptScorer(request.prompt_ids, request.prompt_logprobs or 0)
         sink.on_start()
@@ -308,12 +319,16 @@ class Gateway:
             reason, error = FinishReason.ERROR, repr(e)
         self._cancelled.discard(request.request_id)
         if self.prompt_cache is not None and cache is not None:
-            kept.append(CachedPrefix(request.prompt_ids + tuple(fed), cache, tuple(snapshots),
-                                     full_chunk=self._serial_full_chunk(queued)))  # fmt: skip
+            kept.append(
+                CachedPrefix(
+                    request.prompt_ids + tuple(fed), cache, tuple(snapshots), full_chunk=self._serial_full_chunk(queued)
+                )
+            )
         n = len(request.prompt_ids)
         scored = scorer.result() if request.prompt_logprobs is not None and reason is not FinishReason.ERROR else ()
-        sink.on_end(RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats,
-                                  scored))  # fmt: skip
+        sink.on_end(
+            RequestResult(request.request_id, queued.lane, reason, n, generated, error, tuple(kept), stats, scored)
+        )
 
     def _spec_tokens(self, queued: _Queued, stats: SpecStats, kept: list[CachedPrefix]):
         """Speculative generation, the target (and the MTP head) starting from the request's cached prefix if it
@@ -321,12 +336,18 @@ class Gateway:
         state there (the caches after the rounds hold what the rollback left, so only the prompt is stored)."""
         request, prefix = queued.request, queued.prefix
         on_prompt = _keeps_boundary(request, kept) if self.prompt_cache is not None else None
-        return self.speculation.generate(request.prompt_ids, request.sampling, request.stop, stats,
-                                         cache=prefix.cache if prefix else None,
-                                         cached_tokens=len(prefix.tokens) if prefix else 0, on_prompt=on_prompt,
-                                         source_state=prefix.draft if prefix else None)  # fmt: skip
+        return self.speculation.generate(
+            request.prompt_ids,
+            request.sampling,
+            request.stop,
+            stats,
+            cache=prefix.cache if prefix else None,
+            cached_tokens=len(prefix.tokens) if prefix else 0,
+            on_prompt=on_prompt,
+            source_state=prefix.draft if prefix else None,
+        )
 
-    def _serial_full_chunk(self, queued: _Queued) -> Optional[int]:
+    def _serial_full_chunk(self, queued: _Queued) -> int | None:
         """With quantized KV, the first chunk this request's caches were made with: its prefix's, or its own
         first prefill chunk."""
         if queued.prefix is not None:
@@ -334,8 +355,14 @@ class Gateway:
         full = self.prompt_cache.full_chunk if self.prompt_cache is not None else None
         return None if full is None else min(full, len(queued.request.prompt_ids) - 1)
 
-    def _plain_tokens(self, queued: _Queued, fed: list[int], kept: list[CachedPrefix],
-                      snapshots: list[tuple[int, list]], scorer: PromptScorer):  # fmt: skip
+    def _plain_tokens(
+        self,
+        queued: _Queued,
+        fed: list[int],
+        kept: list[CachedPrefix],
+        snapshots: list[tuple[int, list]],
+        scorer: PromptScorer,
+    ):
         """The strict B=1 generation, starting from the request's cached prefix if it has one (`scorer` fed
         the prefill's logits where the request scores its prompt)."""
         request, prefix = queued.request, queued.prefix

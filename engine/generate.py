@@ -10,16 +10,17 @@ previous step's token is read back, so the device never waits on the host.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
 from engine.kernels.kernel_cache import settle as settle_kernels
-from engine.sampling import Sampler, emitted_token, make_processors
 from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.sampling import Sampler, emitted_token, make_processors
 from engine.stopping import FinishTracker
 
 T = TypeVar("T")
@@ -66,10 +67,10 @@ def prefill(
     cache: list,
     prompt: mx.array,
     step_size: int = DEFAULT_PREFILL_STEP,
-    on_progress: Optional[Callable[[int, int], None]] = None,
-    kv_quantization: Optional[KVQuantization] = None,
-    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
-    blocks: Optional["BlockSnapshots"] = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    kv_quantization: KVQuantization | None = None,
+    on_hidden: Callable[[mx.array, int], None] | None = None,
+    blocks: BlockSnapshots | None = None,
 ) -> mx.array:
     """Run all but the last prompt token through the model in chunks; return the rest.
 
@@ -118,7 +119,7 @@ class BlockSnapshots:
 class _Decoder:
     """Builds one forward + sampling graph per step; keeps the token history for processors."""
 
-    def __init__(self, model, cache, params: SamplingParams, tap, kv_quantization: Optional[KVQuantization]):
+    def __init__(self, model, cache, params: SamplingParams, tap, kv_quantization: KVQuantization | None):
         self.model = model
         self.cache = cache
         self.params = params
@@ -126,7 +127,7 @@ class _Decoder:
         self.sampler = Sampler(params)
         self.processors = make_processors(params)
         self.tap = tap
-        self.history: Optional[mx.array] = None
+        self.history: mx.array | None = None
 
     def step(self, tokens: mx.array) -> _Step:
         hidden = self.model.hidden(tokens[None], self.cache)
@@ -150,13 +151,13 @@ def decode_steps(
     params: SamplingParams,
     max_steps: int,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    tap: Optional[Callable[[StepTap], None]] = None,
-    on_prefill: Optional[Callable[[int, int], None]] = None,
-    kv_quantization: Optional[KVQuantization] = None,
+    tap: Callable[[StepTap], None] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
+    kv_quantization: KVQuantization | None = None,
     cached_tokens: int = 0,
-    on_prompt: Optional[Callable[[list], None]] = None,
-    blocks: Optional[BlockSnapshots] = None,
-    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
+    on_prompt: Callable[[list], None] | None = None,
+    blocks: BlockSnapshots | None = None,
+    on_hidden: Callable[[mx.array, int], None] | None = None,
 ) -> Iterator[_Step]:
     """Yield up to `max_steps` sampled steps (the caller may stop earlier).
 
@@ -174,8 +175,9 @@ def decode_steps(
         decoder.history = prompt[:-1] if prompt.size > 1 else None
     if blocks is not None:
         blocks = dataclasses.replace(blocks, start=cached_tokens)
-    tail = prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization,
-                   on_hidden, blocks)  # fmt: skip
+    tail = prefill(
+        model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, kv_quantization, on_hidden, blocks
+    )
     if on_prompt is not None:
         on_prompt(cache)
 
@@ -208,16 +210,16 @@ def generate(
     *,
     sampling: SamplingParams = SamplingParams(),
     stop: StopCriteria = StopCriteria(),
-    cache: Optional[list] = None,
+    cache: list | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    tap: Optional[Callable[[StepTap], None]] = None,
-    on_prefill: Optional[Callable[[int, int], None]] = None,
-    kv_quantization: Optional[KVQuantization] = None,
+    tap: Callable[[StepTap], None] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
+    kv_quantization: KVQuantization | None = None,
     cached_tokens: int = 0,
-    fed: Optional[list[int]] = None,
-    on_prompt: Optional[Callable[[list], None]] = None,
-    blocks: Optional[BlockSnapshots] = None,
-    on_hidden: Optional[Callable[[mx.array, int], None]] = None,
+    fed: list[int] | None = None,
+    on_prompt: Callable[[list], None] | None = None,
+    blocks: BlockSnapshots | None = None,
+    on_hidden: Callable[[mx.array, int], None] | None = None,
 ) -> Iterator[GeneratedToken]:
     """Generate tokens for one prompt. The last token carries the finish reason.
 
@@ -232,8 +234,19 @@ def generate(
     cache = model.make_cache() if cache is None else cache
     tracker = FinishTracker(stop)
     steps = decode_steps(
-        model, mx.array(list(prompt_ids)), cache, sampling, stop.max_tokens,
-        prefill_step_size, tap, on_prefill, kv_quantization, cached_tokens, on_prompt, blocks, on_hidden,
+        model,
+        mx.array(list(prompt_ids)),
+        cache,
+        sampling,
+        stop.max_tokens,
+        prefill_step_size,
+        tap,
+        on_prefill,
+        kv_quantization,
+        cached_tokens,
+        on_prompt,
+        blocks,
+        on_hidden,
     )
     for n, step in enumerate(steps):
         token_id = step.token.item()

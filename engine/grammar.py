@@ -12,8 +12,9 @@ refuses processors.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +36,7 @@ class Constraint:
     tokenizer: Any  # llguidance.LLTokenizer
     vocab_size: int  # the logits' width (the model's embedding rows)
 
-    def processor(self) -> "_Matcher":
+    def processor(self) -> _Matcher:
         import llguidance
 
         return _Matcher(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0), self.vocab_size)
@@ -48,7 +49,7 @@ class _Matcher:
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
-        self.seen: Optional[int] = None  # history length at the last call: the prompt at the first
+        self.seen: int | None = None  # history length at the last call: the prompt at the first
 
     def advance(self, history: mx.array) -> None:
         """Feed the tokens the row was fed since the last call (its own, sampled under the mask)."""
@@ -58,7 +59,7 @@ class _Matcher:
         self.seen = history.size
 
     @property
-    def error(self) -> Optional[str]:
+    def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
@@ -127,8 +128,9 @@ class Grammars:
         valid under its parameters; with `several`, one or more blocks, the reply free to end after each."""
         return self._lark(f"start: {_calls(several)}\n{_call_rule(tools)}")
 
-    def call_or_json(self, tools: Sequence[dict[str, Any]], schema: dict[str, Any],
-                     several: bool = False) -> Constraint:  # fmt: skip
+    def call_or_json(
+        self, tools: Sequence[dict[str, Any]], schema: dict[str, Any], several: bool = False
+    ) -> Constraint:
         """Output that is either the calls of `tool_calls` or one JSON value valid under `schema`: a reply under
         response_format where tools are offered and not forced."""
         options = {**_JSON_OPTIONS, **(schema.get("x-guidance") or {})}
@@ -149,10 +151,18 @@ def _calls(several: bool) -> str:
 
 def _call_rule(tools: Sequence[dict[str, Any]]) -> str:
     """The lark rule of one `<tool_call>` JSON block calling one of `tools`."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get("parameters") or {"type": "object"}}}
-             for t in tools]  # fmt: skip
+    calls = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+        }
+        for t in tools
+    ]
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     schema = {**schema, "x-guidance": _JSON_OPTIONS}
     return f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n'

@@ -7,16 +7,14 @@ mlx-lm passes it, the same boolean mask otherwise.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 
 def causal_mask(
     n: int,
     offset: int = 0,
-    window_size: Optional[int] = None,
-    left_padding: Optional[mx.array] = None,
+    window_size: int | None = None,
+    left_padding: mx.array | None = None,
 ) -> mx.array:
     """Boolean mask [n, offset + n] (or [B, 1, n, offset + n] with left padding)."""
     cols = mx.arange(offset + n)
@@ -30,7 +28,7 @@ def causal_mask(
     return mask
 
 
-def attention_mask(h: mx.array, cache=None, window_size: Optional[int] = None):
+def attention_mask(h: mx.array, cache=None, window_size: int | None = None):
     """The mask for a forward of h.shape[1] tokens: None, "causal" or an array."""
     n = h.shape[1]
     if cache is not None and hasattr(cache, "make_mask"):

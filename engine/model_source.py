@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from engine.errors import ModelSourceError
 from engine.registry import get_spec
@@ -12,10 +11,10 @@ from engine.synth.artifact import Progress
 
 
 def resolve_model_dir(
-    model: Optional[str] = None,
-    model_path: Optional[str | Path] = None,
+    model: str | None = None,
+    model_path: str | Path | None = None,
     seed: int = 0,
-    progress: Optional[Progress] = None,
+    progress: Progress | None = None,
 ) -> Path:
     """The model directory for `--model NAME` or `--model-path DIR` (exactly one)."""
     if (model is None) == (model_path is None):

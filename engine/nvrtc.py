@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 # What NVRTC reads for MLX's device header: the toolkit headers it includes; the engine's kernels use
 # nothing of MLX's own.
@@ -33,9 +33,10 @@ class Nvrtc:
         self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.sass = major.value > 11 or (major.value == 11 and minor.value >= 8)  # MLX's compiler_supports_device_sass
         cc = f"{arch[0]}{arch[1]}{'a' if arch[0] >= 9 else ''}"
-        self.options = [b"--device-as-default-execution-space",
-                        f"--gpu-architecture={'sm' if self.sass else 'compute'}_{cc}".encode()] + [
-                        f"--include-path={d}".encode() for d in include_dirs]  # fmt: skip
+        self.options = [
+            b"--device-as-default-execution-space",
+            f"--gpu-architecture={'sm' if self.sass else 'compute'}_{cc}".encode(),
+        ] + [f"--include-path={d}".encode() for d in include_dirs]
 
     def _check(self, result: int, what: str) -> None:
         if result != 0:
@@ -47,8 +48,10 @@ class Nvrtc:
         lib, prog = self.lib, ctypes.c_void_p()
         names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
         headers = (ctypes.c_char_p * 1)(UTILS_HEADER.encode())
-        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 1, headers, names),
-                    "nvrtcCreateProgram")  # fmt: skip
+        self._check(
+            lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 1, headers, names),
+            "nvrtcCreateProgram",
+        )
         try:
             self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "nvrtcAddNameExpression")
             opts = (ctypes.c_char_p * len(self.options))(*self.options)
@@ -61,7 +64,9 @@ class Nvrtc:
             mangled = ctypes.c_char_p()
             self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(mangled)), "nvrtcGetLoweredName")
             size = ctypes.c_size_t()
-            get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if self.sass else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+            get_size, get = (
+                (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if self.sass else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+            )
             self._check(get_size(prog, ctypes.byref(size)), "size")
             code = ctypes.create_string_buffer(size.value)
             self._check(get(prog, code), "code")
@@ -113,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         major, minor = (int(v) for v in args.arch.split("."))
         code, mangled = Nvrtc([Path(d) for d in args.include], (major, minor), args.library).compile(
-            sys.stdin.buffer.read().decode(), args.kernel)
+            sys.stdin.buffer.read().decode(), args.kernel
+        )
     except (OSError, RuntimeError, ValueError) as e:
         print(e, file=sys.stderr)
         return 1

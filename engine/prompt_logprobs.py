@@ -9,8 +9,8 @@ its prompt starts cold, never from the prompt cache, since cached positions have
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import mlx.core as mx
 
@@ -46,7 +46,9 @@ class PromptScorer:
             ids = mx.argpartition(-lp, kth=self.top - 1, axis=-1)[:, : self.top]
             values = mx.take_along_axis(lp, ids, axis=-1)
         mx.eval(*(a for a in (chosen, ids, values) if a is not None))
-        self._read.append((targets, chosen.tolist(), ids.tolist() if self.top else [], values.tolist() if self.top else []))
+        self._read.append(
+            (targets, chosen.tolist(), ids.tolist() if self.top else [], values.tolist() if self.top else [])
+        )
         self.done += n
 
     def result(self) -> tuple[GeneratedToken, ...]:

@@ -286,26 +286,51 @@ _BASES.update(
     {
         "trained-qwen35": _Base(
             "trained",
-            Geometry(model_type="qwen3_5", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
-                     num_key_value_heads=2, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                     linear_value_head_dim=64, mtp_num_hidden_layers=1, **_TRAINED),  # fmt: skip
+            Geometry(
+                model_type="qwen3_5",
+                hidden_size=256,
+                num_hidden_layers=8,
+                intermediate_size=512,
+                num_key_value_heads=2,
+                rope_theta=10_000_000.0,
+                partial_rotary_factor=0.25,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+                mtp_num_hidden_layers=1,
+                **_TRAINED,
+            ),
             "trained hybrid Gated DeltaNet + gated attention, 8 layers, MTP head (target)",
             "bf16",
             _TRAINED_VARIANTS,
         ),
         "trained-qwen3": _Base(
             "trained",
-            Geometry(model_type="qwen3", hidden_size=256, num_hidden_layers=6, intermediate_size=512,
-                     num_key_value_heads=2, tie_word_embeddings=True, **_TRAINED),  # fmt: skip
+            Geometry(
+                model_type="qwen3",
+                hidden_size=256,
+                num_hidden_layers=6,
+                intermediate_size=512,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                **_TRAINED,
+            ),
             "trained dense qwen3, 6 layers (target)",
             "bf16",
             _TRAINED_VARIANTS,
         ),
         "trained-qwen3-draft": _Base(
             "trained",
-            Geometry(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=384,
-                     num_key_value_heads=2, tie_word_embeddings=True, **_TRAINED),  # fmt: skip
+            Geometry(
+                model_type="qwen3",
+                hidden_size=128,
+                num_hidden_layers=2,
+                intermediate_size=384,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                **_TRAINED,
+            ),
             "trained dense qwen3, 2 layers: the draft of both targets",
             "bf16",
             _TRAINED_VARIANTS,
@@ -317,10 +342,14 @@ _BASES.update(
     {
         "tiny-qwen3-draft": _early_exit("tiny-qwen3", 1, "early-exit draft of tiny-qwen3: its first layer"),
         "tiny-qwen35-draft": _early_exit(
-            "tiny-qwen35", 2, "draft of tiny-qwen35: its first (DeltaNet) layer, then an attention layer of its own",
+            "tiny-qwen35",
+            2,
+            "draft of tiny-qwen35: its first (DeltaNet) layer, then an attention layer of its own",
             full_attention_interval=2,
         ),
-        "small-qwen35-draft": _early_exit("small-qwen35", 4, "early-exit draft of small-qwen35: its first 4 of 8 layers"),
+        "small-qwen35-draft": _early_exit(
+            "small-qwen35", 4, "early-exit draft of small-qwen35: its first 4 of 8 layers"
+        ),
     }
 )
 

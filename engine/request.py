@@ -5,9 +5,10 @@ ended. No MLX here: the scheduler, the gateway and the server use these without 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidSamplingError
 
@@ -23,16 +24,16 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     min_tokens_to_keep: int = 1
-    repetition_penalty: Optional[float] = None
+    repetition_penalty: float | None = None
     repetition_context_size: int = 20
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     penalty_context_size: int = 20
     logit_bias: Mapping[int, float] = field(default_factory=dict)
-    seed: Optional[int] = None
+    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    constraint: Optional["Constraint"] = None  # a grammar the output must follow (engine.grammar)
+    constraint: Constraint | None = None  # a grammar the output must follow (engine.grammar)
     min_tokens: int = 0  # none of `end_ids` before this many tokens (vLLM's min_tokens)
     end_ids: frozenset[int] = frozenset()  # the tokens that would end the output: EOS, stop token ids
 
@@ -42,8 +43,14 @@ class SamplingParams:
 
     @property
     def has_processors(self) -> bool:
-        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty
-                    or self.constraint or self.min_tokens)  # fmt: skip
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.constraint
+            or self.min_tokens
+        )
 
     @property
     def wants_logprobs(self) -> bool:
@@ -102,14 +109,14 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class GeneratedToken:
     token_id: int
-    logprob: Optional[float] = None
-    top_logprobs: Optional[tuple[TokenLogprob, ...]] = None
-    finish_reason: Optional[FinishReason] = None
+    logprob: float | None = None
+    top_logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
     # True for the EOS token or the last token of a stop sequence: it ends the
     # generation and its text is not part of the output.
     is_stop: bool = False
 
-    def finished(self, reason: FinishReason, is_stop: bool = False) -> "GeneratedToken":
+    def finished(self, reason: FinishReason, is_stop: bool = False) -> GeneratedToken:
         return GeneratedToken(self.token_id, self.logprob, self.top_logprobs, reason, is_stop)
 
 
@@ -120,7 +127,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: StopCriteria = StopCriteria()
     # score the prompt (engine.prompt_logprobs), each token with this many alternatives; None: not scored
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -146,7 +153,7 @@ class CachedPrefix:
     cache: list
     snapshots: tuple[tuple[int, list], ...] = ()
     draft: Any = None
-    full_chunk: Optional[int] = None
+    full_chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,10 +165,10 @@ class RequestResult:
     finish_reason: FinishReason
     prompt_tokens: int
     generated_tokens: int
-    error: Optional[str] = None
+    error: str | None = None
     # For the prompt cache (empty when caches are not kept): the caches of the
     # prompt and the generated tokens that went through the model, and for
     # models whose caches cannot rewind also those at the prompt's boundary.
     caches: tuple[CachedPrefix, ...] = ()
-    spec: Optional[SpecStats] = None  # on the spec lane: what speculation did
+    spec: SpecStats | None = None  # on the spec lane: what speculation did
     prompt_logprobs: tuple[GeneratedToken, ...] = ()  # prompt tokens 1.. scored, where the request asked

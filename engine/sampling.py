@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Protocol
 
 from engine.request import GeneratedToken, RequestResult
 
@@ -14,7 +14,7 @@ class TokenSink(Protocol):
     def on_start(self) -> None:
         """The request left the queue: its prompt is going through the model now."""
 
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+    def on_token(self, token: GeneratedToken) -> bool | None:
         """Receive one token; return False when the consumer is gone (the row is then dropped)."""
 
     def on_end(self, result: RequestResult) -> None:
@@ -30,7 +30,7 @@ class ForwardingSink:
     def on_start(self) -> None:
         self.inner.on_start()
 
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+    def on_token(self, token: GeneratedToken) -> bool | None:
         return self.inner.on_token(token)
 
     def on_end(self, result: RequestResult) -> None:
@@ -42,13 +42,13 @@ class CollectingSink:
     """A TokenSink that keeps everything (tests, benchmarks, the CLI)."""
 
     tokens: list = field(default_factory=list)
-    result: Optional[RequestResult] = None
+    result: RequestResult | None = None
     started: bool = False
 
     def on_start(self) -> None:
         self.started = True
 
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+    def on_token(self, token: GeneratedToken) -> bool | None:
         self.tokens.append(token)
         return True
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 
 class Tokenizer:
@@ -50,7 +51,7 @@ class Tokenizer:
         return self._hf
 
     @property
-    def chat_template(self) -> Optional[str]:
+    def chat_template(self) -> str | None:
         """The template `apply_chat_template` renders (a model's own, or one set with `use_chat_template`)."""
         template = self._hf.chat_template
         return template if isinstance(template, str) or template is None else str(template)
@@ -65,13 +66,22 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict[str, Any]]] = None,
-                            template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:  # fmt: skip
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """The chat's token ids; `tools` (OpenAI function entries) go to the template, which may render them, and
         `template_kwargs` as more variables (`enable_thinking`, ...)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            tools=tools, **(template_kwargs or {}))  # fmt: skip
+        text = self._hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **(template_kwargs or {}),
+        )
         return self.encode(text, add_special_tokens=False)

@@ -1,3 +1,5 @@
-from harness.cli import main
 import sys
+
+from harness.cli import main
+
 sys.exit(main())

@@ -14,7 +14,6 @@ states the rules):
 from __future__ import annotations
 
 import statistics
-from typing import Optional
 
 from harness.records import MEASURED, RECOVERED
 from harness.summary import ok_requests
@@ -42,7 +41,7 @@ def cacheable_tokens(phase: str, index: int, requests: list[dict], load: dict) -
     return 0
 
 
-def unexplained_cache(cell: dict, load: dict) -> Optional[str]:
+def unexplained_cache(cell: dict, load: dict) -> str | None:
     """Why the cell's cached tokens are more than its workload explains (`cacheable_tokens` and
     SHARED_OPENING_TOKENS), or None."""
     if cell["phase"] in UNTIMED:
@@ -54,12 +53,14 @@ def unexplained_cache(cell: dict, load: dict) -> Optional[str]:
         return None
     i, r, most = over[0]
     prompt = r.get("prompt_tokens") or r["prompt_tokens_sent"]
-    return (f"cached tokens the workload does not explain: {len(over)} of {len(reqs)} requests (request {i}: "
-            f"{r['cached_tokens']} of {prompt} prompt tokens cached, at most {most} expected; a cache an earlier "
-            "run filled?)")  # fmt: skip
+    return (
+        f"cached tokens the workload does not explain: {len(over)} of {len(reqs)} requests (request {i}: "
+        f"{r['cached_tokens']} of {prompt} prompt tokens cached, at most {most} expected; a cache an earlier "
+        "run filled?)"
+    )
 
 
-def stall(cell: dict) -> Optional[str]:
+def stall(cell: dict) -> str | None:
     """'stall: ...' when the cell's largest gap between two tokens passes STALL_MIN_MS and STALL_X_MEDIAN times
     its median gap, or None."""
     gaps = [g for r in ok_requests(cell) for g in r.get("itl_ms") or ()]
@@ -82,5 +83,10 @@ def cell_flags(cell: dict, load: dict) -> list[str]:
 def flagged_lines(run: dict) -> list[str]:
     """'model / arm / phase: flag' for every flag of every measured cell of the run."""
     load = (run.get("settings") or {}).get("workload") or {}
-    return [f"{m['model']} / {a['arm']} / {c['phase']}: {why}" for m in run.get("models", []) for a in m["arms"]
-            for c in a["cells"] for why in cell_flags(c, load)]  # fmt: skip
+    return [
+        f"{m['model']} / {a['arm']} / {c['phase']}: {why}"
+        for m in run.get("models", [])
+        for a in m["arms"]
+        for c in a["cells"]
+        for why in cell_flags(c, load)
+    ]

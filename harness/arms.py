@@ -22,9 +22,9 @@ from __future__ import annotations
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from engine.kernels import EXACT, FAST
 from harness.servers import engine_serve_command
@@ -38,10 +38,10 @@ class ArmSpec:
     command: Command  # (model directory, port) -> argv
     extra_body: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
-    probe: Optional[dict] = None  # a completion that must succeed before the arm counts as ready
+    probe: dict | None = None  # a completion that must succeed before the arm counts as ready
     returns_token_ids: bool = False
     is_engine: bool = False  # an `engine serve` arm: its /stats says which kernel tier runs
-    url: Optional[str] = None  # a server the harness did not start (`external_arm`): no command to run
+    url: str | None = None  # a server the harness did not start (`external_arm`): no command to run
 
 
 def _hf_env() -> dict[str, str]:
@@ -63,10 +63,23 @@ def standard_arms() -> dict[str, ArmSpec]:
         "engine": _engine_arm("engine"),
         "engine-serial": _engine_arm("engine-serial", "--batch", "1"),
         **{f"engine-{tier}": _engine_arm(f"engine-{tier}", "--kernels", tier) for tier in (EXACT, FAST)},
-        "mlx-lm": ArmSpec("mlx-lm", lambda d, p: [sys.executable, "-m", "oracles.mlx_lm_server", "--model", str(d),
-                                                  "--host", "127.0.0.1", "--port", str(p)],
-                          env=_hf_env(), probe={"prompt": [5, 6, 7], "max_tokens": 1}),
-    }  # fmt: skip
+        "mlx-lm": ArmSpec(
+            "mlx-lm",
+            lambda d, p: [
+                sys.executable,
+                "-m",
+                "oracles.mlx_lm_server",
+                "--model",
+                str(d),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+            ],
+            env=_hf_env(),
+            probe={"prompt": [5, 6, 7], "max_tokens": 1},
+        ),
+    }
 
 
 def with_options(arm: ArmSpec, options: list[str]) -> ArmSpec:
@@ -100,8 +113,12 @@ def external_arm(item: str) -> ArmSpec:
     return ArmSpec(name, lambda d, p, url=url: ["(external)", url], url=url)
 
 
-def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
-                 options: Optional[dict[str, list[str]]] = None, external: Sequence[ArmSpec] = ()) -> list[ArmSpec]:  # fmt: skip
+def resolve_arms(
+    names: list[str],
+    known: dict[str, ArmSpec] | None = None,
+    options: dict[str, list[str]] | None = None,
+    external: Sequence[ArmSpec] = (),
+) -> list[ArmSpec]:
     """The arms by name, each with its server `options` (`parse_arm_options`) appended, then the `external` ones
     that `names` does not place (a name an external arm has stands for it: `--arms ext --arm ext=URL`, or no names
     and only external arms); an `engine-NAME` arm that is not a standard one is the engine arm with its options (a
@@ -113,14 +130,17 @@ def resolve_arms(names: list[str], known: Optional[dict[str, ArmSpec]] = None,
             known[n] = _engine_arm(n)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(known)} (an engine variant "
-                         "engine-NAME needs --arm-args 'engine-NAME=OPTIONS'; another server, --arm NAME=URL)")  # fmt: skip
+        raise ValueError(
+            f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(known)} (an engine variant "
+            "engine-NAME needs --arm-args 'engine-NAME=OPTIONS'; another server, --arm NAME=URL)"
+        )
     idle = [n for n in options if n not in names]
     if idle:
         raise ValueError(f"--arm-args for {', '.join(idle)}, which this run does not run (--arms {','.join(names)})")
     started_elsewhere = [a.name for a in external if a.name in options]
     if started_elsewhere:
-        raise ValueError(f"--arm-args for {', '.join(started_elsewhere)}: a server the harness did not start takes "
-                         "no server options")
+        raise ValueError(
+            f"--arm-args for {', '.join(started_elsewhere)}: a server the harness did not start takes no server options"
+        )
     arms = [with_options(known[n], options[n]) if n in options else known[n] for n in names]
     return arms + [a for a in external if a.name not in names]

@@ -19,7 +19,7 @@ when the server was not saturated.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,7 +57,7 @@ def sweep_rates(start: float = SWEEP_START) -> list[float]:
     return [start * 2**i for i in range(SWEEP_CELLS)]
 
 
-def saturated(throughputs: Sequence[Optional[float]], ttfts: Sequence[Optional[float]]) -> bool:
+def saturated(throughputs: Sequence[float | None], ttfts: Sequence[float | None]) -> bool:
     """Whether the last cell of a sweep (each cell's output tok/s and median TTFT ms, in rate order) shows the
     server saturated: throughput gained under SATURATION_GAIN on the cell before while TTFT passed
     SATURATION_TTFT times the first cell's."""
@@ -76,7 +76,7 @@ def rate_of_phase(phase: str) -> float:
     return float(phase.split("-", 1)[1])
 
 
-def is_burst(sent_at: Sequence[float], median_e2el_ms: Optional[float]) -> bool:
+def is_burst(sent_at: Sequence[float], median_e2el_ms: float | None) -> bool:
     """Whether a rate cell's arrivals (wall-clock send times, s) spanned less than its requests' median E2EL: the
     server then saw one burst of the cell's requests, whatever the offered rate."""
     if len(sent_at) < 2 or median_e2el_ms is None:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -70,7 +70,7 @@ class Comparison:
     unit: str
     ours: Series
     baselines: list[Series]
-    tokens_identical: Optional[bool] = None
+    tokens_identical: bool | None = None
 
     def ratio(self, baseline: Series) -> float:
         return self.ours.median / baseline.median
@@ -143,15 +143,19 @@ def _ours_concurrent(model, prompts, n, prefill_batch: int) -> Concurrent:
         b.submit(GenerationRequest(f"c{i}", tuple(p), stop=StopCriteria(max_tokens=n, ignore_eos=True)), s)
     b.run_until_idle()
     wall = time.perf_counter() - start
-    return Concurrent(sum(len(s.tokens) for s in sinks) / wall, [s.token_ids for s in sinks],
-                      full_batch_step_ms([s.stamps for s in sinks]))  # fmt: skip
+    return Concurrent(
+        sum(len(s.tokens) for s in sinks) / wall,
+        [s.token_ids for s in sinks],
+        full_batch_step_ms([s.stamps for s in sinks]),
+    )
 
 
 def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> Concurrent:
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=prefill_batch_size,
-                         completion_batch_size=max(32, len(prompts)))  # fmt: skip
+    gen = BatchGenerator(
+        model, max_tokens=n, prefill_batch_size=prefill_batch_size, completion_batch_size=max(32, len(prompts))
+    )
     start = time.perf_counter()
     uids = gen.insert([list(p) for p in prompts], max_tokens=[n] * len(prompts))
     out = {u: [] for u in uids}
@@ -164,8 +168,9 @@ def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> Concurrent:
             done += r.finish_reason is not None
     wall = time.perf_counter() - start
     gen.close()
-    return Concurrent(sum(len(v) for v in out.values()) / wall, [out[u] for u in uids],
-                      full_batch_step_ms([stamps[u] for u in uids]))  # fmt: skip
+    return Concurrent(
+        sum(len(v) for v in out.values()) / wall, [out[u] for u in uids], full_batch_step_ms([stamps[u] for u in uids])
+    )
 
 
 def _alternate(sides: dict[str, Callable[[], float]], samples: int, warmup: int) -> dict[str, Series]:
@@ -181,8 +186,12 @@ def _alternate(sides: dict[str, Callable[[], float]], samples: int, warmup: int)
     return series
 
 
-def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None] = lambda _: None,
-                    on_kernels: Callable[[KernelSet], None] = lambda _: None) -> list[Comparison]:  # fmt: skip
+def run_batch_bench(
+    path: Path,
+    cfg: BatchBenchConfig,
+    log: Callable[[str], None] = lambda _: None,
+    on_kernels: Callable[[KernelSet], None] = lambda _: None,
+) -> list[Comparison]:
     """The comparisons above on the artifact at `path`; `on_kernels` hears the tier the engine side runs."""
     ours, config = load_model(path)
     kernels = install(ours, KernelConfig.from_env(cfg.kernels), family=config.get("model_type"))
@@ -195,7 +204,8 @@ def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None
     log("lone request: continuous vs serial lane")
     s = _alternate(
         {"continuous": lambda: _lone_batched(ours, lone, n), "serial": lambda: _lone_serial(ours, lone, n)},
-        cfg.samples, cfg.warmup,
+        cfg.samples,
+        cfg.warmup,
     )
     out.append(Comparison("1 request, decode", "tok/s", s["continuous"], [s["serial"]]))
     one_row = Series("continuous, 1 row", [1e3 / v for v in s["continuous"].values])
@@ -220,7 +230,8 @@ def run_batch_bench(path: Path, cfg: BatchBenchConfig, log: Callable[[str], None
                 "engine": side("engine", lambda: _ours_concurrent(ours, prompts, n, p)),
                 "mlx-lm": side("mlx-lm", lambda: _mlx_lm_concurrent(theirs, prompts, n, p)),
             },
-            cfg.samples, cfg.warmup,
+            cfg.samples,
+            cfg.warmup,
         )
         identical = tokens["engine"] == tokens["mlx-lm"]
         out.append(Comparison(f"{c} concurrent, aggregate", "tok/s", s["engine"], [s["mlx-lm"]], identical))

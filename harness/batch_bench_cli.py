@@ -20,8 +20,11 @@ def add_batch_bench(sub) -> None:
     model_source(bb)
     measured_options(bb, prompt_tokens=128, decode_tokens=128, samples=3, unit="runs per side")
     bb.add_argument("--concurrency", type=csv_ints, default=[4, 8], help="concurrent requests (default 4,8)")
-    kernels_option(bb, "the engine side's kernel tier: exact (ids must match mlx-lm's), fast (CUDA kernels, equal "
-                    "to rounding; exact off CUDA, with the reason printed) or auto (default)")  # fmt: skip
+    kernels_option(
+        bb,
+        "the engine side's kernel tier: exact (ids must match mlx-lm's), fast (CUDA kernels, equal "
+        "to rounding; exact off CUDA, with the reason printed) or auto (default)",
+    )
     bb.set_defaults(func=cmd_batch_bench)
 
 
@@ -33,31 +36,52 @@ def cmd_batch_bench(args) -> int:
     from harness.batch_bench import BatchBenchConfig, run_batch_bench
     from harness.native import geomean
 
-    cfg = BatchBenchConfig(args.prompt_tokens, args.decode_tokens, tuple(args.concurrency), args.samples,
-                           args.warmup, args.seed, kernels=args.kernels)
+    cfg = BatchBenchConfig(
+        args.prompt_tokens,
+        args.decode_tokens,
+        tuple(args.concurrency),
+        args.samples,
+        args.warmup,
+        args.seed,
+        kernels=args.kernels,
+    )
     tiers = {}
 
     def on_kernels(ks, name):
         tiers[name] = ks.tier
         console.print(f"{name}: kernels {ks.tier}" + (f" ({kernels_notice(ks)})" if kernels_notice(ks) else ""))
+
     models = targets(args)
     records = []
     table = Table(title=f"scheduler overhead ({cfg.prompt_tokens} prompt, {cfg.decode_tokens} decode per request)")
     for col in ("model", "kernels", "measure", "engine", "baseline", "ratio", "paired", "tokens"):
         table.add_column(col)
     for name, path in models:
-        comps = run_batch_bench(path, cfg, log=lambda m, name=name: console.print(f"{name}: {m}"),
-                                on_kernels=lambda ks, name=name: on_kernels(ks, name))  # fmt: skip
+        comps = run_batch_bench(
+            path,
+            cfg,
+            log=lambda m, name=name: console.print(f"{name}: {m}"),
+            on_kernels=lambda ks, name=name: on_kernels(ks, name),
+        )
         for comp in comps:
             records.append({"model": name, "kernels": tiers[name], **comp.as_record()})
             for base in comp.baselines:
                 paired = comp.paired(base)
                 table.add_row(
-                    name, tiers[name], comp.label, f"{comp.ours.median:.1f} {comp.unit}",
-                    f"{base.name} {base.median:.1f}", f"{comp.ratio(base):.3f}",
+                    name,
+                    tiers[name],
+                    comp.label,
+                    f"{comp.ours.median:.1f} {comp.unit}",
+                    f"{base.name} {base.median:.1f}",
+                    f"{comp.ratio(base):.3f}",
                     f"{geomean(paired):.3f} \\[{min(paired):.2f}-{max(paired):.2f}]",
-                    "-" if comp.tokens_identical is None else "identical" if comp.tokens_identical
-                    else "[red]DIFFER[/]" if tiers[name] == EXACT else "differ (fast tier)",
+                    "-"
+                    if comp.tokens_identical is None
+                    else "identical"
+                    if comp.tokens_identical
+                    else "[red]DIFFER[/]"
+                    if tiers[name] == EXACT
+                    else "differ (fast tier)",
                 )
     out.print(table)
     if args.json:

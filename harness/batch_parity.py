@@ -13,9 +13,9 @@ so must the generated ids. Cases (each for every family):
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -24,9 +24,9 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
 from harness.parity import _max_diff, case_path, vocab_size
-from oracles.cases import frozen_prompt_ids
 from oracles import batch_reference
 from oracles.batch_reference import Arrival, BatchRun
+from oracles.cases import frozen_prompt_ids
 from oracles.reference import load_model as load_reference
 from oracles.reference import to_numpy
 
@@ -42,7 +42,7 @@ class BatchCase:
     max_rows: int = 8
     prefill_batch: int = 8  # prompts prefilled together (BatchGenerator's prefill_batch_size)
     seed: int = 0
-    model_path: Optional[str] = None
+    model_path: str | None = None
 
     @property
     def batch(self) -> int:
@@ -71,7 +71,7 @@ def scenario_cases(
 class BatchResult:
     case: BatchCase
     max_abs_diff: float
-    first_diff: Optional[str]  # "row r forward f"
+    first_diff: str | None  # "row r forward f"
     tokens_equal: bool
     forwards: int
     seconds: float
@@ -103,7 +103,9 @@ def engine_run(model, arrivals: Sequence[Arrival], max_rows: int, prefill_batch:
     while it == 0 or batcher.has_work or any(a.at >= it for a in arrivals):
         for i, a in enumerate(arrivals):
             if a.at == it:
-                req = GenerationRequest(str(i), a.prompt_ids, stop=StopCriteria(max_tokens=a.max_tokens, ignore_eos=True))
+                req = GenerationRequest(
+                    str(i), a.prompt_ids, stop=StopCriteria(max_tokens=a.max_tokens, ignore_eos=True)
+                )
                 batcher.submit(req, sinks[i])
         batcher.step()
         it += 1

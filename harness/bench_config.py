@@ -4,7 +4,6 @@ weights' rotation. Its own module, without MLX, so that the CLI takes its defaul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -20,4 +19,4 @@ class BenchConfig:
     peak_gbs: float = 4800.0  # H200 HBM3e
     cold_bytes: int = 256 << 20  # weights the GEMV calls rotate over (0: one copy, cache-warm)
     max_copies: int = 128
-    max_shapes: Optional[int] = None
+    max_shapes: int | None = None

@@ -1,24 +1,24 @@
 """`harness`: the benchmark and parity harness.
 
-    harness models list                      registry, geometry, size, cache state
-    harness models synth NAME [--seed S]     write a synthetic mlx-lm artifact
-    harness parity [--models ...]            live oracle gate against mlx-lm
-    harness native --models NAME             in-process speed: engine vs mlx-lm
-    harness server-overhead --models NAME    in-process vs through `engine serve`
-    harness startup --models NAME            load to ready, bursts after ready, lone vs serial, restart
-    harness kernels [--shapes qwen27b]       fast-tier kernels vs MLX's ops; --gate-model: numerics gate
-    harness quality --models NAME            held-out perplexity, KL vs reference: weight bits, KV bits, tiers
-    harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
-    harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
-    harness report A.json [B.json] --out compare.html   offline HTML comparison
-    harness db list | export RUN_ID          the run database
+harness models list                      registry, geometry, size, cache state
+harness models synth NAME [--seed S]     write a synthetic mlx-lm artifact
+harness parity [--models ...]            live oracle gate against mlx-lm
+harness native --models NAME             in-process speed: engine vs mlx-lm
+harness server-overhead --models NAME    in-process vs through `engine serve`
+harness startup --models NAME            load to ready, bursts after ready, lone vs serial, restart
+harness kernels [--shapes qwen27b]       fast-tier kernels vs MLX's ops; --gate-model: numerics gate
+harness quality --models NAME            held-out perplexity, KL vs reference: weight bits, KV bits, tiers
+harness run all [--models ...]           the benchmark: real servers, frozen workloads, JSON + SQLite
+harness trials --arms A,B --seeds 5      paired blocks for A-vs-B claims
+harness report A.json [B.json] --out compare.html   offline HTML comparison
+harness db list | export RUN_ID          the run database
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from engine.errors import USER_ERRORS
 from harness import (
@@ -34,7 +34,7 @@ from harness import (
     spec_cli,
     startup_cli,
     workloads_cli,
-)  # fmt: skip
+)
 from harness.cli_common import CliError, console
 
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

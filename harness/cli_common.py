@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 
@@ -72,7 +72,9 @@ def positive(value: str) -> int:
 def at_least_two(value: str) -> int:
     n = int(value)
     if n < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (a decode rate needs a gap between two tokens), got {value}")
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 2 (a decode rate needs a gap between two tokens), got {value}"
+        )
     return n
 
 
@@ -85,6 +87,7 @@ def non_negative(value: str) -> int:
 
 def float_type(ok, expected: str):
     """An argparse type: a float for which `ok` holds; otherwise the error says it expected `expected`."""
+
     def parse(value: str) -> float:
         try:
             x = float(value)
@@ -118,15 +121,30 @@ def targets(args) -> list:
     return [(name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models]
 
 
-def measured_options(parser: argparse.ArgumentParser, *, prompt_tokens: int, decode_tokens: int, samples: int,
-                     unit: str, decode_type=positive) -> None:  # fmt: skip
+def measured_options(
+    parser: argparse.ArgumentParser,
+    *,
+    prompt_tokens: int,
+    decode_tokens: int,
+    samples: int,
+    unit: str,
+    decode_type=positive,
+) -> None:
     """The options of an in-process measurement: prompt and output length, measured and warmup `unit`s
     (requests per side, rounds, ...), the artifact and prompt seed, a JSON copy of the results."""
     least = ", at least 2" if decode_type is at_least_two else ""
-    parser.add_argument("--prompt-tokens", type=positive, default=prompt_tokens,
-                        help=f"prompt length per request (default {prompt_tokens})")
-    parser.add_argument("--decode-tokens", type=decode_type, default=decode_tokens,
-                        help=f"tokens generated per request{least} (default {decode_tokens})")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive,
+        default=prompt_tokens,
+        help=f"prompt length per request (default {prompt_tokens})",
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=decode_type,
+        default=decode_tokens,
+        help=f"tokens generated per request{least} (default {decode_tokens})",
+    )
     parser.add_argument("--samples", type=positive, default=samples, help=f"measured {unit} (default {samples})")
     parser.add_argument("--warmup", type=int, default=1, help=f"warmup {unit} (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")

@@ -22,7 +22,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -53,23 +53,23 @@ class RequestRecord:
     index: int
     prompt_tokens_sent: int
     ok: bool = False
-    error: Optional[str] = None
-    timeout_kind: Optional[str] = None  # STALLED | TIMED_OUT when a limit ended the request
-    status_code: Optional[int] = None
+    error: str | None = None
+    timeout_kind: str | None = None  # STALLED | TIMED_OUT when a limit ended the request
+    status_code: int | None = None
     sent_at: float = 0.0  # wall clock (time.time()) when sent
-    headers_ms: Optional[float] = None
-    first_byte_ms: Optional[float] = None
-    ttft_ms: Optional[float] = None
-    e2el_ms: Optional[float] = None
+    headers_ms: float | None = None
+    first_byte_ms: float | None = None
+    ttft_ms: float | None = None
+    e2el_ms: float | None = None
     event_ms: list[float] = field(default_factory=list)  # content event arrivals
-    output_tokens: Optional[int] = None  # usage.completion_tokens
-    prompt_tokens: Optional[int] = None  # usage.prompt_tokens
-    cached_tokens: Optional[int] = None
-    finish_reason: Optional[str] = None
+    output_tokens: int | None = None  # usage.completion_tokens
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
     text: str = ""
-    token_ids: Optional[list[int]] = None  # when the server returns them
-    usage: Optional[dict[str, Any]] = None
-    prompt_sha256: Optional[str] = None  # of the prompt sent (`prompt_sha256`): the same request on every arm
+    token_ids: list[int] | None = None  # when the server returns them
+    usage: dict[str, Any] | None = None
+    prompt_sha256: str | None = None  # of the prompt sent (`prompt_sha256`): the same request on every arm
 
     @property
     def output_sha256(self) -> str:
@@ -82,7 +82,7 @@ class RequestRecord:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
     @property
-    def tpot_ms(self) -> Optional[float]:
+    def tpot_ms(self) -> float | None:
         if not self.ok or not self.output_tokens or self.output_tokens < 2:
             return None
         return (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
@@ -92,13 +92,13 @@ class RequestRecord:
         return [b - a for a, b in zip(self.event_ms, self.event_ms[1:])]
 
     @property
-    def decode_tps(self) -> Optional[float]:
+    def decode_tps(self) -> float | None:
         """Output tokens after the first, per second after the first content event."""
         tpot = self.tpot_ms
         return None if not tpot else 1000.0 / tpot
 
 
-def _content(event: dict) -> tuple[str, Optional[list[int]], Optional[str]]:
+def _content(event: dict) -> tuple[str, list[int] | None, str | None]:
     choice = event["choices"][0]
     text = choice.get("text")
     if text is None:
@@ -106,8 +106,9 @@ def _content(event: dict) -> tuple[str, Optional[list[int]], Optional[str]]:
     return text, choice.get("token_ids"), choice.get("finish_reason")
 
 
-def stream_completion(client: httpx.Client, body: dict[str, Any], record: RequestRecord,
-                      timeouts: Timeouts = Timeouts()) -> RequestRecord:  # fmt: skip
+def stream_completion(
+    client: httpx.Client, body: dict[str, Any], record: RequestRecord, timeouts: Timeouts = Timeouts()
+) -> RequestRecord:
     """POST /v1/completions (/v1/chat/completions for a body with messages) with stream: true and fill `record`;
     never raises for a bad response or a limit."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -168,8 +169,16 @@ def stream_completion(client: httpx.Client, body: dict[str, Any], record: Reques
     record.output_tokens = usage.get("completion_tokens")
     record.prompt_tokens = usage.get("prompt_tokens")
     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    missing = [n for n, v in (("[DONE]", done), ("finish_reason", record.finish_reason), ("usage", record.usage),
-                              ("a content event", record.ttft_ms is not None)) if not v]  # fmt: skip
+    missing = [
+        n
+        for n, v in (
+            ("[DONE]", done),
+            ("finish_reason", record.finish_reason),
+            ("usage", record.usage),
+            ("a content event", record.ttft_ms is not None),
+        )
+        if not v
+    ]
     if missing:
         record.error = "incomplete stream: no " + ", no ".join(missing)
     else:

@@ -19,16 +19,17 @@ thing the same way:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from harness.anomalies import unexplained_cache
 from harness.repetitions import is_load_phase
-from harness.summary import cell_of, geomean, metric as metric_of, ok_requests, run_nonce, same_work, too_short
+from harness.summary import cell_of, geomean, ok_requests, run_nonce, same_work, too_short
+from harness.summary import metric as metric_of
 
 MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
 
 
-def run_reason(run: dict) -> Optional[str]:
+def run_reason(run: dict) -> str | None:
     """Why no ratio of this run means anything, or None."""
     if run.get("diagnostic"):
         return "diagnostic run (measured on a busy machine)"
@@ -39,7 +40,7 @@ def run_reason(run: dict) -> Optional[str]:
     return None
 
 
-def cell_reason(cell: dict, load: Optional[dict] = None) -> Optional[str]:
+def cell_reason(cell: dict, load: dict | None = None) -> str | None:
     """Why this measured cell's numbers should not be compared, or None; `load`: the run's workload settings."""
     cached = unexplained_cache(cell, load or {})
     if cached:
@@ -58,7 +59,7 @@ def cell_reason(cell: dict, load: Optional[dict] = None) -> Optional[str]:
     return None
 
 
-def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> Optional[str]:
+def withheld(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str) -> str | None:
     """Why arm_a's and arm_b's `phase` should not be compared (the first reason), or None when they may be."""
     for run in (run_a, run_b):
         why = run_reason(run)
@@ -85,15 +86,28 @@ def request_samples(cell: dict, phase: str, key: str = "median_ttft_ms") -> list
     if key == "median_decode_tps":
         return [1e3 / r["tpot_ms"] for r in reqs if r.get("tpot_ms")]
     if key == "median_prefill_tps":  # prompt tokens not from a cache per second of TTFT (run_all.prefill_rate)
-        return [((r.get("prompt_tokens") or r.get("prompt_tokens_sent") or 0) - (r.get("cached_tokens") or 0))
-                / (r["ttft_ms"] / 1e3) for r in reqs if r.get("ttft_ms")]  # fmt: skip
+        return [
+            ((r.get("prompt_tokens") or r.get("prompt_tokens_sent") or 0) - (r.get("cached_tokens") or 0))
+            / (r["ttft_ms"] / 1e3)
+            for r in reqs
+            if r.get("ttft_ms")
+        ]
     if key != "median_ttft_ms":
         raise ValueError(f"no per-request samples for {key}")
     return [r["ttft_ms"] for r in reqs if r.get("ttft_ms") is not None]
 
 
-def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metric: str, key: str,
-            higher_is_better: bool, repeats: Sequence[tuple[dict, dict]] = ()) -> dict:  # fmt: skip
+def compare(
+    run_a: dict,
+    arm_a: dict,
+    run_b: dict,
+    arm_b: dict,
+    phase: str,
+    metric: str,
+    key: str,
+    higher_is_better: bool,
+    repeats: Sequence[tuple[dict, dict]] = (),
+) -> dict:
     """arm_a against arm_b on one phase: both values (the cells' `key`), the ratio with its interval and verdict,
     or the reason it is withheld. A median's ratio resamples the paired requests (`stats.sample_ratio`); a load
     cell's aggregate (`repetitions`) comes from the cell's repetitions, `repeats` being the (arm_a, arm_b) records of
@@ -101,17 +115,33 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
     from harness import stats
 
     a, b = metric_of(arm_a, phase, key), metric_of(arm_b, phase, key)
-    row = {"arm": arm_a["arm"], "baseline_arm": arm_b["arm"], "phase": phase, "metric": metric, "value": a,
-           "baseline": b, "higher_is_better": higher_is_better, "ratio": None, "ci_low": None, "ci_high": None,
-           "verdict": None, "note": "", "samples": 0, "withheld": None, "outputs": ""}  # fmt: skip
+    row = {
+        "arm": arm_a["arm"],
+        "baseline_arm": arm_b["arm"],
+        "phase": phase,
+        "metric": metric,
+        "value": a,
+        "baseline": b,
+        "higher_is_better": higher_is_better,
+        "ratio": None,
+        "ci_low": None,
+        "ci_high": None,
+        "verdict": None,
+        "note": "",
+        "samples": 0,
+        "withheld": None,
+        "outputs": "",
+    }
     why = withheld(run_a, arm_a, run_b, arm_b, phase)
     if why is None and not (a and b):
         why = "no value on one side"
     if why:
         return row | {"withheld": why}
     # token ids' hashes, where both servers returned them (mlx_lm.server returns text only) for the same prompts
-    outputs = [[r.get("output_sha256") if r.get("token_ids") is not None else None for r in ok_requests(cell_of(arm, phase))]
-               for arm in (arm_a, arm_b)]  # fmt: skip
+    outputs = [
+        [r.get("output_sha256") if r.get("token_ids") is not None else None for r in ok_requests(cell_of(arm, phase))]
+        for arm in (arm_a, arm_b)
+    ]
     if run_nonce(arm_a) == run_nonce(arm_b) and None not in outputs[0] + outputs[1] and outputs[0] != outputs[1]:
         row["outputs"] = f"outputs differ in {sum(x != y for x, y in zip(*outputs))} of {len(outputs[0])} requests"
     if is_load_phase(phase):
@@ -123,12 +153,19 @@ def compare(run_a: dict, arm_a: dict, run_b: dict, arm_b: dict, phase: str, metr
     r = stats.sample_ratio(metric, sa, sb, higher_is_better=higher_is_better)
     if r.ratio is None:
         return row | {"withheld": r.note}
-    return row | {"ratio": r.ratio, "ci_low": r.ci_low, "ci_high": r.ci_high, "verdict": r.verdict, "note": r.note,
-                  "samples": r.samples}  # fmt: skip
+    return row | {
+        "ratio": r.ratio,
+        "ci_low": r.ci_low,
+        "ci_high": r.ci_high,
+        "verdict": r.verdict,
+        "note": r.note,
+        "samples": r.samples,
+    }
 
 
-def _repeated(run_a: dict, run_b: dict, pairs: list[tuple[dict, dict]], phase: str, metric: str, key: str,
-              higher_is_better: bool) -> dict:  # fmt: skip
+def _repeated(
+    run_a: dict, run_b: dict, pairs: list[tuple[dict, dict]], phase: str, metric: str, key: str, higher_is_better: bool
+) -> dict:
     """The compared row's numbers from a load cell's repetitions: the geometric means of each side's values over
     the repetitions both may be compared in, their ratio's interval and verdict (`stats.repeated`)."""
     from harness import stats
@@ -142,7 +179,27 @@ def _repeated(run_a: dict, run_b: dict, pairs: list[tuple[dict, dict]], phase: s
         else:
             kept.append((a, b))
     r = stats.repeated(metric, [a / b for a, b in kept], higher_is_better=higher_is_better)
-    note = r.note if len(pairs) == 1 else "; ".join(filter(None, [
-        f"{r.repetitions} repetitions" + (f" ({len(left_out)} left out: {left_out[0]})" if left_out else ""), r.note]))  # fmt: skip
-    return {"value": geomean([a for a, _ in kept]), "baseline": geomean([b for _, b in kept]), "ratio": r.geomean,
-            "ci_low": r.ci_low, "ci_high": r.ci_high, "verdict": r.verdict, "note": note, "samples": r.repetitions}  # fmt: skip
+    note = (
+        r.note
+        if len(pairs) == 1
+        else "; ".join(
+            filter(
+                None,
+                [
+                    f"{r.repetitions} repetitions"
+                    + (f" ({len(left_out)} left out: {left_out[0]})" if left_out else ""),
+                    r.note,
+                ],
+            )
+        )
+    )
+    return {
+        "value": geomean([a for a, _ in kept]),
+        "baseline": geomean([b for _, b in kept]),
+        "ratio": r.geomean,
+        "ci_low": r.ci_low,
+        "ci_high": r.ci_high,
+        "verdict": r.verdict,
+        "note": note,
+        "samples": r.repetitions,
+    }

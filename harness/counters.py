@@ -8,15 +8,13 @@ name and labels; a server without `/metrics` (mlx_lm.server) gives none.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 KINDS = ("counter", "histogram", "summary", "unknown")  # unknown: a sample the text's TYPE lines do not name
 
 
-def read(client: httpx.Client) -> Optional[dict[str, float]]:
+def read(client: httpx.Client) -> dict[str, float] | None:
     """The server's counters now, {name{labels}: value}; None when it serves no Prometheus text at /metrics."""
     try:
         r = client.get("/metrics")
@@ -30,13 +28,15 @@ def read(client: httpx.Client) -> Optional[dict[str, float]]:
         if family.type not in KINDS:
             continue
         for s in family.samples:
-            if s.name.endswith(("_total", "_count", "_sum")) or (family.type == "counter" and not s.name.endswith("_created")):
+            if s.name.endswith(("_total", "_count", "_sum")) or (
+                family.type == "counter" and not s.name.endswith("_created")
+            ):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 
 
-def delta(before: Optional[dict[str, float]], after: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+def delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
     """What changed between two reads (counters a server created in between count from 0); None without both."""
     if before is None or after is None:
         return None

@@ -22,8 +22,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,8 +44,9 @@ def dequantize_f32(w: mx.array, scales: mx.array, biases: mx.array, group_size: 
     return (q * scales.astype(F32)[..., None] + biases.astype(F32)[..., None]).reshape(w.shape[0], -1)
 
 
-def _dequantized(layer: nn.Module, rows: Optional[mx.array] = None) -> mx.array:
+def _dequantized(layer: nn.Module, rows: mx.array | None = None) -> mx.array:
     """The layer's weight matrix (or its `rows`) in float32, dequantized where it is quantized."""
+
     def take(name):
         return layer[name] if rows is None else layer[name][rows]
 
@@ -124,8 +125,9 @@ def _in_process(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence
     return out
 
 
-def reference_logits(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int,
-                     child: Optional[bool] = None) -> list[mx.array]:  # fmt: skip
+def reference_logits(
+    path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int, child: bool | None = None
+) -> list[mx.array]:
     """The float32 reference's logits [count, V] for each sequence (`forward_logits`), in a child process
     without TF32 where this process runs float32 matrix products as TF32 (CUDA; `child` forces either)."""
     if child is None:
@@ -134,11 +136,18 @@ def reference_logits(path: Path, sequences: Sequence[Sequence[int]], starts: Seq
         return _in_process(path, sequences, starts, count)
     with tempfile.TemporaryDirectory(prefix="float-reference-") as tmp:
         request, out = Path(tmp) / "request.json", Path(tmp) / "logits.safetensors"
-        request.write_text(json.dumps({"path": str(path), "sequences": [list(s) for s in sequences],
-                                       "starts": list(starts), "count": count}))  # fmt: skip
+        request.write_text(
+            json.dumps(
+                {"path": str(path), "sequences": [list(s) for s in sequences], "starts": list(starts), "count": count}
+            )
+        )
         env = {**os.environ, "MLX_ENABLE_TF32": "0"}
-        child = subprocess.run([sys.executable, "-m", "harness.float_reference", str(request), str(out)], env=env,
-                               capture_output=True, text=True)  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, "-m", "harness.float_reference", str(request), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if child.returncode != 0:
             raise RuntimeError(f"the float32 reference failed (exit {child.returncode}): {child.stderr[-3000:]}")
         arrays = mx.load(str(out))

@@ -12,9 +12,9 @@ different from a broken kernel's count.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -79,10 +79,16 @@ def path_count(paths: int, rows: int) -> int:
     return count + -count % rows
 
 
-def run_greedy_gate(name: str, path: Path, rows: Sequence[int] = (1,), steps: int = GATE_STEPS,
-                    fast: KernelConfig = KernelConfig(FAST), paths: int = PROMPTS,
-                    lengths: Sequence[int] = PROMPT_TOKENS,
-                    on_progress: Optional[Callable[[str], None]] = None) -> list[GreedyResult]:  # fmt: skip
+def run_greedy_gate(
+    name: str,
+    path: Path,
+    rows: Sequence[int] = (1,),
+    steps: int = GATE_STEPS,
+    fast: KernelConfig = KernelConfig(FAST),
+    paths: int = PROMPTS,
+    lengths: Sequence[int] = PROMPT_TOKENS,
+    on_progress: Callable[[str], None] | None = None,
+) -> list[GreedyResult]:
     """Greedy agreement of the fast tier with the exact tier on the model at `path`, at each row count (at
     least `paths` prompts of `lengths` cycled, a whole number of batches)."""
     from engine.engine import Engine

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 from harness import comparable
 from harness.repetitions import is_load_phase, repeat_pairs
@@ -63,7 +62,7 @@ def level(phase: str) -> str:
     return "" if not is_load_phase(phase) else f" @{level}" + (" req/s" if kind == "rate" else "")
 
 
-def model_rows(run: dict, model: dict, base_run: Optional[dict], base: Optional[dict]) -> list[dict]:
+def model_rows(run: dict, model: dict, base_run: dict | None, base: dict | None) -> list[dict]:
     """Every arm of `model` (a model record of `run`) against `base` (the baseline's arm record, of `base_run`):
     each RATIO_METRICS entry its cells have (goodput too where the run set SLOs), then peak RSS and device memory
     (one reading each: a ratio, no interval). A load cell's repetitions count where the baseline is in `run`."""
@@ -79,8 +78,17 @@ def model_rows(run: dict, model: dict, base_run: Optional[dict], base: Optional[
             metrics = [m for m in RATIO_METRICS if m.matches(phase)]
             metrics += [GOODPUT] if slos and is_load_phase(phase) else []
             for m in metrics:
-                row = comparable.compare(run, arm, base_run, base, phase, m.label + level(phase), m.key,
-                                         m.higher_is_better, repeats if is_load_phase(phase) else ())  # fmt: skip
+                row = comparable.compare(
+                    run,
+                    arm,
+                    base_run,
+                    base,
+                    phase,
+                    m.label + level(phase),
+                    m.key,
+                    m.higher_is_better,
+                    repeats if is_load_phase(phase) else (),
+                )
                 if row["value"] is None and row["baseline"] is None and row["withheld"] != NOT_ON_BOTH:
                     continue  # a metric neither arm's records hold (an older run's)
                 rows.append(row | {"short": m.short + level(phase).replace(" @", "@"), "unit": m.unit})
@@ -90,23 +98,41 @@ def model_rows(run: dict, model: dict, base_run: Optional[dict], base: Optional[
 
 def _memory_rows(arm: dict, base: dict) -> list[dict]:
     rows = []
-    for label, value in (("peak RSS", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
-                         ("device peak", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None)):  # fmt: skip
+    for label, value in (
+        ("peak RSS", lambda a: (a.get("peak_rss_bytes") or 0) / 2**20 or None),
+        ("device peak", lambda a: ((a.get("device_memory") or {}).get("peak_bytes") or 0) / 2**20 or None),
+    ):
         a, b = value(arm), value(base)
         if a is None or (b is None and label.startswith("device")):  # mlx_lm.server reports no device memory
             continue
-        rows.append({"arm": arm["arm"], "baseline_arm": base["arm"], "phase": "-", "metric": label, "short": label,
-                     "unit": "MiB", "value": a, "baseline": b, "higher_is_better": False,
-                     "ratio": a / b if a and b else None, "ci_low": None, "ci_high": None, "verdict": None,
-                     "samples": 0, "note": "one reading" if a and b else "",
-                     "withheld": None if a and b else "no value on one side", "outputs": ""})  # fmt: skip
+        rows.append(
+            {
+                "arm": arm["arm"],
+                "baseline_arm": base["arm"],
+                "phase": "-",
+                "metric": label,
+                "short": label,
+                "unit": "MiB",
+                "value": a,
+                "baseline": b,
+                "higher_is_better": False,
+                "ratio": a / b if a and b else None,
+                "ci_low": None,
+                "ci_high": None,
+                "verdict": None,
+                "samples": 0,
+                "note": "one reading" if a and b else "",
+                "withheld": None if a and b else "no value on one side",
+                "outputs": "",
+            }
+        )
     return rows
 
 
 # ------------------------------------------------------------------ words
 
 
-def value_text(x: Optional[float], unit: str) -> str:
+def value_text(x: float | None, unit: str) -> str:
     """A measured value with its unit, to the digits its size needs: 10,441 ms, 20.8 tok/s, 302 MiB, 0.48 req/s."""
     if x is None:
         return "-"
@@ -119,7 +145,7 @@ def number(x: float) -> str:
     return f"{x:.1f}" if x >= 9.995 else f"{x:.2f}"
 
 
-def interval_text(lo: Optional[float], hi: Optional[float]) -> str:
+def interval_text(lo: float | None, hi: float | None) -> str:
     """'[lo, hi]' with the digits that tell the two ends apart (2 to 4 decimals); '' without an interval."""
     if lo is None or hi is None:
         return ""
@@ -127,7 +153,7 @@ def interval_text(lo: Optional[float], hi: Optional[float]) -> str:
     return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
-def speed(row: dict) -> tuple[Optional[float], Optional[float], Optional[float]]:
+def speed(row: dict) -> tuple[float | None, float | None, float | None]:
     """(factor, low, high): how many times as fast as the baseline, for a rate the ratio, for a time its inverse."""
     if row["ratio"] is None:
         return None, None, None
@@ -138,8 +164,12 @@ def speed(row: dict) -> tuple[Optional[float], Optional[float], Optional[float]]
 
 
 # the words of an unknown verdict's note worth a verdict line (not 'about N more would settle it')
-SHORT_NOTES = {ONE_BURST: ONE_BURST, "zero-width": "zero-width interval", "to one side": "resamples to one side",
-               "too few blocks": "too few blocks"}  # fmt: skip
+SHORT_NOTES = {
+    ONE_BURST: ONE_BURST,
+    "zero-width": "zero-width interval",
+    "to one side": "resamples to one side",
+    "too few blocks": "too few blocks",
+}
 
 
 def why_unknown(note: str) -> str:

@@ -39,8 +39,8 @@ import itertools
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,7 +48,12 @@ import mlx.nn as nn
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    DENSE_MIN_ROWS, LAYER_MAX_ROWS, dense_matmul, quantized_matmul, quantized_matmuls, refusal,
+    DENSE_MIN_ROWS,
+    LAYER_MAX_ROWS,
+    dense_matmul,
+    quantized_matmul,
+    quantized_matmuls,
+    refusal,
 )
 from engine.models import model_module
 from engine.models.gated_delta import normalize_qk, recurrence
@@ -62,14 +67,14 @@ class _Speedup:
     """The speedup of a result with builtin_us and kernel_us (None where the kernel did not run)."""
 
     @property
-    def speedup(self) -> Optional[float]:
+    def speedup(self) -> float | None:
         return None if self.kernel_us is None else self.builtin_us / self.kernel_us
 
 
 class _Rates(_Speedup):
     """And the effective GB/s of a result with bytes_moved."""
 
-    def gbs(self, us: Optional[float]) -> Optional[float]:
+    def gbs(self, us: float | None) -> float | None:
         return None if us is None else self.bytes_moved / us / 1e3
 
 
@@ -82,13 +87,13 @@ class GemvResult(_Rates):
     group_size: int
     layers: int  # how many of the model's layers have this shape
     builtin_us: float
-    kernel_us: Optional[float]
+    kernel_us: float | None
     bytes_moved: int
-    max_abs_diff: Optional[float]
+    max_abs_diff: float | None
     max_abs_ref: float
     note: str = ""
-    serial_builtin_us: Optional[float] = None  # each call waiting for the one before (M = 1 only)
-    serial_kernel_us: Optional[float] = None
+    serial_builtin_us: float | None = None  # each call waiting for the one before (M = 1 only)
+    serial_kernel_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ class GroupResult(_Rates):
     m: int
     layers: int  # how many of the model's modules have this group
     builtin_us: float
-    kernel_us: Optional[float]
+    kernel_us: float | None
     bytes_moved: int
     note: str = ""
 
@@ -115,11 +120,11 @@ class PrefillResult(_Speedup):
     m: int
     layers: int
     builtin_us: float
-    kernel_us: Optional[float]
-    max_abs_diff: Optional[float]
+    kernel_us: float | None
+    max_abs_diff: float | None
     note: str = ""
 
-    def tflops(self, us: Optional[float]) -> Optional[float]:
+    def tflops(self, us: float | None) -> float | None:
         return None if us is None else 2 * self.n * self.k * self.m / us / 1e6
 
 
@@ -145,18 +150,18 @@ class Verdict:
     """One of the issue's done-criteria, checked on a run's results."""
 
     criterion: str
-    measured: Optional[float]
+    measured: float | None
     target: float
-    ok: Optional[bool]  # None: not measured here (e.g. no CUDA)
+    ok: bool | None  # None: not measured here (e.g. no CUDA)
     note: str = ""
 
 
-def _check(criterion: str, measured: Optional[float], target: float, at_least: bool = True) -> Verdict:
+def _check(criterion: str, measured: float | None, target: float, at_least: bool = True) -> Verdict:
     ok = None if measured is None else (measured >= target if at_least else measured <= target)
     return Verdict(criterion, measured, target, ok)
 
 
-def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult], peak_gbs: Optional[float] = None) -> list[Verdict]:
+def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult], peak_gbs: float | None = None) -> list[Verdict]:
     """GEMV at M = 1 on the model's main matrix (the largest shape used by more than one layer):
     >= 2500 GB/s and >= 7x MLX; M = 8 at most 1.5x the M = 1 time; 1024-token chunked
     DeltaNet prefill >= 20x the recurrence. With `peak_gbs`, a speedup target that would need more
@@ -172,8 +177,11 @@ def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult], peak_gbs:
             speedup = _check(f"GEMV {n}x{k} M=1 speedup vs MLX", one.speedup, 7)
             needed = 7 * one.gbs(one.builtin_us)
             if peak_gbs and needed > peak_gbs:
-                speedup = dataclasses.replace(speedup, note=f"unreachable here: 7x MLX's {needed / 7:.0f} GB/s is "
-                                                            f"{needed:.0f} GB/s, above the {peak_gbs:.0f} GB/s peak")
+                speedup = dataclasses.replace(
+                    speedup,
+                    note=f"unreachable here: 7x MLX's {needed / 7:.0f} GB/s is "
+                    f"{needed:.0f} GB/s, above the {peak_gbs:.0f} GB/s peak",
+                )
             out.append(speedup)
         if one and eight:
             ratio = eight.kernel_us / one.kernel_us if one.kernel_us and eight.kernel_us else None
@@ -208,6 +216,7 @@ def time_us(fn: Callable[[], mx.array], cfg: BenchConfig, include_build: bool = 
 def serial_us(step: Callable[[mx.array], mx.array], start: mx.array, cfg: BenchConfig) -> float:
     """Median microseconds per call of `cfg.calls` calls, each `step` taking the previous call's output
     (the first `start`): none can start before the one before it ends, as in a decode step."""
+
     def chain() -> mx.array:
         out = start
         for _ in range(cfg.calls):
@@ -280,7 +289,7 @@ def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.arr
     return tuple(quantized)
 
 
-def _kernel_refusal(x: mx.array, matrices: Sequence[tuple], group_size: int, bits: int) -> Optional[str]:
+def _kernel_refusal(x: mx.array, matrices: Sequence[tuple], group_size: int, bits: int) -> str | None:
     """Why our kernel's side of a comparison is not timed here (None when it is)."""
     why = next(filter(None, (refusal(x, w, s, group_size, bits) for w, s, _ in matrices)), None)
     return why or (None if on_cuda() else "needs MLX's CUDA backend")
@@ -303,6 +312,7 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
     why = _kernel_refusal(x, [(w, scales, biases)], group_size, bits)
     kernel_us = diff = serial_kernel = None
     if why is None:
+
         def kernel():
             return quantized_matmul(x, *weights(), group_size, bits)
 
@@ -310,16 +320,30 @@ def bench_gemv(n: int, k: int, m: int, bits: int, group_size: int, layers: int, 
         diff = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         kernel_us = time_us(kernel, cfg)
         if serial:
-            serial_kernel = serial_us(lambda r: quantized_matmuls(x, [weights()], group_size, bits, residual=r)[0], ref, cfg)
+            serial_kernel = serial_us(
+                lambda r: quantized_matmuls(x, [weights()], group_size, bits, residual=r)[0], ref, cfg
+            )
     return GemvResult(
-        n=n, k=k, m=m, bits=bits, group_size=group_size, layers=layers, builtin_us=builtin_us, kernel_us=kernel_us,
-        bytes_moved=moved, max_abs_diff=diff, max_abs_ref=mx.abs(ref).max().item(), note=why or "",
-        serial_builtin_us=serial_builtin, serial_kernel_us=serial_kernel,
-    )  # fmt: skip
+        n=n,
+        k=k,
+        m=m,
+        bits=bits,
+        group_size=group_size,
+        layers=layers,
+        builtin_us=builtin_us,
+        kernel_us=kernel_us,
+        bytes_moved=moved,
+        max_abs_diff=diff,
+        max_abs_ref=mx.abs(ref).max().item(),
+        note=why or "",
+        serial_builtin_us=serial_builtin,
+        serial_kernel_us=serial_kernel,
+    )
 
 
-def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, group_size: int, layers: int,
-                cfg: BenchConfig) -> GroupResult:  # fmt: skip
+def bench_group(
+    label: str, rows: Sequence[int], k: int, m: int, bits: int, group_size: int, layers: int, cfg: BenchConfig
+) -> GroupResult:
     matrices = [random_quantized(n, k, bits, group_size) for n in rows]
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
     mx.eval(x)
@@ -333,8 +357,17 @@ def bench_group(label: str, rows: Sequence[int], k: int, m: int, bits: int, grou
     builtin_us = time_us(builtin, cfg)
     why = _kernel_refusal(x, matrices, group_size, bits)
     kernel_us = None if why else time_us(lambda: quantized_matmuls(x, [c() for c in copies], group_size, bits), cfg)
-    return GroupResult(label=label, rows=tuple(rows), k=k, m=m, layers=layers, builtin_us=builtin_us,
-                       kernel_us=kernel_us, bytes_moved=moved, note=why or "")  # fmt: skip
+    return GroupResult(
+        label=label,
+        rows=tuple(rows),
+        k=k,
+        m=m,
+        layers=layers,
+        builtin_us=builtin_us,
+        kernel_us=kernel_us,
+        bytes_moved=moved,
+        note=why or "",
+    )
 
 
 def bench_prefill(n: int, k: int, m: int, bits: int, group_size: int, layers: int, cfg: BenchConfig) -> PrefillResult:
@@ -351,7 +384,9 @@ def bench_prefill(n: int, k: int, m: int, bits: int, group_size: int, layers: in
 
     builtin_us = time_us(builtin, once)
     if not on_cuda():
-        return PrefillResult(n, k, m, layers, builtin_us, None, None, "the fast tier runs it only on MLX's CUDA backend")
+        return PrefillResult(
+            n, k, m, layers, builtin_us, None, None, "the fast tier runs it only on MLX's CUDA backend"
+        )
     diff = mx.abs(dense().astype(mx.float32) - builtin().astype(mx.float32)).max().item()
     return PrefillResult(n, k, m, layers, builtin_us, time_us(dense, once), diff)
 
@@ -378,12 +413,16 @@ def bench_delta(tokens: int, hk: int, hv: int, dk: int, dv: int, cfg: BenchConfi
     chunked_args = (*args[:3], mx.log(args[3]), *args[4:])
     y, s = chunked_gated_delta(*chunked_args)
     return DeltaResult(
-        tokens=tokens, heads_k=hk, heads_v=hv, dk=dk, dv=dv,
+        tokens=tokens,
+        heads_k=hk,
+        heads_v=hv,
+        dk=dk,
+        dv=dv,
         builtin_ms=time_us(lambda: recurrence(*args)[0], slow, include_build=True) / 1e3,
         kernel_ms=time_us(lambda: chunked_gated_delta(*chunked_args)[0], slow, include_build=True) / 1e3,
         max_abs_diff_y=mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item(),
         max_abs_diff_state=mx.abs(s - s_ref).max().item(),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -397,7 +436,7 @@ class KernelBench:
 def run_kernel_bench(
     spec: ModelSpec,
     cfg: BenchConfig,
-    on_result: Optional[Callable[[object], None]] = None,
+    on_result: Callable[[object], None] | None = None,
 ) -> KernelBench:
     quant = spec.quantization
     bits, group = (quant.bits, quant.group_size) if quant else (4, 64)
@@ -427,6 +466,15 @@ def run_kernel_bench(
                 done(out.prefill, bench_prefill(n, k, m, bits, group, layers, cfg))
     if g.linear_num_value_heads:
         for t in cfg.tokens:
-            done(out.delta, bench_delta(t, g.linear_num_key_heads, g.linear_num_value_heads, g.linear_key_head_dim,
-                                        g.linear_value_head_dim, cfg))  # fmt: skip
+            done(
+                out.delta,
+                bench_delta(
+                    t,
+                    g.linear_num_key_heads,
+                    g.linear_num_value_heads,
+                    g.linear_key_head_dim,
+                    g.linear_value_head_dim,
+                    cfg,
+                ),
+            )
     return out

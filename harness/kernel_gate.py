@@ -19,9 +19,9 @@ positions its mean KL is at most `KL_RATIO` times the exact tier's plus
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,11 +51,15 @@ class TierScore:
     positions: int
 
     @classmethod
-    def pooled(cls, scores: Sequence["TierScore"]) -> "TierScore":
+    def pooled(cls, scores: Sequence[TierScore]) -> TierScore:
         n = sum(s.positions for s in scores)
-        return cls(sum(s.mean_kl * s.positions for s in scores) / n, max(s.max_kl for s in scores),
-                   sum(s.top1_agreement * s.positions for s in scores) / n,
-                   max(s.max_abs_logit_diff for s in scores), n)  # fmt: skip
+        return cls(
+            sum(s.mean_kl * s.positions for s in scores) / n,
+            max(s.max_kl for s in scores),
+            sum(s.top1_agreement * s.positions for s in scores) / n,
+            max(s.max_abs_logit_diff for s in scores),
+            n,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,15 +99,26 @@ class GateResult:
 
     def as_record(self) -> dict:
         return {
-            "passed": self.passed, "rows": self.rows, "steps": self.steps,
-            "criteria": {"kl_ratio": KL_RATIO, "kl_slack": KL_SLACK, "top1_margin": TOP1_MARGIN,
-                         "kl_passed": self.kl_passed, "top1_passed": self.top1_passed},
-            "exact": asdict(self.exact), "fast": asdict(self.fast),
-            "prompts": [asdict(p) for p in self.prompts], "fast_kernels": self.fast_kernels,
-        }  # fmt: skip
+            "passed": self.passed,
+            "rows": self.rows,
+            "steps": self.steps,
+            "criteria": {
+                "kl_ratio": KL_RATIO,
+                "kl_slack": KL_SLACK,
+                "top1_margin": TOP1_MARGIN,
+                "kl_passed": self.kl_passed,
+                "top1_passed": self.top1_passed,
+            },
+            "exact": asdict(self.exact),
+            "fast": asdict(self.fast),
+            "prompts": [asdict(p) for p in self.prompts],
+            "fast_kernels": self.fast_kernels,
+        }
 
 
-def gate_prompts(rows: int, vocab: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[tuple[int, int]]:
+def gate_prompts(
+    rows: int, vocab: int, lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0
+) -> list[tuple[int, int]]:
     """(length, seed) of each prompt: the standard lengths, repeated with the next seed until there are at
     least `rows` and a whole number of batches of `rows`."""
     count = max(len(lengths), rows)
@@ -124,8 +139,9 @@ def score(reference: mx.array, tier: mx.array) -> TierScore:
     top1 = mx.argmax(ref, axis=-1) == mx.argmax(got, axis=-1)
     diff = mx.max(mx.abs(ref - got), axis=-1)
     mx.eval(kl, top1, diff)
-    return TierScore(kl.mean().item(), kl.max().item(), top1.astype(mx.float32).mean().item(), diff.max().item(),
-                     kl.size)  # fmt: skip
+    return TierScore(
+        kl.mean().item(), kl.max().item(), top1.astype(mx.float32).mean().item(), diff.max().item(), kl.size
+    )
 
 
 def greedy(model: nn.Module, ids: Sequence[int], steps: int) -> tuple[list[int], mx.array]:
@@ -172,7 +188,7 @@ def run_gates(
     fast: KernelConfig = KernelConfig(FAST),
     lengths: Sequence[int] = PROMPT_LENGTHS,
     seed: int = 0,
-    on_progress: Optional[Callable[[str], None]] = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> list[GateResult]:
     """The gate on the artifact at `path` at each row count (`gate_prompts`), the fast side with `fast`. A
     prompt several row counts share is decoded and referenced once."""
@@ -190,8 +206,14 @@ def run_gates(
         if 1 in rows:
             alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
     say(f"float32 reference ({len(unique)} sequences)")
-    refs = dict(zip(unique, reference_logits(path, [prompts[s] + tokens[s][:-1] for s in unique],
-                                             [len(prompts[s]) for s in unique], steps)))  # fmt: skip
+    refs = dict(
+        zip(
+            unique,
+            reference_logits(
+                path, [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique], steps
+            ),
+        )
+    )
     exact = {1: {spec: score(refs[spec], logits) for spec, logits in alone.items()}} if 1 in rows else {}
     del alone
 
@@ -212,8 +234,15 @@ def run_gates(
         fast_scores = {r: scored(r, FAST) for r in rows}
     finally:
         install(model, KernelConfig(EXACT))
-    return [GateResult(r, steps, tuple(PromptGate(n, s, exact[r][(n, s)], fast_scores[r][(n, s)]) for n, s in specs[r]),
-                       fast_set.as_record()) for r in rows]  # fmt: skip
+    return [
+        GateResult(
+            r,
+            steps,
+            tuple(PromptGate(n, s, exact[r][(n, s)], fast_scores[r][(n, s)]) for n, s in specs[r]),
+            fast_set.as_record(),
+        )
+        for r in rows
+    ]
 
 
 def run_gate(path: Path, rows: int = 1, **kwargs) -> GateResult:

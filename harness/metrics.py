@@ -1,17 +1,17 @@
 """Cell metrics from request records, with the names vLLM's serving benchmark uses.
 
-    {mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms
-    output_throughput        output tokens / wall seconds of the cell
-    total_token_throughput   (prompt + output tokens) / wall seconds
-    median_decode_tps        median over requests of 1000 / TPOT
-    request_goodput          requests per second meeting every SLO given (none by default: all ok requests)
-    slo_attainment           the share of the cell's requests (failed ones included) meeting every SLO given;
-                             None without SLOs
+{mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms
+output_throughput        output tokens / wall seconds of the cell
+total_token_throughput   (prompt + output tokens) / wall seconds
+median_decode_tps        median over requests of 1000 / TPOT
+request_goodput          requests per second meeting every SLO given (none by default: all ok requests)
+slo_attainment           the share of the cell's requests (failed ones included) meeting every SLO given;
+                         None without SLOs
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from harness.client import RequestRecord
 SLO_METRICS = ("ttft", "tpot", "e2el")  # what an SLO can bound (vLLM's --goodput keys), in ms
 
 
-def _stats(name: str, values: Sequence[float]) -> dict[str, Optional[float]]:
+def _stats(name: str, values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {f"{k}_{name}_ms": None for k in ("mean", "median", "p90", "p99")}
     v = np.asarray(values, dtype=np.float64)
@@ -32,10 +32,12 @@ def _stats(name: str, values: Sequence[float]) -> dict[str, Optional[float]]:
     }
 
 
-def summarize(requests: Sequence[RequestRecord], wall_s: float, slo_ms: Optional[dict[str, float]] = None) -> dict:
+def summarize(requests: Sequence[RequestRecord], wall_s: float, slo_ms: dict[str, float] | None = None) -> dict:
     """The cell's metrics; `slo_ms`: the SLOs a request must all meet to count as goodput ({"ttft": 2000, ...})."""
     if set(slo_ms or {}) - set(SLO_METRICS):
-        raise ValueError(f"SLOs bound {', '.join(SLO_METRICS)}, not {', '.join(sorted(set(slo_ms) - set(SLO_METRICS)))}")
+        raise ValueError(
+            f"SLOs bound {', '.join(SLO_METRICS)}, not {', '.join(sorted(set(slo_ms) - set(SLO_METRICS)))}"
+        )
     ok = [r for r in requests if r.ok]
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     prompt_tokens = sum(r.prompt_tokens or r.prompt_tokens_sent for r in ok)

@@ -60,13 +60,21 @@ def cmd_models_list(args) -> int:
     if args.json:
         out.print_json(json.dumps(rows))
         return 0
-    table = Table(title="registry models (seed %d)" % args.seed)
+    table = Table(title=f"registry models (seed {args.seed})")
     for col in ("name", "tier", "type", "layers", "hidden", "vocab", "weights", "params", "bytes", "cached"):
         table.add_column(col, justify="right" if col in ("layers", "hidden", "vocab", "params", "bytes") else "left")
     for r in rows:
         table.add_row(
-            r["name"], r["tier"], r["model_type"], str(r["layers"]), str(r["hidden"]), str(r["vocab"]),
-            r["weights"], _human(r["parameters"], ""), _human(r["weight_bytes"], "B"), "yes" if r["cached"] else "-",
+            r["name"],
+            r["tier"],
+            r["model_type"],
+            str(r["layers"]),
+            str(r["hidden"]),
+            str(r["vocab"]),
+            r["weights"],
+            _human(r["parameters"], ""),
+            _human(r["weight_bytes"], "B"),
+            "yes" if r["cached"] else "-",
         )
     out.print(table)
     return 0
@@ -109,7 +117,9 @@ def cmd_models_synth(args) -> int:
 
             synthesize(spec, args.seed, target, progress=report)
         manifest = json.loads((target / "manifest.json").read_text())
-        console.print(f"{spec.name}: {manifest['parameters'] / 1e6:.1f}M parameters, "
-                      f"{manifest['total_bytes'] / 1e6:.1f} MB in {manifest['synthesis_seconds']:.1f}s")  # fmt: skip
+        console.print(
+            f"{spec.name}: {manifest['parameters'] / 1e6:.1f}M parameters, "
+            f"{manifest['total_bytes'] / 1e6:.1f} MB in {manifest['synthesis_seconds']:.1f}s"
+        )
         out.print(str(target))  # the path once, on stdout, for $(harness models synth NAME)
     return 0

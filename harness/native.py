@@ -24,20 +24,20 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
 from engine.generate import generate
 from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
-from engine.request import StopCriteria
 from engine.loading import load_model
+from engine.request import StopCriteria
 from harness import preflight
 from harness.parity import vocab_size
-from oracles.cases import frozen_prompt_ids
 from oracles import reference
+from oracles.cases import frozen_prompt_ids
 
 ENGINE, MLX_LM = "engine", "mlx-lm"
 PREFLIGHT_INTERVAL_S = 0.5
@@ -54,7 +54,9 @@ class NativeConfig:
 
     def __post_init__(self):
         if self.decode_tokens < 2:
-            raise ValueError(f"decode_tokens must be at least 2 (a decode rate needs two tokens), got {self.decode_tokens}")
+            raise ValueError(
+                f"decode_tokens must be at least 2 (a decode rate needs two tokens), got {self.decode_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def run_native(
     name: str,
     path: Path,
     cfg: NativeConfig,
-    on_sample: Optional[Callable[[Sample], None]] = None,
+    on_sample: Callable[[Sample], None] | None = None,
 ) -> NativeResult:
     ours, config = load_model(path)
     kernels = install(ours, KernelConfig.from_env(cfg.kernels), family=config.get("model_type"))

@@ -10,17 +10,17 @@ The requirement is max |difference| == 0.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from engine.generate import KVQuantization, generate
-from engine.request import StopCriteria
 from engine import loading
+from engine.generate import KVQuantization, generate
 from engine.loading import load_config, load_model
+from engine.request import StopCriteria
 from engine.synth import ensure_model
 from oracles import reference
 from oracles.cases import DEFAULT_STEPS, DTYPES, PROMPT_LENGTHS, frozen_prompt_ids, model_name
@@ -32,9 +32,9 @@ class ParityCase:
     prompt_len: int
     steps: int = DEFAULT_STEPS
     seed: int = 0  # artifact seed; the prompt ids derive from it too
-    kv_bits: Optional[int] = None
+    kv_bits: int | None = None
     kv_group_size: int = 32
-    model_path: Optional[str] = None  # an mlx-lm directory instead of a registry name
+    model_path: str | None = None  # an mlx-lm directory instead of a registry name
 
     @property
     def label(self) -> str:
@@ -46,7 +46,7 @@ class ParityCase:
 class ParityResult:
     case: ParityCase
     max_abs_diff: float
-    first_diff_step: Optional[int]
+    first_diff_step: int | None
     tokens_equal: bool
     cache_max_abs_diff: float
     compared_steps: int
@@ -73,7 +73,7 @@ def cases(
     return [ParityCase(model_name(b, d), n, steps) for b in bases for d in dtypes for n in prompt_lengths]
 
 
-def engine_run(model, ids: Sequence[int], steps: int, kv: Optional[KVQuantization] = None) -> reference.Run:
+def engine_run(model, ids: Sequence[int], steps: int, kv: KVQuantization | None = None) -> reference.Run:
     """Our side of a case: `steps + 1` greedy tokens, logits of every forward, final cache."""
     logits: list[mx.array] = []
     cache = model.make_cache()
@@ -93,7 +93,7 @@ def engine_run(model, ids: Sequence[int], steps: int, kv: Optional[KVQuantizatio
     return reference.Run(tokens=tokens, logits=[reference.to_numpy(x[0]) for x in logits], cache=arrays)
 
 
-def _max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, Optional[int]]:
+def _max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, int | None]:
     worst, first = 0.0, None
     for i, (x, y) in enumerate(zip(a, b)):
         if x.shape != y.shape:
@@ -110,7 +110,7 @@ def _max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, 
     return worst, first
 
 
-def compare(ours: reference.Run, ref: reference.Run, steps: int) -> tuple[float, Optional[int], bool, float, int]:
+def compare(ours: reference.Run, ref: reference.Run, steps: int) -> tuple[float, int | None, bool, float, int]:
     n = min(len(ours.logits), len(ref.logits))
     diff, first = _max_diff(ours.logits, ref.logits)
     if len(ours.logits) != len(ref.logits):

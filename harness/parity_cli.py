@@ -21,7 +21,9 @@ def add_parity(sub) -> None:
     psrc.add_argument("--models", type=csv, help="registry base names (default: every tiny family)")
     psrc.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead (--dtypes is ignored)")
     par.add_argument(
-        "--batch", type=csv_ints, default=[1],
+        "--batch",
+        type=csv_ints,
+        default=[1],
         help="1 = B=1 against generate_step; B>1 = same-B scenarios against BatchGenerator (default 1)",
     )
     par.add_argument("--dtypes", type=csv, default=["f32", "bf16", "4bit"], help="variants (default f32,bf16,4bit)")
@@ -56,13 +58,15 @@ def cmd_parity(args) -> int:
     if 1 in args.batch:
         cases += [
             parity.ParityCase(name, n, args.steps, args.seed, model_path=mpath)
-            for name, mpath in models for n in args.prompt_lengths
+            for name, mpath in models
+            for n in args.prompt_lengths
         ]
     batches = sorted(b for b in args.batch if b > 1)
     if batches:
         cases += [
             replace(c, seed=args.seed, model_path=mpath)
-            for name, mpath in models for c in scenario_cases(name, batches)
+            for name, mpath in models
+            for c in scenario_cases(name, batches)
         ]
     results = []
     with Progress(console=console, transient=True) as progress:
@@ -80,9 +84,15 @@ def cmd_parity(args) -> int:
             table.add_column(col)
         for r in single:
             table.add_row(
-                r.case.model, str(r.case.prompt_len), str(r.case.steps), str(r.compared_steps),
-                f"{r.max_abs_diff:.3g}", "-" if r.first_diff_step is None else str(r.first_diff_step),
-                "same" if r.tokens_equal else "DIFFER", f"{r.cache_max_abs_diff:.3g}", verdict(r.passed),
+                r.case.model,
+                str(r.case.prompt_len),
+                str(r.case.steps),
+                str(r.compared_steps),
+                f"{r.max_abs_diff:.3g}",
+                "-" if r.first_diff_step is None else str(r.first_diff_step),
+                "same" if r.tokens_equal else "DIFFER",
+                f"{r.cache_max_abs_diff:.3g}",
+                verdict(r.passed),
             )
         out.print(table)
     if batched:
@@ -91,8 +101,14 @@ def cmd_parity(args) -> int:
             table.add_column(col)
         for r in batched:
             table.add_row(
-                r.case.model, r.case.name, str(r.case.batch), str(r.forwards), f"{r.max_abs_diff:.3g}",
-                r.first_diff or "-", "same" if r.tokens_equal else "DIFFER", verdict(r.passed),
+                r.case.model,
+                r.case.name,
+                str(r.case.batch),
+                str(r.forwards),
+                f"{r.max_abs_diff:.3g}",
+                r.first_diff or "-",
+                "same" if r.tokens_equal else "DIFFER",
+                verdict(r.passed),
             )
         out.print(table)
     failed = [r for r in results if not r.passed]

@@ -62,5 +62,12 @@ def check(interval_s: float = 1.0) -> Preflight:
         problems.append(f"only {mem.available / 2**30:.1f} GiB of memory available (need {MIN_AVAILABLE_BYTES >> 30})")
     if swap.used > MAX_SWAP_USED_BYTES:
         problems.append(f"{swap.used / 2**20:.0f} MiB of swap in use (limit {MAX_SWAP_USED_BYTES >> 20})")
-    return Preflight(psutil.cpu_count(), round(other, 1), round(os.getloadavg()[0], 2), mem.total, mem.available,
-                     swap.used, tuple(problems))  # fmt: skip
+    return Preflight(
+        psutil.cpu_count(),
+        round(other, 1),
+        round(os.getloadavg()[0], 2),
+        mem.total,
+        mem.available,
+        swap.used,
+        tuple(problems),
+    )

@@ -8,9 +8,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
 
 import psutil
 

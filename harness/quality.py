@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -36,12 +36,12 @@ class QualitySettings:
 class QualityRow:
     variant: str  # "bf16", "4bit", "bf16 kv8", "bf16 fast" ...
     weights: str
-    kv_bits: Optional[int]
+    kv_bits: int | None
     tier: str
     nll: float  # mean next-token negative log-likelihood, nats
     perplexity: float
-    mean_kl: Optional[float]  # KL(reference || variant) per position, mean; None for the reference itself
-    top1_agreement: Optional[float]
+    mean_kl: float | None  # KL(reference || variant) per position, mean; None for the reference itself
+    top1_agreement: float | None
 
 
 @dataclass
@@ -52,8 +52,12 @@ class QualityResult:
     rows: list[QualityRow] = field(default_factory=list)
 
     def as_json(self) -> dict:
-        return {"model": self.model, "settings": asdict(self.settings), "tokens": self.tokens,
-                "rows": [asdict(r) for r in self.rows]}  # fmt: skip
+        return {
+            "model": self.model,
+            "settings": asdict(self.settings),
+            "tokens": self.tokens,
+            "rows": [asdict(r) for r in self.rows],
+        }
 
 
 @lru_cache(maxsize=1)
@@ -76,7 +80,7 @@ def held_out_ids(tokenizer, tokens: int) -> list[int]:
     return ids[: tokens + 1]
 
 
-def logprobs(model, ids: list[int], s: QualitySettings, kv_bits: Optional[int]) -> np.ndarray:
+def logprobs(model, ids: list[int], s: QualitySettings, kv_bits: int | None) -> np.ndarray:
     """Log-softmax of every position's next-token logits [len(ids) - 1, V], float32, window after window."""
     import mlx.core as mx
 
@@ -97,20 +101,41 @@ def logprobs(model, ids: list[int], s: QualitySettings, kv_bits: Optional[int]) 
     return np.concatenate(rows)
 
 
-def score(variant: str, weights: str, kv_bits: Optional[int], tier: str, lp: np.ndarray, targets: np.ndarray,
-          ref: Optional[np.ndarray]) -> QualityRow:  # fmt: skip
+def score(
+    variant: str,
+    weights: str,
+    kv_bits: int | None,
+    tier: str,
+    lp: np.ndarray,
+    targets: np.ndarray,
+    ref: np.ndarray | None,
+) -> QualityRow:
     nll = float(-lp[np.arange(len(targets)), targets].mean())
     kl = top1 = None
     if ref is not None:
         kl = float((np.exp(ref) * (ref - lp)).sum(axis=-1).mean())
         top1 = float((ref.argmax(-1) == lp.argmax(-1)).mean())
-    return QualityRow(variant, weights, kv_bits, tier, round(nll, 5), round(math.exp(nll), 3),
-                      None if kl is None else round(kl, 6), None if top1 is None else round(top1, 4))  # fmt: skip
+    return QualityRow(
+        variant,
+        weights,
+        kv_bits,
+        tier,
+        round(nll, 5),
+        round(math.exp(nll), 3),
+        None if kl is None else round(kl, 6),
+        None if top1 is None else round(top1, 4),
+    )
 
 
-def measure(label: str, model_path, s: QualitySettings = QualitySettings(),
-            weight_bits=WEIGHT_BITS, kv_bits=KV_BITS, fast: bool = True,
-            progress: Callable[[str], None] = lambda line: None) -> QualityResult:  # fmt: skip
+def measure(
+    label: str,
+    model_path,
+    s: QualitySettings = QualitySettings(),
+    weight_bits=WEIGHT_BITS,
+    kv_bits=KV_BITS,
+    fast: bool = True,
+    progress: Callable[[str], None] = lambda line: None,
+) -> QualityResult:
     """Every variant of one model against its reference, the artifact on the exact tier. An unquantized
     artifact is also quantized in memory to each of `weight_bits`; the reference weights run with each of
     `kv_bits`; `fast` adds the fast tier where this device runs it."""
@@ -158,8 +183,15 @@ def held_out_score(model_path, tier: str, tokens: int) -> dict:
     engine = Engine.load(None, model_path, kernels=tier)
     s = QualitySettings(tokens=tokens)
     ids = held_out_ids(engine.tokenizer, tokens)
-    row = score(engine.kernels.tier, "artifact", None, engine.kernels.tier, logprobs(engine.model, ids, s, None),
-                np.array(ids[1:]), None)  # fmt: skip
+    row = score(
+        engine.kernels.tier,
+        "artifact",
+        None,
+        engine.kernels.tier,
+        logprobs(engine.model, ids, s, None),
+        np.array(ids[1:]),
+        None,
+    )
     config = json.loads((Path(model_path) / "config.json").read_text())
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return {"tokens": tokens, "tier": row.tier, "nll": row.nll, "perplexity": row.perplexity, "vocab_size": vocab}
@@ -179,12 +211,15 @@ def _quantizable(_path: str, module) -> bool:
 
 
 def markdown(results: list[QualityResult]) -> str:
-    lines = ["| model | variant | tier | perplexity | mean NLL | mean KL vs reference | top-1 agreement |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | variant | tier | perplexity | mean NLL | mean KL vs reference | top-1 agreement |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for row in r.rows:
             kl = "reference" if row.mean_kl is None else f"{row.mean_kl:.5f}"
             top1 = "" if row.top1_agreement is None else f"{100 * row.top1_agreement:.1f}%"
-            lines.append(f"| {r.model} | {row.variant} | {row.tier} | {row.perplexity:.2f} | {row.nll:.4f} | {kl} "
-                         f"| {top1} |")
+            lines.append(
+                f"| {r.model} | {row.variant} | {row.tier} | {row.perplexity:.2f} | {row.nll:.4f} | {kl} | {top1} |"
+            )
     return "\n".join(lines) + "\n"

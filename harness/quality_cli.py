@@ -24,18 +24,27 @@ def add_quality(sub) -> None:
     model_source(p)
     p.add_argument("--seed", type=int, default=0, help="artifact seed of synthesized models (default 0)")
     p.add_argument("--tokens", type=positive, default=4096, help="held-out tokens scored (default 4096)")
-    p.add_argument("--window", type=positive, default=512,
-                   help="tokens a window, each from an empty cache (default 512)")
+    p.add_argument(
+        "--window", type=positive, default=512, help="tokens a window, each from an empty cache (default 512)"
+    )
     p.add_argument("--chunk", type=positive, default=128, help="tokens a forward within a window (default 128)")
-    p.add_argument("--weight-bits", type=_bits, default=[8, 4], help="in-memory weight quantizations of an "
-                   "unquantized artifact (default 8,4; '' for none)")
+    p.add_argument(
+        "--weight-bits",
+        type=_bits,
+        default=[8, 4],
+        help="in-memory weight quantizations of an unquantized artifact (default 8,4; '' for none)",
+    )
     p.add_argument("--kv-bits", type=_bits, default=[8, 4], help="quantized KV caches (default 8,4; '' for none)")
-    p.add_argument("--kv-group-size", type=positive, default=64, help="quantized KV's group size (default 64; it "
-                   "must divide the head size)")
+    p.add_argument(
+        "--kv-group-size",
+        type=positive,
+        default=64,
+        help="quantized KV's group size (default 64; it must divide the head size)",
+    )
     p.add_argument("--no-fast", action="store_true", help="skip the fast tier even where the device runs it")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--md", type=Path, help="also write a Markdown table here")
-    p.set_defaults(func=cmd_quality)  # fmt: skip
+    p.set_defaults(func=cmd_quality)
 
 
 def _bits(value: str) -> list[int]:
@@ -50,8 +59,9 @@ def cmd_quality(args) -> int:
         raise CliError(f"--kv-bits takes 4 and 8 (quantized KV caches), got {','.join(map(str, args.kv_bits))}")
     if set(args.weight_bits) - {2, 3, 4, 5, 6, 8}:
         raise CliError(f"--weight-bits takes 2, 3, 4, 5, 6 and 8, got {','.join(map(str, args.weight_bits))}")
-    settings = QualitySettings(tokens=args.tokens, window=args.window, chunk=args.chunk,
-                               kv_group_size=args.kv_group_size)  # fmt: skip
+    settings = QualitySettings(
+        tokens=args.tokens, window=args.window, chunk=args.chunk, kv_group_size=args.kv_group_size
+    )
     results = []
     for label, path in targets(args):
         with status(f"{label}: loading") as progress:

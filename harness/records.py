@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import sqlite_utils
 
@@ -36,7 +36,13 @@ from harness.client import RequestRecord
 SCHEMA_VERSION = 1
 
 # Cell statuses (the report shows one on every cell).
-MEASURED, RECOVERED, FAILED, NOT_MEASURED, UNSUPPORTED = "measured", "recovered", "failed", "not_measured", "unsupported"
+MEASURED, RECOVERED, FAILED, NOT_MEASURED, UNSUPPORTED = (
+    "measured",
+    "recovered",
+    "failed",
+    "not_measured",
+    "unsupported",
+)
 # Run and arm statuses, besides MEASURED and FAILED.
 RUNNING, FINISHED, INTERRUPTED = "running", "finished", "interrupted"
 
@@ -45,7 +51,7 @@ RUNNING, FINISHED, INTERRUPTED = "running", "finished", "interrupted"
 class Attempt:
     attempt: int
     ok: bool
-    error: Optional[str]
+    error: str | None
     wall_s: float
     requests: list[RequestRecord]
 
@@ -54,10 +60,10 @@ class Attempt:
 class Cell:
     phase: str
     status: str = NOT_MEASURED
-    reason: Optional[str] = None  # why failed / not measured / unsupported
+    reason: str | None = None  # why failed / not measured / unsupported
     attempts: list[Attempt] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
-    stderr_tail: Optional[str] = None  # a failed cell: the server's stderr when it failed
+    stderr_tail: str | None = None  # a failed cell: the server's stderr when it failed
 
 
 @dataclass
@@ -66,15 +72,15 @@ class ArmRun:
     command: list[str]
     env: dict[str, str]
     status: str = NOT_MEASURED  # running | measured | failed (could not start, died, hung) | interrupted
-    error: Optional[str] = None
-    load_to_ready_s: Optional[float] = None
-    peak_rss_bytes: Optional[int] = None
+    error: str | None = None
+    load_to_ready_s: float | None = None
+    peak_rss_bytes: int | None = None
     rss_samples: list[tuple[float, int]] = field(default_factory=list)
     stderr_tail: str = ""
-    kernels: Optional[dict[str, Any]] = None  # an engine arm's KernelSet record, from its /stats
-    quality: Optional[dict[str, Any]] = None  # an engine arm's held-out perplexity (harness.quality.held_out_score)
-    device_memory: Optional[dict[str, Any]] = None  # an engine server's MLX memory at the end (/stats `memory`)
-    endpoint: Optional[dict[str, Any]] = None  # a server the harness did not start: its url and model id
+    kernels: dict[str, Any] | None = None  # an engine arm's KernelSet record, from its /stats
+    quality: dict[str, Any] | None = None  # an engine arm's held-out perplexity (harness.quality.held_out_score)
+    device_memory: dict[str, Any] | None = None  # an engine server's MLX memory at the end (/stats `memory`)
+    endpoint: dict[str, Any] | None = None  # a server the harness did not start: its url and model id
     cells: list[Cell] = field(default_factory=list)
 
 
@@ -84,7 +90,7 @@ class ModelRun:
     model_dir: str
     manifest_sha256: str
     workload_sha256: str
-    workload_path: Optional[str]
+    workload_path: str | None
     block: int = 0  # trials: the paired block; a plain run has one block
     workload_seed: int = 0
     arm_order: list[str] = field(default_factory=list)
@@ -115,7 +121,7 @@ class RunRecord:
     run_id: str
     created: str
     kind: str  # "run" | "trials"
-    label: Optional[str]
+    label: str | None
     diagnostic: bool
     settings: dict[str, Any]
     provenance: dict[str, Any]
@@ -125,7 +131,7 @@ class RunRecord:
     models: list[ModelRun] = field(default_factory=list)
     finished: bool = False
     status: str = RUNNING  # running | finished | interrupted | failed
-    error: Optional[str] = None  # why a run did not finish ("interrupted by SIGTERM")
+    error: str | None = None  # why a run did not finish ("interrupted by SIGTERM")
 
     def to_json(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, **_jsonable(self)}
@@ -142,21 +148,67 @@ def write_json(record: RunRecord, path: Path) -> None:
 
 
 def _m1_initial(db: sqlite_utils.Database) -> None:
-    db["runs"].create({"run_id": str, "created": str, "kind": str, "label": str, "diagnostic": int,
-                       "json_path": str, "git_commit": str, "source_tree_sha256": str, "host": str,
-                       "provenance": str, "settings": str, "preflight": str, "finished": int}, pk="run_id")
+    db["runs"].create(
+        {
+            "run_id": str,
+            "created": str,
+            "kind": str,
+            "label": str,
+            "diagnostic": int,
+            "json_path": str,
+            "git_commit": str,
+            "source_tree_sha256": str,
+            "host": str,
+            "provenance": str,
+            "settings": str,
+            "preflight": str,
+            "finished": int,
+        },
+        pk="run_id",
+    )
     keys = {"run_id": str, "block": int, "model": str, "arm": str}
-    db["arms"].create({**keys, "command": str, "load_to_ready_s": float, "peak_rss_bytes": int, "status": str,
-                       "error": str, "stderr_tail": str, "workload_sha256": str, "manifest_sha256": str},
-                      pk=("run_id", "block", "model", "arm"))
-    db["cells"].create({**keys, "phase": str, "status": str, "reason": str, "attempts": int, "metrics": str},
-                       pk=("run_id", "block", "model", "arm", "phase"))
-    db["requests"].create({**keys, "phase": str, "attempt": int, "idx": int, "ok": int, "error": str,
-                           "sent_at": float, "headers_ms": float, "first_byte_ms": float, "ttft_ms": float,
-                           "tpot_ms": float, "e2el_ms": float, "itl_ms": str, "output_tokens": int,
-                           "prompt_tokens": int, "prompt_tokens_sent": int, "cached_tokens": int,
-                           "finish_reason": str, "output_sha256": str},
-                          pk=("run_id", "block", "model", "arm", "phase", "attempt", "idx"))
+    db["arms"].create(
+        {
+            **keys,
+            "command": str,
+            "load_to_ready_s": float,
+            "peak_rss_bytes": int,
+            "status": str,
+            "error": str,
+            "stderr_tail": str,
+            "workload_sha256": str,
+            "manifest_sha256": str,
+        },
+        pk=("run_id", "block", "model", "arm"),
+    )
+    db["cells"].create(
+        {**keys, "phase": str, "status": str, "reason": str, "attempts": int, "metrics": str},
+        pk=("run_id", "block", "model", "arm", "phase"),
+    )
+    db["requests"].create(
+        {
+            **keys,
+            "phase": str,
+            "attempt": int,
+            "idx": int,
+            "ok": int,
+            "error": str,
+            "sent_at": float,
+            "headers_ms": float,
+            "first_byte_ms": float,
+            "ttft_ms": float,
+            "tpot_ms": float,
+            "e2el_ms": float,
+            "itl_ms": str,
+            "output_tokens": int,
+            "prompt_tokens": int,
+            "prompt_tokens_sent": int,
+            "cached_tokens": int,
+            "finish_reason": str,
+            "output_sha256": str,
+        },
+        pk=("run_id", "block", "model", "arm", "phase", "attempt", "idx"),
+    )
     db["samples"].create({**keys, "t_s": float, "rss_bytes": int})
     db["samples"].create_index(["run_id", "model", "arm"])
 
@@ -168,9 +220,21 @@ def _m2_arm_kernels(db: sqlite_utils.Database) -> None:
 def _m3_fault_records(db: sqlite_utils.Database) -> None:
     db["runs"].add_column("status", str)
     db["runs"].add_column("error", str)
-    db["models"].create({"run_id": str, "block": int, "model": str, "model_dir": str, "manifest_sha256": str,
-                         "workload_sha256": str, "workload_path": str, "workload_seed": int, "arm_order": str,
-                         "parity": str}, pk=("run_id", "block", "model"))  # fmt: skip
+    db["models"].create(
+        {
+            "run_id": str,
+            "block": int,
+            "model": str,
+            "model_dir": str,
+            "manifest_sha256": str,
+            "workload_sha256": str,
+            "workload_path": str,
+            "workload_seed": int,
+            "arm_order": str,
+            "parity": str,
+        },
+        pk=("run_id", "block", "model"),
+    )
     db["arms"].add_column("env", str)  # JSON
     db["cells"].add_column("wall_s", str)  # JSON: each attempt's wall seconds
     db["cells"].add_column("stderr_tail", str)
@@ -192,7 +256,14 @@ def _m6_external_arms(db: sqlite_utils.Database) -> None:
     db["arms"].add_column("endpoint", str)  # JSON: an external server's url and model id
 
 
-MIGRATIONS = [_m1_initial, _m2_arm_kernels, _m3_fault_records, _m4_arm_quality, _m5_stability, _m6_external_arms]  # append only; each runs once, in order
+MIGRATIONS = [
+    _m1_initial,
+    _m2_arm_kernels,
+    _m3_fault_records,
+    _m4_arm_quality,
+    _m5_stability,
+    _m6_external_arms,
+]  # append only; each runs once, in order
 
 
 def open_db(path: Path) -> sqlite_utils.Database:
@@ -215,21 +286,45 @@ REQUEST_KEYS = (*CELL_KEYS, "attempt", "idx")
 
 def db_run(db: sqlite_utils.Database, record: RunRecord, json_path: Path) -> None:
     p = record.provenance
-    db["runs"].upsert({"run_id": record.run_id, "created": record.created, "kind": record.kind,
-                       "label": record.label, "diagnostic": int(record.diagnostic), "json_path": str(json_path),
-                       "git_commit": p.get("git_commit"), "source_tree_sha256": p.get("source_tree_sha256"),
-                       "host": p.get("host"), "provenance": json.dumps(p), "settings": json.dumps(record.settings),
-                       "preflight": json.dumps(record.preflight), "finished": int(record.finished),
-                       "preflight_end": json.dumps(record.preflight_end),
-                       "status": record.status, "error": record.error}, pk="run_id")  # fmt: skip
+    db["runs"].upsert(
+        {
+            "run_id": record.run_id,
+            "created": record.created,
+            "kind": record.kind,
+            "label": record.label,
+            "diagnostic": int(record.diagnostic),
+            "json_path": str(json_path),
+            "git_commit": p.get("git_commit"),
+            "source_tree_sha256": p.get("source_tree_sha256"),
+            "host": p.get("host"),
+            "provenance": json.dumps(p),
+            "settings": json.dumps(record.settings),
+            "preflight": json.dumps(record.preflight),
+            "finished": int(record.finished),
+            "preflight_end": json.dumps(record.preflight_end),
+            "status": record.status,
+            "error": record.error,
+        },
+        pk="run_id",
+    )
 
 
 def db_model(db: sqlite_utils.Database, run_id: str, model: ModelRun) -> None:
-    db["models"].upsert({"run_id": run_id, "block": model.block, "model": model.model, "model_dir": model.model_dir,
-                         "manifest_sha256": model.manifest_sha256, "workload_sha256": model.workload_sha256,
-                         "workload_path": model.workload_path, "workload_seed": model.workload_seed,
-                         "arm_order": json.dumps(model.arm_order), "parity": json.dumps(model.parity)},
-                        pk=("run_id", "block", "model"))  # fmt: skip
+    db["models"].upsert(
+        {
+            "run_id": run_id,
+            "block": model.block,
+            "model": model.model,
+            "model_dir": model.model_dir,
+            "manifest_sha256": model.manifest_sha256,
+            "workload_sha256": model.workload_sha256,
+            "workload_path": model.workload_path,
+            "workload_seed": model.workload_seed,
+            "arm_order": json.dumps(model.arm_order),
+            "parity": json.dumps(model.parity),
+        },
+        pk=("run_id", "block", "model"),
+    )
 
 
 def db_cell(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, cell: Cell) -> None:
@@ -239,21 +334,48 @@ def db_cell(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, c
 
 def _cell_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: str, cell: Cell) -> None:
     keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm}
-    db["cells"].upsert({**keys, "phase": cell.phase, "status": cell.status, "reason": cell.reason,
-                        "attempts": len(cell.attempts), "metrics": json.dumps(cell.metrics),
-                        "wall_s": json.dumps([a.wall_s for a in cell.attempts]), "stderr_tail": cell.stderr_tail},
-                       pk=CELL_KEYS)  # fmt: skip
+    db["cells"].upsert(
+        {
+            **keys,
+            "phase": cell.phase,
+            "status": cell.status,
+            "reason": cell.reason,
+            "attempts": len(cell.attempts),
+            "metrics": json.dumps(cell.metrics),
+            "wall_s": json.dumps([a.wall_s for a in cell.attempts]),
+            "stderr_tail": cell.stderr_tail,
+        },
+        pk=CELL_KEYS,
+    )
     rows = []
     for a in cell.attempts:
         for r in a.requests:
-            rows.append({**keys, "phase": cell.phase, "attempt": a.attempt, "idx": r.index, "ok": int(r.ok),
-                         "error": r.error, "sent_at": r.sent_at, "headers_ms": r.headers_ms,
-                         "first_byte_ms": r.first_byte_ms, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
-                         "e2el_ms": r.e2el_ms, "itl_ms": json.dumps(r.itl_ms), "output_tokens": r.output_tokens,
-                         "prompt_tokens": r.prompt_tokens, "prompt_tokens_sent": r.prompt_tokens_sent,
-                         "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
-                         "output_sha256": r.output_sha256, "timeout_kind": r.timeout_kind,
-                         "status_code": r.status_code, "prompt_sha256": r.prompt_sha256})  # fmt: skip
+            rows.append(
+                {
+                    **keys,
+                    "phase": cell.phase,
+                    "attempt": a.attempt,
+                    "idx": r.index,
+                    "ok": int(r.ok),
+                    "error": r.error,
+                    "sent_at": r.sent_at,
+                    "headers_ms": r.headers_ms,
+                    "first_byte_ms": r.first_byte_ms,
+                    "ttft_ms": r.ttft_ms,
+                    "tpot_ms": r.tpot_ms,
+                    "e2el_ms": r.e2el_ms,
+                    "itl_ms": json.dumps(r.itl_ms),
+                    "output_tokens": r.output_tokens,
+                    "prompt_tokens": r.prompt_tokens,
+                    "prompt_tokens_sent": r.prompt_tokens_sent,
+                    "cached_tokens": r.cached_tokens,
+                    "finish_reason": r.finish_reason,
+                    "output_sha256": r.output_sha256,
+                    "timeout_kind": r.timeout_kind,
+                    "status_code": r.status_code,
+                    "prompt_sha256": r.prompt_sha256,
+                }
+            )
     db["requests"].upsert_all(rows, pk=REQUEST_KEYS)
 
 
@@ -265,15 +387,25 @@ def db_arm(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun)
 
 def _arm_rows(db: sqlite_utils.Database, run_id: str, model: ModelRun, arm: ArmRun) -> None:
     keys = {"run_id": run_id, "block": model.block, "model": model.model, "arm": arm.arm}
-    db["arms"].upsert({**keys, "command": json.dumps(arm.command), "env": json.dumps(arm.env),
-                       "load_to_ready_s": arm.load_to_ready_s, "peak_rss_bytes": arm.peak_rss_bytes,
-                       "status": arm.status, "error": arm.error, "stderr_tail": arm.stderr_tail,
-                       "workload_sha256": model.workload_sha256, "manifest_sha256": model.manifest_sha256,
-                       "kernels": None if arm.kernels is None else json.dumps(arm.kernels),
-                       "quality": None if arm.quality is None else json.dumps(arm.quality),
-                       "device_memory": None if arm.device_memory is None else json.dumps(arm.device_memory),
-                       "endpoint": None if arm.endpoint is None else json.dumps(arm.endpoint)},
-                      pk=ARM_KEYS)  # fmt: skip
+    db["arms"].upsert(
+        {
+            **keys,
+            "command": json.dumps(arm.command),
+            "env": json.dumps(arm.env),
+            "load_to_ready_s": arm.load_to_ready_s,
+            "peak_rss_bytes": arm.peak_rss_bytes,
+            "status": arm.status,
+            "error": arm.error,
+            "stderr_tail": arm.stderr_tail,
+            "workload_sha256": model.workload_sha256,
+            "manifest_sha256": model.manifest_sha256,
+            "kernels": None if arm.kernels is None else json.dumps(arm.kernels),
+            "quality": None if arm.quality is None else json.dumps(arm.quality),
+            "device_memory": None if arm.device_memory is None else json.dumps(arm.device_memory),
+            "endpoint": None if arm.endpoint is None else json.dumps(arm.endpoint),
+        },
+        pk=ARM_KEYS,
+    )
     db["samples"].delete_where("run_id = ? and block = ? and model = ? and arm = ?", list(keys.values()))
     db["samples"].insert_all({**keys, "t_s": t, "rss_bytes": b} for t, b in arm.rss_samples)
 

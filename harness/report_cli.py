@@ -84,10 +84,17 @@ def cmd_db_list(args: argparse.Namespace) -> int:
     for r in db.query("select * from runs order by created desc"):
         arms = list(db.query("select distinct model, arm from arms where run_id = ?", [r["run_id"]]))
         models = sorted({a["model"] for a in arms})
-        cells = [r["run_id"], r["created"], r["kind"] + (" (diagnostic)" if r["diagnostic"] else ""),
-                 r["label"] or "-", r["host"] or "-", (r["git_commit"] or "")[:10],
-                 f"{', '.join(models)} / {len({a['arm'] for a in arms})}",
-                 r.get("status") or ("finished" if r["finished"] else "unfinished"), r["json_path"] or "-"]  # fmt: skip
+        cells = [
+            r["run_id"],
+            r["created"],
+            r["kind"] + (" (diagnostic)" if r["diagnostic"] else ""),
+            r["label"] or "-",
+            r["host"] or "-",
+            (r["git_commit"] or "")[:10],
+            f"{', '.join(models)} / {len({a['arm'] for a in arms})}",
+            r.get("status") or ("finished" if r["finished"] else "unfinished"),
+            r["json_path"] or "-",
+        ]
         table.add_row(*(escape(str(c)) for c in cells))  # labels and names are text, not rich markup
     stdout.print(table)
     return 0

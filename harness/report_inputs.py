@@ -12,7 +12,7 @@ another's.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from harness import stats
 from harness.records import SCHEMA_VERSION
@@ -20,7 +20,7 @@ from harness.records import SCHEMA_VERSION
 RUN, NATIVE, SPEC, QUALITY = "run", "native", "spec", "quality"
 
 
-def kind_of(data: Any) -> Optional[str]:
+def kind_of(data: Any) -> str | None:
     """Which harness command wrote `data` (None: none of them)."""
     if isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION and "models" in data:
         return RUN
@@ -34,7 +34,7 @@ def kind_of(data: Any) -> Optional[str]:
     return None
 
 
-def _paired(metric: str, ratios: list, higher_is_better: bool = True) -> Optional[dict]:
+def _paired(metric: str, ratios: list, higher_is_better: bool = True) -> dict | None:
     """The verdict of alternating samples' ratios (one a sample, each its own block)."""
     ratios = [r for r in ratios or [] if r and r > 0]
     if not ratios:
@@ -47,23 +47,47 @@ def native_view(file: str, data: list[dict]) -> list[dict]:
     rows = []
     for x in data:
         e, m = x["engine"], x["mlx_lm"]
-        rows.append({"file": file, "model": x["model"], "device": x.get("device"), "machine": x.get("machine"),
-                     "prompt_tokens": x.get("prompt_tokens"), "decode_tokens": x.get("decode_tokens"),
-                     "tier": (x.get("kernels") or {}).get("tier"), "tokens_identical": x.get("tokens_identical"),
-                     "engine": e, "mlx_lm": m,
-                     "decode": _paired("decode tok/s", x.get("paired_decode_ratios")),
-                     "prefill": _paired("prefill tok/s", x.get("paired_prefill_ratios"))})  # fmt: skip
+        rows.append(
+            {
+                "file": file,
+                "model": x["model"],
+                "device": x.get("device"),
+                "machine": x.get("machine"),
+                "prompt_tokens": x.get("prompt_tokens"),
+                "decode_tokens": x.get("decode_tokens"),
+                "tier": (x.get("kernels") or {}).get("tier"),
+                "tokens_identical": x.get("tokens_identical"),
+                "engine": e,
+                "mlx_lm": m,
+                "decode": _paired("decode tok/s", x.get("paired_decode_ratios")),
+                "prefill": _paired("prefill tok/s", x.get("paired_prefill_ratios")),
+            }
+        )
     return rows
 
 
 def spec_view(file: str, data: dict) -> dict:
     """A `harness spec` file: its arms against plain decoding."""
-    return {"file": file, "model": data["model"], "device": data.get("device"), "config": data.get("config") or {},
-            "arms": [{"arm": a["arm"], "draft": a.get("draft"), "decode_tps": a.get("median_decode_tps"),
-                      "ttft_ms": a.get("median_ttft_ms"), "ratio": a.get("decode_ratio_vs_plain"),
-                      "paired": a.get("paired"), "acceptance": (a.get("spec") or {}).get("acceptance"),
-                      "tokens_per_forward": (a.get("spec") or {}).get("tokens_per_target_forward"),
-                      "same_tokens": all(a.get("same_tokens") or [True])} for a in data["arms"]]}  # fmt: skip
+    return {
+        "file": file,
+        "model": data["model"],
+        "device": data.get("device"),
+        "config": data.get("config") or {},
+        "arms": [
+            {
+                "arm": a["arm"],
+                "draft": a.get("draft"),
+                "decode_tps": a.get("median_decode_tps"),
+                "ttft_ms": a.get("median_ttft_ms"),
+                "ratio": a.get("decode_ratio_vs_plain"),
+                "paired": a.get("paired"),
+                "acceptance": (a.get("spec") or {}).get("acceptance"),
+                "tokens_per_forward": (a.get("spec") or {}).get("tokens_per_target_forward"),
+                "same_tokens": all(a.get("same_tokens") or [True]),
+            }
+            for a in data["arms"]
+        ],
+    }
 
 
 def quality_view(file: str, data: list[dict]) -> list[dict]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
@@ -34,7 +34,7 @@ COLORS = ("#2a5db0", "#b0482a", "#2c8a3b", "#7a3fa0", "#b08a1a", "#3a8f9e", "#55
 PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
 
 # {arm: [(concurrency or offered rate, [the value in each repetition]), ...]}
-Series = dict[str, list[tuple[float, list[Optional[float]]]]]
+Series = dict[str, list[tuple[float, list[float | None]]]]
 TICK_SIZE = 8
 WIDTH_IN, HEIGHT_IN = 11.0, 3.6  # every figure: two panels, the page's width (the template scales it to 100%)
 
@@ -69,8 +69,14 @@ def _finish(fig: Figure, axes: Sequence, styles: bool = False) -> str:
         for pct, style in PERCENTILE_STYLES:
             handles[pct] = Line2D([], [], color="#333333", linestyle=style, linewidth=1.4)
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 6),
-                   fontsize=TICK_SIZE, frameon=False)  # fmt: skip
+        fig.legend(
+            list(handles.values()),
+            list(handles),
+            loc="outside lower center",
+            ncol=min(len(handles), 6),
+            fontsize=TICK_SIZE,
+            frameon=False,
+        )
     return svg(fig)
 
 
@@ -90,7 +96,7 @@ def _concurrency_axis(ax, levels: Sequence[int]) -> None:
     ax.set_xlabel("concurrent requests", fontsize=9)
 
 
-def _center(values: Sequence[Optional[float]]) -> Optional[float]:
+def _center(values: Sequence[float | None]) -> float | None:
     kept = [v for v in values if v is not None and v > 0]
     return math.exp(sum(math.log(v) for v in kept) / len(kept)) if kept else None
 
@@ -103,22 +109,37 @@ def _lines(ax, series: Series, arms: Sequence[str], style: str = "-", label: boo
         if not points:
             continue
         xs = [x for x, _, _ in points]
-        ax.plot(xs, [c for _, c, _ in points], style, color=color, marker="o", markersize=4, linewidth=1.4,
-                label=arm if label else None)  # fmt: skip
+        ax.plot(
+            xs,
+            [c for _, c, _ in points],
+            style,
+            color=color,
+            marker="o",
+            markersize=4,
+            linewidth=1.4,
+            label=arm if label else None,
+        )
         if band and any(len(vs) > 1 for _, _, vs in points):
-            ax.fill_between(xs, [min(vs) for _, _, vs in points], [max(vs) for _, _, vs in points], color=color,
-                            alpha=0.18, linewidth=0)  # fmt: skip
+            ax.fill_between(
+                xs,
+                [min(vs) for _, _, vs in points],
+                [max(vs) for _, _, vs in points],
+                color=color,
+                alpha=0.18,
+                linewidth=0,
+            )
 
 
-def throughput(aggregate: Series, per_request: Series) -> Optional[str]:
+def throughput(aggregate: Series, per_request: Series) -> str | None:
     """Aggregate and per-request output tok/s against concurrency; None without concurrency cells."""
     arms = list(dict.fromkeys([*aggregate, *per_request]))
     levels = sorted({c for s in (aggregate, per_request) for pts in s.values() for c, _ in pts})
     if not levels:
         return None
     fig, axes = _figure(2)
-    for ax, series, title in zip(axes, (aggregate, per_request), ("aggregate output tok/s",
-                                                                  "per-request tok/s (median 1000 / TPOT)")):  # fmt: skip
+    for ax, series, title in zip(
+        axes, (aggregate, per_request), ("aggregate output tok/s", "per-request tok/s (median 1000 / TPOT)")
+    ):
         _lines(ax, series, arms)
         _concurrency_axis(ax, levels)
         ax.set_ylabel("tok/s", fontsize=9)
@@ -137,7 +158,7 @@ def _percentiles(ax, by_pct: dict[str, Series], arms: Sequence[str]) -> None:
     ax.set_ylabel("ms (log scale)", fontsize=9)
 
 
-def latency(ttft: dict[str, Series], tpot: dict[str, Series]) -> Optional[str]:
+def latency(ttft: dict[str, Series], tpot: dict[str, Series]) -> str | None:
     """TTFT and TPOT percentiles against concurrency: {percentile: {arm: [(C, [ms])]}} for each."""
     arms = list(dict.fromkeys(a for d in (ttft, tpot) for s in d.values() for a in s))
     levels = sorted({c for d in (ttft, tpot) for s in d.values() for pts in s.values() for c, _ in pts})
@@ -151,7 +172,7 @@ def latency(ttft: dict[str, Series], tpot: dict[str, Series]) -> Optional[str]:
     return _finish(fig, axes, styles=True)
 
 
-def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
+def cdf(samples: dict[str, dict[str, list[float]]]) -> str | None:
     """{arm: {"TTFT ms": [...], "TPOT ms": [...]}}: each metric's empirical CDF, one curve an arm."""
     metrics = list(dict.fromkeys(m for d in samples.values() for m, v in d.items() if v))
     if not metrics:
@@ -163,19 +184,27 @@ def cdf(samples: dict[str, dict[str, list[float]]]) -> Optional[str]:
         for (arm, by_metric), color in zip(samples.items(), itertools.cycle(COLORS)):
             values = sorted(v for v in by_metric.get(name, []) if v is not None and v > 0)
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=color,
-                        linewidth=1.4, label=arm)  # fmt: skip
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    color=color,
+                    linewidth=1.4,
+                    label=arm,
+                )
         ax.set_xscale("log")
         _plain_log(ax.xaxis)
         ax.set_xlabel(f"{name} (log scale)", fontsize=9)
         ax.set_ylabel("share of requests", fontsize=9)
         ax.set_ylim(0, 1.02)
-        counts = ", ".join(f"{arm} {sum(v is not None and v > 0 for v in d.get(name, []))}" for arm, d in samples.items())
+        counts = ", ".join(
+            f"{arm} {sum(v is not None and v > 0 for v in d.get(name, []))}" for arm, d in samples.items()
+        )
         ax.set_title(f"{name.split()[0]} distribution (requests: {counts})", fontsize=10)
     return _finish(fig, axes[: len(metrics)])
 
 
-def rates(output: Series, ttft: dict[str, Series]) -> Optional[str]:
+def rates(output: Series, ttft: dict[str, Series]) -> str | None:
     """Output tok/s and TTFT p50 / p90 / p99 against the offered requests/s: where throughput flattens while
     latency climbs, the server saturated."""
     arms = list(dict.fromkeys([*output, *(a for s in ttft.values() for a in s)]))

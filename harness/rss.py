@@ -43,7 +43,7 @@ class RssSampler:
                 self.samples.append((round(time.perf_counter() - self._start, 3), rss))
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 

@@ -65,19 +65,19 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
 import numpy as np
 
 from harness import counters, provenance
-from harness.arrivals import is_burst, measured, offsets, rate_of_phase, saturated
 from harness.arms import ArmSpec
+from harness.arrivals import is_burst, measured, offsets, rate_of_phase, saturated
 from harness.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
 from harness.metrics import summarize
 from harness.records import (
@@ -114,8 +114,19 @@ from harness.servers import (
     start_server,
     tail,
 )
-from harness.workloads import (ATTEMPTS, CHAT, MULTITURN, PREFIX, STAGGERED, Workload, WorkloadSettings, load_or_build,
-                               phase_names, tokenizer_for, with_run_nonce)
+from harness.workloads import (
+    ATTEMPTS,
+    CHAT,
+    MULTITURN,
+    PREFIX,
+    STAGGERED,
+    Workload,
+    WorkloadSettings,
+    load_or_build,
+    phase_names,
+    tokenizer_for,
+    with_run_nonce,
+)
 
 Log = Callable[[str], None]
 
@@ -123,8 +134,10 @@ STOP_GRACE_S = 20  # a healthy server's time to exit after SIGTERM
 QUICK_STOP_S = 2  # a hung server's, or any server's once the run is interrupted
 CELL_STDERR_CHARS = 2000
 # what an engine server first ran or compiled after ready, recorded per cell (`servers.since_ready`), as logged
-SINCE_READY = (("new_shapes", "forward shapes new since ready"),
-               ("compiled_modules", "kernel modules compiled during the cell"))
+SINCE_READY = (
+    ("new_shapes", "forward shapes new since ready"),
+    ("compiled_modules", "kernel modules compiled during the cell"),
+)
 INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
@@ -146,12 +159,12 @@ class Interrupts:
     server, writing the records) a signal waits until the block ends. Not installed, both are no-ops."""
 
     def __init__(self) -> None:
-        self.fired: Optional[int] = None
-        self._pending: Optional[int] = None
+        self.fired: int | None = None
+        self._pending: int | None = None
         self._depth = 0
 
     @contextmanager
-    def installed(self, signums: Sequence[int] = INTERRUPT_SIGNALS) -> Iterator["Interrupts"]:
+    def installed(self, signums: Sequence[int] = INTERRUPT_SIGNALS) -> Iterator[Interrupts]:
         previous = {s: signal.signal(s, self._handler) for s in signums}
         try:
             yield self
@@ -197,17 +210,22 @@ class RunSettings:
     slo_target: float = 0.9  # the SLO attainment the summary's highest sustained rate must keep
     quality_tokens: int = 512  # held-out tokens an engine arm's perplexity is measured on, in process (0: none)
     burstiness: float = 1.0  # rate cells' gamma shape: 1 Poisson, below 1 burstier
-    max_concurrency: Optional[int] = None  # rate cells: requests in flight at most (None: as they arrive)
+    max_concurrency: int | None = None  # rate cells: requests in flight at most (None: as they arrive)
     sweep: bool = False  # rate cells stop at the arm's saturation point
     stagger_s: float = 2.0  # the staggered cell's gap between arrivals
     # opens the prompts of the servers the harness did not start (`workloads.with_run_nonce`); None: the Runner
     # draws one, so that no run finds them in a cache an earlier run filled; an earlier run's sends its prompts again
-    run_nonce: Optional[str] = None
+    run_nonce: str | None = None
     cell_repeats: int = 1  # measures of each load cell: block 0 and the repetition blocks (`repetitions`)
 
     def output_tokens(self, phase: str) -> int:
-        return {"warmup": 8, "probe": self.probe_tokens, "cold": self.ttft_output_tokens,
-                "warm": self.ttft_output_tokens, "long": self.long_output_tokens}.get(phase, self.tokens)  # fmt: skip
+        return {
+            "warmup": 8,
+            "probe": self.probe_tokens,
+            "cold": self.ttft_output_tokens,
+            "warm": self.ttft_output_tokens,
+            "long": self.long_output_tokens,
+        }.get(phase, self.tokens)
 
     def repeats(self, phase: str) -> int:
         return self.decode_samples if phase == "decode" else 1
@@ -240,7 +258,7 @@ def blocks_of(kind: str, seeds: Sequence[int], arms: Sequence[ArmSpec], cell_rep
     return [Block(seeds[0], order(i), is_repetition=i > 0) for i in range(cell_repeats)]
 
 
-def progress_steps(settings: "RunSettings", blocks: Sequence[Block], targets: int) -> int:
+def progress_steps(settings: RunSettings, blocks: Sequence[Block], targets: int) -> int:
     """The phases a run will measure and the held-out scores it will take (`Runner(on_phase=...)` calls)."""
     steps = 0
     for block in blocks:
@@ -251,10 +269,21 @@ def progress_steps(settings: "RunSettings", blocks: Sequence[Block], targets: in
 
 
 class Runner:
-    def __init__(self, settings: RunSettings, out: Path, db_path: Path, *, kind: str = "run",
-                 label: Optional[str] = None, diagnostic: bool = False, preflight: Optional[dict] = None,
-                 log: Log = print, on_phase: Callable[[str], None] = lambda _: None,
-                 interrupts: Optional[Interrupts] = None, recheck: Optional[Callable[[], dict]] = None):  # fmt: skip
+    def __init__(
+        self,
+        settings: RunSettings,
+        out: Path,
+        db_path: Path,
+        *,
+        kind: str = "run",
+        label: str | None = None,
+        diagnostic: bool = False,
+        preflight: dict | None = None,
+        log: Log = print,
+        on_phase: Callable[[str], None] = lambda _: None,
+        interrupts: Interrupts | None = None,
+        recheck: Callable[[], dict] | None = None,
+    ):
         """`recheck`: the preflight check run again after every measured cell (its record goes into the cell's
         metrics as `preflight`) and once the last arm has stopped (`RunRecord.preflight_end`). Without a run nonce
         in `settings`, a random one (recorded with the settings)."""
@@ -268,7 +297,7 @@ class Runner:
         self.block_phases: dict[int, list[str]] = {}  # what each block measures (`Block.phases`)
         self.record = RunRecord(
             run_id=uuid.uuid4().hex[:12],
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
             kind=kind,
             label=label,
             diagnostic=diagnostic,
@@ -322,9 +351,16 @@ class Runner:
         wl_settings = replace(self.settings.workload, seed=block.seed)
         self.block_phases[b] = block.phases(wl_settings)
         workload, path = load_or_build(name, model_dir, wl_settings)
-        mrun = ModelRun(name, str(model_dir), provenance.manifest_sha256(model_dir), workload.sha256,
-                        str(path) if path else None, block=b, workload_seed=block.seed,
-                        arm_order=[a.name for a in block.arms])  # fmt: skip
+        mrun = ModelRun(
+            name,
+            str(model_dir),
+            provenance.manifest_sha256(model_dir),
+            workload.sha256,
+            str(path) if path else None,
+            block=b,
+            workload_seed=block.seed,
+            arm_order=[a.name for a in block.arms],
+        )
         self.record.models.append(mrun)
         db_model(self.db, self.record.run_id, mrun)
         nonced = None  # what the servers the harness did not start are sent; a repetition's nonce is its own
@@ -332,14 +368,27 @@ class Runner:
             nonce = self.settings.run_nonce + (f"{b:02x}" if block.is_repetition else "")
             nonced = with_run_nonce(workload, tokenizer_for(model_dir)[0], nonce)
         for arm in block.arms:
-            self._run_arm(mrun, arm, model_dir, nonced if arm.url else workload, self.block_phases[b],
-                          quality=not block.is_repetition)  # fmt: skip
+            self._run_arm(
+                mrun,
+                arm,
+                model_dir,
+                nonced if arm.url else workload,
+                self.block_phases[b],
+                quality=not block.is_repetition,
+            )
         _set_parity(mrun)
         db_model(self.db, self.record.run_id, mrun)
         self._save()
 
-    def _run_arm(self, mrun: ModelRun, spec: ArmSpec, model_dir: Path, workload: Workload, phases: list[str],
-                 quality: bool = True):  # fmt: skip
+    def _run_arm(
+        self,
+        mrun: ModelRun,
+        spec: ArmSpec,
+        model_dir: Path,
+        workload: Workload,
+        phases: list[str],
+        quality: bool = True,
+    ):
         port = free_port()
         arm = ArmRun(spec.name, spec.command(model_dir, port), spec.env, status=RUNNING)
         self.record.commands[spec.name] = arm.command
@@ -351,13 +400,25 @@ class Runner:
         try:
             if spec.url:  # a server someone else runs: its model's id goes into every request
                 server = ExternalServer.connect(spec.url)
-                arm.endpoint = {"url": server.url, "model_id": server.model_id, "run_nonce": workload.run_nonce,
-                                "workload_sha256": workload.sha256}  # fmt: skip
-                spec = replace(spec, extra_body={**spec.extra_body, **({"model": server.model_id} if server.model_id else {})})
+                arm.endpoint = {
+                    "url": server.url,
+                    "model_id": server.model_id,
+                    "run_nonce": workload.run_nonce,
+                    "workload_sha256": workload.sha256,
+                }
+                spec = replace(
+                    spec, extra_body={**spec.extra_body, **({"model": server.model_id} if server.model_id else {})}
+                )
             else:
-                server = start_server(arm.command, port, timeout_s=self.settings.server_timeout_s, env=spec.env,
-                                      probe=spec.probe, on_launch=self.servers.append,
-                                      spawning=self.interrupts.deferred)  # fmt: skip
+                server = start_server(
+                    arm.command,
+                    port,
+                    timeout_s=self.settings.server_timeout_s,
+                    env=spec.env,
+                    probe=spec.probe,
+                    on_launch=self.servers.append,
+                    spawning=self.interrupts.deferred,
+                )
                 arm.load_to_ready_s = round(server.load_to_ready_s, 3)
             self._measure(mrun, arm, spec, server, workload, phases, quality)
         except ServerStartError as e:
@@ -377,8 +438,16 @@ class Runner:
                     arm.status = MEASURED
                 self._finish_arm(mrun, arm)
 
-    def _measure(self, mrun: ModelRun, arm: ArmRun, spec: ArmSpec, server: ServerProcess, workload: Workload,
-                 phases: list[str], quality: bool = True) -> None:  # fmt: skip
+    def _measure(
+        self,
+        mrun: ModelRun,
+        arm: ArmRun,
+        spec: ArmSpec,
+        server: ServerProcess,
+        workload: Workload,
+        phases: list[str],
+        quality: bool = True,
+    ) -> None:
         timeouts = self.settings.timeouts
         rss = RssSampler(server.proc.pid) if server.proc is not None else None  # an external server: not ours to sample
         try:
@@ -405,7 +474,10 @@ class Runner:
                             cell.metrics[key] = after[key] - before[key]
                             if after[key] > before[key] and phase != "warmup":  # CUDA compiles a new shape, a CPU not
                                 gpu = key == "new_shapes" and self.record.provenance.get("gpu")
-                                self.log(f"  {phase}: {after[key] - before[key]} {what}" + (" (compiled on CUDA)" if gpu else ""))
+                                self.log(
+                                    f"  {phase}: {after[key] - before[key]} {what}"
+                                    + (" (compiled on CUDA)" if gpu else "")
+                                )
                     if self.recheck is not None and cell.metrics:
                         cell.metrics["preflight"] = self.recheck()
                         for problem in cell.metrics["preflight"].get("problems") or ():
@@ -424,9 +496,13 @@ class Runner:
                         sweep_end = f"saturated at {phase.split('-', 1)[1]} req/s"
                         self.log(f"  {phase}: the arm saturated; higher rates not measured")
                     elif self.settings.sweep and phase.startswith("rate-") and _burst(cell):
-                        sweep_end = (f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
-                                      "within their median E2EL, so more --rate-requests are needed for higher rates")  # fmt: skip
-                        self.log(f"  {phase}: a burst (arrivals within a request's E2EL), not saturated; higher rates not measured")
+                        sweep_end = (
+                            f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
+                            "within their median E2EL, so more --rate-requests are needed for higher rates"
+                        )
+                        self.log(
+                            f"  {phase}: a burst (arrivals within a request's E2EL), not saturated; higher rates not measured"
+                        )
                 if spec.is_engine:
                     arm.device_memory = server_memory(client)
         finally:
@@ -516,22 +592,30 @@ class Runner:
         }
         median = lambda values: round(float(np.median(values)), 3)  # noqa: E731
         if phase.startswith("rate-"):
-            metrics |= {"offered_rate": rate_of_phase(phase), "burstiness": self.settings.burstiness,
-                        "max_concurrency": self.settings.max_concurrency, "measured_requests": [window.start, window.stop],
-                        "request_throughput": round(len(kept) / span, 4) if span > 0 else None}  # fmt: skip
+            metrics |= {
+                "offered_rate": rate_of_phase(phase),
+                "burstiness": self.settings.burstiness,
+                "max_concurrency": self.settings.max_concurrency,
+                "measured_requests": [window.start, window.stop],
+                "request_throughput": round(len(kept) / span, 4) if span > 0 else None,
+            }
         elif phase == MULTITURN:
             turns = self.settings.workload.turns
             by_turn = [records[t::turns] for t in range(turns)]
-            metrics |= {"turn_ttft_ms": [median([r.ttft_ms for r in rs]) for rs in by_turn],
-                        "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
-                        "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn]}  # fmt: skip
+            metrics |= {
+                "turn_ttft_ms": [median([r.ttft_ms for r in rs]) for rs in by_turn],
+                "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
+                "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn],
+            }
         elif phase in PREFILL_PHASES:
             metrics["median_prefill_tps"] = prefill_rate(kept)
         elif phase == PREFIX:
             size = self.settings.workload.prefix_group_size
             rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
-            metrics |= {"median_first_ttft_ms": median([r.ttft_ms for r in records[::size]]),
-                        "median_shared_ttft_ms": median(rest) if rest else None}  # fmt: skip
+            metrics |= {
+                "median_first_ttft_ms": median([r.ttft_ms for r in records[::size]]),
+                "median_shared_ttft_ms": median(rest) if rest else None,
+            }
         return metrics
 
     def _save(self) -> None:
@@ -542,10 +626,13 @@ class Runner:
 PREFILL_PHASES = ("cold", STAGGERED, "long")  # cells whose TTFT is mostly the prompt's prefill
 
 
-def prefill_rate(records: Sequence[RequestRecord]) -> Optional[float]:
+def prefill_rate(records: Sequence[RequestRecord]) -> float | None:
     """Median over the requests of their prompt tokens not served from a cache per second of TTFT."""
-    rates = [((r.prompt_tokens or r.prompt_tokens_sent) - (r.cached_tokens or 0)) / (r.ttft_ms / 1e3)
-             for r in records if r.ok and r.ttft_ms]  # fmt: skip
+    rates = [
+        ((r.prompt_tokens or r.prompt_tokens_sent) - (r.cached_tokens or 0)) / (r.ttft_ms / 1e3)
+        for r in records
+        if r.ok and r.ttft_ms
+    ]
     return round(float(np.median(rates)), 1) if rates else None
 
 
@@ -558,20 +645,36 @@ def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], time
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _requests(phase: str, attempt: int, prompts: list, max_tokens: int, extra_body: dict) -> list[tuple[dict, RequestRecord]]:
+def _requests(
+    phase: str, attempt: int, prompts: list, max_tokens: int, extra_body: dict
+) -> list[tuple[dict, RequestRecord]]:
     """(body, record) for each prompt: token ids to /v1/completions; a multi-turn chat's messages to the chat
     endpoint, where the server's template makes the prompt (no thinking block)."""
     common = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     if phase in (MULTITURN, CHAT):
-        return [({**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
-                 RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"]))))
-                for i, p in enumerate(prompts)]  # fmt: skip
-    return [({"prompt": p, **common, **extra_body}, RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)))
-            for i, p in enumerate(prompts)]  # fmt: skip
+        return [
+            (
+                {**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
+                RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"]))),
+            )
+            for i, p in enumerate(prompts)
+        ]
+    return [
+        (
+            {"prompt": p, **common, **extra_body},
+            RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
-def _open_loop(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], at: Sequence[float],
-               max_concurrency: Optional[int], timeouts: Timeouts) -> None:  # fmt: skip
+def _open_loop(
+    client: httpx.Client,
+    pairs: list[tuple[dict, RequestRecord]],
+    at: Sequence[float],
+    max_concurrency: int | None,
+    timeouts: Timeouts,
+) -> None:
     """Each request sent at its offset (s) from now, whatever the others are doing, at most `max_concurrency`
     in flight (a later arrival then waits its turn, and its TTFT counts the wait, as vLLM's does)."""
     start = time.perf_counter()
@@ -604,7 +707,9 @@ def _chats(client: httpx.Client, chats: list[list[tuple[dict, RequestRecord]]], 
 def _saturated(arm: ArmRun) -> bool:
     """Whether the arm's rate cells so far show it saturated (`arrivals.saturated`)."""
     cells = [c for c in arm.cells if c.phase.startswith("rate-") and c.status in (MEASURED, RECOVERED)]
-    return saturated([c.metrics.get("output_throughput") for c in cells], [c.metrics.get("median_ttft_ms") for c in cells])
+    return saturated(
+        [c.metrics.get("output_throughput") for c in cells], [c.metrics.get("median_ttft_ms") for c in cells]
+    )
 
 
 def _burst(cell: Cell) -> bool:
@@ -615,7 +720,7 @@ def _burst(cell: Cell) -> bool:
     return is_burst([r.sent_at for r in ok.requests], cell.metrics.get("median_e2el_ms"))
 
 
-def _server_gone(server: ServerProcess | ExternalServer, cell: Cell, timeouts: Timeouts) -> Optional[str]:
+def _server_gone(server: ServerProcess | ExternalServer, cell: Cell, timeouts: Timeouts) -> str | None:
     """Why the arm cannot go on after `cell` (its server died, or stopped answering); None if it can."""
     if not server.alive:
         return f"the server exited (status {server.proc.returncode})"
@@ -637,7 +742,7 @@ def _ended(e: BaseException, what: str, at: str = "") -> tuple[str, str]:
     return FAILED, f"{what} failed{at}: {type(e).__name__}: {e}"
 
 
-def server_kernels(client: httpx.Client) -> Optional[dict]:
+def server_kernels(client: httpx.Client) -> dict | None:
     """The kernel set an engine server reports in /stats (what runs, not what was asked); None if it does not say."""
     kernels = server_stats(client).get("kernels")
     return kernels if isinstance(kernels, dict) else None
@@ -676,16 +781,24 @@ def probe_parity(mrun: ModelRun, phase: str = "probe") -> dict:
             continue
         both_ids = rec.token_ids is not None and ref.token_ids is not None
         match = rec.token_ids == ref.token_ids if both_ids else _same_text(rec.text, ref.text)
-        verdicts[name] = {"match": match, "compared": "token ids" if both_ids else "text",
-                          "output_tokens": rec.output_tokens}  # fmt: skip
+        verdicts[name] = {
+            "match": match,
+            "compared": "token ids" if both_ids else "text",
+            "output_tokens": rec.output_tokens,
+        }
         if phase == CHAT:
-            verdicts[name] |= {"prompt_tokens": rec.prompt_tokens,
-                               "same_prompt_tokens": rec.prompt_tokens == ref.prompt_tokens}  # fmt: skip
+            verdicts[name] |= {
+                "prompt_tokens": rec.prompt_tokens,
+                "same_prompt_tokens": rec.prompt_tokens == ref.prompt_tokens,
+            }
             match = match and rec.prompt_tokens == ref.prompt_tokens
             verdicts[name]["match"] = match
         if not match:
             a, b = rec.text.removeprefix(" "), ref.text.removeprefix(" ")
             at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            verdicts[name] |= {"first_difference_at_char": at, "text": a[max(at - 40, 0) : at + 80],
-                               "reference_text": b[max(at - 40, 0) : at + 80]}  # fmt: skip
+            verdicts[name] |= {
+                "first_difference_at_char": at,
+                "text": a[max(at - 40, 0) : at + 80],
+                "reference_text": b[max(at - 40, 0) : at + 80],
+            }
     return {"reference": ref_name, "verdicts": verdicts}

@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from engine.engine import Engine
-from oracles.cases import frozen_prompt_ids
 from harness.native import geomean
 from harness.servers import engine_serve_command, free_port, start_server
+from oracles.cases import frozen_prompt_ids
 
 IN_PROCESS, SERVE_SERIAL, SERVE = "in-process", "serve --batch 1", "serve"
 
@@ -81,8 +81,13 @@ def _in_process(model_dir: Path, prompt: list[int], cfg: OverheadConfig) -> Run:
 
 
 def _served(client, prompt: list[int], cfg: OverheadConfig) -> Run:
-    body = {"prompt": prompt, "max_tokens": cfg.decode_tokens, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": cfg.decode_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
 
     def run():
         start, stamps, ids = time.perf_counter(), [], []

@@ -41,17 +41,24 @@ def cmd_server_overhead(args) -> int:
             same = arm.tokens == base.tokens
             identical &= same
             table.add_row(
-                name, arm.arm, f"{arm.median_ttft_ms:.1f}", f"{arm.median_ttft_ms / base.median_ttft_ms:.3f}",
-                f"{arm.median_decode_tps:.1f}", f"{arm.median_decode_tps / base.median_decode_tps:.3f}",
-                f"{paired_decode_ratio(arm, base):.3f}", f"{min(arm.decode_tps):.1f}-{max(arm.decode_tps):.1f}",
+                name,
+                arm.arm,
+                f"{arm.median_ttft_ms:.1f}",
+                f"{arm.median_ttft_ms / base.median_ttft_ms:.3f}",
+                f"{arm.median_decode_tps:.1f}",
+                f"{arm.median_decode_tps / base.median_decode_tps:.3f}",
+                f"{paired_decode_ratio(arm, base):.3f}",
+                f"{min(arm.decode_tps):.1f}-{max(arm.decode_tps):.1f}",
                 f"{arm.load_to_ready_s:.1f}" if arm.load_to_ready_s else "-",
                 "identical" if same else "[red]DIFFER[/]",
-            )  # fmt: skip
+            )
             records.append({"model": name, **asdict(arm)})
     out.print(table)
-    out.print("medians; ratio = arm / in-process; paired: geometric mean of per-round decode ratios (arms "
-              "alternate within each round); TTFT through a server is measured by the client (request sent -> "
-              "first token event)")
+    out.print(
+        "medians; ratio = arm / in-process; paired: geometric mean of per-round decode ratios (arms "
+        "alternate within each round); TTFT through a server is measured by the client (request sent -> "
+        "first token event)"
+    )
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
     return 0 if identical else 1

@@ -12,7 +12,6 @@ the server's process group (children whose parent already died).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 import os
 import signal
 import socket
@@ -20,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager, Optional, Sequence
 
 import httpx
 import psutil
@@ -52,21 +52,23 @@ def server_stats(client: httpx.Client) -> dict:
     return stats if isinstance(stats, dict) else {}
 
 
-def server_memory(client: httpx.Client) -> Optional[dict]:
+def server_memory(client: httpx.Client) -> dict | None:
     """An engine server's MLX memory (/stats `memory`: active, peak and cached bytes); None if it does not say."""
     memory = server_stats(client).get("memory")
     return memory if isinstance(memory, dict) else None
 
 
-def since_ready(client: httpx.Client) -> dict[str, Optional[int]]:
+def since_ready(client: httpx.Client) -> dict[str, int | None]:
     """What an engine server first ran or compiled after ready, from one /stats read: forward shapes
     (`new_shapes`), the engine's kernel builds (`kernel_builds`) and the modules written to its kernel cache
     directory, MLX's and the engine's (`compiled_modules`); each None where it does not say."""
     stats = server_stats(client)
     shapes, modules = stats.get("shapes"), stats.get("compiled_modules")
-    values = {"new_shapes": shapes.get("new_since_ready") if isinstance(shapes, dict) else None,
-              "kernel_builds": shapes.get("kernel_builds_since_ready") if isinstance(shapes, dict) else None,
-              "compiled_modules": modules.get("since_ready") if isinstance(modules, dict) else None}  # fmt: skip
+    values = {
+        "new_shapes": shapes.get("new_since_ready") if isinstance(shapes, dict) else None,
+        "kernel_builds": shapes.get("kernel_builds_since_ready") if isinstance(shapes, dict) else None,
+        "compiled_modules": modules.get("since_ready") if isinstance(modules, dict) else None,
+    }
     return {k: v if isinstance(v, int) else None for k, v in values.items()}
 
 
@@ -120,7 +122,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return False
 
-    def stop(self, grace_s: float = 20) -> Optional[int]:
+    def stop(self, grace_s: float = 20) -> int | None:
         """SIGTERM, up to `grace_s` to exit, then SIGKILL to the tree and the process group. Idempotent."""
         procs = self.tree()
         if self.proc.poll() is None:
@@ -148,7 +150,7 @@ class ServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -162,15 +164,15 @@ class ExternalServer:
     request names (servers such as vLLM require it)."""
 
     url: str
-    model_id: Optional[str] = None
+    model_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    load_to_ready_s: Optional[float] = None
+    load_to_ready_s: float | None = None
     proc = None
     stderr_path = Path(os.devnull)
     alive = True
 
     @classmethod
-    def connect(cls, url: str, timeout_s: float = 30) -> "ExternalServer":
+    def connect(cls, url: str, timeout_s: float = 30) -> ExternalServer:
         """The server at `url`, its model id read from /v1/models; ServerStartError when it does not answer."""
         server = cls(url.rstrip("/"))
         try:
@@ -189,7 +191,7 @@ class ExternalServer:
     def exited(self, within_s: float) -> bool:
         return False
 
-    def stop(self, grace_s: float = 20) -> Optional[int]:
+    def stop(self, grace_s: float = 20) -> int | None:
         return None
 
 
@@ -199,12 +201,12 @@ def start_server(
     *,
     host: str = "127.0.0.1",
     timeout_s: float = 600,
-    log_dir: Optional[Path] = None,
-    env: Optional[dict[str, str]] = None,
-    headers: Optional[dict[str, str]] = None,
-    probe: Optional[dict] = None,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    probe: dict | None = None,
     on_launch: Callable[[ServerProcess], None] = lambda _: None,
-    spawning: Callable[[], ContextManager] = nullcontext,
+    spawning: Callable[[], AbstractContextManager] = nullcontext,
 ) -> ServerProcess:
     """Launch `command` (which must listen on `port`) and wait until GET /health answers 200.
 
@@ -221,8 +223,9 @@ def start_server(
     try:
         with spawning():
             with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-                proc = subprocess.Popen(list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})},
-                                        start_new_session=True)  # fmt: skip
+                proc = subprocess.Popen(
+                    list(command), stdout=out, stderr=err, env={**os.environ, **(env or {})}, start_new_session=True
+                )
             server = ServerProcess(list(command), f"http://{host}:{port}", proc, log_dir, 0.0, dict(headers or {}))
             on_launch(server)
         _wait_ready(server, start, timeout_s, probe)
@@ -234,7 +237,7 @@ def start_server(
     return server
 
 
-def _wait_ready(server: ServerProcess, start: float, timeout_s: float, probe: Optional[dict]) -> None:
+def _wait_ready(server: ServerProcess, start: float, timeout_s: float, probe: dict | None) -> None:
     url, proc, deadline = server.url, server.proc, start + timeout_s
     while time.perf_counter() < deadline:
         if proc.poll() is not None:

@@ -28,14 +28,14 @@ acceptance; the trained models (`trained` tier) give a pair's real one.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 from engine.engine import Engine
 from engine.generate import generate
-from engine.speculative.config import SpecConfig, load_speculation
 from engine.request import StopCriteria
+from engine.speculative.config import SpecConfig, load_speculation
 from engine.speculative.stats import SpecStats
 from harness.native import _time, geomean
 from harness.stats import paired
@@ -47,8 +47,8 @@ PLAIN = "plain"
 @dataclass(frozen=True)
 class SpecArm:
     name: str
-    kind: Optional[str]  # None: plain decoding
-    draft: Optional[str] = None  # registry name of the draft model (kind "draft")
+    kind: str | None  # None: plain decoding
+    draft: str | None = None  # registry name of the draft model (kind "draft")
 
 
 def parse_arms(text: str, target: str) -> list[SpecArm]:
@@ -105,12 +105,12 @@ def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
 @dataclass
 class ArmResult:
     arm: str
-    kind: Optional[str]
-    draft: Optional[str]
+    kind: str | None
+    draft: str | None
     decode_tps: list[float] = field(default_factory=list)  # per block
     ttft_ms: list[float] = field(default_factory=list)
     same_tokens: list[bool] = field(default_factory=list)  # per block, vs plain
-    spec: Optional[dict] = None  # pooled SpecStats over the measured blocks
+    spec: dict | None = None  # pooled SpecStats over the measured blocks
 
     @property
     def median_decode_tps(self) -> float:
@@ -139,7 +139,13 @@ class SpecBenchResult:
         return paired("decode tok/s", self.ratios(arm), self.seeds)
 
     def as_record(self) -> dict:
-        out = {"model": self.model, "device": self.device, "config": asdict(self.config), "seeds": self.seeds, "arms": []}
+        out = {
+            "model": self.model,
+            "device": self.device,
+            "config": asdict(self.config),
+            "seeds": self.seeds,
+            "arms": [],
+        }
         for a in self.arms:
             rec = {**asdict(a), "median_decode_tps": a.median_decode_tps, "median_ttft_ms": a.median_ttft_ms}
             if a is not self.plain():
@@ -232,12 +238,14 @@ def markdown(result: SpecBenchResult) -> str:
         tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
         rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
         same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
-        lines.append(f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
-                     f"| {tpf} | {rep} | {same} |")  # fmt: skip
+        lines.append(
+            f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
+            f"| {tpf} | {rep} | {same} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def write(result: SpecBenchResult, json_path: Optional[Path], md_path: Optional[Path]) -> None:
+def write(result: SpecBenchResult, json_path: Path | None, md_path: Path | None) -> None:
     import json
 
     if json_path:

@@ -20,25 +20,41 @@ def add_spec(sub) -> None:
         "replays per round, the paired ratio against plain, and whether each arm's tokens equal plain's.",
     )
     p.add_argument("--model", default="small-qwen35", help="registry name of the target (default small-qwen35)")
-    p.add_argument("--arms", default="plain,self,draft:small-qwen35-draft,ngram,mtp",
-                   help="comma-separated arms (default plain,self,draft:small-qwen35-draft,ngram,mtp)")
+    p.add_argument(
+        "--arms",
+        default="plain,self,draft:small-qwen35-draft,ngram,mtp",
+        help="comma-separated arms (default plain,self,draft:small-qwen35-draft,ngram,mtp)",
+    )
     p.add_argument("--prompt-tokens", type=_positive, default=256, help="prompt length (default 256)")
     p.add_argument("--decode-tokens", type=_positive, default=128, help="tokens generated (default 128)")
     p.add_argument("--blocks", type=_positive, default=5, help="prompts, each run on every arm (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="warmup requests per arm (default 1)")
     p.add_argument("--num-draft", type=_positive, default=3, help="drafts per round (default 3)")
-    p.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed",
-                   help="drafts per round: fixed = always --num-draft (default: what drafting costs and gives); "
-                   "adaptive = as `engine serve` does by default")
-    p.add_argument("--rollback", choices=("trace", "replay"), default="trace",
-                   help="how recurrent layers undo rejected drafts (default trace; replay feeds kept tokens again)")
+    p.add_argument(
+        "--policy",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="drafts per round: fixed = always --num-draft (default: what drafting costs and gives); "
+        "adaptive = as `engine serve` does by default",
+    )
+    p.add_argument(
+        "--rollback",
+        choices=("trace", "replay"),
+        default="trace",
+        help="how recurrent layers undo rejected drafts (default trace; replay feeds kept tokens again)",
+    )
     p.add_argument("--seed", type=int, default=0, help="first block's prompt seed (default 0)")
-    p.add_argument("--text", choices=("corpus", "held-out"), default=None, help="prompts from the project's corpus "
-                   "or from the trained models' held-out Python source (default: held-out for a trained target, "
-                   "corpus otherwise)")
+    p.add_argument(
+        "--text",
+        choices=("corpus", "held-out"),
+        default=None,
+        help="prompts from the project's corpus "
+        "or from the trained models' held-out Python source (default: held-out for a trained target, "
+        "corpus otherwise)",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--md", type=Path, help="write a Markdown table here")
-    p.set_defaults(func=cmd_spec)  # fmt: skip
+    p.set_defaults(func=cmd_spec)
 
 
 def cmd_spec(args) -> int:
@@ -55,8 +71,17 @@ def cmd_spec(args) -> int:
     except UnknownModelError as e:
         raise CliError(str(e)) from None
     text = args.text or ("held-out" if trained else "corpus")
-    cfg = SpecBenchConfig(args.prompt_tokens, args.decode_tokens, args.blocks, args.warmup, args.num_draft,
-                          rollback=args.rollback, policy=args.policy, seed=args.seed, text=text)  # fmt: skip
+    cfg = SpecBenchConfig(
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.blocks,
+        args.warmup,
+        args.num_draft,
+        rollback=args.rollback,
+        policy=args.policy,
+        seed=args.seed,
+        text=text,
+    )
     with status("loading") as progress:
         result = run_spec_bench(args.model, arms, cfg, on_progress=progress.update)
     write(result, args.json, args.md)

@@ -24,11 +24,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import httpx
 import numpy as np
@@ -36,9 +36,15 @@ import numpy as np
 from harness.client import RequestRecord, Timeouts, stream_completion
 from harness.native import geomean
 from harness.servers import (
-    ServerProcess, ServerStartError, engine_serve_command, free_port, server_memory, server_stats, since_ready,
+    ServerProcess,
+    ServerStartError,
+    engine_serve_command,
+    free_port,
+    server_memory,
+    server_stats,
+    since_ready,
     start_server,
-)  # fmt: skip
+)
 from oracles.cases import frozen_prompt_ids
 
 Log = Callable[[str], None]
@@ -53,14 +59,14 @@ class StartupConfig:
     rounds: int = 3  # lone rounds against the serial lane; 0: no serial server
     restart: bool = True
     server_args: tuple[str, ...] = ()
-    kernel_cache_dir: Optional[Path] = None  # None: a fresh temporary directory
+    kernel_cache_dir: Path | None = None  # None: a fresh temporary directory
     # the serial server's kernel cache: "own" (a fresh directory: the default server's start is not helped by
     # what the serial one compiled) or "shared" (the default server's: no compilation where it is filled)
     serial_kernel_cache: str = "own"
     ttft_slo_ms: float = 2000.0
     ready_timeout_s: float = 1800.0
     seed: int = 0
-    log_dir: Optional[Path] = None  # each server's stdout and stderr under log_dir/<start label>/ (default: temporary)
+    log_dir: Path | None = None  # each server's stdout and stderr under log_dir/<start label>/ (default: temporary)
 
 
 @dataclass
@@ -82,15 +88,15 @@ class Requests:
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    new_shapes: Optional[int] = None
-    kernel_builds: Optional[int] = None
-    compiled_modules: Optional[int] = None  # kernel modules compiled meanwhile (MLX's and the engine's)
+    new_shapes: int | None = None
+    kernel_builds: int | None = None
+    compiled_modules: int | None = None  # kernel modules compiled meanwhile (MLX's and the engine's)
 
-    def quantile(self, q: float) -> Optional[float]:
+    def quantile(self, q: float) -> float | None:
         return float(np.quantile(self.ttft_ms, q)) if self.ttft_ms else None
 
     @property
-    def decode_tps(self) -> Optional[float]:
+    def decode_tps(self) -> float | None:
         return 1000.0 / statistics.median(self.tpot_ms) if self.tpot_ms else None
 
     def meets(self, slo_ms: float) -> bool:
@@ -105,10 +111,10 @@ class Lone:
     default_tps: list[float] = field(default_factory=list)
     serial_tps: list[float] = field(default_factory=list)
     # the default server's MLX buffer cache after each kept round: a full cache keeps a lone row's buffers out
-    default_cache_bytes: list[Optional[int]] = field(default_factory=list)
+    default_cache_bytes: list[int | None] = field(default_factory=list)
 
     @property
-    def ratio(self) -> Optional[float]:
+    def ratio(self) -> float | None:
         pairs = list(zip(self.default_tps, self.serial_tps))
         return geomean([a / b for a, b in pairs]) if pairs else None
 
@@ -119,16 +125,15 @@ class StartupResult:
     kernel_cache_dir: str
     starts: list[Start] = field(default_factory=list)
     requests: list[Requests] = field(default_factory=list)
-    lone: Optional[Lone] = None
+    lone: Lone | None = None
     errors: list[str] = field(default_factory=list)
 
 
-def _gib(n: Optional[int]) -> str:
+def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str,
-          timeouts: Timeouts) -> Requests:  # fmt: skip
+def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label: str, timeouts: Timeouts) -> Requests:
     """The prompts at once (one thread each); their records folded into a `Requests`."""
     before = since_ready(client)
     bodies = [{"prompt": p, "max_tokens": tokens, "ignore_eos": True, "temperature": 0} for p in prompts]
@@ -147,11 +152,14 @@ def _send(client: httpx.Client, prompts: Sequence[list[int]], tokens: int, label
     after = since_ready(client)
     out.new_shapes, out.kernel_builds, out.compiled_modules = (
         None if None in (after[k], before[k]) else after[k] - before[k]
-        for k in ("new_shapes", "kernel_builds", "compiled_modules"))
+        for k in ("new_shapes", "kernel_builds", "compiled_modules")
+    )
     return out
 
 
-def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log: Log = lambda m: None) -> StartupResult:
+def measure(
+    name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log: Log = lambda m: None
+) -> StartupResult:
     cache = cfg.kernel_cache_dir or Path(tempfile.mkdtemp(prefix="engine-kernel-cache-"))
     result = StartupResult(name, str(cache))
     timeouts = Timeouts(request_s=cfg.ready_timeout_s, stall_s=min(600.0, cfg.ready_timeout_s))
@@ -162,26 +170,43 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
 
     def start(stack: ExitStack, label: str, *extra: str, kernels: Path = cache) -> tuple[ServerProcess, httpx.Client]:
         port = free_port()
-        cmd = engine_serve_command(["--model-path", str(model_dir)], port, "--kernel-cache-dir", str(kernels),
-                                   *cfg.server_args, *extra)  # fmt: skip
+        cmd = engine_serve_command(
+            ["--model-path", str(model_dir)], port, "--kernel-cache-dir", str(kernels), *cfg.server_args, *extra
+        )
         log(f"{label}: {' '.join(cmd[2:])}")
         logs = cfg.log_dir / label.split()[0] if cfg.log_dir else None
         server = stack.enter_context(start_server(cmd, port, timeout_s=cfg.ready_timeout_s, log_dir=logs))
-        client = stack.enter_context(httpx.Client(base_url=server.url, timeout=timeouts.for_httpx(),
-                                                  limits=httpx.Limits(max_connections=max(cfg.bursts, default=1) + 8)))  # fmt: skip
-        started = Start(label, cmd, round(server.load_to_ready_s, 2), server_stats(client).get("warmup") or {},
-                        server_memory(client) or {})
+        client = stack.enter_context(
+            httpx.Client(
+                base_url=server.url,
+                timeout=timeouts.for_httpx(),
+                limits=httpx.Limits(max_connections=max(cfg.bursts, default=1) + 8),
+            )
+        )
+        started = Start(
+            label,
+            cmd,
+            round(server.load_to_ready_s, 2),
+            server_stats(client).get("warmup") or {},
+            server_memory(client) or {},
+        )
         result.starts.append(started)
-        log(f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s, "
-            f"MLX cache {_gib(started.memory.get('cache_bytes'))})")
+        log(
+            f"{label}: ready in {started.load_to_ready_s:.1f} s (warm-up {started.warmup.get('seconds', '-')} s, "
+            f"MLX cache {_gib(started.memory.get('cache_bytes'))})"
+        )
         return server, client
 
     def run(client: httpx.Client, label: str, n: int, tokens: int) -> Requests:
         got = _send(client, [prompt() for _ in range(n)], tokens, label, timeouts)
         result.requests.append(got)
         p99 = got.quantile(0.99)
-        log(f"{label}: TTFT p99 {p99:.0f} ms, {len(got.errors)} failed, new shapes {got.new_shapes}, kernel builds "
-            f"{got.kernel_builds}, modules compiled {got.compiled_modules}" if p99 is not None else f"{label}: every request failed ({got.errors[:1]})")  # fmt: skip
+        log(
+            f"{label}: TTFT p99 {p99:.0f} ms, {len(got.errors)} failed, new shapes {got.new_shapes}, kernel builds "
+            f"{got.kernel_builds}, modules compiled {got.compiled_modules}"
+            if p99 is not None
+            else f"{label}: every request failed ({got.errors[:1]})"
+        )
         return got
 
     with ExitStack() as stack:
@@ -205,16 +230,21 @@ def measure(name: str, model_dir: Path, vocab_size: int, cfg: StartupConfig, log
             lanes = {"default": client, "serial": serial}
             for i in range(cfg.rounds + 1):  # the first round warms both up and is not kept
                 order = list(lanes) if i % 2 == 0 else list(lanes)[::-1]
-                tps = {lane: _send(lanes[lane], [prompt()], cfg.lone_tokens, "lone", timeouts).decode_tps
-                       for lane in order}  # fmt: skip
+                tps = {
+                    lane: _send(lanes[lane], [prompt()], cfg.lone_tokens, "lone", timeouts).decode_tps for lane in order
+                }
                 cached = (server_memory(client) or {}).get("cache_bytes")
                 if i and None not in tps.values():
                     result.lone.default_tps.append(tps["default"])
                     result.lone.serial_tps.append(tps["serial"])
                     result.lone.default_cache_bytes.append(cached)
-                log(f"lone round {i + 1}/{cfg.rounds + 1}" + (" (warm-up)" if i == 0 else "") + ": " + ", ".join(
-                    f"{lane} {v:.1f} tok/s" if v else f"{lane} failed" for lane, v in tps.items())
-                    + f"; default server's MLX cache {_gib(cached)}")
+                log(
+                    f"lone round {i + 1}/{cfg.rounds + 1}"
+                    + (" (warm-up)" if i == 0 else "")
+                    + ": "
+                    + ", ".join(f"{lane} {v:.1f} tok/s" if v else f"{lane} failed" for lane, v in tps.items())
+                    + f"; default server's MLX cache {_gib(cached)}"
+                )
     if cfg.restart:
         with ExitStack() as stack:
             start(stack, "restart")

@@ -25,7 +25,6 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from harness.records import MEASURED, RECOVERED
 
@@ -41,14 +40,14 @@ MIN_DECODE_MS = 50.0
 KNOWN_BANDWIDTH = {"NVIDIA H200": 4.8e12}
 
 
-def cell_of(arm: dict, phase: str) -> Optional[dict]:
+def cell_of(arm: dict, phase: str) -> dict | None:
     for c in arm["cells"]:
         if c["phase"] == phase and c["status"] in (MEASURED, RECOVERED):
             return c
     return None
 
 
-def metric(arm: dict, phase: str, key: str) -> Optional[float]:
+def metric(arm: dict, phase: str, key: str) -> float | None:
     c = cell_of(arm, phase)
     return None if c is None else c["metrics"].get(key)
 
@@ -57,11 +56,14 @@ def ok_requests(cell: dict) -> list[dict]:
     return [r for att in cell["attempts"] if att["ok"] for r in att["requests"]]
 
 
-def too_short(cell: dict) -> Optional[str]:
+def too_short(cell: dict) -> str | None:
     """Why a decode cell is too short to time, or None. The rule, on the cell's median request: fewer than
     MIN_TIMED_TOKENS tokens after the first, or under MIN_DECODE_MS between the first and the last."""
-    spans = [(r["output_tokens"] - 1, r["e2el_ms"] - r["ttft_ms"]) for r in ok_requests(cell)
-             if r.get("output_tokens") and r.get("e2el_ms") is not None and r.get("ttft_ms") is not None]  # fmt: skip
+    spans = [
+        (r["output_tokens"] - 1, r["e2el_ms"] - r["ttft_ms"])
+        for r in ok_requests(cell)
+        if r.get("output_tokens") and r.get("e2el_ms") is not None and r.get("ttft_ms") is not None
+    ]
     if not spans:
         return "too short: no timed tokens"
     tokens, ms = statistics.median(t for t, _ in spans), statistics.median(m for _, m in spans)
@@ -72,7 +74,7 @@ def too_short(cell: dict) -> Optional[str]:
     return None
 
 
-def decode_rate(arm: dict) -> tuple[Optional[float], Optional[str]]:
+def decode_rate(arm: dict) -> tuple[float | None, str | None]:
     """The arm's median decode rate, or None and why it is withheld (too short to time)."""
     cell = cell_of(arm, "decode")
     if cell is None:
@@ -87,7 +89,7 @@ def run_nonce(arm: dict) -> str:
     return (arm.get("endpoint") or {}).get("run_nonce") or ""
 
 
-def same_work(a: dict, b: dict, phase: str) -> Optional[str]:
+def same_work(a: dict, b: dict, phase: str) -> str | None:
     """None when both arms did the same work in `phase`: the same attempt (a retry sends other prompts), the
     same requests (prompt hashes where both records have them and one run nonce opened both arms' prompts, else
     prompt lengths), output counts, finish reasons and cached prompt tokens to within CACHED_SLACK of the
@@ -140,26 +142,35 @@ def rows(run: dict) -> list[dict]:
         for arm in m["arms"]:
             decode, short = decode_rate(arm)
             same = [arm] + [a for r in again for a in r["arms"] if a["arm"] == arm["arm"]]
-            out.append({
-                "block": m["block"], "model": m["model"], "arm": arm["arm"], "status": arm["status"],
-                "decode_tps": decode, "decode_note": short,
-                "ttft_cold_ms": metric(arm, "cold", "median_ttft_ms"),
-                "ttft_warm_ms": metric(arm, "warm", "median_ttft_ms"),
-                "aggregate_tps": {p.split("-", 1)[1]: geomean([metric(a, p, "output_throughput") for a in same])
-                                  for p in (c["phase"] for c in arm["cells"]) if p.startswith("concurrency-")},
-                "peak_rss_bytes": arm["peak_rss_bytes"],
-                "load_to_ready_s": arm["load_to_ready_s"],
-                "parity": (m["parity"].get("verdicts", {}).get(arm["arm"]) or {}).get("match"),
-                "roofline": round(decode / roof, 4) if decode and roof else None,
-                "kernels": (arm.get("kernels") or {}).get("tier"),
-                # token identity is the expectation between exact-tier arms only: the fast tier rounds otherwise
-                "probe_rounds": FAST_TIER in ((arm.get("kernels") or {}).get("tier"),
-                                              ((probe_ref or {}).get("kernels") or {}).get("tier")),
-            })  # fmt: skip
+            out.append(
+                {
+                    "block": m["block"],
+                    "model": m["model"],
+                    "arm": arm["arm"],
+                    "status": arm["status"],
+                    "decode_tps": decode,
+                    "decode_note": short,
+                    "ttft_cold_ms": metric(arm, "cold", "median_ttft_ms"),
+                    "ttft_warm_ms": metric(arm, "warm", "median_ttft_ms"),
+                    "aggregate_tps": {
+                        p.split("-", 1)[1]: geomean([metric(a, p, "output_throughput") for a in same])
+                        for p in (c["phase"] for c in arm["cells"])
+                        if p.startswith("concurrency-")
+                    },
+                    "peak_rss_bytes": arm["peak_rss_bytes"],
+                    "load_to_ready_s": arm["load_to_ready_s"],
+                    "parity": (m["parity"].get("verdicts", {}).get(arm["arm"]) or {}).get("match"),
+                    "roofline": round(decode / roof, 4) if decode and roof else None,
+                    "kernels": (arm.get("kernels") or {}).get("tier"),
+                    # token identity is the expectation between exact-tier arms only: the fast tier rounds otherwise
+                    "probe_rounds": FAST_TIER
+                    in ((arm.get("kernels") or {}).get("tier"), ((probe_ref or {}).get("kernels") or {}).get("tier")),
+                }
+            )
     return out
 
 
-def geomean(values: list[Optional[float]]) -> Optional[float]:
+def geomean(values: list[float | None]) -> float | None:
     """The geometric mean of the positive values; None without one."""
     kept = [v for v in values if v is not None and v > 0]
     if len(kept) < 2:
@@ -187,28 +198,56 @@ class Notes:
         return [f"[{i}] {t}" for i, t in enumerate(self.texts, 1)]
 
 
-FAST_TIER_PROBE = ("the probe's output differs from its reference arm's: the fast tier rounds otherwise (token "
-                   "identity is expected between exact-tier arms only)")  # fmt: skip
+FAST_TIER_PROBE = (
+    "the probe's output differs from its reference arm's: the fast tier rounds otherwise (token "
+    "identity is expected between exact-tier arms only)"
+)
 
 
-def table_cells(r: dict, concurrency: list[str], notes: Notes, blocks: bool = False, roofline: bool = False) -> list[str]:
+def table_cells(
+    r: dict, concurrency: list[str], notes: Notes, blocks: bool = False, roofline: bool = False
+) -> list[str]:
     """A row's cells (`headers`); what a cell cannot say in a few characters goes to `notes`."""
-    parity = {True: "same", False: f"differs {notes.mark(FAST_TIER_PROBE)}" if r.get("probe_rounds") else "DIFFERS",
-              None: "-"}[r["parity"]]  # fmt: skip
+    parity = {
+        True: "same",
+        False: f"differs {notes.mark(FAST_TIER_PROBE)}" if r.get("probe_rounds") else "DIFFERS",
+        None: "-",
+    }[r["parity"]]
     arm = r["arm"] + ("" if r["status"] == MEASURED else f" ({r['status']})")
-    decode = f"too short {notes.mark(r['arm'] + ': ' + r['decode_note'])}" if r.get("decode_note") else fmt(r["decode_tps"])
-    agg = "/".join(fmt(x, ".0f" if x is not None and x >= 100 else ".1f") for x in (r["aggregate_tps"].get(c) for c in concurrency))
-    return [*([str(r["block"])] if blocks else []), arm, decode, fmt(r["ttft_cold_ms"], ".0f"),
-            fmt(r["ttft_warm_ms"], ".0f"), *([agg] if concurrency else []),
-            fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"),
-            *([fmt(r["roofline"], ".1%")] if roofline else []), parity, r.get("kernels") or "-"]  # fmt: skip
+    decode = (
+        f"too short {notes.mark(r['arm'] + ': ' + r['decode_note'])}" if r.get("decode_note") else fmt(r["decode_tps"])
+    )
+    agg = "/".join(
+        fmt(x, ".0f" if x is not None and x >= 100 else ".1f") for x in (r["aggregate_tps"].get(c) for c in concurrency)
+    )
+    return [
+        *([str(r["block"])] if blocks else []),
+        arm,
+        decode,
+        fmt(r["ttft_cold_ms"], ".0f"),
+        fmt(r["ttft_warm_ms"], ".0f"),
+        *([agg] if concurrency else []),
+        fmt(r["peak_rss_bytes"] / 2**20 if r["peak_rss_bytes"] else None, ".0f"),
+        *([fmt(r["roofline"], ".1%")] if roofline else []),
+        parity,
+        r.get("kernels") or "-",
+    ]
 
 
 def headers(concurrency: list[str], blocks: bool = False, roofline: bool = False) -> list[str]:
     """The table's columns: aggregate tok/s at every concurrency in one ('agg@4/8 tok/s': '28.4/32.3')."""
-    return [*(["block"] if blocks else []), "arm", "decode tok/s", "TTFT cold ms", "TTFT warm ms",
-            *([f"agg@{'/'.join(concurrency)} tok/s"] if concurrency else []), "peak RSS MiB",
-            *(["roofline"] if roofline else []), "probe", "kernels"]  # fmt: skip
+    return [
+        *(["block"] if blocks else []),
+        "arm",
+        "decode tok/s",
+        "TTFT cold ms",
+        "TTFT warm ms",
+        *([f"agg@{'/'.join(concurrency)} tok/s"] if concurrency else []),
+        "peak RSS MiB",
+        *(["roofline"] if roofline else []),
+        "probe",
+        "kernels",
+    ]
 
 
 def concurrency_levels(rs: list[dict]) -> list[str]:
@@ -240,8 +279,9 @@ def model_summaries(run: dict) -> list[ModelSummary]:
     for name in dict.fromkeys(r["model"] for r in rs):
         mine, notes = [r for r in rs if r["model"] == name], Notes()
         conc, roofline = concurrency_levels(mine), any(r["roofline"] is not None for r in mine)
-        summary = ModelSummary(name, headers(conc, blocks, roofline),
-                               [table_cells(r, conc, notes, blocks, roofline) for r in mine])  # fmt: skip
+        summary = ModelSummary(
+            name, headers(conc, blocks, roofline), [table_cells(r, conc, notes, blocks, roofline) for r in mine]
+        )
         if blocks:
             summary.against = f"paired verdicts over the blocks against {BASELINE}: harness report on this file"
         for m in (m for m in run["models"] if m["model"] == name and not blocks and not is_repetition(run, m)):
@@ -287,7 +327,12 @@ def markdown(run: dict) -> str:
         lines += [f"- {md_text(line)}" for line in ms.lines + ms.notes] + [""] * bool(ms.lines or ms.notes)
     latency = latency_rows(run)
     if latency:
-        lines += ["Latency percentiles per timed cell:", "", md_row(LATENCY_HEADERS), "|" + "---|" * len(LATENCY_HEADERS)]
+        lines += [
+            "Latency percentiles per timed cell:",
+            "",
+            md_row(LATENCY_HEADERS),
+            "|" + "---|" * len(LATENCY_HEADERS),
+        ]
         lines += [md_row(r) for r in latency]
     load = load_lines(run)
     if load:
@@ -306,22 +351,41 @@ def markdown(run: dict) -> str:
         lines += ["", "Flagged cells (docs/benchmark.md states the rules):", ""] + [f"- {md_text(f)}" for f in flagged]
     compiled = compiled_cells(run)
     if compiled:
-        lines += ["", "Cells during which an engine server first ran forward shapes or compiled kernel modules "
-                  "(on CUDA: compilations while requests waited):", ""] + [f"- {md_text(c)}" for c in compiled]  # fmt: skip
+        lines += [
+            "",
+            "Cells during which an engine server first ran forward shapes or compiled kernel modules "
+            "(on CUDA: compilations while requests waited):",
+            "",
+        ] + [f"- {md_text(c)}" for c in compiled]
     return "\n".join(lines) + "\n"
 
 
-LATENCY_HEADERS = ["model", "arm", "phase", "requests", "TTFT p50 / p90 / p99 ms", "TPOT p50 / p90 / p99 ms",
-                   "ITL p50 / p99 ms", "E2EL p50 / p99 ms", "goodput req/s", "SLO attainment"]  # fmt: skip
+LATENCY_HEADERS = [
+    "model",
+    "arm",
+    "phase",
+    "requests",
+    "TTFT p50 / p90 / p99 ms",
+    "TPOT p50 / p90 / p99 ms",
+    "ITL p50 / p99 ms",
+    "E2EL p50 / p99 ms",
+    "goodput req/s",
+    "SLO attainment",
+]
 
 
 def latency_rows(run: dict) -> list[list[str]]:
     """Per timed cell (decode, TTFT phases, each concurrency, long context): its requests' latency percentiles
     (the JSON's {median,p90,p99}_{ttft,tpot,itl,e2el}_ms) and, with SLOs, goodput and attainment. Where a model
     has several blocks (trials, repeated cells) a phase is named with its block's number ('concurrency-4 #2')."""
+
     def pcts(m: dict, name: str, which=("median", "p90", "p99")) -> str:
         values = [m.get(f"{w}_{name}_ms") for w in which]
-        return "-" if all(v is None for v in values) else " / ".join(fmt(v, ".0f" if (v or 0) >= 100 else ".1f") for v in values)
+        return (
+            "-"
+            if all(v is None for v in values)
+            else " / ".join(fmt(v, ".0f" if (v or 0) >= 100 else ".1f") for v in values)
+        )
 
     slos = bool(run["settings"].get("goodput"))
     models = run.get("models", [])
@@ -334,10 +398,20 @@ def latency_rows(run: dict) -> list[list[str]]:
                 if cell["phase"] in ("warmup", "probe") or cell["status"] not in (MEASURED, RECOVERED):
                     continue
                 phase = cell["phase"] + (f" #{mrun.get('block', 0) + 1}" if several else "")
-                out.append([mrun["model"], arm["arm"], phase, str(m.get("completed", "-")), pcts(m, "ttft"),
-                            pcts(m, "tpot"), pcts(m, "itl", ("median", "p99")), pcts(m, "e2el", ("median", "p99")),
-                            fmt(m.get("request_goodput"), ".3g") if slos else "-",
-                            f"{m['slo_attainment']:.0%}" if slos and m.get("slo_attainment") is not None else "-"])  # fmt: skip
+                out.append(
+                    [
+                        mrun["model"],
+                        arm["arm"],
+                        phase,
+                        str(m.get("completed", "-")),
+                        pcts(m, "ttft"),
+                        pcts(m, "tpot"),
+                        pcts(m, "itl", ("median", "p99")),
+                        pcts(m, "e2el", ("median", "p99")),
+                        fmt(m.get("request_goodput"), ".3g") if slos else "-",
+                        f"{m['slo_attainment']:.0%}" if slos and m.get("slo_attainment") is not None else "-",
+                    ]
+                )
     return out
 
 
@@ -355,53 +429,105 @@ def load_lines(run: dict) -> list[str]:
     for mrun in run.get("models", []):
         chat = (mrun.get("parity") or {}).get("chat") or {}
         if chat.get("verdicts"):
-            out.append(f"{mrun['model']} / chat probe (first chat reply and prompt tokens against {chat['reference']}): " + "; ".join(
-                f"{arm}: {v['compared']}" if v["match"] is None else
-                f"{arm}: {'same' if v['match'] else 'DIFFERS'} ({v.get('prompt_tokens')} prompt tokens)"
-                for arm, v in chat["verdicts"].items()))  # fmt: skip
+            out.append(
+                f"{mrun['model']} / chat probe (first chat reply and prompt tokens against {chat['reference']}): "
+                + "; ".join(
+                    f"{arm}: {v['compared']}"
+                    if v["match"] is None
+                    else f"{arm}: {'same' if v['match'] else 'DIFFERS'} ({v.get('prompt_tokens')} prompt tokens)"
+                    for arm, v in chat["verdicts"].items()
+                )
+            )
         for arm in mrun.get("arms", []):
             name = f"{mrun['model']} / {arm['arm']}"
-            cells = [c for c in arm.get("cells", []) if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED)]
+            cells = [
+                c
+                for c in arm.get("cells", [])
+                if c["phase"].startswith("rate-") and c["status"] in (MEASURED, RECOVERED)
+            ]
             if cells:
-                steps = ", ".join(f"{c['metrics']['offered_rate']:g} -> {fmt(c['metrics'].get('request_throughput'), '.2f')} req/s "
-                                  f"{fmt(c['metrics'].get('output_throughput'), '.1f')} tok/s TTFT {fmt(c['metrics'].get('median_ttft_ms'), '.0f')} ms"
-                                  for c in cells)  # fmt: skip
-                knee = next((c for i, c in enumerate(cells, 1) if saturated(
-                    [x["metrics"].get("output_throughput") for x in cells[:i]], [x["metrics"].get("median_ttft_ms") for x in cells[:i]])), None)  # fmt: skip
-                bursts = [c for c in cells if is_burst([r["sent_at"] for a in c["attempts"] if a["ok"] for r in a["requests"]],
-                                                       c["metrics"].get("median_e2el_ms"))]  # fmt: skip
+                steps = ", ".join(
+                    f"{c['metrics']['offered_rate']:g} -> {fmt(c['metrics'].get('request_throughput'), '.2f')} req/s "
+                    f"{fmt(c['metrics'].get('output_throughput'), '.1f')} tok/s TTFT {fmt(c['metrics'].get('median_ttft_ms'), '.0f')} ms"
+                    for c in cells
+                )
+                knee = next(
+                    (
+                        c
+                        for i, c in enumerate(cells, 1)
+                        if saturated(
+                            [x["metrics"].get("output_throughput") for x in cells[:i]],
+                            [x["metrics"].get("median_ttft_ms") for x in cells[:i]],
+                        )
+                    ),
+                    None,
+                )
+                bursts = [
+                    c
+                    for c in cells
+                    if is_burst(
+                        [r["sent_at"] for a in c["attempts"] if a["ok"] for r in a["requests"]],
+                        c["metrics"].get("median_e2el_ms"),
+                    )
+                ]
                 line = f"{name}: offered -> achieved: {steps}; " + (
                     f"saturated at {knee['metrics']['offered_rate']:g} req/s (throughput no higher than at the rate "
-                    "before while TTFT climbed)" if knee else "not saturated at the rates measured")  # fmt: skip
+                    "before while TTFT climbed)"
+                    if knee
+                    else "not saturated at the rates measured"
+                )
                 if bursts and not knee:
                     b = bursts[0]["metrics"]
                     sent = sum(len(a["requests"]) for a in bursts[0]["attempts"] if a["ok"])
-                    line += (f" (from {b['offered_rate']:g} req/s on, a cell's {sent} requests arrived within their "
-                             f"median E2EL of {b['median_e2el_ms'] / 1e3:.1f} s: a burst, not a sustained rate; more "
-                             "--rate-requests load higher rates)")  # fmt: skip
+                    line += (
+                        f" (from {b['offered_rate']:g} req/s on, a cell's {sent} requests arrived within their "
+                        f"median E2EL of {b['median_e2el_ms'] / 1e3:.1f} s: a burst, not a sustained rate; more "
+                        "--rate-requests load higher rates)"
+                    )
                 if slos:
-                    held = [c["metrics"]["offered_rate"] for c in cells if (c["metrics"].get("slo_attainment") or 0) >= target]
-                    line += (f"; highest rate with SLO attainment >= {target:.0%}: {max(held):g} req/s" if held
-                             else f"; no rate kept SLO attainment >= {target:.0%}")  # fmt: skip
+                    held = [
+                        c["metrics"]["offered_rate"]
+                        for c in cells
+                        if (c["metrics"].get("slo_attainment") or 0) >= target
+                    ]
+                    line += (
+                        f"; highest rate with SLO attainment >= {target:.0%}: {max(held):g} req/s"
+                        if held
+                        else f"; no rate kept SLO attainment >= {target:.0%}"
+                    )
                 out.append(line)
-            chat = next((c for c in arm.get("cells", []) if c["phase"] == "multiturn" and c["status"] in (MEASURED, RECOVERED)), None)
+            chat = next(
+                (c for c in arm.get("cells", []) if c["phase"] == "multiturn" and c["status"] in (MEASURED, RECOVERED)),
+                None,
+            )
             if chat:
                 m = chat["metrics"]
-                turns = "; ".join(f"turn {t + 1}: {ms:.0f} ms, {cached} of {prompt} prompt tokens cached" for t, (ms, cached, prompt)
-                                  in enumerate(zip(m["turn_ttft_ms"], m["turn_cached_tokens"], m["turn_prompt_tokens"])))  # fmt: skip
+                turns = "; ".join(
+                    f"turn {t + 1}: {ms:.0f} ms, {cached} of {prompt} prompt tokens cached"
+                    for t, (ms, cached, prompt) in enumerate(
+                        zip(m["turn_ttft_ms"], m["turn_cached_tokens"], m["turn_prompt_tokens"])
+                    )
+                )
                 out.append(f"{name} / multiturn (median TTFT over the chats): {turns}")
             for c in arm.get("cells", []):
                 m = c.get("metrics") or {}
                 if c["status"] in (MEASURED, RECOVERED) and m.get("median_prefill_tps") is not None:
-                    out.append(f"{name} / {c['phase']}: prefill {m['median_prefill_tps']:,.0f} prompt tok/s (median over "
-                               f"{m['completed']}), TTFT p50 {fmt(m.get('median_ttft_ms'), '.0f')} ms p99 "
-                               f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms")  # fmt: skip
-            prefix = next((c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)), None)
+                    out.append(
+                        f"{name} / {c['phase']}: prefill {m['median_prefill_tps']:,.0f} prompt tok/s (median over "
+                        f"{m['completed']}), TTFT p50 {fmt(m.get('median_ttft_ms'), '.0f')} ms p99 "
+                        f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms"
+                    )
+            prefix = next(
+                (c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)),
+                None,
+            )
             if prefix:
                 m = prefix["metrics"]
-                out.append(f"{name} / prefix: a group's first request TTFT {fmt(m.get('median_first_ttft_ms'), '.0f')} ms, "
-                           f"the others {fmt(m.get('median_shared_ttft_ms'), '.0f')} ms, cached tokens "
-                           f"{sum(x or 0 for x in m.get('cached_tokens') or [])}")  # fmt: skip
+                out.append(
+                    f"{name} / prefix: a group's first request TTFT {fmt(m.get('median_first_ttft_ms'), '.0f')} ms, "
+                    f"the others {fmt(m.get('median_shared_ttft_ms'), '.0f')} ms, cached tokens "
+                    f"{sum(x or 0 for x in m.get('cached_tokens') or [])}"
+                )
     return out
 
 
@@ -417,8 +543,10 @@ def goodput_lines(run: dict) -> list[str]:
             for cell in arm.get("cells", []):
                 mt = cell.get("metrics") or {}
                 if cell["phase"] not in ("warmup", "probe") and mt.get("slo_attainment") is not None:
-                    out.append(f"{m['model']} / {arm['arm']} / {cell['phase']}: goodput {mt['request_goodput']:g} "
-                               f"req/s, attainment {mt['slo_attainment']:.0%} of {mt['requests']}")  # fmt: skip
+                    out.append(
+                        f"{m['model']} / {arm['arm']} / {cell['phase']}: goodput {mt['request_goodput']:g} "
+                        f"req/s, attainment {mt['slo_attainment']:.0%} of {mt['requests']}"
+                    )
     return out
 
 
@@ -431,8 +559,10 @@ def quality_lines(run: dict) -> list[str]:
             q = arm.get("quality")
             if q and "perplexity" in q:
                 note = perplexity_note(q, m["model"])
-                out.append(f"{m['model']} / {arm['arm']}: held-out perplexity {q['perplexity']:g} over {q['tokens']} "
-                           f"tokens ({q['tier']} tier)" + (f"; {note}" if note else ""))  # fmt: skip
+                out.append(
+                    f"{m['model']} / {arm['arm']}: held-out perplexity {q['perplexity']:g} over {q['tokens']} "
+                    f"tokens ({q['tier']} tier)" + (f"; {note}" if note else "")
+                )
             elif q:
                 out.append(f"{m['model']} / {arm['arm']}: held-out perplexity not measured ({q.get('error')})")
     return out
@@ -444,8 +574,8 @@ def perplexity_note(quality: dict, model: str) -> str:
     the registry's for a registry name."""
     vocab = quality.get("vocab_size")
     if vocab is None:
-        from engine.registry import get_spec  # the light registry, no MLX
         from engine.errors import UnknownModelError
+        from engine.registry import get_spec  # the light registry, no MLX
 
         try:
             vocab = get_spec(model).geometry.vocab_size
@@ -453,8 +583,10 @@ def perplexity_note(quality: dict, model: str) -> str:
             return ""
     if not (quality.get("perplexity") or 0) > vocab:
         return ""
-    return (f"worse than a uniform guess over the {vocab:,}-token vocabulary (perplexity {vocab:,}): random weights, "
-            "so it checks the measurement, not a model")  # fmt: skip
+    return (
+        f"worse than a uniform guess over the {vocab:,}-token vocabulary (perplexity {vocab:,}): random weights, "
+        "so it checks the measurement, not a model"
+    )
 
 
 def compiled_cells(run: dict) -> list[str]:

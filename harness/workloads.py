@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class WorkloadSettings:
     cold_prompt_tokens: int = 1024
     concurrency: tuple[int, ...] = (4, 8)
     concurrent_prompt_tokens: int = 128
-    context_tokens: Optional[int] = None  # long-context phase; None: no such phase
+    context_tokens: int | None = None  # long-context phase; None: no such phase
     rates: tuple[float, ...] = ()  # open-loop cells, requests/s (`arrivals`), each `rate_requests` prompts
     rate_requests: int = 32
     prefix_groups: int = 0  # agentic shared-prefix cell: groups x `prefix_group_size` requests, 0: none
@@ -59,23 +59,33 @@ class WorkloadSettings:
     staggered_tokens: int = 2048
     chat_requests: int = 0  # single-turn chats through the chat endpoint, one at a time, 0: none
 
-    def covers(self, other: "WorkloadSettings") -> bool:
+    def covers(self, other: WorkloadSettings) -> bool:
         """Whether a workload built with these settings has every prompt `other` asks for."""
         same = (self.seed, self.decode_prompt_tokens, self.cold_prompt_tokens, self.concurrent_prompt_tokens)
         return (
             same == (other.seed, other.decode_prompt_tokens, other.cold_prompt_tokens, other.concurrent_prompt_tokens)
             and set(other.concurrency) <= set(self.concurrency)
             and other.context_tokens in (None, self.context_tokens)
-            and set(other.rates) <= set(self.rates) and (not other.rates or other.rate_requests == self.rate_requests)
-            and (not other.prefix_groups or (other.prefix_groups, other.prefix_group_size, other.prefix_tokens)
-                 == (self.prefix_groups, self.prefix_group_size, self.prefix_tokens))
-            and (not other.chats or (other.chats, other.turns, other.turn_chars)
-                 == (self.chats, self.turns, self.turn_chars))
-            and (not other.staggered or (other.staggered, other.staggered_tokens)
-                 == (self.staggered, self.staggered_tokens))
-            and (not other.chat_requests or (other.chat_requests, other.turn_chars)
-                 == (self.chat_requests, self.turn_chars))
-        )  # fmt: skip
+            and set(other.rates) <= set(self.rates)
+            and (not other.rates or other.rate_requests == self.rate_requests)
+            and (
+                not other.prefix_groups
+                or (other.prefix_groups, other.prefix_group_size, other.prefix_tokens)
+                == (self.prefix_groups, self.prefix_group_size, self.prefix_tokens)
+            )
+            and (
+                not other.chats
+                or (other.chats, other.turns, other.turn_chars) == (self.chats, self.turns, self.turn_chars)
+            )
+            and (
+                not other.staggered
+                or (other.staggered, other.staggered_tokens) == (self.staggered, self.staggered_tokens)
+            )
+            and (
+                not other.chat_requests
+                or (other.chat_requests, other.turn_chars) == (self.chat_requests, self.turn_chars)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -87,13 +97,17 @@ class Workload:
     phases: dict[str, list[list]]
     run_nonce: str = ""  # `with_run_nonce`: the run's nonce opens every prompt but the probe's
 
-
     def prompts(self, phase: str, attempt: int) -> list[list[int]]:
         return self.phases[phase][attempt]
 
     def to_json(self) -> dict:
-        body = {"schema": SCHEMA, "model": self.model, "settings": asdict(self.settings),
-                "tokenizer_sha256": self.tokenizer_sha256, "phases": self.phases}  # fmt: skip
+        body = {
+            "schema": SCHEMA,
+            "model": self.model,
+            "settings": asdict(self.settings),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "phases": self.phases,
+        }
         if self.run_nonce:  # (absent otherwise: the frozen workloads keep their hashes)
             body["run_nonce"] = self.run_nonce
         return {**body, "sha256": _sha(body)}
@@ -103,7 +117,7 @@ class Workload:
         return self.to_json()["sha256"]
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Workload":
+    def from_json(cls, obj: dict) -> Workload:
         body = {k: v for k, v in obj.items() if k != "sha256"}
         if obj.get("schema") != SCHEMA:
             raise ValueError(f"workload schema {obj.get('schema')} is not {SCHEMA}")
@@ -112,8 +126,9 @@ class Workload:
         s = dict(obj["settings"])
         s["concurrency"] = tuple(s["concurrency"])
         s["rates"] = tuple(s.get("rates", ()))
-        return cls(obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"],
-                   obj.get("run_nonce", ""))
+        return cls(
+            obj["model"], WorkloadSettings(**s), obj["tokenizer_sha256"], obj["phases"], obj.get("run_nonce", "")
+        )
 
 
 def _sha(obj: dict) -> str:
@@ -169,8 +184,9 @@ def _tag(settings: WorkloadSettings, phase: str, attempt: int, index: int, run_n
     return hashlib.sha256(f"{run_nonce}/{key}".encode() if run_nonce else key.encode()).hexdigest()[:12]
 
 
-def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings,
-          run_nonce: str = "") -> Workload:  # fmt: skip
+def build(
+    model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadSettings, run_nonce: str = ""
+) -> Workload:
     """The workload; `run_nonce` (for `with_run_nonce`) draws every prompt's nonce from it as well."""
     text = _Text(encode, settings.seed)
 
@@ -198,13 +214,17 @@ def build(model: str, encode: Encode, tokenizer_sha256: str, settings: WorkloadS
     }
     phases["warm"] = phases["cold"]  # the cold prompt again: served from the cache when there is one
     if settings.prefix_groups:
-        phases[PREFIX] = [[p for g in range(settings.prefix_groups) for p in _group(prompt, text, settings, a, g)]
-                          for a in range(ATTEMPTS)]  # fmt: skip
+        phases[PREFIX] = [
+            [p for g in range(settings.prefix_groups) for p in _group(prompt, text, settings, a, g)]
+            for a in range(ATTEMPTS)
+        ]
     if settings.chats:
         phases[MULTITURN] = [_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
     if settings.staggered:
-        phases[STAGGERED] = [[prompt(STAGGERED, a, i, settings.staggered_tokens) for i in range(settings.staggered)]
-                             for a in range(ATTEMPTS)]  # fmt: skip
+        phases[STAGGERED] = [
+            [prompt(STAGGERED, a, i, settings.staggered_tokens) for i in range(settings.staggered)]
+            for a in range(ATTEMPTS)
+        ]
     if settings.chat_requests:
         phases[CHAT] = [_single_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
     return Workload(model, settings, tokenizer_sha256, phases, run_nonce)
@@ -238,8 +258,14 @@ def _single_chats(settings: WorkloadSettings, attempt: int, run_nonce: str) -> l
     requests = []
     for i in range(settings.chat_requests):
         tag = _tag(settings, CHAT, attempt, i, run_nonce)
-        requests.append({"messages": [{"role": "system", "content": f"{tag}: You answer questions about the text."},
-                                      {"role": "user", "content": text(settings.turn_chars)}]})  # fmt: skip
+        requests.append(
+            {
+                "messages": [
+                    {"role": "system", "content": f"{tag}: You answer questions about the text."},
+                    {"role": "user", "content": text(settings.turn_chars)},
+                ]
+            }
+        )
     return requests
 
 
@@ -259,12 +285,14 @@ def _chats(settings: WorkloadSettings, attempt: int, run_nonce: str) -> list[dic
     return requests
 
 
-def _group(prompt, text: "_Text", settings: WorkloadSettings, attempt: int, group: int) -> list[list[int]]:
+def _group(prompt, text: _Text, settings: WorkloadSettings, attempt: int, group: int) -> list[list[int]]:
     """One shared-prefix group: a system prompt of its own (opened by the group's nonce), then for each request a
     nonce and a suffix of its own (the decode prompts' length)."""
     shared = prompt(PREFIX, attempt, 1000 * (group + 1), settings.prefix_tokens)
-    return [shared + prompt(PREFIX, attempt, 1000 * (group + 1) + i + 1, settings.decode_prompt_tokens // 2)
-            for i in range(settings.prefix_group_size)]  # fmt: skip
+    return [
+        shared + prompt(PREFIX, attempt, 1000 * (group + 1) + i + 1, settings.decode_prompt_tokens // 2)
+        for i in range(settings.prefix_group_size)
+    ]
 
 
 def tokenizer_for(model_dir: Path) -> tuple[Encode, str]:
@@ -283,7 +311,7 @@ def golden_path(model: str, settings: WorkloadSettings) -> Path:
 STANDARD = WorkloadSettings(context_tokens=4096)  # what the committed workloads are built with
 
 
-def load_or_build(model: str, model_dir: Path, settings: WorkloadSettings) -> tuple[Workload, Optional[Path]]:
+def load_or_build(model: str, model_dir: Path, settings: WorkloadSettings) -> tuple[Workload, Path | None]:
     """The committed workload when its settings and tokenizer match, else a fresh build (and no path)."""
     encode, sha = tokenizer_for(model_dir)
     path = golden_path(model, settings)

@@ -11,8 +11,8 @@ processor (processors see the logits before sampling).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -64,7 +64,9 @@ def run(
         while finished < len(arrivals):
             for i, a in enumerate(arrivals):
                 if a.at == it:
-                    (uid,) = gen.insert([list(a.prompt_ids)], max_tokens=[a.max_tokens], logits_processors=[[recorder(i)]])
+                    (uid,) = gen.insert(
+                        [list(a.prompt_ids)], max_tokens=[a.max_tokens], logits_processors=[[recorder(i)]]
+                    )
                     index_of_uid[uid] = i
             _, responses = gen.next()
             for r in responses:

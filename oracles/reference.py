@@ -8,9 +8,9 @@ filled is kept for comparing cache contents.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -64,7 +64,7 @@ def generate(
     prompt_ids: Sequence[int],
     steps: int,
     prefill_step_size: int = 2048,
-    kv_bits: Optional[int] = None,
+    kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
 ) -> Run:

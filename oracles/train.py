@@ -76,15 +76,20 @@ def prepare(max_bytes: int) -> tuple[object, np.ndarray, np.ndarray, dict]:
     tok = shared_tokenizer([f.text for f in corpus.train])
     train_ids = token_stream([f.text for f in corpus.train], tok)
     held_ids = token_stream([f.text for f in corpus.held_out], tok)
-    return tok, train_ids, held_ids, {**corpus.summary(), "train_tokens": int(len(train_ids)),
-                                      "held_out_tokens": int(len(held_ids))}
+    return (
+        tok,
+        train_ids,
+        held_ids,
+        {**corpus.summary(), "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(held_ids))},
+    )
 
 
 def save_prepared(path: Path, tok, train_ids: np.ndarray, held_ids: np.ndarray, data: dict) -> None:
     """One compressed file (ids as uint16: the vocabulary has 4096 entries) that `load_prepared` reads."""
     meta = json.dumps({"tokenizer": asdict(tok), "data": data})
-    np.savez_compressed(path, train=train_ids.astype(np.uint16), held_out=held_ids.astype(np.uint16),
-                        meta=np.array(meta))
+    np.savez_compressed(
+        path, train=train_ids.astype(np.uint16), held_out=held_ids.astype(np.uint16), meta=np.array(meta)
+    )
 
 
 def load_prepared(path: Path):
@@ -180,8 +185,10 @@ def train(model, ids: np.ndarray, s: TrainSettings, log) -> tuple[list[float], l
         if not (np.isfinite(lm.item()) and np.isfinite(norm.item())):
             bad = [k for k, g in tree_flatten(grads) if not mx.isfinite(g).all().item()]
             skipped.append(step + 1)
-            log(f"  step {step + 1}: loss {lm.item()}, gradient norm {norm.item()}; skipped (not finite: "
-                f"{', '.join(bad[:6]) or 'loss only'}{' ...' if len(bad) > 6 else ''})")
+            log(
+                f"  step {step + 1}: loss {lm.item()}, gradient norm {norm.item()}; skipped (not finite: "
+                f"{', '.join(bad[:6]) or 'loss only'}{' ...' if len(bad) > 6 else ''})"
+            )
             if skipped[-MAX_SKIPPED_IN_A_ROW:] == list(range(step + 2 - MAX_SKIPPED_IN_A_ROW, step + 2)):
                 raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} steps in a row were not finite (to step {step + 1})")
             continue
@@ -190,8 +197,10 @@ def train(model, ids: np.ndarray, s: TrainSettings, log) -> tuple[list[float], l
         history.append(lm.item())
         if step % 100 == 0 or step == s.steps - 1:
             rate = (step + 1) * s.batch * s.seq / (time.perf_counter() - start)
-            log(f"  step {step + 1}/{s.steps}: loss {np.mean(history[-100:]):.3f} ({rate:,.0f} tokens/s"
-                f"{f'; {len(skipped)} skipped' if skipped else ''})")
+            log(
+                f"  step {step + 1}/{s.steps}: loss {np.mean(history[-100:]):.3f} ({rate:,.0f} tokens/s"
+                f"{f'; {len(skipped)} skipped' if skipped else ''})"
+            )
     return history, skipped
 
 
@@ -224,8 +233,9 @@ def write_artifact(model, config: dict, tok, out: Path, manifest: dict) -> None:
     (out / "manifest.json").write_text(json.dumps({**manifest, "files": files, "total_bytes": total}, indent=2) + "\n")
 
 
-def write_four_bit(model, spec, config: dict, tok, held_ids: np.ndarray, settings: TrainSettings, out_root: Path,
-                   manifest: dict, log) -> None:
+def write_four_bit(
+    model, spec, config: dict, tok, held_ids: np.ndarray, settings: TrainSettings, out_root: Path, manifest: dict, log
+) -> None:
     """Quantize the bf16 `model` to 4 bits (group 64, the matrices a synthesized 4-bit artifact quantizes), measure
     its held-out loss and write it as `<name>-4bit` with `manifest` (the bf16 model's, its result's loss replaced)."""
     import mlx.nn as nn
@@ -233,13 +243,22 @@ def write_four_bit(model, spec, config: dict, tok, held_ids: np.ndarray, setting
     names4 = quantized_names(spec)
     nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, _m: path in names4)
     held4 = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
-    four = {**manifest["result"], "held_out_loss": round(held4, 4), "held_out_perplexity": round(float(np.exp(held4)), 2)}
+    four = {
+        **manifest["result"],
+        "held_out_loss": round(held4, 4),
+        "held_out_perplexity": round(float(np.exp(held4)), 2),
+    }
     config4 = {**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}
     config4["quantization_config"] = config4["quantization"]
     name = f"{manifest['name']}-4bit"
     manifest = {k: v for k, v in manifest.items() if k not in ("files", "total_bytes")}
-    write_artifact(model, config4, tok, out_root / name,
-                   {**manifest, "name": name, "result": four, "weights": "4-bit affine, group 64, bf16 scales"})
+    write_artifact(
+        model,
+        config4,
+        tok,
+        out_root / name,
+        {**manifest, "name": name, "result": four, "weights": "4-bit affine, group 64, bf16 scales"},
+    )
     log(f"{name}: held-out loss {held4:.3f}")
 
 
@@ -264,9 +283,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, help="text read at most (default oracles.train_data's)")
     p.add_argument("--prepare", type=Path, metavar="FILE", help="write the tokenizer and ids to FILE and stop")
     p.add_argument("--data", type=Path, metavar="FILE", help="train on a --prepare file instead of this Python's text")
-    p.add_argument("--quantize", action="store_true",
-                   help="write each model's -4bit from its bf16 weights already under --out (no training): for a "
-                        "machine whose outputs came back without the 4-bit files")
+    p.add_argument(
+        "--quantize",
+        action="store_true",
+        help="write each model's -4bit from its bf16 weights already under --out (no training): for a "
+        "machine whose outputs came back without the 4-bit files",
+    )
     defaults = TrainSettings()
     for field, value in asdict(defaults).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
@@ -292,9 +314,11 @@ def main(argv=None) -> int:
         tok, train_ids, held_ids, data = load_prepared(args.data)
     else:
         tok, train_ids, held_ids, data = prepare(args.max_bytes or DEFAULT_MAX_BYTES)
-    log(f"text: {data['train_files']} train files ({len(train_ids):,} tokens), {data['held_out_files']} held out "
+    log(
+        f"text: {data['train_files']} train files ({len(train_ids):,} tokens), {data['held_out_files']} held out "
         f"({len(held_ids):,}); Python {data['python']}, sha256 {data['sha256'][:16]}; "
-        f"{time.perf_counter() - start:.1f} s")
+        f"{time.perf_counter() - start:.1f} s"
+    )
     if args.prepare:
         save_prepared(args.prepare, tok, train_ids, held_ids, data)
         log(f"wrote {args.prepare} ({args.prepare.stat().st_size / 1e6:.1f} MB)")
@@ -303,30 +327,59 @@ def main(argv=None) -> int:
         for name in names:
             model, config, manifest = load_trained(get_spec(name), out_root / name, tok.eos_ids)
             settings = TrainSettings(**manifest["settings"])
-            write_four_bit(model, get_spec(name), config, tok, held_ids, settings, out_root,
-                           {**manifest, "quantized_by": "python -m oracles.train " + " ".join(argv or sys.argv[1:]),
-                            "quantized_on": str(mx.default_device())}, log)  # fmt: skip
+            write_four_bit(
+                model,
+                get_spec(name),
+                config,
+                tok,
+                held_ids,
+                settings,
+                out_root,
+                {
+                    **manifest,
+                    "quantized_by": "python -m oracles.train " + " ".join(argv or sys.argv[1:]),
+                    "quantized_on": str(mx.default_device()),
+                },
+                log,
+            )
         return 0
     for name in names:
         spec = get_spec(name)
         model, config = build_model(spec, tok.eos_ids, settings.seed)
         initial = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
-        log(f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of "
-            f"{settings.batch}x{settings.seq}")
+        log(
+            f"{name}: held-out loss {initial:.3f} before training; {settings.steps} steps of "
+            f"{settings.batch}x{settings.seq}"
+        )
         began = time.perf_counter()
         history, skipped = train(model, train_ids, settings, log)
         model.set_dtype(mx.bfloat16)
         held = held_out_loss(model, held_ids, settings.seq, settings.eval_tokens)
-        result = {"train_loss": round(float(np.mean(history[-100:])), 4), "held_out_loss": round(held, 4),
-                  "held_out_perplexity": round(float(np.exp(held)), 2), "held_out_loss_at_init": round(initial, 4),
-                  "training_seconds": round(time.perf_counter() - began, 1), "skipped_steps": skipped}  # fmt: skip
-        log(f"{name}: train loss {result['train_loss']}, held-out loss {held:.3f} (perplexity "
-            f"{result['held_out_perplexity']}) in {result['training_seconds']} s")  # fmt: skip
+        result = {
+            "train_loss": round(float(np.mean(history[-100:])), 4),
+            "held_out_loss": round(held, 4),
+            "held_out_perplexity": round(float(np.exp(held)), 2),
+            "held_out_loss_at_init": round(initial, 4),
+            "training_seconds": round(time.perf_counter() - began, 1),
+            "skipped_steps": skipped,
+        }
+        log(
+            f"{name}: train loss {result['train_loss']}, held-out loss {held:.3f} (perplexity "
+            f"{result['held_out_perplexity']}) in {result['training_seconds']} s"
+        )
         command = "python -m oracles.train " + " ".join(argv or sys.argv[1:])
-        manifest = {"generator": GENERATOR, "name": name, "command": command,
-                    "settings": asdict(settings), "data": data, "result": result, "mlx": mx.__version__,
-                    "device": str(mx.default_device()), "machine": platform.machine(),
-                    "special_tokens": tok.special_ids}  # fmt: skip
+        manifest = {
+            "generator": GENERATOR,
+            "name": name,
+            "command": command,
+            "settings": asdict(settings),
+            "data": data,
+            "result": result,
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "machine": platform.machine(),
+            "special_tokens": tok.special_ids,
+        }
         write_artifact(model, config, tok, out_root / name, {**manifest, "weights": "bf16"})
         write_four_bit(model, spec, config, tok, held_ids, settings, out_root, {**manifest, "result": result}, log)
     log(f"wrote {', '.join(names)} (and -4bit) under {out_root} in {time.perf_counter() - start:.1f} s")

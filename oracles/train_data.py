@@ -40,10 +40,15 @@ class Corpus:
         return digest.hexdigest()
 
     def summary(self) -> dict:
-        return {"python": self.python, "sha256": self.sha256, "held_out_every": HELD_OUT_EVERY,
-                "train_files": len(self.train), "held_out_files": len(self.held_out),
-                "train_bytes": sum(len(f.text.encode()) for f in self.train),
-                "held_out_bytes": sum(len(f.text.encode()) for f in self.held_out)}  # fmt: skip
+        return {
+            "python": self.python,
+            "sha256": self.sha256,
+            "held_out_every": HELD_OUT_EVERY,
+            "train_files": len(self.train),
+            "held_out_files": len(self.held_out),
+            "train_bytes": sum(len(f.text.encode()) for f in self.train),
+            "held_out_bytes": sum(len(f.text.encode()) for f in self.held_out),
+        }
 
 
 def name_hash(name: str) -> int:

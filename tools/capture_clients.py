@@ -26,8 +26,17 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
-              "host", "content-length"}  # fmt: skip
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-connection",
+    "host",
+    "content-length",
+}
 SECRET = {"authorization", "cookie", "x-api-key", "api-key"}
 
 
@@ -41,10 +50,14 @@ def body_of(raw: bytes) -> object:
 
 
 def request_record(request: Request, raw: bytes) -> dict:
-    return {"time": time.time(), "method": request.method, "path": request.url.path,
-            "query": request.url.query or None,
-            "headers": {k: v for k, v in request.headers.items() if k.lower() not in SECRET},
-            "body": body_of(raw)}  # fmt: skip
+    return {
+        "time": time.time(),
+        "method": request.method,
+        "path": request.url.path,
+        "query": request.url.query or None,
+        "headers": {k: v for k, v in request.headers.items() if k.lower() not in SECRET},
+        "body": body_of(raw),
+    }
 
 
 def make_app(upstream: str, log_path: Path, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
@@ -59,8 +72,9 @@ def make_app(upstream: str, log_path: Path, transport: httpx.AsyncBaseTransport 
         raw = await request.body()
         record = request_record(request, raw)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        upstream_request = client.build_request(request.method, request.url.path, params=request.url.query,
-                                                headers=headers, content=raw)  # fmt: skip
+        upstream_request = client.build_request(
+            request.method, request.url.path, params=request.url.query, headers=headers, content=raw
+        )
         try:
             response = await client.send(upstream_request, stream=True)
         except httpx.HTTPError as e:
@@ -74,8 +88,9 @@ def make_app(upstream: str, log_path: Path, transport: httpx.AsyncBaseTransport 
             append({**record, "response": body_of(content)})
             return Response(content, response.status_code, headers=out_headers)
         append(record)
-        return StreamingResponse(response.aiter_raw(), response.status_code, headers=out_headers,
-                                 background=BackgroundTask(response.aclose))  # fmt: skip
+        return StreamingResponse(
+            response.aiter_raw(), response.status_code, headers=out_headers, background=BackgroundTask(response.aclose)
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

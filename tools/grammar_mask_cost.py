@@ -17,8 +17,11 @@ from engine.engine import Engine
 from engine.grammar import Grammars, mask_rows
 from engine.loading import vocab_size
 
-SCHEMA = {"type": "object", "required": ["city", "days"],
-          "properties": {"city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+}
 
 
 def step_times(grammars: Grammars, rows: int, steps: int, batched: bool) -> list[float]:
@@ -50,8 +53,10 @@ def main() -> None:
     grammars = Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config))
     for label, batched in (("batch (mask_rows)", True), ("one row at a time", False)):
         times = sorted(step_times(grammars, args.rows, args.steps, batched))
-        print(f"{label}: {args.rows} rows, vocabulary {grammars.vocab_size}: median "
-              f"{statistics.median(times) * 1e3:.2f} ms a step, p90 {times[int(0.9 * len(times))] * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"{label}: {args.rows} rows, vocabulary {grammars.vocab_size}: median "
+            f"{statistics.median(times) * 1e3:.2f} ms a step, p90 {times[int(0.9 * len(times))] * 1e3:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

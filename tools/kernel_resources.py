@@ -20,7 +20,7 @@ import re
 import subprocess
 import tempfile
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,8 +41,16 @@ def recorded(builds: list):
 
     def fake(*, name, input_names, output_names, source, header="", shared_memory=0):
         def call(*, inputs, template=(), output_shapes, output_dtypes, grid, threadgroup, **_):
-            build = KernelBuild(name, tuple(input_names), tuple(output_names), compact(source), compact(header),
-                                tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes), tuple(template))  # fmt: skip
+            build = KernelBuild(
+                name,
+                tuple(input_names),
+                tuple(output_names),
+                compact(source),
+                compact(header),
+                tuple((x.dtype, x.ndim) for x in inputs),
+                tuple(output_dtypes),
+                tuple(template),
+            )
             builds.append((build, grid, threadgroup, shared_memory))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
@@ -60,7 +68,7 @@ def recorded(builds: list):
             cached.cache_clear()
 
 
-@lru_cache(maxsize=None)
+@cache
 def nvcc_compile(build_source: str, arch: str) -> tuple[str, bytes]:
     """nvcc's -Xptxas -v report and cubin for one build's source ("" and b"" where it fails: the report holds
     the error then)."""
@@ -70,13 +78,30 @@ def nvcc_compile(build_source: str, arch: str) -> tuple[str, bytes]:
         (inc / "utils.cuh").write_text(UTILS_HEADER)
         src, out = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         src.write_text(build_source)
-        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(out), "-I", tmp, "-Xptxas", "-v",
-                               "--expt-relaxed-constexpr", "-std=c++17", str(src)], capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [
+                "nvcc",
+                f"-arch={arch}",
+                "-cubin",
+                "-o",
+                str(out),
+                "-I",
+                tmp,
+                "-Xptxas",
+                "-v",
+                "--expt-relaxed-constexpr",
+                "-std=c++17",
+                str(src),
+            ],
+            capture_output=True,
+            text=True,
+        )
         return done.stdout + done.stderr, out.read_bytes() if done.returncode == 0 else b""
 
 
 def nvcc_compiler(arch: str):
     """A `kernel_cache.Compiler` on nvcc: (cubin, the kernel's mangled name, from ptxas's report)."""
+
     def compile(source: str, kernel: str) -> tuple[bytes, str]:
         report, code = nvcc_compile(source, arch)
         entry = ENTRY.search(report)
@@ -97,8 +122,11 @@ def compile_report(build: KernelBuild, arch: str) -> dict:
         return {"error": text[-3000:]}
     regs = PTXAS.search(text)
     spills = SPILLS.search(text)
-    return {"registers": int(regs.group(1)) if regs else None,
-            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}  # fmt: skip
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_stores": int(spills.group(1)) if spills else 0,
+        "spill_loads": int(spills.group(2)) if spills else 0,
+    }
 
 
 def layout(spec: str) -> dict:
@@ -111,11 +139,15 @@ def layout(spec: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="16,32,64", help="activation rows M, comma-separated")
-    p.add_argument("--shape", action="append", default=[], metavar="NxK", help="matrix shape (repeatable; default 17408x5120)")
+    p.add_argument(
+        "--shape", action="append", default=[], metavar="NxK", help="matrix shape (repeatable; default 17408x5120)"
+    )
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--gated", action="store_true", help="two matrices of the shape as a gated (SwiGLU) launch")
-    p.add_argument("--staged", action="append", default=[], metavar="SPEC", help="staged layout KEY=VALUE,... (repeatable)")
+    p.add_argument(
+        "--staged", action="append", default=[], metavar="SPEC", help="staged layout KEY=VALUE,... (repeatable)"
+    )
     p.add_argument("--parts", default="", help="tools.gpu.batch_parts' parts (comma-separated) instead of --shape")
     p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")
     p.add_argument("--list", action="store_true", help="only list the launches (no nvcc)")
@@ -123,8 +155,7 @@ def main() -> None:
     args = p.parse_args()
 
     from engine.kernels.kernel_cache import KernelCache
-    from engine.kernels.quantized_gemv import quantized_matmuls
-    from engine.kernels.quantized_gemv import staged
+    from engine.kernels.quantized_gemv import quantized_matmuls, staged
     from tools.gpu.step_kernels import staged_layout
 
     variants = [("", {})] + [(s, layout(s)) for s in args.staged]
@@ -142,16 +173,21 @@ def main() -> None:
                     cache.submit(build)
             r = seen[key]
             res = r.get("error") or (f"{r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B")
-            print(f"{what} {build.name}: grid {grid[0] // block[0]} x {block[0]} threads, {shared} B dynamic "
-                  f"shared; {res}", flush=True)  # fmt: skip
+            print(
+                f"{what} {build.name}: grid {grid[0] // block[0]} x {block[0]} threads, {shared} B dynamic "
+                f"shared; {res}",
+                flush=True,
+            )
 
     rows = [int(v) for v in args.rows.split(",")]
     if args.parts:
         from tools.gpu import batch_parts
 
         only = frozenset(v.strip() for v in args.parts.split(","))
-        zeros = lambda n, k, bits, gs: (mx.zeros((n, k * bits // 32), dtype=mx.uint32),  # noqa: E731
-                                        *[mx.zeros((n, k // gs), dtype=mx.bfloat16)] * 2)  # fmt: skip
+
+        def zeros(n, k, bits, gs):
+            return (mx.zeros((n, k * bits // 32), dtype=mx.uint32), *[mx.zeros((n, k // gs), dtype=mx.bfloat16)] * 2)
+
         batch_parts.random_quantized, batch_parts.time_us = zeros, lambda fn, cfg: [fn()] and 0.0
         for m in rows:
             for label, fields in variants:
@@ -161,7 +197,9 @@ def main() -> None:
                 with recorded(builds), staged_layout(fields):
                     batch_parts.parts(m, None, only)
                 report(f"M={m} [{label or 'default'}]", builds)
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] or ([] if args.parts else [(17408, 5120)])
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] or (
+        [] if args.parts else [(17408, 5120)]
+    )
     for n, k in shapes:
         w = mx.zeros((n, k * args.bits // 32), dtype=mx.uint32)
         sc = mx.zeros((n, k // args.group), dtype=mx.bfloat16)

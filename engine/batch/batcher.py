@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
 
 import mlx.nn as nn
 
@@ -46,9 +45,9 @@ class ContinuousBatcher:
         self,
         model: nn.Module,
         config: SchedulerConfig = SchedulerConfig(),
-        tap: Optional[LogitsTap] = None,
+        tap: LogitsTap | None = None,
         keep_caches: bool = False,
-        kv_quantization: Optional[KVQuantization] = None,
+        kv_quantization: KVQuantization | None = None,
         decode_buckets: tuple[int, ...] = (),
         chunk_buckets: tuple[int, ...] = (),
         group_buckets: tuple[int, ...] = (),
@@ -64,11 +63,12 @@ class ContinuousBatcher:
         # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
         self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
         self.quantized = kv_quantization is not None
-        self.scheduler = Scheduler(dataclasses.replace(config, snapshot_block=self.snapshot_block,
-                                                       kv_groups=self.quantized))  # fmt: skip
+        self.scheduler = Scheduler(
+            dataclasses.replace(config, snapshot_block=self.snapshot_block, kv_groups=self.quantized)
+        )
         # Quantized KV: each request's first chunk, the one that attended to full-precision keys (its prefix's
         # where it started from one), for the prompt cache (`CachedPrefix.full_chunk`).
-        self._full_chunks: dict[str, Optional[int]] = {}
+        self._full_chunks: dict[str, int | None] = {}
         self._sinks: dict[str, TokenSink] = {}
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
@@ -77,7 +77,7 @@ class ContinuousBatcher:
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, sink: TokenSink, prefix: Optional[CachedPrefix] = None) -> None:
+    def submit(self, request: GenerationRequest, sink: TokenSink, prefix: CachedPrefix | None = None) -> None:
         """Queue a request (raises RequestTooLarge if it can never fit the KV budget).
 
         `prefix`: caches holding the first len(prefix.tokens) prompt tokens; prefill starts after them.
@@ -134,7 +134,7 @@ class ContinuousBatcher:
         decoded = self._decode(self.scheduler.schedule_decode())
         return self._prefill(self.scheduler.schedule_prefill()) or decoded
 
-    def run_until_idle(self, max_steps: Optional[int] = None) -> int:
+    def run_until_idle(self, max_steps: int | None = None) -> int:
         steps = 0
         while self.scheduler.has_work and (max_steps is None or steps < max_steps):
             self.step()
@@ -164,8 +164,10 @@ class ContinuousBatcher:
         caches = {}
         if self.keep_caches:  # each finished row holds its prompt and every token it pushed
             rows = self.runner.extract([s.request_id for s in outcome.finished])
-            caches = {s.request_id: self._stored(s, s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
-                      for s in outcome.finished}  # fmt: skip
+            caches = {
+                s.request_id: self._stored(s, s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
+                for s in outcome.finished
+            }
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
         if outcome.finished:
@@ -223,9 +225,13 @@ class ContinuousBatcher:
         firsts = self.scheduler.update_first_tokens(output.tokens)
         caches = {}
         if self.keep_caches:  # finished at token 0: only the prompt went through
-            caches = {f.seq.request_id: self._stored(f.seq, f.seq.request.prompt_ids,
-                                                     self.runner.ready_extract(f.seq.request_id))
-                      for f in firsts if not f.joins}  # fmt: skip
+            caches = {
+                f.seq.request_id: self._stored(
+                    f.seq, f.seq.request.prompt_ids, self.runner.ready_extract(f.seq.request_id)
+                )
+                for f in firsts
+                if not f.joins
+            }
         self.runner.join({f.seq.request_id for f in firsts if f.joins})
         for f in firsts:
             self._deliver(f.seq, f.tokens)
@@ -245,8 +251,9 @@ class ContinuousBatcher:
         if sink is not None:
             sink.on_start()
         req = seq.request
-        return Joiner(req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None),
-                      req.prompt_logprobs)  # fmt: skip
+        return Joiner(
+            req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None), req.prompt_logprobs
+        )
 
     def _deliver(self, seq: Sequence, tokens: tuple[GeneratedToken, ...]) -> None:
         sink = self._sinks.get(seq.request_id)
@@ -266,7 +273,7 @@ class ContinuousBatcher:
         """An entry for the prompt cache: these caches hold `tokens` of this request."""
         return CachedPrefix(tuple(tokens), cache, full_chunk=self._full_chunks.get(seq.request_id))
 
-    def _end(self, seq: Sequence, cache: Optional[CachedPrefix] = None) -> None:
+    def _end(self, seq: Sequence, cache: CachedPrefix | None = None) -> None:
         self._prefixes.pop(seq.request_id, None)
         self._full_chunks.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -21,7 +19,7 @@ def activation_itemsize(model: nn.Module) -> int:
     return mx.float32.size
 
 
-def kv_layout(model: nn.Module, kv: Optional[KVQuantization] = None) -> KVLayout:
+def kv_layout(model: nn.Module, kv: KVQuantization | None = None) -> KVLayout:
     """Per-layer KV bytes; with `kv`, growing layers store affine codes plus scales and biases."""
     itemsize = activation_itemsize(model)
     layers = []

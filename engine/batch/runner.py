@@ -36,10 +36,10 @@ had.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional, Sequence
-
 import copy
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,10 +59,10 @@ from engine.cache import (
 )
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
-from engine.prompt_logprobs import PromptScorer
 from engine.kernels.kernel_cache import settle as settle_kernels
-from engine.sampling import Sampler, emitted_token, make_processors
+from engine.prompt_logprobs import PromptScorer
 from engine.request import GeneratedToken, SamplingParams
+from engine.sampling import Sampler, emitted_token, make_processors
 
 # (request_id, logits [1, V]) for every row at every forward: the parity tap.
 LogitsTap = Callable[[str, mx.array], None]
@@ -121,8 +121,8 @@ class Joiner:
     request_id: str
     params: SamplingParams
     prompt_ids: Sequence[int]
-    cache: Optional[list] = None  # single-row caches holding a cached prefix of the prompt
-    prompt_logprobs: Optional[int] = None  # score the prompt (`GenerationRequest.prompt_logprobs`); never cached
+    cache: list | None = None  # single-row caches holding a cached prefix of the prompt
+    prompt_logprobs: int | None = None  # score the prompt (`GenerationRequest.prompt_logprobs`); never cached
 
 
 @dataclass
@@ -131,18 +131,26 @@ class _Row:
     params: SamplingParams
     sampler: Sampler
     processors: list
-    history: Optional[mx.array]  # tokens seen, for processors (prompt, then fed tokens)
+    history: mx.array | None  # tokens seen, for processors (prompt, then fed tokens)
     last_prompt_token: int  # what the token-0 forward feeds
-    grammar: Optional[Any] = None  # the request's grammar matcher (engine.grammar), masked with the batch's others
-    scorer: Optional[PromptScorer] = None  # fed the prefill chunks' logits where the request scores its prompt
+    grammar: Any | None = None  # the request's grammar matcher (engine.grammar), masked with the batch's others
+    scorer: PromptScorer | None = None  # fed the prefill chunks' logits where the request scores its prompt
 
     @classmethod
-    def start(cls, j: Joiner) -> "_Row":
+    def start(cls, j: Joiner) -> _Row:
         history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
         grammar = j.params.constraint.processor() if j.params.constraint is not None else None
         scorer = PromptScorer(j.prompt_ids, j.prompt_logprobs) if j.prompt_logprobs is not None else None
-        return cls(j.request_id, j.params, Sampler(j.params), make_processors(j.params, constraint=False), history,
-                   j.prompt_ids[-1], grammar, scorer)  # fmt: skip
+        return cls(
+            j.request_id,
+            j.params,
+            Sampler(j.params),
+            make_processors(j.params, constraint=False),
+            history,
+            j.prompt_ids[-1],
+            grammar,
+            scorer,
+        )
 
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's processors to its logits [1, V], given this step's input token(s)."""
@@ -163,7 +171,7 @@ def _guarded(failed: dict[int, str], i: int, compute: Callable[[], mx.array], st
         return stand_in()
 
 
-def _failures(rows: list["_Row"], failed: dict[int, str]) -> tuple[RowFailure, ...]:
+def _failures(rows: list[_Row], failed: dict[int, str]) -> tuple[RowFailure, ...]:
     return tuple(RowFailure(rows[i].request_id, failed[i]) for i in sorted(failed))
 
 
@@ -172,11 +180,11 @@ class _Sampled:
     tokens: mx.array  # [B]
     logprobs: mx.array  # [B, V]
 
-    def take(self, rows: Sequence[int]) -> "_Sampled":
+    def take(self, rows: Sequence[int]) -> _Sampled:
         idx = mx.array(list(rows))
         return _Sampled(self.tokens[idx], self.logprobs[idx])
 
-    def then(self, other: "_Sampled") -> "_Sampled":
+    def then(self, other: _Sampled) -> _Sampled:
         return _Sampled(mx.concatenate([self.tokens, other.tokens]), mx.concatenate([self.logprobs, other.logprobs]))
 
 
@@ -197,8 +205,9 @@ def _ghost_tokens(tokens: mx.array, ghosts: int) -> mx.array:
     return mx.concatenate([tokens, mx.broadcast_to(tokens[-1:], (ghosts,))])
 
 
-def trace_forwards(model: nn.Module, decode_rows: Sequence[int], prefill_tokens: Sequence[int],
-                   prompt: int = 16) -> None:  # fmt: skip
+def trace_forwards(
+    model: nn.Module, decode_rows: Sequence[int], prefill_tokens: Sequence[int], prompt: int = 16
+) -> None:
     """Build, without running, the continuous lane's forwards: a decode step at each of `decode_rows` (after a
     `prompt`-token prefill of as many rows) and a one-prompt prefill chunk of each of `prefill_tokens`. Every
     kernel build they call is asked for, so the kernel cache compiles them all at once; nothing is evaluated
@@ -233,17 +242,25 @@ def chunk_buckets(prefill_chunk: int) -> tuple[int, ...]:
 
 
 class BatchRunner:
-    def __init__(self, model: nn.Module, tap: Optional[LogitsTap] = None, kv: Optional[KVQuantization] = None,
-                 decode_buckets: Sequence[int] = (), chunk_buckets: Sequence[int] = (),
-                 group_buckets: Sequence[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        tap: LogitsTap | None = None,
+        kv: KVQuantization | None = None,
+        decode_buckets: Sequence[int] = (),
+        chunk_buckets: Sequence[int] = (),
+        group_buckets: Sequence[int] = (),
+    ):
         if kv is not None and kv.start != 0:
             raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
         if any(b < 1 for b in (*decode_buckets, *chunk_buckets, *group_buckets)):
-            raise ValueError(f"buckets are counts >= 1, got {list(decode_buckets)}, {list(chunk_buckets)} and "
-                             f"{list(group_buckets)}")  # fmt: skip
+            raise ValueError(
+                f"buckets are counts >= 1, got {list(decode_buckets)}, {list(chunk_buckets)} and {list(group_buckets)}"
+            )
         if kv is not None and (decode_buckets or group_buckets):
-            raise ValueError("decode and group buckets do not combine with quantized KV (ghost rows copy "
-                             "full-precision caches)")  # fmt: skip
+            raise ValueError(
+                "decode and group buckets do not combine with quantized KV (ghost rows copy full-precision caches)"
+            )
         self.model = model
         self.tap = tap
         self.kv = kv
@@ -253,15 +270,15 @@ class BatchRunner:
         # The forward shapes this runner has run (kind, rows[, tokens]): on CUDA each new one compiles kernels.
         self.shapes: set[tuple[int | str, ...]] = set()
         self.rows: list[_Row] = []
-        self.cache: Optional[list] = None  # the running rows', then `ghosts` ghost rows'
+        self.cache: list | None = None  # the running rows', then `ghosts` ghost rows'
         self.ghosts = 0
-        self.register: Optional[_Sampled] = None  # sampled, not yet fed back
+        self.register: _Sampled | None = None  # sampled, not yet fed back
         self.joiners: list[_Row] = []
-        self.joiner_cache: Optional[list] = None
+        self.joiner_cache: list | None = None
         # Joiners split off with their token 0, waiting to join (or to be dropped).
         self.ready: list[_Row] = []
-        self.ready_cache: Optional[list] = None
-        self.ready_first: Optional[_Sampled] = None
+        self.ready_cache: list | None = None
+        self.ready_first: _Sampled | None = None
 
     # --------------------------------------------------------------- joiners
 
@@ -347,8 +364,11 @@ class BatchRunner:
             self.joiners = [self.joiners[i] for i in rest]
         else:
             self.joiners, self.joiner_cache = [], None
-        prompts = {row.request_id: [c.extract(i) for c in self.ready_cache]
-                   for i, row in enumerate(self.ready) if row.request_id in snapshot}  # fmt: skip
+        prompts = {
+            row.request_id: [c.extract(i) for c in self.ready_cache]
+            for i, row in enumerate(self.ready)
+            if row.request_id in snapshot
+        }
         own(prompts.values())
         inputs = mx.array([row.last_prompt_token for row in self.ready])
         logits = self._first_forward(inputs)
@@ -534,10 +554,15 @@ class BatchRunner:
         if any(r.processors or r.grammar is not None for r in rows):
             row_logits = [logits[i : i + 1] for i in range(len(rows))]
             logits = mx.concatenate(
-                [_guarded(failed, i, lambda: row.process(inputs[i : i + 1], row_logits[i]), lambda: row_logits[i])
-                 for i, row in enumerate(rows)], axis=0,
-            )  # fmt: skip
-        constrained = [(i, r.grammar, r.history) for i, r in enumerate(rows) if r.grammar is not None and i not in failed]
+                [
+                    _guarded(failed, i, lambda: row.process(inputs[i : i + 1], row_logits[i]), lambda: row_logits[i])
+                    for i, row in enumerate(rows)
+                ],
+                axis=0,
+            )
+        constrained = [
+            (i, r.grammar, r.history) for i, r in enumerate(rows) if r.grammar is not None and i not in failed
+        ]
         if constrained:
             logits = mask_rows(logits, constrained)
             for i, m, _ in constrained:
@@ -549,9 +574,14 @@ class BatchRunner:
         else:
             row_logprobs = [logprobs[i : i + 1] for i in range(len(rows))]
             tokens = mx.concatenate(
-                [_guarded(failed, i, lambda: row.sampler(row_logprobs[i]), lambda: mx.argmax(row_logprobs[i], axis=-1))
-                 for i, row in enumerate(rows)], axis=0,
-            )  # fmt: skip
+                [
+                    _guarded(
+                        failed, i, lambda: row.sampler(row_logprobs[i]), lambda: mx.argmax(row_logprobs[i], axis=-1)
+                    )
+                    for i, row in enumerate(rows)
+                ],
+                axis=0,
+            )
         return _Sampled(tokens, logprobs), failed
 
     @staticmethod

@@ -22,16 +22,16 @@ The runner executes what this decides; the batcher drives both.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Collection, Mapping, Optional
 
 from engine.errors import RequestTooLarge
 from engine.request import FinishReason, GeneratedToken, GenerationRequest
 from engine.stopping import FinishTracker
 
 
-def check_budget(request: GenerationRequest, kv_bytes: int, budget: Optional[int]) -> None:
+def check_budget(request: GenerationRequest, kv_bytes: int, budget: int | None) -> None:
     """Raise RequestTooLarge when `kv_bytes` can never fit the budget (None: no budget)."""
     if budget is not None and kv_bytes > budget:
         raise RequestTooLarge(
@@ -53,10 +53,10 @@ class SchedulerConfig:
     max_rows: int = 8  # rows decoding and prefilling together (the --batch cap)
     prefill_chunk: int = 2048  # prompt tokens per joiner per iteration
     prefill_batch: int = 8  # joiners prefilled together (mlx_lm.server's --prompt-concurrency)
-    kv_budget_bytes: Optional[int] = None
+    kv_budget_bytes: int | None = None
     # Prompt tokens all joiners take in one iteration, shared equally (each at most prefill_chunk): a burst of
     # long prompts then holds the decoding rows for about one such forward a step. None: prefill_chunk each.
-    prefill_budget: Optional[int] = None
+    prefill_budget: int | None = None
     # The prefill forwards' chunk buckets (a forward is padded to the smallest that holds its longest chunk): with a
     # budget, a joiner's share is rounded down to the largest bucket within it, so no forward pads its chunks.
     chunk_buckets: tuple[int, ...] = ()
@@ -99,8 +99,8 @@ class Sequence:
     # The token in this row's input register was already emitted (token 0 at join):
     # the next decode step reads it back and must not emit it twice.
     input_emitted: bool = False
-    finish_reason: Optional[FinishReason] = None
-    error: Optional[str] = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -137,7 +137,7 @@ class PrefillPlan:
         """Nothing to run (evictions aside)."""
         return not (self.admitted or self.first_tokens or self.chunks)
 
-    def without(self, request_ids: Collection[str]) -> "PrefillPlan":
+    def without(self, request_ids: Collection[str]) -> PrefillPlan:
         """This plan less the given joiners (those that failed on their own)."""
         return PrefillPlan(
             self.evicted,
@@ -187,13 +187,13 @@ class Scheduler:
         self.pending.append(seq)
         return seq
 
-    def find(self, request_id: str) -> Optional[Sequence]:
+    def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.pending, *self.running, *self.joiners):
             if seq.request_id == request_id:
                 return seq
         return None
 
-    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED, error: Optional[str] = None):
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None):
         """Mark a request finished; queued ones leave now, joiners and rows at the next iteration."""
         seq = self.find(request_id)
         if seq is None or seq.status is SeqStatus.DONE:
@@ -306,7 +306,7 @@ class Scheduler:
                 s.finish_reason, s.error = FinishReason.ERROR, error
         return failed
 
-    def fail_one(self, request_id: str, error: str) -> Optional[Sequence]:
+    def fail_one(self, request_id: str, error: str) -> Sequence | None:
         """A joiner or running row that failed on its own leaves now; the others go on."""
         seq = next((s for s in (*self.joiners, *self.running) if s.request_id == request_id), None)
         if seq is None:

@@ -15,7 +15,7 @@ Padding lives in Python ints, so no operation here waits on the device.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -35,11 +35,11 @@ class BatchKVCache:
     step = 256
 
     def __init__(self, left_padding: Sequence[int]):
-        self.parts: Optional[list[mx.array]] = None
+        self.parts: list[mx.array] | None = None
         self.left_padding = list(left_padding)
         self.idx = 0
-        self._offset_array: Optional[mx.array] = None
-        self._right_padding: Optional[list[int]] = None
+        self._offset_array: mx.array | None = None
+        self._right_padding: list[int] | None = None
 
     # ------------------------------------------------- what a subclass stores
 
@@ -50,7 +50,7 @@ class BatchKVCache:
         return parts[0], parts[1]
 
     @staticmethod
-    def _single_parts(cache: KVCache) -> Optional[list[mx.array]]:
+    def _single_parts(cache: KVCache) -> list[mx.array] | None:
         return None if cache.keys is None else [cache.keys, cache.values]
 
     def _single(self, parts: list[mx.array]) -> KVCache:
@@ -62,7 +62,7 @@ class BatchKVCache:
     # --------------------------------------------------------------- shape
 
     @property
-    def keys(self) -> Optional[mx.array]:
+    def keys(self) -> mx.array | None:
         return None if self.parts is None else self.parts[0]
 
     @property
@@ -120,7 +120,7 @@ class BatchKVCache:
             self._right_padding = None
             self._changed()
 
-    def make_mask(self, n: int, window_size: Optional[int] = None) -> mx.array:
+    def make_mask(self, n: int, window_size: int | None = None) -> mx.array:
         # Always an explicit boolean mask, also with no padding and at n = 1: that is
         # mlx-lm's batched graph, and on CUDA the unmasked attention kernel rounds
         # differently (measured on the H200: 1-ULP logit differences in bf16).
@@ -129,7 +129,7 @@ class BatchKVCache:
     # ---------------------------------------------------------- batch edits
 
     @classmethod
-    def merge(cls, caches: Sequence[KVCache], **kwargs) -> "BatchKVCache":
+    def merge(cls, caches: Sequence[KVCache], **kwargs) -> BatchKVCache:
         """Right-align single-row caches into one batch (mlx-lm's merge)."""
         lengths = [c.size() for c in caches]
         longest = max(lengths)
@@ -147,7 +147,7 @@ class BatchKVCache:
         out.idx = longest
         return out
 
-    def extend(self, other: "BatchKVCache") -> None:
+    def extend(self, other: BatchKVCache) -> None:
         """Append other's rows below ours, right-aligning both to the longer one."""
         self._changed()
         if self.parts is None and other.parts is None:
@@ -157,7 +157,7 @@ class BatchKVCache:
         ref = self.parts if self.parts is not None else other.parts
         width = max(c.parts[0].shape[2] for c in (self, other) if c.parts is not None)
 
-        def aligned(c: "BatchKVCache") -> list[mx.array]:
+        def aligned(c: BatchKVCache) -> list[mx.array]:
             parts = c.parts or [mx.zeros((c.batch_size, r.shape[1], 0, r.shape[3]), dtype=r.dtype) for r in ref]
             left = longest - c.idx
             right = width - parts[0].shape[2] - left

@@ -13,7 +13,7 @@ composition's oracle is our serial quantized path
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -28,14 +28,16 @@ class BatchQuantizedKVCache(BatchKVCache):
         self.bits = bits  # the attention dispatch looks for this attribute
 
     @classmethod
-    def from_full(cls, full: BatchKVCache, group_size: int, bits: int) -> "BatchQuantizedKVCache":
+    def from_full(cls, full: BatchKVCache, group_size: int, bits: int) -> BatchQuantizedKVCache:
         """The same rows as `full`, stored as affine codes (quantized per token along the head dimension)."""
         q = cls(full.left_padding, group_size=group_size, bits=bits)
         q.idx = full.idx
         if full.parts is not None:
             keys, values = full.parts
-            q.parts = [*mx.quantize(keys, group_size=group_size, bits=bits),
-                       *mx.quantize(values, group_size=group_size, bits=bits)]  # fmt: skip
+            q.parts = [
+                *mx.quantize(keys, group_size=group_size, bits=bits),
+                *mx.quantize(values, group_size=group_size, bits=bits),
+            ]
         return q
 
     def _new_parts(self, keys: mx.array, values: mx.array) -> list[mx.array]:
@@ -46,7 +48,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         return tuple(parts[:3]), tuple(parts[3:])
 
     @staticmethod
-    def _single_parts(cache: QuantizedKVCache) -> Optional[list[mx.array]]:
+    def _single_parts(cache: QuantizedKVCache) -> list[mx.array] | None:
         return None if cache.keys is None else [*cache.keys, *cache.values]
 
     def _single(self, parts: list[mx.array]) -> QuantizedKVCache:

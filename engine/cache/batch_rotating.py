@@ -10,7 +10,7 @@ attention sum and the same-B oracle runs mlx-lm's cache.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -24,16 +24,16 @@ class BatchRotatingKVCache:
 
     def __init__(self, max_size: int, left_padding: Sequence[int]):
         self.max_size = max_size
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
         self.left_padding = list(left_padding)
         self.offsets = [-p for p in left_padding]  # absolute position of each row
         self.idx = 0  # write index in the ring
         self.tokens = 0  # tokens written since creation (mlx-lm's _offset)
         self.rotated = False
-        self._offset_array: Optional[mx.array] = None
+        self._offset_array: mx.array | None = None
         # During a right-padded prefill: where each row's real tokens end.
-        self._lengths: Optional[list[int]] = None
+        self._lengths: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -137,7 +137,7 @@ class BatchRotatingKVCache:
             self._roll_padding_left()
             self._lengths = None
 
-    def make_mask(self, n: int, window_size: Optional[int] = None) -> mx.array:
+    def make_mask(self, n: int, window_size: int | None = None) -> mx.array:
         window_size = window_size or self.max_size
         offset = min(self.max_size - 1, self.tokens)
         cols = mx.arange(offset + n)
@@ -160,7 +160,7 @@ class BatchRotatingKVCache:
     # ---------------------------------------------------------- batch edits
 
     @classmethod
-    def merge(cls, caches: Sequence[RotatingKVCache]) -> "BatchRotatingKVCache":
+    def merge(cls, caches: Sequence[RotatingKVCache]) -> BatchRotatingKVCache:
         if any(c.max_size != caches[0].max_size for c in caches):
             raise ValueError("rotating caches merge only with the same window size")
         max_size = caches[0].max_size
@@ -187,7 +187,7 @@ class BatchRotatingKVCache:
         cache.idx = cache.tokens = longest
         return cache
 
-    def extend(self, other: "BatchRotatingKVCache") -> None:
+    def extend(self, other: BatchRotatingKVCache) -> None:
         self._offset_array = None
         if self.keys is None and other.keys is None:
             self.left_padding += other.left_padding
@@ -202,7 +202,7 @@ class BatchRotatingKVCache:
         v_dim = (self.values if self.values is not None else other.values).shape[3]
         width = max(c.keys.shape[2] for c in (self, other) if c.keys is not None)
 
-        def aligned(c: "BatchRotatingKVCache"):
+        def aligned(c: BatchRotatingKVCache):
             left = longest - c.idx
             k, v = c.keys, c.values
             if k is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from engine.masks import causal_mask
@@ -25,7 +23,7 @@ def owned_copies(arrays: list[mx.array]) -> list[mx.array]:
     return [mx.concatenate([x, x[:0]]) for x in arrays]
 
 
-def standard_mask(n: int, offset: int, window_size: Optional[int]):
+def standard_mask(n: int, offset: int, window_size: int | None):
     """mlx-lm's cache mask rule: an array with a window, None for one token, else "causal"."""
     if window_size is not None:
         return causal_mask(n, offset, window_size=window_size)
@@ -40,7 +38,7 @@ class OffsetTrimmed:
 
     offset: int
 
-    def make_mask(self, n: int, window_size: Optional[int] = None):
+    def make_mask(self, n: int, window_size: int | None = None):
         return standard_mask(n, self.offset, window_size)
 
     def size(self) -> int:
@@ -59,8 +57,8 @@ class KVCache(OffsetTrimmed):
     step = 256
 
     def __init__(self):
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):

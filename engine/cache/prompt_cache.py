@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -115,11 +116,11 @@ class PromptCacheStats:
     disk_hits: int = 0  # of the hits, those loaded from the disk tier
     disk_entries: int = 0
     disk_bytes: int = 0
-    disk_error: Optional[str] = None  # why the disk tier turned itself off
+    disk_error: str | None = None  # why the disk tier turned itself off
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, disk: Optional[DiskTier] = None, full_chunk: Optional[int] = None):
+    def __init__(self, max_bytes: int, disk: DiskTier | None = None, full_chunk: int | None = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         if full_chunk is not None and full_chunk < 1:
@@ -141,10 +142,11 @@ class PromptCache:
     def stats(self) -> PromptCacheStats:
         disk = self.disk
         on_disk = (disk.hits, len(disk.entries), disk.bytes, disk.error) if disk else (0, 0, 0, None)
-        return PromptCacheStats(len(self), self.bytes, self.max_bytes, self.hits, self.misses, self.cached_tokens,
-                                self.block_hits, *on_disk)  # fmt: skip
+        return PromptCacheStats(
+            len(self), self.bytes, self.max_bytes, self.hits, self.misses, self.cached_tokens, self.block_hits, *on_disk
+        )
 
-    def lookup(self, prompt: Sequence[int], draft: Optional[str] = None) -> Optional[CachedPrefix]:
+    def lookup(self, prompt: Sequence[int], draft: str | None = None) -> CachedPrefix | None:
         """A copy of the caches of the longest reusable prefix of `prompt`, or None. `draft`: only whole entries
         that hold a draft source's state of that kind, handed over (a copy) with the caches."""
         ids = np.asarray(prompt, dtype=np.int64)
@@ -176,12 +178,17 @@ class PromptCache:
     def _min_start(self) -> int:
         return self.full_chunk or 1
 
-    def _from_disk(self, ids: np.ndarray, limit: int, ram_best: int) -> Optional[tuple[tuple[int, ...], int]]:
+    def _from_disk(self, ids: np.ndarray, limit: int, ram_best: int) -> tuple[tuple[int, ...], int] | None:
         """Where the disk tier holds a longer start than RAM: that entry loaded into RAM, (its key, the start)."""
         if self.disk is None or not self.disk.on:
             return None
-        ranked = sorted(((_start(e.ids, e.trimmable, e.snapshot_at, _common_prefix(e.ids, ids), limit), e)
-                         for e in self.disk.entries.values()), key=lambda ne: -ne[0])  # fmt: skip
+        ranked = sorted(
+            (
+                (_start(e.ids, e.trimmable, e.snapshot_at, _common_prefix(e.ids, ids), limit), e)
+                for e in self.disk.entries.values()
+            ),
+            key=lambda ne: -ne[0],
+        )
         for n, e in ranked:
             if n <= ram_best or n < self._min_start:
                 return None
@@ -208,10 +215,15 @@ class PromptCache:
 
     def _add(self, key: tuple[int, ...], cache: list, snapshots: dict[int, list], draft: Any = None) -> bool:
         trimmable = _trimmable(cache)
-        snapshots = {} if trimmable else {
-            n: layers for n, layers in snapshots.items()
-            if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, cache))
-        }  # fmt: skip
+        snapshots = (
+            {}
+            if trimmable
+            else {
+                n: layers
+                for n, layers in snapshots.items()
+                if 0 < n < len(key) and all(s is not None or c.is_trimmable() for s, c in zip(layers, cache))
+            }
+        )
         sizes = {n: cache_nbytes([c for c in layers if c is not None]) for n, layers in snapshots.items()}
         nbytes = cache_nbytes(cache) + sum(sizes.values()) + (draft.nbytes if draft is not None else 0)
         for n in sorted(snapshots, reverse=True):  # past the budget, the latest snapshots go first: shared
@@ -224,8 +236,9 @@ class PromptCache:
         self._remove(key)
         entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots, draft)
         if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those (but a draft's state)
-            for other in [k for k, e in self._entries.items()
-                          if len(k) < len(key) and key[: len(k)] == k and e.draft is None]:  # fmt: skip
+            for other in [
+                k for k, e in self._entries.items() if len(k) < len(key) and key[: len(k)] == k and e.draft is None
+            ]:
                 self._remove(other)
         self._entries[key] = entry
         self.bytes += nbytes

@@ -23,7 +23,6 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -114,7 +113,7 @@ class DiskTier:
         self.entries: dict[str, DiskEntry] = {}  # oldest first
         self.bytes = 0
         self.hits = self.writes = self.dropped = 0
-        self.error: Optional[str] = None  # set when the tier turned itself off
+        self.error: str | None = None  # set when the tier turned itself off
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe-{uuid.uuid4().hex}"
@@ -139,8 +138,13 @@ class DiskTier:
         for path in manifests:
             try:
                 m = json.loads(path.read_text())
-                entry = DiskEntry(path.stem, np.asarray(m["tokens"], dtype=np.int64), bool(m["trimmable"]),
-                                  tuple(int(n) for n in m["snapshot_at"]), int(m["nbytes"]))  # fmt: skip
+                entry = DiskEntry(
+                    path.stem,
+                    np.asarray(m["tokens"], dtype=np.int64),
+                    bool(m["trimmable"]),
+                    tuple(int(n) for n in m["snapshot_at"]),
+                    int(m["nbytes"]),
+                )
                 if m.get("format") != FORMAT or prefix_key(tuple(m["tokens"])) != path.stem:
                     raise ValueError("foreign manifest")
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -163,8 +167,10 @@ class DiskTier:
         arrays: dict[str, mx.array] = {}
         try:
             layers = [_layer_fields(c, f"c{i}", arrays) for i, c in enumerate(cache)]
-            snaps = {str(n): [None if c is None else _layer_fields(c, f"s{n}.{i}", arrays) for i, c in enumerate(ls)]
-                     for n, ls in snapshots.items()}  # fmt: skip
+            snaps = {
+                str(n): [None if c is None else _layer_fields(c, f"s{n}.{i}", arrays) for i, c in enumerate(ls)]
+                for n, ls in snapshots.items()
+            }
         except TypeError as e:
             log.info("prompt cache: not stored on disk: %s", e)
             return False
@@ -174,9 +180,16 @@ class DiskTier:
             mx.save_safetensors(str(self.dir / f"{tmp}.safetensors"), arrays)
             os.replace(self.dir / f"{tmp}.safetensors", data)
             nbytes = data.stat().st_size
-            body = {"format": FORMAT, "tokens": [int(t) for t in tokens], "trimmable": trimmable, "layers": layers,
-                    "snapshots": snaps, "snapshot_at": sorted(snapshots), "nbytes": nbytes,
-                    "sha256": _sha256(data)}  # fmt: skip
+            body = {
+                "format": FORMAT,
+                "tokens": [int(t) for t in tokens],
+                "trimmable": trimmable,
+                "layers": layers,
+                "snapshots": snaps,
+                "snapshot_at": sorted(snapshots),
+                "nbytes": nbytes,
+                "sha256": _sha256(data),
+            }
             (self.dir / f"{tmp}.json").write_text(json.dumps(body))
             os.replace(self.dir / f"{tmp}.json", manifest)
         except OSError as e:
@@ -187,13 +200,15 @@ class DiskTier:
         old = self.entries.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
-        self.entries[key] = DiskEntry(key, np.asarray(tokens, dtype=np.int64), trimmable, tuple(sorted(snapshots)), nbytes)
+        self.entries[key] = DiskEntry(
+            key, np.asarray(tokens, dtype=np.int64), trimmable, tuple(sorted(snapshots)), nbytes
+        )
         self.bytes += nbytes
         self.writes += 1
         self._fit()
         return key in self.entries
 
-    def read(self, key: str) -> Optional[tuple[list, dict[int, list]]]:
+    def read(self, key: str) -> tuple[list, dict[int, list]] | None:
         """The entry's caches and snapshots, or None (removed) where its files fail their checks."""
         data, manifest = self.dir / f"{key}.safetensors", self.dir / f"{key}.json"
         try:
@@ -202,7 +217,9 @@ class DiskTier:
                 raise ValueError("checksum mismatch")
             arrays = mx.load(str(data))
             cache = [_layer(spec, arrays) for spec in m["layers"]]
-            snapshots = {int(n): [None if s is None else _layer(s, arrays) for s in ls] for n, ls in m["snapshots"].items()}
+            snapshots = {
+                int(n): [None if s is None else _layer(s, arrays) for s in ls] for n, ls in m["snapshots"].items()
+            }
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             log.warning("prompt cache: removing %s, which failed to load (%s)", data.name, e)
             self.remove(key)

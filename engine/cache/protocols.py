@@ -7,7 +7,8 @@ extends, filters and extracts rows from. A recurrent layer's cache is both.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -42,7 +43,7 @@ class BatchCache(Protocol):
     def nbytes(self) -> int: ...
 
     @classmethod
-    def merge(cls, caches: Sequence[Any]) -> "BatchCache":
+    def merge(cls, caches: Sequence[Any]) -> BatchCache:
         """One batch of the single-row caches, in order."""
 
     def make_mask(self, n: int) -> Any: ...
@@ -61,4 +62,3 @@ class BatchCache(Protocol):
 
     def extract(self, row: int) -> Cache:
         """One row as a single-row cache (a copy)."""
-

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from engine.cache.kv import KVCache, OffsetTrimmed
@@ -13,14 +11,14 @@ class QuantizedKVCache(OffsetTrimmed):
     step = 256
 
     def __init__(self, group_size: int = 64, bits: int = 8):
-        self.keys: Optional[tuple[mx.array, mx.array, mx.array]] = None
-        self.values: Optional[tuple[mx.array, mx.array, mx.array]] = None
+        self.keys: tuple[mx.array, mx.array, mx.array] | None = None
+        self.values: tuple[mx.array, mx.array, mx.array] | None = None
         self.offset = 0
         self.group_size = group_size
         self.bits = bits
 
     @classmethod
-    def from_kv(cls, cache: KVCache, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+    def from_kv(cls, cache: KVCache, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
         """Quantize an existing growing cache (mlx-lm's `to_quantized`)."""
         q = cls(group_size=group_size, bits=bits)
         q.offset = cache.offset

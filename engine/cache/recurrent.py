@@ -11,8 +11,8 @@ a padded row's padding is still ahead of it (mlx-lm's ArraysCache rules).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -24,7 +24,7 @@ class Trace:
     """What the forwards since `start_trace` recorded over their n tokens in all:
     the conv inputs [conv tail before them; n inputs] and the state after each token."""
 
-    conv_input: Optional[mx.array] = None
+    conv_input: mx.array | None = None
     states: list = field(default_factory=list)
 
     def record_conv(self, conv_input: mx.array, new: int) -> None:
@@ -36,15 +36,15 @@ class Trace:
 
 class RecurrentCache:
     def __init__(self, size: int = 2):
-        self.slots: list[Optional[mx.array]] = [None] * size
+        self.slots: list[mx.array | None] = [None] * size
         self.offset = 0
         # Batch metadata (None for a lone serial row): tokens of left padding
         # still ahead of each row, and valid lengths of right-padded inputs.
-        self.left_padding: Optional[list[int]] = None
-        self.lengths: Optional[list[int]] = None
-        self.trace: Optional[Trace] = None  # set by start_trace, filled by the layer's next forward
+        self.left_padding: list[int] | None = None
+        self.lengths: list[int] | None = None
+        self.trace: Trace | None = None  # set by start_trace, filled by the layer's next forward
 
-    def __getitem__(self, i: int) -> Optional[mx.array]:
+    def __getitem__(self, i: int) -> mx.array | None:
         return self.slots[i]
 
     def __setitem__(self, i: int, value: mx.array) -> None:
@@ -64,7 +64,7 @@ class RecurrentCache:
         if self.left_padding is not None:
             self.left_padding = [p - n for p in self.left_padding]
 
-    def make_mask(self, n: int) -> Optional[mx.array]:
+    def make_mask(self, n: int) -> mx.array | None:
         # A row whose padding is all behind it (p <= 0) is unmasked; an all-true
         # mask would select every element unchanged, so None is the same math.
         has_padding = self.left_padding is not None and max(self.left_padding) > 0
@@ -90,7 +90,7 @@ class RecurrentCache:
         self.left_padding = None
 
     @classmethod
-    def merge(cls, caches: Sequence["RecurrentCache"]) -> "RecurrentCache":
+    def merge(cls, caches: Sequence[RecurrentCache]) -> RecurrentCache:
         """Stack single-row states into one batch."""
         out = cls(len(caches[0].slots))
         if all(c.slots[0] is None for c in caches):
@@ -102,10 +102,10 @@ class RecurrentCache:
             out.slots[i] = mx.concatenate(rows)
         return out
 
-    def extend(self, other: "RecurrentCache") -> None:
+    def extend(self, other: RecurrentCache) -> None:
         a, b = self.batch_size, other.batch_size
 
-        def cat(x: Optional[mx.array], y: Optional[mx.array]) -> Optional[mx.array]:
+        def cat(x: mx.array | None, y: mx.array | None) -> mx.array | None:
             if x is None and y is None:
                 return None
             ref = x if x is not None else y
@@ -113,7 +113,7 @@ class RecurrentCache:
             y = y if y is not None else mx.zeros((b, *ref.shape[1:]), ref.dtype)
             return mx.concatenate([x, y])
 
-        def cat_meta(x: Optional[list[int]], y: Optional[list[int]]) -> Optional[list[int]]:
+        def cat_meta(x: list[int] | None, y: list[int] | None) -> list[int] | None:
             if x is None and y is None:
                 return None
             return (x if x is not None else [0] * a) + (y if y is not None else [0] * b)
@@ -131,7 +131,7 @@ class RecurrentCache:
         if self.lengths is not None:
             self.lengths = [self.lengths[i] for i in keep]
 
-    def extract(self, row: int) -> "RecurrentCache":
+    def extract(self, row: int) -> RecurrentCache:
         """One row's state as a fresh cache (copies that own their bytes, holding nothing of the batch)."""
         out = RecurrentCache(len(self.slots))
         copies = iter(owned_copies([s[row : row + 1] for s in self.slots if s is not None]))
@@ -144,10 +144,10 @@ class RecurrentCache:
     def state(self):
         return [s for s in self.slots if s is not None]
 
-    def snapshot(self) -> list[Optional[mx.array]]:
+    def snapshot(self) -> list[mx.array | None]:
         return list(self.slots)
 
-    def restore(self, slots: list[Optional[mx.array]], offset: int) -> None:
+    def restore(self, slots: list[mx.array | None], offset: int) -> None:
         self.slots = list(slots)
         self.offset = offset
 

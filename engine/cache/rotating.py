@@ -9,8 +9,6 @@ attention sums over keys in buffer order, so this follows mlx-lm's layout.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from engine.masks import causal_mask
@@ -40,12 +38,12 @@ class RotatingKVCache:
     def __init__(self, max_size: int, keep: int = 0):
         self.max_size = max_size
         self.keep = keep
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
         self.offset = 0
         self._idx = 0  # next write position in the buffer
 
-    def _trim(self, trim_size: int, v: mx.array, append: Optional[mx.array] = None) -> mx.array:
+    def _trim(self, trim_size: int, v: mx.array, append: mx.array | None = None) -> mx.array:
         parts = [v[..., : self.keep, :], v[..., trim_size + self.keep :, :]] if trim_size > 0 else [v]
         if append is not None:
             parts.append(append)
@@ -105,7 +103,7 @@ class RotatingKVCache:
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         return self.keys, self.values
 
-    def make_mask(self, n: int, window_size: Optional[int] = None):
+    def make_mask(self, n: int, window_size: int | None = None):
         if n > 1:
             window_size = window_size or self.max_size
             offset = min(self.max_size - 1, self.offset)

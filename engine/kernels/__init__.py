@@ -19,8 +19,8 @@ loaded model in place (no copy of its weights) and returns what it did.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,8 +32,21 @@ from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.norm_handoff import layer_links
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped, run_kernel
 
-__all__ = ["AUTO", "EXACT", "FAST", "GATE_PASSED", "TIERS", "KernelConfig", "KernelSet", "Tier", "check_tier", "install",
-           "on_cuda", "replace_modules", "resolve_tier"]  # fmt: skip
+__all__ = [
+    "AUTO",
+    "EXACT",
+    "FAST",
+    "GATE_PASSED",
+    "TIERS",
+    "KernelConfig",
+    "KernelSet",
+    "Tier",
+    "check_tier",
+    "install",
+    "on_cuda",
+    "replace_modules",
+    "resolve_tier",
+]
 
 # Model families (config.json model_type) whose fast tier passed the numerics gate on CUDA, with the run that
 # shows it: `auto` runs the fast tier for these.
@@ -64,15 +77,16 @@ def on_cuda() -> bool:
     return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
-def fast_refusal(force: bool = False) -> Optional[str]:
+def fast_refusal(force: bool = False) -> str | None:
     """Why the fast tier cannot run here (None when it can)."""
     if force or on_cuda():
         return None
     return f"the fast tier needs MLX's CUDA backend (this process runs on {mx.default_device()})"
 
 
-def resolve_tier(config: KernelConfig, family: Optional[str] = None,
-                 passed: Mapping[str, str] = GATE_PASSED) -> tuple[str, str]:  # fmt: skip
+def resolve_tier(
+    config: KernelConfig, family: str | None = None, passed: Mapping[str, str] = GATE_PASSED
+) -> tuple[str, str]:
     """The tier that runs for `config` on a model of `family` (its model_type) here, and why; `auto` takes the
     fast tier for the families in `passed`."""
     if config.tier == EXACT:
@@ -87,7 +101,7 @@ def resolve_tier(config: KernelConfig, family: Optional[str] = None,
     return FAST, f"auto: fast, its numerics gate passed for {family} ({passed[family]})"
 
 
-def install(model: nn.Module, config: KernelConfig = KernelConfig(), family: Optional[str] = None) -> KernelSet:
+def install(model: nn.Module, config: KernelConfig = KernelConfig(), family: str | None = None) -> KernelSet:
     """Put the implementations of the tier `config` resolves to into `model`, in place.
 
     `family`: the model's model_type, which `auto` looks up in `GATE_PASSED`.
@@ -122,7 +136,7 @@ def _children(module: nn.Module):
                     yield child, i, item
 
 
-def replace_modules(module: nn.Module, replace: Callable[[nn.Module], Optional[nn.Module]]) -> None:
+def replace_modules(module: nn.Module, replace: Callable[[nn.Module], nn.Module | None]) -> None:
     """Walk `module`'s submodules (in lists too), in place: where `replace(child)` returns a module, it takes
     the child's place and the walk does not go into it; where it returns None, the walk goes on inside."""
     for parent, key, child in list(_children(module)):
@@ -133,23 +147,29 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module], Optional[n
             parent[key] = new
 
 
-def _swap_quantized_linears(module: nn.Module, config: Optional[KernelConfig], use_kernel: bool, launch) -> None:
+def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_kernel: bool, launch) -> None:
     """Every nn.QuantizedLinear as the kernel form with `config`'s settings (None: back to MLX's)."""
-    def swap(child: nn.Module) -> Optional[nn.Module]:
+
+    def swap(child: nn.Module) -> nn.Module | None:
         if not isinstance(child, nn.QuantizedLinear):
             return None
         if isinstance(child, KernelQuantizedLinear):
             child = retyped(child, nn.QuantizedLinear)
         if config is None:
             return child
-        return KernelQuantizedLinear.from_module(child, use_kernel, min_outputs=config.gemv_min_outputs,
-                                                 dense_min_rows=config.dense_min_rows, launches=config.launches,
-                                                 launch=launch)  # fmt: skip
+        return KernelQuantizedLinear.from_module(
+            child,
+            use_kernel,
+            min_outputs=config.gemv_min_outputs,
+            dense_min_rows=config.dense_min_rows,
+            launches=config.launches,
+            launch=launch,
+        )
 
     replace_modules(module, swap)
 
 
-def _set_layer_paths(model: nn.Module, config: Optional[KernelConfig]) -> dict[str, int]:
+def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer (its attention
     the CUDA kernels where they apply), or none of them (config None); the counts for `KernelSet`."""

@@ -22,17 +22,19 @@ the fast tier: equal to the layer's step up to rounding.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 
 from engine.cache.batch_kv import BatchKVCache
 from engine.cache.kv import KVCache
 from engine.kernels import attention_step
-from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.layer_launches import normed_projections, residual_mlp
+from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
+
 
 def applies(layer) -> bool:
     """A layer whose attention has the stages the step compiles around (Qwen3.5's gated attention)."""
@@ -48,8 +50,9 @@ def kernel_applies(layer) -> bool:
     return on_cuda() and attention_step.refusal(layer.self_attn) is None
 
 
-def layer_step(layer, fusion: Fusion, kernels: bool = False,
-               link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
+def layer_step(
+    layer, fusion: Fusion, kernels: bool = False, link: LayerLink | None = None
+) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
     or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
     with a plain `KVCache` and no mask, or with a `BatchKVCache` (whose mask only hides each row's left
@@ -80,7 +83,7 @@ def layer_step(layer, fusion: Fusion, kernels: bool = False,
         q, k, v = normed_projections(x, layer.input_layernorm, projections, fusion, prenormed)
         return (q, *attention_step.keys(attn, k, v, rpar, fpar))
 
-    @lru_cache(maxsize=None)
+    @cache
     def kernel_after(s: int):
         def run(x, q, keys_buf, values_buf, apar, rpar):
             out = attention_step.attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s)
@@ -107,7 +110,7 @@ def layer_step(layer, fusion: Fusion, kernels: bool = False,
         apar, s = attention_step.attend_params(n, buffers[0].shape[2])
         return tuple(kernel_after(s)(x, q, *buffers, apar, rpar))
 
-    def step(x: mx.array, mask, cache) -> Optional[mx.array]:
+    def step(x: mx.array, mask, cache) -> mx.array | None:
         if x.shape[1] != 1:
             return None
         prenormed = link.take(x)

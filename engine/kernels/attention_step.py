@@ -42,8 +42,7 @@ cache would wait on ~32 loads in a row per warp (docs/kernels.md).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Optional
+from functools import cache, lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -261,25 +260,38 @@ def splits(n: int) -> int:
 
 @lru_cache(maxsize=1)
 def _keys_kernel():
-    return cuda_kernel(name="engine_attention_keys", input_names=["k", "v", "k_norm_w", "rpar", "fpar"],
-                       output_names=["k_out", "v_out"], source=KEYS_SOURCE, header=HEADER)  # fmt: skip
+    return cuda_kernel(
+        name="engine_attention_keys",
+        input_names=["k", "v", "k_norm_w", "rpar", "fpar"],
+        output_names=["k_out", "v_out"],
+        source=KEYS_SOURCE,
+        header=HEADER,
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _attend_kernel(partial: bool):
-    return cuda_kernel(name="engine_attention_partial" if partial else "engine_attention_attend",
-                       input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
-                       output_names=["part_ml", "part_acc"] if partial else ["out"],
-                       source=PARTIAL_SOURCE if partial else ATTEND_SOURCE, header=HEADER)  # fmt: skip
+    return cuda_kernel(
+        name="engine_attention_partial" if partial else "engine_attention_attend",
+        input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
+        output_names=["part_ml", "part_acc"] if partial else ["out"],
+        source=PARTIAL_SOURCE if partial else ATTEND_SOURCE,
+        header=HEADER,
+    )
 
 
 @lru_cache(maxsize=1)
 def _merge_kernel():
-    return cuda_kernel(name="engine_attention_merge", input_names=["q", "part_ml", "part_acc", "ipar"],
-                       output_names=["out"], source=MERGE_SOURCE, header=HEADER)  # fmt: skip
+    return cuda_kernel(
+        name="engine_attention_merge",
+        input_names=["q", "part_ml", "part_acc", "ipar"],
+        output_names=["out"],
+        source=MERGE_SOURCE,
+        header=HEADER,
+    )
 
 
-def refusal(attn: nn.Module) -> Optional[str]:
+def refusal(attn: nn.Module) -> str | None:
     """Why the kernels cannot run this attention module (None when they can)."""
     rope, d = getattr(attn, "rope", None), attn.q_norm.weight.shape[0]
     if type(rope) is not nn.RoPE or rope.traditional:
@@ -335,15 +347,21 @@ def keys(attn, k: mx.array, v: mx.array, rpar: mx.array, fpar: mx.array) -> tupl
     part of the launch, so a compiled step replays for every position."""
     b, d = k.shape[0], attn.k_norm.weight.shape[0]
     shape = (b, attn.n_kv_heads, 1, d)
-    return tuple(_keys_kernel()(
-        inputs=[k, v, attn.k_norm.weight, rpar, fpar],
-        template=_template(attn, d), grid=(b * attn.n_kv_heads * d, 1, 1), threadgroup=(d, 1, 1),
-        output_shapes=[shape, shape], output_dtypes=[mx.bfloat16, mx.bfloat16],
-    ))  # fmt: skip
+    return tuple(
+        _keys_kernel()(
+            inputs=[k, v, attn.k_norm.weight, rpar, fpar],
+            template=_template(attn, d),
+            grid=(b * attn.n_kv_heads * d, 1, 1),
+            threadgroup=(d, 1, 1),
+            output_shapes=[shape, shape],
+            output_dtypes=[mx.bfloat16, mx.bfloat16],
+        )
+    )
 
 
-def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, rpar: mx.array,
-           fpar: mx.array, s: int) -> mx.array:  # fmt: skip
+def attend(
+    attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, rpar: mx.array, fpar: mx.array, s: int
+) -> mx.array:
     """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
     (q and the gate per head) over each row's columns [start, n) of the cache buffers [B, kv heads, cap, D],
     where `(apar, s) = attend_params(n, cap)` and `rpar = row_params(starts, positions)`: one launch, or for
@@ -353,11 +371,20 @@ def attend(attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx
     inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, rpar, fpar]
     launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:
-        return _attend_kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
-                                     **launch)[0]  # fmt: skip
-    ml, acc = _attend_kernel(True)(inputs=inputs, output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
-                                   output_dtypes=[mx.float32, mx.float32], **launch)  # fmt: skip
+        return _attend_kernel(False)(
+            inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16], **launch
+        )[0]
+    ml, acc = _attend_kernel(True)(
+        inputs=inputs,
+        output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
+        output_dtypes=[mx.float32, mx.float32],
+        **launch,
+    )
     return _merge_kernel()(
-        inputs=[q, ml, acc, apar], template=[("D", d)], grid=(b * heads * d, 1, 1), threadgroup=(d, 1, 1),
-        output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16],
-    )[0]  # fmt: skip
+        inputs=[q, ml, acc, apar],
+        template=[("D", d)],
+        grid=(b * heads * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(b, 1, heads * d)],
+        output_dtypes=[mx.bfloat16],
+    )[0]

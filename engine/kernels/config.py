@@ -9,15 +9,22 @@ result (`KernelSet.settings`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Optional
 
 from engine import env
 from engine.kernels.quantized_gemv import (
-    DEFAULT_FUSION, DENSE_MIN_ROWS, LAYER_MIN_OUTPUTS, Fusion, LaunchConfig, launches_setting, parse_launches,
-)  # fmt: skip
+    DEFAULT_FUSION,
+    DENSE_MIN_ROWS,
+    LAYER_MIN_OUTPUTS,
+    Fusion,
+    LaunchConfig,
+    launches_setting,
+    parse_launches,
+)
 from engine.kernels.quantized_gemv.layer import Launch
+
 
 class Tier(str, Enum):
     """A kernel tier by name (`KernelConfig.tier`); equal to its string, and printed as it."""
@@ -60,21 +67,24 @@ class KernelConfig:
     delta_step_kernel: bool = True  # a DeltaNet decode step's core as one CUDA kernel
     attention_step: bool = True  # the compiled decode step of gated-attention layers
     attention_kernels: bool = True  # that step's attention as CUDA kernels
-    dense_min_rows: Optional[int] = DENSE_MIN_ROWS
+    dense_min_rows: int | None = DENSE_MIN_ROWS
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
     force: bool = False
-    gemv_stand_in: Optional[Launch] = field(default=None, compare=False)
+    gemv_stand_in: Launch | None = field(default=None, compare=False)
 
     def __post_init__(self):
         check_tier(self.tier)
 
     @classmethod
-    def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> "KernelConfig":
+    def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`) and ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...') where they are set; ValueError for a value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
-        return cls(tier=tier, fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
-                   launches=parse_launches(launch or ""))  # fmt: skip
+        return cls(
+            tier=tier,
+            fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
+            launches=parse_launches(launch or ""),
+        )
 
     def settings(self) -> dict:
         """The fast tier's settings by name, for records."""

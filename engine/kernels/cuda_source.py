@@ -66,13 +66,20 @@ def compact(source: str) -> str:
     return "".join(line + "\n" for line in lines if line)
 
 
-def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
-                shared_memory: int = 0):  # fmt: skip
+def cuda_kernel(
+    *, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "", shared_memory: int = 0
+):
     """`mx.fast.cuda_kernel` on the compacted source and header (`shared_memory`: its dynamic bytes), counting
     its builds (`builds`)."""
     source, header = compact(source), compact(header)
-    kernel = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names, source=source,
-                                 header=header, shared_memory=shared_memory)  # fmt: skip
+    kernel = mx.fast.cuda_kernel(
+        name=name,
+        input_names=input_names,
+        output_names=output_names,
+        source=source,
+        header=header,
+        shared_memory=shared_memory,
+    )
 
     def call(*, inputs, template=(), output_dtypes, **kwargs):
         key = (name, shared_memory, tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
@@ -82,8 +89,18 @@ def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], s
                 _builds.add(key)
             cache = kernel_cache.active()
             if new and cache is not None and all(isinstance(v, (int, bool)) for _, v in template):
-                cache.submit(KernelBuild(name, tuple(input_names), tuple(output_names), source, header, key[3],
-                                         tuple(output_dtypes), tuple(template)))  # fmt: skip
+                cache.submit(
+                    KernelBuild(
+                        name,
+                        tuple(input_names),
+                        tuple(output_names),
+                        source,
+                        header,
+                        key[3],
+                        tuple(output_dtypes),
+                        tuple(template),
+                    )
+                )
         return kernel(inputs=inputs, template=list(template), output_dtypes=output_dtypes, **kwargs)
 
     return call

@@ -31,8 +31,6 @@ get the same treatment.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from engine.models.gated_delta import repeat_heads
@@ -92,7 +90,7 @@ def chunked_gated_delta(
     log_g: mx.array,
     beta: mx.array,
     state: mx.array,
-    mask: Optional[mx.array] = None,
+    mask: mx.array | None = None,
     chunk: int = CHUNK,
 ) -> tuple[mx.array, mx.array]:
     """The contract of `recurrence` with log g for g: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];

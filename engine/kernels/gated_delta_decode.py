@@ -13,18 +13,20 @@ the exact graph rounds: the fast tier, equal to the exact step to rounding.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from functools import cache, partial
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
-from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.layer_launches import normed_projections, residual_mlp
+from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
 from engine.models.activations import precise_swiglu
 from engine.models.gated_delta import _step, decay, normalize_qk, repeat_heads
+
 
 def applies(x: mx.array, mask, cache) -> bool:
     """One token, a plain serial cache that already holds both states, nothing recorded."""
@@ -39,7 +41,7 @@ def applies(x: mx.array, mask, cache) -> bool:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
     key_dim = hk * dk
 
@@ -48,7 +50,9 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
         z = z.reshape(batch, 1, hv, dv)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K, C]
         # the conv's products summed in float32 and rounded once, as the layer's conv1d does
-        conv = nn.silu((conv_input.astype(mx.float32) * conv_w[:, :, 0].T.astype(mx.float32)).sum(axis=1).astype(qkv.dtype))
+        conv = nn.silu(
+            (conv_input.astype(mx.float32) * conv_w[:, :, 0].T.astype(mx.float32)).sum(axis=1).astype(qkv.dtype)
+        )
         q = conv[:, :key_dim].reshape(batch, 1, hk, dk)
         k = conv[:, key_dim : 2 * key_dim].reshape(batch, 1, hk, dk)
         v = conv[:, 2 * key_dim :].reshape(batch, hv, dv)
@@ -69,8 +73,9 @@ def step_kernel_applies(layer) -> bool:
     return lin.conv1d.weight.dtype == mx.bfloat16 and gated_delta_step.refusal(lin.head_k_dim, lin.head_v_dim) is None
 
 
-def layer_step(layer, fusion: Fusion, kernel: bool = False,
-               link: Optional[LayerLink] = None) -> Callable[[mx.array, Optional[mx.array], Any], Optional[mx.array]]:  # fmt: skip
+def layer_step(
+    layer, fusion: Fusion, kernel: bool = False, link: LayerLink | None = None
+) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
     MLP and its residual, with `fusion`'s stages in the GEMV launches. Returns `step(x, mask, cache)`: the
@@ -91,7 +96,9 @@ def layer_step(layer, fusion: Fusion, kernel: bool = False,
 
     def body(x, conv_state, state, *prenormed):
         # prenormed: () or the input norm's parts from the layer before (traced apart: another input count)
-        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, fusion, prenormed)  # z [B, 1, Hv * Dv]
+        qkv, z, beta_logits, a = normed_projections(
+            x, layer.input_layernorm, inputs, fusion, prenormed
+        )  # z [B, 1, Hv * Dv]
         out, conv_state, state = core(
             qkv, z, a, beta_logits, conv_state, state, lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight
         )
@@ -99,7 +106,7 @@ def layer_step(layer, fusion: Fusion, kernel: bool = False,
 
     compiled = mx.compile(body)
 
-    def step(x: mx.array, mask, cache) -> Optional[mx.array]:
+    def step(x: mx.array, mask, cache) -> mx.array | None:
         if not applies(x, mask, cache):
             return None
         cache[0], cache[1], *outputs = compiled(x, cache[0], cache[1], *link.take(x))

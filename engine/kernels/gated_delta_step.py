@@ -26,8 +26,7 @@ gate), so the two agree to float32 summation order.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import mlx.core as mx
 
@@ -184,7 +183,7 @@ SOURCE = r"""
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(threads: int):
     # The bounds cap a thread at 64 registers, so that 1024 threads fit an SM: two blocks of 512 at qwen27b's
     # heads (Nsight Compute at 64 rows: 70 registers held it to one block, 25% occupancy, 1.8 TB/s; nvcc
@@ -195,10 +194,10 @@ def _kernel(threads: int):
         output_names=["out", "new_conv", "new_state"],
         source=SOURCE,
         header=HEADER + launch_bounds(threads, max(1, 1024 // threads)),
-    )  # fmt: skip
+    )
 
 
-def refusal(dk: int, dv: int) -> Optional[str]:
+def refusal(dk: int, dv: int) -> str | None:
     """Why the kernel cannot run heads of key dim `dk` and value dim `dv` (None when it can): a thread per
     value channel also computes the key channel of the same index, and lanes split the key dimension."""
     if dk > dv or dk % 32 or dv % 32 or dv > 1024:
@@ -217,8 +216,22 @@ def launch_shape(dk: int, dv: int) -> tuple[int, int]:
     return dv * per_channel, rows
 
 
-def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias, norm_w, norm_eps: float,
-               heads_k: int, dk: int, qk_eps: float = 1e-6):  # fmt: skip
+def delta_step(
+    qkv,
+    z,
+    a,
+    beta_logits,
+    conv_state,
+    state,
+    conv_w,
+    A_log,
+    dt_bias,
+    norm_w,
+    norm_eps: float,
+    heads_k: int,
+    dk: int,
+    qk_eps: float = 1e-6,
+):
     """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv * Dv], a and
     beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
     (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32 (a
@@ -232,11 +245,20 @@ def delta_step(qkv, z, a, beta_logits, conv_state, state, conv_w, A_log, dt_bias
     threads, rows = launch_shape(dk, dv)
     out, new_conv, new_state = _kernel(threads)(
         inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state],
-        template=[("HK", heads_k), ("HV", hv), ("DK", dk), ("DV", dv), ("KS", ks), ("NT", threads), ("RB", rows),
-                  ("QK_EPS", float_bits(qk_eps)), ("NORM_EPS", float_bits(norm_eps))],  # not inputs: see float_bits
+        template=[
+            ("HK", heads_k),
+            ("HV", hv),
+            ("DK", dk),
+            ("DV", dv),
+            ("KS", ks),
+            ("NT", threads),
+            ("RB", rows),
+            ("QK_EPS", float_bits(qk_eps)),
+            ("NORM_EPS", float_bits(norm_eps)),
+        ],  # not inputs: see float_bits
         grid=(batch * hv * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(batch, 1, hv * dv), conv_state.shape, state.shape],
         output_dtypes=[mx.bfloat16, conv_state.dtype, mx.float32],
-    )  # fmt: skip
+    )
     return out, new_conv, new_state

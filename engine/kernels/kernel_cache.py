@@ -26,10 +26,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -42,10 +42,20 @@ DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <co
 COMPILE_TIMEOUT_S = 600  # a compilation past this is left to MLX
 MAX_FILE_NAME = 245  # jit_module.cpp's get_ptx_path: longer module names become nested directories
 CUDA_TYPES = {
-    mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
-    mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double",
-}  # fmt: skip
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+    mx.float64: "double",
+}
 _MASK = (1 << 64) - 1
 _MUL = (0xC6A4A793 << 32) + 0x5BD1E995
 
@@ -96,15 +106,29 @@ class KernelBuild:
 
     def mlx_source(self) -> str:
         """The source MLX compiles for this build (custom_kernel.cpp's build_kernel)."""
-        params = [f"    const {CUDA_TYPES[dtype]}* {name},\n" for name, (dtype, _) in zip(self.input_names, self.inputs)]
+        params = [
+            f"    const {CUDA_TYPES[dtype]}* {name},\n" for name, (dtype, _) in zip(self.input_names, self.inputs)
+        ]
         outs = [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in zip(self.output_names, self.output_dtypes)]
-        consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = "
-                         f"{str(v).lower() if isinstance(v, bool) else v};\n" for k, v in self.template)  # fmt: skip
-        return (DEFAULT_HEADER + self.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-                + f"__global__ void {self.kernel_name}(\n" + "".join(params) + ",\n".join(outs) + ") {\n"
-                + (consts + "\n" if self.template else "") + self.source + "\n}\n\n} // namespace mlx::core::cu\n")  # fmt: skip
+        consts = "".join(
+            f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = "
+            f"{str(v).lower() if isinstance(v, bool) else v};\n"
+            for k, v in self.template
+        )
+        return (
+            DEFAULT_HEADER
+            + self.header
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {self.kernel_name}(\n"
+            + "".join(params)
+            + ",\n".join(outs)
+            + ") {\n"
+            + (consts + "\n" if self.template else "")
+            + self.source
+            + "\n}\n\n} // namespace mlx::core::cu\n"
+        )
 
-    def module_name(self, source: Optional[str] = None) -> str:
+    def module_name(self, source: str | None = None) -> str:
         """MLX's module name for this build (`source`: its `mlx_source()`, where already built)."""
         return f"{self.kernel_name}_{std_hash((source or self.mlx_source()).encode()):x}"
 
@@ -143,8 +167,9 @@ def nvrtc_compiler() -> Compiler:
         command += ["--library", library]
 
     def compile(source: str, kernel: str) -> tuple[bytes, str]:
-        done = subprocess.run([*command, "--kernel", kernel], input=source.encode(), capture_output=True,
-                              timeout=COMPILE_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            [*command, "--kernel", kernel], input=source.encode(), capture_output=True, timeout=COMPILE_TIMEOUT_S
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.decode(errors="replace")[-2000:] or f"exit status {done.returncode}")
         mangled, code = done.stdout.split(b"\n", 1)
@@ -159,7 +184,7 @@ class KernelCache:
     on first use (`nvrtc_compiler`) unless given."""
 
     directory: Path
-    compiler: Optional[Compiler] = None
+    compiler: Compiler | None = None
     workers: int = field(default_factory=lambda: os.cpu_count() or 4)
     compiled: int = 0  # builds this process compiled
     found: int = 0  # builds already in the directory
@@ -225,7 +250,7 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-_active: Optional[KernelCache] = None
+_active: KernelCache | None = None
 
 
 def enable(directory: Path) -> KernelCache:
@@ -236,7 +261,7 @@ def enable(directory: Path) -> KernelCache:
     return _active
 
 
-def active() -> Optional[KernelCache]:
+def active() -> KernelCache | None:
     return _active
 
 
@@ -246,7 +271,7 @@ def settle() -> None:
         _active.settle()
 
 
-def module_files(directory: Optional[Path]) -> Optional[int]:
+def module_files(directory: Path | None) -> int | None:
     """Compiled modules in a kernel cache directory (None: no directory): MLX writes `<module>.ptx` there for
     each module it compiles, its own and the engine's kernels alike (this cache writes those first), so a count
     that grows after ready is compilations that requests waited for."""

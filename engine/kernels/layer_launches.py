@@ -7,7 +7,7 @@ layer's `launch` (`KernelQuantizedLinear`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,8 +26,9 @@ def _fusable_norm(norm: nn.Module) -> bool:
     return isinstance(norm, nn.RMSNorm) and norm.weight.dtype == mx.bfloat16
 
 
-def normed_projections(x: mx.array, norm: nn.Module, layers: Sequence[nn.Module], fusion: Fusion,
-                       prenormed: tuple[mx.array, ...] = ()) -> tuple[mx.array, ...]:  # fmt: skip
+def normed_projections(
+    x: mx.array, norm: nn.Module, layers: Sequence[nn.Module], fusion: Fusion, prenormed: tuple[mx.array, ...] = ()
+) -> tuple[mx.array, ...]:
     """Each layer applied to `norm(x)`: with `prenormed` (x times the norm's weight and the parts of x's sums of
     squares, from the launch that made x: `Fusion.norm_out`), one launch that scales its sums by the norm
     (`Fusion.prenormed`) where the kernel takes the layers; with `fusion.norm_scale`, one launch for the RMS
@@ -71,8 +72,9 @@ def mlp_half(layer: nn.Module, h: mx.array, fusion: Fusion) -> mx.array:
     return residual_projection(swiglu(gate, up), mlp.down_proj, h, fusion)
 
 
-def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array, fusion: Fusion,
-                 next_norm: Optional[nn.Module] = None) -> tuple[mx.array, ...]:  # fmt: skip
+def residual_mlp(
+    layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array, fusion: Fusion, next_norm: nn.Module | None = None
+) -> tuple[mx.array, ...]:
     """A decoder layer's output projection, its residual and its second half:
     `(mlp_half(layer, residual_projection(out, proj, x)),)`. With `fusion.norm_out` (and residual, gated)
     the projection's launch also takes the MLP's norm for the gate+up launch (`Fusion.norm_out`,
@@ -91,8 +93,9 @@ def residual_mlp(layer: nn.Module, out: mx.array, proj: nn.Module, x: mx.array, 
     return (mlp_half(layer, residual_projection(out, proj, x, fusion), fusion),)
 
 
-def _residual_norm_out(x: mx.array, layer: nn.Module, residual: mx.array, norm: nn.Module,
-                       fusion: Fusion) -> tuple[mx.array, ...]:  # fmt: skip
+def _residual_norm_out(
+    x: mx.array, layer: nn.Module, residual: mx.array, norm: nn.Module, fusion: Fusion
+) -> tuple[mx.array, ...]:
     """`residual + layer(x)` as h, with h times the norm's weight and the launch blocks' parts of the sums of
     squares of h (`Fusion.norm_out`), where one launch takes the residual; else (h,)."""
     if _residual_launch(x, layer, residual, fusion):
@@ -104,7 +107,7 @@ def _swiglu_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _gated_pair(mlp: nn.Module, h: mx.array, fusion: Fusion) -> Optional[list[nn.Module]]:
+def _gated_pair(mlp: nn.Module, h: mx.array, fusion: Fusion) -> list[nn.Module] | None:
     """The MLP's gate and up projections where one launch gives their SwiGLU (`fusion.gated`), else None."""
     pair = [mlp.gate_proj, mlp.up_proj]
     same_shape = pair[0]["weight"].shape == pair[1]["weight"].shape

@@ -13,7 +13,6 @@ theirs: those steps take their norm as a launch of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,8 +22,8 @@ import mlx.nn as nn
 class NormSlot:
     """What the last layer step handed on: the h it returned, the norm it took, (h * weight, parts)."""
 
-    h: Optional[mx.array] = None
-    norm: Optional[nn.Module] = None
+    h: mx.array | None = None
+    norm: nn.Module | None = None
     parts: tuple[mx.array, ...] = ()
 
 
@@ -34,8 +33,8 @@ class LayerLink:
     (None: the last layer, whose output goes to the model's final norm). The default links nothing."""
 
     slot: NormSlot = field(default_factory=NormSlot)
-    norm: Optional[nn.Module] = None
-    next_norm: Optional[nn.Module] = None
+    norm: nn.Module | None = None
+    next_norm: nn.Module | None = None
 
     def take(self, x: mx.array) -> tuple[mx.array, ...]:
         """(x * this layer's norm weight, the parts of x's sums of squares) where the layer before left them

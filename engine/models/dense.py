@@ -8,14 +8,14 @@ is one copy of the model code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache
-from engine.models.activations import swiglu
 from engine.masks import attention_mask
+from engine.models.activations import swiglu
 from engine.models.base import project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
@@ -33,7 +33,7 @@ class DenseConfig:
     rope_theta: float
     tie_word_embeddings: bool
     rope_traditional: bool = False
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: dict[str, Any] | None = None
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -16,7 +16,6 @@ products instead, equal to this path up to rounding.
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,7 +64,7 @@ def repeat_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array, 
     return q, k
 
 
-def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, trace: Optional[list] = None):
+def recurrence(q, k, v, g, beta, state, mask: mx.array | None = None, trace: list | None = None):
     """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv].
 
     `trace`, when given, receives the state after every token (speculative
@@ -74,9 +73,7 @@ def recurrence(q, k, v, g, beta, state, mask: Optional[mx.array] = None, trace: 
     q, k = repeat_heads(q, k, v.shape[2])
     ys = []
     for t in range(q.shape[1]):
-        y, state = _step(
-            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
-        )
+        y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t])
         ys.append(y)
         if trace is not None:
             trace.append(state)

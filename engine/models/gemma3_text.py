@@ -10,14 +10,13 @@ and there are norms after attention and after the MLP as well as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, RotatingKVCache
-from engine.models.activations import clip_residual
 from engine.masks import attention_mask
+from engine.models.activations import clip_residual
 from engine.models.base import BaseModelArgs, project, scaled_dot_product_attention
 from engine.models.rope import make_rope
 
@@ -39,7 +38,7 @@ class ModelArgs(BaseModelArgs):
     sliding_window: int = 512
     sliding_window_pattern: int = 6
     max_position_embeddings: int = 32768
-    rope_scaling: Optional[dict] = None
+    rope_scaling: dict | None = None
 
     def is_global(self, layer: int) -> bool:
         return layer % self.sliding_window_pattern == self.sliding_window_pattern - 1

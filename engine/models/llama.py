@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from engine.models.base import BaseModelArgs
 from engine.models.dense import DenseConfig, DenseModel
@@ -18,15 +18,15 @@ class ModelArgs(BaseModelArgs):
     num_attention_heads: int
     rms_norm_eps: float
     vocab_size: int
-    head_dim: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
+    head_dim: int | None = None
+    num_key_value_heads: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
     rope_theta: float = 10000
     rope_traditional: bool = False
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
-    layer_types: Optional[list[str]] = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self):
         if self.num_key_value_heads is None:

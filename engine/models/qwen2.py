@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from engine.models.base import BaseModelArgs
 from engine.models.dense import DenseConfig, DenseModel
@@ -18,10 +18,10 @@ class ModelArgs(BaseModelArgs):
     num_attention_heads: int
     rms_norm_eps: float
     vocab_size: int
-    num_key_value_heads: Optional[int] = None
+    num_key_value_heads: int | None = None
     rope_theta: float = 1000000
     rope_traditional: bool = False
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = True
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from engine.models.base import BaseModelArgs
 from engine.models.dense import DenseConfig, DenseModel
@@ -22,9 +22,9 @@ class ModelArgs(BaseModelArgs):
     head_dim: int
     tie_word_embeddings: bool
     max_position_embeddings: int = 32768
-    rope_theta: Optional[float] = None
-    rope_scaling: Optional[dict[str, Any]] = None
-    rope_parameters: Optional[dict[str, Any]] = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
 
     def __post_init__(self):
         # transformers 5 nests rope settings under rope_parameters.

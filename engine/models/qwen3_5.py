@@ -10,14 +10,14 @@ speculative decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, RecurrentCache
-from engine.models.activations import precise_swiglu
 from engine.masks import attention_mask, recurrent_mask
+from engine.models.activations import precise_swiglu
 from engine.models.base import BaseModelArgs, project, scaled_dot_product_attention
 from engine.models.dense import MLP
 from engine.models.gated_delta import gated_delta_update, normalize_qk
@@ -42,16 +42,16 @@ class TextModelArgs(BaseModelArgs):
     linear_conv_kernel_dim: int = 4
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     full_attention_interval: int = 4
     mtp_num_hidden_layers: int = 0
     num_experts: int = 0
-    rope_parameters: Optional[dict[str, Any]] = field(
+    rope_parameters: dict[str, Any] | None = field(
         default_factory=lambda: {"type": "default", "rope_theta": 100000, "partial_rotary_factor": 0.25}
     )
     partial_rotary_factor: float = 0.25
     rope_theta: float = 100000.0
-    rope_scaling: Optional[dict[str, Any]] = None
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.num_experts:
@@ -84,7 +84,7 @@ class RMSNormGated(nn.Module):
         self.eps = eps
         self.weight = mx.ones(dims)
 
-    def __call__(self, x: mx.array, gate: Optional[mx.array] = None) -> mx.array:
+    def __call__(self, x: mx.array, gate: mx.array | None = None) -> mx.array:
         normed = mx.fast.rms_norm(x, self.weight, self.eps)
         if gate is None:
             return normed.astype(x.dtype)

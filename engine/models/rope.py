@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -31,7 +29,7 @@ class Llama3RoPE(nn.Module):
         )
 
 
-def make_rope(dims: int, base: float, traditional: bool = False, scaling: Optional[dict] = None) -> nn.Module:
+def make_rope(dims: int, base: float, traditional: bool = False, scaling: dict | None = None) -> nn.Module:
     kind = "default"
     if scaling is not None:
         kind = scaling.get("type") or scaling.get("rope_type") or "default"

@@ -17,7 +17,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +29,7 @@ from starlette.routing import Route
 from engine.grammar import Constraint, GrammarError, Grammars
 from engine.kernels import KernelSet
 from engine.kernels.kernel_cache import module_files
+from engine.request import FinishReason, GenerationRequest, StopCriteria
 from engine.server import responses
 from engine.server.http_edges import FramingCheck, HostCheck
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
@@ -37,7 +38,6 @@ from engine.server.sse import sse
 from engine.server.tool_calls import Parser, writes_json_blocks
 from engine.server.worker import EngineWorker
 from engine.tokenizer import Tokenizer
-from engine.request import FinishReason, GenerationRequest, StopCriteria
 
 if TYPE_CHECKING:
     from engine.server.metrics import Metrics
@@ -54,15 +54,15 @@ class ServerContext:
     vocab_size: int  # the model's embedding rows: token ids must be below this
     max_context: int  # prompt + completion tokens at most
     default_max_tokens: int
-    api_key: Optional[str]
+    api_key: str | None
     created: int
     kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
-    metrics: Optional["Metrics"] = None  # /metrics (None: prometheus_client is not installed)
-    tool_parser: Optional[Parser] = None  # the chat template's tool-call format (None: it renders no tools)
-    grammars: Optional[Grammars] = None  # constrained decoding (response_format, forced tool calls)
+    metrics: Metrics | None = None  # /metrics (None: prometheus_client is not installed)
+    tool_parser: Parser | None = None  # the chat template's tool-call format (None: it renders no tools)
+    grammars: Grammars | None = None  # constrained decoding (response_format, forced tool calls)
     reasoning: bool = False  # the chat template thinks: <think> blocks go to reasoning_content
-    kernel_cache_dir: Optional[Path] = None  # MLX_PTX_CACHE_DIR: /stats counts the modules compiled into it
-    modules_at_ready: Optional[int] = None  # how many it held at ready (`kernel_cache.module_files`)
+    kernel_cache_dir: Path | None = None  # MLX_PTX_CACHE_DIR: /stats counts the modules compiled into it
+    modules_at_ready: int | None = None  # how many it held at ready (`kernel_cache.module_files`)
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text
@@ -73,12 +73,12 @@ class AppState:
     """What the routes read: the limits, set at start, and the context, set once the model is ready."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    allowed_hosts: Optional[frozenset[str]] = None  # Host header names accepted; None: any
-    ctx: Optional[ServerContext] = None
+    allowed_hosts: frozenset[str] | None = None  # Host header names accepted; None: any
+    ctx: ServerContext | None = None
     ignored_seen: set[str] = field(default_factory=set)  # ignored request fields the log has named
 
 
-def compiled_modules(ctx: ServerContext) -> Optional[dict]:
+def compiled_modules(ctx: ServerContext) -> dict | None:
     """The kernel cache directory's compiled modules, and those written since ready (each a compilation that
     requests waited for); None without a directory."""
     files = module_files(ctx.kernel_cache_dir)
@@ -111,7 +111,9 @@ def _too_long(ctx: ServerContext, parsed: ParsedRequest, tokens: int, at_least: 
     )
 
 
-async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest, prompt: str | tuple[int, ...] | None) -> tuple[int, ...]:
+async def _prompt_ids(
+    ctx: ServerContext, parsed: ParsedRequest, prompt: str | tuple[int, ...] | None
+) -> tuple[int, ...]:
     """The token ids of one of a completion's prompts, or of a chat's messages (`prompt` None)."""
     tok = ctx.tokenizer
     # A text prompt far over the context is refused before it is tokenized (seconds of CPU for megabytes).
@@ -122,13 +124,16 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest, prompt: str | t
     if isinstance(prompt, tuple):
         bad_ids = [t for t in prompt if not 0 <= t < ctx.vocab_size]
         if bad_ids:
-            raise bad(f"prompt token ids must be in [0, {ctx.vocab_size}); got {bad_ids[:5]}", "prompt", "invalid_token_id")
+            raise bad(
+                f"prompt token ids must be in [0, {ctx.vocab_size}); got {bad_ids[:5]}", "prompt", "invalid_token_id"
+            )
         return prompt
     if parsed.messages is not None:
         if not tok.has_chat_template:
             raise bad("this model has no chat template; use /v1/completions", "messages")
-        ids = await run_in_threadpool(tok.apply_chat_template, parsed.messages, True, parsed.tools,
-                                      parsed.template_kwargs)  # fmt: skip
+        ids = await run_in_threadpool(
+            tok.apply_chat_template, parsed.messages, True, parsed.tools, parsed.template_kwargs
+        )
     else:
         ids = await run_in_threadpool(tok.encode, prompt)
     if not ids:
@@ -136,7 +141,7 @@ async def _prompt_ids(ctx: ServerContext, parsed: ParsedRequest, prompt: str | t
     return tuple(ids)
 
 
-def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Optional[Constraint]:
+def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Constraint | None:
     """The grammar the reply must follow: a forced tool call's (response_format then applies to nothing), else
     the response_format's schema, or where tools are offered in the JSON blocks a grammar writes, a call or the
     schema's JSON (400 for what cannot be compiled, naming the problem)."""
@@ -151,19 +156,23 @@ def _constraint(ctx: ServerContext, parsed: ParsedRequest) -> Optional[Constrain
     try:
         if parsed.forced_tools is not None:
             if not json_blocks:
-                raise bad("a forced tool call needs a chat template that writes <tool_call> JSON blocks "
-                          "(--chat-template)", param)  # fmt: skip
+                raise bad(
+                    "a forced tool call needs a chat template that writes <tool_call> JSON blocks (--chat-template)",
+                    param,
+                )
             return ctx.grammars.tool_calls(parsed.forced_tools, parsed.several_calls)
         if parsed.tools and json_blocks:
             return ctx.grammars.call_or_json(parsed.tools, parsed.json_schema, parsed.several_calls)
         return ctx.grammars.json_schema(parsed.json_schema)
     except GrammarError as e:
-        raise bad(f"the schema cannot be compiled: {e}", "tools" if param == "tool_choice" else param,
-                  "invalid_schema") from None  # fmt: skip
+        raise bad(
+            f"the schema cannot be compiled: {e}", "tools" if param == "tool_choice" else param, "invalid_schema"
+        ) from None
 
 
-def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str,
-                        constraint: Optional[Constraint] = None):  # fmt: skip
+def _generation_request(
+    ctx: ServerContext, parsed: ParsedRequest, prompt: tuple[int, ...], rid: str, constraint: Constraint | None = None
+):
     n = len(prompt)
     if n >= ctx.max_context:
         raise _too_long(ctx, parsed, n)
@@ -186,8 +195,12 @@ def _generation_request(ctx: ServerContext, parsed: ParsedRequest, prompt: tuple
     stops = tuple(tuple(ctx.tokenizer.encode(s, add_special_tokens=False)) for s in parsed.stop)
     stops += tuple((t,) for t in parsed.stop_token_ids)
     stop = StopCriteria(max_tokens, ctx.tokenizer.eos_ids, tuple(s for s in stops if s), parsed.ignore_eos)
-    sampling = replace(parsed.sampling, constraint=constraint, min_tokens=parsed.min_tokens,
-                       end_ids=frozenset(ctx.tokenizer.eos_ids) | frozenset(parsed.stop_token_ids))  # fmt: skip
+    sampling = replace(
+        parsed.sampling,
+        constraint=constraint,
+        min_tokens=parsed.min_tokens,
+        end_ids=frozenset(ctx.tokenizer.eos_ids) | frozenset(parsed.stop_token_ids),
+    )
     scored = parsed.sampling.top_logprobs if parsed.echo and parsed.sampling.wants_logprobs else None
     return GenerationRequest(rid, prompt, sampling, stop, prompt_logprobs=scored)
 
@@ -197,10 +210,16 @@ async def _body(request: Request, limit: int) -> bytes:
     declared), 415 for another content type."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
-        raise ApiError(415, f"the body must be JSON (Content-Type: application/json), got '{kind or 'none'}'",
-                       code="unsupported_media_type")  # fmt: skip
-    too_large = ApiError(413, f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
-                         code="request_too_large")  # fmt: skip
+        raise ApiError(
+            415,
+            f"the body must be JSON (Content-Type: application/json), got '{kind or 'none'}'",
+            code="unsupported_media_type",
+        )
+    too_large = ApiError(
+        413,
+        f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
+        code="request_too_large",
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -218,8 +237,12 @@ async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_cha
     _check_auth(ctx, request)
     parsed = (parse_chat if is_chat else parse_completion)(parse_json(await _body(request, state.max_body_bytes)))
     if parsed.model is not None and parsed.model != ctx.model_id and parsed.model not in ctx.model_aliases:
-        raise ApiError(404, f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
-                       "model", "model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"model '{parsed.model}' is not served here; this server serves '{ctx.model_id}'",
+            "model",
+            "model_not_found",
+        )
     new = set(parsed.ignored) - state.ignored_seen
     if new:
         state.ignored_seen.update(new)
@@ -227,8 +250,12 @@ async def _prepare(ctx: ServerContext, state: AppState, request: Request, is_cha
     rid = ("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12)
     constraint = await run_in_threadpool(_constraint, ctx, parsed)  # llguidance's first use reads the vocabulary
     prompts = parsed.prompts or (None,)
-    gens = [_generation_request(ctx, parsed, await _prompt_ids(ctx, parsed, p), rid if len(prompts) == 1 else f"{rid}-{i}",
-                                constraint) for i, p in enumerate(prompts)]  # fmt: skip
+    gens = [
+        _generation_request(
+            ctx, parsed, await _prompt_ids(ctx, parsed, p), rid if len(prompts) == 1 else f"{rid}-{i}", constraint
+        )
+        for i, p in enumerate(prompts)
+    ]
     return parsed, rid, gens
 
 
@@ -271,8 +298,9 @@ async def _complete(ctx: ServerContext, state: AppState, request: Request, is_ch
 # ------------------------------------------------------------------ routes
 
 
-LOADING = ApiError(503, "the server is loading its model; retry when /health answers 200", code="loading",
-                   headers={"Retry-After": "5"})  # fmt: skip
+LOADING = ApiError(
+    503, "the server is loading its model; retry when /health answers 200", code="loading", headers={"Retry-After": "5"}
+)
 
 
 def make_app(state: AppState) -> Starlette:
@@ -299,8 +327,13 @@ def make_app(state: AppState) -> Starlette:
         return await _complete(ctx, state, request, is_chat=True)
 
     async def models(ctx: ServerContext, request: Request) -> Response:
-        entry = {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "engine",
-                 "max_context": ctx.max_context}  # fmt: skip
+        entry = {
+            "id": ctx.model_id,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "engine",
+            "max_context": ctx.max_context,
+        }
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(request: Request) -> Response:
@@ -309,8 +342,9 @@ def make_app(state: AppState) -> Starlette:
         return JSONResponse({"status": "ok", "model": state.ctx.model_id})
 
     async def stats(ctx: ServerContext, request: Request) -> Response:
-        return JSONResponse({**ctx.worker.snapshot, "kernels": ctx.kernels.as_record(),
-                             "compiled_modules": compiled_modules(ctx)})  # fmt: skip
+        return JSONResponse(
+            {**ctx.worker.snapshot, "kernels": ctx.kernels.as_record(), "compiled_modules": compiled_modules(ctx)}
+        )
 
     async def metrics(ctx: ServerContext, request: Request) -> Response:
         if ctx.metrics is None:
@@ -332,5 +366,8 @@ def make_app(state: AppState) -> Starlette:
         Route("/stats", ready(stats), methods=["GET"]),
         Route("/metrics", ready(metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found},
-                     middleware=[Middleware(FramingCheck), Middleware(HostCheck, allowed=state.allowed_hosts)])  # fmt: skip
+    return Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: not_found},
+        middleware=[Middleware(FramingCheck), Middleware(HostCheck, allowed=state.allowed_hosts)],
+    )

@@ -9,7 +9,7 @@ incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -18,7 +18,6 @@ uvicorn runs h11 here (pinned, so that the behaviour does not change with what e
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Optional
 
 import h11
 from starlette.responses import JSONResponse
@@ -51,8 +50,13 @@ class HeadLimit(H11Protocol):
             buffered, _ = self.conn.trailing_data
             end = buffered.find(b"\r\n\r\n")
             if end > limit or (end < 0 and len(buffered) > limit):
-                self.refuse(ApiError(431, f"the request head is over this server's limit of {limit} bytes "
-                                          "(--max-header-bytes)", code="request_header_fields_too_large"))  # fmt: skip
+                self.refuse(
+                    ApiError(
+                        431,
+                        f"the request head is over this server's limit of {limit} bytes (--max-header-bytes)",
+                        code="request_header_fields_too_large",
+                    )
+                )
                 return
         super().handle_events()
 
@@ -79,8 +83,11 @@ class FramingCheck:
         if scope["type"] == "http":
             names = {name for name, _ in scope.get("headers") or ()}
             if {b"content-length", b"transfer-encoding"} <= names:
-                error = ApiError(400, "a request may not carry both Content-Length and Transfer-Encoding "
-                                      "(RFC 9112 section 6.1)", code="ambiguous_framing")  # fmt: skip
+                error = ApiError(
+                    400,
+                    "a request may not carry both Content-Length and Transfer-Encoding (RFC 9112 section 6.1)",
+                    code="ambiguous_framing",
+                )
                 await closing_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -99,7 +106,7 @@ class HostCheck:
     site that resolves its own name to this address, DNS rebinding, cannot reach a local server); a request
     without a Host header passes (no browser sends one)."""
 
-    def __init__(self, app, allowed: Optional[frozenset[str]]):
+    def __init__(self, app, allowed: frozenset[str] | None):
         self.app, self.allowed = app, allowed
 
     async def __call__(self, scope, receive, send):

@@ -19,32 +19,32 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional
 
 import mlx.core as mx
 
-from engine.engine import Engine, kernels_notice
-from engine.kernels import FAST, KernelConfig, kernel_cache, on_cuda
-from engine.kernels.quantized_gemv import LAYER_MAX_ROWS
 from engine.batch.runner import bucket, chunk_buckets, power_buckets, trace_forwards
 from engine.batch.scheduler import SchedulerConfig
 from engine.cache.prompt_disk import DiskTier, artifact_key
+from engine.engine import Engine, kernels_notice
 from engine.gateway import Gateway, GatewayConfig
+from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
+from engine.grammar import Grammars
+from engine.kernels import FAST, KernelConfig, kernel_cache, on_cuda
 from engine.kernels.cuda_source import builds as kernel_builds
 from engine.kernels.indexing_warmup import compile_indexing
-from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
+from engine.kernels.quantized_gemv import LAYER_MAX_ROWS
 from engine.loading import text_config, vocab_size
-from engine.server.http_edges import DEFAULT_MAX_HEADER_BYTES, HeadLimit
+from engine.request import GenerationRequest, StopCriteria
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
-from engine.grammar import Grammars
+from engine.server.http_edges import DEFAULT_MAX_HEADER_BYTES, HeadLimit
 from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
-from engine.speculative.config import SpecConfig, load_speculation
-from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
+from engine.speculative.config import SpecConfig, load_speculation
 
 log = logging.getLogger("engine.server")
 
@@ -79,44 +79,44 @@ def default_warmup() -> str:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: Optional[str] = None
-    model_path: Optional[Path] = None
+    model: str | None = None
+    model_path: Path | None = None
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
-    batch: Optional[int] = None  # None: default_batch()
+    batch: int | None = None  # None: default_batch()
     prefill_chunk: int = DEFAULT_PREFILL_STEP
-    kv_budget_bytes: Optional[int] = None
+    kv_budget_bytes: int | None = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     prompt_cache_block: int = 256  # GatewayConfig.prompt_cache_block
-    prompt_cache_dir: Optional[Path] = None  # the prompt cache's disk tier (None: RAM only)
+    prompt_cache_dir: Path | None = None  # the prompt cache's disk tier (None: RAM only)
     prompt_cache_disk_bytes: int = 16 << 30
-    max_context: Optional[int] = None  # None: the model's max_position_embeddings
-    kv_bits: Optional[int] = None
+    max_context: int | None = None  # None: the model's max_position_embeddings
+    kv_bits: int | None = None
     kv_group_size: int = 64
-    api_key: Optional[str] = None
+    api_key: str | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
-    kernels: Optional[KernelConfig] = None  # None: KernelConfig() (tier auto)
-    spec: Optional[SpecConfig] = None  # speculative decoding; None: off
-    draft_model: Optional[str] = None  # registry name of the draft model (kind "draft")
-    draft_model_path: Optional[Path] = None
+    kernels: KernelConfig | None = None  # None: KernelConfig() (tier auto)
+    spec: SpecConfig | None = None  # speculative decoding; None: off
+    draft_model: str | None = None  # registry name of the draft model (kind "draft")
+    draft_model_path: Path | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a request head past this: 431 (`http_edges.HeadLimit`)
-    allowed_hosts: Optional[frozenset[str]] = None  # None: from the bound address (`allowed_hosts`)
-    max_queued_requests: Optional[int] = 256  # None: no limit
-    max_queued_tokens: Optional[int] = None
-    decode_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets on the fast tier); (): off
-    chunk_buckets: Optional[tuple[int, ...]] = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
-    group_buckets: Optional[tuple[int, ...]] = None  # None: auto (power_buckets of the prefill group); (): off
-    prefill_batch: Optional[int] = None  # prompts prefilled together; None: auto (FAST_PREFILL_BATCH on the fast tier)
-    prefill_budget: Optional[int] = None  # None: auto (prefill_chunk on the fast tier); 0: off
-    warmup: Optional[str] = None  # full, quick or off; None: default_warmup()
-    chat_template: Optional[str] = None  # a Jinja chat template in place of the model's
+    allowed_hosts: frozenset[str] | None = None  # None: from the bound address (`allowed_hosts`)
+    max_queued_requests: int | None = 256  # None: no limit
+    max_queued_tokens: int | None = None
+    decode_buckets: tuple[int, ...] | None = None  # None: auto (power_buckets on the fast tier); (): off
+    chunk_buckets: tuple[int, ...] | None = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
+    group_buckets: tuple[int, ...] | None = None  # None: auto (power_buckets of the prefill group); (): off
+    prefill_batch: int | None = None  # prompts prefilled together; None: auto (FAST_PREFILL_BATCH on the fast tier)
+    prefill_budget: int | None = None  # None: auto (prefill_chunk on the fast tier); 0: off
+    warmup: str | None = None  # full, quick or off; None: default_warmup()
+    chat_template: str | None = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
-    kernel_cache_dir: Optional[Path] = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
-    mlx_cache_bytes: Optional[int] = None  # MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
+    kernel_cache_dir: Path | None = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
+    mlx_cache_bytes: int | None = None  # MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
 
-    def gateway_config(self, tier: Optional[str] = None) -> GatewayConfig:
+    def gateway_config(self, tier: str | None = None) -> GatewayConfig:
         """The gateway's settings; `tier` (the kernel tier that loaded) resolves each auto: the fast tier pads
         decode rows and prefill groups to power_buckets and prefill chunks to chunk_buckets, and its joiners
         share one chunk's tokens an iteration; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator,
@@ -161,7 +161,7 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
-def allowed_hosts(host: str, configured: Optional[frozenset[str]] = None) -> Optional[frozenset[str]]:
+def allowed_hosts(host: str, configured: frozenset[str] | None = None) -> frozenset[str] | None:
     """The Host header names the server accepts (None: any): `configured` ("*" in it: any), else those of the
     bound address: the loopback names for a loopback address, that address (and the loopback names) for
     another one, any for all interfaces (0.0.0.0, ::), whose names the server cannot know."""
@@ -180,8 +180,9 @@ def longest_chunk(scheduler: SchedulerConfig, rows: int) -> int:
     return min(chunk, scheduler.snapshot_block) if scheduler.snapshot_block else chunk
 
 
-def _group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int,
-                 fits) -> list[list[GenerationRequest]]:  # fmt: skip
+def _group_waves(
+    config: GatewayConfig, scheduler: SchedulerConfig, context: int, fits
+) -> list[list[GenerationRequest]]:
     """The full warm-up's prefill groups: for each group bucket past one, its fewest prompts (one more than the
     bucket below), each of a chunk bucket's length up to the bucket of the chunk such a group takes
     (`longest_chunk`), so that the group's prefill forwards (filled to the bucket) take every shape a burst can
@@ -197,10 +198,16 @@ def _group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int
                 if n <= longest and n + 3 <= context and fits(rows, n):
                     w = len(waves)
                     body = tuple(1 + i % 97 for i in range(n - 2))
-                    waves.append([GenerationRequest(f"warmup-group-{group}-{n}-{j}",
-                                                    (100 + j, 150 + w % 50, 200 + w // 50, *body),
-                                                    stop=StopCriteria(max_tokens=2, ignore_eos=True))
-                                  for j in range(rows)])  # fmt: skip
+                    waves.append(
+                        [
+                            GenerationRequest(
+                                f"warmup-group-{group}-{n}-{j}",
+                                (100 + j, 150 + w % 50, 200 + w // 50, *body),
+                                stop=StopCriteria(max_tokens=2, ignore_eos=True),
+                            )
+                            for j in range(rows)
+                        ]
+                    )
         below = group
     return waves
 
@@ -217,8 +224,10 @@ class WarmupStage:
     seconds: float
 
     def line(self) -> str:
-        return (f"engine serve: warm-up {self.name}: {self.requests} requests, {self.shapes} new shapes, "
-                f"{self.kernel_builds} kernel builds, {self.seconds:.1f} s")  # fmt: skip
+        return (
+            f"engine serve: warm-up {self.name}: {self.requests} requests, {self.shapes} new shapes, "
+            f"{self.kernel_builds} kernel builds, {self.seconds:.1f} s"
+        )
 
 
 def _prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> WarmupStage:
@@ -226,15 +235,24 @@ def _prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> Warm
     the engine's kernels they call compile at once (`cache`), before the requests that run them; MLX's
     indexing kernels compile meanwhile (`compile_indexing`)."""
     start, builds = time.perf_counter(), kernel_builds()
-    trace_forwards(gateway.model, gateway.config.decode_buckets or (1,),
-                   [n for n in gateway.config.chunk_buckets if n <= LAYER_MAX_ROWS])  # fmt: skip
+    trace_forwards(
+        gateway.model,
+        gateway.config.decode_buckets or (1,),
+        [n for n in gateway.config.chunk_buckets if n <= LAYER_MAX_ROWS],
+    )
     compile_indexing(gateway.model)  # MLX's own, while the engine's compile in other processes
     cache.settle()
     return WarmupStage("kernel builds", 0, 0, kernel_builds() - builds, round(time.perf_counter() - start, 3))
 
 
-def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context: int = 4096,
-             log: Callable[[str], None] = lambda line: None, prebuild: bool = True) -> list[WarmupStage]:  # fmt: skip
+def _warm_up(
+    gateway: Gateway,
+    mode: str,
+    kv_bits: int | None = None,
+    context: int = 4096,
+    log: Callable[[str], None] = lambda line: None,
+    prebuild: bool = True,
+) -> list[WarmupStage]:
     """Requests through the lanes before the server says ready, so that clients do not wait while kernels
     compile; returns its stages, each passed to `log` as it ends. `quick`: one short request (two on the
     continuous lane, decoding together). `full`: also `batch` requests at once on the continuous lane, each
@@ -271,10 +289,16 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
         # chunks after the first (a cache ahead of them, the caches growing) run kernels of their own, which a
         # long prompt would otherwise compile after ready
         lengths = [n for n in buckets if n <= longest] + ([2 * longest + buckets[0]] if buckets else [])
-        chunks = [[request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
-                  for k, n in enumerate(lengths) if n + 3 <= context and fits(1, n)]  # fmt: skip
+        chunks = [
+            [request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
+            for k, n in enumerate(lengths)
+            if n + 3 <= context and fits(1, n)
+        ]
         groups = _group_waves(gateway.config, scheduler, context, fits)
-        stages += [(f"prefill chunks ({len(chunks)} prompts)", chunks), (f"prefill groups ({len(groups)} shapes)", groups)]
+        stages += [
+            (f"prefill chunks ({len(chunks)} prompts)", chunks),
+            (f"prefill groups ({len(groups)} shapes)", groups),
+        ]
     if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
         report.append(_prebuild_kernels(gateway, kernel_cache.active()))
         log(report[-1].line())
@@ -288,8 +312,13 @@ def _warm_up(gateway: Gateway, mode: str, kv_bits: Optional[int] = None, context
                 sinks.append(CollectingSink())
                 gateway.submit(r, sinks[-1])
             gateway.run_until_idle()
-        stage = WarmupStage(name, sum(len(w) for w in waves), len(gateway.shapes) - shapes, kernel_builds() - builds,
-                            round(time.perf_counter() - start, 3))  # fmt: skip
+        stage = WarmupStage(
+            name,
+            sum(len(w) for w in waves),
+            len(gateway.shapes) - shapes,
+            kernel_builds() - builds,
+            round(time.perf_counter() - start, 3),
+        )
         report.append(stage)
         log(stage.line())
     if gateway.prompt_cache is not None:
@@ -339,13 +368,22 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         scheme = f"tier {engine.kernels.tier}, kv {kv}"
         disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
         gateway.prompt_cache.disk = disk
-        print(f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"
-              + (f" (off: {disk.error})" if disk.error else ""), file=sys.stderr, flush=True)
+        print(
+            f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"
+            + (f" (off: {disk.error})" if disk.error else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     gateway.mark_ready()
-    warmup_record = {"mode": warmup, "requests": sum(st.requests for st in stages),
-                     "seconds": round(time.perf_counter() - start, 3), "shapes": gateway.shapes_at_ready,
-                     "kernel_builds": gateway.kernel_builds_at_ready, "stages": [asdict(st) for st in stages],
-                     "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None}  # fmt: skip
+    warmup_record = {
+        "mode": warmup,
+        "requests": sum(st.requests for st in stages),
+        "seconds": round(time.perf_counter() - start, 3),
+        "shapes": gateway.shapes_at_ready,
+        "kernel_builds": gateway.kernel_builds_at_ready,
+        "stages": [asdict(st) for st in stages],
+        "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
+    }
     model_id = cfg.model or engine.path.name
     try:
         from engine.server.metrics import Metrics
@@ -398,10 +436,17 @@ def serve(cfg: ServeConfig) -> int:
     host, port = sock.getsockname()[:2]
     state = AppState(max_body_bytes=cfg.max_body_bytes, allowed_hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
     server = uvicorn.Server(
-        uvicorn.Config(make_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                       lifespan="off", http=HeadLimit, h11_max_incomplete_event_size=cfg.max_header_bytes)  # fmt: skip
+        uvicorn.Config(
+            make_app(state),
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan="off",
+            http=HeadLimit,
+            h11_max_incomplete_event_size=cfg.max_header_bytes,
+        )
     )
-    worker: Optional[EngineWorker] = None
+    worker: EngineWorker | None = None
     stopped = threading.Event()
 
     def http() -> None:

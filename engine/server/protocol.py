@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from engine.request import SamplingParams
 from engine.server import fields
@@ -20,8 +20,14 @@ from engine.server.strict_schema import strict_schema
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, offending parameter, code."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers  # sent with the error (Retry-After on a 503)
@@ -36,7 +42,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
 
 
@@ -49,10 +55,10 @@ class ParsedRequest:
     """One completion or chat request, checked; the prompt is not yet tokenized."""
 
     is_chat: bool
-    model: Optional[str]
+    model: str | None
     prompts: tuple[str | tuple[int, ...], ...]  # completions: each prompt, text or token ids (a choice each)
-    messages: Optional[list[dict[str, Any]]]  # chat, as the chat template takes them
-    max_tokens: Optional[int]  # None: the server's default, within the context; 0 (echo only): none generated
+    messages: list[dict[str, Any]] | None  # chat, as the chat template takes them
+    max_tokens: int | None  # None: the server's default, within the context; 0 (echo only): none generated
     sampling: SamplingParams
     stop: tuple[str, ...]
     stream: bool
@@ -64,11 +70,11 @@ class ParsedRequest:
     stop_token_ids: tuple[int, ...] = ()  # vLLM: more tokens that end the output, as EOS does
     min_tokens: int = 0  # vLLM: no end-of-sequence token before this many tokens
     ignored: tuple[str, ...] = ()  # fields accepted and ignored (`fields.IGNORED`), named in usage.engine
-    tools: Optional[list[dict[str, Any]]] = None  # chat: the functions the model may call (rendered, parsed)
-    forced_tools: Optional[list[dict[str, Any]]] = None  # tool_choice required (all) or named (one): a call must come
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the model may call (rendered, parsed)
+    forced_tools: list[dict[str, Any]] | None = None  # tool_choice required (all) or named (one): a call must come
     several_calls: bool = False  # parallel_tool_calls true, no named choice: a constrained reply may hold more calls
-    json_schema: Optional[dict[str, Any]] = None  # response_format json_object / json_schema: the reply's schema
-    template_kwargs: Optional[dict[str, Any]] = None  # chat_template_kwargs: more variables for the chat template
+    json_schema: dict[str, Any] | None = None  # response_format json_object / json_schema: the reply's schema
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: more variables for the chat template
 
 
 MAX_SEED = 2**64 - 1  # what the random key takes: an unsigned 64-bit integer
@@ -103,8 +109,9 @@ def _check_strings(body: dict) -> None:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 field = where.split("[")[0].split(".")[0]
-                raise bad(f"'{where}' holds a lone surrogate (not valid Unicode text)", param=field,
-                          code="invalid_text") from None  # fmt: skip
+                raise bad(
+                    f"'{where}' holds a lone surrogate (not valid Unicode text)", param=field, code="invalid_text"
+                ) from None
         if isinstance(value, dict):
             todo.extend((f"{where}.{k}", v) for k, v in value.items())
         elif isinstance(value, list):
@@ -124,14 +131,14 @@ def _typed(body: dict, name: str, kinds: tuple, what: str, default: Any = None) 
     return value
 
 
-def _number(body: dict, name: str, default: Optional[float] = None) -> Optional[float]:
+def _number(body: dict, name: str, default: float | None = None) -> float | None:
     value = _typed(body, name, (int, float), "a number", default)
     if value is not None and not math.isfinite(value):
         raise bad(f"'{name}' must be finite", param=name)
     return None if value is None else float(value)
 
 
-def _int(body: dict, name: str, default: Optional[int] = None) -> Optional[int]:
+def _int(body: dict, name: str, default: int | None = None) -> int | None:
     return _typed(body, name, (int,), "an integer", default)
 
 
@@ -214,7 +221,7 @@ def _sampling(body: dict, top_logprobs: int, want_logprobs: bool) -> SamplingPar
     )
 
 
-def _seed(body: dict) -> Optional[int]:
+def _seed(body: dict) -> int | None:
     seed = _int(body, "seed")
     _in_range("seed", seed, 0, MAX_SEED, "in [0, 2^64)")
     return seed
@@ -232,7 +239,7 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool, tuple[str, ..
     return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats"), ignored
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], least: int = 1) -> Optional[int]:
+def _max_tokens(body: dict, names: tuple[str, ...], least: int = 1) -> int | None:
     for name in names:
         value = _int(body, name)
         if value is not None:
@@ -269,8 +276,9 @@ def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
     elif isinstance(prompt, list) and not prompt:
         raise bad("'prompt' must not be empty", param="prompt")
     else:
-        raise bad("'prompt' must be a string, a list of token ids, or a list of either (several prompts)",
-                  param="prompt")  # fmt: skip
+        raise bad(
+            "'prompt' must be a string, a list of token ids, or a list of either (several prompts)", param="prompt"
+        )
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} in one request", param="prompt")
     if any(not p for p in prompts):
@@ -300,8 +308,11 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise bad(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name': str, "
-                      "'arguments': JSON text}}}}", param="messages")  # fmt: skip
+            raise bad(
+                f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                "'arguments': JSON text}}}}",
+                param="messages",
+            )
         try:
             arguments = json.loads(fn["arguments"])
         except json.JSONDecodeError:
@@ -322,7 +333,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}] must be an object with a role of system, user, assistant or tool", "messages")
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
-        entry: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]", calls is not None)}
+        entry: dict[str, Any] = {
+            "role": m["role"],
+            "content": _text(m.get("content"), f"messages[{i}]", calls is not None),
+        }
         if calls is not None:
             entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
         if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
@@ -331,7 +345,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[dict[str, Any]]]]:
+def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
     """The functions the model may call (None: none offered, or `tool_choice` 'none'), and those it must call
     one of ('required': any; a named function: that one; None: no call forced)."""
     tools = body.get("tools")
@@ -344,9 +358,16 @@ def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[di
         raise bad("'tools' must be a non-empty list of {'type': 'function', 'function': {...}}", param="tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
-                      param="tools")  # fmt: skip
+        if (
+            not isinstance(fn, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise bad(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                param="tools",
+            )
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
     tools = [_strict_tool(t) for t in tools]
@@ -356,10 +377,16 @@ def _tools(body: dict) -> tuple[Optional[list[dict[str, Any]]], Optional[list[di
         return None, None
     if choice == "required":
         return tools, tools
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
     if not isinstance(name, str):
-        raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
-                  param="tool_choice")  # fmt: skip
+        raise bad(
+            "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
     named = [t for t in tools if t["function"]["name"] == name]
     if not named:
         raise bad(f"tool_choice names '{name}', which is not among 'tools'", param="tool_choice")
@@ -382,7 +409,7 @@ def _several_calls(body: dict) -> bool:
     return parallel and not isinstance(body.get("tool_choice"), dict)
 
 
-def _response_format(body: dict) -> Optional[dict[str, Any]]:
+def _response_format(body: dict) -> dict[str, Any] | None:
     """The JSON schema the reply must follow (None: free text); with `strict: true`, in OpenAI's strict mode."""
     fmt = body.get("response_format")
     if fmt is None or fmt == {"type": "text"}:
@@ -392,13 +419,16 @@ def _response_format(body: dict) -> Optional[dict[str, Any]]:
         return {"type": "object"}
     spec = fmt.get("json_schema") if kind == "json_schema" else None
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise bad("response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
-                  "'json_schema': {'name': ..., 'schema': {...}}}", param="response_format")  # fmt: skip
+        raise bad(
+            "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+            "'json_schema': {'name': ..., 'schema': {...}}}",
+            param="response_format",
+        )
     schema = spec.get("schema") or {}
     return strict_schema(schema) if spec.get("strict") is True else schema
 
 
-def _structured(body: dict) -> Optional[dict[str, Any]]:
+def _structured(body: dict) -> dict[str, Any] | None:
     """The JSON schema the reply must follow: OpenAI's `response_format`, or vLLM's spellings of it, `guided_json`
     (a schema, or its JSON text) and `structured_outputs` (`{"json": schema}` or `{"json_object": true}`); at most
     one of the three."""
@@ -422,8 +452,11 @@ def _structured(body: dict) -> Optional[dict[str, Any]]:
             return _structured({"guided_json": outputs["json"]})
         if kinds == {"json_object"} and outputs["json_object"] is True:
             return {"type": "object"}
-        raise bad("structured_outputs must be {'json': schema} or {'json_object': true} here (regex, choice and "
-                  "grammar are not supported)", param="structured_outputs")  # fmt: skip
+        raise bad(
+            "structured_outputs must be {'json': schema} or {'json_object': true} here (regex, choice and "
+            "grammar are not supported)",
+            param="structured_outputs",
+        )
     return _response_format(body)
 
 
@@ -467,8 +500,9 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
     if echo and common["stream"] and common["sampling"].wants_logprobs:
         raise bad("echo with logprobs needs stream: false (the prompt's logprobs come with the whole reply)", "echo")
     max_tokens = _max_tokens(body, ("max_tokens",), least=0 if echo else 1)  # echo alone: the prompt's scores
-    return ParsedRequest(False, prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo,
-                         json_schema=_structured(body), **common)  # fmt: skip
+    return ParsedRequest(
+        False, prompts=prompts, messages=None, max_tokens=max_tokens, echo=echo, json_schema=_structured(body), **common
+    )
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
@@ -478,10 +512,20 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     schema = _structured(body)
     common = _common(body, is_chat=True)
     several = _several_calls(body)
-    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object (e.g. {\"enable_thinking\": false})")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), 'an object (e.g. {"enable_thinking": false})')
     if kwargs and {"messages", "tools", "add_generation_prompt"} & set(kwargs):
-        raise bad("chat_template_kwargs may not set messages, tools or add_generation_prompt",
-                  param="chat_template_kwargs")  # fmt: skip
-    return ParsedRequest(True, prompts=(), messages=messages, tools=tools, forced_tools=forced,
-                         several_calls=several, json_schema=schema, template_kwargs=kwargs or None,
-                         max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")), **common)  # fmt: skip
+        raise bad(
+            "chat_template_kwargs may not set messages, tools or add_generation_prompt", param="chat_template_kwargs"
+        )
+    return ParsedRequest(
+        True,
+        prompts=(),
+        messages=messages,
+        tools=tools,
+        forced_tools=forced,
+        several_calls=several,
+        json_schema=schema,
+        template_kwargs=kwargs or None,
+        max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens")),
+        **common,
+    )

@@ -9,7 +9,6 @@ it may be the start of a tag.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from engine.server.stop_text import partial_suffix
 
@@ -44,7 +43,10 @@ class ReasoningParser:
             end = self._pending.find(CLOSE)
             if end < 0:
                 keep = partial_suffix(self._pending, CLOSE)
-                reasoning, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
+                reasoning, self._pending = (
+                    self._pending[: len(self._pending) - keep],
+                    self._pending[len(self._pending) - keep :],
+                )
                 return Split(reasoning)
             reasoning, self._pending = self._pending[:end], self._pending[end + len(CLOSE) :]
             self._state = "closed"
@@ -62,7 +64,7 @@ class ReasoningParser:
         return Split(rest) if self._state == "inside" else Split(content=rest)
 
 
-def thinks(chat_template: Optional[str]) -> bool:
+def thinks(chat_template: str | None) -> bool:
     """Whether a chat template writes reasoning blocks."""
     return bool(chat_template) and OPEN in chat_template
 

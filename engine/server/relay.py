@@ -7,8 +7,9 @@ one batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import RequestTooLarge
 from engine.request import FinishReason, GeneratedToken, GenerationRequest
@@ -39,8 +40,9 @@ def rejection(error: Exception) -> ApiError:
 class Relay:
     """One request in flight: submits it, then turns its events into text, tokens and a result."""
 
-    def __init__(self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest, response_id: str,
-                 index: int = 0):  # fmt: skip
+    def __init__(
+        self, ctx: ServerContext, parsed: ParsedRequest, gen: GenerationRequest, response_id: str, index: int = 0
+    ):
         self.ctx, self.parsed, self.gen = ctx, parsed, gen
         self.stream = ctx.worker.stream(gen.request_id)
         self.out = responses.Output(response_id, ctx.model_id, parsed.is_chat, index)
@@ -59,7 +61,7 @@ class Relay:
             self.reasoning = ReasoningParser(inside=opened(ctx.tokenizer.decode(list(gen.prompt_ids[-16:]))))
         self.placement = None
         self.result = None
-        self.stop_tokens: Optional[int] = None  # tokens the output kept when a stop string ended it
+        self.stop_tokens: int | None = None  # tokens the output kept when a stop string ended it
 
     def text_of(self, token_id: int) -> str:
         return self.ctx.tokenizer.decode([token_id])
@@ -128,7 +130,7 @@ class Relay:
             return result
         return replace(result, finish_reason=FinishReason.STOP, generated_tokens=self.stop_tokens)
 
-    def _finish(self) -> Optional[str]:
+    def _finish(self) -> str | None:
         reason = self.result.finish_reason
         if reason is FinishReason.STOP and self.out.tool_calls:
             return "tool_calls"
@@ -136,13 +138,14 @@ class Relay:
 
     def usage(self) -> dict[str, Any]:
         p = self.placement
-        return responses.usage(self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier,
-                               self.parsed.ignored)  # fmt: skip
+        return responses.usage(
+            self.result, p.cached_tokens, self.stream, p.reason, self.ctx.kernels.tier, self.parsed.ignored
+        )
 
     def usage_so_far(self) -> dict[str, int]:
         return responses.running_usage(len(self.gen.prompt_ids), len(self.out.tokens))
 
-    def cancel(self, stop_tokens: Optional[int] = None) -> None:
+    def cancel(self, stop_tokens: int | None = None) -> None:
         """Drop the row (`stop_tokens`: a stop string ended the output there, which the engine records)."""
         if self.result is None and self.stream.alive:
             self.stream.alive = False
@@ -153,17 +156,28 @@ class Relay:
         log.info(
             "%s lane=%s prompt=%d completion=%d cached=%d batch=%d queue=%sms prefill=%sms ttft=%sms decode=%sms "
             "total=%sms finish=%s%s",
-            r.request_id, r.lane.value, r.prompt_tokens, r.generated_tokens, self.placement.cached_tokens,
-            self.stream.max_batch, t["queue"], t["prefill"], t["first_token"], t["decode"], t["total"],
-            r.finish_reason.value, f" error={r.error}" if r.error else "",
-        )  # fmt: skip
+            r.request_id,
+            r.lane.value,
+            r.prompt_tokens,
+            r.generated_tokens,
+            self.placement.cached_tokens,
+            self.stream.max_batch,
+            t["queue"],
+            t["prefill"],
+            t["first_token"],
+            t["decode"],
+            t["total"],
+            r.finish_reason.value,
+            f" error={r.error}" if r.error else "",
+        )
 
     def failure(self) -> ApiError:
         return ApiError(500, f"generation failed: {self.result.error}", code="engine_error")
 
 
-
-async def open_relays(ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]) -> list[Relay]:
+async def open_relays(
+    ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]
+) -> list[Relay]:
     """A relay per prompt, each submitted (all in the queue together, so they prefill and decode as rows of one
     batch); a refusal of any cancels those the engine took, and raises the first refusal."""
     relays = [Relay(ctx, parsed, gen, rid, i) for i, gen in enumerate(gens)]
@@ -183,7 +197,7 @@ async def open_relays(ctx: ServerContext, parsed: ParsedRequest, rid: str, gens:
     return relays
 
 
-async def finish(relay: Relay) -> Optional[str]:
+async def finish(relay: Relay) -> str | None:
     """Read a relay to its end: its finish reason."""
     finish = None
     async for delta in relay.events():

@@ -17,12 +17,13 @@ The usage object carries the OpenAI fields plus one extension, `engine`:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
+from engine.request import GeneratedToken, RequestResult
 from engine.server.tool_calls import CallDelta, ToolCall
 from engine.server.worker import Stream
-from engine.request import GeneratedToken, RequestResult
 
 TokenText = Callable[[int], str]
 
@@ -33,7 +34,7 @@ class Delta:
 
     text: str
     tokens: list
-    finish: Optional[str] = None
+    finish: str | None = None
     calls: tuple[CallDelta, ...] = ()  # what it streams of tool calls
     reasoning: str = ""
 
@@ -54,15 +55,21 @@ class Output:
     reasoning: str = ""  # a thinking template's reasoning (not in `text`)
     echo_text: str = ""  # completions with echo: the prompt, ahead of `text`
     echo_tokens: list[GeneratedToken] = field(default_factory=list)  # and its tokens (scored where asked)
-    end_token: Optional[GeneratedToken] = None  # the token that ended the output (EOS, a stop id), not in `tokens`
+    end_token: GeneratedToken | None = None  # the token that ended the output (EOS, a stop id), not in `tokens`
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.is_chat else "text_completion"
 
 
-def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason: str, kernels: str,
-          ignored: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+def usage(
+    result: RequestResult,
+    cached_tokens: int,
+    stream: Stream,
+    lane_reason: str,
+    kernels: str,
+    ignored: Sequence[str] = (),
+) -> dict[str, Any]:
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.generated_tokens,
@@ -83,8 +90,11 @@ def usage(result: RequestResult, cached_tokens: int, stream: Stream, lane_reason
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The usage so far, on every chunk of a stream that asked for it (vLLM's continuous_usage_stats)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def total_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -106,8 +116,10 @@ def completion_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) ->
     return {
         "tokens": texts,
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [None if t.logprob is None else {text_of(x.token_id): x.logprob for x in (t.top_logprobs or ())}
-                         for t in tokens],  # fmt: skip
+        "top_logprobs": [
+            None if t.logprob is None else {text_of(x.token_id): x.logprob for x in (t.top_logprobs or ())}
+            for t in tokens
+        ],
         "text_offset": offsets,
     }
 
@@ -119,19 +131,22 @@ def chat_logprobs(tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[
 
     return {
         "content": [
-            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(x.token_id, x.logprob) for x in (t.top_logprobs or ())]}
+            {
+                **entry(t.token_id, t.logprob),
+                "top_logprobs": [entry(x.token_id, x.logprob) for x in (t.top_logprobs or ())],
+            }
             for t in tokens
         ]
     }
 
 
-def _logprobs(out: Output, tokens: Sequence[GeneratedToken], text_of: TokenText) -> Optional[dict[str, Any]]:
+def _logprobs(out: Output, tokens: Sequence[GeneratedToken], text_of: TokenText) -> dict[str, Any] | None:
     if all(t.logprob is None for t in tokens):  # none asked (an echoed prompt's first token has none either)
         return None
     return chat_logprobs(tokens, text_of) if out.is_chat else completion_logprobs(tokens, text_of)
 
 
-def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: TokenText, ids: bool, delta=None):
+def _choice(out: Output, text: str, tokens, finish: str | None, text_of: TokenText, ids: bool, delta=None):
     """A choice; for a chat stream chunk, `delta` is the message delta."""
     choice: dict[str, Any] = {"index": out.index}
     if not out.is_chat:
@@ -152,8 +167,9 @@ def _choice(out: Output, text: str, tokens, finish: Optional[str], text_of: Toke
     return choice
 
 
-def body(outs: Sequence[tuple[Output, Optional[str]]], usage_obj: dict[str, Any], text_of: TokenText,
-         ids: bool) -> dict[str, Any]:  # fmt: skip
+def body(
+    outs: Sequence[tuple[Output, str | None]], usage_obj: dict[str, Any], text_of: TokenText, ids: bool
+) -> dict[str, Any]:
     """The whole non-streaming response: a choice per (output, finish reason), an echoed prompt ahead of its
     text and logprobs."""
     choices = []
@@ -164,15 +180,21 @@ def body(outs: Sequence[tuple[Output, Optional[str]]], usage_obj: dict[str, Any]
             choice["logprobs"] = _logprobs(out, out.echo_tokens + out.tokens + ended, text_of)
         choices.append(choice)
     first = outs[0][0]
-    return {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
-            "choices": choices, "usage": usage_obj}  # fmt: skip
+    return {
+        "id": first.request_id,
+        "object": first.object,
+        "created": first.created,
+        "model": first.model,
+        "choices": choices,
+        "usage": usage_obj,
+    }
 
 
 def chunk(
     out: Output,
     text: str,
     tokens: Sequence[GeneratedToken],
-    finish: Optional[str],
+    finish: str | None,
     text_of: TokenText,
     ids: bool,
     role: bool = False,
@@ -191,8 +213,9 @@ def chunk(
     }
 
 
-def call_chunks(out: Output, deltas: Sequence[CallDelta], text_of: TokenText, ids: bool,
-                tokens: Sequence[GeneratedToken] = ()) -> list[dict[str, Any]]:  # fmt: skip
+def call_chunks(
+    out: Output, deltas: Sequence[CallDelta], text_of: TokenText, ids: bool, tokens: Sequence[GeneratedToken] = ()
+) -> list[dict[str, Any]]:
     """The stream chunks of tool calls, as OpenAI streams a call: a delta with its index, id, type and name
     (arguments ''), then deltas with fragments of its arguments; `tokens` (their logprobs, ids) go with the
     first."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.request import FinishReason
 from engine.server import responses
@@ -44,8 +45,13 @@ async def chunks(relay: Relay) -> AsyncIterator[str]:
         text_finish = None if delta.calls else delta.finish
         has_text = delta.text or delta.reasoning or text_finish or (delta.tokens and not delta.calls)
         if has_text:
-            pending.append(event(responses.chunk(out, delta.text, delta.tokens, text_finish, relay.text_of,
-                                                 ids, reasoning=delta.reasoning)))  # fmt: skip
+            pending.append(
+                event(
+                    responses.chunk(
+                        out, delta.text, delta.tokens, text_finish, relay.text_of, ids, reasoning=delta.reasoning
+                    )
+                )
+            )
         call_tokens = [] if has_text else delta.tokens
         pending += [event(piece) for piece in responses.call_chunks(out, delta.calls, relay.text_of, ids, call_tokens)]
         if delta.calls and delta.finish:
@@ -102,6 +108,7 @@ async def sse(relays: list[Relay]) -> AsyncIterator[str]:
     finally:
         for relay in relays:
             if relay.result is None:  # the client went away mid-stream: drop the row
-                log.info("%s cancelled: the client went away after %d tokens", relay.gen.request_id,
-                         len(relay.out.tokens))  # fmt: skip
+                log.info(
+                    "%s cancelled: the client went away after %d tokens", relay.gen.request_id, len(relay.out.tokens)
+                )
                 relay.cancel()

@@ -8,7 +8,7 @@ start of a stop string is held back until it is decided.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def partial_suffix(text: str, tag: str) -> int:

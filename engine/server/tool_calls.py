@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 from engine.server.stop_text import partial_suffix
 
@@ -56,8 +57,8 @@ class CallDelta:
 
     index: int
     arguments: str = ""
-    id: Optional[str] = None
-    name: Optional[str] = None
+    id: str | None = None
+    name: str | None = None
 
     def as_entry(self) -> dict:
         """The `delta.tool_calls` entry OpenAI streams."""
@@ -85,7 +86,7 @@ class Parsed:
     calls: tuple[ToolCall, ...] = ()
     deltas: tuple[CallDelta, ...] = ()
 
-    def __add__(self, other: "Parsed") -> "Parsed":
+    def __add__(self, other: Parsed) -> Parsed:
         deltas: list[CallDelta] = []
         for d in self.deltas + other.deltas:
             if deltas and d.name is None and deltas[-1].name is None and deltas[-1].index == d.index:
@@ -98,7 +99,7 @@ def _new_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _call(block: str) -> Optional[ToolCall]:
+def _call(block: str) -> ToolCall | None:
     """A JSON block's call, or None where it is not {"name": str, "arguments" (or "parameters"): object or JSON
     text}."""
     try:
@@ -108,7 +109,7 @@ def _call(block: str) -> Optional[ToolCall]:
     return _json_call(obj)
 
 
-def _json_call(obj) -> Optional[ToolCall]:
+def _json_call(obj) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -139,7 +140,7 @@ def _value(text: str) -> Any:
     return text if isinstance(parsed, str) else parsed
 
 
-def _xml_call(block: str) -> Optional[ToolCall]:
+def _xml_call(block: str) -> ToolCall | None:
     """An XML block's call (`<function=NAME>` holding `<parameter=KEY>value</parameter>`s), or None."""
     match = _FUNCTION.fullmatch(block)
     if match is None:
@@ -157,15 +158,15 @@ class _Block:
     its close by `parse`). CLOSE is looked for only after the arguments or in a whole block, so that it may
     stand inside an argument's text."""
 
-    parse: Callable[[str], Optional[ToolCall]]
+    parse: Callable[[str], ToolCall | None]
 
     def __init__(self):
         self.text = ""  # the block so far (and whatever followed it in the same piece)
-        self.name: Optional[str] = None
+        self.name: str | None = None
         self.whole = False
         self.arguments = ""  # the fragments so far
-        self.stop: Optional[int] = None  # where the arguments ended in `text`
-        self.close: Optional[int] = None  # where CLOSE starts in `text`
+        self.stop: int | None = None  # where the arguments ended in `text`
+        self.close: int | None = None  # where CLOSE starts in `text`
         self._searched = 0
 
     def feed(self, more: str) -> str:
@@ -201,7 +202,7 @@ _NAME = re.compile(r'"([^"\\<\n]*)"')  # a function name in a JSON head: no esca
 _JSON_HEAD = ("{", '"name"', ":", "NAME", ",", '"arguments"|"parameters"', ":", "{")
 
 
-def _json_head(text: str) -> tuple[Optional[bool], str, int]:
+def _json_head(text: str) -> tuple[bool | None, str, int]:
     """Whether `text` opens as `{"name": "NAME", "arguments": {` (or "parameters"), whitespace anywhere
     between: (True, the name, where its arguments' `{` stands), (None, ...) while it may still, (False, ...)
     when it does not."""
@@ -324,8 +325,12 @@ class _XmlBlock(_Block):
                 self._at = end + len("</parameter>")
                 match = _PARAMETER.fullmatch(self.text, at, self._at)
                 if match is not None:
-                    out.append((", " if self._count else "") + json.dumps(match[1], ensure_ascii=False) + ": "
-                               + json.dumps(_value(match[2]), ensure_ascii=False))  # fmt: skip
+                    out.append(
+                        (", " if self._count else "")
+                        + json.dumps(match[1], ensure_ascii=False)
+                        + ": "
+                        + json.dumps(_value(match[2]), ensure_ascii=False)
+                    )
                     self._count += 1
             elif body.startswith(_XML_TAGS[1:]):
                 out.append("}")
@@ -349,7 +354,7 @@ class ToolCallParser:
 
     block: Callable[[], _Block] = _JsonBlock
     _pending: str = ""  # content that may be the start of OPEN
-    _open: Optional[_Block] = None  # the block being read
+    _open: _Block | None = None  # the block being read
     _id: str = ""  # its call's id
     calls: list[ToolCall] = field(default_factory=list)  # every call so far
 
@@ -413,7 +418,7 @@ class LlamaJsonParser:
     until its end and is a call if it parses as one; any other streams as content."""
 
     _pending: str = ""
-    _holding: Optional[bool] = None  # None: not known yet (only whitespace so far)
+    _holding: bool | None = None  # None: not known yet (only whitespace so far)
     calls: list[ToolCall] = field(default_factory=list)
 
     def push(self, text: str) -> Parsed:
@@ -445,7 +450,7 @@ class LlamaJsonParser:
 Parser = Callable[[], "ToolCallParser | LlamaJsonParser"]
 
 
-def parser_for(chat_template: Optional[str]) -> Optional[Parser]:
+def parser_for(chat_template: str | None) -> Parser | None:
     """A parser factory for the tool-call format a chat template writes (None: it renders no tools)."""
     if not chat_template:
         return None
@@ -456,12 +461,12 @@ def parser_for(chat_template: Optional[str]) -> Optional[Parser]:
     return None
 
 
-def writes_json_blocks(parser: Optional[Parser]) -> bool:
+def writes_json_blocks(parser: Parser | None) -> bool:
     """Whether a format is the JSON blocks a forced call's grammar writes (`engine.grammar.Grammars.tool_calls`)."""
     return parser is ToolCallParser
 
 
-def split(text: str, parser: Optional[Parser] = None) -> Parsed:
+def split(text: str, parser: Parser | None = None) -> Parsed:
     """A whole text's content and calls (in the JSON block format unless another parser factory is given)."""
     p = (parser or ToolCallParser)()
     return p.push(text) + p.flush()

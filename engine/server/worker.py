@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 
@@ -45,16 +45,18 @@ class QueueFull(Exception):
 class QueueLimits:
     """Requests, and their prompt tokens, that may wait to start at once (None: no limit)."""
 
-    requests: Optional[int] = None
-    tokens: Optional[int] = None
+    requests: int | None = None
+    tokens: int | None = None
 
-    def refusal(self, waiting: int, waiting_tokens: int, tokens: int) -> Optional[str]:
+    def refusal(self, waiting: int, waiting_tokens: int, tokens: int) -> str | None:
         """Why a request of `tokens` prompt tokens cannot join the queue (None when it can)."""
         if self.requests is not None and waiting >= self.requests:
             return f"{waiting} requests are waiting to start, this server's limit (--max-queued-requests)"
         if self.tokens is not None and waiting and waiting_tokens + tokens > self.tokens:
-            return (f"{waiting_tokens} prompt tokens are waiting to start and this request's {tokens} would pass "
-                    f"this server's limit of {self.tokens} (--max-queued-tokens)")  # fmt: skip
+            return (
+                f"{waiting_tokens} prompt tokens are waiting to start and this request's {tokens} would pass "
+                f"this server's limit of {self.tokens} (--max-queued-tokens)"
+            )
         return None
 
 
@@ -86,12 +88,12 @@ class Timings:
     """perf_counter stamps of one request's life (seconds)."""
 
     submitted: float = 0.0
-    started: Optional[float] = None
-    first_token: Optional[float] = None
-    ended: Optional[float] = None
+    started: float | None = None
+    first_token: float | None = None
+    ended: float | None = None
 
-    def as_ms(self) -> dict[str, Optional[float]]:
-        def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    def as_ms(self) -> dict[str, float | None]:
+        def span(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1000, 3)
 
         return {
@@ -162,7 +164,7 @@ class Stream:
     def on_start(self) -> None:
         self.times.started = time.perf_counter()
 
-    def on_token(self, token: GeneratedToken) -> Optional[bool]:
+    def on_token(self, token: GeneratedToken) -> bool | None:
         now = time.perf_counter()
         if self.times.first_token is None:
             self.times.first_token = now
@@ -202,7 +204,7 @@ class _Submit:
 @dataclass(frozen=True)
 class _Cancel:
     request_id: str
-    stop_tokens: Optional[int] = None  # a stop string ended the output after this many tokens
+    stop_tokens: int | None = None  # a stop string ended the output after this many tokens
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ class EngineWorker:
     def submit(self, request: GenerationRequest, stream: Stream) -> None:
         self.inbox.put(_Submit(request, stream))
 
-    def cancel(self, request_id: str, stop_tokens: Optional[int] = None) -> None:
+    def cancel(self, request_id: str, stop_tokens: int | None = None) -> None:
         """Drop the request's row; `stop_tokens`: a stop string ended its output after that many tokens, so
         its end is recorded as a stop of that length."""
         self.inbox.put(_Cancel(request_id, stop_tokens))
@@ -308,7 +310,7 @@ class EngineWorker:
     def record_start(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
 
-    def record_end(self, result: RequestResult, stream: Optional[Stream] = None) -> RequestResult:
+    def record_end(self, result: RequestResult, stream: Stream | None = None) -> RequestResult:
         """Count the request's end; returns its result as recorded (a stop string's end is a stop of the
         tokens the output kept, however many more the engine made before the cancel reached it)."""
         self._live.pop(result.request_id, None)
@@ -357,13 +359,20 @@ class EngineWorker:
             "warmup": self.warmup,
             # forward shapes first run after ready: on CUDA each compiled kernels while requests waited; kernel
             # builds: the engine's CUDA kernels compiled in this process (with none, each shape reused them)
-            "shapes": {"seen": seen, "new_since_ready": seen - gateway.shapes_at_ready,
-                       "decode_buckets": list(gateway.config.decode_buckets), "kernel_builds": builds,
-                       "kernel_builds_since_ready": builds - gateway.kernel_builds_at_ready},  # fmt: skip
+            "shapes": {
+                "seen": seen,
+                "new_since_ready": seen - gateway.shapes_at_ready,
+                "decode_buckets": list(gateway.config.decode_buckets),
+                "kernel_builds": builds,
+                "kernel_builds_since_ready": builds - gateway.kernel_builds_at_ready,
+            },
             "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
             # MLX's memory: arrays alive, the most alive at once since start, freed buffers kept for reuse
-            "memory": {"active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory(),
-                       "cache_bytes": mx.get_cache_memory()},  # fmt: skip
+            "memory": {
+                "active_bytes": mx.get_active_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+                "cache_bytes": mx.get_cache_memory(),
+            },
         }
 
     def _shutdown(self, gateway: Gateway) -> None:

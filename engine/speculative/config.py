@@ -11,23 +11,24 @@ asked (logits processors, quantized KV) runs without it, and says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.nn as nn
 
 from engine.errors import DraftMismatchError
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.mtp import MTPSource
 from engine.speculative.ngram import NgramSource
 from engine.speculative.policy import POLICIES, make_policy
 from engine.speculative.rollback import ROLLBACKS, Rollback
 from engine.speculative.source import DraftSource
-from engine.tokenizer import Tokenizer
-from engine.speculative.verifier import speculative_generate
-from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.speculative.stats import SpecStats
+from engine.speculative.verifier import speculative_generate
+from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -73,14 +74,22 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -
 class Speculation:
     """A speculation setup for one target model: makes one draft source per request."""
 
-    def __init__(self, config: SpecConfig, target: nn.Module, draft: Optional[nn.Module] = None,
-                 prefill_step_size: int = 2048, draft_name: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        config: SpecConfig,
+        target: nn.Module,
+        draft: nn.Module | None = None,
+        prefill_step_size: int = 2048,
+        draft_name: str = "",
+    ):
         if config.kind == "draft" and draft is None:
             raise ValueError("draft kind 'draft' needs a draft model (--draft-model)")
         if config.kind != "draft" and draft is not None:
             raise ValueError(f"a draft model was given but the draft kind is {config.kind!r}")
         if config.kind == "mtp" and not getattr(target, "has_mtp", False):
-            raise ValueError("draft kind 'mtp' needs a target with an MTP head (Qwen3.5 checkpoints with mtp.* weights)")
+            raise ValueError(
+                "draft kind 'mtp' needs a target with an MTP head (Qwen3.5 checkpoints with mtp.* weights)"
+            )
         self.config = config
         self.target = target
         self.draft = draft
@@ -107,10 +116,10 @@ class Speculation:
         prompt_ids: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         stop: StopCriteria = StopCriteria(),
-        stats: Optional[SpecStats] = None,
-        cache: Optional[list] = None,
+        stats: SpecStats | None = None,
+        cache: list | None = None,
         cached_tokens: int = 0,
-        on_prompt: Optional[Callable[[list, Any], None]] = None,
+        on_prompt: Callable[[list, Any], None] | None = None,
         source_state: Any = None,
     ) -> Iterator[GeneratedToken]:
         """One request, speculatively, with a fresh draft source; `stats` fills as it runs. The target starts
@@ -118,14 +127,24 @@ class Speculation:
         state there (`speculative_generate`)."""
         c = self.config
         return speculative_generate(
-            self.target, self.source(), prompt_ids, num_draft=c.num_draft, sampling=sampling, stop=stop,
-            stats=stats, cache=cache, prefill_step_size=self.prefill_step_size, rollback=c.rollback,
-            policy=make_policy(c.policy, c.num_draft), cached_tokens=cached_tokens, on_prompt=on_prompt,
+            self.target,
+            self.source(),
+            prompt_ids,
+            num_draft=c.num_draft,
+            sampling=sampling,
+            stop=stop,
+            stats=stats,
+            cache=cache,
+            prefill_step_size=self.prefill_step_size,
+            rollback=c.rollback,
+            policy=make_policy(c.policy, c.num_draft),
+            cached_tokens=cached_tokens,
+            on_prompt=on_prompt,
             source_state=source_state,
-        )  # fmt: skip
+        )
 
     @property
-    def prefix_state(self) -> Optional[str]:
+    def prefix_state(self) -> str | None:
         """The kind of source state a prompt-cache hit must carry to start a request (`CachedPrefix.draft`): the
         MTP head's, which otherwise needs the target's hidden states of the whole prompt; None for the others
         (a draft model prefills the prompt itself, n-grams read the tokens)."""
@@ -134,7 +153,7 @@ class Speculation:
     def new_stats(self) -> SpecStats:
         return SpecStats(self.config.kind, self.config.num_draft)
 
-    def refusal(self, sampling: SamplingParams) -> Optional[str]:
+    def refusal(self, sampling: SamplingParams) -> str | None:
         """Why a request with these settings runs without speculation (None: it can speculate)."""
         if sampling.has_processors:
             return "logits processors (penalties, logit_bias) run without speculation"
@@ -143,9 +162,9 @@ class Speculation:
 
 def load_speculation(
     config: SpecConfig,
-    target: "Engine",
-    draft_model: Optional[str] = None,
-    draft_model_path: Optional[Path] = None,
+    target: Engine,
+    draft_model: str | None = None,
+    draft_model_path: Path | None = None,
     seed: int = 0,
     prefill_step_size: int = 2048,
 ) -> Speculation:

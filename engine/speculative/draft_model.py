@@ -11,7 +11,7 @@ trace of its draft steps (or a replay, see rollback.py).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +37,7 @@ class DraftModelSource:
         self.cache: list = []
         self._lag: list[int] = []  # accepted tokens the draft has not fed yet
         self._fed: list[int] = []  # what this round fed, from `_point`
-        self._point: Optional[Checkpoint] = None
+        self._point: Checkpoint | None = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.cache = self.model.make_cache()

@@ -19,8 +19,8 @@ the next prompt's token n. A request that starts the target from that entry
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,9 +59,9 @@ class MTPSource:
         self.prompt: list[int] = []
         self._hidden: list[mx.array] = []  # queued exact pairs: hidden rows [1, n, H] ...
         self._next: list[int] = []  # ... and the tokens that followed them
-        self._last: Optional[mx.array] = None  # the head's output for the newest exact pair
+        self._last: mx.array | None = None  # the head's output for the newest exact pair
         self._speculative = 0  # cache entries the last proposal added beyond the exact pairs
-        self._tail: Optional[mx.array] = None  # the target's hidden state at the newest prompt position seen
+        self._tail: mx.array | None = None  # the target's hidden state at the newest prompt position seen
 
     sees_prompt_hidden = True  # the head runs on the target's hidden state of every prompt position
 
@@ -79,7 +79,7 @@ class MTPSource:
         self._hidden, self._next = [state.hidden], [self.prompt[state.tokens]]
         self._tail = state.hidden
 
-    def boundary(self) -> Optional[MTPState]:
+    def boundary(self) -> MTPState | None:
         """A copy of the state after the prompt tokens the target holds once its prefill is done (all but the last
         prompt token), for the prompt cache; None for a one-token prompt."""
         n = len(self.prompt) - 1

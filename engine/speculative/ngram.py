@@ -8,7 +8,7 @@ grows, so a lookup costs a dictionary probe per n, not a scan.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 

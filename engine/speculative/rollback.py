@@ -18,14 +18,15 @@ round never feeds past the window (`room`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import RecurrentCache, RotatingKVCache
+
 
 class Rollback(str, Enum):
     """How recurrent layers undo rejected drafts; equal to its string, and printed as it."""
@@ -43,7 +44,7 @@ ROLLBACKS = tuple(r.value for r in Rollback)
 @dataclass(frozen=True)
 class Checkpoint:
     offsets: tuple[int, ...]
-    slots: tuple[Optional[list], ...]  # recurrent layers' arrays; None for trimmable layers
+    slots: tuple[list | None, ...]  # recurrent layers' arrays; None for trimmable layers
 
 
 def checkpoint(cache: list, trace: bool = True) -> Checkpoint:
@@ -87,7 +88,7 @@ def rewind(model: nn.Module, cache: list, point: Checkpoint, fed: Sequence[int],
     return keep > 0
 
 
-def room(cache: list) -> Optional[int]:
+def room(cache: list) -> int | None:
     """Tokens the cache can take before a sliding-window layer wraps (None: no limit)."""
     rooms = [c.max_size - c.offset for c in cache if isinstance(c, RotatingKVCache)]
     return min(rooms) if rooms else None

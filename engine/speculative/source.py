@@ -9,8 +9,9 @@ verifier owns the target and its caches; a source owns only its own state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import mlx.core as mx
 

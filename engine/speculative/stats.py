@@ -42,7 +42,7 @@ class SpecStats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
 
-    def add(self, other: "SpecStats") -> None:
+    def add(self, other: SpecStats) -> None:
         """Pool another request's counts into these (same kind and draft count)."""
         for name in ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

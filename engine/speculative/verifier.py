@@ -20,17 +20,18 @@ for token; the adaptive policy picks n per round (policy.py).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, pipelined, prefill
+from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.sampling import Sampler, emitted_token
 from engine.speculative.policy import DraftPolicy, FixedPolicy
 from engine.speculative.rollback import ROLLBACKS, Rollback, checkpoint, rewind, room
 from engine.speculative.source import DraftSource, Round
-from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.speculative.stats import SpecStats
 from engine.stopping import FinishTracker
 
@@ -43,14 +44,14 @@ def speculative_generate(
     num_draft: int,
     sampling: SamplingParams = SamplingParams(),
     stop: StopCriteria = StopCriteria(),
-    stats: Optional[SpecStats] = None,
-    cache: Optional[list] = None,
+    stats: SpecStats | None = None,
+    cache: list | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    on_prefill: Optional[Callable[[int, int], None]] = None,
+    on_prefill: Callable[[int, int], None] | None = None,
     rollback: str = Rollback.TRACE,
-    policy: Optional[DraftPolicy] = None,
+    policy: DraftPolicy | None = None,
     cached_tokens: int = 0,
-    on_prompt: Optional[Callable[[list, Any], None]] = None,
+    on_prompt: Callable[[list, Any], None] | None = None,
     source_state: Any = None,
 ) -> Iterator[GeneratedToken]:
     """Generate like `engine.generate.generate`, drafting with `source`; fills `stats` as it goes.
@@ -72,8 +73,10 @@ def speculative_generate(
         raise ValueError("speculative decoding does not run logits processors (penalties, logit_bias)")
     sees_hidden = getattr(source, "sees_prompt_hidden", False)
     if cached_tokens and sees_hidden and getattr(source_state, "tokens", None) != cached_tokens:
-        raise ValueError(f"the {source.kind} source needs the target's hidden states of the whole prompt, or its "
-                         f"state after the {cached_tokens} cached tokens")  # fmt: skip
+        raise ValueError(
+            f"the {source.kind} source needs the target's hidden states of the whole prompt, or its "
+            f"state after the {cached_tokens} cached tokens"
+        )
     if not 0 <= cached_tokens < len(prompt_ids):
         raise ValueError(f"cached_tokens must be in [0, {len(prompt_ids)}), got {cached_tokens}")
     stats = stats if stats is not None else SpecStats(source.kind, num_draft)
@@ -127,7 +130,9 @@ def speculative_generate(
                 return
             pending = token
 
-    pending = int(prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, on_hidden=observe).item())
+    pending = int(
+        prefill(model, cache, prompt[cached_tokens:], prefill_step_size, on_prefill, on_hidden=observe).item()
+    )
     if on_prompt is not None:
         on_prompt(cache, source.boundary() if sees_hidden else None)
     produced = 0

@@ -17,9 +17,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from engine import env
 from engine.errors import ModelLoadError, UnsupportedModelError
@@ -55,8 +55,10 @@ def ensure_model(name: str, seed: int = 0, progress: Progress | None = None) -> 
     if not (target / MANIFEST).exists():
         spec = get_spec(name)
         if spec.tier == "trained":
-            raise ModelLoadError(f"{spec.name} has no weights in {target.parent}: train them with "
-                                 f"`python -m oracles.train` (trained models are never synthesized)")  # fmt: skip
+            raise ModelLoadError(
+                f"{spec.name} has no weights in {target.parent}: train them with "
+                f"`python -m oracles.train` (trained models are never synthesized)"
+            )
         synthesize(spec, seed, target, progress=progress)
     return target
 
@@ -97,8 +99,9 @@ def parameter_count(spec: ModelSpec) -> int:
     return sum(math.prod(t.shape) for t in P.tensor_plan(spec))
 
 
-def _write_weights(spec: ModelSpec, seed: int, guard: Guard, out: Path, progress: Progress | None,
-                   shard_bytes: int = MAX_SHARD_BYTES):
+def _write_weights(
+    spec: ModelSpec, seed: int, guard: Guard, out: Path, progress: Progress | None, shard_bytes: int = MAX_SHARD_BYTES
+):
     entries = [e for t in P.tensor_plan(spec) for e in tensor_entries(t, spec, seed, guard)]
     entries.sort(key=lambda e: e.name)
     total = sum(e.nbytes for e in entries)
@@ -128,7 +131,9 @@ def _write_weights(spec: ModelSpec, seed: int, guard: Guard, out: Path, progress
     return written
 
 
-def _manifest(spec: ModelSpec, seed: int, guard: Guard, tok: BuiltTokenizer, out: Path, weights: list[WrittenFile], seconds: float):
+def _manifest(
+    spec: ModelSpec, seed: int, guard: Guard, tok: BuiltTokenizer, out: Path, weights: list[WrittenFile], seconds: float
+):
     files = {w.path.name: {"sha256": w.sha256, "bytes": w.nbytes} for w in weights}
     for p in sorted(out.iterdir()):
         if p.name not in files and p.name != MANIFEST:
@@ -171,13 +176,15 @@ def _manifest(spec: ModelSpec, seed: int, guard: Guard, tok: BuiltTokenizer, out
     }
 
 
-def synthesize(spec: ModelSpec, seed: int, out: Path, progress: Progress | None = None,
-               shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def synthesize(
+    spec: ModelSpec, seed: int, out: Path, progress: Progress | None = None, shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
     """Write the artifact for `spec` into `out` (atomically: a temp dir, then a rename), in safetensors
     shards of at most `shard_bytes`."""
     if spec.tier == "trained":
-        raise UnsupportedModelError(f"{spec.name} is a trained model: `python -m oracles.train` makes it, "
-                                    "not synthesis")
+        raise UnsupportedModelError(
+            f"{spec.name} is a trained model: `python -m oracles.train` makes it, not synthesis"
+        )
     start = time.perf_counter()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

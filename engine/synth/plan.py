@@ -87,9 +87,7 @@ def model_config(spec: ModelSpec, eos_ids: list[int]) -> dict[str, Any]:
                 "mrope_section": [11, 11, 10],
                 "mrope_interleaved": True,
             },
-            layer_types=[
-                "full_attention" if k == "attention" else "linear_attention" for k in g.layer_kinds()
-            ],
+            layer_types=["full_attention" if k == "attention" else "linear_attention" for k in g.layer_kinds()],
         )
         config: dict[str, Any] = {
             "model_type": "qwen3_5",
@@ -106,9 +104,7 @@ def model_config(spec: ModelSpec, eos_ids: list[int]) -> dict[str, Any]:
             query_pre_attn_scalar=g.query_pre_attn_scalar,
             sliding_window=g.sliding_window,
             sliding_window_pattern=g.sliding_window_pattern,
-            layer_types=[
-                "full_attention" if k == "attention" else "sliding_attention" for k in g.layer_kinds()
-            ],
+            layer_types=["full_attention" if k == "attention" else "sliding_attention" for k in g.layer_kinds()],
             hidden_activation="gelu_pytorch_tanh",
         )
     else:
@@ -204,7 +200,12 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
             plans += _gated_deltanet(f"{p}.linear_attn", g, dtype)
         else:
             plans += _attention(
-                f"{p}.self_attn", g, dtype, gated=mt == "qwen3_5", qk_norm=mt != "llama" and mt != "qwen2", norm=norm_role
+                f"{p}.self_attn",
+                g,
+                dtype,
+                gated=mt == "qwen3_5",
+                qk_norm=mt != "llama" and mt != "qwen2",
+                norm=norm_role,
             )
         plans += _mlp(f"{p}.mlp", g, dtype)
         plans += _layer_norms(p, g, dtype, norm_names, norm_role)

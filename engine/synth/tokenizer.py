@@ -14,9 +14,9 @@ loader will use for the model type, so every loader yields the same ids.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Iterable, Optional
 
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
@@ -47,7 +47,7 @@ CHAT_TEMPLATE = (
     "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    '<tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
     "\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -55,7 +55,7 @@ CHAT_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
     "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{%- for call in message.tool_calls %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
     "{%- if call.function.arguments is string %}{{- call.function.arguments }}"
     "{%- else %}{{- call.function.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
@@ -108,7 +108,7 @@ def _filler(i: int) -> str:
     return "\u0120" + word  # "Ġ" is the byte-level form of a space
 
 
-def _train_base(model_type: str, texts: Optional[Iterable[str]] = None, size: int = BASE_BPE_SIZE) -> Tokenizer:
+def _train_base(model_type: str, texts: Iterable[str] | None = None, size: int = BASE_BPE_SIZE) -> Tokenizer:
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -151,8 +151,9 @@ def _is_complete_utf8(token: str, byte_decoder: dict[str, int]) -> bool:
     return True
 
 
-def build_tokenizer(model_type: str, vocab_size: int, texts: Optional[Iterable[str]] = None,
-                    base_size: int = BASE_BPE_SIZE) -> BuiltTokenizer:  # fmt: skip
+def build_tokenizer(
+    model_type: str, vocab_size: int, texts: Iterable[str] | None = None, base_size: int = BASE_BPE_SIZE
+) -> BuiltTokenizer:
     """Train the base BPE (`base_size` ids: the byte alphabet and merges learned from `texts`, by default the
     corpus beside this file) and pad it to exactly `vocab_size` ids."""
     min_size = base_size + len(SPECIAL_TOKENS)

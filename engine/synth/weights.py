@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class Guard:
     pattern: np.ndarray  # +1 / -1, length width
 
     @classmethod
-    def make(cls, spec: ModelSpec, suppressed_ids: tuple[int, ...]) -> "Guard":
+    def make(cls, spec: ModelSpec, suppressed_ids: tuple[int, ...]) -> Guard:
         g = spec.geometry
         width = min(64, g.hidden_size // 8)
         if spec.quantization is not None:
@@ -232,7 +232,9 @@ def _quantized_entries(t: P.TensorPlan, q: Quantization, seed: int, guard: Guard
         return produce
 
     return [
-        TensorEntry(f"{t.name}.weight", "U32", (rows, layout.words_per_row), lambda: _quant_codes(t, layout, seed, guard)),
+        TensorEntry(
+            f"{t.name}.weight", "U32", (rows, layout.words_per_row), lambda: _quant_codes(t, layout, seed, guard)
+        ),
         TensorEntry(f"{t.name}.scales", st, (rows, layout.groups), part(0)),
         TensorEntry(f"{t.name}.biases", st, (rows, layout.groups), part(1)),
     ]

@@ -33,8 +33,9 @@ def openai_agents_reasoning(base_url: str, model: str) -> dict:
     from openai.types.shared import Reasoning
 
     set_tracing_disabled(True)  # traces go to OpenAI's platform otherwise
-    chat = OpenAIChatCompletionsModel(model=model, openai_client=AsyncOpenAI(base_url=base_url + "/v1",
-                                                                             api_key="none", max_retries=0))  # fmt: skip
+    chat = OpenAIChatCompletionsModel(
+        model=model, openai_client=AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+    )
     settings = ModelSettings(reasoning=Reasoning(effort="low"), max_tokens=24)
     agent = Agent(name="assistant", instructions="Answer briefly.", model=chat, model_settings=settings)
     result = Runner.run_sync(agent, "Say hello.", max_turns=1)
@@ -47,11 +48,17 @@ def openai_agents_forced_tool(base_url: str, model: str) -> dict:
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
-    chat = OpenAIChatCompletionsModel(model=model, openai_client=AsyncOpenAI(base_url=base_url + "/v1",
-                                                                             api_key="none", max_retries=0))  # fmt: skip
+    chat = OpenAIChatCompletionsModel(
+        model=model, openai_client=AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+    )
     settings = ModelSettings(tool_choice="get_weather", max_tokens=48)
-    agent = Agent(name="assistant", instructions="Use the tool.", model=chat, model_settings=settings,
-                  tools=[function_tool(get_weather)])  # fmt: skip
+    agent = Agent(
+        name="assistant",
+        instructions="Use the tool.",
+        model=chat,
+        model_settings=settings,
+        tools=[function_tool(get_weather)],
+    )
     # The SDK resets tool_choice after the call, so the second turn answers from the tool's result.
     result = Runner.run_sync(agent, QUESTION, max_turns=3)
     calls = [item.raw_item.name for item in result.new_items if isinstance(item, ToolCallItem)]
@@ -64,8 +71,13 @@ def instructor_mode(base_url: str, model: str, mode_name: str) -> dict:
 
     openai_client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
     client = instructor.from_openai(openai_client, mode=getattr(instructor.Mode, mode_name))
-    forecast = client.chat.completions.create(model=model, response_model=Forecast, max_retries=0, max_tokens=64,
-                                              messages=[{"role": "user", "content": QUESTION}])  # fmt: skip
+    forecast = client.chat.completions.create(
+        model=model,
+        response_model=Forecast,
+        max_retries=0,
+        max_tokens=64,
+        messages=[{"role": "user", "content": QUESTION}],
+    )
     return {"forecast": forecast.model_dump()}
 
 
@@ -88,8 +100,12 @@ def pydantic_ai_native_output_tool(base_url: str, model: str) -> dict:
         return tool_def if ctx.run_step <= 1 else None
 
     chat = OpenAIChatModel(model, provider=OpenAIProvider(base_url=base_url + "/v1", api_key="none"))
-    agent = Agent(chat, output_type=NativeOutput(Forecast), tools=[Tool(get_weather, prepare=first_step_only)],
-                  model_settings={"max_tokens": 64})  # fmt: skip
+    agent = Agent(
+        chat,
+        output_type=NativeOutput(Forecast),
+        tools=[Tool(get_weather, prepare=first_step_only)],
+        model_settings={"max_tokens": 64},
+    )
     result = agent.run_sync(QUESTION)
     return {"output": result.output.model_dump()}
 
@@ -102,8 +118,17 @@ def langchain_forced_tool(base_url: str, model: str) -> dict:
     return {"tool_calls": [{"name": c["name"], "args": c["args"]} for c in message.tool_calls]}
 
 
-SCENARIOS = {f.__name__: f for f in [openai_agents_reasoning, openai_agents_forced_tool, instructor_json_schema,
-                                     instructor_tools, pydantic_ai_native_output_tool, langchain_forced_tool]}  # fmt: skip
+SCENARIOS = {
+    f.__name__: f
+    for f in [
+        openai_agents_reasoning,
+        openai_agents_forced_tool,
+        instructor_json_schema,
+        instructor_tools,
+        pydantic_ai_native_output_tool,
+        langchain_forced_tool,
+    ]
+}
 
 
 def main() -> None:

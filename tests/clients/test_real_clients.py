@@ -77,8 +77,16 @@ def served(tmp_path_factory):
     port, proxy_port = free_port(), free_port()
     server = start_server(engine_serve_command(["--model", MODEL], port), port, timeout_s=180)
     log = tmp_path_factory.mktemp("captured") / "requests.jsonl"
-    proxy_cmd = [sys.executable, str(ROOT / "tools" / "capture_clients.py"), "--upstream", server.url,
-                 "--port", str(proxy_port), "--log", str(log)]  # fmt: skip
+    proxy_cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "capture_clients.py"),
+        "--upstream",
+        server.url,
+        "--port",
+        str(proxy_port),
+        "--log",
+        str(log),
+    ]
     try:
         proxy = start_server(proxy_cmd, proxy_port, timeout_s=60)
     except BaseException:
@@ -98,10 +106,16 @@ def refusal(record: dict) -> str:
 def run_client(served: Served, argv: list, cwd: Path) -> subprocess.CompletedProcess:
     """Run a client to its end; fails on its exit status or on any request the server refused."""
     seen = len(served.records())
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HOME": str(cwd / "hf-home")}  # fmt: skip
-    proc = subprocess.run([str(a) for a in argv], check=False, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HOME": str(cwd / "hf-home"),
+    }
+    proc = subprocess.run(
+        [str(a) for a in argv], check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+    )
     refused = [r for r in served.records()[seen:] if r["status"] >= 400]
     report = "\n".join([*map(refusal, refused[:5]), f"exit {proc.returncode}; stderr tail:", proc.stderr[-2500:]])
     assert proc.returncode == 0 and not refused, report
@@ -117,15 +131,32 @@ def drive(bin_dir: Path, served: Served, scenario: str, cwd: Path) -> dict:
 # guidellm: its default backend (chat completions, streamed) on synthetic prompts, short runs.
 
 
-@pytest.mark.parametrize("profile, count", [("kind=synchronous", 4), ("kind=concurrent,streams=4", 8)],
-                         ids=["synchronous", "concurrent"])  # fmt: skip
+@pytest.mark.parametrize(
+    "profile, count", [("kind=synchronous", 4), ("kind=concurrent,streams=4", 8)], ids=["synchronous", "concurrent"]
+)
 def test_guidellm_benchmark_has_no_errors(bin_dir, served, tmp_path, profile, count):
     out = tmp_path / "guidellm.json"
-    run_client(served, [bin_dir / "guidellm", "run", "--backend", f"kind=openai_http,target={served.url},model={MODEL}",
-                        "--profile", profile, "--constraint", f"kind=max_requests,count={count}",
-                        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
-                        "--tokenizer", f"kind=huggingface_auto,model={TOKENIZER}",
-                        "--output", f"kind=json,path={out}", "--disable-progress"], tmp_path)  # fmt: skip
+    run_client(
+        served,
+        [
+            bin_dir / "guidellm",
+            "run",
+            "--backend",
+            f"kind=openai_http,target={served.url},model={MODEL}",
+            "--profile",
+            profile,
+            "--constraint",
+            f"kind=max_requests,count={count}",
+            "--data",
+            "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={TOKENIZER}",
+            "--output",
+            f"kind=json,path={out}",
+            "--disable-progress",
+        ],
+        tmp_path,
+    )
     (benchmark,) = json.loads(out.read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
     assert totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == count, totals
@@ -134,15 +165,38 @@ def test_guidellm_benchmark_has_no_errors(bin_dir, served, tmp_path, profile, co
 # lm-eval local-completions at batch size 4, on local copies of lambada_openai, arc_easy and gsm8k.
 
 
-@pytest.mark.parametrize("task, metric", [("engine_lambada", "acc,none"), ("engine_arc_easy", "acc,none"),
-                                          ("engine_gsm8k", "exact_match,flexible-extract")],
-                         ids=["loglikelihood", "multiple_choice", "generate_until"])  # fmt: skip
+@pytest.mark.parametrize(
+    "task, metric",
+    [("engine_lambada", "acc,none"), ("engine_arc_easy", "acc,none"), ("engine_gsm8k", "exact_match,flexible-extract")],
+    ids=["loglikelihood", "multiple_choice", "generate_until"],
+)
 def test_lm_eval_local_completions_at_batch_size_4(bin_dir, served, tmp_path, task, metric):
-    model_args = (f"model={MODEL},base_url={served.url}/v1/completions,tokenizer_backend=huggingface,"
-                  f"tokenizer={TOKENIZER},max_retries=1")  # fmt: skip
-    run_client(served, [bin_dir / "lm-eval", "run", "--model", "local-completions", "--model_args", model_args,
-                        "--batch_size", "4", "--include_path", FIXTURES / "lm_eval", "--tasks", task, "--limit", "4",
-                        "--output_path", tmp_path / "out"], tmp_path)  # fmt: skip
+    model_args = (
+        f"model={MODEL},base_url={served.url}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={TOKENIZER},max_retries=1"
+    )
+    run_client(
+        served,
+        [
+            bin_dir / "lm-eval",
+            "run",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--batch_size",
+            "4",
+            "--include_path",
+            FIXTURES / "lm_eval",
+            "--tasks",
+            task,
+            "--limit",
+            "4",
+            "--output_path",
+            tmp_path / "out",
+        ],
+        tmp_path,
+    )
     (results_path,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(results_path.read_text())
     assert results["n-samples"][task]["effective"] == 4

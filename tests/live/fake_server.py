@@ -72,6 +72,11 @@ async def completions(request):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                        Route("/v1/completions", completions, methods=["POST"])])  # fmt: skip
+app = Starlette(
+    routes=[
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+)
 uvicorn.run(app, host="127.0.0.1", port=opts.port, log_level="warning")

@@ -31,8 +31,13 @@ from harness.workloads import WorkloadSettings, phase_names
 
 MODEL = "tiny-qwen3"
 THIS = Path(__file__).resolve()
-SETTINGS = RunSettings(tokens=4, decode_samples=1, workload=WorkloadSettings(
-    cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)))  # fmt: skip
+SETTINGS = RunSettings(
+    tokens=4,
+    decode_samples=1,
+    workload=WorkloadSettings(
+        cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
+    ),
+)
 PHASES = phase_names(SETTINGS.workload)  # warmup, probe, decode, cold, warm, concurrency-2
 
 
@@ -97,17 +102,41 @@ def json_cells(out: Path) -> int:
     return sum(len(a["cells"]) for m in run["models"] for a in m["arms"])
 
 
-@pytest.mark.parametrize("sig,when", [
-    (signal.SIGTERM, "loading"),  # while start_server waits for /health
-    (signal.SIGHUP, "measuring"),  # mid-phase
-    pytest.param(signal.SIGINT, "measuring", marks=pytest.mark.slow),  # the SIGHUP case's path, for Ctrl-C
-], ids=lambda v: v.name if isinstance(v, signal.Signals) else v)  # fmt: skip
+@pytest.mark.parametrize(
+    "sig,when",
+    [
+        (signal.SIGTERM, "loading"),  # while start_server waits for /health
+        (signal.SIGHUP, "measuring"),  # mid-phase
+        pytest.param(signal.SIGINT, "measuring", marks=pytest.mark.slow),  # the SIGHUP case's path, for Ctrl-C
+    ],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else v,
+)
 def test_a_signal_to_the_harness_stops_its_server_and_is_recorded(tiny_path, tmp_path, sig, when, tag):
-    model_dir = str(tiny_path(MODEL))
+    tiny_path(MODEL)  # synthesized before the harness looks for it
     out, db = tmp_path / "run.json", tmp_path / "runs.sqlite"
-    cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine", "--tokens", "4",
-           "--skip-context", "--concurrency", "2", "--decode-samples", "40", "--diagnostic", "--out", str(out),
-           "--db", str(db)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "run",
+        "all",
+        "--models",
+        MODEL,
+        "--arms",
+        "engine",
+        "--tokens",
+        "4",
+        "--skip-context",
+        "--concurrency",
+        "2",
+        "--decode-samples",
+        "40",
+        "--diagnostic",
+        "--out",
+        str(out),
+        "--db",
+        str(db),
+    ]
     with open(tmp_path / "stderr", "w") as err:
         harness = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
@@ -133,8 +162,12 @@ def test_a_signal_to_the_harness_stops_its_server_and_is_recorded(tiny_path, tmp
         assert run["models"][0]["parity"]["verdicts"]["engine"]["match"]
     assert all(sig.name in c["reason"] for c in arm["cells"] if c["status"] == "not_measured")
     assert sig.name in (tmp_path / "stderr").read_text()
-    exported = subprocess.run([sys.executable, "-m", "harness", "db", "export", run["run_id"], "--db", str(db),
-                               "--format", "json"], capture_output=True, text=True, check=False)  # fmt: skip
+    exported = subprocess.run(
+        [sys.executable, "-m", "harness", "db", "export", run["run_id"], "--db", str(db), "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert exported.returncode == 0 and kept_by_db(json.loads(exported.stdout)) == kept_by_db(run)
 
 
@@ -156,8 +189,13 @@ def stop_server_at(phase: str, sig: int, fired: list):
 def test_a_server_killed_mid_run_is_recorded_and_the_database_agrees(tiny_path, tmp_path, tag):
     model_dir = tiny_path(MODEL)
     fired = []
-    runner = Runner(SETTINGS, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None,
-                    on_phase=stop_server_at("decode", signal.SIGKILL, fired))  # fmt: skip
+    runner = Runner(
+        SETTINGS,
+        tmp_path / "run.json",
+        tmp_path / "runs.sqlite",
+        log=lambda m: None,
+        on_phase=stop_server_at("decode", signal.SIGKILL, fired),
+    )
     record = runner.run([(MODEL, model_dir)], [Block(0, (standard_arms()["engine-serial"], fake_arm("after")))])
     dead, after = record.models[0].arms
     assert fired and dead.status == "failed" and "exited (status -9) during phase decode" in dead.error
@@ -174,8 +212,13 @@ def test_a_hung_server_stalls_its_cell_and_the_run_goes_on(tiny_path, tmp_path, 
     model_dir = tiny_path(MODEL)
     settings = replace(SETTINGS, stall_timeout_s=1.5, request_timeout_s=60)
     fired = []
-    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None,
-                    on_phase=stop_server_at("decode", signal.SIGSTOP, fired))  # fmt: skip
+    runner = Runner(
+        settings,
+        tmp_path / "run.json",
+        tmp_path / "runs.sqlite",
+        log=lambda m: None,
+        on_phase=stop_server_at("decode", signal.SIGSTOP, fired),
+    )
     start = time.perf_counter()
     record = runner.run([(MODEL, model_dir)], [Block(0, (standard_arms()["engine-serial"], fake_arm("after")))])
     hung, after = record.models[0].arms
@@ -247,8 +290,12 @@ def serve_fake(port: int, malformed: set[int]) -> None:
                 self.event({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
             self.event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
             prompt = len(body["prompt"])
-            self.event({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": tokens,
-                                                 "total_tokens": prompt + tokens}})  # fmt: skip
+            self.event(
+                {
+                    "choices": [],
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens},
+                }
+            )
             self.wfile.write(b"data: [DONE]\n\n")
 
         def event(self, obj: dict) -> None:

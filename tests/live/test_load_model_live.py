@@ -17,13 +17,59 @@ def run(tiny_path, tmp_path_factory):
     tiny_path(MODEL)
     hand = LiveServer("--model", MODEL)  # started by hand: the harness neither starts nor stops it
     out = tmp_path_factory.mktemp("load")
-    cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine-serial",
-           "--arm", f"hand={hand.url}", "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples",
-           "2", "--rates", "sweep:4", "--rate-requests", "8", "--prefix-groups", "1", "--prefix-group-size", "3",
-           "--prefix-tokens", "64", "--chats", "2", "--turns", "2", "--chat-requests", "2", "--staggered", "2",
-           "--staggered-tokens", "96", "--stagger", "0.5", "--goodput", "ttft:60000", "--quality-tokens",
-           "0", "--diagnostic",
-           "--export", "vllm", "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "run",
+        "all",
+        "--models",
+        MODEL,
+        "--arms",
+        "engine-serial",
+        "--arm",
+        f"hand={hand.url}",
+        "--tokens",
+        "8",
+        "--skip-context",
+        "--concurrency",
+        "2",
+        "--decode-samples",
+        "2",
+        "--rates",
+        "sweep:4",
+        "--rate-requests",
+        "8",
+        "--prefix-groups",
+        "1",
+        "--prefix-group-size",
+        "3",
+        "--prefix-tokens",
+        "64",
+        "--chats",
+        "2",
+        "--turns",
+        "2",
+        "--chat-requests",
+        "2",
+        "--staggered",
+        "2",
+        "--staggered-tokens",
+        "96",
+        "--stagger",
+        "0.5",
+        "--goodput",
+        "ttft:60000",
+        "--quality-tokens",
+        "0",
+        "--diagnostic",
+        "--export",
+        "vllm",
+        "--out",
+        str(out / "run.json"),
+        "--db",
+        str(out / "runs.sqlite"),
+    ]
     run_tag = new_tag()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
     still_up = hand.client.get("/health").status_code
@@ -42,7 +88,9 @@ def test_the_server_started_by_hand_is_measured_and_left_running(run):
     assert hand["status"] == "measured" and hand["load_to_ready_s"] is None and hand["peak_rss_bytes"] is None
     for arm in arms.values():  # what each server counted during the decode cell (/metrics)
         decode = next(c for c in arm["cells"] if c["phase"] == "decode")
-        tokens = {k: v for k, v in decode["metrics"]["server_counters"].items() if k.startswith("vllm:generation_tokens")}
+        tokens = {
+            k: v for k, v in decode["metrics"]["server_counters"].items() if k.startswith("vllm:generation_tokens")
+        }
         assert list(tokens.values()) == [16.0], decode["metrics"]["server_counters"]
 
 
@@ -68,7 +116,10 @@ def test_the_rate_sweep_and_the_shared_prefix_cell(run):
         assert first < 8 and chat["turn_prompt_tokens"][0] * 0.8 < second < chat["turn_prompt_tokens"][1]
     md = (out / "run.md").read_text()
     assert "offered -&gt; achieved: 4 -&gt;" in md and "highest rate with SLO attainment &gt;= 90%" in md
-    assert "/ prefix: a group&#x27;s first request TTFT" in md and "/ multiturn (median TTFT over the chats): turn 1:" in md
+    assert (
+        "/ prefix: a group&#x27;s first request TTFT" in md
+        and "/ multiturn (median TTFT over the chats): turn 1:" in md
+    )
 
 
 def test_the_vllm_export_lists_every_timed_cell(run):

@@ -28,12 +28,36 @@ def tag(monkeypatch) -> str:
 
 @pytest.fixture(scope="module")
 def cli_run(tiny_path, tmp_path_factory):
-    model_dir = tiny_path(MODEL)
+    tiny_path(MODEL)  # synthesized before the harness looks for it
     out = tmp_path_factory.mktemp("run")
-    cmd = [sys.executable, "-m", "harness", "run", "all", "--models", MODEL, "--arms", "engine,engine-serial,mlx-lm",
-           "--tokens", "8", "--skip-context", "--concurrency", "2", "--decode-samples", "2", "--diagnostic",
-           "--goodput", "ttft:600000", "tpot:60000", "--quality-tokens", "64",
-           "--out", str(out / "run.json"), "--db", str(out / "runs.sqlite")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "run",
+        "all",
+        "--models",
+        MODEL,
+        "--arms",
+        "engine,engine-serial,mlx-lm",
+        "--tokens",
+        "8",
+        "--skip-context",
+        "--concurrency",
+        "2",
+        "--decode-samples",
+        "2",
+        "--diagnostic",
+        "--goodput",
+        "ttft:600000",
+        "tpot:60000",
+        "--quality-tokens",
+        "64",
+        "--out",
+        str(out / "run.json"),
+        "--db",
+        str(out / "runs.sqlite"),
+    ]
     run_tag = new_tag()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=tagged_env(run_tag))
     return proc, out, run_tag
@@ -92,8 +116,9 @@ def test_the_json_follows_the_schema(cli_run):
     # prompt hash (the same on every arm), an engine server's MLX memory
     assert {"other_cpu_percent", "problems"} <= set(run["preflight_end"])
     assert run["provenance"]["source_tree_sha256_end"] == run["provenance"]["source_tree_sha256"]
-    hashes = {a["arm"]: [r["prompt_sha256"] for c in a["cells"] for r in c["attempts"][0]["requests"]]
-              for a in model["arms"]}  # fmt: skip
+    hashes = {
+        a["arm"]: [r["prompt_sha256"] for c in a["cells"] for r in c["attempts"][0]["requests"]] for a in model["arms"]
+    }
     assert hashes["engine"] == hashes["mlx-lm"] and all(len(h) == 64 for h in hashes["engine"])
     for arm in model["arms"]:
         assert all("other_cpu_percent" in c["metrics"]["preflight"] for c in arm["cells"])
@@ -127,8 +152,13 @@ def test_the_database_indexes_the_run(cli_run):
 def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path, tag):
     model_dir = tiny_path(MODEL)
     crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "5"])
-    settings = RunSettings(tokens=4, decode_samples=2, workload=WorkloadSettings(
-        cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)))  # fmt: skip
+    settings = RunSettings(
+        tokens=4,
+        decode_samples=2,
+        workload=WorkloadSettings(
+            cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
+        ),
+    )
     runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     record = runner.run([(MODEL, model_dir)], [Block(0, (crasher, standard_arms()["engine-serial"]))])
     dead, alive = record.models[0].arms
@@ -147,10 +177,31 @@ def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path,
 
 
 def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_path, tag):
-    model_dir = tiny_path(MODEL)
-    cmd = [sys.executable, "-m", "harness", "trials", "--models", MODEL, "--arms", "engine,engine-serial",
-           "--seeds", "2", "--tokens", "4", "--skip-context", "--concurrency", "2", "--decode-samples", "1",
-           "--diagnostic", "--out", str(tmp_path / "trials.json"), "--db", str(tmp_path / "runs.sqlite")]  # fmt: skip
+    tiny_path(MODEL)  # synthesized before the harness looks for it
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "trials",
+        "--models",
+        MODEL,
+        "--arms",
+        "engine,engine-serial",
+        "--seeds",
+        "2",
+        "--tokens",
+        "4",
+        "--skip-context",
+        "--concurrency",
+        "2",
+        "--decode-samples",
+        "1",
+        "--diagnostic",
+        "--out",
+        str(tmp_path / "trials.json"),
+        "--db",
+        str(tmp_path / "runs.sqlite"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads((tmp_path / "trials.json").read_text())
@@ -170,23 +221,37 @@ def test_db_export_feeds_the_report(cli_run):
     listed = subprocess.run([*harness, "db", "list", "--db", str(out / "runs.sqlite")], capture_output=True, text=True)
     assert listed.returncode == 0 and run_id in listed.stdout
     exported = out / "exported.json"
-    ex = subprocess.run([*harness, "db", "export", run_id, "--db", str(out / "runs.sqlite"), "--out", str(exported)],
-                        capture_output=True, text=True)  # fmt: skip
+    ex = subprocess.run(
+        [*harness, "db", "export", run_id, "--db", str(out / "runs.sqlite"), "--out", str(exported)],
+        capture_output=True,
+        text=True,
+    )
     assert ex.returncode == 0, ex.stderr
     html = out / "from-db.html"
-    rep = subprocess.run([*harness, "report", str(exported), str(out / "run.json"), "--out", str(html)],
-                         capture_output=True, text=True)  # fmt: skip
+    rep = subprocess.run(
+        [*harness, "report", str(exported), str(out / "run.json"), "--out", str(html)], capture_output=True, text=True
+    )
     assert rep.returncode == 0, rep.stderr
     text = html.read_text()
     assert text.count(">engine-serial<") >= 2 and "Serving matrix" in text
-    missing = subprocess.run([*harness, "db", "export", "nope", "--db", str(out / "runs.sqlite")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [*harness, "db", "export", "nope", "--db", str(out / "runs.sqlite")], capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
 def test_an_arm_that_never_starts_is_recorded_with_its_error(tiny_path, tmp_path):
-    broken = ArmSpec("broken", lambda d, port: [sys.executable, "-c", "import sys; print('no such model', file=sys.stderr); sys.exit(2)"])
-    settings = RunSettings(tokens=4, decode_samples=1, workload=WorkloadSettings(
-        cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,)))  # fmt: skip
+    broken = ArmSpec(
+        "broken",
+        lambda d, port: [sys.executable, "-c", "import sys; print('no such model', file=sys.stderr); sys.exit(2)"],
+    )
+    settings = RunSettings(
+        tokens=4,
+        decode_samples=1,
+        workload=WorkloadSettings(
+            cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,)
+        ),
+    )
     runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     (arm,) = runner.run([(MODEL, tiny_path(MODEL))], [Block(0, (broken,))]).models[0].arms
     assert arm.status == "failed" and "did not start" in arm.error and "no such model" in arm.stderr_tail
@@ -200,12 +265,25 @@ def test_repeated_cells_run_in_alternating_blocks_and_give_the_aggregate_an_inte
     from harness.run_all import blocks_of, progress_steps
 
     fake = [ArmSpec(name, lambda d, port: [sys.executable, str(FAKE), "--port", str(port)]) for name in ("a", "b")]
-    settings = RunSettings(tokens=64, decode_samples=1, quality_tokens=0, cell_repeats=3, workload=WorkloadSettings(
-        cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,), rates=(50.0,),
-        rate_requests=10))  # fmt: skip
+    settings = RunSettings(
+        tokens=64,
+        decode_samples=1,
+        quality_tokens=0,
+        cell_repeats=3,
+        workload=WorkloadSettings(
+            cold_prompt_tokens=32,
+            decode_prompt_tokens=16,
+            concurrent_prompt_tokens=16,
+            concurrency=(2,),
+            rates=(50.0,),
+            rate_requests=10,
+        ),
+    )
     blocks = blocks_of("run", [0], fake, settings.cell_repeats)
     steps = []
-    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None, on_phase=steps.append)
+    runner = Runner(
+        settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None, on_phase=steps.append
+    )
     record = runner.run([(MODEL, tiny_path(MODEL))], blocks)
     assert len(steps) == progress_steps(settings, blocks, 1) == 2 * 7 + 2 * (2 * 3)  # the counter ends at its total
     models = record.models

@@ -4,10 +4,9 @@ import time
 
 import httpx
 import pytest
-
-from engine.engine import Engine
 from live_server import LiveServer, stream
 
+from engine.engine import Engine
 from harness.servers import tail
 
 MODEL = "tiny-qwen35"
@@ -98,8 +97,10 @@ def test_streaming_without_include_usage_sends_no_usage(server):
 
 def test_chat_completion_and_chat_stream(server, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
-    r = server.client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 10,
-                                                         "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    r = server.client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_completion_tokens": 10, "ignore_eos": True, "return_token_ids": True},
+    )
     assert r.status_code == 200, r.text
     whole = r.json()
     assert whole["object"] == "chat.completion"
@@ -109,8 +110,9 @@ def test_chat_completion_and_chat_stream(server, engine):
     assert whole["usage"]["prompt_tokens"] == len(prompt)
     expected = [t.token_id for t in engine.generate(prompt, max_tokens=10, ignore_eos=True)]
     assert whole["choices"][0]["token_ids"] == expected and msg["content"] == engine.tokenizer.decode(expected)
-    events, done = stream(server.client, "/v1/chat/completions", {"messages": messages, "max_tokens": 10,
-                                                                 "ignore_eos": True})  # fmt: skip
+    events, done = stream(
+        server.client, "/v1/chat/completions", {"messages": messages, "max_tokens": 10, "ignore_eos": True}
+    )
     assert done and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == msg["content"]
@@ -121,8 +123,16 @@ def test_logprobs_in_both_shapes(server):
     lp = out["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
     assert all(len(d) <= 3 and x <= 0 for d, x in zip(lp["top_logprobs"], lp["token_logprobs"]))
-    r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                           "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "ignore_eos": True})  # fmt: skip
+    r = server.client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        },
+    )
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
 
@@ -138,8 +148,15 @@ def test_stop_strings_end_the_output_before_the_stop_text(server, engine):
 
 
 def test_seeded_sampling_repeats(server):
-    body = {"prompt": "sampled text", "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 7,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": "sampled text",
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 7,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     a, b = complete(server, **body), complete(server, **body)
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
 
@@ -195,8 +212,19 @@ def test_one_log_line_per_request(server):
     time.sleep(0.2)
     lines = [x for x in tail(server.server.stderr_path, 100_000).splitlines() if out["id"] in x]
     assert len(lines) == 1
-    for field in ("lane=continuous", "prompt=", "completion=3", "cached=", "batch=", "queue=", "prefill=", "ttft=",
-                  "decode=", "total=", "finish=length"):
+    for field in (
+        "lane=continuous",
+        "prompt=",
+        "completion=3",
+        "cached=",
+        "batch=",
+        "queue=",
+        "prefill=",
+        "ttft=",
+        "decode=",
+        "total=",
+        "finish=length",
+    ):
         assert field in lines[0], field
 
 

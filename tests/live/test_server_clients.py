@@ -31,8 +31,11 @@ def post(server, path: str, body: dict) -> dict:
 
 def test_usage_on_every_chunk_with_vllms_continuous_usage_stats(server):
     options = {"include_usage": True, "continuous_usage_stats": True, "include_obfuscation": False}
-    events, done = stream(server.client, "/v1/completions", {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
-                                                             "stream_options": options})  # fmt: skip
+    events, done = stream(
+        server.client,
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "stream_options": options},
+    )
     assert done
     counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
     assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] for e in events)
@@ -55,8 +58,11 @@ def test_echo_logprobs_are_the_log_softmax_of_the_engines_logits(server, tiny_pa
 
 
 def test_echo_leads_the_generated_text_and_its_logprobs(server):
-    body = post(server, "/v1/completions", {"prompt": "The fox", "echo": True, "logprobs": 0, "max_tokens": 3,
-                                            "ignore_eos": True})  # fmt: skip
+    body = post(
+        server,
+        "/v1/completions",
+        {"prompt": "The fox", "echo": True, "logprobs": 0, "max_tokens": 3, "ignore_eos": True},
+    )
     choice, n = body["choices"][0], body["usage"]["prompt_tokens"]
     assert choice["text"].startswith("The fox") and len(choice["logprobs"]["tokens"]) == n + 3
     assert all(lp is not None for lp in choice["logprobs"]["token_logprobs"][1:])
@@ -73,8 +79,10 @@ def test_a_list_of_prompts_is_a_choice_each_from_one_batch(server, prompts):
     assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in alone]  # greedy, each its own
     assert got["usage"]["completion_tokens"] == 12
     events, done = stream(server.client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
-    by_index = {i: [t for e in events if e["choices"] and e["choices"][0]["index"] == i
-                    for t in e["choices"][0]["token_ids"]] for i in range(3)}  # fmt: skip
+    by_index = {
+        i: [t for e in events if e["choices"] and e["choices"][0]["index"] == i for t in e["choices"][0]["token_ids"]]
+        for i in range(3)
+    }
     assert done and [by_index[i] for i in range(3)] == [c["token_ids"] for c in alone]
     assert events[-1]["usage"]["completion_tokens"] == 12
 
@@ -96,8 +104,15 @@ def test_min_tokens_holds_the_end_back(server):
 
 def test_fields_of_openai_and_vllm_are_ignored_by_name_typos_refused(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    extra = {"reasoning_effort": "low", "verbosity": "low", "prompt_cache_key": "k", "safety_identifier": "u",
-             "modalities": ["text"], "prediction": None, "skip_special_tokens": True}  # fmt: skip
+    extra = {
+        "reasoning_effort": "low",
+        "verbosity": "low",
+        "prompt_cache_key": "k",
+        "safety_identifier": "u",
+        "modalities": ["text"],
+        "prediction": None,
+        "skip_special_tokens": True,
+    }
     got = post(server, "/v1/chat/completions", {**chat, **extra})
     assert got["usage"]["engine"]["ignored_fields"] == sorted(extra)
     r = server.client.post("/v1/chat/completions", json={**chat, "max_token": 3})
@@ -109,8 +124,11 @@ def test_the_readmes_curl_examples_send_json(server):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     curls = [line for line in readme.splitlines() if line.lstrip().startswith("curl ")]
     assert curls and all("-H 'Content-Type: application/json'" in line for line in curls)
-    r = server.client.post("/v1/completions", content=json.dumps({"prompt": "x"}),
-                           headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    r = server.client.post(
+        "/v1/completions",
+        content=json.dumps({"prompt": "x"}),
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 415
 
 
@@ -141,7 +159,9 @@ def test_what_the_clients_sent_is_served(trained, path):
     capture = json.loads(path.read_text())
     body, reply, name = capture["body"], replay(trained, capture), path.stem
     if name.startswith("guidellm"):  # usage on every chunk, as vLLM's continuous_usage_stats gives it
-        assert all("usage" in e for e in reply) and reply[-1]["usage"]["completion_tokens"] == body.get("max_tokens", body.get("max_completion_tokens"))
+        assert all("usage" in e for e in reply) and reply[-1]["usage"]["completion_tokens"] == body.get(
+            "max_tokens", body.get("max_completion_tokens")
+        )
         return
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     if name.startswith("lm-eval"):  # one choice per prompt; scored: the prompt, then the token generated
@@ -155,8 +175,10 @@ def test_what_the_clients_sent_is_served(trained, path):
                 assert isinstance(prompt, str) or len(logprobs["token_logprobs"]) == len(prompt) + 1
                 # lm-eval's reading: the continuation's sum and whether each token was the greedy one
                 assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:-1])
-                assert all(max(top.values()) >= lp for top, lp in zip(logprobs["top_logprobs"][1:-1],
-                                                                      logprobs["token_logprobs"][1:-1]))  # fmt: skip
+                assert all(
+                    max(top.values()) >= lp
+                    for top, lp in zip(logprobs["top_logprobs"][1:-1], logprobs["token_logprobs"][1:-1])
+                )
         return
     message = choices[0]["message"]
     if "tool_choice" in body and body["tool_choice"] not in ("auto", "none"):
@@ -167,7 +189,12 @@ def test_what_the_clients_sent_is_served(trained, path):
 
 @pytest.mark.parametrize("spelling", ["guided_json", "structured_outputs"])
 def test_vllms_structured_outputs_constrain_a_completion(server, spelling):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     value = schema if spelling == "guided_json" else {"json": schema}
     got = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 32, spelling: value})
     assert json.loads(got["choices"][0]["text"]) in ({"ok": True}, {"ok": False})

@@ -20,10 +20,15 @@ def servers(tiny_path):
 def requests():
     # Distinct first tokens: no request can reuse another's prompt cache entry.
     return [
-        {"prompt": [100 + i] + [(37 * i + 11 * j) % 3000 + 5 for j in range(6 + 9 * i)], "max_tokens": 12 + 2 * i,
-         "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+        {
+            "prompt": [100 + i] + [(37 * i + 11 * j) % 3000 + 5 for j in range(6 + 9 * i)],
+            "max_tokens": 12 + 2 * i,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        }
         for i in range(8)
-    ]  # fmt: skip
+    ]
 
 
 def run(server, body):

@@ -88,7 +88,9 @@ def test_prompts_longer_than_the_context(server):
 @pytest.mark.parametrize("value", [0, -1])
 def test_max_tokens_must_be_positive(server, value):
     assert error_of(post(server, {"prompt": "x", "max_tokens": value}), 400)["param"] == "max_tokens"
-    r = post(server, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": value}, "/v1/chat/completions")
+    r = post(
+        server, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": value}, "/v1/chat/completions"
+    )
     assert error_of(r, 400)["param"] == "max_completion_tokens"
 
 
@@ -103,7 +105,14 @@ def test_a_request_that_can_never_fit_the_kv_budget(server):
 
 
 @pytest.mark.parametrize(
-    "messages", [None, [], [{"role": "wizard", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": [{"type": "image_url"}]}]]
+    "messages",
+    [
+        None,
+        [],
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ],
 )
 def test_malformed_chat_messages(server, messages):
     error_of(post(server, {"messages": messages}, "/v1/chat/completions"), 400)

@@ -40,8 +40,10 @@ def raw_post(server, raw: bytes, path="/v1/completions", content_type="applicati
 
 
 def greedy(server, prompt, max_tokens=8, **extra):
-    r = server.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                                                    "return_token_ids": True, **extra})  # fmt: skip
+    r = server.client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True, **extra},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -56,8 +58,9 @@ def test_seeds_outside_64_bits_are_refused_at_the_door(server, seed):
 
 
 def test_a_bad_seed_beside_other_requests_harms_none_of_them(server):
-    bodies = [{"prompt": [30 + i, 7, 8], "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
-              for i in range(6)]  # fmt: skip
+    bodies = [
+        {"prompt": [30 + i, 7, 8], "max_tokens": 6, "ignore_eos": True, "return_token_ids": True} for i in range(6)
+    ]
     alone = [greedy(server, b["prompt"], 6)["choices"][0]["token_ids"] for b in bodies]
     bad = {"prompt": "hi", "max_tokens": 4, "seed": -1, "temperature": 1.0}
     with ThreadPoolExecutor(7) as pool:
@@ -66,13 +69,16 @@ def test_a_bad_seed_beside_other_requests_harms_none_of_them(server):
     assert [a.json()["choices"][0]["token_ids"] for a in answers[1:]] == alone
 
 
-@pytest.mark.parametrize("raw", [
-    b"[" * 100_000 + b"]" * 100_000,                       # nested past the parser's recursion
-    b'{"prompt": ' + b'{"a": ' * 30_000 + b"1" + b"}" * 30_001,
-    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's 4300-digit limit
-    b'{"prompt": "hi \\ud800"}',                            # a lone surrogate in the prompt
-    b'{"prompt": "hi", "stop": ["\\udc00"]}',               # in a stop string
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion
+        b'{"prompt": ' + b'{"a": ' * 30_000 + b"1" + b"}" * 30_001,
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's 4300-digit limit
+        b'{"prompt": "hi \\ud800"}',  # a lone surrogate in the prompt
+        b'{"prompt": "hi", "stop": ["\\udc00"]}',  # in a stop string
+    ],
+)
 def test_bodies_the_parser_cannot_take_are_json_400s(server, raw):
     assert error_of(raw_post(server, raw), 400)["code"] in ("invalid_json", "invalid_text")
 
@@ -134,9 +140,12 @@ def exchange(server, raw: bytes, wait: float = 5.0) -> tuple[bytes, bool]:
 def test_content_length_with_transfer_encoding_is_a_400_that_closes_the_connection(server):
     # the bytes after the chunked body would be a second request (GET /stats) on a connection kept open
     smuggled = b"GET /stats HTTP/1.1\r\nHost: localhost\r\n\r\n"
-    answer, closed = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-                                      b"Content-Type: application/json\r\nContent-Length: 4\r\n"
-                                      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)  # fmt: skip
+    answer, closed = exchange(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled,
+    )
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert answer.count(b"HTTP/1.1 ") == 1 and b'"ambiguous_framing"' in answer
     assert closed
@@ -150,7 +159,9 @@ def test_a_request_head_over_the_limit_is_a_431_that_closes_the_connection(serve
 
 
 def test_a_head_within_the_limit_is_served(server):
-    answer, _ = exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 30_000 + b"\r\n\r\n", 1.0)
+    answer, _ = exchange(
+        server, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 30_000 + b"\r\n\r\n", 1.0
+    )
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
@@ -161,16 +172,38 @@ def test_http_1_0_without_a_host_is_served(server):
 
 
 # arbitrary bodies against the live server; max_tokens kept small where it is a valid count
-_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | st.text(max_size=8),
-                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                       max_leaves=12)  # fmt: skip
-_fields = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
-                           "logit_bias", "logprobs", "stream", "n", "model", "ignore_eos", "bogus"])  # fmt: skip
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)
+_fields = st.sampled_from(
+    [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "logit_bias",
+        "logprobs",
+        "stream",
+        "n",
+        "model",
+        "ignore_eos",
+        "bogus",
+    ]
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(_fields, _values, max_size=6), st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       st.integers(1, 3))  # fmt: skip
+@given(
+    st.dictionaries(_fields, _values, max_size=6),
+    st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    st.integers(1, 3),
+)
 def test_fuzzed_bodies_get_a_2xx_or_a_json_4xx(server, body, path, max_tokens):
     if not isinstance(body.get("max_tokens"), bool) and isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = max_tokens
@@ -197,15 +230,21 @@ def test_after_the_fuzz_a_reference_request_gives_the_same_ids(server):
 
 def test_a_stop_string_ends_as_a_stop_with_the_same_count_every_time(server):
     ids = greedy(server, "The quick brown fox", 24)["choices"][0]["token_ids"]
-    text_of = server.client.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 24,
-                                                          "ignore_eos": True}).json()["choices"][0]["text"]  # fmt: skip
+    text_of = server.client.post(
+        "/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 24, "ignore_eos": True}
+    ).json()["choices"][0]["text"]
     # three characters from the middle of the greedy text, starting at a visible one
     middle = next(i for i in range(len(text_of) // 2, len(text_of)) if not text_of[i].isspace())
     stop = text_of[middle : middle + 3]
     assert stop.strip(), f"no visible text to stop on in {text_of!r}"
     before = server.stats()["totals"]
-    body = {"prompt": "The quick brown fox", "max_tokens": 24, "ignore_eos": True, "stop": [stop],
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": "The quick brown fox",
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stop": [stop],
+        "stream_options": {"include_usage": True},
+    }
     counts = set()
     for _ in range(5):
         plain = server.client.post("/v1/completions", json={k: v for k, v in body.items() if k != "stream_options"})
@@ -224,8 +263,9 @@ def test_a_stop_string_ends_as_a_stop_with_the_same_count_every_time(server):
 def test_a_non_streaming_client_that_leaves_frees_its_row(server):
     before = server.stats()["totals"]["cancelled"]
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "go on", "max_tokens": 400, "ignore_eos": True},
-                   timeout=0.5)  # fmt: skip
+        httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "go on", "max_tokens": 400, "ignore_eos": True}, timeout=0.5
+        )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         stats = server.stats()
@@ -240,18 +280,29 @@ def test_metrics_in_prometheus_text_with_vllm_names(server):
     r = server.client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_sum",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total",
-                 "vllm:spec_decode_num_accepted_tokens_total", 'engine:requests_total{end="completed"'):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        'engine:requests_total{end="completed"',
+    ):
         assert name in text, name
-
 
     def generated() -> float:
         text = server.client.get("/metrics").text
-        return float(next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")).split()[-1])
+        return float(
+            next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")).split()[-1]
+        )
 
     # both read the engine's snapshot, which follows the step that ended a request
     deadline = time.monotonic() + 5
@@ -318,8 +369,12 @@ def test_a_port_in_use_is_one_line_before_loading(tiny_path):
         taken.listen()
         port = taken.getsockname()[1]
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "engine", "serve", "--model", MODEL, "--port", str(port)],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "engine", "serve", "--model", MODEL, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 2 and "cannot listen on" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert time.perf_counter() - start < 20  # no model was loaded first
@@ -327,8 +382,12 @@ def test_a_port_in_use_is_one_line_before_loading(tiny_path):
 
 def test_kv_bits_the_model_cannot_take_refuse_to_start(tiny_path):
     tiny_path("tiny-qwen3")  # head dim 16: no 64-value groups
-    done = subprocess.run(engine_serve_command(["--model", "tiny-qwen3"], free_port(), "--kv-bits", "4"),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        engine_serve_command(["--model", "tiny-qwen3"], free_port(), "--kv-bits", "4"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "cannot be served with --kv-bits 4" in done.stderr, done.stderr
     assert "ready" not in done.stdout
 
@@ -336,8 +395,9 @@ def test_kv_bits_the_model_cannot_take_refuse_to_start(tiny_path):
 def test_health_says_loading_until_the_model_is_warm(tiny_path):
     tiny_path(MODEL)
     port = free_port()
-    proc = subprocess.Popen(engine_serve_command(["--model", MODEL], port), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        engine_serve_command(["--model", MODEL], port), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     seen = []
     try:
         deadline = time.monotonic() + 120
@@ -375,8 +435,10 @@ def pair(tiny_path):
 
 def test_64_concurrent_for_3_rounds_equal_the_serial_lane(pair):
     batched, serial = pair
-    bodies = [{"prompt": [200 + i, 3 + i % 5, 11], "max_tokens": 4 + i % 7, "ignore_eos": True,
-               "return_token_ids": True} for i in range(64)]  # fmt: skip
+    bodies = [
+        {"prompt": [200 + i, 3 + i % 5, 11], "max_tokens": 4 + i % 7, "ignore_eos": True, "return_token_ids": True}
+        for i in range(64)
+    ]
 
     def ids(server, body):
         r = server.client.post("/v1/completions", json=body)

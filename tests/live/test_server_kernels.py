@@ -30,8 +30,11 @@ def test_usage_says_which_tier_ran(fast_server):
     usage = r.json()["usage"]
     assert usage["engine"]["kernels"] == RAN
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]  # the OpenAI fields stay
-    events, done = stream(fast_server.client, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream_options": {"include_usage": True}})  # fmt: skip
+    events, done = stream(
+        fast_server.client,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream_options": {"include_usage": True}},
+    )
     assert done and events[-1]["choices"] == [] and events[-1]["usage"]["engine"]["kernels"] == RAN
 
 
@@ -40,9 +43,17 @@ def test_stats_carry_the_kernel_set(fast_server):
     k = stats["kernels"]
     assert (k["tier"], k["requested"]) == (RAN, FAST)
     assert set(k) == {
-        "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
-        "attention_step_layers", "attention_kernel_layers", "fused_stages",
-        "reason", "settings",
+        "tier",
+        "requested",
+        "quantized_linears",
+        "dense_prefill_linears",
+        "chunked_delta_layers",
+        "step_kernel_layers",
+        "attention_step_layers",
+        "attention_kernel_layers",
+        "fused_stages",
+        "reason",
+        "settings",
     }
     assert ("CUDA" in k["reason"]) == (RAN == EXACT)
     assert {"batch", "prompt_cache", "totals"} <= set(stats)  # the rest of /stats is unchanged
@@ -56,8 +67,13 @@ def test_startup_says_the_tier_and_why_it_fell_back(fast_server):
 
 
 def test_a_run_records_the_tier_the_server_reported(tiny_path, tmp_path):
-    settings = RunSettings(tokens=3, decode_samples=1, workload=WorkloadSettings(
-        cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,)))  # fmt: skip
+    settings = RunSettings(
+        tokens=3,
+        decode_samples=1,
+        workload=WorkloadSettings(
+            cold_prompt_tokens=32, decode_prompt_tokens=16, concurrent_prompt_tokens=16, concurrency=(2,)
+        ),
+    )
     runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     arms = standard_arms()
     record = runner.run([(MODEL, tiny_path(MODEL))], [Block(0, (arms["engine-fast"], arms["engine-exact"]))])
@@ -71,8 +87,9 @@ def test_a_run_records_the_tier_the_server_reported(tiny_path, tmp_path):
     assert probe["attempts"][0]["requests"][0]["usage"]["engine"]["kernels"] == RAN
     # each engine cell records what the server first ran and compiled meanwhile (on the CPU: nothing compiles)
     measured = [c for c in saved[0]["cells"] if c.get("metrics")]
-    assert measured and all(c["metrics"]["compiled_modules"] == 0 and isinstance(c["metrics"]["new_shapes"], int)
-                            for c in measured)  # fmt: skip
+    assert measured and all(
+        c["metrics"]["compiled_modules"] == 0 and isinstance(c["metrics"]["new_shapes"], int) for c in measured
+    )
     db = sqlite3.connect(tmp_path / "runs.sqlite")
     stored = dict(db.execute("select arm, kernels from arms").fetchall())
     assert json.loads(stored["engine-fast"])["tier"] == RAN and json.loads(stored["engine-exact"])["tier"] == EXACT

@@ -18,8 +18,9 @@ def engine(tiny_path):
 
 
 def greedy(srv, prompt, n):
-    r = srv.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "ignore_eos": True,
-                                                 "return_token_ids": True})  # fmt: skip
+    r = srv.client.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": n, "ignore_eos": True, "return_token_ids": True}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -37,8 +38,10 @@ def test_kv_bits_batches_quantized_kv_and_reuses_prompts_past_the_first_chunk(en
         prompt = list(range(20, 60))
         first, second = greedy(srv, prompt, 10), greedy(srv, prompt, 10)
         kvq = KVQuantization(bits=8, group_size=32, start=0)
-        expected = [t.token_id for t in engine.generate(prompt, max_tokens=10, ignore_eos=True, kv_quantization=kvq,
-                                                        prefill_step_size=16)]  # fmt: skip
+        expected = [
+            t.token_id
+            for t in engine.generate(prompt, max_tokens=10, ignore_eos=True, kv_quantization=kvq, prefill_step_size=16)
+        ]
         assert first["choices"][0]["token_ids"] == expected
         assert first["usage"]["engine"]["lane"] == "continuous"
         # the second starts past the 16-token first chunk, from the first one's entry, with the same tokens
@@ -55,11 +58,14 @@ def test_the_serial_lane_serves_cancels_and_caches(engine):
         prompt = list(range(30, 70))
         first, second = greedy(srv, prompt, 8), greedy(srv, prompt, 8)
         assert first["usage"]["engine"]["lane"] == "serial"
-        assert first["choices"][0]["token_ids"] == [t.token_id for t in engine.generate(prompt, max_tokens=8, ignore_eos=True)]
+        assert first["choices"][0]["token_ids"] == [
+            t.token_id for t in engine.generate(prompt, max_tokens=8, ignore_eos=True)
+        ]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
-        with srv.client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 3000,
-                                                                "ignore_eos": True, "stream": True}) as r:  # fmt: skip
+        with srv.client.stream(
+            "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        ) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i == 4:
                     break

@@ -7,8 +7,9 @@ PROMPT = [3 + (i * 37) % 200 for i in range(400)]
 
 
 def complete(srv):
-    r = srv.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True,
-                                                 "return_token_ids": True})  # fmt: skip
+    r = srv.client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -38,9 +38,17 @@ def test_draft_model_requests_run_on_the_spec_lane_with_plain_greedy_output(engi
         assert spec["target_calls"] == spec["rounds"] + spec["replays"]
 
         # Streaming: one chunk per token, the same tokens, usage last.
-        events, done = stream(srv.client, "/v1/completions", {
-            "prompt": prompt, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}})  # fmt: skip
+        events, done = stream(
+            srv.client,
+            "/v1/completions",
+            {
+                "prompt": prompt,
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert done
         ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
         assert ids == expected
@@ -71,8 +79,9 @@ def test_model_free_and_mtp_kinds_serve(engine, kind):
         longer = prompt + [7, 8, 9]
         out = complete(srv, {"prompt": longer, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True})
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
-        assert out["choices"][0]["token_ids"] == [t.token_id for t in engine.generate(longer, max_tokens=16,
-                                                                                      ignore_eos=True)]  # fmt: skip
+        assert out["choices"][0]["token_ids"] == [
+            t.token_id for t in engine.generate(longer, max_tokens=16, ignore_eos=True)
+        ]
     finally:
         assert srv.stop()[0] == 0
 
@@ -88,7 +97,11 @@ def test_model_free_and_mtp_kinds_serve(engine, kind):
 )
 def test_bad_speculation_settings_fail_at_startup_with_the_reason(flags, message, foreign_tokenizer_draft):
     flags = [str(foreign_tokenizer_draft) if f == "FOREIGN" else f for f in flags]
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     assert message in r.stderr

@@ -17,15 +17,25 @@ from live_server import LiveServer
 MODEL = "tiny-qwen3"
 TEMPLATE = Path(__file__).parent.parent / "fixtures" / "tool_template.jinja"
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "clients"  # requests real clients sent
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 ROUND_TRIP = ASK + [
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "4 C and rain"},
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +63,25 @@ def test_tools_are_rendered_into_the_prompt(client):
 def test_a_tool_round_trip_is_taken_streaming_and_not(client):
     r = client.chat.completions.create(model=MODEL, messages=ROUND_TRIP, tools=[TOOL], max_tokens=4)
     assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ROUND_TRIP, tools=[TOOL], max_tokens=4,
-                                                 stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=ROUND_TRIP, tools=[TOOL], max_tokens=4, stream=True)
+    )
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-          "properties": {"city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
 
 
 def test_a_forced_call_comes_back_as_a_valid_call_streaming_and_not(client):
-    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
-                  max_tokens=120)  # fmt: skip
+    forced = dict(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4, max_tokens=120
+    )
     r = client.chat.completions.create(**forced, parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
@@ -84,11 +100,15 @@ def test_a_forced_call_comes_back_as_a_valid_call_streaming_and_not(client):
 
 
 def test_a_call_streams_its_name_then_fragments_of_its_arguments(client):
-    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
-                  max_tokens=120)  # fmt: skip
+    forced = dict(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4, max_tokens=120
+    )
     (whole,) = client.chat.completions.create(**forced).choices[0].message.tool_calls
-    entries = [tc for chunk in client.chat.completions.create(**forced, stream=True)
-               for tc in chunk.choices[0].delta.tool_calls or ()]  # fmt: skip
+    entries = [
+        tc
+        for chunk in client.chat.completions.create(**forced, stream=True)
+        for tc in chunk.choices[0].delta.tool_calls or ()
+    ]
     head, fragments = entries[0], entries[1:]
     assert head.id.startswith("call_") and head.function.name == "get_weather" and head.function.arguments == ""
     assert len(fragments) > 5 and all(f.id is None and f.function.name is None for f in fragments)
@@ -99,8 +119,15 @@ def test_a_call_streams_its_name_then_fragments_of_its_arguments(client):
 def test_a_call_cut_off_by_max_tokens_is_no_content(client, max_tokens, names):
     """Cut inside its arguments, a call keeps those written so far (as OpenAI's truncated call); cut before its
     name, nothing of it is left: in neither case does its markup come back as text for a client to replay."""
-    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
-                  max_tokens=max_tokens)  # fmt: skip
+    forced = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=1.0,
+        seed=4,
+        max_tokens=max_tokens,
+    )
     choice = client.chat.completions.create(**forced).choices[0]
     calls = choice.message.tool_calls or []
     assert choice.finish_reason == "length" and not choice.message.content
@@ -119,8 +146,14 @@ def test_a_json_schema_reply_validates(client, concurrent):
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
 
     def ask(i):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"forecast {i}"}],
-                                           response_format=fmt, temperature=1.0, seed=i, max_tokens=80)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"forecast {i}"}],
+            response_format=fmt,
+            temperature=1.0,
+            seed=i,
+            max_tokens=80,
+        )
         return r.choices[0].message.content
 
     with ThreadPoolExecutor(concurrent) as pool:
@@ -131,12 +164,17 @@ def test_a_json_schema_reply_validates(client, concurrent):
 
 def test_a_strict_schema_reply_holds_only_the_keys_it_lists(client):
     """instructor and pydantic send pydantic's schemas, which leave additionalProperties unsaid, with strict: true."""
-    person = {"type": "object", "title": "Person", "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}  # fmt: skip
+    person = {
+        "type": "object",
+        "title": "Person",
+        "required": ["name", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "Person", "schema": person, "strict": True}}
     for seed in range(6):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=seed,
-                                           max_tokens=60)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=seed, max_tokens=60
+        )
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         assert set(json.loads(r.choices[0].message.content)) == {"name", "age"}
 
@@ -145,8 +183,16 @@ FORECAST = {"type": "json_schema", "json_schema": {"name": "forecast", "schema":
 
 
 def test_with_tools_and_a_schema_a_forced_call_is_a_call(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                       response_format=FORECAST, temperature=1.0, seed=3, max_tokens=120)  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        response_format=FORECAST,
+        temperature=1.0,
+        seed=3,
+        max_tokens=120,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
@@ -170,7 +216,10 @@ def test_with_tools_and_a_schema_the_reply_may_be_a_call_or_the_schemas_json(cli
 
 
 def test_a_schema_that_cannot_compile_is_a_400_naming_it(client):
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+    }
     with pytest.raises(openai.BadRequestError, match="nonsense"):
         client.chat.completions.create(model=MODEL, messages=ASK, response_format=bad, max_tokens=4)
 
@@ -182,16 +231,25 @@ def test_constrained_replies_on_the_serial_lane():
         fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
 
         def ask(i):
-            return client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=1.0,
-                                                  seed=i, max_tokens=80)  # fmt: skip
+            return client.chat.completions.create(
+                model=MODEL, messages=ASK, response_format=fmt, temperature=1.0, seed=i, max_tokens=80
+            )
 
         with ThreadPoolExecutor(8) as pool:  # 8 at once, taken one after another
             replies = list(pool.map(ask, range(8)))
         for r in replies:
             assert r.usage.model_extra["engine"]["lane"] == "serial"
             jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=120)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=2,
+            max_tokens=120,
+        )
         jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), SCHEMA)
     finally:
         assert srv.stop()[0] == 0
@@ -201,8 +259,16 @@ def test_the_artifacts_own_template_takes_tools():
     srv = LiveServer("--model", MODEL)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model=MODEL, messages=ROUND_TRIP, tools=[WEATHER], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=1.0, seed=7, max_tokens=120)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=ROUND_TRIP,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=7,
+            max_tokens=120,
+        )
         (call,) = r.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
     finally:
@@ -218,9 +284,19 @@ def trained():
     assert srv.stop()[0] == 0
 
 
-CITY = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
@@ -242,8 +318,9 @@ def test_pydantic_ais_native_output_with_a_tool(trained, choice):
 
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
 def test_a_forced_call_is_one_call_that_ends_the_reply(trained, choice):
-    r = trained.chat.completions.create(model="trained-qwen3", messages=ASK, tools=[CITY], tool_choice=choice,
-                                        max_tokens=400)  # fmt: skip
+    r = trained.chat.completions.create(
+        model="trained-qwen3", messages=ASK, tools=[CITY], tool_choice=choice, max_tokens=400
+    )
     (call,) = r.choices[0].message.tool_calls  # one call, not the same call until max_tokens
     assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens < 400
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}

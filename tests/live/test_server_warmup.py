@@ -34,7 +34,9 @@ def test_the_full_warmup_runs_every_bucket_before_ready(server):
 
 def test_a_new_shape_after_ready_is_counted(server):
     before = server.stats()["shapes"]["new_since_ready"]
-    r = server.client.post("/v1/completions", json={"prompt": list(range(5, 5 + 37)), "max_tokens": 3, "ignore_eos": True})
+    r = server.client.post(
+        "/v1/completions", json={"prompt": list(range(5, 5 + 37)), "max_tokens": 3, "ignore_eos": True}
+    )
     assert r.status_code == 200, r.text
     after = server.stats()["shapes"]
     assert after["new_since_ready"] > before  # a 37-token prompt chunk the warm-up never ran

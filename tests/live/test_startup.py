@@ -12,9 +12,32 @@ MODEL = "tiny-qwen35"
 def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tmp_path):
     tiny_path(MODEL)
     out, logs, tag = tmp_path / "startup.json", tmp_path / "logs", new_tag()
-    cmd = [sys.executable, "-m", "harness", "startup", "--models", MODEL, "--prompt-tokens", "24", "--tokens", "4",
-           "--bursts", "3,5", "--lone-tokens", "6", "--rounds", "2", "--kernel-cache-dir", str(tmp_path / "kernels"),
-           "--log-dir", str(logs), "--ttft-slo-ms", "60000", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "startup",
+        "--models",
+        MODEL,
+        "--prompt-tokens",
+        "24",
+        "--tokens",
+        "4",
+        "--bursts",
+        "3,5",
+        "--lone-tokens",
+        "6",
+        "--rounds",
+        "2",
+        "--kernel-cache-dir",
+        str(tmp_path / "kernels"),
+        "--log-dir",
+        str(logs),
+        "--ttft-slo-ms",
+        "60000",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=tagged_env(tag))
     assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the lone ratio's verdict, noisy on 2 shared cores
     (record,) = json.loads(out.read_text())
@@ -42,9 +65,33 @@ def test_startup_measures_the_starts_the_bursts_and_the_lone_lanes(tiny_path, tm
 def test_the_serial_server_can_share_the_kernel_cache(tiny_path, tmp_path):
     tiny_path(MODEL)
     out, tag, kernels = tmp_path / "startup.json", new_tag(), str(tmp_path / "kernels")
-    cmd = [sys.executable, "-m", "harness", "startup", "--models", MODEL, "--prompt-tokens", "16", "--tokens", "2",
-           "--bursts", "2", "--lone-tokens", "4", "--rounds", "1", "--no-restart", "--kernel-cache-dir", kernels,
-           "--serial-kernel-cache", "shared", "--ttft-slo-ms", "60000", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "startup",
+        "--models",
+        MODEL,
+        "--prompt-tokens",
+        "16",
+        "--tokens",
+        "2",
+        "--bursts",
+        "2",
+        "--lone-tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--no-restart",
+        "--kernel-cache-dir",
+        kernels,
+        "--serial-kernel-cache",
+        "shared",
+        "--ttft-slo-ms",
+        "60000",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=tagged_env(tag))
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     (record,) = json.loads(out.read_text())

@@ -64,8 +64,12 @@ def test_a_prompt_arriving_after_the_group_ran_a_chunk_matches_the_serial_path(n
     prompts = [frozen_prompt_ids(n, 4096, seed=s) for s, n in [(1, 300), (2, 37)]]
     stop, chunk = StopCriteria(max_tokens=8, ignore_eos=True), 64
     batched = {"0": [], "1": []}
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=3, prefill_chunk=chunk),
-                          tap=lambda rid, x: batched[rid].append(x), kv_quantization=kv)  # fmt: skip
+    b = ContinuousBatcher(
+        model,
+        SchedulerConfig(max_rows=3, prefill_chunk=chunk),
+        tap=lambda rid, x: batched[rid].append(x),
+        kv_quantization=kv,
+    )
     b.submit(GenerationRequest("0", tuple(prompts[0]), stop=stop), CollectingSink())
     b.step()
     b.step()  # prompt 0 has run chunks: the group's caches are quantized
@@ -73,8 +77,11 @@ def test_a_prompt_arriving_after_the_group_ran_a_chunk_matches_the_serial_path(n
     b.run_until_idle()
     for i, p in enumerate(prompts):
         serial = []
-        list(generate(model, p, stop=stop, tap=lambda s: serial.append(s.logits), kv_quantization=kv,
-                      prefill_step_size=chunk))  # fmt: skip
+        list(
+            generate(
+                model, p, stop=stop, tap=lambda s: serial.append(s.logits), kv_quantization=kv, prefill_step_size=chunk
+            )
+        )
         for step, (a, s) in enumerate(zip(batched[str(i)], serial)):
             diff = float(mx.abs(a.astype(mx.float32) - s.astype(mx.float32)).max())
             assert diff == 0.0, f"row {i} forward {step}: max |diff| {diff}"

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from engine.generate import generate
-from engine.request import StopCriteria
 from engine.loading import load_model
 from engine.registry import get_spec
+from engine.request import StopCriteria
 from engine.synth import ensure_model
 from oracles.cases import frozen_prompt_ids
 from oracles.make_goldens import artifact_digest, ids_digest, logits_record
@@ -47,8 +47,12 @@ def test_engine_reproduces_the_goldens(golden_file):
         logits = []
         tokens = [
             t.token_id
-            for t in generate(model, ids, stop=StopCriteria(max_tokens=case["steps"] + 1, ignore_eos=True),
-                              tap=lambda s: logits.append(s.logits.astype(mx.float32)))
+            for t in generate(
+                model,
+                ids,
+                stop=StopCriteria(max_tokens=case["steps"] + 1, ignore_eos=True),
+                tap=lambda s: logits.append(s.logits.astype(mx.float32)),
+            )
         ]
         mx.eval(logits)
         assert tokens[: case["steps"]] == case["tokens"], f"L={case['prompt_len']}: tokens differ"

@@ -15,11 +15,11 @@ import random
 import pytest
 
 from engine.loading import load_model as load_ours
+from engine.request import StopCriteria
 from engine.speculative.draft_model import DraftModelSource
+from engine.speculative.stats import SpecStats
 from engine.speculative.verifier import speculative_generate
 from engine.synth import ensure_model
-from engine.request import StopCriteria
-from engine.speculative.stats import SpecStats
 from oracles import reference
 
 pytestmark = pytest.mark.parity
@@ -70,9 +70,14 @@ def test_draft_model_speculation_matches_mlx_lm(pair):
         stats = SpecStats("draft", num_draft)
         source = _Traced(draft, chunk)
         ours = speculative_generate(
-            target, source, prompt, num_draft=num_draft,
-            stop=StopCriteria(max_tokens=STEPS), stats=stats, prefill_step_size=chunk,
-        )  # fmt: skip
+            target,
+            source,
+            prompt,
+            num_draft=num_draft,
+            stop=StopCriteria(max_tokens=STEPS),
+            stats=stats,
+            prefill_step_size=chunk,
+        )
         tokens = [tok.token_id for tok in ours]
         case = f"prompt {length}, {num_draft} drafts, chunk {chunk}"
         assert tokens == ref.tokens, case

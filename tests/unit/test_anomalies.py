@@ -74,8 +74,10 @@ def test_cached_tokens_the_workload_does_not_explain_withhold_the_ratios(tmp_pat
     for arm in (0, 1):  # both arms' servers kept an earlier run's cold prompt: the same work, both cached
         cells_of(run, arm)["cold"]["attempts"][0]["requests"][0]["cached_tokens"] = 63
     view, md, html = rendered(tmp_path, run)
-    why = ("cached tokens the workload does not explain: 1 of 1 requests (request 0: 63 of 64 prompt tokens cached, "
-           "at most 0 expected")
+    why = (
+        "cached tokens the workload does not explain: 1 of 1 requests (request 0: 63 of 64 prompt tokens cached, "
+        "at most 0 expected"
+    )
     assert headline(view, "cold")["withheld"].startswith(f"engine: {why}")
     assert f"withheld: engine: {why}" in md and why in md.split("## Flagged cells")[1]
     assert f"tiny-qwen3 / mlx-lm / cold: {why}" in summary.markdown(run)
@@ -92,7 +94,8 @@ def test_what_the_workload_caches_itself_is_not_flagged():
     cells["decode"]["attempts"][0]["requests"][0]["cached_tokens"] = 23  # the first decode request: nothing before it
     assert anomalies.flagged_lines(run) == [
         "tiny-qwen3 / engine / decode: cached tokens the workload does not explain: 1 of 2 requests (request 0: 23 "
-        "of 24 prompt tokens cached, at most 0 expected; a cache an earlier run filled?)"]  # fmt: skip
+        "of 24 prompt tokens cached, at most 0 expected; a cache an earlier run filled?)"
+    ]
 
 
 def test_shared_prefix_and_multiturn_cells_expect_their_own_prefixes():

@@ -16,9 +16,30 @@ def test_the_full_batch_step_is_taken_while_every_row_decodes():
 
 def test_batch_bench_reports_the_tier_and_the_step_at_each_concurrency(tmp_path, capsys):
     out = tmp_path / "bb.json"
-    assert harness_main(["batch-bench", "--models", "tiny-qwen3", "--concurrency", "2", "--samples", "1",
-                         "--warmup", "0", "--prompt-tokens", "8", "--decode-tokens", "6", "--kernels", "exact",
-                         "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        harness_main(
+            [
+                "batch-bench",
+                "--models",
+                "tiny-qwen3",
+                "--concurrency",
+                "2",
+                "--samples",
+                "1",
+                "--warmup",
+                "0",
+                "--prompt-tokens",
+                "8",
+                "--decode-tokens",
+                "6",
+                "--kernels",
+                "exact",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     records = json.loads(out.read_text())
     assert {r["label"] for r in records} == {"1 request, decode", "2 concurrent, aggregate", "2 rows, decode step"}
     assert all(r["kernels"] == "exact" for r in records)

@@ -47,8 +47,21 @@ def test_synth_into_a_directory(tmp_path, capsys):
 
 def test_parity_command_passes_and_writes_json(tmp_path, capsys):
     report = tmp_path / "p.json"
-    rc = harness_main(["parity", "--models", "tiny-llama", "--dtypes", "f32", "--prompt-lengths", "5",
-                       "--steps", "4", "--json", str(report)])
+    rc = harness_main(
+        [
+            "parity",
+            "--models",
+            "tiny-llama",
+            "--dtypes",
+            "f32",
+            "--prompt-lengths",
+            "5",
+            "--steps",
+            "4",
+            "--json",
+            str(report),
+        ]
+    )
     assert rc == 0
     rows = json.loads(report.read_text())
     assert rows[0]["passed"] and rows[0]["max_abs_diff"] == 0.0
@@ -57,8 +70,9 @@ def test_parity_command_passes_and_writes_json(tmp_path, capsys):
 def test_parity_takes_a_model_directory(tmp_path, tiny_path):
     report = tmp_path / "p.json"
     path = tiny_path("tiny-gemma3-f32")
-    rc = harness_main(["parity", "--model-path", str(path), "--prompt-lengths", "70", "--steps", "3",
-                       "--json", str(report)])
+    rc = harness_main(
+        ["parity", "--model-path", str(path), "--prompt-lengths", "70", "--steps", "3", "--json", str(report)]
+    )
     assert rc == 0 and json.loads(report.read_text())[0]["model_path"] == str(path)
 
 
@@ -87,7 +101,9 @@ def test_kernel_cache_dir_points_mlx_at_it(tmp_path):
     assert where.is_dir() and environ == {"MLX_PTX_CACHE_DIR": str(where)}
     assert use_kernel_cache(None, environ) == where  # MLX_PTX_CACHE_DIR where set
     default = {}
-    assert use_kernel_cache(None, default) == env.kernels_dir() and default["MLX_PTX_CACHE_DIR"] == str(env.kernels_dir())
+    assert use_kernel_cache(None, default) == env.kernels_dir() and default["MLX_PTX_CACHE_DIR"] == str(
+        env.kernels_dir()
+    )
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="--kernel-cache-dir"):
         use_kernel_cache(tmp_path / "file" / "sub", {})

@@ -17,7 +17,9 @@ def model(tiny_path):
 
 
 def make_request(rid, prompt_len=20, max_tokens=8):
-    return GenerationRequest(rid, tuple(range(3, 3 + prompt_len)), stop=StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+    return GenerationRequest(
+        rid, tuple(range(3, 3 + prompt_len)), stop=StopCriteria(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def serial_ids(model, req):
@@ -116,7 +118,9 @@ def test_a_prefill_error_fails_only_the_joiners_of_that_prefill(model):
     b.run_until_idle()
     for s in (bad1, bad2):
         assert s.result.finish_reason is FinishReason.ERROR and "out of memory" in s.result.error
-    assert ok.result.finish_reason is FinishReason.LENGTH and ok.token_ids == serial_ids(model, make_request("ok", 8, 10))
+    assert ok.result.finish_reason is FinishReason.LENGTH and ok.token_ids == serial_ids(
+        model, make_request("ok", 8, 10)
+    )
     assert later.token_ids == serial_ids(model, make_request("later", 12, 5))
     _idle(b)
 

@@ -6,12 +6,17 @@ import pytest
 
 from engine.kernels import attention_step, gated_delta_step
 from engine.kernels import quantized_gemv as qg
-from engine.kernels.quantized_gemv.source import HEADER as GEMV_HEADER
 from engine.kernels.cuda_source import compact
+from engine.kernels.quantized_gemv.source import HEADER as GEMV_HEADER
 
 # C++ tokens, each alternative whole: literals first, so that quotes and slashes inside them stay theirs
-_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"' r"|'(?:\\.|[^'\\])*'" r"|(?P<comment>//[^\n]*|/\*.*?\*/)"
-                    r"|(?P<space>\s+)|\w+|.", re.S)  # fmt: skip
+_TOKEN = re.compile(
+    r'"(?:\\.|[^"\\])*"'
+    r"|'(?:\\.|[^'\\])*'"
+    r"|(?P<comment>//[^\n]*|/\*.*?\*/)"
+    r"|(?P<space>\s+)|\w+|.",
+    re.S,
+)
 
 
 def tokens(source: str) -> list[str]:
@@ -23,14 +28,29 @@ def preprocessor_lines(source: str) -> list[str]:
 
 
 def engine_sources() -> dict[str, str]:
-    fusions = [qg.Fusion(), qg.Fusion(residual=True, norm_out=True), qg.Fusion(gated=True),
-               qg.Fusion(prenormed=True), qg.Fusion(norm_scale=True)]  # fmt: skip
-    sources = {f"gemv {count} {fusion.tag()}": qg.kernel_source(count, fusion)
-               for count in (1, 2, 4) for fusion in fusions if not fusion.gated or count == 2}  # fmt: skip
-    sources |= {"gemv header": GEMV_HEADER + qg.launch_bounds(128, 5), "delta step header": gated_delta_step.HEADER,
-                "delta step": gated_delta_step.SOURCE, "attention header": attention_step.HEADER,
-                "keys": attention_step.KEYS_SOURCE, "attend": attention_step.ATTEND_SOURCE,
-                "partial": attention_step.PARTIAL_SOURCE, "merge": attention_step.MERGE_SOURCE}  # fmt: skip
+    fusions = [
+        qg.Fusion(),
+        qg.Fusion(residual=True, norm_out=True),
+        qg.Fusion(gated=True),
+        qg.Fusion(prenormed=True),
+        qg.Fusion(norm_scale=True),
+    ]
+    sources = {
+        f"gemv {count} {fusion.tag()}": qg.kernel_source(count, fusion)
+        for count in (1, 2, 4)
+        for fusion in fusions
+        if not fusion.gated or count == 2
+    }
+    sources |= {
+        "gemv header": GEMV_HEADER + qg.launch_bounds(128, 5),
+        "delta step header": gated_delta_step.HEADER,
+        "delta step": gated_delta_step.SOURCE,
+        "attention header": attention_step.HEADER,
+        "keys": attention_step.KEYS_SOURCE,
+        "attend": attention_step.ATTEND_SOURCE,
+        "partial": attention_step.PARTIAL_SOURCE,
+        "merge": attention_step.MERGE_SOURCE,
+    }
     return sources
 
 

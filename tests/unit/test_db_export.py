@@ -21,15 +21,26 @@ def make_request(r: dict) -> RequestRecord:
 
 
 def make_cell(c: dict) -> Cell:
-    attempts = [Attempt(t["attempt"], t["ok"], t["error"], t["wall_s"], [make_request(r) for r in t["requests"]])
-                for t in c["attempts"]]  # fmt: skip
+    attempts = [
+        Attempt(t["attempt"], t["ok"], t["error"], t["wall_s"], [make_request(r) for r in t["requests"]])
+        for t in c["attempts"]
+    ]
     return Cell(c["phase"], c["status"], c["reason"], attempts, c["metrics"])
 
 
 def record_run(db, run: dict) -> int:
     """Writes a run JSON's rows as `harness run` does; returns how many requests it holds."""
-    record = RunRecord(run["run_id"], run["created"], run["kind"], run["label"], run["diagnostic"], run["settings"],
-                       run["provenance"], run["preflight"], finished=run["finished"])  # fmt: skip
+    record = RunRecord(
+        run["run_id"],
+        run["created"],
+        run["kind"],
+        run["label"],
+        run["diagnostic"],
+        run["settings"],
+        run["provenance"],
+        run["preflight"],
+        finished=run["finished"],
+    )
     db_run(db, record, Path("run.json"))
     n = 0
     for m in run["models"]:

@@ -22,8 +22,13 @@ def request(rid, prompt_len, max_tokens, sampling=SamplingParams()):
 def staggered(model, buckets, chunks=(), budget=None, groups=()):
     """Rows joining and leaving at different steps (1 to 6 decoding, 3 taking token 0 at once), one of them
     sampled with a seed; the tokens of each, and the decode shapes the batch took."""
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8, prefill_batch=3, prefill_chunk=16, prefill_budget=budget),
-                          decode_buckets=buckets, chunk_buckets=chunks, group_buckets=groups)  # fmt: skip
+    b = ContinuousBatcher(
+        model,
+        SchedulerConfig(max_rows=8, prefill_batch=3, prefill_chunk=16, prefill_budget=budget),
+        decode_buckets=buckets,
+        chunk_buckets=chunks,
+        group_buckets=groups,
+    )
     shapes = set()
     decode = b.runner.decode
 
@@ -33,9 +38,14 @@ def staggered(model, buckets, chunks=(), budget=None, groups=()):
 
     b.runner.decode = spy
     sinks = {}
-    arrivals = [[request("a", 9, 12)], [request("b", 23, 9), request("c", 5, 4)], [],
-                [request("d", 14, 7, SamplingParams(temperature=0.9, seed=5)), request("e", 3, 10), request("f", 4, 6)],
-                [], []]
+    arrivals = [
+        [request("a", 9, 12)],
+        [request("b", 23, 9), request("c", 5, 4)],
+        [],
+        [request("d", 14, 7, SamplingParams(temperature=0.9, seed=5)), request("e", 3, 10), request("f", 4, 6)],
+        [],
+        [],
+    ]
     for wave in arrivals:
         for r in wave:
             sinks[r.request_id] = CollectingSink()
@@ -110,7 +120,13 @@ def test_a_prefill_budget_is_shared_by_the_joiners():
     assert SchedulerConfig(prefill_chunk=16).chunk(5) == 16
     # with chunk buckets a share is rounded down to one, so a forward pads none of its chunks
     buckets = SchedulerConfig(prefill_chunk=2048, prefill_budget=2048, chunk_buckets=chunk_buckets(2048))
-    assert [buckets.chunk(n) for n in (1, 2, 3, 31, 200)] == [2048, 1024, 512, 64, 10]  # 200: below the first, its share
+    assert [buckets.chunk(n) for n in (1, 2, 3, 31, 200)] == [
+        2048,
+        1024,
+        512,
+        64,
+        10,
+    ]  # 200: below the first, its share
     with pytest.raises(ValueError, match="prefill_budget"):
         SchedulerConfig(prefill_budget=0)
 
@@ -136,8 +152,11 @@ def test_ghosts_leave_the_kept_caches_and_cancellations_alone(tiny_path):
         b.cancel("z")
         b.run_until_idle()
         assert b.runner.ghosts == 0 and b.runner.num_rows == 0
-        kept = {rid: [a for _, a in tree_flatten(cache_arrays(s.result.caches[-1].cache))]
-                for rid, s in sinks.items() if s.result.caches}  # fmt: skip
+        kept = {
+            rid: [a for _, a in tree_flatten(cache_arrays(s.result.caches[-1].cache))]
+            for rid, s in sinks.items()
+            if s.result.caches
+        }
         return {rid: s.token_ids for rid, s in sinks.items()}, kept
 
     (plain, plain_kept), (padded, padded_kept) = run(()), run(BUCKETS)

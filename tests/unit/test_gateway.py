@@ -61,7 +61,9 @@ def test_a_waiting_serial_request_drains_the_batch_first(model):
     for i, s in enumerate(batch):
         g.submit(make_request(f"b{i}", 8, 6 + 4 * i), s)
     g.step()
-    g._serial.append(_Queued(make_request("serial", 8, 4), Recorder("serial"), None))  # a request only the serial lane runs
+    g._serial.append(
+        _Queued(make_request("serial", 8, 4), Recorder("serial"), None)
+    )  # a request only the serial lane runs
     late = Recorder("late")
     g.submit(make_request("late", 8, 3), late)
     g.run_until_idle()
@@ -95,8 +97,10 @@ def test_spec_lane_runs_speculation_and_reports_its_stats(model):
     assert g.prompt_cache.stats().entries == 1  # the prompt's boundary, as the target's caches held it
 
 
-@pytest.mark.parametrize("target,kind", [(t, k) for t in ("tiny-llama", "tiny-qwen35-f32") for k in ("draft", "ngram")]
-                         + [("tiny-qwen35-f32", "mtp")])  # fmt: skip
+@pytest.mark.parametrize(
+    "target,kind",
+    [(t, k) for t in ("tiny-llama", "tiny-qwen35-f32") for k in ("draft", "ngram")] + [("tiny-qwen35-f32", "mtp")],
+)
 def test_spec_lane_starts_from_the_prompt_cache_with_the_plain_greedy_tokens(tiny_path, target, kind):
     from engine.generate import generate
 
@@ -121,7 +125,9 @@ def test_spec_lane_refusals_fall_back_to_the_plain_lanes_with_the_reason(model):
     req = GenerationRequest("p", tuple(range(5, 17)), SamplingParams(presence_penalty=0.5), StopCriteria(max_tokens=4))
     placement = g.place(req)
     assert placement.lane is Lane.CONTINUOUS and placement.reason.startswith("logits processors")
-    g = Gateway(model, GatewayConfig(kv_quantization=KVQuantization(bits=8, group_size=32, start=0)), _speculation(model))
+    g = Gateway(
+        model, GatewayConfig(kv_quantization=KVQuantization(bits=8, group_size=32, start=0)), _speculation(model)
+    )
     placement = g.place(make_request("q"))
     assert placement.lane is not Lane.SPEC and placement.reason.startswith("quantized KV runs without speculation")
 

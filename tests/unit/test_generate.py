@@ -30,7 +30,9 @@ def test_eos_stops_unless_ignored(qwen35):
     out = list(generate(qwen35, [4, 5, 6], stop=StopCriteria(max_tokens=12, eos_ids=frozenset([eos]))))
     assert _ids(out) == free[: free.index(eos) + 1]
     assert out[-1].is_stop and out[-1].finish_reason is FinishReason.STOP
-    ignored = list(generate(qwen35, [4, 5, 6], stop=StopCriteria(max_tokens=12, eos_ids=frozenset([eos]), ignore_eos=True)))
+    ignored = list(
+        generate(qwen35, [4, 5, 6], stop=StopCriteria(max_tokens=12, eos_ids=frozenset([eos]), ignore_eos=True))
+    )
     assert _ids(ignored) == free and ignored[-1].finish_reason is FinishReason.LENGTH
 
 
@@ -73,8 +75,15 @@ def test_prefill_chunks_do_not_change_greedy_tokens(qwen35):
 
 def test_prefill_progress_is_reported(qwen35):
     seen = []
-    list(generate(qwen35, list(range(100)), stop=StopCriteria(max_tokens=1), prefill_step_size=32,
-                  on_prefill=lambda done, total: seen.append((done, total))))
+    list(
+        generate(
+            qwen35,
+            list(range(100)),
+            stop=StopCriteria(max_tokens=1),
+            prefill_step_size=32,
+            on_prefill=lambda done, total: seen.append((done, total)),
+        )
+    )
     assert seen == [(32, 100), (64, 100), (96, 100), (99, 100)]
 
 

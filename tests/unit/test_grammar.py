@@ -15,13 +15,23 @@ from engine.server.strict_schema import strict_schema
 from engine.server.tool_calls import split
 from engine.sinks import CollectingSink
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "rain"],
-          "properties": {"city": {"enum": ["Oslo", "Paris", "Lima"]}, "days": {"type": "integer", "minimum": 1,
-                                                                               "maximum": 7},
-                         "rain": {"type": "boolean"}}}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
-         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
-                                                                           "additionalProperties": False}}}]  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days", "rain"],
+    "properties": {
+        "city": {"enum": ["Oslo", "Paris", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "rain": {"type": "boolean"},
+    },
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+    {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +110,11 @@ def test_a_reply_offered_tools_under_a_schema_is_a_call_or_the_schemas_json(engi
 
 
 def test_a_strict_schema_takes_no_key_it_does_not_list(engine, grammars):
-    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}  # fmt: skip
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
     extra = '{"name":"a","age":1,"myl":"}}}'
     assert allowed_after(grammars, grammars.json_schema(person), extra, engine.tokenizer) is not None  # JSON Schema's
     assert allowed_after(grammars, grammars.json_schema(strict_schema(person)), extra, engine.tokenizer) is None
@@ -116,8 +129,15 @@ def test_constrained_rows_in_the_batch_leave_the_others_alone(engine, grammars):
         for i in range(3):
             c = grammars.json_schema(SCHEMA) if constrained and i == 1 else None
             sinks[i] = CollectingSink()
-            b.submit(GenerationRequest(f"r{i}", tuple(range(10 + i, 30 + i)), SamplingParams(constraint=c),
-                                       StopCriteria(max_tokens=60, eos_ids=engine.tokenizer.eos_ids)), sinks[i])  # fmt: skip
+            b.submit(
+                GenerationRequest(
+                    f"r{i}",
+                    tuple(range(10 + i, 30 + i)),
+                    SamplingParams(constraint=c),
+                    StopCriteria(max_tokens=60, eos_ids=engine.tokenizer.eos_ids),
+                ),
+                sinks[i],
+            )
         b.run_until_idle()
         return {i: [t for t in s.token_ids] for i, s in sinks.items()}
 

@@ -5,7 +5,6 @@ import json
 from functools import partial
 
 import mlx.core as mx
-import pytest
 
 from engine import env
 from engine.kernels import FAST, KernelConfig
@@ -19,8 +18,12 @@ DRAFT = env.trained_dir() / "trained-qwen3-draft-4bit"
 def _short_launch(x, layers, **stages):
     # A GEMV that leaves the last group of 64 inputs out of every sum: a kernel with a wrong k-tail.
     x = mx.concatenate([x[..., :-64], mx.zeros_like(x[..., -64:])], axis=-1)
-    return tuple(mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True,
-                                     group_size=q.group_size, bits=q.bits) for q in layers)  # fmt: skip
+    return tuple(
+        mx.quantized_matmul(
+            x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size, bits=q.bits
+        )
+        for q in layers
+    )
 
 
 def test_agreed_steps_count_the_steps_whose_greedy_token_is_the_paths():
@@ -40,8 +43,15 @@ def test_prompts_are_consecutive_held_out_slices():
 
 
 def test_a_right_fast_tier_keeps_the_exact_greedy_path():
-    results = run_greedy_gate("trained-qwen3-draft-4bit", DRAFT, rows=(1, 3), steps=16, paths=4, lengths=(16, 32),
-                              fast=KernelConfig(FAST, force=True))  # fmt: skip
+    results = run_greedy_gate(
+        "trained-qwen3-draft-4bit",
+        DRAFT,
+        rows=(1, 3),
+        steps=16,
+        paths=4,
+        lengths=(16, 32),
+        fast=KernelConfig(FAST, force=True),
+    )
     assert [(r.rows, len(r.agreed)) for r in results] == [(1, 4), (3, 6)]
     assert all(r.mean == 16 for r in results), results  # off CUDA the fast tier's products are MLX's
     assert all(r.passed and r.fast_tier == FAST for r in results), results
@@ -49,8 +59,7 @@ def test_a_right_fast_tier_keeps_the_exact_greedy_path():
 
 def test_a_perturbed_kernel_parts_from_it():
     perturbed = KernelConfig(FAST, force=True, gemv_stand_in=_short_launch, fusion=Fusion(), gemv_min_outputs=0)
-    (result,) = run_greedy_gate("trained-qwen3-draft-4bit", DRAFT, rows=(1,), paths=8, lengths=(16, 32),
-                                fast=perturbed)
+    (result,) = run_greedy_gate("trained-qwen3-draft-4bit", DRAFT, rows=(1,), paths=8, lengths=(16, 32), fast=perturbed)
     assert not result.passed and result.mean < 48, result
 
 
@@ -65,8 +74,20 @@ def test_the_gate_cli_adds_the_greedy_table_and_refuses_untrained_models(tiny_pa
     monkeypatch.setattr(greedy_gate, "run_greedy_gate", partial(run_greedy_gate, paths=2, lengths=(16,)))
     tiny_path("tiny-qwen3-4bit")
     out = tmp_path / "gate.json"
-    code = harness_main(["kernels", "--gate-model", "tiny-qwen3-4bit", "--gate-steps", "8", "--force",
-                         "--gate-greedy", "trained-qwen3-draft-4bit", "--json", str(out)])  # fmt: skip
+    code = harness_main(
+        [
+            "kernels",
+            "--gate-model",
+            "tiny-qwen3-4bit",
+            "--gate-steps",
+            "8",
+            "--force",
+            "--gate-greedy",
+            "trained-qwen3-draft-4bit",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())["gate"]
     assert [g["model"] for g in record["greedy"]] == ["trained-qwen3-draft-4bit"] and record["passed"]

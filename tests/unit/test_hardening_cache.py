@@ -65,8 +65,10 @@ def test_reported_prompt_cache_bytes_bound_mlx_active_memory(name, tiny_path):
     stats = g.prompt_cache.stats()
     entries = list(g.prompt_cache._entries.values())
     stored = sum(a.nbytes for e in entries for a in held_arrays([e.cache, list(e.snapshots.values())]))
-    print(f"{name}: reported {stats.bytes:,} stored {stored:,} entries {stats.entries} "
-          f"active {active:,} model {model_bytes:,}")  # fmt: skip
+    print(
+        f"{name}: reported {stats.bytes:,} stored {stored:,} entries {stats.entries} "
+        f"active {active:,} model {model_bytes:,}"
+    )
     assert stats.bytes == stored
     assert stats.entries < 200 * (2 if name == "tiny-qwen35" else 1)  # the budget evicted some
     assert 0.8 * budget < stats.bytes <= budget

@@ -8,8 +8,8 @@ from engine.batch.scheduler import SchedulerConfig
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import generate
 from engine.loading import load_model
-from engine.sampling import Sampler
 from engine.request import FinishReason, GenerationRequest, SamplingParams, StopCriteria
+from engine.sampling import Sampler
 from engine.sinks import CollectingSink
 
 BAD_SEED = 666  # marks the request whose sampler the tests make fail

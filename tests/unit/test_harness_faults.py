@@ -107,17 +107,21 @@ def test_a_stream_that_trickles_keepalives_runs_into_the_request_limit():
     assert rec.first_byte_ms is not None and 0.6 <= took < 3
 
 
-@pytest.mark.parametrize("stream", [
-    b'data: {"choices": [{"text": " a"\n\ndata: [DONE]\n\n',  # cut-off JSON
-    b"data: [1, 2]\n\ndata: [DONE]\n\n",
-    b"data: null\n\n",
-    b'data: {"choices": "x"}\n\n',
-    b'data: {"choices": [{"text": 5}]}\n\n',
-    b'data: {"choices": [{"text": " a", "finish_reason": "length"}]}\n\n',  # no usage, no [DONE]
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "stream",
+    [
+        b'data: {"choices": [{"text": " a"\n\ndata: [DONE]\n\n',  # cut-off JSON
+        b"data: [1, 2]\n\ndata: [DONE]\n\n",
+        b"data: null\n\n",
+        b'data: {"choices": "x"}\n\n',
+        b'data: {"choices": [{"text": 5}]}\n\n',
+        b'data: {"choices": [{"text": " a", "finish_reason": "length"}]}\n\n',  # no usage, no [DONE]
+    ],
+)
 def test_malformed_sse_is_a_failed_request_not_a_crash(stream):
-    transport = httpx.MockTransport(lambda req: httpx.Response(200, content=stream,
-                                                               headers={"content-type": "text/event-stream"}))  # fmt: skip
+    transport = httpx.MockTransport(
+        lambda req: httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+    )
     rec = RequestRecord("decode", 0, 0, 3)
     with httpx.Client(transport=transport, base_url="http://fake") as client:
         stream_completion(client, {"prompt": [1, 2, 3], "max_tokens": 4}, rec)
@@ -205,8 +209,9 @@ def test_a_signal_as_the_server_is_launched_waits_until_it_is_known_and_stops_it
 
     with interrupts.installed(signums=(signal.SIGUSR1,)):
         with pytest.raises(RunInterrupted):
-            start_server(never_ready, 1, timeout_s=30, log_dir=tmp_path, on_launch=register,
-                         spawning=interrupts.deferred)  # fmt: skip
+            start_server(
+                never_ready, 1, timeout_s=30, log_dir=tmp_path, on_launch=register, spawning=interrupts.deferred
+            )
     (server,) = launched
     assert server.proc.returncode is not None and gone(server.proc.pid)
 
@@ -228,35 +233,96 @@ def test_interrupts_fire_once_and_wait_out_deferred_blocks():
 
 
 def make_request(ok: bool, index: int = 0, **kw) -> RequestRecord:
-    fields = {"ok": True, "status_code": 200, "sent_at": 1.5, "headers_ms": 1.0, "first_byte_ms": 1.2, "ttft_ms": 2.0,
-              "e2el_ms": 40.0, "event_ms": [2.0, 20.0, 40.0], "output_tokens": 3, "prompt_tokens": 3,
-              "finish_reason": "length", "text": " a b c", "usage": {"completion_tokens": 3}}  # fmt: skip
+    fields = {
+        "ok": True,
+        "status_code": 200,
+        "sent_at": 1.5,
+        "headers_ms": 1.0,
+        "first_byte_ms": 1.2,
+        "ttft_ms": 2.0,
+        "e2el_ms": 40.0,
+        "event_ms": [2.0, 20.0, 40.0],
+        "output_tokens": 3,
+        "prompt_tokens": 3,
+        "finish_reason": "length",
+        "text": " a b c",
+        "usage": {"completion_tokens": 3},
+    }
     if not ok:
-        fields = {"ok": False, "error": "stalled: no bytes for 2 s (ReadTimeout)", "timeout_kind": STALLED,
-                  "status_code": 200}  # fmt: skip
+        fields = {
+            "ok": False,
+            "error": "stalled: no bytes for 2 s (ReadTimeout)",
+            "timeout_kind": STALLED,
+            "status_code": 200,
+        }
     return RequestRecord("decode", 0, index, 3, **{**fields, **kw})
 
 
 def faulted_record() -> RunRecord:
     """A run cut short by SIGTERM: a measured arm, one that stalled, one interrupted mid-phase."""
-    rec = RunRecord("faults000001", "2025-01-01T00:00:00+00:00", "run", HOSTILE, True, {"tokens": 4},
-                    {"host": "h"}, {"other_cpu_percent": 1.0}, status=INTERRUPTED,
-                    error="the run was interrupted by SIGTERM")  # fmt: skip
-    model = ModelRun("tiny", "/m", "m" * 64, "w" * 64, "/w.json", arm_order=["a", "b", "c"],
-                     parity={"reference": "a", "verdicts": {"a": {"match": True}}})  # fmt: skip
-    good = Cell("decode", MEASURED, None, [Attempt(0, True, None, 0.05, [make_request(True)])], {"median_decode_tps": 50.0})
+    rec = RunRecord(
+        "faults000001",
+        "2025-01-01T00:00:00+00:00",
+        "run",
+        HOSTILE,
+        True,
+        {"tokens": 4},
+        {"host": "h"},
+        {"other_cpu_percent": 1.0},
+        status=INTERRUPTED,
+        error="the run was interrupted by SIGTERM",
+    )
+    model = ModelRun(
+        "tiny",
+        "/m",
+        "m" * 64,
+        "w" * 64,
+        "/w.json",
+        arm_order=["a", "b", "c"],
+        parity={"reference": "a", "verdicts": {"a": {"match": True}}},
+    )
+    good = Cell(
+        "decode", MEASURED, None, [Attempt(0, True, None, 0.05, [make_request(True)])], {"median_decode_tps": 50.0}
+    )
     lost = make_request(False)
-    stalled = Cell("decode", FAILED, f"1 of 1 requests failed: {lost.error}", [Attempt(0, False, lost.error, 2.0, [lost])],
-                   {}, stderr_tail="server log\n")  # fmt: skip
+    stalled = Cell(
+        "decode",
+        FAILED,
+        f"1 of 1 requests failed: {lost.error}",
+        [Attempt(0, False, lost.error, 2.0, [lost])],
+        {},
+        stderr_tail="server log\n",
+    )
     model.arms = [
-        ArmRun("a", ["serve", "a"], {"X": "1"}, MEASURED, load_to_ready_s=1.25, peak_rss_bytes=10,
-               rss_samples=[(0.0, 10), (0.25, 9)], kernels={"tier": "exact"}, cells=[good],
-               quality={"tokens": 64, "tier": "exact", "nll": 1.0, "perplexity": 2.718}),
-        ArmRun("b", ["serve", "b"], {}, FAILED, "the server stopped answering", cells=[stalled,
-               Cell("cold", NOT_MEASURED, "the server stopped answering")]),
-        ArmRun("c", ["serve", "c"], {}, INTERRUPTED, "the run was interrupted by SIGTERM during phase decode",
-               cells=[Cell("decode", NOT_MEASURED, "interrupted"), Cell("cold", NOT_MEASURED, "interrupted")]),
-    ]  # fmt: skip
+        ArmRun(
+            "a",
+            ["serve", "a"],
+            {"X": "1"},
+            MEASURED,
+            load_to_ready_s=1.25,
+            peak_rss_bytes=10,
+            rss_samples=[(0.0, 10), (0.25, 9)],
+            kernels={"tier": "exact"},
+            cells=[good],
+            quality={"tokens": 64, "tier": "exact", "nll": 1.0, "perplexity": 2.718},
+        ),
+        ArmRun(
+            "b",
+            ["serve", "b"],
+            {},
+            FAILED,
+            "the server stopped answering",
+            cells=[stalled, Cell("cold", NOT_MEASURED, "the server stopped answering")],
+        ),
+        ArmRun(
+            "c",
+            ["serve", "c"],
+            {},
+            INTERRUPTED,
+            "the run was interrupted by SIGTERM during phase decode",
+            cells=[Cell("decode", NOT_MEASURED, "interrupted"), Cell("cold", NOT_MEASURED, "interrupted")],
+        ),
+    ]
     rec.models.append(model)
     rec.commands = {a.arm: a.command for a in model.arms}
     return rec
@@ -273,8 +339,11 @@ def test_the_database_export_is_the_json_companion_after_a_fault(tmp_path):
     assert kept_by_db(exported) == kept_by_db(saved)
     assert exported["status"] == INTERRUPTED and exported["error"] == rec.error
     statuses = [(a["arm"], a["status"], [c["status"] for c in a["cells"]]) for a in exported["models"][0]["arms"]]
-    assert statuses == [("a", "measured", ["measured"]), ("b", "failed", ["failed", "not_measured"]),
-                        ("c", "interrupted", ["not_measured", "not_measured"])]  # fmt: skip
+    assert statuses == [
+        ("a", "measured", ["measured"]),
+        ("b", "failed", ["failed", "not_measured"]),
+        ("c", "interrupted", ["not_measured", "not_measured"]),
+    ]
     assert exported["models"][0]["arms"][1]["cells"][0]["attempts"][0]["requests"][0]["timeout_kind"] == STALLED
     assert [r[0] for r in db.execute("select version from _migrations")] == [1, 2, 3, 4, 5, 6]
 
@@ -293,8 +362,9 @@ def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):
 def test_request_and_stall_timeouts_reach_the_run_settings():
     from harness.run_cli import _run_plan
 
-    args = build_parser().parse_args(["run", "all", "--models", "tiny-qwen3", "--request-timeout", "90",
-                                      "--stall-timeout", "2.5", "--dry-run"])  # fmt: skip
+    args = build_parser().parse_args(
+        ["run", "all", "--models", "tiny-qwen3", "--request-timeout", "90", "--stall-timeout", "2.5", "--dry-run"]
+    )
     settings = _run_plan(args)[1]
     assert (settings.request_timeout_s, settings.stall_timeout_s) == (90, 2.5)
     assert settings.timeouts == Timeouts(request_s=90, stall_s=2.5)
@@ -305,11 +375,32 @@ def test_request_and_stall_timeouts_reach_the_run_settings():
 def test_cell_repeats_plan_repetition_blocks_of_the_load_cells_in_alternating_order(capsys):
     from harness.cli import main as harness_main
 
-    assert harness_main(["run", "all", "--models", "tiny-qwen3", "--arms", "engine,mlx-lm", "--concurrency", "2",
-                         "--rates", "4", "--cell-repeats", "3", "--skip-context", "--dry-run"]) == 0  # fmt: skip
+    assert (
+        harness_main(
+            [
+                "run",
+                "all",
+                "--models",
+                "tiny-qwen3",
+                "--arms",
+                "engine,mlx-lm",
+                "--concurrency",
+                "2",
+                "--rates",
+                "4",
+                "--cell-repeats",
+                "3",
+                "--skip-context",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "block 0: workload seed 0; arms in order ['engine', 'mlx-lm']\n" in out
-    assert "block 1: workload seed 0; arms in order ['mlx-lm', 'engine']; a repetition of the warm-up and the load" in out
+    assert (
+        "block 1: workload seed 0; arms in order ['mlx-lm', 'engine']; a repetition of the warm-up and the load" in out
+    )
     assert "block 2: workload seed 0; arms in order ['engine', 'mlx-lm']; a repetition" in out
     repeated = out.split("block 1:")[1]
     assert "concurrency-2" in repeated and "rate-4" in repeated and "decode" not in repeated
@@ -370,16 +461,34 @@ def test_the_report_escapes_labels_in_markdown_and_html(tmp_path):
 
 
 def decode_arm(name: str, tokens: int, decode_ms: float, rate: float) -> dict:
-    reqs = [{"prompt_tokens_sent": 10, "output_tokens": tokens, "finish_reason": "length", "ttft_ms": 5.0,
-             "e2el_ms": 5.0 + decode_ms, "itl_ms": []}]  # fmt: skip
-    cell = {"phase": "decode", "status": "measured", "reason": None, "metrics": {"median_decode_tps": rate},
-            "attempts": [{"attempt": 0, "ok": True, "error": None, "requests": reqs}]}  # fmt: skip
+    reqs = [
+        {
+            "prompt_tokens_sent": 10,
+            "output_tokens": tokens,
+            "finish_reason": "length",
+            "ttft_ms": 5.0,
+            "e2el_ms": 5.0 + decode_ms,
+            "itl_ms": [],
+        }
+    ]
+    cell = {
+        "phase": "decode",
+        "status": "measured",
+        "reason": None,
+        "metrics": {"median_decode_tps": rate},
+        "attempts": [{"attempt": 0, "ok": True, "error": None, "requests": reqs}],
+    }
     return {"arm": name, "status": "measured", "cells": [cell], "peak_rss_bytes": None, "load_to_ready_s": 1.0}
 
 
 def summary_of(*arms: dict, diagnostic: bool = False) -> tuple[list[dict], summary.ModelSummary]:
-    run = {"kind": "run", "settings": {}, "provenance": {}, "diagnostic": diagnostic, "models": [
-        {"model": "m", "model_dir": "/none", "block": 0, "parity": {}, "arms": list(arms)}]}  # fmt: skip
+    run = {
+        "kind": "run",
+        "settings": {},
+        "provenance": {},
+        "diagnostic": diagnostic,
+        "models": [{"model": "m", "model_dir": "/none", "block": 0, "parity": {}, "arms": list(arms)}],
+    }
     return summary.rows(run), summary.model_summaries(run)[0]
 
 
@@ -395,7 +504,9 @@ def test_a_decode_cell_too_short_to_time_gets_no_rate_and_no_ratio():
 def test_a_burst_of_enough_tokens_is_still_too_short():
     (engine, mlx), ms = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 3.0, 21000.0))
     assert engine["decode_tps"] == 70.0 and mlx["decode_tps"] is None
-    assert "engine: decode withheld [1]" in ms.lines and ms.notes == ["[1] mlx-lm: too short: 3.0 ms of decode (< 50 ms)"]
+    assert "engine: decode withheld [1]" in ms.lines and ms.notes == [
+        "[1] mlx-lm: too short: 3.0 ms of decode (< 50 ms)"
+    ]
 
 
 def test_a_decode_cell_long_enough_keeps_its_rate_and_ratio():
@@ -405,7 +516,9 @@ def test_a_decode_cell_long_enough_keeps_its_rate_and_ratio():
 
 
 def test_a_diagnostic_run_prints_its_rates_and_no_ratio():
-    (engine, _), ms = summary_of(decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0), diagnostic=True)
+    (engine, _), ms = summary_of(
+        decode_arm("engine", 64, 900.0, 70.0), decode_arm("mlx-lm", 64, 1260.0, 50.0), diagnostic=True
+    )
     assert engine["decode_tps"] == 70.0 and ms.rows[0][1] == "70.0"
     assert "engine: decode withheld [1]" in ms.lines and ms.notes == ["[1] diagnostic run (measured on a busy machine)"]
 
@@ -440,7 +553,8 @@ def test_cells_that_ran_new_shapes_are_listed_and_flagged(tmp_path):
     later["metrics"]["new_shapes"] = 3
     later["metrics"]["compiled_modules"] = 2  # MLX compiled modules of its own meanwhile
     assert summary.compiled_cells(run) == [
-        f"{model} / {arm['arm']} / {later['phase']}: 3 new shapes, 2 kernel modules compiled"]
+        f"{model} / {arm['arm']} / {later['phase']}: 3 new shapes, 2 kernel modules compiled"
+    ]
     assert "first ran forward shapes or compiled kernel modules" in summary.markdown(run)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))

@@ -27,14 +27,27 @@ def test_a_quiet_machine_passes(monkeypatch):
 
 
 def record(ttft, e2el, tokens, events):
-    r = RequestRecord("decode", 0, 0, 10, ok=True, ttft_ms=ttft, e2el_ms=e2el, output_tokens=tokens,
-                      prompt_tokens=10, event_ms=events, finish_reason="length")  # fmt: skip
+    r = RequestRecord(
+        "decode",
+        0,
+        0,
+        10,
+        ok=True,
+        ttft_ms=ttft,
+        e2el_ms=e2el,
+        output_tokens=tokens,
+        prompt_tokens=10,
+        event_ms=events,
+        finish_reason="length",
+    )
     return r
 
 
 def test_metrics_follow_the_vllm_definitions():
-    reqs = [record(100.0, 1000.0, 10, [100.0 + 100 * i for i in range(10)]),
-            record(200.0, 2000.0, 10, [200.0 + 200 * i for i in range(10)])]  # fmt: skip
+    reqs = [
+        record(100.0, 1000.0, 10, [100.0 + 100 * i for i in range(10)]),
+        record(200.0, 2000.0, 10, [200.0 + 200 * i for i in range(10)]),
+    ]
     m = summarize(reqs, wall_s=2.0, slo_ms={"ttft": 150.0})
     assert m["median_ttft_ms"] == 150.0 and m["p99_ttft_ms"] > 190
     assert m["mean_tpot_ms"] == (900 / 9 + 1800 / 9) / 2  # (E2EL - TTFT) / (tokens - 1)

@@ -9,14 +9,32 @@ from engine.kernels.quantized_gemv import DENSE_MIN_ROWS
 from engine.registry import get_spec
 from harness.cli import main
 from harness.kernel_bench import (
-    BenchConfig, DeltaResult, GemvResult, bench_delta, bench_prefill, linear_shapes, projection_groups, verdicts,
+    BenchConfig,
+    DeltaResult,
+    GemvResult,
+    bench_delta,
+    bench_prefill,
+    linear_shapes,
+    projection_groups,
+    verdicts,
     weight_copies,
 )
 
 
 def gemv(n, k, m, layers, builtin_us, kernel_us):
-    return GemvResult(n=n, k=k, m=m, bits=4, group_size=64, layers=layers, builtin_us=builtin_us,
-                      kernel_us=kernel_us, bytes_moved=n * k // 2, max_abs_diff=0.0, max_abs_ref=1.0)  # fmt: skip
+    return GemvResult(
+        n=n,
+        k=k,
+        m=m,
+        bits=4,
+        group_size=64,
+        layers=layers,
+        builtin_us=builtin_us,
+        kernel_us=kernel_us,
+        bytes_moved=n * k // 2,
+        max_abs_diff=0.0,
+        max_abs_ref=1.0,
+    )
 
 
 def test_linear_shapes_come_from_the_geometry_without_weights():
@@ -41,8 +59,9 @@ def test_verdicts_check_the_main_matrix_and_the_prefill():
         gemv(17408, 5120, 8, 130, 50.0, 30.0),
         gemv(1024, 5120, 1, 34, 9.0, None),
     ]
-    delta = [DeltaResult(1024, 16, 48, 128, 128, builtin_ms=70.0, kernel_ms=2.5, max_abs_diff_y=0.0,
-                         max_abs_diff_state=0.0)]  # fmt: skip
+    delta = [
+        DeltaResult(1024, 16, 48, 128, 128, builtin_ms=70.0, kernel_ms=2.5, max_abs_diff_y=0.0, max_abs_diff_state=0.0)
+    ]
     got = {v.criterion: v for v in verdicts(results, delta)}
     assert got["GEMV 17408x5120 M=1 GB/s"].ok is True  # 44.6 MB in 17 us
     assert got["GEMV 17408x5120 M=1 speedup vs MLX"].ok is True
@@ -66,8 +85,25 @@ def test_delta_bench_agrees_with_the_recurrence():
 
 def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     out = tmp_path / "k.json"
-    code = main(["kernels", "--shapes", "tiny-qwen35", "--rows", "1", "--tokens", "16", "--repeats", "1",
-                 "--max-shapes", "2", "--cold-mb", "1", "--json", str(out)])  # fmt: skip
+    code = main(
+        [
+            "kernels",
+            "--shapes",
+            "tiny-qwen35",
+            "--rows",
+            "1",
+            "--tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--max-shapes",
+            "2",
+            "--cold-mb",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())
     assert record["device"] == str(mx.default_device()) and record["cold_bytes"] == 1 << 20
@@ -82,8 +118,7 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
 
 
 def test_prompt_chunk_bench_times_mlx_and_the_dense_path_where_the_fast_tier_runs_it():
-    r = bench_prefill(n=1024, k=128, m=DENSE_MIN_ROWS, bits=4, group_size=64, layers=3,
-                      cfg=BenchConfig(repeats=1))  # fmt: skip
+    r = bench_prefill(n=1024, k=128, m=DENSE_MIN_ROWS, bits=4, group_size=64, layers=3, cfg=BenchConfig(repeats=1))
     assert r.builtin_us > 0 and r.tflops(r.builtin_us) > 0 and r.layers == 3
     if on_cuda():
         assert r.kernel_us > 0 and r.max_abs_diff is not None

@@ -9,16 +9,20 @@ import time
 import mlx.core as mx
 import pytest
 
-from engine.kernels import kernel_cache, on_cuda
+from engine.kernels import kernel_cache
 from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.kernel_cache import KernelBuild, KernelCache, module_path, std_hash
 
 BUILD = KernelBuild(
-    name="engine_test_scale", input_names=("x", "w"), output_names=("y",),
+    name="engine_test_scale",
+    input_names=("x", "w"),
+    output_names=("y",),
     source="uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;\nif (i < N) y[i] = __float2bfloat16(__bfloat162float(x[i]) * w[0] * S);",
-    header="#include <cuda_bf16.h>\n", inputs=((mx.bfloat16, 1), (mx.float32, 1)), output_dtypes=(mx.bfloat16,),
+    header="#include <cuda_bf16.h>\n",
+    inputs=((mx.bfloat16, 1), (mx.float32, 1)),
+    output_dtypes=(mx.bfloat16,),
     template=(("N", 1000), ("S", 3), ("F", True)),
-)  # fmt: skip
+)
 
 
 def test_std_hash_is_libstdcxx_string_hash():
@@ -38,7 +42,8 @@ def test_the_source_and_name_are_mlx_build_kernels():
         "__global__ void custom_kernel_engine_test_scale_1000_3_t(\n"
         "    const __nv_bfloat16* x,\n    const float* w,\n    __nv_bfloat16* y) {\n"
         "  constexpr int N = 1000;\n  constexpr int S = 3;\n  constexpr bool F = true;\n\n"
-        + BUILD.source + "\n}\n\n} // namespace mlx::core::cu\n"
+        + BUILD.source
+        + "\n}\n\n} // namespace mlx::core::cu\n"
     )
     assert BUILD.module_name() == f"{BUILD.kernel_name}_{std_hash(BUILD.mlx_source().encode()):x}"
     assert not BUILD.reads_shapes()
@@ -100,16 +105,26 @@ def test_a_kernel_call_hands_its_new_build_to_the_active_cache(tmp_path, monkeyp
     got, ran = [], []
     cache = KernelCache(tmp_path, lambda source, kernel: got.append(kernel) or (b"x", "m"))
     monkeypatch.setattr(kernel_cache, "_active", cache)
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: lambda **call: ran.append(call["template"]))  # no CUDA here
+    monkeypatch.setattr(
+        mx.fast, "cuda_kernel", lambda **kw: lambda **call: ran.append(call["template"])
+    )  # no CUDA here
     kernel = cuda_kernel(name="engine_test_submit", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
     x = mx.zeros((4,), mx.float32)
     for n in (4, 4, 8):
-        kernel(inputs=[x], template=[("N", n)], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
-               output_dtypes=[mx.float32])  # fmt: skip
+        kernel(
+            inputs=[x],
+            template=[("N", n)],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )
     cache.settle()
     # each new build once (the pool compiles them in parallel, so they finish in either order)
-    assert sorted(got) == ["mlx::core::cu::custom_kernel_engine_test_submit_4",
-                           "mlx::core::cu::custom_kernel_engine_test_submit_8"]  # fmt: skip
+    assert sorted(got) == [
+        "mlx::core::cu::custom_kernel_engine_test_submit_4",
+        "mlx::core::cu::custom_kernel_engine_test_submit_8",
+    ]
     assert ran == [[("N", 4)], [("N", 4)], [("N", 8)]]
 
 
@@ -135,13 +150,25 @@ def test_mlx_loads_the_cached_build_and_computes_the_same(tmp_path):
     directory = os.environ.get("MLX_PTX_CACHE_DIR")
     if not directory:
         pytest.skip("MLX_PTX_CACHE_DIR names MLX's cache directory only when set before MLX's first compilation")
-    kernel = mx.fast.cuda_kernel(name=BUILD.name, input_names=list(BUILD.input_names), output_names=["y"],
-                                 source=BUILD.source, header=BUILD.header)  # fmt: skip
+    kernel = mx.fast.cuda_kernel(
+        name=BUILD.name,
+        input_names=list(BUILD.input_names),
+        output_names=["y"],
+        source=BUILD.source,
+        header=BUILD.header,
+    )
     x, w = mx.random.normal((1000,)).astype(mx.bfloat16), mx.array([0.5])
 
     def run(build, verbose=False):
-        return kernel(inputs=[x, w], template=list(build.template), grid=(1024, 1, 1), threadgroup=(256, 1, 1),
-                      output_shapes=[(1000,)], output_dtypes=[mx.bfloat16], verbose=verbose)[0]  # fmt: skip
+        return kernel(
+            inputs=[x, w],
+            template=list(build.template),
+            grid=(1024, 1, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(1000,)],
+            output_dtypes=[mx.bfloat16],
+            verbose=verbose,
+        )[0]
 
     def scaled(s):
         return (x.astype(mx.float32) * 0.5 * s).astype(mx.bfloat16)

@@ -6,6 +6,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from tf32 import rerun_without_tf32
 
 from engine.kernels import FAST, KernelConfig
 from engine.kernels.quantized_gemv import Fusion
@@ -13,7 +14,6 @@ from engine.loading import load_model
 from harness.cli import main as harness_main
 from harness.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
 from harness.kernel_gate import TierScore, gate_prompts, run_gate, score
-from tf32 import rerun_without_tf32
 
 FAST_ANYWHERE = KernelConfig(FAST, force=True)
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen35", "tiny-gemma3")
@@ -37,8 +37,12 @@ def _scaled_launch(x, layers, **stages):
     # A GEMV whose scales are off by 2^-6: every product 1.6% too large, as a kernel with a wrong constant
     # would give. Stages are not taken (no launch asks for them off CUDA below the kernel's minimum rows).
     assert not stages
-    return tuple(mx.quantized_matmul(x, q["weight"], q["scales"] * (1 + 2**-6), q["biases"], transpose=True,
-                                     group_size=q.group_size, bits=q.bits) for q in layers)  # fmt: skip
+    return tuple(
+        mx.quantized_matmul(
+            x, q["weight"], q["scales"] * (1 + 2**-6), q["biases"], transpose=True, group_size=q.group_size, bits=q.bits
+        )
+        for q in layers
+    )
 
 
 def test_a_perturbed_kernel_fails_the_gate(tiny_path):
@@ -75,8 +79,16 @@ def test_the_reference_is_the_model_in_float32(tiny_path):
     assert norms and wrapped and all(m.weight.dtype == mx.float32 for m in norms)
     q = wrapped[0].layer
     x = mx.random.normal((2, q["weight"].shape[1] * 32 // q.bits))
-    want = x @ mx.dequantize(q["weight"], q["scales"].astype(mx.float32), q["biases"].astype(mx.float32),
-                             group_size=q.group_size, bits=q.bits).T  # fmt: skip
+    want = (
+        x
+        @ mx.dequantize(
+            q["weight"],
+            q["scales"].astype(mx.float32),
+            q["biases"].astype(mx.float32),
+            group_size=q.group_size,
+            bits=q.bits,
+        ).T
+    )
     assert wrapped[0](x.astype(mx.bfloat16)).dtype == mx.float32
     assert mx.allclose(wrapped[0](x), want, atol=1e-5).item()
     logits = forward_logits(model, list(range(5, 25)), 10, 6)  # the positions predicting tokens 10..15
@@ -88,7 +100,9 @@ def test_the_reference_dequantizes_as_mlx_does_in_float32(bits, group):
     layer = nn.Linear(256, 40)
     layer.set_dtype(mx.bfloat16)
     q = nn.QuantizedLinear.from_linear(layer, group_size=group, bits=bits)
-    want = mx.dequantize(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), group_size=group, bits=bits)
+    want = mx.dequantize(
+        q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), group_size=group, bits=bits
+    )
     assert mx.array_equal(dequantize_f32(q.weight, q.scales, q.biases, group, bits), want).item()
 
 
@@ -118,8 +132,22 @@ def test_the_command_writes_the_gate_record_and_exits_by_its_verdict(tiny_path, 
     # the command's wiring, without the greedy part (test_greedy_gate.py runs that small; the full one is slow)
     tiny_path("tiny-qwen3")
     out = tmp_path / "gate.json"
-    rc = harness_main(["kernels", "--gate-model", "tiny-qwen3", "--gate-steps", "4", "--gate-rows", "1,2", "--force",
-                       "--gate-greedy", "", "--json", str(out)])  # fmt: skip
+    rc = harness_main(
+        [
+            "kernels",
+            "--gate-model",
+            "tiny-qwen3",
+            "--gate-steps",
+            "4",
+            "--gate-rows",
+            "1,2",
+            "--force",
+            "--gate-greedy",
+            "",
+            "--json",
+            str(out),
+        ]
+    )
     record = json.loads(out.read_text())["gate"]
     assert rc == (0 if record["passed"] else 1) and record["model"] == "tiny-qwen3"
     assert [r["rows"] for r in record["results"]] == [1, 2] and record["results"][0]["fast"]["positions"] == 16

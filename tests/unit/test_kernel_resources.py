@@ -24,7 +24,9 @@ def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
     assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm1_part: grid 320 x 128 threads", out, re.M), out
     assert re.search(r"^5120x17408 M=16 \[default\] engine_affine_sqmm_sum1: grid 80 x 1024 threads", out, re.M), out
     # the layout: 2 warps (64 rows a block) and 4 splits of at most 4352 values
-    assert re.search(r"^5120x17408 M=16 \[KS=4352,W=2\] engine_affine_sqmm1_part: grid 320 x 64 threads", out, re.M), out
+    assert re.search(r"^5120x17408 M=16 \[KS=4352,W=2\] engine_affine_sqmm1_part: grid 320 x 64 threads", out, re.M), (
+        out
+    )
     assert "M=1 [KS=4352,W=2]" not in out  # layouts are the staged kernel's (2-64 rows)
 
 

@@ -23,8 +23,14 @@ def parse(*argv: str):
 
 
 def make_arm_record(name: str = "engine-fast", kernels=None) -> dict:
-    return {"arm": name, "status": "measured", "cells": [], "peak_rss_bytes": None, "load_to_ready_s": 1.0,
-            "kernels": kernels}  # fmt: skip
+    return {
+        "arm": name,
+        "status": "measured",
+        "cells": [],
+        "peak_rss_bytes": None,
+        "load_to_ready_s": 1.0,
+        "kernels": kernels,
+    }
 
 
 def make_run(*arms: dict) -> dict:
@@ -100,8 +106,10 @@ def test_auto_runs_the_fast_tier_only_for_families_whose_gate_passed():
 
     anywhere = KernelConfig(AUTO, force=True)  # as on CUDA
     passed = {"qwen3_5": "qwen27b at 1 and 8 rows"}
-    assert resolve_tier(anywhere, "qwen3_5", passed) == (FAST, "auto: fast, its numerics gate passed for qwen3_5 "
-                                                                "(qwen27b at 1 and 8 rows)")  # fmt: skip
+    assert resolve_tier(anywhere, "qwen3_5", passed) == (
+        FAST,
+        "auto: fast, its numerics gate passed for qwen3_5 (qwen27b at 1 and 8 rows)",
+    )
     tier, reason = resolve_tier(anywhere, "llama", passed)
     assert tier == EXACT and "no fast-tier numerics gate has passed for llama" in reason
     if not on_cuda():
@@ -122,15 +130,40 @@ def test_an_unknown_tier_is_refused_before_loading():
 def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
     tiny_path(MODEL)
     out = tmp_path / "native.json"
-    rc = harness_main(["native", "--models", MODEL, "--prompt-tokens", "8", "--decode-tokens", "3", "--samples", "1",
-                       "--warmup", "0", "--kernels", "fast", "--json", str(out)])  # fmt: skip
+    rc = harness_main(
+        [
+            "native",
+            "--models",
+            MODEL,
+            "--prompt-tokens",
+            "8",
+            "--decode-tokens",
+            "3",
+            "--samples",
+            "1",
+            "--warmup",
+            "0",
+            "--kernels",
+            "fast",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     (rec,) = json.loads(out.read_text())
     assert rec["kernels"]["tier"] == RAN and rec["kernels"]["requested"] == FAST
     assert set(rec["kernels"]) == {
-        "tier", "requested", "quantized_linears", "dense_prefill_linears", "chunked_delta_layers", "step_kernel_layers",
-        "attention_step_layers", "attention_kernel_layers", "fused_stages",
-        "reason", "settings",
+        "tier",
+        "requested",
+        "quantized_linears",
+        "dense_prefill_linears",
+        "chunked_delta_layers",
+        "step_kernel_layers",
+        "attention_step_layers",
+        "attention_kernel_layers",
+        "fused_stages",
+        "reason",
+        "settings",
     }
     assert "kernels" in capsys.readouterr().out  # the table's column
     assert set(rec["machine"]) == {"before", "after"}  # the host's load around the samples
@@ -170,8 +203,11 @@ def test_arm_args_append_server_options_to_one_arm():
     engine, serial = resolve_arms(["engine", "engine-serial"], options=options)
     assert engine.command("/m", 1234)[-4:] == ["--batch", "64", "--prefill-chunk", "512"]
     assert serial.command("/m", 1234) == standard_arms()["engine-serial"].command("/m", 1234)
-    for bad, match in ((["engine"], "ARM=OPTIONS"), (["=--batch 2"], "ARM=OPTIONS"),
-                       (["engine=--batch 2", "engine=--batch 3"], "twice")):  # fmt: skip
+    for bad, match in (
+        (["engine"], "ARM=OPTIONS"),
+        (["=--batch 2"], "ARM=OPTIONS"),
+        (["engine=--batch 2", "engine=--batch 3"], "twice"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_arm_options(bad)
     with pytest.raises(ValueError, match="does not run"):
@@ -179,8 +215,12 @@ def test_arm_args_append_server_options_to_one_arm():
 
 
 def test_run_all_takes_arm_args_in_its_plan(capsys):
-    assert harness_main(["run", "all", "--models", MODEL, "--arms", "engine", "--arm-args", "engine=--batch 64",
-                         "--dry-run"]) == 0  # fmt: skip
+    assert (
+        harness_main(
+            ["run", "all", "--models", MODEL, "--arms", "engine", "--arm-args", "engine=--batch 64", "--dry-run"]
+        )
+        == 0
+    )
     assert "--batch 64" in capsys.readouterr().out
 
 
@@ -203,10 +243,15 @@ def test_the_summary_shows_the_reported_tier_not_the_arm_name():
 def test_a_probe_that_differs_on_the_fast_tier_is_named_rounding_not_a_failure():
     from harness.summary import FAST_TIER_PROBE, Notes, table_cells
 
-    run = make_run(make_arm_record("engine", {"tier": FAST, "requested": AUTO}), make_arm_record("engine-exact",
-                   {"tier": EXACT, "requested": EXACT}), make_arm_record("mlx-lm"))  # fmt: skip
-    run["models"][0]["parity"] = {"reference": "engine", "verdicts": {
-        "engine": {"match": True}, "engine-exact": {"match": False}, "mlx-lm": {"match": False}}}  # fmt: skip
+    run = make_run(
+        make_arm_record("engine", {"tier": FAST, "requested": AUTO}),
+        make_arm_record("engine-exact", {"tier": EXACT, "requested": EXACT}),
+        make_arm_record("mlx-lm"),
+    )
+    run["models"][0]["parity"] = {
+        "reference": "engine",
+        "verdicts": {"engine": {"match": True}, "engine-exact": {"match": False}, "mlx-lm": {"match": False}},
+    }
     notes = Notes()
     assert [table_cells(r, [], notes)[-2] for r in rows(run)] == ["same", "differs [1]", "differs [1]"]
     assert notes.lines() == [f"[1] {FAST_TIER_PROBE}"] and "fast tier rounds" in FAST_TIER_PROBE

@@ -9,12 +9,25 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from tf32 import rerun_without_tf32
 
 from engine.kernels import EXACT, FAST, KernelConfig, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.quantized_gemv import (
-    BITS, DENSE_MIN_ROWS, GROUP_SIZES, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    LaunchConfig, dense_matmul, launch_config, quantized_matmul, quantized_matmuls, launch_bounds, refusal, tile_k,
+    BITS,
+    DENSE_MIN_ROWS,
+    GROUP_SIZES,
+    LAYER_MAX_ROWS,
+    LAYER_MIN_OUTPUTS,
+    KernelQuantizedLinear,
+    LaunchConfig,
+    dense_matmul,
+    launch_bounds,
+    launch_config,
+    quantized_matmul,
+    quantized_matmuls,
+    refusal,
+    tile_k,
 )
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.layer import _takes
@@ -23,7 +36,6 @@ from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
 from harness.kernel_bench import delta_inputs
-from tf32 import rerun_without_tf32
 
 cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
 FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
@@ -104,7 +116,10 @@ def test_projections_off_cuda_run_each_layer_as_mlx_does():
     layers = [make_quantized(n=n, seed=n) for n in (2048, 64, 48)]
     x = mx.random.normal((1, 2, 128)).astype(mx.bfloat16)
     want = [q(x) for q in layers]
-    for got in (project(x, *layers), project(x, *[KernelQuantizedLinear.from_module(q, use_kernel=False) for q in layers])):
+    for got in (
+        project(x, *layers),
+        project(x, *[KernelQuantizedLinear.from_module(q, use_kernel=False) for q in layers]),
+    ):
         assert len(got) == 3 and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
 
 
@@ -148,8 +163,9 @@ def test_gemv_k_tiles_fit_inside_one_group(bits, group):
     assert group % tile_k(group, bits) == 0
 
 
-
-@pytest.mark.parametrize("t, hk, hv, masked", [(1, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)])
+@pytest.mark.parametrize(
+    "t, hk, hv, masked", [(1, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)]
+)
 def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked):
     q, k, v, g, beta, state = delta_inputs(t, hk, hv, 32, 16, dtype=mx.float32, seed=t)
     state = state + 0.1
@@ -321,7 +337,9 @@ def test_fused_stages_refuse_what_they_cannot_take():
         quantized_matmuls(x, triples[2:], 64, 4, norm_out=next_w)
     parts = mx.zeros((1, 4), dtype=mx.float32)
     with pytest.raises(ValueError, match="prenormed takes"):
-        quantized_matmuls(x, triples[:1], 64, 4, prenormed=(parts, 1e-6), norm=(mx.ones((128,), dtype=mx.bfloat16), 1e-6))
+        quantized_matmuls(
+            x, triples[:1], 64, 4, prenormed=(parts, 1e-6), norm=(mx.ones((128,), dtype=mx.bfloat16), 1e-6)
+        )
     with pytest.raises(ValueError, match="prenormed takes"):
         quantized_matmuls(x, triples[:1], 64, 4, prenormed=(parts.astype(mx.bfloat16), 1e-6))
 
@@ -366,13 +384,18 @@ def _stage_names(stages: dict) -> tuple:
     return tuple(sorted(k for k, v in stages.items() if v is not None and v is not False))
 
 
-def _reference_launch(x, layers, norm=None, residual=None, gated=False, norm_scale=False, norm_out=None,
-                      prenormed=None):  # fmt: skip
+def _reference_launch(
+    x, layers, norm=None, residual=None, gated=False, norm_scale=False, norm_out=None, prenormed=None
+):
     # quantized_gemv.run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
     # plumbing runs on any backend: norm_out's parts as one block's
     f32 = mx.float32
-    ys = [mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size,
-                              bits=q.bits) for q in layers]  # as q(x) off CUDA (no bias); on CUDA q(x) is a launch  # fmt: skip
+    ys = [
+        mx.quantized_matmul(
+            x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size, bits=q.bits
+        )
+        for q in layers
+    ]  # as q(x) off CUDA (no bias); on CUDA q(x) is a launch
     if prenormed is not None:
         r = mx.rsqrt(prenormed[0].sum(axis=-1) / x.shape[-1] + prenormed[1]).reshape(*x.shape[:-1], 1)
         ys = [(y.astype(f32) * r).astype(y.dtype) for y in ys]
@@ -391,6 +414,7 @@ def _stand_in(launch_as, calls=None, taken=None):
     """A fast-tier config whose GEMV launches all go through `launch_as(x, layers, **stages)`, on any backend and
     for matrices of every size (the tiny models' are below the kernel's minimum); `calls` gets each launch's
     stages by name, `taken` the norm weights norm_out takes."""
+
     def launch(x, layers, **stages):
         if calls is not None:
             calls.append(_stage_names(stages))
@@ -459,7 +483,9 @@ def _handoff_decode(launch_as):
     assert launches[("norm_out", "residual")] == 2 * len(layers) - 1
     assert launches[("gated", "prenormed")] == len(layers)
     assert launches[("prenormed",)] == len(layers) - 1
-    norms = [w for a, b in zip(layers, layers[1:]) for w in (a.post_attention_layernorm.weight, b.input_layernorm.weight)]
+    norms = [
+        w for a, b in zip(layers, layers[1:]) for w in (a.post_attention_layernorm.weight, b.input_layernorm.weight)
+    ]
     assert [id(w) for w in first_taken] == [id(w) for w in norms + [layers[-1].post_attention_layernorm.weight]]
     return want, got
 
@@ -473,8 +499,10 @@ def _as_accurate(want, got) -> bool:
 
     (ref,) = reference_logits(ensure_model("tiny-qwen35-4bit"), [list(range(3, 11)) + list(range(20, 26))], [9], 6)
     apart, handed = score(ref, mx.stack(want)), score(ref, mx.stack(got))
-    return (handed.mean_kl <= KL_RATIO * apart.mean_kl + KL_SLACK
-            and handed.top1_agreement >= apart.top1_agreement - TOP1_MARGIN)  # fmt: skip
+    return (
+        handed.mean_kl <= KL_RATIO * apart.mean_kl + KL_SLACK
+        and handed.top1_agreement >= apart.top1_agreement - TOP1_MARGIN
+    )
 
 
 def test_layers_hand_the_next_layer_its_input_norm():
@@ -564,7 +592,11 @@ def test_gemv_stages_by_name():
 
     assert Fusion.parse("residual, gated") == Fusion(residual=True, gated=True)
     assert Fusion.parse("none") == Fusion.parse("") == Fusion()
-    for f in (Fusion(), Fusion(residual=True, gated=True, norm_scale=True), Fusion(residual=True, gated=True, norm_out=True)):
+    for f in (
+        Fusion(),
+        Fusion(residual=True, gated=True, norm_scale=True),
+        Fusion(residual=True, gated=True, norm_out=True),
+    ):
         assert Fusion.parse(f.names()) == f
     with pytest.raises(ValueError, match="unknown GEMV stages"):
         Fusion.parse("residual,fused")
@@ -643,8 +675,14 @@ def test_gemv_launch_setting_replaces_one_row_launch_shapes():
     assert launch_config(1, 6144, 64, 4, rows=5120, launches=table) == LaunchConfig(16, 1, 4, 2)
     assert launch_config(2, 17408, 64, 4, rows=5120, launches=table) == LaunchConfig(2, 1, 4)  # one-row launches only
     assert launch_config(1, 5120, 64, 4, rows=17408, launches=table) == LaunchConfig(4, 2, 4, 5)
-    for bad in ("5120x17408=8,1", "5120=8,1,4", "5120x17408=0,1,4", "5120x17408=8,1,4,2,2", "5120x17408=8,1,4,-1",
-                "axb=1,1,1"):  # fmt: skip
+    for bad in (
+        "5120x17408=8,1",
+        "5120=8,1,4",
+        "5120x17408=0,1,4",
+        "5120x17408=8,1,4,2,2",
+        "5120x17408=8,1,4,-1",
+        "axb=1,1,1",
+    ):
         with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
             qg.parse_launches(bad)
 
@@ -656,7 +694,10 @@ def test_two_row_tiles_equal_one_at_m1(n):
     q = make_quantized(n=n, k=5120)
     x = mx.random.normal((1, 1, 5120)).astype(mx.bfloat16)
     args = (x, q.weight, q.scales, q.biases, 64, 4)
-    one, two = quantized_matmul(*args, config=LaunchConfig(4, 1, 4)), quantized_matmul(*args, config=LaunchConfig(4, 2, 4))
+    one, two = (
+        quantized_matmul(*args, config=LaunchConfig(4, 1, 4)),
+        quantized_matmul(*args, config=LaunchConfig(4, 2, 4)),
+    )
     assert mx.array_equal(one, two).item()
 
 
@@ -673,14 +714,23 @@ def test_slices_of_the_activation_rows_change_no_bit(m, stages):
 
     def run(config):
         matrices = [(q.weight, q.scales, q.biases)] + (stages == "gated") * [(up.weight, up.scales, up.biases)]
-        return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
-                                 gated=stages == "gated")[0]  # fmt: skip
+        return quantized_matmuls(
+            x, matrices, 64, 4, config, residual=residual if stages == "residual" else None, gated=stages == "gated"
+        )[0]
 
-    split_k = [LaunchConfig(4, 1, 4, row_groups=2), LaunchConfig(8, 1, 4, 1, row_groups=2, m_groups=2),
-               LaunchConfig(16, 1, 4, 1, row_groups=2, m_groups=4), LaunchConfig(32, 1, 4, 1, row_groups=2, m_groups=8),
-               LaunchConfig(8, 2, 4, 2, row_groups=2, m_groups=2), LaunchConfig(8, 4, 4, 1, m_groups=4)]
-    whole_k = [LaunchConfig(2, 1, 1, row_groups=2), LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2),
-               LaunchConfig(4, 2, 2, 4, m_groups=4)]
+    split_k = [
+        LaunchConfig(4, 1, 4, row_groups=2),
+        LaunchConfig(8, 1, 4, 1, row_groups=2, m_groups=2),
+        LaunchConfig(16, 1, 4, 1, row_groups=2, m_groups=4),
+        LaunchConfig(32, 1, 4, 1, row_groups=2, m_groups=8),
+        LaunchConfig(8, 2, 4, 2, row_groups=2, m_groups=2),
+        LaunchConfig(8, 4, 4, 1, m_groups=4),
+    ]
+    whole_k = [
+        LaunchConfig(2, 1, 1, row_groups=2),
+        LaunchConfig(4, 4, 1, 2, row_groups=2, m_groups=2),
+        LaunchConfig(4, 2, 2, 4, m_groups=4),
+    ]
     for first, *others in (split_k, whole_k):
         whole = run(first)
         for sliced in others:
@@ -700,14 +750,21 @@ def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
 
     def run(config=None):
         matrices = [(q.weight, q.scales, q.biases)] + (stages == "gated") * [(up.weight, up.scales, up.biases)]
-        return quantized_matmuls(x, matrices, 64, 4, config, residual=residual if stages == "residual" else None,
-                                 gated=stages == "gated")[0]  # fmt: skip
+        return quantized_matmuls(
+            x, matrices, 64, 4, config, residual=residual if stages == "residual" else None, gated=stages == "gated"
+        )[0]
 
     staged = run(replace(staged_config(m, 5120, 64, 4), rounded=0, splits=1))
     assert mx.array_equal(staged, run(LaunchConfig(2, 1, 1, row_groups=2))).item()
-    for layout in (StagedConfig(warps=8, row_tiles=1), StagedConfig(warps=2, row_tiles=4), StagedConfig(stages=2),
-                   StagedConfig(stages=4), StagedConfig(chunk_tiles=4), StagedConfig(m_groups=2),
-                   StagedConfig(m_groups=4, stages=2)):  # fmt: skip
+    for layout in (
+        StagedConfig(warps=8, row_tiles=1),
+        StagedConfig(warps=2, row_tiles=4),
+        StagedConfig(stages=2),
+        StagedConfig(stages=4),
+        StagedConfig(chunk_tiles=4),
+        StagedConfig(m_groups=2),
+        StagedConfig(m_groups=4, stages=2),
+    ):
         assert mx.array_equal(staged, run(layout)).item(), layout
     whole = staged.astype(mx.float32)
     split = run(StagedConfig(splits=2)).astype(mx.float32)
@@ -716,8 +773,17 @@ def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
 
 @cuda_only
 @pytest.mark.parametrize("m", [9, 17, 33, 63])
-@pytest.mark.parametrize("layout", [dict(), dict(m_groups=2), dict(m_groups=4, stages=2), dict(m_groups=2, splits=2),
-                                    dict(min_blocks=2, m_groups=2, stages=2), dict(warps=2, m_groups=2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(),
+        dict(m_groups=2),
+        dict(m_groups=4, stages=2),
+        dict(m_groups=2, splits=2),
+        dict(min_blocks=2, m_groups=2, stages=2),
+        dict(warps=2, m_groups=2),
+    ],
+)
 def test_staged_layouts_match_float32(m, layout):
     # Each staged layout against the float32 product (test_gemv_kernel_matches_mlx's bound): splits add the
     # same float32 sums in another order; m groups and register caps change no sum.
@@ -759,8 +825,18 @@ def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, 
 
 @cuda_only
 @pytest.mark.parametrize("m", [17, 63])
-@pytest.mark.parametrize("layout", [dict(splits=2), dict(m_groups=2), dict(warps=2, m_groups=2), dict(stages=3),
-                                    dict(stages=3, chunk_tiles=4), dict(warps=8, row_tiles=1), dict(min_blocks=2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(splits=2),
+        dict(m_groups=2),
+        dict(warps=2, m_groups=2),
+        dict(stages=3),
+        dict(stages=3, chunk_tiles=4),
+        dict(warps=8, row_tiles=1),
+        dict(min_blocks=2),
+    ],
+)
 def test_rounded_staged_layouts_sum_the_same_function(m, layout):
     # Unsplit, a rounded launch adds each row's k-tiles in k order whatever its warps, stages, chunks or m
     # groups: the same bits; a split K adds the same float32 sums in another order (the bound above).
@@ -768,8 +844,9 @@ def test_rounded_staged_layouts_sum_the_same_function(m, layout):
     x = mx.random.normal((m, 6144)).astype(mx.bfloat16)
     out = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(rounded=1, **layout))
     if "splits" not in layout:
-        assert mx.array_equal(out, quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4,
-                                                    config=StagedConfig(rounded=1))).item()  # fmt: skip
+        assert mx.array_equal(
+            out, quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(rounded=1))
+        ).item()
     want = _rounded_reference(x, q, 64, 4)
     tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
     assert mx.all(mx.abs(out.astype(mx.float32) - want) <= tol).item()
@@ -786,8 +863,8 @@ def test_rounded_staged_kernel_runs_the_fused_stages_on_its_sums(m, stages):
     x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
     residual = mx.random.normal((m, 3000)).astype(mx.bfloat16)
     f32 = mx.float32
-    for splits in (1, 2):
-        config = StagedConfig(rounded=1, splits=splits)
+    for n_splits in (1, 2):
+        config = StagedConfig(rounded=1, splits=n_splits)
         plain = [quantized_matmuls(x, [(a.weight, a.scales, a.biases)], 64, 4, config)[0] for a in (q, up)]
         if stages == "residual":
             (y,) = quantized_matmuls(x, [(q.weight, q.scales, q.biases)], 64, 4, config, residual=residual)
@@ -819,7 +896,9 @@ def test_staged_launch_asks_for_shared_memory_past_48_kb():
     assert two.shared_bytes(32, 64, 4) == 2 * (32 * 136 * 2 + 128 * 24 * 4 + 4 * 128 * 2)
     assert shared_request(two, 32, Fusion(), 64, 4) == two.shared_bytes(32, 64, 4)
     assert shared_request(two, 32, Fusion(gated=True, prenormed=True), 64, 4) == 48 << 10
-    assert shared_request(StagedConfig(stages=3), 64, Fusion(prenormed=True), 64, 4) == StagedConfig(stages=3).shared_bytes(64, 64, 4)
+    assert shared_request(StagedConfig(stages=3), 64, Fusion(prenormed=True), 64, 4) == StagedConfig(
+        stages=3
+    ).shared_bytes(64, 64, 4)
 
 
 def test_staged_m_groups_take_more_warps():
@@ -862,12 +941,17 @@ def _delta_core_inputs(b, hk, hv, dk, dv, ks, bias_dtype):
     mx.random.seed(0)
     c, bf = 2 * hk * dk + hv * dv, mx.bfloat16
     return dict(
-        qkv=mx.random.normal((b, 1, c)).astype(bf), z=mx.random.normal((b, 1, hv, dv)).astype(bf),
-        a=mx.random.normal((b, 1, hv)).astype(bf), beta_logits=mx.random.normal((b, 1, hv)).astype(bf),
-        conv_state=mx.random.normal((b, ks - 1, c)).astype(bf), state=0.1 * mx.random.normal((b, hv, dv, dk)),
-        conv_w=(0.5 * mx.random.normal((c, ks, 1))).astype(bf), A_log=0.3 * mx.random.normal((hv,)),
-        dt_bias=mx.random.normal((hv,)).astype(bias_dtype), norm_w=(1 + 0.1 * mx.random.normal((dv,))).astype(bf),
-    )  # fmt: skip
+        qkv=mx.random.normal((b, 1, c)).astype(bf),
+        z=mx.random.normal((b, 1, hv, dv)).astype(bf),
+        a=mx.random.normal((b, 1, hv)).astype(bf),
+        beta_logits=mx.random.normal((b, 1, hv)).astype(bf),
+        conv_state=mx.random.normal((b, ks - 1, c)).astype(bf),
+        state=0.1 * mx.random.normal((b, hv, dv, dk)),
+        conv_w=(0.5 * mx.random.normal((c, ks, 1))).astype(bf),
+        A_log=0.3 * mx.random.normal((hv,)),
+        dt_bias=mx.random.normal((hv,)).astype(bias_dtype),
+        norm_w=(1 + 0.1 * mx.random.normal((dv,))).astype(bf),
+    )
 
 
 @pytest.mark.parametrize("dk, dv", [(32, 32), (64, 128), (128, 128), (256, 256), (96, 384), (128, 512), (1024, 1024)])
@@ -878,7 +962,9 @@ def test_fused_delta_kernel_deals_every_state_row_once(dk, dv):
     warps = threads // 32
     assert threads % 32 == 0 and dv <= threads <= max(512, dv) and rows * dk <= max(1024, dk)
     assert dv % (rows * warps) == 0  # the kernel's rounds: warp w, round i takes rows w + warps * (r + rows * i)
-    dealt = sorted(w + warps * (r + rows * i) for i in range(dv // (rows * warps)) for w in range(warps) for r in range(rows))
+    dealt = sorted(
+        w + warps * (r + rows * i) for i in range(dv // (rows * warps)) for w in range(warps) for r in range(rows)
+    )
     assert dealt == list(range(dv))
 
 
@@ -894,15 +980,21 @@ def test_fused_delta_kernel_refuses_key_dims_above_value_dims():
 @pytest.mark.parametrize("bias_dtype", [mx.float32, mx.bfloat16])
 # qwen27b's heads (one round of state rows); batch rows; key dim below value dim; two value dims with more
 # than one round of rows a warp (launch_shape)
-@pytest.mark.parametrize("b, hk, hv, dk, dv", [(1, 16, 48, 128, 128), (3, 2, 4, 128, 128), (1, 2, 4, 64, 128),
-                                               (2, 1, 2, 256, 256), (1, 1, 1, 128, 512)])  # fmt: skip
+@pytest.mark.parametrize(
+    "b, hk, hv, dk, dv",
+    [(1, 16, 48, 128, 128), (3, 2, 4, 128, 128), (1, 2, 4, 64, 128), (2, 1, 2, 256, 256), (1, 1, 1, 128, 512)],
+)
 def test_fused_delta_kernel_matches_the_compiled_core(bias_dtype, b, hk, hv, dk, dv):
     from engine.kernels.gated_delta_decode import _core
     from engine.kernels.gated_delta_step import delta_step
 
     args = _delta_core_inputs(b, hk, hv, dk, dv, 4, bias_dtype)
-    want = _core(hk, hv, dk, dv, 1e-6)(*(args[n] for n in ("qkv", "z", "a", "beta_logits", "conv_state", "state",
-                                                            "conv_w", "A_log", "dt_bias", "norm_w")))
+    want = _core(hk, hv, dk, dv, 1e-6)(
+        *(
+            args[n]
+            for n in ("qkv", "z", "a", "beta_logits", "conv_state", "state", "conv_w", "A_log", "dt_bias", "norm_w")
+        )
+    )
     got = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk)
     assert mx.array_equal(got[1], want[1]).item()  # the conv tail is a copy
     # The kernel sums the conv in float32; MLX's bf16 multiply-sum rounds each product, so 1 in 6 conv
@@ -954,8 +1046,9 @@ def test_compiled_attention_step_in_a_batch_matches_the_layer_path():
 
     def run():
         logits = {}
-        batcher = ContinuousBatcher(model, SchedulerConfig(max_rows=4),
-                                    tap=lambda rid, x: logits.setdefault(rid, []).append(x))  # fmt: skip
+        batcher = ContinuousBatcher(
+            model, SchedulerConfig(max_rows=4), tap=lambda rid, x: logits.setdefault(rid, []).append(x)
+        )
         sinks = {}
         for rid, n in (("a", 9), ("b", 3), ("c", 6)):
             sinks[rid] = CollectingSink()
@@ -1107,10 +1200,19 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
 @cuda_only
 # one launch (n = 1, 300, 37), positions in 16 chunks (1100; 600 with two batch rows and the last chunk short);
 # rows of a left-padded batch, each from its own first column (up to 64 rows, starts past a whole chunk)
-@pytest.mark.parametrize("h, hkv, d, rope_dims, b, n", [(24, 4, 256, 64, 1, 1), (24, 4, 256, 64, 1, 300),
-                                                        (24, 4, 256, 64, 1, 1100), (4, 2, 64, 16, 2, 37),
-                                                        (4, 2, 64, 16, 2, 600), (24, 4, 256, 64, 9, 200),
-                                                        (24, 4, 256, 64, 33, 700), (4, 2, 64, 16, 64, 130)])  # fmt: skip
+@pytest.mark.parametrize(
+    "h, hkv, d, rope_dims, b, n",
+    [
+        (24, 4, 256, 64, 1, 1),
+        (24, 4, 256, 64, 1, 300),
+        (24, 4, 256, 64, 1, 1100),
+        (4, 2, 64, 16, 2, 37),
+        (4, 2, 64, 16, 2, 600),
+        (24, 4, 256, 64, 9, 200),
+        (24, 4, 256, 64, 33, 700),
+        (4, 2, 64, 16, 64, 130),
+    ],
+)
 def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     from engine.kernels.attention_step import attend, attend_params, float_params, keys, row_params
 

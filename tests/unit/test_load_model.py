@@ -38,14 +38,17 @@ def test_a_sweep_is_saturated_when_throughput_stops_rising_while_ttft_climbs():
     assert not arrivals.saturated([10.0, 19.0], [50.0, 60.0])  # still rising
     assert not arrivals.saturated([10.0, 10.2], [50.0, 70.0])  # flat, but TTFT has not doubled
     assert arrivals.saturated([10.0, 19.0, 19.5], [50.0, 60.0, 400.0])
-    assert arrivals.sweep_rates(0.25)[:4] == [0.25, 0.5, 1.0, 2.0] and len(arrivals.sweep_rates()) == arrivals.SWEEP_CELLS
+    assert (
+        arrivals.sweep_rates(0.25)[:4] == [0.25, 0.5, 1.0, 2.0] and len(arrivals.sweep_rates()) == arrivals.SWEEP_CELLS
+    )
 
 
 def test_rate_and_shared_prefix_cells_leave_the_other_prompts_as_they_were():
     encode = lambda s: [ord(c) % 500 + 3 for c in s]  # noqa: E731 - a stand-in tokenizer
     plain = build("m", encode, "sha", WorkloadSettings(concurrency=(2,)))
-    settings = WorkloadSettings(concurrency=(2,), rates=(1.0, 4.0), rate_requests=6, prefix_groups=2,
-                                prefix_group_size=3, prefix_tokens=40)  # fmt: skip
+    settings = WorkloadSettings(
+        concurrency=(2,), rates=(1.0, 4.0), rate_requests=6, prefix_groups=2, prefix_group_size=3, prefix_tokens=40
+    )
     loaded = build("m", encode, "sha", settings)
     assert phase_names(settings)[-3:] == [PREFIX, "rate-1", "rate-4"]
     for phase in plain.phases:
@@ -69,13 +72,15 @@ def test_chats_replay_the_same_conversation_on_every_arm():
 
 
 def test_counters_keep_what_changed_during_a_cell():
-    text = ('# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="m"} 10.0\n'
-            'vllm:prompt_tokens_created{model_name="m"} 1.7e9\n'
-            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3.0\n'
-            '# TYPE vllm:time_to_first_token_seconds histogram\n'
-            'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 4.0\n'
-            'vllm:time_to_first_token_seconds_count{model_name="m"} 4.0\n'
-            'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.5\n')  # fmt: skip
+    text = (
+        '# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="m"} 10.0\n'
+        'vllm:prompt_tokens_created{model_name="m"} 1.7e9\n'
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3.0\n'
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 4.0\n'
+        'vllm:time_to_first_token_seconds_count{model_name="m"} 4.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.5\n'
+    )
 
     class Client:
         def __init__(self, body):
@@ -85,10 +90,12 @@ def test_counters_keep_what_changed_during_a_cell():
             return type("R", (), {"status_code": 200, "text": self.body})()
 
     before = counters.read(Client(text))
-    assert before == {"vllm:prompt_tokens_total{model_name=m}": 10.0,
-                      "vllm:time_to_first_token_seconds_count{model_name=m}": 4.0,
-                      "vllm:time_to_first_token_seconds_sum{model_name=m}": 0.5}  # fmt: skip
-    after = counters.read(Client(text.replace("_total{model_name=\"m\"} 10.0", "_total{model_name=\"m\"} 74.0")))
+    assert before == {
+        "vllm:prompt_tokens_total{model_name=m}": 10.0,
+        "vllm:time_to_first_token_seconds_count{model_name=m}": 4.0,
+        "vllm:time_to_first_token_seconds_sum{model_name=m}": 0.5,
+    }
+    after = counters.read(Client(text.replace('_total{model_name="m"} 10.0', '_total{model_name="m"} 74.0')))
     assert counters.delta(before, after) == {"vllm:prompt_tokens_total{model_name=m}": 64.0}
     assert counters.delta(None, after) is None
 
@@ -99,8 +106,9 @@ def test_arms_from_urls_and_engine_variants():
     for bad in ("vllm", "vllm=localhost:8000", "mlx-lm=http://h:1", "engine-x=http://h:1"):
         with pytest.raises(ValueError):
             external_arm(bad)
-    arms = resolve_arms(["engine", "engine-ngram"], options=parse_arm_options(["engine-ngram=--draft-kind ngram"]),
-                        external=[ext])  # fmt: skip
+    arms = resolve_arms(
+        ["engine", "engine-ngram"], options=parse_arm_options(["engine-ngram=--draft-kind ngram"]), external=[ext]
+    )
     assert [a.name for a in arms] == ["engine", "engine-ngram", "vllm"]
     assert arms[1].command(Path("/m"), 9)[-2:] == ["--draft-kind", "ngram"] and arms[1].is_engine
     with pytest.raises(ValueError, match="engine-NAME needs --arm-args"):
@@ -114,8 +122,12 @@ def test_a_server_the_harness_did_not_start_is_measured_alone(capsys):
     with pytest.raises(ValueError, match="takes no server options"):
         resolve_arms(["ext"], options={"ext": ["--batch", "4"]}, external=[ext])
     for arms in ("", "ext"):
-        assert harness_main(["run", "all", "--models", "tiny-qwen3", "--arms", arms, "--arm", "ext=http://127.0.0.1:9",
-                             "--dry-run"]) == 0  # fmt: skip
+        assert (
+            harness_main(
+                ["run", "all", "--models", "tiny-qwen3", "--arms", arms, "--arm", "ext=http://127.0.0.1:9", "--dry-run"]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         assert "arms in order ['ext']" in out and "(external) http://127.0.0.1:9" in out
     assert harness_main(["run", "all", "--arms", "", "--dry-run"]) == 2
@@ -124,19 +136,40 @@ def test_a_server_the_harness_did_not_start_is_measured_alone(capsys):
 
 # vLLM 0.31's `vllm bench serve --save-result` keys (vllm/benchmarks/serve.py), the percentiles at their default (99)
 VLLM_KEYS = {
-    "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
-    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-    "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls",
-    "generated_texts", "errors",
+    "date",
+    "backend",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "generated_texts",
+    "errors",
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")),
-}  # fmt: skip
+}
 
 
 def test_the_vllm_export_has_vllms_result_keys():
     run = json.loads(FIXTURE.read_text())
     results = vllm_export.export(run)
     phases = [(r["harness"]["arm"], r["harness"]["phase"]) for r in results]
-    assert ("engine", "decode") in phases and ("mlx-lm", "concurrency-2") in phases and ("engine", "warmup") not in phases
+    assert (
+        ("engine", "decode") in phases and ("mlx-lm", "concurrency-2") in phases and ("engine", "warmup") not in phases
+    )
     for r in results:
         assert set(r) - {"harness"} == VLLM_KEYS
         assert r["completed"] == r["num_prompts"] == len(r["ttfts"]) and all(t < 10 for t in r["ttfts"])  # seconds
@@ -144,8 +177,9 @@ def test_the_vllm_export_has_vllms_result_keys():
     assert conc["request_rate"] == "inf" and conc["max_concurrency"] == 2
 
 
-@pytest.mark.parametrize("value, message", [("0,2", "finite requests/s above 0"), ("inf", "--concurrency N"),
-                                            ("sweep:x", "sweep:START")])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, message", [("0,2", "finite requests/s above 0"), ("inf", "--concurrency N"), ("sweep:x", "sweep:START")]
+)
 def test_bad_rates_are_refused(value, message, capsys):
     with pytest.raises(SystemExit) as e:
         harness_main(["run", "all", "--rates", value, "--dry-run"])

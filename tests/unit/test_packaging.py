@@ -48,9 +48,25 @@ def test_the_wheel_ships_the_template_and_the_report_loads_it_from_there(tmp_pat
     src, dist, site = tmp_path / "src", tmp_path / "dist", tmp_path / "site"
     src.mkdir()
     copy_sources(src)
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-                            "--disable-pip-version-check", "-q", "-w", str(dist)],
-                           check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(dist),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     hint = "pip wheel failed (the test extra brings the setuptools it needs: pip install -e '.[test]')"
     assert build.returncode == 0, f"{hint}:\n{build.stderr[-3000:]}"
     (wheel,) = dist.glob("engine_harness-*.whl")
@@ -60,11 +76,13 @@ def test_the_wheel_ships_the_template_and_the_report_loads_it_from_there(tmp_pat
     assert "harness/templates/report.html.j2" in names and "engine/synth/corpus.txt" in names
     assert not any(n.startswith("templates/") for n in names)  # no top-level package named templates
     # The unpacked wheel first on the path (its dependencies come from this environment's site-packages).
-    probe = (f"import sys; sys.path.insert(0, {str(site)!r})\n"
-             "from pathlib import Path\n"
-             "from harness import report\n"
-             "print(report.TEMPLATES / 'report.html.j2')\n"
-             f"print(len(report.render_html(report.build_view(report.load([Path({str(FIXTURE)!r})])))))\n")  # fmt: skip
+    probe = (
+        f"import sys; sys.path.insert(0, {str(site)!r})\n"
+        "from pathlib import Path\n"
+        "from harness import report\n"
+        "print(report.TEMPLATES / 'report.html.j2')\n"
+        f"print(len(report.render_html(report.build_view(report.load([Path({str(FIXTURE)!r})])))))\n"
+    )
     run = subprocess.run(
         [sys.executable, "-I", "-c", probe], check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path
     )

@@ -14,8 +14,20 @@ ROOT = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout,
 
 @pytest.mark.parametrize("extra", [[], ["--interleave", "--clear", "--dense-min-rows", "16"]])
 def test_every_shape_and_chunk_reports_a_time(tiny_path, extra):
-    cmd = [sys.executable, "-m", "tools.gpu.prefill_kernels", "--model-path", str(tiny_path("tiny-qwen35")),
-           "--shapes", "1x24,3x16", "--chunks", "2", "--reps", "1", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.gpu.prefill_kernels",
+        "--model-path",
+        str(tiny_path("tiny-qwen35")),
+        "--shapes",
+        "1x24,3x16",
+        "--chunks",
+        "2",
+        "--reps",
+        "1",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for shape in ("1x24", "3x16"):

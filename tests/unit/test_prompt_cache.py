@@ -159,10 +159,13 @@ def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cach
         # bits on CUDA (f32: the first attention layer's K/V differ by ~2e-3; bf16: logits by ~3e-3),
         # as kernels are chosen by the chunk's shape there. The dense models stayed exact. On the CPU
         # every case is exact.
-        request.applymarker(pytest.mark.xfail(
-            reason="CUDA picks kernels by each chunk's length, so whether a split changes the bits depends on the "
-            "split: only 17 + 282 was measured to differ; the 200 and 299 splits may match by chance, hence not strict",
-            strict=False))  # fmt: skip
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="CUDA picks kernels by each chunk's length, so whether a split changes the bits depends on the "
+                "split: only 17 + 282 was measured to differ; the 200 and 299 splits may match by chance, hence not strict",
+                strict=False,
+            )
+        )
     model = load_model(tiny_path(name))[0]
     prompt = tuple(range(50, 350))
 
@@ -171,7 +174,9 @@ def test_a_cached_prefix_gives_the_cold_logits_bit_for_bit(tiny_path, name, cach
         if n_cached:
             prefill(model, cache, mx.array(list(prompt[: n_cached + 1])))
         stop = StopCriteria(max_tokens=4, ignore_eos=True)
-        list(generate(model, prompt, stop=stop, cache=cache, cached_tokens=n_cached, tap=lambda s: out.append(s.logits)))
+        list(
+            generate(model, prompt, stop=stop, cache=cache, cached_tokens=n_cached, tap=lambda s: out.append(s.logits))
+        )
         return out
 
     for cold, warm in zip(logits(0), logits(cached)):
@@ -222,7 +227,9 @@ def test_snapshots_the_entry_cannot_complete_are_dropped(hybrid):
 def test_an_entry_past_the_budget_keeps_its_earliest_snapshots(hybrid):
     cache, fed, snapshots = hybrid.make_cache(), [], []
     blocks = BlockSnapshots(128, lambda n, c: snapshots.append((n, snapshot(c))))
-    list(generate(hybrid, SYSTEM, stop=StopCriteria(max_tokens=2, ignore_eos=True), cache=cache, fed=fed, blocks=blocks))
+    list(
+        generate(hybrid, SYSTEM, stop=StopCriteria(max_tokens=2, ignore_eos=True), cache=cache, fed=fed, blocks=blocks)
+    )
     whole = sum(c.nbytes for c in cache)
     one = sum(c.nbytes for c in snapshots[0][1] if c is not None)
     pc = PromptCache(whole + 2 * one)  # room for two of the four snapshots (128, 256, 384, 512)
@@ -298,8 +305,18 @@ def test_a_quantized_prefix_gives_the_cold_logits_bit_for_bit_on_both_lanes(whic
 
     def serial(cache=None, cached=0):
         out = []
-        list(generate(model, prompt, stop=stop, cache=cache, cached_tokens=cached, kv_quantization=KVQ,
-                      prefill_step_size=16, tap=lambda s: out.append(s.logits)))  # fmt: skip
+        list(
+            generate(
+                model,
+                prompt,
+                stop=stop,
+                cache=cache,
+                cached_tokens=cached,
+                kv_quantization=KVQ,
+                prefill_step_size=16,
+                tap=lambda s: out.append(s.logits),
+            )
+        )
         return out
 
     cache = model.make_cache()  # a quantized entry of the first 40 tokens, first chunk 16
@@ -308,11 +325,17 @@ def test_a_quantized_prefix_gives_the_cold_logits_bit_for_bit_on_both_lanes(whic
     for a, b in zip(cold, serial(copy.deepcopy(cache), 40)):
         assert mx.array_equal(a, b).item()
     logits = {"hit": [], "fresh": []}
-    b = ContinuousBatcher(model, SchedulerConfig(max_rows=4, prefill_chunk=16), kv_quantization=KVQ,
-                          tap=lambda rid, x: logits[rid].append(x))  # fmt: skip
+    b = ContinuousBatcher(
+        model,
+        SchedulerConfig(max_rows=4, prefill_chunk=16),
+        kv_quantization=KVQ,
+        tap=lambda rid, x: logits[rid].append(x),
+    )
     hit = CachedPrefix(prompt[:40], cache, full_chunk=16)
-    submits = [lambda: b.submit(req("hit", prompt, 4), CollectingSink(), hit),
-               lambda: b.submit(req("fresh", prompt, 4), CollectingSink())]  # fmt: skip
+    submits = [
+        lambda: b.submit(req("hit", prompt, 4), CollectingSink(), hit),
+        lambda: b.submit(req("fresh", prompt, 4), CollectingSink()),
+    ]
     for submit in submits if hit_first else submits[::-1]:
         submit()
     b.run_until_idle()
@@ -325,8 +348,12 @@ def test_a_quantized_prefix_gives_the_cold_logits_bit_for_bit_on_both_lanes(whic
 def test_quantized_kv_snapshots_start_past_the_first_chunk(hybrid, batch):
     # Block snapshots cut chunks at every 16 tokens, but not a cold prompt's first chunk (64): it stays as long
     # as mlx-lm's kv_bits makes it, so the cache changes no result; a prompt sharing 90 tokens starts at 80.
-    g = Gateway(hybrid, GatewayConfig(batch=batch, prompt_cache_bytes=1 << 30, prefill_chunk=64,
-                                      prompt_cache_block=16, kv_quantization=KVQ))  # fmt: skip
+    g = Gateway(
+        hybrid,
+        GatewayConfig(
+            batch=batch, prompt_cache_bytes=1 << 30, prefill_chunk=64, prompt_cache_block=16, kv_quantization=KVQ
+        ),
+    )
     assert g.prompt_cache.full_chunk == 64
     prompts = {"first": tuple(range(100, 200)), "shares-90": tuple(range(100, 190)) + (7, 8, 9)}
     for rid, prompt in prompts.items():
@@ -341,6 +368,13 @@ def test_quantized_kv_snapshots_start_past_the_first_chunk(hybrid, batch):
 @pytest.mark.parametrize("kv, ends", [(None, [16, 32, 48, 64, 80, 96, 99]), (KVQ, [64, 80, 96, 99])])
 def test_block_snapshots_cut_no_quantized_first_chunk(hybrid, kv, ends):
     seen = []
-    prefill(hybrid, hybrid.make_cache(), mx.array(list(range(100, 200))), step_size=64, kv_quantization=kv,
-            on_progress=lambda done, total: seen.append(done), blocks=BlockSnapshots(16, lambda n, c: None))  # fmt: skip
+    prefill(
+        hybrid,
+        hybrid.make_cache(),
+        mx.array(list(range(100, 200))),
+        step_size=64,
+        kv_quantization=kv,
+        on_progress=lambda done, total: seen.append(done),
+        blocks=BlockSnapshots(16, lambda n, c: None),
+    )
     assert seen == ends

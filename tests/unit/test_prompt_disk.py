@@ -33,8 +33,16 @@ def dense(models):
 def served(model, prompt):
     """A finished request's entry: its caches (prompt and fed tokens) and block snapshots every 128 tokens."""
     cache, fed, snaps = model.make_cache(), [], []
-    list(generate(model, prompt, stop=STOP, cache=cache, fed=fed,
-                  blocks=BlockSnapshots(128, lambda n, c: snaps.append((n, snapshot(c))))))  # fmt: skip
+    list(
+        generate(
+            model,
+            prompt,
+            stop=STOP,
+            cache=cache,
+            fed=fed,
+            blocks=BlockSnapshots(128, lambda n, c: snaps.append((n, snapshot(c)))),
+        )
+    )
     return CachedPrefix(tuple(prompt) + tuple(fed), cache, tuple(snaps))
 
 
@@ -81,8 +89,18 @@ def test_a_quantized_kv_entry_serves_after_a_restart_bit_for_bit(which, tmp_path
 
     def run(cache=None, cached=0):
         out = []
-        list(generate(model, other, stop=STOP, cache=cache, cached_tokens=cached, kv_quantization=kv,
-                      prefill_step_size=64, tap=lambda s: out.append(s.logits)))  # fmt: skip
+        list(
+            generate(
+                model,
+                other,
+                stop=STOP,
+                cache=cache,
+                cached_tokens=cached,
+                kv_quantization=kv,
+                prefill_step_size=64,
+                tap=lambda s: out.append(s.logits),
+            )
+        )
         return out
 
     for cold, warm in zip(run(), run(hit.cache, len(stored))):

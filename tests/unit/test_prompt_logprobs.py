@@ -28,8 +28,9 @@ def reference(model, prompt: tuple[int, ...], chunk: int) -> mx.array:
 def scored(gateway: Gateway, prompts: list[tuple[int, ...]], top: int = 2) -> list:
     sinks = [CollectingSink() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
-        request = GenerationRequest(f"r{i}", prompt, stop=StopCriteria(max_tokens=2, ignore_eos=True),
-                                    prompt_logprobs=top)  # fmt: skip
+        request = GenerationRequest(
+            f"r{i}", prompt, stop=StopCriteria(max_tokens=2, ignore_eos=True), prompt_logprobs=top
+        )
         gateway.submit(request, sink)
     gateway.run_until_idle()
     return [s.result.prompt_logprobs for s in sinks]
@@ -67,7 +68,9 @@ def test_a_one_token_prompt_has_nothing_to_score(model):
 def test_padded_chunks_and_ghost_rows_score_only_the_real_positions(model):
     """The fast tier's shapes: chunks padded to a bucket, groups filled with ghost joiners (bit for bit on the CPU)."""
     prompts = [tuple(range(3 + i, 3 + i + n)) for i, n in enumerate((9, 14, 5))]
-    config = GatewayConfig(batch=4, prefill_chunk=8, chunk_buckets=(4, 8), group_buckets=(1, 2, 4), decode_buckets=(1, 2, 4))
+    config = GatewayConfig(
+        batch=4, prefill_chunk=8, chunk_buckets=(4, 8), group_buckets=(1, 2, 4), decode_buckets=(1, 2, 4)
+    )
     for prompt, got in zip(prompts, scored(Gateway(model, config), prompts)):
         want = reference(model, prompt, chunk=8)
         assert [t.token_id for t in got] == list(prompt[1:])

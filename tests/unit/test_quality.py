@@ -40,8 +40,27 @@ def test_the_score_of_identical_distributions_is_zero_kl():
 
 def test_the_command_writes_json_and_markdown(tiny_path, tmp_path, capsys):
     out, md = tmp_path / "q.json", tmp_path / "q.md"
-    args = ["quality", "--model-path", str(tiny_path("tiny-qwen3")), "--tokens", "64", "--window", "64", "--chunk",
-            "32", "--weight-bits", "", "--kv-bits", "8", "--kv-group-size", "32", "--json", str(out), "--md", str(md)]  # fmt: skip
+    args = [
+        "quality",
+        "--model-path",
+        str(tiny_path("tiny-qwen3")),
+        "--tokens",
+        "64",
+        "--window",
+        "64",
+        "--chunk",
+        "32",
+        "--weight-bits",
+        "",
+        "--kv-bits",
+        "8",
+        "--kv-group-size",
+        "32",
+        "--json",
+        str(out),
+        "--md",
+        str(md),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())[0]["rows"]
     assert [r["variant"] for r in rows] == ["bf16", "bf16 kv8"]

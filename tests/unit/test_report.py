@@ -50,7 +50,10 @@ def hostile_run() -> dict:
     cells = {c["phase"]: c for c in engine["cells"]}
     failed = cells["cold"]
     failed["status"], failed["reason"] = "failed", f"1 of 1 requests failed: {HOSTILE} https://evil.example/"
-    failed["attempts"] = [{**failed["attempts"][0], "ok": False, "error": HOSTILE}, {**failed["attempts"][0], "attempt": 1, "ok": False, "error": "again"}]
+    failed["attempts"] = [
+        {**failed["attempts"][0], "ok": False, "error": HOSTILE},
+        {**failed["attempts"][0], "attempt": 1, "ok": False, "error": "again"},
+    ]
     retried = cells["warm"]
     first = copy.deepcopy(retried["attempts"][0])
     first["ok"], first["error"] = False, "HTTP 500: engine hiccup"
@@ -72,8 +75,9 @@ def write(tmp_path, name: str, data) -> Path:
 
 @pytest.fixture
 def view(tmp_path):
-    return report.build_view(report.load([write(tmp_path, "hostile.json", hostile_run()),
-                                          write(tmp_path, "clean.json", clean_run())]))  # fmt: skip
+    return report.build_view(
+        report.load([write(tmp_path, "hostile.json", hostile_run()), write(tmp_path, "clean.json", clean_run())])
+    )
 
 
 def headline_row(view, group: int, phase: str, arm: str = "engine") -> dict:
@@ -101,7 +105,12 @@ def test_the_ratio_is_withheld_for_the_mismatched_pair(view):
     assert clean["ci_low"] <= clean["ratio"] <= clean["ci_high"] < 0.95 and clean["samples"] == 3
     assert clean["outputs"] == ""  # the fixture's arms gave the same tokens
     cold = headline_row(view, 1, "cold")  # one request a side: a ratio, no interval
-    assert cold["ratio"] is not None and cold["ci_low"] is None and cold["verdict"] == "unknown" and "below 3" in cold["note"]
+    assert (
+        cold["ratio"] is not None
+        and cold["ci_low"] is None
+        and cold["verdict"] == "unknown"
+        and "below 3" in cold["note"]
+    )
 
 
 def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
@@ -131,11 +140,18 @@ def test_each_reason_withholds_the_ratio_and_says_so(tmp_path):
                 r["prompt_sha256"] = f"{name}{i}"
 
     assert withheld(lambda run, cells: run.update(diagnostic=True)).startswith("diagnostic run")
-    assert withheld(lambda run, cells: run["provenance"].update(source_tree_sha256_end="x")) == "the source tree changed during the run"
+    assert (
+        withheld(lambda run, cells: run["provenance"].update(source_tree_sha256_end="x"))
+        == "the source tree changed during the run"
+    )
     assert withheld(busy) == "mlx-lm: the machine was busy after the cell (other processes use 90% of the CPUs)"
     assert withheld(short).startswith("engine: too short: 7 timed tokens")
-    assert withheld(lambda run, cells: cells["engine"]["concurrency-2"]["attempts"][0].update(wall_s=0.02),
-                    "concurrency-2") == "engine: too short: the cell took 20 ms (< 50 ms)"  # fmt: skip
+    assert (
+        withheld(
+            lambda run, cells: cells["engine"]["concurrency-2"]["attempts"][0].update(wall_s=0.02), "concurrency-2"
+        )
+        == "engine: too short: the cell took 20 ms (< 50 ms)"
+    )
     assert withheld(retried, "cold").startswith("different attempts")
     assert withheld(cached, "warm").startswith("different cached tokens (60 against")
     assert withheld(other_prompts) == "different requests (prompt hashes)"
@@ -170,13 +186,43 @@ def test_a_baseline_in_another_file_is_compared_only_on_the_same_host_artifact_a
 
 def test_in_process_files_get_sections_of_their_own(tmp_path):
     reports = Path(__file__).resolve().parents[2] / "reports"
-    quality = [{"model": "tiny", "settings": {}, "tokens": 64, "rows": [
-        {"variant": "bf16", "weights": "bf16", "kv_bits": None, "tier": "exact", "nll": 2.0, "perplexity": 7.39,
-         "mean_kl": None, "top1_agreement": None},
-        {"variant": "4bit", "weights": "4bit", "kv_bits": None, "tier": "exact", "nll": 2.1, "perplexity": 8.17,
-         "mean_kl": 0.05, "top1_agreement": 0.9}]}]  # fmt: skip
-    inputs = report.load([reports / "gpu" / "qwen27b-native.json", reports / "cpu-spec-small-qwen35.json",
-                          write(tmp_path, "quality.json", quality), write(tmp_path, "run.json", clean_run())])  # fmt: skip
+    quality = [
+        {
+            "model": "tiny",
+            "settings": {},
+            "tokens": 64,
+            "rows": [
+                {
+                    "variant": "bf16",
+                    "weights": "bf16",
+                    "kv_bits": None,
+                    "tier": "exact",
+                    "nll": 2.0,
+                    "perplexity": 7.39,
+                    "mean_kl": None,
+                    "top1_agreement": None,
+                },
+                {
+                    "variant": "4bit",
+                    "weights": "4bit",
+                    "kv_bits": None,
+                    "tier": "exact",
+                    "nll": 2.1,
+                    "perplexity": 8.17,
+                    "mean_kl": 0.05,
+                    "top1_agreement": 0.9,
+                },
+            ],
+        }
+    ]
+    inputs = report.load(
+        [
+            reports / "gpu" / "qwen27b-native.json",
+            reports / "cpu-spec-small-qwen35.json",
+            write(tmp_path, "quality.json", quality),
+            write(tmp_path, "run.json", clean_run()),
+        ]
+    )
     assert [i.kind for i in inputs] == ["native", "spec", "quality", "run"]
     view = report.build_view(inputs)
     (native,) = view["native"]
@@ -287,8 +333,18 @@ NO_BROWSER = CHROMIUM is None and os.environ.get("CI") != "true"  # CI installs 
 
 def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     assert CHROMIUM, "chromium is missing: .ci/run should have installed it"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-           "--enable-logging=stderr", "--v=0", f"--user-data-dir={cwd / 'profile'}", *args]  # fmt: skip
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--enable-logging=stderr",
+        "--v=0",
+        f"--user-data-dir={cwd / 'profile'}",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
@@ -296,7 +352,9 @@ def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_report_renders_in_chromium(tmp_path):
     hostile = write(tmp_path, "hostile.json", hostile_run())
     page = tmp_path / "compare.html"
-    page.write_text(report.render_html(report.build_view(report.load([hostile, write(tmp_path, "c.json", clean_run())]))))
+    page.write_text(
+        report.render_html(report.build_view(report.load([hostile, write(tmp_path, "c.json", clean_run())])))
+    )
     shot = tmp_path / "compare.png"
     run = chromium(f"--screenshot={shot}", "--window-size=1400,2000", page.as_uri(), cwd=tmp_path)
     assert shot.exists() and shot.stat().st_size > 20_000, run.stderr[-2000:]
@@ -309,9 +367,22 @@ def test_the_report_renders_in_chromium(tmp_path):
 
 
 def test_a_stream_whose_tokens_arrive_together_is_flagged():
-    cell = {"phase": "decode", "status": "measured", "reason": None, "metrics": {"median_decode_tps": 9e4},
-            "attempts": [{"attempt": 0, "ok": True, "error": None, "requests": [
-                {"event_ms": [100.0, 100.01, 100.02, 100.03], "itl_ms": [0.01, 0.01, 0.01], "output_tokens": 4}]}]}  # fmt: skip
+    cell = {
+        "phase": "decode",
+        "status": "measured",
+        "reason": None,
+        "metrics": {"median_decode_tps": 9e4},
+        "attempts": [
+            {
+                "attempt": 0,
+                "ok": True,
+                "error": None,
+                "requests": [
+                    {"event_ms": [100.0, 100.01, 100.02, 100.03], "itl_ms": [0.01, 0.01, 0.01], "output_tokens": 4}
+                ],
+            }
+        ],
+    }
     assert any(f.startswith("bursty stream: 3 of 3") for f in report._cell_view(cell)["flags"])
     cell["attempts"][0]["requests"][0]["itl_ms"] = [30.0, 30.0, 30.0]
     assert not any(f.startswith("bursty") for f in report._cell_view(cell)["flags"])

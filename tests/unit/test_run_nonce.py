@@ -25,16 +25,25 @@ from harness.workloads import CHAT, WorkloadSettings, load_or_build
 FAKE = Path(__file__).resolve().parents[1] / "live" / "fake_server.py"
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run_tiny.json"
 MODEL = "tiny-qwen3"
-SETTINGS = RunSettings(tokens=4, decode_samples=2, quality_tokens=0, workload=WorkloadSettings(
-    cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)))  # fmt: skip
+SETTINGS = RunSettings(
+    tokens=4,
+    decode_samples=2,
+    quality_tokens=0,
+    workload=WorkloadSettings(
+        cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
+    ),
+)
 FIRST_DECODE_REQUEST = 5  # after the warm-up's 3 requests and the probe
 
 
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    srv = start_server([sys.executable, str(FAKE), "--port", str(port), "--prompt-cache", "--stall",
-                        f"{FIRST_DECODE_REQUEST}:1.2"], port, timeout_s=60)  # fmt: skip
+    srv = start_server(
+        [sys.executable, str(FAKE), "--port", str(port), "--prompt-cache", "--stall", f"{FIRST_DECODE_REQUEST}:1.2"],
+        port,
+        timeout_s=60,
+    )
     yield srv
     srv.stop()
 
@@ -80,15 +89,17 @@ def test_each_run_sends_a_server_it_did_not_start_prompts_of_its_own(tmp_path, t
     assert stall == [f"{MODEL} / ext / decode: " + anomalies.stall(cell(first, "decode"))]
 
 
-def test_an_earlier_runs_nonce_sends_its_prompts_again_and_the_cache_withholds_the_ratios(tmp_path, tiny_path, server,
-                                                                                          first):  # fmt: skip
+def test_an_earlier_runs_nonce_sends_its_prompts_again_and_the_cache_withholds_the_ratios(
+    tmp_path, tiny_path, server, first
+):
     again = measure(tmp_path, server.url, tiny_path(MODEL), run_nonce=first["settings"]["run_nonce"])
     assert first_request(again, "cold")["prompt_sha256"] == first_request(first, "cold")["prompt_sha256"]
     assert first_request(again, "cold")["cached_tokens"] == 63
     why = comparable.cell_reason(cell(again, "cold"), again["settings"]["workload"])
     assert why.startswith("cached tokens the workload does not explain: 1 of 1 requests (request 0: 63 of 64")
     assert f"{MODEL} / ext / concurrency-2: cached tokens the workload does not explain" in "\n".join(
-        anomalies.flagged_lines(again))  # fmt: skip
+        anomalies.flagged_lines(again)
+    )
 
 
 def test_an_arm_sent_the_run_nonces_prompts_is_compared_by_prompt_lengths():
@@ -106,11 +117,17 @@ def test_an_arm_sent_the_run_nonces_prompts_is_compared_by_prompt_lengths():
 def test_the_chat_probe_leaves_out_an_arm_whose_chats_open_with_the_run_nonce():
     def arm(name: str, text: str, nonce: str = "") -> ArmRun:
         reply = RequestRecord(CHAT, 0, 0, 0, ok=True, text=text, prompt_tokens=30)
-        return ArmRun(name, [], {}, endpoint={"run_nonce": nonce} if nonce else None,
-                      cells=[Cell(CHAT, MEASURED, attempts=[Attempt(0, True, None, 1.0, [reply])])])  # fmt: skip
+        return ArmRun(
+            name,
+            [],
+            {},
+            endpoint={"run_nonce": nonce} if nonce else None,
+            cells=[Cell(CHAT, MEASURED, attempts=[Attempt(0, True, None, 1.0, [reply])])],
+        )
 
-    mrun = ModelRun("m", "/m", "x", "y", None,
-                    arms=[arm("engine", " a b"), arm("ext", " c d", "ab12"), arm("e2", " a b")])  # fmt: skip
+    mrun = ModelRun(
+        "m", "/m", "x", "y", None, arms=[arm("engine", " a b"), arm("ext", " c d", "ab12"), arm("e2", " a b")]
+    )
     verdicts = probe_parity(mrun, CHAT)["verdicts"]
     assert verdicts["engine"]["match"] and verdicts["e2"]["match"]
     assert verdicts["ext"]["match"] is None and verdicts["ext"]["compared"].startswith("not compared")

@@ -4,8 +4,8 @@ import pytest
 from mlx_lm import sample_utils as ref
 
 from engine.errors import InvalidSamplingError
-from engine.sampling import Sampler, apply_min_p, apply_top_k, apply_top_p, make_processors
 from engine.request import SamplingParams
+from engine.sampling import Sampler, apply_min_p, apply_top_k, apply_top_p, make_processors
 
 
 def _logprobs(seed=0, vocab=512, rows=1):
@@ -34,8 +34,14 @@ def test_min_p_matches_mlx_lm(p, keep):
 def test_processors_match_mlx_lm():
     logits = _logprobs(4) * 2
     tokens = mx.array([3, 7, 7, 100, 3])
-    params = SamplingParams(logit_bias={5: 2.5, 9: -1.0}, repetition_penalty=1.3, presence_penalty=0.4,
-                            frequency_penalty=0.2, repetition_context_size=4, penalty_context_size=4)
+    params = SamplingParams(
+        logit_bias={5: 2.5, 9: -1.0},
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.2,
+        repetition_context_size=4,
+        penalty_context_size=4,
+    )
     ours = logits
     for p in make_processors(params):
         ours = p(tokens, ours)

@@ -190,8 +190,13 @@ def test_cancel_queued_joiner_and_running_rows_counts_return_to_zero():
 
 
 def test_kv_projection_per_layer_kind():
-    layout = KVLayout((LayerKV("kv", bytes_per_token=10), LayerKV("rotating", bytes_per_token=10, window=64),
-                       LayerKV("recurrent", fixed_bytes=1000)))
+    layout = KVLayout(
+        (
+            LayerKV("kv", bytes_per_token=10),
+            LayerKV("rotating", bytes_per_token=10, window=64),
+            LayerKV("recurrent", fixed_bytes=1000),
+        )
+    )
     # growing KV rounds up to 256-token steps; rotating stops at the window; recurrent is fixed
     assert layout.row_bytes(100, 100) == 10 * 256 + 10 * 64 + 1000
     assert layout.row_bytes(10, 10) == 10 * 256 + 10 * 20 + 1000

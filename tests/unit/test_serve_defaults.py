@@ -27,7 +27,10 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     assert cfg.gateway_config(FAST).chunk_buckets == chunk_buckets(cfg.prefill_chunk)
     assert cfg.gateway_config(EXACT).chunk_buckets == ()
     assert ServeConfig(chunk_buckets=()).gateway_config(FAST).chunk_buckets == ()
-    assert (cfg.gateway_config(FAST).prefill_budget, cfg.gateway_config(EXACT).prefill_budget) == (cfg.prefill_chunk, None)
+    assert (cfg.gateway_config(FAST).prefill_budget, cfg.gateway_config(EXACT).prefill_budget) == (
+        cfg.prefill_chunk,
+        None,
+    )
     assert ServeConfig(prefill_budget=0).gateway_config(FAST).prefill_budget is None
     assert ServeConfig(prefill_budget=512).gateway_config(EXACT).prefill_budget == 512
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).decode_buckets == ()
@@ -67,29 +70,40 @@ def test_warmups(tiny_path, mode, requests):
 
 def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     model = load_model(tiny_path("tiny-qwen35"))[0]
-    gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32),
-                                           prompt_cache_bytes=1 << 20))  # fmt: skip
+    gateway = Gateway(
+        model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32), prompt_cache_bytes=1 << 20)
+    )
     assert requests(_warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
 
 
-@pytest.mark.parametrize("block, warmup_requests", [
-    # 5 chunk buckets and a prompt of two 64-token chunks and a 16-token one, then groups: 2 prompts of 16-32
-    # tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
-    (0, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
-    # chunks cut at 24 (block snapshots): no prompt past bucket 24 but the one of three chunks (64 tokens)
-    (24, 2 + 8 + 2 + 1 + 2 * 2 + 3 * 1 + 5 * 1),
-])
+@pytest.mark.parametrize(
+    "block, warmup_requests",
+    [
+        # 5 chunk buckets and a prompt of two 64-token chunks and a 16-token one, then groups: 2 prompts of 16-32
+        # tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
+        (0, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        # chunks cut at 24 (block snapshots): no prompt past bucket 24 but the one of three chunks (64 tokens)
+        (24, 2 + 8 + 2 + 1 + 2 * 2 + 3 * 1 + 5 * 1),
+    ],
+)
 def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warmup_requests):
     # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
     # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
     # length, arriving at once, runs only the warm-up's forward shapes. A hybrid model's prompts cut at every
     # block (the prompt cache's snapshots) take no chunk past it, so the warm-up runs none.
     model = load_model(tiny_path("tiny-qwen35"))[0]
-    config = GatewayConfig(batch=8, prefill_chunk=64, prefill_budget=64, decode_buckets=power_buckets(8),
-                           chunk_buckets=chunk_buckets(64), group_buckets=(1, 2, 4, 8), prompt_cache_bytes=(1 << 24) * (block > 0),
-                           prompt_cache_block=block)  # fmt: skip
+    config = GatewayConfig(
+        batch=8,
+        prefill_chunk=64,
+        prefill_budget=64,
+        decode_buckets=power_buckets(8),
+        chunk_buckets=chunk_buckets(64),
+        group_buckets=(1, 2, 4, 8),
+        prompt_cache_bytes=(1 << 24) * (block > 0),
+        prompt_cache_block=block,
+    )
     gateway = Gateway(model, config)
     assert requests(_warm_up(gateway, "full")) == warmup_requests
     assert {("prefill", 2, 24), ("prefill", 4, 16), ("prefill", 8, 16)} <= gateway.shapes
@@ -97,8 +111,14 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warm
     sinks = []
     for i, n in enumerate((5, 17, 30, 44, 9, 63, 2, 100)):
         sinks.append(CollectingSink())
-        gateway.submit(GenerationRequest(f"burst-{i}", tuple(7 + (i * 31 + j) % 500 for j in range(n)),
-                                         stop=StopCriteria(max_tokens=3, ignore_eos=True)), sinks[-1])  # fmt: skip
+        gateway.submit(
+            GenerationRequest(
+                f"burst-{i}",
+                tuple(7 + (i * 31 + j) % 500 for j in range(n)),
+                stop=StopCriteria(max_tokens=3, ignore_eos=True),
+            ),
+            sinks[-1],
+        )
     gateway.run_until_idle()
     assert all(len(s.token_ids) == 3 for s in sinks)
     assert len(gateway.shapes) == gateway.shapes_at_ready
@@ -108,8 +128,9 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
     model = load_model(tiny_path("tiny-qwen35"))[0]
     probe = Gateway(model, GatewayConfig(batch=4))
     budget = probe.layout.row_bytes(17, 2)  # a 16-token chunk's prompt fits, a 300-token one's does not
-    gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300),
-                                           kv_budget_bytes=budget))  # fmt: skip
+    gateway = Gateway(
+        model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300), kv_budget_bytes=budget)
+    )
     assert requests(_warm_up(gateway, "full")) == 2 + 4 + 1
 
 
@@ -129,7 +150,9 @@ def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tin
         stages = _warm_up(gateway, "full", log=lines.append)
         assert [st.name for st in stages][0] == ("kernel builds" if cache else "decode rows 1-6")
         sink = CollectingSink()
-        gateway.submit(GenerationRequest("after", tuple(range(5, 40)), stop=StopCriteria(max_tokens=6, ignore_eos=True)), sink)
+        gateway.submit(
+            GenerationRequest("after", tuple(range(5, 40)), stop=StopCriteria(max_tokens=6, ignore_eos=True)), sink
+        )
         gateway.run_until_idle()
         outputs.append(sink.token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6

@@ -8,10 +8,18 @@ from hypothesis import strategies as st
 from engine.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion, parse_json
 
 # JSON values with the awkward cases in reach: deep nesting, huge integers, surrogates, floats past finite
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True) \
-    | st.text(st.characters(codec=None, exclude_categories=()), max_size=12)  # fmt: skip
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                           max_size=4), max_leaves=20)  # fmt: skip
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
 field_names = st.sampled_from(sorted(COMPLETION_FIELDS | CHAT_FIELDS)) | st.text(max_size=8)
 bodies = st.dictionaries(field_names, values, max_size=8)
 
@@ -41,6 +49,11 @@ def test_any_bytes_are_parsed_or_refused_with_a_4xx(raw, chat):
 
 
 def test_the_awkward_bodies_by_name():
-    for raw in (b"[" * 100_000, b'{"prompt": ' + b"9" * 5000 + b"}", b'{"prompt": "\\ud800"}', b'{"\\udfff": 1}',
-                b'{"prompt": "x", "temperature": 1e999}'):  # fmt: skip
+    for raw in (
+        b"[" * 100_000,
+        b'{"prompt": ' + b"9" * 5000 + b"}",
+        b'{"prompt": "\\ud800"}',
+        b'{"\\udfff": 1}',
+        b'{"prompt": "x", "temperature": 1e999}',
+    ):
         assert isinstance(_parse(raw, False), ApiError)

@@ -8,7 +8,13 @@ from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.stop_text import TextStopper
 from engine.tokenizer import Tokenizer
 
-TEXTS = ["plain ascii words", "héllo wörld ñandú", "数学 と 日本語 のテキスト", "emoji 🎉🚀 mixed 👩‍👩‍👧 end", "a\u0301e\u0301"]
+TEXTS = [
+    "plain ascii words",
+    "héllo wörld ñandú",
+    "数学 と 日本語 のテキスト",
+    "emoji 🎉🚀 mixed 👩‍👩‍👧 end",
+    "a\u0301e\u0301",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,10 @@ def test_a_truncated_character_is_flushed_at_the_end(tok):
 
 
 @settings(max_examples=200, deadline=None)
-@given(pieces=st.lists(st.text(alphabet="abcXYZ", max_size=4), max_size=12), stops=st.lists(
-    st.text(alphabet="abcXYZ", min_size=1, max_size=3), min_size=1, max_size=3))  # fmt: skip
+@given(
+    pieces=st.lists(st.text(alphabet="abcXYZ", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="abcXYZ", min_size=1, max_size=3), min_size=1, max_size=3),
+)
 def test_stop_strings_cut_at_the_first_occurrence(pieces, stops):
     s = TextStopper(stops)
     shown = "".join(s.push(p) for p in pieces) + s.flush()

@@ -23,15 +23,15 @@ from engine.cache import KVCache, RecurrentCache
 from engine.engine import Engine
 from engine.errors import DraftMismatchError
 from engine.generate import generate
+from engine.request import SamplingParams, StopCriteria
 from engine.speculative.config import SpecConfig, Speculation, load_speculation
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.mtp import MTPSource
 from engine.speculative.ngram import NgramSource
 from engine.speculative.rollback import checkpoint, rewind
 from engine.speculative.source import Round
-from engine.speculative.verifier import speculative_generate
-from engine.request import SamplingParams, StopCriteria
 from engine.speculative.stats import SpecStats
+from engine.speculative.verifier import speculative_generate
 
 TIE_MARGIN = 1e-3  # between the best and second-best logit at every plain greedy step (f32)
 STEPS = 48
@@ -64,8 +64,15 @@ def min_margin(model, prompt, steps=STEPS) -> float:
 
 def spec(model, source, prompt, num_draft=3, steps=STEPS, rollback="trace", **stop):
     stats = SpecStats(source.kind, num_draft)
-    out = speculative_generate(model, source, prompt, num_draft=num_draft, stop=StopCriteria(max_tokens=steps, **stop),
-                               stats=stats, rollback=rollback)  # fmt: skip
+    out = speculative_generate(
+        model,
+        source,
+        prompt,
+        num_draft=num_draft,
+        stop=StopCriteria(max_tokens=steps, **stop),
+        stats=stats,
+        rollback=rollback,
+    )
     return [t.token_id for t in out], stats
 
 
@@ -189,8 +196,17 @@ def test_the_mtp_head_resumes_from_a_prompt_boundary_as_if_it_had_seen_the_whole
         def on_prompt(target_cache, source_state):
             seen["cache"], seen["state"] = copy.deepcopy(target_cache), source_state
 
-        out = speculative_generate(model, MTPSource(model), prompt, num_draft=3, stop=StopCriteria(max_tokens=STEPS),
-                                   cache=cache, cached_tokens=cached, on_prompt=on_prompt, source_state=state)  # fmt: skip
+        out = speculative_generate(
+            model,
+            MTPSource(model),
+            prompt,
+            num_draft=3,
+            stop=StopCriteria(max_tokens=STEPS),
+            cache=cache,
+            cached_tokens=cached,
+            on_prompt=on_prompt,
+            source_state=state,
+        )
         return [t.token_id for t in out], seen
 
     cold_tokens, cold = run(longer)
@@ -306,8 +322,16 @@ def test_eos_and_stop_sequences_end_where_plain_decoding_ends(hybrid, prompts):
     seq = tuple(ref[20:22])
     at = next(i for i in range(len(ref) - 1) if tuple(ref[i : i + 2]) == seq)
     stop = dict(stop_sequences=(seq,))
-    got = [t for t in speculative_generate(hybrid.model, DraftModelSource(hybrid.model, 2048), prompt, num_draft=3,
-                                           stop=StopCriteria(max_tokens=STEPS, **stop))]  # fmt: skip
+    got = [
+        t
+        for t in speculative_generate(
+            hybrid.model,
+            DraftModelSource(hybrid.model, 2048),
+            prompt,
+            num_draft=3,
+            stop=StopCriteria(max_tokens=STEPS, **stop),
+        )
+    ]
     emitted = [t.token_id for t in got if not t.is_stop]
     assert emitted == ref[:at] and got[-1].finish_reason.value == "stop"
 
@@ -320,8 +344,11 @@ def test_max_tokens_is_exact_whatever_the_round_length(hybrid, prompts):
 
 def test_processors_are_refused_by_the_verifier(hybrid):
     with pytest.raises(ValueError, match="logits processors"):
-        list(speculative_generate(hybrid.model, NgramSource(), [5, 6, 7], num_draft=2,
-                                  sampling=SamplingParams(repetition_penalty=1.2)))  # fmt: skip
+        list(
+            speculative_generate(
+                hybrid.model, NgramSource(), [5, 6, 7], num_draft=2, sampling=SamplingParams(repetition_penalty=1.2)
+            )
+        )
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(hybrid, foreign_tokenizer_draft):
@@ -392,8 +419,15 @@ def test_the_adaptive_policy_changes_windows_not_tokens(hybrid, hybrid_draft, pr
 
     for source in (DraftModelSource(hybrid_draft, 2048), MTPSource(hybrid.model), NgramSource()):
         stats = SpecStats(source.kind, 3)
-        out = speculative_generate(hybrid.model, source, prompts[1], num_draft=3, stop=StopCriteria(max_tokens=STEPS),
-                                   stats=stats, policy=AdaptivePolicy(3))  # fmt: skip
+        out = speculative_generate(
+            hybrid.model,
+            source,
+            prompts[1],
+            num_draft=3,
+            stop=StopCriteria(max_tokens=STEPS),
+            stats=stats,
+            policy=AdaptivePolicy(3),
+        )
         assert [t.token_id for t in out] == plain(hybrid.model, prompts[1]), source.kind
         assert stats.emitted == STEPS
     # The MTP head never agrees here: after measuring that, the policy runs pipelined plain rounds.
@@ -405,7 +439,12 @@ def test_an_eos_inside_a_pipelined_plain_stretch_ends_the_request_there(hybrid, 
 
     ref = plain(hybrid.model, prompts[0])
     eos = ref[30]
-    out = speculative_generate(hybrid.model, MTPSource(hybrid.model), prompts[0], num_draft=3,
-                               stop=StopCriteria(max_tokens=STEPS, eos_ids=frozenset([eos])),
-                               policy=AdaptivePolicy(3))  # fmt: skip
+    out = speculative_generate(
+        hybrid.model,
+        MTPSource(hybrid.model),
+        prompts[0],
+        num_draft=3,
+        stop=StopCriteria(max_tokens=STEPS, eos_ids=frozenset([eos])),
+        policy=AdaptivePolicy(3),
+    )
     assert [t.token_id for t in out] == ref[: ref.index(eos) + 1]

@@ -39,9 +39,27 @@ def test_a_tiny_run_records_every_arm_and_block():
 
 def test_the_cli_writes_json_and_markdown(tmp_path):
     out, md = tmp_path / "spec.json", tmp_path / "spec.md"
-    code = harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "draft:tiny-qwen3-draft-f32,ngram", "--blocks", "1",
-                         "--prompt-tokens", "16", "--decode-tokens", "8", "--warmup", "0",
-                         "--json", str(out), "--md", str(md)])  # fmt: skip
+    code = harness_main(
+        [
+            "spec",
+            "--model",
+            "tiny-qwen3-f32",
+            "--arms",
+            "draft:tiny-qwen3-draft-f32,ngram",
+            "--blocks",
+            "1",
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "8",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+            "--md",
+            str(md),
+        ]
+    )
     assert code == 0  # every arm's tokens equal plain's
     rec = json.loads(out.read_text())
     assert [a["arm"] for a in rec["arms"]] == [PLAIN, "draft:tiny-qwen3-draft-f32", "ngram"]
@@ -52,9 +70,27 @@ def test_the_trained_pair_accepts_most_drafts_on_held_out_python(tmp_path):
     # The committed trained target and its draft: a draft model that learned the same text agrees with the
     # target's greedy choice most of the time (random weights: almost never), and greedy output is unchanged.
     out = tmp_path / "spec.json"
-    code = harness_main(["spec", "--model", "trained-qwen3", "--arms", "draft:trained-qwen3-draft,ngram", "--blocks",
-                         "2", "--prompt-tokens", "64", "--decode-tokens", "32", "--warmup", "0", "--num-draft", "1",
-                         "--json", str(out)])  # fmt: skip
+    code = harness_main(
+        [
+            "spec",
+            "--model",
+            "trained-qwen3",
+            "--arms",
+            "draft:trained-qwen3-draft,ngram",
+            "--blocks",
+            "2",
+            "--prompt-tokens",
+            "64",
+            "--decode-tokens",
+            "32",
+            "--warmup",
+            "0",
+            "--num-draft",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rec = json.loads(out.read_text())
     assert rec["config"]["text"] == "held-out"
@@ -66,9 +102,27 @@ def test_the_trained_hybrid_and_its_mtp_head_accept_most_drafts(tmp_path):
     # The committed hybrid target: its MTP head, trained beside it, and the dense family's draft both agree with
     # its greedy choice most of the time, and greedy output is unchanged (exact tier, trace rollback).
     out = tmp_path / "spec.json"
-    code = harness_main(["spec", "--model", "trained-qwen35", "--arms", "mtp,draft:trained-qwen3-draft", "--blocks",
-                         "2", "--prompt-tokens", "64", "--decode-tokens", "32", "--warmup", "0", "--num-draft", "2",
-                         "--json", str(out)])  # fmt: skip
+    code = harness_main(
+        [
+            "spec",
+            "--model",
+            "trained-qwen35",
+            "--arms",
+            "mtp,draft:trained-qwen3-draft",
+            "--blocks",
+            "2",
+            "--prompt-tokens",
+            "64",
+            "--decode-tokens",
+            "32",
+            "--warmup",
+            "0",
+            "--num-draft",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0  # every arm's tokens equal plain's
     rec = json.loads(out.read_text())
     mtp, draft = (a["spec"] for a in rec["arms"][1:])

@@ -113,8 +113,10 @@ def test_lower_is_better_requests_flip_the_words():
 def test_each_compared_metric_reads_its_own_per_request_samples():
     from harness.comparable import request_samples
 
-    reqs = [{"ok": True, "ttft_ms": 500.0, "tpot_ms": 20.0, "prompt_tokens": 1000, "cached_tokens": 0},
-            {"ok": True, "ttft_ms": 250.0, "tpot_ms": 10.0, "prompt_tokens": 1000, "cached_tokens": 500}]  # fmt: skip
+    reqs = [
+        {"ok": True, "ttft_ms": 500.0, "tpot_ms": 20.0, "prompt_tokens": 1000, "cached_tokens": 0},
+        {"ok": True, "ttft_ms": 250.0, "tpot_ms": 10.0, "prompt_tokens": 1000, "cached_tokens": 500},
+    ]
     cell = {"attempts": [{"ok": True, "requests": reqs}], "metrics": {}}
     assert request_samples(cell, "chat", key="median_decode_tps") == [50.0, 100.0]  # not its TTFTs
     assert request_samples(cell, "cold", key="median_prefill_tps") == [2000.0, 2000.0]

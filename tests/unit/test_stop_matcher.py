@@ -2,7 +2,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.request import GeneratedToken
-
 from engine.stopping import _StopMatcher
 
 

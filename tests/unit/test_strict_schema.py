@@ -6,14 +6,22 @@ from engine.server.protocol import parse_chat
 from engine.server.strict_schema import strict_schema
 
 # what pydantic writes for User(name: str, age: int, pets: list[Pet] = [], best: Pet | None, scores: dict[str, int])
-USER = {"$defs": {"Pet": {"properties": {"name": {"type": "string"}}, "required": ["name"], "title": "Pet",
-                          "type": "object"}},
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                       "pets": {"default": [], "items": {"$ref": "#/$defs/Pet"}, "type": "array"},
-                       "best": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "default": None},
-                       "scores": {"additionalProperties": {"type": "integer"}, "default": {}, "type": "object"},
-                       "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}}},
-        "required": ["name", "age"], "title": "User", "type": "object"}  # fmt: skip
+USER = {
+    "$defs": {
+        "Pet": {"properties": {"name": {"type": "string"}}, "required": ["name"], "title": "Pet", "type": "object"}
+    },
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "pets": {"default": [], "items": {"$ref": "#/$defs/Pet"}, "type": "array"},
+        "best": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "default": None},
+        "scores": {"additionalProperties": {"type": "integer"}, "default": {}, "type": "object"},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+    },
+    "required": ["name", "age"],
+    "title": "User",
+    "type": "object",
+}
 
 
 def test_every_object_that_says_nothing_is_closed_at_every_depth():
@@ -25,11 +33,16 @@ def test_every_object_that_says_nothing_is_closed_at_every_depth():
     assert strict["properties"]["tags"]["items"]["additionalProperties"] is False
     assert strict["properties"]["scores"]["additionalProperties"] == {"type": "integer"}  # a dict says what it takes
     assert strict["properties"]["best"] == USER["properties"]["best"]  # $ref and null: nothing to close
-    assert strict_schema({"type": "object", "additionalProperties": True}) == {"type": "object",
-                                                                               "additionalProperties": True}  # fmt: skip
+    assert strict_schema({"type": "object", "additionalProperties": True}) == {
+        "type": "object",
+        "additionalProperties": True,
+    }
     assert strict_schema({"anyOf": [{"properties": {}}, {"type": ["object", "null"]}]}) == {
-        "anyOf": [{"properties": {}, "additionalProperties": False},
-                  {"type": ["object", "null"], "additionalProperties": False}]}  # fmt: skip
+        "anyOf": [
+            {"properties": {}, "additionalProperties": False},
+            {"type": ["object", "null"], "additionalProperties": False},
+        ]
+    }
 
 
 def test_strict_true_closes_the_response_format_and_a_tools_parameters():

@@ -46,5 +46,7 @@ def test_the_markdown_summary_says_the_same(tmp_path):
 
 def test_a_random_weight_models_perplexity_says_what_it_is_worth():
     (line, _) = summary.quality_lines(json.loads(CPU_RUN.read_text()))
-    assert "held-out perplexity 50524.1" in line and "worse than a uniform guess over the 32,768-token vocabulary" in line
+    assert (
+        "held-out perplexity 50524.1" in line and "worse than a uniform guess over the 32,768-token vocabulary" in line
+    )
     assert summary.perplexity_note({"perplexity": 8.2, "vocab_size": 4096}, "trained-qwen3") == ""

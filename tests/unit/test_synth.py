@@ -43,8 +43,16 @@ def test_config_matches_registry_geometry(spec, tiny_path):
     config = json.loads((tiny_path(spec.name) / "config.json").read_text())
     text = config.get("text_config", config)
     g = spec.geometry
-    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert text[key] == getattr(g, key), key
     assert config["model_type"] == g.model_type
     if spec.quantization:

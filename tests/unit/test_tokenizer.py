@@ -72,10 +72,15 @@ def test_the_chat_template_renders_tools_calls_and_thinking_off(tiny_path):
     # history, an empty think block when thinking is off; without them the plain turns above
     tok = Tokenizer(tiny_path("tiny-qwen3"))
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    history = [{"role": "user", "content": "hi"},
-               {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-                   "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-               {"role": "tool", "content": "4 C"}]  # fmt: skip
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
+        {"role": "tool", "content": "4 C"},
+    ]
     text = tok.decode(tok.apply_chat_template(history, tools=[tool], template_kwargs={"enable_thinking": False}))
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text

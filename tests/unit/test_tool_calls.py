@@ -8,8 +8,10 @@ from engine.server import responses
 from engine.server.protocol import ApiError, parse_chat
 from engine.server.tool_calls import ToolCallParser, parser_for, split
 
-TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
-        '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call> done')  # fmt: skip
+TEXT = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call> done'
+)
 
 
 def calls_of(parsed):
@@ -46,7 +48,7 @@ def test_every_split_of_the_stream_gives_the_same(pieces):
     want = split(TEXT)
     cuts = range(1, len(TEXT))
     for a in cuts:
-        for b in (cuts if pieces == 3 else [len(TEXT)]):
+        for b in cuts if pieces == 3 else [len(TEXT)]:
             if b <= a:
                 continue
             parser = ToolCallParser()
@@ -80,8 +82,16 @@ def test_content_is_not_held_back_past_what_may_open_a_call():
     assert parser.push("a < b").content == "a < b"
 
 
-@pytest.mark.parametrize("block", ['{"arguments": {}}', '["f"]', '{"name": "f", "arguments": "not json"}',
-                                   '{"name": "", "arguments": {}}', '{"name": "f", "arguments": 3}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"arguments": {}}',
+        '["f"]',
+        '{"name": "f", "arguments": "not json"}',
+        '{"name": "", "arguments": {}}',
+        '{"name": "f", "arguments": 3}',
+    ],
+)
 def test_a_block_that_is_not_a_call_stays_content(block):
     text = f"a<tool_call>{block}</tool_call>b"
     assert split(text).content == text and split(text).calls == ()
@@ -93,13 +103,16 @@ def test_a_block_that_opens_as_a_call_is_one_with_its_arguments_as_written():
     assert parsed.content == "ab" and [(c.name, c.arguments) for c in parsed.calls] == [("f", "{oops}")]
 
 
-@pytest.mark.parametrize("text, calls", [
-    ('a <tool_call>\n{"name": "f", "arguments": {"city": "Pa', [("f", '{"city": "Pa')]),  # cut: as far as written
-    ('a <tool_call>\n{"name": "f", "arguments": {}}', [("f", "{}")]),
-    ('a <tool_call>\n{"na', []),  # no name yet: dropped
-    ('a <tool_call>', []),
-    ('a <tool_c', []),  # the start of a call
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ('a <tool_call>\n{"name": "f", "arguments": {"city": "Pa', [("f", '{"city": "Pa')]),  # cut: as far as written
+        ('a <tool_call>\n{"name": "f", "arguments": {}}', [("f", "{}")]),
+        ('a <tool_call>\n{"na', []),  # no name yet: dropped
+        ("a <tool_call>", []),
+        ("a <tool_c", []),  # the start of a call
+    ],
+)
 def test_a_block_cut_off_is_never_content(text, calls):
     parser = ToolCallParser()
     pieces = [parser.push(text), parser.flush()]
@@ -124,7 +137,9 @@ def test_responses_carry_calls_as_openai_does():
         parsed = parser.push(piece) if piece else parser.flush()
         out.text += parsed.content
         out.tool_calls += parsed.calls
-        entries += [c["choices"][0]["delta"]["tool_calls"][0] for c in responses.call_chunks(out, parsed.deltas, str, False)]
+        entries += [
+            c["choices"][0]["delta"]["tool_calls"][0] for c in responses.call_chunks(out, parsed.deltas, str, False)
+        ]
     # per call: its index, id, type and name with empty arguments, then fragments of its arguments
     assert [tc["index"] for tc in entries] == [0, 0, 0, 0, 1, 1]
     assert [tc["function"].get("name") for tc in entries] == ["get_weather", None, None, None, "get_time", None]
@@ -138,8 +153,10 @@ def test_responses_carry_calls_as_openai_does():
     assert responses.body([(out, "tool_calls")], {}, str, False)["choices"][0]["message"]["content"] is None
 
 
-XML = ("Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n"
-       "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+XML = (
+    "Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 def test_the_xml_format_of_qwen3_coder_templates():
@@ -161,7 +178,7 @@ def test_the_xml_format_streams_a_parameter_at_a_time():
     p = xml()
     pieces = [p.push(ch) for ch in XML] + [p.flush()]
     fragments = [d.arguments for piece in pieces for d in piece.deltas if d.name is None]
-    assert fragments == ["{", '"city": "San José"', ", \"days\": 3", ", \"hourly\": true", "}"]
+    assert fragments == ["{", '"city": "San José"', ', "days": 3', ', "hourly": true', "}"]
     assert streamed(pieces) == whole(pieces)
     cut = split(XML[: XML.index("<parameter=hourly>") + 22], xml)  # cut inside a value: the parameters before it
     assert [(c.name, json.loads(c.arguments)) for c in cut.calls] == [("get_weather", {"city": "San José", "days": 3})]
@@ -170,34 +187,65 @@ def test_the_xml_format_streams_a_parameter_at_a_time():
 
 
 def test_llama_3_writes_a_call_as_the_whole_reply():
-    llama = parser_for("... Respond in the format {\"name\": function name, \"parameters\": dictionary of ...")
+    llama = parser_for('... Respond in the format {"name": function name, "parameters": dictionary of ...')
     assert llama is parser_for("{{ '<|python_tag|>' }}")
     call = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}'
     for text in (call, call.removeprefix("<|python_tag|>"), "  " + call):
         parsed = split(text, llama)
         assert parsed.content == "" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
-            ("get_weather", {"city": "Lima"})]  # fmt: skip
+            ("get_weather", {"city": "Lima"})
+        ]
     p = llama()
     assert p.push("The weather").content == "The weather" and p.push(" is fine").content == " is fine"
     assert split('{"not": "a call"}', llama).content == '{"not": "a call"}'
 
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def test_a_chat_with_tools_and_a_tool_round_trip_is_accepted():
-    r = parse_chat({"messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "4 C"}],
-        "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": True})  # fmt: skip
+    r = parse_chat(
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "4 C"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+        }
+    )
     assert r.tools == [TOOL]
-    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}  # fmt: skip
+    assert r.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+        ],
+    }
     assert r.messages[2] == {"role": "tool", "content": "4 C", "tool_call_id": "call_1"}
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none"}).tools is None
+    assert (
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none"}).tools
+        is None
+    )
 
 
 def test_a_forced_call_and_a_schema_are_parsed():
@@ -208,31 +256,47 @@ def test_a_forced_call_and_a_schema_are_parsed():
     r = parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": "required", "parallel_tool_calls": True})
     assert r.several_calls
     named = {"type": "function", "function": {"name": "other"}}
-    assert not parse_chat({"messages": ask, "tools": [TOOL, other], "tool_choice": named,
-                           "parallel_tool_calls": True}).several_calls  # fmt: skip
-    r = parse_chat({"messages": ask, "tools": [TOOL, other], "parallel_tool_calls": False,
-                    "tool_choice": {"type": "function", "function": {"name": "other"}}})  # fmt: skip
+    assert not parse_chat(
+        {"messages": ask, "tools": [TOOL, other], "tool_choice": named, "parallel_tool_calls": True}
+    ).several_calls
+    r = parse_chat(
+        {
+            "messages": ask,
+            "tools": [TOOL, other],
+            "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "function": {"name": "other"}},
+        }
+    )
     assert r.forced_tools == [other] and not r.several_calls and r.tools == [TOOL, other]
     assert parse_chat({"messages": ask, "response_format": {"type": "json_object"}}).json_schema == {"type": "object"}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    r = parse_chat({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
-                                                                                            "strict": True}}})  # fmt: skip
+    r = parse_chat(
+        {
+            "messages": ask,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}},
+        }
+    )
     assert r.json_schema == {**schema, "additionalProperties": False} and r.forced_tools is None  # strict
     # pydantic-ai's NativeOutput with a tool: both at once (a forced call's grammar then wins)
-    r = parse_chat({"messages": ask, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}})
+    r = parse_chat(
+        {"messages": ask, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    )
     assert r.forced_tools == [TOOL] and r.json_schema == {"type": "object"}
 
 
-@pytest.mark.parametrize("body, match", [
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among 'tools'"),
-    ({"tools": [TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
-    ({"response_format": {"type": "json_schema"}}, "response_format must be"),
-    ({"response_format": {"type": "xml"}}, "response_format must be"),
-    ({"tool_choice": "required"}, "needs 'tools'"),
-    ({"tools": []}, "non-empty list"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, r"tools\[0\]"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "JSON Schema"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among 'tools'"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+        ({"response_format": {"type": "json_schema"}}, "response_format must be"),
+        ({"response_format": {"type": "xml"}}, "response_format must be"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+        ({"tools": []}, "non-empty list"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, r"tools\[0\]"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "JSON Schema"),
+    ],
+)
 def test_tools_the_server_cannot_take_are_refused_by_name(body, match):
     with pytest.raises(ApiError, match=match) as e:
         parse_chat({"messages": [{"role": "user", "content": "x"}], **body})

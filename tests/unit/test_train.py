@@ -12,8 +12,20 @@ from engine.synth import artifact_dir, ensure_model
 from oracles import train
 from oracles.train_data import is_held_out, load_corpus
 
-TINY_RUN = ["--steps", "2", "--batch", "2", "--seq", "32", "--warmup", "1", "--eval-tokens", "128",
-            "--max-bytes", "300000"]  # fmt: skip
+TINY_RUN = [
+    "--steps",
+    "2",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+    "--warmup",
+    "1",
+    "--eval-tokens",
+    "128",
+    "--max-bytes",
+    "300000",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +45,9 @@ def test_the_corpus_splits_files_by_name_and_records_what_it_read():
     assert corpus.summary()["python"] == corpus.python
 
 
-@pytest.mark.parametrize("name", ["trained-qwen3-draft", "trained-qwen3-draft-4bit", "trained-qwen35", "trained-qwen35-4bit"])
+@pytest.mark.parametrize(
+    "name", ["trained-qwen3-draft", "trained-qwen3-draft-4bit", "trained-qwen35", "trained-qwen35-4bit"]
+)
 def test_each_model_is_written_with_its_manifest_and_serves(trained, name):
     from engine.engine import Engine
     from engine.generate import generate
@@ -43,8 +57,13 @@ def test_each_model_is_written_with_its_manifest_and_serves(trained, name):
     assert manifest["name"] == name and manifest["settings"]["steps"] == 2
     assert manifest["data"]["sha256"] and manifest["data"]["python"]
     assert set(manifest["result"]) >= {"train_loss", "held_out_loss", "held_out_loss_at_init"}
-    assert set(manifest["files"]) == {"config.json", "generation_config.json", "tokenizer.json",
-                                      "tokenizer_config.json", "model.safetensors"}  # fmt: skip
+    assert set(manifest["files"]) == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    }
     engine = Engine.load(None, trained / name)
     assert ("quantization" in engine.config) == name.endswith("-4bit")
     assert getattr(engine.model, "has_mtp", False) == name.startswith("trained-qwen35")

@@ -60,8 +60,10 @@ def test_the_staggered_and_chat_cells_leave_the_other_prompts_as_they_were(tok):
     assert not more.settings.covers(replace(SMALL, staggered=2, staggered_tokens=100))
 
 
-@pytest.mark.parametrize("a, b, same", [(" x", "x", True), ("x", " x", True), ("   x", "    x", True),
-                                        ("  x", "x", False), ("x", "y", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "a, b, same",
+    [(" x", "x", True), ("x", " x", True), ("   x", "    x", True), ("  x", "x", False), ("x", "y", False)],
+)
 def test_probe_texts_forgive_one_leading_space(a, b, same):
     from harness.run_all import _same_text
 

@@ -14,7 +14,11 @@ def rerun_without_tf32(test_file: str, test: str) -> bool:
     if not on_cuda() or os.environ.get("MLX_ENABLE_TF32") == "0":
         return False
     env = {**os.environ, "MLX_ENABLE_TF32": "0"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_file}::{test}"],
-                           env=env, capture_output=True, text=True)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_file}::{test}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
     return True

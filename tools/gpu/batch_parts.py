@@ -23,8 +23,8 @@ import mlx.core as mx
 
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
-from harness.kernel_bench import BenchConfig, random_quantized, time_us
 from engine.kernels.quantized_gemv.staged import MIN_ROWS
+from harness.kernel_bench import BenchConfig, random_quantized, time_us
 from tools.gpu.step_kernels import parse_staged, staged_layout
 
 HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
@@ -33,6 +33,7 @@ HK, HV, DK, DV = 16, 48, 128, 128  # qwen27b's DeltaNet heads
 
 def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, float]:
     """Each part's median us a call at M rows (`only`: these parts, by name; empty: all)."""
+
     def timed(name, call):
         if not only or name in only:
             res[name] = time_us(call, cfg)
@@ -56,7 +57,9 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     timed("gate+up", lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True)[0])
     # as in the model: x is the norm's output and the down projection's launch left the sums of squares' parts
     ssq_parts = mx.abs(mx.random.normal((m, 160)))
-    timed("gate+up prenormed", lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True, prenormed=(ssq_parts, 1e-6))[0])
+    timed(
+        "gate+up prenormed", lambda: quantized_matmuls(x5, gate_up, 64, 4, gated=True, prenormed=(ssq_parts, 1e-6))[0]
+    )
     timed("gate+up MLX", lambda: mlx(x5, gate_up))
     timed("down+residual", lambda: quantized_matmuls(x17, [down], 64, 4, residual=residual)[0])
     timed("down MLX", lambda: mlx(x17, [down]))
@@ -72,8 +75,12 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     conv_w = mx.random.normal((channels, 4, 1)).astype(mx.bfloat16)
     A_log, dt_bias, norm_w = mx.zeros(HV), mx.ones(HV).astype(mx.bfloat16), mx.ones(DV).astype(mx.bfloat16)
     mx.eval(qkv, z, a, b, conv_state, state, conv_w)
-    timed("delta step", lambda: gated_delta_step.delta_step(qkv, z, a, b, conv_state, state, conv_w, A_log,
-                                                             dt_bias, norm_w, 1e-6, HK, DK)[2])  # fmt: skip
+    timed(
+        "delta step",
+        lambda: gated_delta_step.delta_step(
+            qkv, z, a, b, conv_state, state, conv_w, A_log, dt_bias, norm_w, 1e-6, HK, DK
+        )[2],
+    )
     return res
 
 
@@ -81,10 +88,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,16,32,64", help="comma-separated activation rows (default 1,8,16,32,64)")
     p.add_argument("--calls", type=int, default=50, help="calls an evaluation (default 50)")
-    p.add_argument("--parts", default="", help="comma-separated parts to time (default all; e.g. 'gate+up,delta "
-                                               "step' under ncu), no step sum then")  # fmt: skip
-    p.add_argument("--staged", action="append", default=[], metavar="SPEC",
-                   help="also time the parts with the staged launches laid out by SPEC (tools.gpu.step_kernels' form)")
+    p.add_argument(
+        "--parts",
+        default="",
+        help="comma-separated parts to time (default all; e.g. 'gate+up,delta step' under ncu), no step sum then",
+    )
+    p.add_argument(
+        "--staged",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also time the parts with the staged launches laid out by SPEC (tools.gpu.step_kernels' form)",
+    )
     args = p.parse_args()
     only = frozenset(filter(None, (v.strip() for v in args.parts.split(","))))
     cfg = BenchConfig(repeats=5, calls=args.calls)
@@ -97,7 +112,9 @@ def main() -> None:
                 res = parts(m, cfg, only)
             line = f"M={m}{label}: " + " | ".join(f"{k} {v:.1f}" for k, v in res.items())
             if not only:
-                step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (res["inputs"] + res["delta step"])
+                step = 64 * (res["gate+up"] + res["down+residual"] + res["out+residual"]) + 48 * (
+                    res["inputs"] + res["delta step"]
+                )
                 line += f" | these parts a step {step / 1e3:.1f} ms"
             print(line, flush=True)
 

@@ -43,8 +43,12 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--grow", type=int, default=300, help="tokens of one last request (0: none)")
     p.add_argument("--batch", type=int, default=64, help="the batcher's row cap (default 64)")
-    p.add_argument("--no-buckets", dest="buckets", action="store_false",
-                   help="no decode or chunk buckets (default: what engine serve's auto gives the tier)")
+    p.add_argument(
+        "--no-buckets",
+        dest="buckets",
+        action="store_false",
+        help="no decode or chunk buckets (default: what engine serve's auto gives the tier)",
+    )
     args = p.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="mlx-ptx-census-"))
     os.environ["MLX_PTX_CACHE_DIR"] = str(cache)  # before MLX's first compilation
@@ -55,17 +59,25 @@ def main() -> None:
     from engine.batch.scheduler import SchedulerConfig
     from engine.engine import Engine
     from engine.kernels import KernelConfig
-    from engine.server.main import ServeConfig
     from engine.request import GenerationRequest, StopCriteria
+    from engine.server.main import ServeConfig
     from engine.sinks import CollectingSink
 
     eng = Engine.load(args.model, with_tokenizer=False, kernels=KernelConfig.from_env(args.kernels))
-    gw = ServeConfig(batch=args.batch, decode_buckets=None if args.buckets else (),
-                     chunk_buckets=None if args.buckets else ()).gateway_config(eng.kernels.tier)  # fmt: skip
-    batcher = ContinuousBatcher(eng.model, SchedulerConfig(max_rows=gw.batch, prefill_chunk=gw.prefill_chunk),
-                                decode_buckets=gw.decode_buckets, chunk_buckets=gw.chunk_buckets)  # fmt: skip
-    print(f"{args.model}: kernels {eng.kernels.tier}; decode buckets {gw.decode_buckets or 'off'}, chunk buckets "
-          f"{gw.chunk_buckets or 'off'}; MLX_PTX_CACHE_DIR={cache}", flush=True)
+    gw = ServeConfig(
+        batch=args.batch, decode_buckets=None if args.buckets else (), chunk_buckets=None if args.buckets else ()
+    ).gateway_config(eng.kernels.tier)
+    batcher = ContinuousBatcher(
+        eng.model,
+        SchedulerConfig(max_rows=gw.batch, prefill_chunk=gw.prefill_chunk),
+        decode_buckets=gw.decode_buckets,
+        chunk_buckets=gw.chunk_buckets,
+    )
+    print(
+        f"{args.model}: kernels {eng.kernels.tier}; decode buckets {gw.decode_buckets or 'off'}, chunk buckets "
+        f"{gw.chunk_buckets or 'off'}; MLX_PTX_CACHE_DIR={cache}",
+        flush=True,
+    )
     seen, quiet, costly = modules(cache), defaultdict(list), defaultdict(list)
     serial = 0
 
@@ -73,16 +85,20 @@ def main() -> None:
         s = batcher.scheduler
         chunks = [len(q.prompt_body) - q.prefilled for q in s.joiners]
         ghosts = f" (+{batcher.runner.ghosts})" if batcher.runner.ghosts else ""
-        return (f"decode {len(s.running)}{ghosts} rows" * bool(s.running) + f" | joiners {len(s.joiners)}"
-                f" (left {max(chunks, default=0)})" * bool(s.joiners) + f" | queued {len(s.pending)}" * bool(s.pending))
+        return (
+            f"decode {len(s.running)}{ghosts} rows" * bool(s.running) + f" | joiners {len(s.joiners)}"
+            f" (left {max(chunks, default=0)})" * bool(s.joiners) + f" | queued {len(s.pending)}" * bool(s.pending)
+        )
 
     def run(label: str, n: int, tokens: int) -> None:
         nonlocal seen, serial
         for _ in range(n):
             serial += 1
             prompt = tuple((serial * 7919 + i * 104729) % 50000 + 10 for i in range(args.prompt_tokens))
-            batcher.submit(GenerationRequest(f"r{serial}", prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True)),
-                           CollectingSink())  # fmt: skip
+            batcher.submit(
+                GenerationRequest(f"r{serial}", prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True)),
+                CollectingSink(),
+            )
         while batcher.has_work:
             kind = what()
             mx.synchronize()
@@ -109,8 +125,10 @@ def main() -> None:
     for key in sorted(set(costly) | set(quiet)):
         base = statistics.median(quiet[key]) if quiet.get(key) else 0.0
         extra = sum(ms - base for ms in costly.get(key, []))
-        print(f"{key or 'prefill only':30s} {len(costly.get(key, [])):4d} steps with new modules, ~{extra / 1e3:6.1f} s "
-              f"above the median step without ({base:.1f} ms; {len(quiet.get(key, []))} steps)")  # fmt: skip
+        print(
+            f"{key or 'prefill only':30s} {len(costly.get(key, [])):4d} steps with new modules, ~{extra / 1e3:6.1f} s "
+            f"above the median step without ({base:.1f} ms; {len(quiet.get(key, []))} steps)"
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import os
 import re
 import statistics
 import time
-from dataclasses import replace
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -26,7 +26,6 @@ from engine.engine import Engine
 from engine.kernels import EXACT, FAST, KernelConfig, install
 from engine.kernels.quantized_gemv import Fusion
 from tools.gpu.results import save_json
-
 
 VIEWS = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "Split", "Flatten", "Unflatten"}
 
@@ -50,8 +49,7 @@ def configs() -> dict[str, KernelConfig]:
     step kernel, with the compiled attention step, with the GEMV launches' output stages, with the norms'
     scale on their outputs, and the default (the norms taken by the launches before them)."""
     fast = KernelConfig.from_env(FAST)
-    plain = KernelConfig(FAST, fusion=Fusion(), launches=fast.launches, delta_step_kernel=False,
-                         attention_step=False)  # fmt: skip
+    plain = KernelConfig(FAST, fusion=Fusion(), launches=fast.launches, delta_step_kernel=False, attention_step=False)
     return {
         EXACT: KernelConfig(EXACT),
         "fast_plain": plain,
@@ -98,6 +96,7 @@ def pipelined_parts(model, cache, token: mx.array, steps: int = 24) -> dict:
     timed. A wait near zero means the host is the bound: the device finishes a step before the host has
     built and submitted the next one. Submitting (`mx.async_eval`) is where MLX encodes and launches the
     step's kernels on the host."""
+
     def build(tok):
         return mx.argmax(model(tok, cache)[:, -1:], axis=-1)
 
@@ -124,7 +123,9 @@ def main() -> None:
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--configs", default="exact,fast", help="comma-separated, of " + ", ".join(configs()))
-    p.add_argument("--rounds", type=int, default=2, help="times through the configurations, alternating (the machine drifts)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="times through the configurations, alternating (the machine drifts)"
+    )
     p.add_argument("--label", default="", help="added to the JSON's name (e.g. the MLX_* settings of the run)")
     args = p.parse_args()
     table = configs()
@@ -143,11 +144,14 @@ def main() -> None:
         r["operations"], r["views"] = sum(nodes.values()), sum(n for op, n in nodes.items() if op in VIEWS)
         r["operation_counts"] = dict(nodes.most_common())
         results.setdefault(name, []).append(r)
-        print(f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
-              f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
-              f"loop: build {r['loop_build_ms']:.2f} + submit {r['loop_submit_ms']:.2f} + wait {r['loop_wait_ms']:.2f} ms, "
-              f"{ks.quantized_linears} kernel layers, {ks.attention_kernel_layers} attention kernel layers, "
-              f"{r['operations']} operations ({r['views']} views)", flush=True)
+        print(
+            f"{args.model}{' ' + args.label if args.label else ''} {name}: {r['tok_s']:.1f} tok/s pipelined ({r['pipelined_ms']:.2f} ms/step), "
+            f"sync step {r['sync_step_ms']:.2f} ms, host build {r['build_ms']:.2f} ms, "
+            f"loop: build {r['loop_build_ms']:.2f} + submit {r['loop_submit_ms']:.2f} + wait {r['loop_wait_ms']:.2f} ms, "
+            f"{ks.quantized_linears} kernel layers, {ks.attention_kernel_layers} attention kernel layers, "
+            f"{r['operations']} operations ({r['views']} views)",
+            flush=True,
+        )
         save_json(f"decode-step-{args.model}{'-' + args.label if args.label else ''}.json", results)
 
 

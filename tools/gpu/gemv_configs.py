@@ -16,15 +16,15 @@ $OUT/gemv-configs.json.
 
 import argparse
 import os
+from dataclasses import replace
 
 import mlx.core as mx
 
-from dataclasses import replace
-
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
 from engine.kernels.quantized_gemv.staged import MIN_ROWS, StagedConfig, staged_config
-from tools.gpu.results import save_json
 from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
+from tools.gpu.results import save_json
+
 
 def numerics():
     bad = 0
@@ -37,31 +37,47 @@ def numerics():
                     out = quantized_matmul(x, w, s, b, gs, bits).astype(mx.float32)
                     mx.eval(out)
                     with mx.stream(mx.cpu):
-                        f32 = mx.float32  # weights dequantized in float32, as the kernel test does (MLX's rounds them to bf16)
-                        exact = x.astype(f32) @ mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits).T
+                        f32 = (
+                            mx.float32
+                        )  # weights dequantized in float32, as the kernel test does (MLX's rounds them to bf16)
+                        exact = (
+                            x.astype(f32) @ mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits).T
+                        )
                         mx.eval(exact)
                     tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
                     ok = mx.all(mx.abs(out - exact) <= tol).item()
                     bad += not ok
                     if not ok or (m in (1, 16) and n == 4096):
-                        print(f"numerics bits={bits} gs={gs} {n}x{k} M={m}: {'ok' if ok else 'FAIL'} "
-                              f"max|diff| {mx.abs(out - exact).max().item():.2e} max|ref| {mx.abs(exact).max().item():.2f}", flush=True)
+                        print(
+                            f"numerics bits={bits} gs={gs} {n}x{k} M={m}: {'ok' if ok else 'FAIL'} "
+                            f"max|diff| {mx.abs(out - exact).max().item():.2e} max|ref| {mx.abs(exact).max().item():.2f}",
+                            flush=True,
+                        )
     print(f"numerics: {bad} failures", flush=True)
     return bad
 
 
 def label(c) -> str:
     if isinstance(c, StagedConfig):
-        return (f"staged W{c.warps} RT{c.row_tiles} ST{c.stages} S{c.splits}" + (f" CK{c.chunk_tiles}" if c.chunk_tiles else "")
-                + (f" B{c.min_blocks}" if c.min_blocks else ""))
-    return (f"W{c.warps} RT{c.row_tiles} U{c.batch}" + (f" B{c.min_blocks}" if c.min_blocks else "")
-            + (f" WR{c.row_groups}" if c.row_groups > 1 else "") + (f" WM{c.m_groups}" if c.m_groups > 1 else ""))
+        return (
+            f"staged W{c.warps} RT{c.row_tiles} ST{c.stages} S{c.splits}"
+            + (f" CK{c.chunk_tiles}" if c.chunk_tiles else "")
+            + (f" B{c.min_blocks}" if c.min_blocks else "")
+        )
+    return (
+        f"W{c.warps} RT{c.row_tiles} U{c.batch}"
+        + (f" B{c.min_blocks}" if c.min_blocks else "")
+        + (f" WR{c.row_groups}" if c.row_groups > 1 else "")
+        + (f" WM{c.m_groups}" if c.m_groups > 1 else "")
+    )
 
 
 # More warps a block for launches of few blocks (the N = 5120 shapes), some with their registers capped: timed
 # in the serial sweeps only.
-SERIAL_EXTRA = [LaunchConfig(*shape) for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2),
-                                                   (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))]  # fmt: skip
+SERIAL_EXTRA = [
+    LaunchConfig(*shape)
+    for shape in ((6, 1, 4), (12, 1, 4), (8, 2, 4), (8, 1, 2), (16, 1, 2), (8, 1, 4, 4), (16, 1, 4, 2), (12, 1, 4, 2))
+]
 
 
 def launch_shapes(text: str) -> list[LaunchConfig]:
@@ -82,27 +98,65 @@ def candidates(m: int, serial: bool, chosen: list[LaunchConfig], n: int = 0, k: 
         shapes += [replace(default, warps=8), replace(default, warps=8, stages=5 - default.stages)]
         return shapes + [launch_config(m, k, 64, 4, n)]
     if m > 8:  # row tiles, row groups and slices of the activation rows (W, RT, U, WR, WM, MINB), W = WR x WM x K split
-        shapes = ((16, 1, 4, 4, 4, 1), (8, 2, 2, 2, 4, 2), (8, 2, 1, 2, 4, 2), (8, 4, 1, 2, 4, 2), (16, 2, 2, 4, 4, 1),
-                  (8, 4, 1, 1, 8, 2), (4, 2, 2, 1, 4, 4), (4, 4, 1, 1, 4, 4), (4, 2, 4, 4, 1, 0), (4, 4, 2, 4, 1, 0),
-                  (8, 2, 4, 4, 2, 1), (4, 4, 1, 2, 2, 2), (8, 4, 1, 2, 2, 2), (4, 2, 1, 1, 2, 4), (8, 2, 1, 1, 4, 4))
-        return [LaunchConfig(w, rt, u, minb, row_groups=wr, m_groups=wm) for w, rt, u, wr, wm, minb in shapes
-                if wm <= -(-m // 8)]
+        shapes = (
+            (16, 1, 4, 4, 4, 1),
+            (8, 2, 2, 2, 4, 2),
+            (8, 2, 1, 2, 4, 2),
+            (8, 4, 1, 2, 4, 2),
+            (16, 2, 2, 4, 4, 1),
+            (8, 4, 1, 1, 8, 2),
+            (4, 2, 2, 1, 4, 4),
+            (4, 4, 1, 1, 4, 4),
+            (4, 2, 4, 4, 1, 0),
+            (4, 4, 2, 4, 1, 0),
+            (8, 2, 4, 4, 2, 1),
+            (4, 4, 1, 2, 2, 2),
+            (8, 4, 1, 2, 2, 2),
+            (4, 2, 1, 1, 2, 4),
+            (8, 2, 1, 1, 4, 4),
+        )
+        return [
+            LaunchConfig(w, rt, u, minb, row_groups=wr, m_groups=wm)
+            for w, rt, u, wr, wm, minb in shapes
+            if wm <= -(-m // 8)
+        ]
     if m > 1:
         return [LaunchConfig(*shape) for shape in ((4, 1, 4), (4, 2, 4), (4, 2, 8))]
     # W * U k-tiles a round: K = 5120 has 80 (4 x 4: 5 rounds a warp; 5 x 8, 10 x 4: 2; 10 x 8, 20 x 4: 1)
-    shapes = [(2, 1, 8), (4, 1, 4), (4, 1, 8), (4, 2, 4), (8, 1, 4), (5, 1, 4), (5, 1, 8), (10, 1, 4), (10, 1, 8),
-              (20, 1, 4), (16, 1, 4), (8, 1, 8)]  # fmt: skip
+    shapes = [
+        (2, 1, 8),
+        (4, 1, 4),
+        (4, 1, 8),
+        (4, 2, 4),
+        (8, 1, 4),
+        (5, 1, 4),
+        (5, 1, 8),
+        (10, 1, 4),
+        (10, 1, 8),
+        (20, 1, 4),
+        (16, 1, 4),
+        (8, 1, 8),
+    ]
     return [LaunchConfig(*shape) for shape in shapes] + (SERIAL_EXTRA if serial else [])
 
 
-def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0,
-           rows_m: tuple[int, ...] = (1, 4, 8, 16)) -> tuple[list, dict]:  # fmt: skip
+def timing(
+    quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0, rows_m: tuple[int, ...] = (1, 4, 8, 16)
+) -> tuple[list, dict]:
     """Every shape's times; the rows and the candidates timed, by label."""
     rows, configs = [], {}
     cfg = BenchConfig(repeats=9)  # 400 calls an evaluation, as the kernel table
     warm = BenchConfig(repeats=9, cold_bytes=0)
-    shapes = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (5120, 6144), (1024, 5120),
-              (248320, 5120)]
+    shapes = [
+        (17408, 5120),
+        (5120, 17408),
+        (10240, 5120),
+        (12288, 5120),
+        (6144, 5120),
+        (5120, 6144),
+        (1024, 5120),
+        (248320, 5120),
+    ]
     for n, k in shapes[first:2] if quick else shapes[first:]:
         w, s, b = random_quantized(n, k, 4, 64)
         nbytes = w.nbytes + s.nbytes + b.nbytes
@@ -134,19 +188,28 @@ def timing(quick: bool, serial: bool, chosen: list[LaunchConfig], first: int = 0
             res_config = staged_config(m, k, 64, 4) if m >= MIN_ROWS else launch_config(m, k, 64, 4, n)
             res["config"] = label(res_config)
             if main and m == 1 and not serial:
-                res["mlx_warm"] = time_us(lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm)
+                res["mlx_warm"] = time_us(
+                    lambda: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4), warm
+                )
                 res["kernel_warm"] = time_us(lambda: quantized_matmul(x, w, s, b, 64, 4), warm)
             for c in candidates(m, serial, chosen, n, k) if main else ():
                 res[label(c)] = kernel_us(c)
                 configs[label(c)] = c
                 print(f"  {n}x{k} M={m} {label(c)}: {res[label(c)]:.1f} us (default {res['kernel']:.1f})", flush=True)
-            ranked = sorted((v, key) for key, v in res.items() if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm"))
+            ranked = sorted(
+                (v, key)
+                for key, v in res.items()
+                if isinstance(v, float) and key not in ("mb", "mlx", "mlx_warm", "kernel_warm")
+            )
             best = ranked[0]
             print("   ", " | ".join(f"{key} {v:.1f}" for v, key in ranked), flush=True)
-            print(f"{n}x{k} M={m} ({nbytes / 1e6:.1f} MB): mlx {res['mlx']:.1f} us "
-                  f"({nbytes / res['mlx'] / 1e3:.0f} GB/s) | kernel {res['kernel']:.1f} us "
-                  f"({nbytes / res['kernel'] / 1e3:.0f} GB/s) | best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)"
-                  + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""), flush=True)
+            print(
+                f"{n}x{k} M={m} ({nbytes / 1e6:.1f} MB): mlx {res['mlx']:.1f} us "
+                f"({nbytes / res['mlx'] / 1e3:.0f} GB/s) | kernel {res['kernel']:.1f} us "
+                f"({nbytes / res['kernel'] / 1e3:.0f} GB/s) | best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)"
+                + (f" | warm: mlx {res['mlx_warm']:.1f} kernel {res['kernel_warm']:.1f}" if "mlx_warm" in res else ""),
+                flush=True,
+            )
             rows.append(res)
             save_json("gemv-configs-serial.json" if serial else "gemv-configs.json", rows)
             if serial:
@@ -172,7 +235,9 @@ def save_setting(setting: str, name: str = "gemv-launch.txt") -> None:
 
 
 def serial_setting(rows: list, configs: dict) -> str:
-    return launch_setting((r["n"], r["k"], r["kernel"], {c: r[key] for key, c in configs.items() if key in r}) for r in rows)
+    return launch_setting(
+        (r["n"], r["k"], r["kernel"], {c: r[key] for key, c in configs.items() if key in r}) for r in rows
+    )
 
 
 def main() -> None:
@@ -183,8 +248,9 @@ def main() -> None:
     p.add_argument("--time-anyway", action="store_true", help="time even when the numerics check fails")
     p.add_argument("--candidates", type=launch_shapes, default=[], help="M = 1 candidates in place of the sweep's")
     p.add_argument("--first-shape", type=int, default=0, help="skip the first N shapes")
-    p.add_argument("--rows", default="1,4,8,16", help="activation rows M timed on the two 50 MB matrices "
-                                                      "(default 1,4,8,16)")  # fmt: skip
+    p.add_argument(
+        "--rows", default="1,4,8,16", help="activation rows M timed on the two 50 MB matrices (default 1,4,8,16)"
+    )
     args = p.parse_args()
     if args.no_numerics or numerics() == 0 or args.time_anyway:
         rows_m = tuple(int(m) for m in args.rows.split(","))

@@ -64,18 +64,38 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up round")
     p.add_argument("--arms", default="generate,runner,serial,continuous")
-    p.add_argument("--warmup", choices=("off", "quick", "full"), default="off",
-                   help="first run `engine serve`'s warm-up on the continuous gateway")
-    p.add_argument("--warmup-passes", type=int, default=1, help="run the warm-up this many times: the later passes' "
-                   "stage times are what its requests cost with every shape and kernel already built")
-    p.add_argument("--no-prebuild", action="store_true", help="the warm-up without its kernel-build stage (the "
-                   "decode steps' forwards built, not run, before any request): whether the steps it traces are slower")
+    p.add_argument(
+        "--warmup",
+        choices=("off", "quick", "full"),
+        default="off",
+        help="first run `engine serve`'s warm-up on the continuous gateway",
+    )
+    p.add_argument(
+        "--warmup-passes",
+        type=int,
+        default=1,
+        help="run the warm-up this many times: the later passes' "
+        "stage times are what its requests cost with every shape and kernel already built",
+    )
+    p.add_argument(
+        "--no-prebuild",
+        action="store_true",
+        help="the warm-up without its kernel-build stage (the "
+        "decode steps' forwards built, not run, before any request): whether the steps it traces are slower",
+    )
     p.add_argument("--burst", type=int, default=0, help="then a burst of this many requests, and the rounds again")
-    p.add_argument("--reset", action="store_true", help="last, empty the prompt caches and MLX's buffer cache, "
-                   "collect garbage, and run the rounds again")
-    p.add_argument("--second-model", action="store_true", help="last, load the model again into this process (new "
-                   "compiled calls and launches, the same process state) and run the rounds on it, then on the first "
-                   "model again: whether what slows a warmed model is its own or the process's")
+    p.add_argument(
+        "--reset",
+        action="store_true",
+        help="last, empty the prompt caches and MLX's buffer cache, collect garbage, and run the rounds again",
+    )
+    p.add_argument(
+        "--second-model",
+        action="store_true",
+        help="last, load the model again into this process (new "
+        "compiled calls and launches, the same process state) and run the rounds on it, then on the first "
+        "model again: whether what slows a warmed model is its own or the process's",
+    )
     args = p.parse_args(argv)
 
     from engine.cli import use_kernel_cache
@@ -95,13 +115,18 @@ def main(argv=None) -> None:
     if on_cuda():  # as `engine serve` sets up the device
         kernel_cache.enable(directory)
         mx.set_cache_limit(CUDA_MLX_CACHE)
+
     def load() -> dict:
         """A model and the gateways on it: what the arms run on."""
         engine = Engine.load(args.model if not args.model_path else None, args.model_path)
         tier = engine.kernels.tier
-        return {"engine": engine, "gateways": {
-            "serial": Gateway(engine.model, ServeConfig(batch=1).gateway_config(tier)),
-            "continuous": Gateway(engine.model, ServeConfig().gateway_config(tier))}}  # fmt: skip
+        return {
+            "engine": engine,
+            "gateways": {
+                "serial": Gateway(engine.model, ServeConfig(batch=1).gateway_config(tier)),
+                "continuous": Gateway(engine.model, ServeConfig().gateway_config(tier)),
+            },
+        }
 
     first = current = load()
     engine = first["engine"]
@@ -117,8 +142,11 @@ def main(argv=None) -> None:
         return stamps
 
     def run_runner() -> list[float]:
-        runner = BatchRunner(current["engine"].model, decode_buckets=continuous_cfg.decode_buckets,
-                             chunk_buckets=continuous_cfg.chunk_buckets)  # fmt: skip
+        runner = BatchRunner(
+            current["engine"].model,
+            decode_buckets=continuous_cfg.decode_buckets,
+            chunk_buckets=continuous_cfg.chunk_buckets,
+        )
         runner.add_joiners([Joiner("r", SamplingParams(), prompt)])
         runner.prefill([prompt[:-1]])
         runner.first_tokens(["r"])
@@ -172,21 +200,30 @@ def main(argv=None) -> None:
                     gaps[arm] += [b - a for a, b in zip(stamps, stamps[1:])]
                     gcs[arm] += gc_s[0]
                 line.append(f"{arm} {rate:.1f}")
-            print(f"{label} round {rnd}{' (warm-up)' if warm and rnd == 0 else ''}: " + ", ".join(line) + " tok/s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{label} round {rnd}{' (warm-up)' if warm and rnd == 0 else ''}: " + ", ".join(line) + " tok/s",
+                flush=True,
+            )
         base = statistics.median(rates[arms[0]])
         for arm in arms:
             med = statistics.median(rates[arm])
             ms = sorted(1000 * g for g in gaps[arm])
-            print(f"{label} {arm:>11}: median {med:.1f} tok/s ({1000 / med:.2f} ms a token), {med / base:.3f}x "
-                  f"{arms[0]}, gaps p50 {ms[len(ms) // 2]:.2f} p90 {ms[9 * len(ms) // 10]:.2f} max {ms[-1]:.2f} ms, "
-                  f"garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request")  # fmt: skip
+            print(
+                f"{label} {arm:>11}: median {med:.1f} tok/s ({1000 / med:.2f} ms a token), {med / base:.3f}x "
+                f"{arms[0]}, gaps p50 {ms[len(ms) // 2]:.2f} p90 {ms[9 * len(ms) // 10]:.2f} max {ms[-1]:.2f} ms, "
+                f"garbage collection {1000 * gcs[arm] / len(rates[arm]):.1f} ms a request"
+            )
 
     if args.warmup != "off":
         for n in range(args.warmup_passes):
             start = time.perf_counter()
-            _warm_up(first["gateways"]["continuous"], args.warmup, context=_context_of(engine.config), log=print,
-                     prebuild=not args.no_prebuild and n == 0)
+            _warm_up(
+                first["gateways"]["continuous"],
+                args.warmup,
+                context=_context_of(engine.config),
+                log=print,
+                prebuild=not args.no_prebuild and n == 0,
+            )
             print(f"warm-up {args.warmup} (pass {n + 1}): {time.perf_counter() - start:.1f} s", flush=True)
     rounds("fresh", warm=True)
     if args.burst:
@@ -196,9 +233,12 @@ def main(argv=None) -> None:
             busy.submit(GenerationRequest(f"burst-{i}", rotated, SamplingParams(), stop), sink)
         start = time.perf_counter()
         busy.run_until_idle()
-        print(f"burst of {args.burst}: {time.perf_counter() - start:.1f} s; MLX active "
-              f"{mx.get_active_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB; garbage "
-              f"collector counts {gc.get_count()}", flush=True)  # fmt: skip
+        print(
+            f"burst of {args.burst}: {time.perf_counter() - start:.1f} s; MLX active "
+            f"{mx.get_active_memory() / 2**30:.1f} GiB, cache {mx.get_cache_memory() / 2**30:.1f} GiB; garbage "
+            f"collector counts {gc.get_count()}",
+            flush=True,
+        )
         rounds(f"after a burst of {args.burst}", warm=False)
     if args.reset:
         mx.clear_cache()

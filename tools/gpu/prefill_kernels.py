@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import statistics
 import time
-from typing import Optional
 
 from tools.gpu.step_kernels import _marker, _profiler
 
@@ -49,8 +48,9 @@ def one_pass(eng, group: int, length: int, chunks: int, clear: bool = False) -> 
     cache = merge_rows([eng.make_cache() for _ in range(group)])
     times = []
     for c in range(chunks):
-        tokens = mx.array([[(i * 7919 + r * 104729 + c * 31) % vocab + 10 for i in range(length)]
-                           for r in range(group)])  # fmt: skip
+        tokens = mx.array(
+            [[(i * 7919 + r * 104729 + c * 31) % vocab + 10 for i in range(length)] for r in range(group)]
+        )
         mx.eval(tokens)
         t0 = time.perf_counter()
         eng.model(tokens, cache=cache)
@@ -61,9 +61,19 @@ def one_pass(eng, group: int, length: int, chunks: int, clear: bool = False) -> 
     return times
 
 
-def run(model_name: str, shapes: list[tuple[int, int]], chunks: int, reps: int, ncu: bool, tier: str,
-        clear: bool = False, interleave: bool = False, dense_min_rows: Optional[int] = None,
-        cache_limit: Optional[int] = None, model_path: Optional[str] = None) -> None:  # fmt: skip
+def run(
+    model_name: str,
+    shapes: list[tuple[int, int]],
+    chunks: int,
+    reps: int,
+    ncu: bool,
+    tier: str,
+    clear: bool = False,
+    interleave: bool = False,
+    dense_min_rows: int | None = None,
+    cache_limit: int | None = None,
+    model_path: str | None = None,
+) -> None:
     import mlx.core as mx
 
     from engine.engine import Engine
@@ -75,10 +85,14 @@ def run(model_name: str, shapes: list[tuple[int, int]], chunks: int, reps: int, 
     if cache_limit is not None:
         mx.set_cache_limit(cache_limit)
     eng = Engine.load(None if model_path else model_name, model_path, with_tokenizer=False, kernels=kernels)
-    print(f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, dense prefill from "
-          f"{kernels.dense_min_rows} rows" + (", MLX's buffer cache emptied after each" if clear else "")
-          + (", the shapes in turn" if interleave else "")
-          + (f", MLX's cache limit {cache_limit} bytes" if cache_limit is not None else ""), flush=True)  # fmt: skip
+    print(
+        f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, dense prefill from "
+        f"{kernels.dense_min_rows} rows"
+        + (", MLX's buffer cache emptied after each" if clear else "")
+        + (", the shapes in turn" if interleave else "")
+        + (f", MLX's cache limit {cache_limit} bytes" if cache_limit is not None else ""),
+        flush=True,
+    )
     for group, length in shapes:
         one_pass(eng, group, length, chunks)  # compiles this shape
         mx.clear_cache()
@@ -110,8 +124,11 @@ def report(group: int, length: int, passes: list[list[float]]) -> None:
     for c in range(len(passes[0])):
         times = [p[c] * 1e3 for p in passes]
         ms = statistics.median(times)
-        print(f"prefill {group:3d}x{length:<5d} chunk {c + 1}: {ms:8.1f} ms ({group * length / ms * 1e3:8.0f} tok/s; "
-              f"{min(times):.1f}-{max(times):.1f})", flush=True)  # fmt: skip
+        print(
+            f"prefill {group:3d}x{length:<5d} chunk {c + 1}: {ms:8.1f} ms ({group * length / ms * 1e3:8.0f} tok/s; "
+            f"{min(times):.1f}-{max(times):.1f})",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -123,16 +140,37 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="timed passes a shape (median)")
     p.add_argument("--tier", default="fast", help="kernel tier (fast, exact, auto)")
     p.add_argument("--clear", action="store_true", help="empty MLX's buffer cache after each chunk (mx.clear_cache)")
-    p.add_argument("--interleave", action="store_true", help="time the shapes in turn (each pass after another "
-                                                             "shape's) instead of all passes of a shape together")
-    p.add_argument("--dense-min-rows", type=int, help="rows from which a prefill dequantizes and runs one GEMM "
-                                                       "(KernelConfig.dense_min_rows; default the tree's)")
-    p.add_argument("--cache-limit", type=int, help="MLX's buffer cache limit in bytes (engine serve sets 16 GiB on "
-                                                    "CUDA); default MLX's")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the shapes in turn (each pass after another shape's) instead of all passes of a shape together",
+    )
+    p.add_argument(
+        "--dense-min-rows",
+        type=int,
+        help="rows from which a prefill dequantizes and runs one GEMM "
+        "(KernelConfig.dense_min_rows; default the tree's)",
+    )
+    p.add_argument(
+        "--cache-limit",
+        type=int,
+        help="MLX's buffer cache limit in bytes (engine serve sets 16 GiB on CUDA); default MLX's",
+    )
     p.add_argument("--ncu", action="store_true", help="one marked pass a shape (one chunk) for ncu instead of timing")
     args = p.parse_args()
-    run(args.model, parse_shapes(args.shapes), max(1, args.chunks), max(1, args.reps), args.ncu, args.tier, args.clear,
-        args.interleave, args.dense_min_rows, args.cache_limit, args.model_path)
+    run(
+        args.model,
+        parse_shapes(args.shapes),
+        max(1, args.chunks),
+        max(1, args.reps),
+        args.ncu,
+        args.tier,
+        args.clear,
+        args.interleave,
+        args.dense_min_rows,
+        args.cache_limit,
+        args.model_path,
+    )
 
 
 if __name__ == "__main__":

@@ -60,12 +60,17 @@ def main(argv=None) -> int:
         times["scored"].append(scored(client, prompts(args.prompts, args.tokens, args.vocab, seed=2 * n + 1))[2])
         plain = {"prompt": prompts(args.prompts, args.tokens, args.vocab, seed=2 * n + 2), "max_tokens": 1}
         times["plain"].append(post(client, plain)[1])
-    record = {"prompts": args.prompts, "tokens": args.tokens,
-              **{f"{k}_s": [round(s, 3) for s in v] for k, v in times.items()}}  # fmt: skip
+    record = {
+        "prompts": args.prompts,
+        "tokens": args.tokens,
+        **{f"{k}_s": [round(s, 3) for s in v] for k, v in times.items()},
+    }
     tokens = args.prompts * args.tokens
     for kind, seconds in times.items():
-        print(f"{kind}: {args.prompts} x {args.tokens} tokens in {statistics.median(seconds):.3f} s median "
-              f"({tokens / statistics.median(seconds):,.0f} prompt tok/s; {', '.join(f'{s:.3f}' for s in seconds)})")
+        print(
+            f"{kind}: {args.prompts} x {args.tokens} tokens in {statistics.median(seconds):.3f} s median "
+            f"({tokens / statistics.median(seconds):,.0f} prompt tok/s; {', '.join(f'{s:.3f}' for s in seconds)})"
+        )
     if args.reference:
         batch = prompts(args.prompts, args.tokens, args.vocab)
         ours, our_greedy, _ = scored(client, batch)
@@ -73,11 +78,17 @@ def main(argv=None) -> int:
         diffs = [abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
         same = sum(a == b for x, y in zip(our_greedy, their_greedy) for a, b in zip(x, y))
         sums = [(sum(x), sum(y)) for x, y in zip(ours, theirs)]
-        record.update(mean_abs_diff=statistics.fmean(diffs), max_abs_diff=max(diffs), greedy_agreement=same / len(diffs),
-                      loglikelihoods=sums)  # fmt: skip
-        print(f"against the reference: mean |diff| {record['mean_abs_diff']:.2e}, max {record['max_abs_diff']:.2e}, "
-              f"greedy flags agree {100 * record['greedy_agreement']:.1f}%; each prompt's sum "
-              + "; ".join(f"{a:.2f} vs {b:.2f}" for a, b in sums))
+        record.update(
+            mean_abs_diff=statistics.fmean(diffs),
+            max_abs_diff=max(diffs),
+            greedy_agreement=same / len(diffs),
+            loglikelihoods=sums,
+        )
+        print(
+            f"against the reference: mean |diff| {record['mean_abs_diff']:.2e}, max {record['max_abs_diff']:.2e}, "
+            f"greedy flags agree {100 * record['greedy_agreement']:.1f}%; each prompt's sum "
+            + "; ".join(f"{a:.2f} vs {b:.2f}" for a, b in sums)
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -37,9 +37,9 @@ import dataclasses
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
 
 MARKER = "engine_step_marker"
 UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
@@ -48,10 +48,10 @@ UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1
 def _marker(label: str):
     import mlx.core as mx
 
-    kernel = mx.fast.cuda_kernel(name=f"{MARKER}_{label}", input_names=["x"], output_names=["y"],
-                                 source="y[0] = x[0];")  # fmt: skip
-    return lambda x: kernel(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
-                            output_dtypes=[x.dtype])[0]  # fmt: skip
+    kernel = mx.fast.cuda_kernel(name=f"{MARKER}_{label}", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
+    return lambda x: kernel(
+        inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[x.dtype]
+    )[0]
 
 
 def _profiler(on: bool) -> None:
@@ -74,7 +74,6 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
 
     from engine.batch.runner import merge_rows
     from engine.kernels import kernel_cache
-
     from engine.loading import text_config
 
     batched = rows > 1 or batch_caches
@@ -91,11 +90,20 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     return cache, token
 
 
-STAGED_KEYS = {"W": "warps", "RT": "row_tiles", "CK": "chunk_tiles", "ST": "stages", "S": "splits",
-               "MINB": "min_blocks", "MG": "m_groups", "RW": "rounded", "KS": "split_values"}
+STAGED_KEYS = {
+    "W": "warps",
+    "RT": "row_tiles",
+    "CK": "chunk_tiles",
+    "ST": "stages",
+    "S": "splits",
+    "MINB": "min_blocks",
+    "MG": "m_groups",
+    "RW": "rounded",
+    "KS": "split_values",
+}
 
 
-def parse_staged(spec: str) -> tuple[Optional[set[int]], dict[str, int]]:
+def parse_staged(spec: str) -> tuple[set[int] | None, dict[str, int]]:
     """A `--staged` SPEC as (the row counts it keeps to, or None for all; StagedConfig fields)."""
     rows, _, body = spec.rpartition(":")
     fields = {}
@@ -129,14 +137,26 @@ def staged_layout(fields: dict[str, int]):
             calls._compiled.cache_clear()
 
 
-def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, prompt_tokens: int,
-        timed: bool, warm: int = 3, batch_caches: bool = False, off: tuple[str, ...] = (),
-        variants: Sequence[str] = (), only_staged: bool = False) -> None:  # fmt: skip
+def run(
+    model_name: str,
+    rows_list: list[int],
+    tiers: list[str],
+    steps: int,
+    prompt_tokens: int,
+    timed: bool,
+    warm: int = 3,
+    batch_caches: bool = False,
+    off: tuple[str, ...] = (),
+    variants: Sequence[str] = (),
+    only_staged: bool = False,
+) -> None:
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
     from engine.kernels.quantized_gemv import staged
 
-    layouts = [(None, {}, "")] * (not only_staged) + [(*parse_staged(v), f" [{v}]") for v in variants]  # a bad SPEC stops it here
+    layouts = [(None, {}, "")] * (not only_staged) + [
+        (*parse_staged(v), f" [{v}]") for v in variants
+    ]  # a bad SPEC stops it here
 
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
         return dataclasses.replace(KernelConfig.from_env(tier), **{name: False for name in off})
@@ -144,8 +164,12 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
     eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
     for tier in tiers:
         ks = install(eng.model, config(tier), eng.config.get("model_type"))
-        print(f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
-              + (f", off: {','.join(off)}" if off else "") + (", batch caches" if batch_caches else ""), flush=True)
+        print(
+            f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
+            + (f", off: {','.join(off)}" if off else "")
+            + (", batch caches" if batch_caches else ""),
+            flush=True,
+        )
         for keep, fields, label in layouts:
             for rows in rows_list:
                 if (keep is None or rows in keep) and (not fields or rows >= staged.MIN_ROWS):
@@ -155,8 +179,9 @@ def run(model_name: str, rows_list: list[int], tiers: list[str], steps: int, pro
                         step_rows(eng, tier + label, rows, steps, prompt_tokens, timed, warm, batch_caches)
 
 
-def step_rows(eng, label: str, rows: int, steps: int, prompt_tokens: int, timed: bool, warm: int,
-              batch_caches: bool) -> None:  # fmt: skip
+def step_rows(
+    eng, label: str, rows: int, steps: int, prompt_tokens: int, timed: bool, warm: int, batch_caches: bool
+) -> None:
     """One row count's decode steps: timed (pipelined), or one at a time between markers for ncu."""
     import mlx.core as mx
 
@@ -180,8 +205,11 @@ def step_rows(eng, label: str, rows: int, steps: int, prompt_tokens: int, timed:
         # submissions alone (their median beside it) can show the host's time, not the step's.
         step = (stamps[-1] - stamps[0]) / steps
         gap = statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:-1]))
-        print(f"{label:6s} rows {rows:3d}: step {step * 1e3:7.2f} ms ({rows / step:7.1f} tok/s; median "
-              f"submit gap {gap * 1e3:.2f} ms)", flush=True)  # fmt: skip
+        print(
+            f"{label:6s} rows {rows:3d}: step {step * 1e3:7.2f} ms ({rows / step:7.1f} tok/s; median "
+            f"submit gap {gap * 1e3:.2f} ms)",
+            flush=True,
+        )
         return
     marker = _marker(f"{label.split()[0]}_{rows}")
     mx.eval(marker(token.reshape(-1)))
@@ -219,36 +247,62 @@ def summarize(path: str, top: int) -> None:
             for name, us in step:
                 by_name[name.split("(")[0][:80]].append(us)
         n = len(steps)
-        print(f"\n{label.removeprefix(MARKER + '_')}: {n} steps, {len(steps[0])} kernels a step; device busy "
-              f"{statistics.median(per_step) / 1e3:.2f} ms a step (median; {min(per_step) / 1e3:.2f}-"
-              f"{max(per_step) / 1e3:.2f})")  # fmt: skip
+        print(
+            f"\n{label.removeprefix(MARKER + '_')}: {n} steps, {len(steps[0])} kernels a step; device busy "
+            f"{statistics.median(per_step) / 1e3:.2f} ms a step (median; {min(per_step) / 1e3:.2f}-"
+            f"{max(per_step) / 1e3:.2f})"
+        )
         print(f"{'kernel':80s} {'a step':>7s} {'us a step':>10s} {'share':>6s} {'us each':>9s} {'min':>7s} {'max':>7s}")
         total = statistics.median(per_step)
         for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-            print(f"{name:80s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {sum(times) / n / total:6.1%} "
-                  f"{statistics.median(times):9.1f} {min(times):7.1f} {max(times):7.1f}")  # fmt: skip
+            print(
+                f"{name:80s} {len(times) / n:7.1f} {sum(times) / n:10.1f} {sum(times) / n / total:6.1%} "
+                f"{statistics.median(times):9.1f} {min(times):7.1f} {max(times):7.1f}"
+            )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen27b")
     p.add_argument("--rows", default="1", help="comma-separated batch rows (default 1)")
-    p.add_argument("--tiers", default="fast", help="comma-separated kernel tiers (the fast tier takes ENGINE_FUSE "
-                                                   "and ENGINE_GEMV_LAUNCH)")  # fmt: skip
+    p.add_argument(
+        "--tiers",
+        default="fast",
+        help="comma-separated kernel tiers (the fast tier takes ENGINE_FUSE and ENGINE_GEMV_LAUNCH)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64, help="the context the decode steps attend over")
-    p.add_argument("--warm", type=int, default=3, help="steps before the measured ones (default 3; under ncu, "
-                                                       "which replays every kernel, 1 keeps the run short)")  # fmt: skip
+    p.add_argument(
+        "--warm",
+        type=int,
+        default=3,
+        help="steps before the measured ones (default 3; under ncu, which replays every kernel, 1 keeps the run short)",
+    )
     p.add_argument("--time", action="store_true", help="time pipelined steps instead of marking them for ncu")
-    p.add_argument("--batch-caches", action="store_true", help="the continuous batcher's caches at one row too "
-                                                               "(a lone row on the continuous lane)")  # fmt: skip
-    p.add_argument("--off", default="", help="KernelConfig switches to turn off, comma-separated (delta_step_kernel, "
-                                             "attention_step, attention_kernels)")  # fmt: skip
-    p.add_argument("--staged", action="append", default=[], metavar="SPEC",
-                   help="also run the rows with the staged launches laid out by SPEC (see above); repeatable")
+    p.add_argument(
+        "--batch-caches",
+        action="store_true",
+        help="the continuous batcher's caches at one row too (a lone row on the continuous lane)",
+    )
+    p.add_argument(
+        "--off",
+        default="",
+        help="KernelConfig switches to turn off, comma-separated (delta_step_kernel, "
+        "attention_step, attention_kernels)",
+    )
+    p.add_argument(
+        "--staged",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also run the rows with the staged launches laid out by SPEC (see above); repeatable",
+    )
     p.add_argument("--only-staged", action="store_true", help="run the --staged layouts only, not the tree's")
-    p.add_argument("--kernel-cache-dir", type=Path, help="compile the engine's kernels into DIR ahead of MLX, in "
-                                                          "parallel (MLX_PTX_CACHE_DIR)")  # fmt: skip
+    p.add_argument(
+        "--kernel-cache-dir",
+        type=Path,
+        help="compile the engine's kernels into DIR ahead of MLX, in parallel (MLX_PTX_CACHE_DIR)",
+    )
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
@@ -264,8 +318,19 @@ def main() -> None:
             if on_cuda():
                 kernel_cache.enable(directory)
         off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
-        run(args.model, [int(r) for r in args.rows.split(",")], args.tiers.split(","), args.steps,
-            args.prompt_tokens, args.time, args.warm, args.batch_caches, off, args.staged, args.only_staged)  # fmt: skip
+        run(
+            args.model,
+            [int(r) for r in args.rows.split(",")],
+            args.tiers.split(","),
+            args.steps,
+            args.prompt_tokens,
+            args.time,
+            args.warm,
+            args.batch_caches,
+            off,
+            args.staged,
+            args.only_staged,
+        )
 
 
 if __name__ == "__main__":

@@ -15,23 +15,69 @@ its products (the residual add, the SwiGLU, the next RMS norm).
 """
 
 from engine.kernels.quantized_gemv.calls import (
-    BITS, GROUP_SIZES, MAX_ROWS, dense_matmul, float_bits, launch_arguments, quantized_matmul, quantized_matmuls,
-    refusal, run_kernel, weight_refusal,
-)  # fmt: skip
+    BITS,
+    GROUP_SIZES,
+    MAX_ROWS,
+    dense_matmul,
+    float_bits,
+    launch_arguments,
+    quantized_matmul,
+    quantized_matmuls,
+    refusal,
+    run_kernel,
+    weight_refusal,
+)
 from engine.kernels.quantized_gemv.fusion import DEFAULT_FUSION, Fusion
 from engine.kernels.quantized_gemv.launch import (
-    LaunchConfig, Launches, launch_config, launches_setting, parse_launches, tile_k,
-)  # fmt: skip
+    LaunchConfig,
+    Launches,
+    launch_config,
+    launches_setting,
+    parse_launches,
+    tile_k,
+)
 from engine.kernels.quantized_gemv.layer import (
-    DENSE_DTYPES, DENSE_MIN_ROWS, LAYER_MAX_ROWS, LAYER_MIN_OUTPUTS, KernelQuantizedLinear,
-    no_bias, one_launch, retyped,
-)  # fmt: skip
+    DENSE_DTYPES,
+    DENSE_MIN_ROWS,
+    LAYER_MAX_ROWS,
+    LAYER_MIN_OUTPUTS,
+    KernelQuantizedLinear,
+    no_bias,
+    one_launch,
+    retyped,
+)
 from engine.kernels.quantized_gemv.source import input_names, kernel_source, launch_bounds, output_names
 
 __all__ = [
-    "BITS", "DEFAULT_FUSION", "DENSE_DTYPES", "DENSE_MIN_ROWS", "GROUP_SIZES", "LAYER_MAX_ROWS",
-    "LAYER_MIN_OUTPUTS", "MAX_ROWS", "Fusion", "KernelQuantizedLinear", "LaunchConfig", "Launches", "dense_matmul",
-    "float_bits", "input_names", "kernel_source", "launch_arguments", "launch_bounds", "launch_config",
-    "launches_setting", "no_bias", "one_launch", "output_names", "parse_launches", "quantized_matmul",
-    "quantized_matmuls", "refusal", "retyped", "run_kernel", "tile_k", "weight_refusal",
-]  # fmt: skip
+    "BITS",
+    "DEFAULT_FUSION",
+    "DENSE_DTYPES",
+    "DENSE_MIN_ROWS",
+    "GROUP_SIZES",
+    "LAYER_MAX_ROWS",
+    "LAYER_MIN_OUTPUTS",
+    "MAX_ROWS",
+    "Fusion",
+    "KernelQuantizedLinear",
+    "LaunchConfig",
+    "Launches",
+    "dense_matmul",
+    "float_bits",
+    "input_names",
+    "kernel_source",
+    "launch_arguments",
+    "launch_bounds",
+    "launch_config",
+    "launches_setting",
+    "no_bias",
+    "one_launch",
+    "output_names",
+    "parse_launches",
+    "quantized_matmul",
+    "quantized_matmuls",
+    "refusal",
+    "retyped",
+    "run_kernel",
+    "tile_k",
+    "weight_refusal",
+]

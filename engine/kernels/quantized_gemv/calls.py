@@ -11,9 +11,9 @@ dequantized weights to bf16.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import replace
-from functools import lru_cache
-from typing import Optional, Sequence
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +29,7 @@ GROUP_SIZES = (32, 64)
 Matrices = Sequence[tuple[mx.array, mx.array, mx.array]]  # (weight, scales, biases) each
 
 
-def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
+def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> str | None:
     """Why the kernel cannot use these weights at all (None when it can)."""
     if mode != "affine":
         return f"mode {mode}"
@@ -46,7 +46,7 @@ def weight_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int, mo
     return None
 
 
-def refusal(x: mx.array, w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> Optional[str]:
+def refusal(x: mx.array, w: mx.array, scales: mx.array, group_size: int, bits: int, mode: str = "affine") -> str | None:
     """Why the kernel cannot compute this product (None when it can)."""
     why = weight_refusal(w, scales, group_size, bits, mode)
     if why:
@@ -67,15 +67,15 @@ def quantized_matmuls(
     matrices: Matrices,
     group_size: int,
     bits: int,
-    config: Optional[LaunchConfig | staged.StagedConfig] = None,
+    config: LaunchConfig | staged.StagedConfig | None = None,
     *,
     launches: Launches = {},
-    norm: Optional[tuple[mx.array, float]] = None,
-    residual: Optional[mx.array] = None,
+    norm: tuple[mx.array, float] | None = None,
+    residual: mx.array | None = None,
     gated: bool = False,
     norm_scale: bool = False,
-    norm_out: Optional[mx.array] = None,
-    prenormed: Optional[tuple[mx.array, float]] = None,
+    norm_out: mx.array | None = None,
+    prenormed: tuple[mx.array, float] | None = None,
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix, transposed, in one launch: [..., N_i] bf16 each
     (CUDA only). Each result equals this call's for that matrix alone. `config` overrides `launch_config`
@@ -91,8 +91,9 @@ def quantized_matmuls(
     m = x.size // k
     if norm_scale and norm is None:
         raise ValueError("norm_scale takes the norm's weight and eps (norm=)")
-    if prenormed is not None and (norm is not None or prenormed[0].dtype != mx.float32
-                                  or prenormed[0].ndim != 2 or prenormed[0].shape[0] != m):  # fmt: skip
+    if prenormed is not None and (
+        norm is not None or prenormed[0].dtype != mx.float32 or prenormed[0].ndim != 2 or prenormed[0].shape[0] != m
+    ):
         raise ValueError("prenormed takes float32 parts [M, blocks] of the sums of squares, and no norm")
     if norm is not None and not norm_scale:
         raise ValueError("a launch takes a norm after its products only (norm_scale=True)")
@@ -110,14 +111,24 @@ def quantized_matmuls(
     if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
         config = config or staged.staged_config(m, k, group_size, bits)
         template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
-            fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
+            fusion.norm_scale or fusion.prenormed
+        ) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
         return staged.matmuls(x, matrices, group_size, bits, config, fusion, extra, template)
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices), launches)
     if gated:
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)  # tiles in pairs
     config = fitted(config, m, fusion)
-    args = launch_arguments(x, matrices, group_size, bits, config, extra, fusion,
-                            prenormed[0].shape[-1] if prenormed else 0, _norm_eps(norm, prenormed))  # fmt: skip
+    args = launch_arguments(
+        x,
+        matrices,
+        group_size,
+        bits,
+        config,
+        extra,
+        fusion,
+        prenormed[0].shape[-1] if prenormed else 0,
+        _norm_eps(norm, prenormed),
+    )
     return config.kernel(len(matrices), fusion)(**args)
 
 
@@ -128,10 +139,12 @@ def fitted(config: LaunchConfig, m: int, fusion: Fusion) -> LaunchConfig:
     """`config` with fewer row groups where the sums' staging (and norm_out's squares) would take more than
     SHARED_BYTES of shared memory at M rows, and no split of the rows for norm_scale. Each row's sums run as
     before: neither splits a sum."""
+
     def staged(c: LaunchConfig) -> int:
         out_rows = 16 * c.row_tiles // (2 if fusion.gated else 1) * c.row_groups
-        return 4 * (c.warps // c.m_groups * 16 * c.row_tiles * (8 * -(-m // 8) + 1)
-                    + fusion.norm_out * out_rows * (m + 1))  # fmt: skip
+        return 4 * (
+            c.warps // c.m_groups * 16 * c.row_tiles * (8 * -(-m // 8) + 1) + fusion.norm_out * out_rows * (m + 1)
+        )
 
     if fusion.norm_scale and config.m_groups > 1:  # its squares are gathered per warp of all rows
         config = replace(config, warps=config.warps // config.m_groups, m_groups=1)
@@ -148,9 +161,17 @@ def float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def launch_arguments(x: mx.array, matrices: Matrices, group_size: int, bits: int, config: LaunchConfig,
-                     extra: Sequence[mx.array] = (), fusion: Fusion = Fusion(), parts: int = 0,
-                     eps: float = 0.0) -> dict:  # fmt: skip
+def launch_arguments(
+    x: mx.array,
+    matrices: Matrices,
+    group_size: int,
+    bits: int,
+    config: LaunchConfig,
+    extra: Sequence[mx.array] = (),
+    fusion: Fusion = Fusion(),
+    parts: int = 0,
+    eps: float = 0.0,
+) -> dict:
     """The kernel call's arguments for x [..., K] (M rows in all) and the matrices, each result [..., N_i]:
     blocks matrix after matrix, matrix i's from block BLK{i}, one block per 16 * row_tiles * row_groups rows.
     A gated launch: one block per 16 * row_tiles * row_groups / 2 rows of both matrices, one result. norm_out: its two results
@@ -167,26 +188,41 @@ def launch_arguments(x: mx.array, matrices: Matrices, group_size: int, bits: int
     norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, starts[-1])]
     return dict(
         inputs=[x] + [a for triple in matrices for a in triple] + list(extra),
-        template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template()
-                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
-                 + fusion.prenormed * [("P", parts)]
-                 + (fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(eps))],
+        template=[("K", k), ("M", m), ("BITS", bits), ("GS", group_size)]
+        + config.template()
+        + [(f"N{i}", n) for i, n in enumerate(rows)]
+        + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
+        + fusion.prenormed * [("P", parts)]
+        + (fusion.norm_scale or fusion.prenormed) * [("EPS", float_bits(eps))],
         grid=(starts[-1] * config.warps * 32, 1, 1),
         threadgroup=(config.warps * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n) for n in rows[:products]] + norm_out,
         output_dtypes=[mx.bfloat16] * products + fusion.norm_out * [mx.bfloat16, mx.float32],
-    )  # fmt: skip
+    )
 
 
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                     config: Optional[LaunchConfig] = None) -> mx.array:  # fmt: skip
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    config: LaunchConfig | None = None,
+) -> mx.array:
     """x [..., K] bf16 times the quantized [N, K] matrix, transposed: [..., N] bf16 (CUDA only)."""
     return quantized_matmuls(x, [(w, scales, biases)], group_size, bits, config)[0]
 
 
-@lru_cache(maxsize=None)
-def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusion(), eps: float = 0.0,
-              launches: frozenset = frozenset()):  # fmt: skip
+@cache
+def _compiled(
+    group_size: int,
+    bits: int,
+    count: int = 1,
+    fusion: Fusion = Fusion(),
+    eps: float = 0.0,
+    launches: frozenset = frozenset(),
+):
     # Traced once per input shape: later calls skip building the kernel call (template list, source text) on
     # the host, at hundreds of calls a decode step.
     table = dict(launches)
@@ -198,17 +234,33 @@ def _compiled(group_size: int, bits: int, count: int = 1, fusion: Fusion = Fusio
         residual = extra.pop(0) if fusion.residual else None
         norm_out = extra.pop(0) if fusion.norm_out else None
         prenormed = (extra.pop(0), eps) if fusion.prenormed else None
-        return quantized_matmuls(x, triples, group_size, bits, launches=table, norm=norm, residual=residual,
-                                 gated=fusion.gated, norm_scale=fusion.norm_scale, norm_out=norm_out,
-                                 prenormed=prenormed)  # fmt: skip
+        return quantized_matmuls(
+            x,
+            triples,
+            group_size,
+            bits,
+            launches=table,
+            norm=norm,
+            residual=residual,
+            gated=fusion.gated,
+            norm_scale=fusion.norm_scale,
+            norm_out=norm_out,
+            prenormed=prenormed,
+        )
 
     return mx.compile(run)
 
 
-def run_kernel(x: mx.array, layers: Sequence[nn.QuantizedLinear], norm: Optional[tuple[mx.array, float]] = None,
-               residual: Optional[mx.array] = None, gated: bool = False, norm_scale: bool = False,
-               norm_out: Optional[mx.array] = None,
-               prenormed: Optional[tuple[mx.array, float]] = None) -> tuple[mx.array, ...]:  # fmt: skip
+def run_kernel(
+    x: mx.array,
+    layers: Sequence[nn.QuantizedLinear],
+    norm: tuple[mx.array, float] | None = None,
+    residual: mx.array | None = None,
+    gated: bool = False,
+    norm_scale: bool = False,
+    norm_out: mx.array | None = None,
+    prenormed: tuple[mx.array, float] | None = None,
+) -> tuple[mx.array, ...]:
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
     stages take layers without bias), then norm_out's two results where asked. The one-row launch shapes
     are the first layer's (`layer.KernelQuantizedLinear.launches`)."""
@@ -231,13 +283,17 @@ def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
 
 
-def _norm_eps(norm: Optional[tuple[mx.array, float]], prenormed: Optional[tuple[mx.array, float]]) -> float:
+def _norm_eps(norm: tuple[mx.array, float] | None, prenormed: tuple[mx.array, float] | None) -> float:
     """The eps of the norm a launch takes (`norm` or `prenormed`; 0.0 for none)."""
     return (norm or prenormed or (None, 0.0))[1]
 
 
-def _stage_arrays(norm: Optional[tuple[mx.array, float]], residual: Optional[mx.array], norm_out: Optional[mx.array],
-                  prenormed: Optional[tuple[mx.array, float]]) -> list[mx.array]:  # fmt: skip
+def _stage_arrays(
+    norm: tuple[mx.array, float] | None,
+    residual: mx.array | None,
+    norm_out: mx.array | None,
+    prenormed: tuple[mx.array, float] | None,
+) -> list[mx.array]:
     """The fused stages' input arrays that are asked for (None: not asked), in `Fusion.inputs`' order: what
     the kernel call and `_compiled`'s `run` take after the matrices."""
     arrays = (norm and norm[0], residual, norm_out, prenormed and prenormed[0])

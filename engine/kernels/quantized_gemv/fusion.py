@@ -111,22 +111,27 @@ class Fusion:
     prenormed: bool = False
 
     @classmethod
-    def of(cls, residual=None, gated: bool = False, norm_scale: bool = False, norm_out=None,
-           prenormed=None) -> "Fusion":  # fmt: skip
+    def of(cls, residual=None, gated: bool = False, norm_scale: bool = False, norm_out=None, prenormed=None) -> Fusion:
         """The stages `calls.quantized_matmuls`' arguments ask for (None: not asked)."""
         return cls(residual is not None, gated, norm_scale, norm_out is not None, prenormed is not None)
 
     def inputs(self) -> list[str]:
-        return (["norm_w"] * self.norm_scale + ["residual"] * self.residual + ["next_norm_w"] * self.norm_out
-                + ["ssq_in"] * self.prenormed)  # fmt: skip
+        return (
+            ["norm_w"] * self.norm_scale
+            + ["residual"] * self.residual
+            + ["next_norm_w"] * self.norm_out
+            + ["ssq_in"] * self.prenormed
+        )
 
     @classmethod
-    def parse(cls, text: str) -> "Fusion":
+    def parse(cls, text: str) -> Fusion:
         """Stages by name, comma-separated ('none' or '' for none), as ENGINE_FUSE gives them."""
         names = {n.strip() for n in text.split(",")} - {"", "none"}
         unknown = names - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown GEMV stages {sorted(unknown)} (choose from {', '.join(cls.__dataclass_fields__)})")
+            raise ValueError(
+                f"unknown GEMV stages {sorted(unknown)} (choose from {', '.join(cls.__dataclass_fields__)})"
+            )
         if "prenormed" in names:
             raise ValueError("prenormed is the launch norm_out hands the norm to: name norm_out")
         return cls(**{n: True for n in names})
@@ -136,8 +141,13 @@ class Fusion:
         return ",".join(n for n in self.__dataclass_fields__ if getattr(self, n)) or "none"
 
     def tag(self) -> str:
-        return ("_r" * self.residual + "_g" * self.gated + "_ns" * self.norm_scale + "_no" * self.norm_out
-                + "_pn" * self.prenormed)  # fmt: skip
+        return (
+            "_r" * self.residual
+            + "_g" * self.gated
+            + "_ns" * self.norm_scale
+            + "_no" * self.norm_out
+            + "_pn" * self.prenormed
+        )
 
     def source(self) -> str:
         """The body's `activations(index, row)` (8 activation values from x[index]), `store` and
@@ -150,27 +160,39 @@ class Fusion:
         if self.norm_scale:  # row m = g + 8 * nb
             lines.append("    const uint4 w8 = __ldg(reinterpret_cast<const uint4*>(norm_w + i % K));")
             lines.append("    ssq[m >> 3] = engine_sumsq8(v, ssq[m >> 3]);")
-            lines.append("    v = make_uint4(engine_mul2(v.x, w8.x), engine_mul2(v.y, w8.y), engine_mul2(v.z, w8.z), "
-                         "engine_mul2(v.w, w8.w));")
+            lines.append(
+                "    v = make_uint4(engine_mul2(v.x, w8.x), engine_mul2(v.y, w8.y), engine_mul2(v.z, w8.z), "
+                "engine_mul2(v.w, w8.w));"
+            )
         lines.append("    return v;\n  };")
         if self.norm_out:  # each output row also times the next norm's weight, its square kept for the block's sum
             lines.append("  __shared__ float sq[WR * 16 * RTO][M + 1];")
-            lines.append("  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {\n"
-                         "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
-                         "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
-                         "    sq[rb][m] = f * f;\n  };")
+            lines.append(
+                "  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {\n"
+                "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
+                "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
+                "    sq[rb][m] = f * f;\n  };"
+            )
         else:
-            lines.append("  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
-                         "{ out[(size_t)m * N + row] = o; };")
+            lines.append(
+                "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
+                "{ out[(size_t)m * N + row] = o; };"
+            )
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
-            lines.append("  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
-                         "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };")
+            lines.append(
+                "  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
+                "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };"
+            )
         elif self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
-            lines.append("  auto output = [&](const float v, const float v_up, const size_t) {\n"
-                         "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
-                         "    return __float2bfloat16(engine_silu_bf16(gate) * up);\n  };")
+            lines.append(
+                "  auto output = [&](const float v, const float v_up, const size_t) {\n"
+                "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
+                "    return __float2bfloat16(engine_silu_bf16(gate) * up);\n  };"
+            )
         else:
-            lines.append("  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };")
+            lines.append(
+                "  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };"
+            )
         return "\n".join(lines) + "\n"
 
     def row_scale_source(self) -> str:

@@ -7,8 +7,8 @@ a `KernelConfig`'s one-row launch shapes replace it for given matrix sizes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.source import kernel
@@ -34,10 +34,13 @@ class LaunchConfig:
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
-        return [("W", self.warps), ("RT", self.row_tiles), ("U", self.batch), ("WR", self.row_groups),
-                ("WM", self.m_groups)] + (
-            [("MINB", self.min_blocks)] if self.min_blocks else []
-        )
+        return [
+            ("W", self.warps),
+            ("RT", self.row_tiles),
+            ("U", self.batch),
+            ("WR", self.row_groups),
+            ("WM", self.m_groups),
+        ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
         return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
@@ -91,8 +94,9 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
         return LaunchConfig(4, 2, 2, 4, m_groups=4)
     if m > 8:
         groups, split, slices = 4 if rows >= 12288 else 2, 2 if k > 5120 else 1, 1 if m <= 16 else 4
-        return LaunchConfig(groups * split * slices, 1, 4, min_blocks=int(slices > 1), row_groups=groups,
-                            m_groups=slices)  # fmt: skip
+        return LaunchConfig(
+            groups * split * slices, 1, 4, min_blocks=int(slices > 1), row_groups=groups, m_groups=slices
+        )
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
         if rows <= 8192:

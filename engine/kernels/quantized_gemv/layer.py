@@ -12,7 +12,7 @@ weights.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,9 +47,16 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     """
 
     @classmethod
-    def from_module(cls, q: nn.QuantizedLinear, use_kernel: bool, *, min_outputs: int = LAYER_MIN_OUTPUTS,
-                    dense_min_rows: Optional[int] = DENSE_MIN_ROWS, launches: Launches = {},
-                    launch: Launch = run_kernel) -> "KernelQuantizedLinear":  # fmt: skip
+    def from_module(
+        cls,
+        q: nn.QuantizedLinear,
+        use_kernel: bool,
+        *,
+        min_outputs: int = LAYER_MIN_OUTPUTS,
+        dense_min_rows: int | None = DENSE_MIN_ROWS,
+        launches: Launches = {},
+        launch: Launch = run_kernel,
+    ) -> KernelQuantizedLinear:
         new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
         new.groupable = use_kernel and new.kernel_refusal is None  # may share one launch with other layers
@@ -58,9 +65,8 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         new.use_kernel = use_kernel and new.kernel_refusal is None
         new.min_outputs = min_outputs
         new.dense_prefill = (
-            use_kernel and dense_min_rows is not None and q.mode == "affine"
-            and q["scales"].dtype in DENSE_DTYPES
-        )  # fmt: skip
+            use_kernel and dense_min_rows is not None and q.mode == "affine" and q["scales"].dtype in DENSE_DTYPES
+        )
         new.dense_min_rows = dense_min_rows
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
         new.launch = launch
@@ -92,10 +98,12 @@ def one_launch(x: mx.array, layers: Sequence[nn.Module]) -> bool:
     """Whether the kernel takes all the layers with x in one launch (same bits and group size, enough rows)."""
     first = layers[0]
     return (
-        all(getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits)
-            and _takes(x, q) for q in layers)
+        all(
+            getattr(q, "groupable", False) and (q.group_size, q.bits) == (first.group_size, first.bits) and _takes(x, q)
+            for q in layers
+        )
         and sum(q["weight"].shape[0] for q in layers) >= first.min_outputs
-    )  # fmt: skip
+    )
 
 
 def no_bias(layers: Sequence[nn.Module]) -> bool:

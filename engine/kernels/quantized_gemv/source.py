@@ -21,7 +21,7 @@ warps fit an SM to hide the loads' latency. No split changes a sum's order. The 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv.fusion import Fusion
@@ -324,18 +324,24 @@ def _prologue(count: int, gated: bool = False) -> str:
   auto tile_scales = [&](const int r) { return r < RTO ? scales0 : scales1; };
   auto tile_biases = [&](const int r) { return r < RTO ? biases0 : biases1; };
 """
-    lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;",
-             "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
-             "  int N, blk = blockIdx.x;"]
+    lines = [
+        "  constexpr bool GATED = false;",
+        "  constexpr int RTO = RT;",
+        "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
+        "  int N, blk = blockIdx.x;",
+    ]
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
-        lines.append(f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
-                     f"N = N{i}; blk -= BLK{i}; }}")
-    lines += ["  auto tile_w = [&](const int) { return w; };",
-              "  auto tile_scales = [&](const int) { return scales; };",
-              "  auto tile_biases = [&](const int) { return biases; };"]
+        lines.append(
+            f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
+            f"N = N{i}; blk -= BLK{i}; }}"
+        )
+    lines += [
+        "  auto tile_w = [&](const int) { return w; };",
+        "  auto tile_scales = [&](const int) { return scales; };",
+        "  auto tile_biases = [&](const int) { return biases; };",
+    ]
     return "\n".join(lines) + "\n"
-
 
 
 def launch_bounds(threads: int, min_blocks: int) -> str:
@@ -366,7 +372,7 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
     return ["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + fusion.inputs()
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
     """The kernel for `count` matrices and these stages (`threads`, `min_blocks`: its launch bounds)."""
     return cuda_kernel(

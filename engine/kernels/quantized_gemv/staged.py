@@ -17,9 +17,9 @@ in one shared with others.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
-from typing import Sequence
+from functools import cache
 
 import mlx.core as mx
 
@@ -57,9 +57,15 @@ class StagedConfig:
         return self.chunk_tiles or max(2, 2 * group_size // tk)
 
     def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
-        return [("W", self.warps), ("RT", self.row_tiles), ("CK", self.chunk(group_size, bits)), ("ST", self.stages),
-                ("S", self.splits), ("MG", self.m_groups), ("RW", self.rounded)] + (
-                    [("MINB", self.min_blocks)] if self.min_blocks else [])  # fmt: skip
+        return [
+            ("W", self.warps),
+            ("RT", self.row_tiles),
+            ("CK", self.chunk(group_size, bits)),
+            ("ST", self.stages),
+            ("S", self.splits),
+            ("MG", self.m_groups),
+            ("RW", self.rounded),
+        ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def threads(self) -> int:
         return self.warps * self.m_groups * 32
@@ -433,15 +439,25 @@ def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
     sums' launch; `outputs`: the launch writes the results (not the parts)."""
     blk = "blockIdx.x / S" if main else "blockIdx.x"
     if gated:
-        lines = ["  constexpr bool GATED = true;", "  constexpr int RTO = RT / 2;" * main,
-                 f"  const int N = N0, blk = {blk}, off = 0;", "  __nv_bfloat16* out = out0;" * outputs]
+        lines = [
+            "  constexpr bool GATED = true;",
+            "  constexpr int RTO = RT / 2;" * main,
+            f"  const int N = N0, blk = {blk}, off = 0;",
+            "  __nv_bfloat16* out = out0;" * outputs,
+        ]
         if main:  # tiles below RTO from the gate, the rest from up
-            lines += [f"  auto tile_{name} = [&](const int r) {{ return r < RTO ? {gate} : {up}; }};"
-                      for name, gate, up in _TILES]
+            lines += [
+                f"  auto tile_{name} = [&](const int r) {{ return r < RTO ? {gate} : {up}; }};"
+                for name, gate, up in _TILES
+            ]
         return "\n".join(line for line in lines if line) + "\n"
-    lines = ["  constexpr bool GATED = false;", "  constexpr int RTO = RT;" * main,
-             "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases;" * main,
-             "  __nv_bfloat16* out;" * outputs, f"  int N, off, blk = {blk};"]
+    lines = [
+        "  constexpr bool GATED = false;",
+        "  constexpr int RTO = RT;" * main,
+        "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases;" * main,
+        "  __nv_bfloat16* out;" * outputs,
+        f"  int N, off, blk = {blk};",
+    ]
     offset = "0"
     for i in range(count):
         test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
@@ -455,8 +471,11 @@ def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
 
 def _with_stages(body: str, fusion: Fusion | None) -> str:
     """`body` with the fused stages in their marked places (None: no stages, the parts' launch)."""
-    marks = {"  // FUSED STAGES\n": "source", "  // ROW SCALE\n": "row_scale_source",
-             "  // AFTER STORES\n": "after_stores_source"}
+    marks = {
+        "  // FUSED STAGES\n": "source",
+        "  // ROW SCALE\n": "row_scale_source",
+        "  // AFTER STORES\n": "after_stores_source",
+    }
     for mark, stage in marks.items():
         body = body.replace(mark, getattr(fusion, stage)() if fusion else "")
     return body
@@ -477,27 +496,45 @@ def sum_source(count: int, fusion: Fusion) -> str:
     return _prologue(count, fusion.gated, False) + _with_stages(body, fusion)
 
 
-@lru_cache(maxsize=None)
+@cache
 def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0):
     """The products' launch kernel with `shared` bytes of dynamic shared memory (`threads`, `min_blocks`: its
     launch bounds)."""
     outputs = ["part"] if split else output_names(count, fusion)
     inputs = input_names(count, Fusion() if split else fusion)
     tag = "_part" if split else fusion.tag()
-    return cuda_kernel(name=f"engine_affine_sqmm{count}{tag}", input_names=inputs, output_names=outputs,
-                       source=source(count, fusion, split), header=HEADER + launch_bounds(threads, min_blocks),
-                       shared_memory=shared)  # fmt: skip
+    return cuda_kernel(
+        name=f"engine_affine_sqmm{count}{tag}",
+        input_names=inputs,
+        output_names=outputs,
+        source=source(count, fusion, split),
+        header=HEADER + launch_bounds(threads, min_blocks),
+        shared_memory=shared,
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def sum_kernel(count: int, fusion: Fusion):
     inputs = ["x", "part"] + fusion.inputs()
-    return cuda_kernel(name=f"engine_affine_sqmm_sum{count}{fusion.tag()}", input_names=inputs,
-                       output_names=output_names(count, fusion), source=sum_source(count, fusion), header=HEADER)  # fmt: skip
+    return cuda_kernel(
+        name=f"engine_affine_sqmm_sum{count}{fusion.tag()}",
+        input_names=inputs,
+        output_names=output_names(count, fusion),
+        source=sum_source(count, fusion),
+        header=HEADER,
+    )
 
 
-def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]], group_size: int, bits: int,
-            config: StagedConfig, fusion: Fusion, extra: Sequence[mx.array], template: list) -> list[mx.array]:  # fmt: skip
+def matmuls(
+    x: mx.array,
+    matrices: Sequence[tuple[mx.array, mx.array, mx.array]],
+    group_size: int,
+    bits: int,
+    config: StagedConfig,
+    fusion: Fusion,
+    extra: Sequence[mx.array],
+    template: list,
+) -> list[mx.array]:
     """The staged launch(es) of `calls.quantized_matmuls`: the same results in the same layout. `template`: the
     stages' own template values (P, EPS)."""
     k = x.shape[-1]
@@ -516,12 +553,17 @@ def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]]
         return out
 
     main_blocks = starts(tile_rows)
-    base = [("K", k), ("M", m), ("BITS", bits), ("GS", group_size)] + config.template(group_size, bits) + [
-        (f"N{i}", n) for i, n in enumerate(rows)] + [("NT", sum(rows))]  # fmt: skip
+    base = (
+        [("K", k), ("M", m), ("BITS", bits), ("GS", group_size)]
+        + config.template(group_size, bits)
+        + [(f"N{i}", n) for i, n in enumerate(rows)]
+        + [("NT", sum(rows))]
+    )
     weights = [a for triple in matrices for a in triple]
     threads = config.threads()
     bounds = (shared_request(config, m, fusion, group_size, bits),) + (
-        (threads, config.min_blocks) if config.min_blocks else (0, 0))
+        (threads, config.min_blocks) if config.min_blocks else (0, 0)
+    )
     shapes = [(*x.shape[:-1], n) for n in rows[:products]]
     dtypes = [mx.bfloat16] * products
     if config.splits == 1:
@@ -529,22 +571,29 @@ def matmuls(x: mx.array, matrices: Sequence[tuple[mx.array, mx.array, mx.array]]
         return kernel(count, fusion, False, *bounds)(
             inputs=[x] + weights + list(extra),
             template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])] + template,
-            grid=(main_blocks[-1] * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=shapes + norm_out, output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
-        )  # fmt: skip
+            grid=(main_blocks[-1] * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=shapes + norm_out,
+            output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
+        )
     (part,) = kernel(count, fusion, True, *bounds)(
         inputs=[x] + weights,
         template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
-        grid=(main_blocks[-1] * config.splits * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(config.splits, m, sum(rows))], output_dtypes=[mx.float32],
-    )  # fmt: skip
+        grid=(main_blocks[-1] * config.splits * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(config.splits, m, sum(rows))],
+        output_dtypes=[mx.float32],
+    )
     sum_blocks = starts(SUM_ROWS)
     norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
     return sum_kernel(count, fusion)(
         inputs=[x, part] + list(extra),
         template=[("K", k), ("M", m), ("S", config.splits), ("NT", sum(rows))]
-                 + [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(sum_blocks[:-1])]
-                 + template,
-        grid=(sum_blocks[-1] * SUM_ROWS * SUM_THREADS, 1, 1), threadgroup=(SUM_ROWS * SUM_THREADS, 1, 1),
-        output_shapes=shapes + norm_out, output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
-    )  # fmt: skip
+        + [(f"N{i}", n) for i, n in enumerate(rows)]
+        + [(f"BLK{i}", b) for i, b in enumerate(sum_blocks[:-1])]
+        + template,
+        grid=(sum_blocks[-1] * SUM_ROWS * SUM_THREADS, 1, 1),
+        threadgroup=(SUM_ROWS * SUM_THREADS, 1, 1),
+        output_shapes=shapes + norm_out,
+        output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
+    )
