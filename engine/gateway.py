@@ -37,10 +37,12 @@ import mlx.nn as nn
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
-from engine.batch.runner import can_batch
+from engine.batch.runner import can_batch, power_buckets
+from engine.batch.runner import chunk_buckets as runner_chunk_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
+from engine.kernels import FAST, on_cuda
 from engine.kernels.cuda_source import builds as kernel_builds
 from engine.prompt_logprobs import PromptScorer
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
@@ -49,6 +51,15 @@ from engine.speculative.config import Speculation
 from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
+
+CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's kernels take up to 64 rows
+# the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
+# the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
+FAST_PREFILL_BATCH = 32
+
+
+def default_batch() -> int:
+    return CUDA_BATCH if on_cuda() else OTHER_BATCH
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,55 @@ class GatewayConfig:
             kv_budget_bytes=self.kv_budget_bytes,
             prefill_budget=self.prefill_budget,
             chunk_buckets=self.chunk_buckets,
+        )
+
+    @classmethod
+    def for_tier(
+        cls,
+        tier: str | None = None,
+        *,
+        batch: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_STEP,
+        prefill_batch: int | None = None,
+        kv_budget_bytes: int | None = None,
+        kv_quantization: KVQuantization | None = None,
+        prompt_cache_bytes: int = 0,
+        prompt_cache_block: int = 256,
+        decode_buckets: tuple[int, ...] | None = None,
+        chunk_buckets: tuple[int, ...] | None = None,
+        group_buckets: tuple[int, ...] | None = None,
+        prefill_budget: int | None = None,
+    ) -> GatewayConfig:
+        """The settings with each None (auto) resolved for `tier`, the kernel tier that loaded (None: not yet
+        known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
+        power_buckets and prefill chunks to chunk_buckets, prefills up to FAST_PREFILL_BATCH prompts together,
+        and its joiners share one chunk's tokens an iteration; the exact tier does none of it (it stays bit-exact
+        with mlx-lm's BatchGenerator, which pads neither and gives each joiner a whole chunk). A prefill budget
+        of 0 is none."""
+        fast = tier == FAST
+        batch = batch or default_batch()
+        pads = fast and kv_quantization is None and batch > 1
+        if decode_buckets is None:
+            decode_buckets = power_buckets(batch) if pads else ()
+        prefill_batch = prefill_batch or (FAST_PREFILL_BATCH if fast else cls.prefill_batch)
+        if group_buckets is None:
+            group_buckets = power_buckets(prefill_batch) if pads else ()
+        if chunk_buckets is None:
+            chunk_buckets = runner_chunk_buckets(prefill_chunk) if fast else ()
+        if prefill_budget is None:
+            prefill_budget = prefill_chunk if fast else 0
+        return cls(
+            batch=batch,
+            prefill_chunk=prefill_chunk,
+            prefill_batch=prefill_batch,
+            kv_budget_bytes=kv_budget_bytes,
+            kv_quantization=kv_quantization,
+            prompt_cache_bytes=prompt_cache_bytes,
+            prompt_cache_block=prompt_cache_block,
+            decode_buckets=tuple(decode_buckets),
+            chunk_buckets=tuple(chunk_buckets),
+            group_buckets=tuple(group_buckets),
+            prefill_budget=prefill_budget or None,
         )
 
 

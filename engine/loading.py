@@ -48,6 +48,11 @@ def vocab_size(config: dict) -> int:
     return int(text_config(config).get("vocab_size") or config["vocab_size"])
 
 
+def context_of(config: dict) -> int:
+    """The model's context length: its max_position_embeddings (4096 where it names none)."""
+    return int(text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
+
+
 def _quant_params(path: str, module: nn.Module, weights: dict) -> dict[str, Any]:
     scales = weights[f"{path}.scales"]
     in_dims = module.weight.shape[-1]

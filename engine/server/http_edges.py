@@ -12,11 +12,15 @@ uvicorn runs h11 here (pinned, so that the behaviour does not change with what e
   is closed (RFC 9112 section 6.1): where a proxy in front reads the body by one header and this server by
   the other, the bytes after the body would otherwise be served as a second request (request smuggling).
 - `HostCheck`: a request whose Host names no allowed host gets a 400 (DNS rebinding). A request without a
-  Host (HTTP/1.0; h11 refuses an HTTP/1.1 one) is served: a browser always sends one.
+  Host (HTTP/1.0; h11 refuses an HTTP/1.1 one) is served: a browser always sends one. `allowed_hosts`: the
+  names it accepts, from the bound address unless configured.
+
+`listen` binds the server's socket, with TCP_NODELAY on its connections.
 """
 
 from __future__ import annotations
 
+import socket
 from http import HTTPStatus
 
 import h11
@@ -28,6 +32,32 @@ from engine.server.protocol import ApiError
 DEFAULT_MAX_HEADER_BYTES = 32 << 10  # nginx's default large header buffers hold 32 KiB
 DRAIN_SECONDS = 1.0  # how long a refused connection's further bytes are read and dropped before it closes
 CLOSE = {"Connection": "close"}
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(host: str, configured: frozenset[str] | None = None) -> frozenset[str] | None:
+    """The Host header names the server accepts (None: any): `configured` ("*" in it: any), else those of the
+    bound address: the loopback names for a loopback address, that address (and the loopback names) for
+    another one, any for all interfaces (0.0.0.0, ::), whose names the server cannot know."""
+    if configured is not None:
+        return None if "*" in configured else frozenset(h.lower() for h in configured)
+    if host in ANY_ADDRESS:
+        return None
+    return LOOPBACK | {host.lower().strip("[]")}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket; ValueError (one line) where the address cannot be bound."""
+    try:
+        sock = socket.create_server((host, port), backlog=2048)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Accepted connections inherit TCP_NODELAY. asyncio sets it only on sockets whose proto is
+    # IPPROTO_TCP, which create_server's are not: without it, Nagle's algorithm meets the client's
+    # delayed ACKs and a kept-alive connection gets its SSE tokens in ~40 ms bursts.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def closing_response(e: ApiError) -> JSONResponse:

@@ -5,12 +5,13 @@ from pathlib import Path
 import pytest
 
 from engine.batch.runner import chunk_buckets, power_buckets
-from engine.gateway import Gateway, GatewayConfig
+from engine.gateway import Gateway, GatewayConfig, default_batch
 from engine.kernels import EXACT, FAST, on_cuda
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
-from engine.server.main import ServeConfig, _warm_up, default_batch, default_warmup
+from engine.server.main import ServeConfig
 from engine.sinks import CollectingSink
+from engine.warmup import default_warmup, warm_up
 
 
 def test_defaults_fit_the_device():
@@ -58,7 +59,7 @@ def test_warmups(tiny_path, mode, requests):
     model = load_model(tiny_path("tiny-qwen35"))[0]
     gateway = Gateway(model, GatewayConfig(batch=8, decode_buckets=(1, 2, 4, 8)))
     lines = []
-    stages = _warm_up(gateway, mode, log=lines.append)
+    stages = warm_up(gateway, mode, log=lines.append)
     assert sum(st.requests for st in stages) == requests
     assert [st.name for st in stages] == {"off": [], "quick": ["first requests"], "full": ["decode rows 1-10"]}[mode]
     assert lines == [st.line() for st in stages] and all(st.shapes > 0 and st.seconds > 0 for st in stages)
@@ -73,7 +74,7 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     gateway = Gateway(
         model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32), prompt_cache_bytes=1 << 20)
     )
-    assert requests(_warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
+    assert requests(warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
 
@@ -105,7 +106,7 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warm
         prompt_cache_block=block,
     )
     gateway = Gateway(model, config)
-    assert requests(_warm_up(gateway, "full")) == warmup_requests
+    assert requests(warm_up(gateway, "full")) == warmup_requests
     assert {("prefill", 2, 24), ("prefill", 4, 16), ("prefill", 8, 16)} <= gateway.shapes
     gateway.mark_ready()
     sinks = []
@@ -131,7 +132,7 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
     gateway = Gateway(
         model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300), kv_budget_bytes=budget)
     )
-    assert requests(_warm_up(gateway, "full")) == 2 + 4 + 1
+    assert requests(warm_up(gateway, "full")) == 2 + 4 + 1
 
 
 def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tiny_path, monkeypatch):
@@ -147,7 +148,7 @@ def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tin
         monkeypatch.setattr(kernel_cache, "_active", cache)
         gateway = Gateway(model, config)
         lines = []
-        stages = _warm_up(gateway, "full", log=lines.append)
+        stages = warm_up(gateway, "full", log=lines.append)
         assert [st.name for st in stages][0] == ("kernel builds" if cache else "decode rows 1-6")
         sink = CollectingSink()
         gateway.submit(
@@ -159,7 +160,7 @@ def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tin
 
 
 def test_the_cuda_buffer_cache_is_64_gib_at_most_half_the_device():
-    from engine.server.main import CUDA_MLX_CACHE, cuda_cache_limit
+    from engine.device import CUDA_MLX_CACHE, cuda_cache_limit
 
     assert CUDA_MLX_CACHE == 64 << 30
     assert cuda_cache_limit({"total_memory": 143 << 30}) == 64 << 30  # an H200

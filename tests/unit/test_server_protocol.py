@@ -163,7 +163,7 @@ def test_accepted_connections_have_nagle_off():
     """Without TCP_NODELAY a kept-alive SSE stream arrives in ~40 ms bursts (Nagle + delayed ACKs)."""
     import socket
 
-    from engine.server.main import listen
+    from engine.server.http_edges import listen
 
     server = listen("127.0.0.1", 0)
     client = socket.create_connection(server.getsockname())

@@ -105,12 +105,15 @@ def main(argv=None) -> None:
     import mlx.core as mx
 
     from engine.batch.runner import BatchRunner, Joiner
+    from engine.device import CUDA_MLX_CACHE
     from engine.engine import Engine
     from engine.gateway import Gateway
     from engine.generate import generate
-    from engine.kernels import kernel_cache
+    from engine.kernels import kernel_cache, on_cuda
+    from engine.loading import context_of
     from engine.request import GenerationRequest, SamplingParams, StopCriteria
-    from engine.server.main import CUDA_MLX_CACHE, ServeConfig, _context_of, _warm_up, on_cuda
+    from engine.server.main import ServeConfig
+    from engine.warmup import warm_up
 
     if on_cuda():  # as `engine serve` sets up the device
         kernel_cache.enable(directory)
@@ -217,10 +220,10 @@ def main(argv=None) -> None:
     if args.warmup != "off":
         for n in range(args.warmup_passes):
             start = time.perf_counter()
-            _warm_up(
+            warm_up(
                 first["gateways"]["continuous"],
                 args.warmup,
-                context=_context_of(engine.config),
+                context=context_of(engine.config),
                 log=print,
                 prebuild=not args.no_prebuild and n == 0,
             )
