@@ -16,8 +16,6 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -26,43 +24,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.grammar import Constraint, GrammarError, Grammars
-from engine.kernels import KernelSet
+from engine.grammar import Constraint, GrammarError
 from engine.kernels.kernel_cache import module_files
 from engine.request import FinishReason, GenerationRequest, StopCriteria
 from engine.server import responses
+from engine.server.context import ServerContext
 from engine.server.http_edges import FramingCheck, HostCheck
 from engine.server.protocol import ApiError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
 from engine.server.relay import Relay, finish, open_relays
 from engine.server.sse import sse
-from engine.server.tool_calls import Parser, writes_json_blocks
-from engine.server.worker import EngineWorker
-from engine.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from engine.server.metrics import Metrics
+from engine.server.tool_calls import writes_json_blocks
 
 log = logging.getLogger("engine.server")
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    worker: EngineWorker
-    tokenizer: Tokenizer
-    model_id: str
-    model_aliases: frozenset[str]  # other names a request may use for the served model
-    vocab_size: int  # the model's embedding rows: token ids must be below this
-    max_context: int  # prompt + completion tokens at most
-    default_max_tokens: int
-    api_key: str | None
-    created: int
-    kernels: KernelSet  # the kernel tier the model runs: in every usage and in /stats
-    metrics: Metrics | None = None  # /metrics (None: prometheus_client is not installed)
-    tool_parser: Parser | None = None  # the chat template's tool-call format (None: it renders no tools)
-    grammars: Grammars | None = None  # constrained decoding (response_format, forced tool calls)
-    reasoning: bool = False  # the chat template thinks: <think> blocks go to reasoning_content
-    kernel_cache_dir: Path | None = None  # MLX_PTX_CACHE_DIR: /stats counts the modules compiled into it
-    modules_at_ready: int | None = None  # how many it held at ready (`kernel_cache.module_files`)
 
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt is ~1 MB of ids or ~0.5 MB of text

@@ -31,7 +31,8 @@ from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.grammar import Grammars
 from engine.kernels import KernelConfig, kernel_cache, on_cuda
 from engine.loading import context_of, vocab_size
-from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, ServerContext, make_app
+from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, make_app
+from engine.server.context import ServerContext
 from engine.server.http_edges import DEFAULT_MAX_HEADER_BYTES, HeadLimit, allowed_hosts, listen
 from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for

@@ -9,20 +9,18 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import RequestTooLarge
 from engine.request import FinishReason, GeneratedToken, GenerationRequest
 from engine.server import responses
+from engine.server.context import ServerContext
 from engine.server.detokenizer import StreamingDetokenizer
 from engine.server.protocol import ApiError, ParsedRequest, bad
 from engine.server.reasoning import ReasoningParser, opened
 from engine.server.stop_text import TextStopper
 from engine.server.tool_calls import CallDelta, Parsed
 from engine.server.worker import Accepted, Ended, QueueFull, Rejected
-
-if TYPE_CHECKING:
-    from engine.server.app import ServerContext
 
 log = logging.getLogger("engine.server")
 
