@@ -412,8 +412,3 @@ def all_specs(tiers: tuple[str, ...] = TIERS) -> list[ModelSpec]:
 
 def base_names(tier: str | None = None) -> list[str]:
     return [n for n, b in _BASES.items() if tier is None or b.tier == tier]
-
-
-def with_geometry(spec: ModelSpec, **changes: Any) -> ModelSpec:
-    """A copy of `spec` with some geometry fields changed (tests use this)."""
-    return replace(spec, geometry=replace(spec.geometry, **changes))

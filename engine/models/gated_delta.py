@@ -42,7 +42,7 @@ def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float, eps: float):
 
 
 @mx.compile
-def _step(q, k, v, g, beta, state, mask=None):
+def delta_step(q, k, v, g, beta, state, mask=None):
     """One token: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [B, H, Dv, Dk]."""
     old = state
     state = state * g[..., None, None]
@@ -73,7 +73,9 @@ def recurrence(q, k, v, g, beta, state, mask: mx.array | None = None, trace: lis
     q, k = repeat_heads(q, k, v.shape[2])
     ys = []
     for t in range(q.shape[1]):
-        y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t])
+        y, state = delta_step(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
+        )
         ys.append(y)
         if trace is not None:
             trace.append(state)

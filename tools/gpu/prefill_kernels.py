@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 import time
 
-from tools.gpu.step_kernels import _marker, _profiler
+from tools.gpu.step_kernels import cuda_profiler, profile_marker
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -97,16 +97,16 @@ def run(
         one_pass(eng, group, length, chunks)  # compiles this shape
         mx.clear_cache()
         if ncu:
-            marker = _marker(f"prefill_{group}x{length}")
+            marker = profile_marker(f"prefill_{group}x{length}")
             token = mx.zeros((1,), dtype=mx.int32)
             mx.eval(marker(token))
             mx.synchronize()
-            _profiler(True)
+            cuda_profiler(True)
             mx.eval(marker(token))
             one_pass(eng, group, length, 1)
             mx.eval(marker(token))
             mx.synchronize()
-            _profiler(False)
+            cuda_profiler(False)
             print(f"prefill {group}x{length}: marked", flush=True)
         elif not interleave:
             report(group, length, [one_pass(eng, group, length, chunks, clear) for _ in range(reps)])

@@ -45,7 +45,7 @@ MARKER = "engine_step_marker"
 UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
 
-def _marker(label: str):
+def profile_marker(label: str):
     import mlx.core as mx
 
     kernel = mx.fast.cuda_kernel(name=f"{MARKER}_{label}", input_names=["x"], output_names=["y"], source="y[0] = x[0];")
@@ -54,7 +54,7 @@ def _marker(label: str):
     )[0]
 
 
-def _profiler(on: bool) -> None:
+def cuda_profiler(on: bool) -> None:
     """cuProfilerStart/Stop (the driver's), where libcuda loads: under ncu --profile-from-start off, the
     kernels between the two are the ones profiled."""
     import ctypes
@@ -211,17 +211,17 @@ def step_rows(
             flush=True,
         )
         return
-    marker = _marker(f"{label.split()[0]}_{rows}")
+    marker = profile_marker(f"{label.split()[0]}_{rows}")
     mx.eval(marker(token.reshape(-1)))
     mx.synchronize()
-    _profiler(True)
+    cuda_profiler(True)
     mx.eval(marker(token.reshape(-1)))
     for _ in range(steps):
         token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
         mx.eval(token)
         mx.eval(marker(token.reshape(-1)))
     mx.synchronize()
-    _profiler(False)
+    cuda_profiler(False)
     print(f"{label} rows {rows}: {steps} steps done", flush=True)
 
 

@@ -271,7 +271,7 @@ def run_kernel(
     launches = getattr(first, "launches", frozenset())
     run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed), launches)
     ys = run(x, *arrays, *extra)
-    return tuple(_with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
+    return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 
 
 def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -300,5 +300,5 @@ def _stage_arrays(
     return [a for a in arrays if a is not None]
 
 
-def _with_bias(y: mx.array, q: nn.QuantizedLinear) -> mx.array:
+def with_bias(y: mx.array, q: nn.QuantizedLinear) -> mx.array:
     return y + q["bias"] if "bias" in q else y

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels.quantized_gemv.calls import _with_bias, dense_matmul, run_kernel, weight_refusal
+from engine.kernels.quantized_gemv.calls import dense_matmul, run_kernel, weight_refusal, with_bias
 from engine.kernels.quantized_gemv.launch import Launches
 
 LAYER_MAX_ROWS = 64
@@ -75,7 +75,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if self.dense_prefill and x.size >= self.dense_min_rows * x.shape[-1]:
             y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
-            return _with_bias(y, self)
+            return with_bias(y, self)
         if not self.use_kernel or not _takes(x, self):
             return self.mlx_matmul(x)
         return self.launch(x, [self])[0]
