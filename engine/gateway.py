@@ -37,8 +37,7 @@ import mlx.nn as nn
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
-from engine.batch.runner import can_batch, power_buckets
-from engine.batch.runner import chunk_buckets as runner_chunk_buckets
+from engine.batch.runner import can_batch, chunk_buckets, power_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
@@ -67,19 +66,19 @@ class GatewayConfig:
     batch: int = 8  # concurrency cap; 1 = strict serial
     prefill_chunk: int = DEFAULT_PREFILL_STEP
     prefill_batch: int = 8  # prompts prefilled together on the continuous lane
-    kv_budget_bytes: int | None = None
+    kv_budget: int | None = None  # --kv-budget, in bytes
     kv_quantization: KVQuantization | None = None
     prompt_cache_bytes: int = 0  # 0: no prompt cache
     prompt_cache_block: int = 256  # block snapshots of caches that cannot rewind, every this many tokens; 0: none
     decode_buckets: tuple[int, ...] = ()  # the continuous lane's decode row counts (`BatchRunner`); (): any
-    chunk_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
-    group_buckets: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
+    prefill_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
+    prefill_groups: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
     prefill_budget: int | None = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
 
     def __post_init__(self):
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
-        if (self.decode_buckets or self.group_buckets) and self.kv_quantization is not None:
+        if (self.decode_buckets or self.prefill_groups) and self.kv_quantization is not None:
             raise ValueError("decode and prefill group buckets do not combine with quantized KV (--kv-bits)")
         if self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
@@ -92,9 +91,9 @@ class GatewayConfig:
             max_rows=self.batch,
             prefill_chunk=self.prefill_chunk,
             prefill_batch=self.prefill_batch,
-            kv_budget_bytes=self.kv_budget_bytes,
+            kv_budget_bytes=self.kv_budget,
             prefill_budget=self.prefill_budget,
-            chunk_buckets=self.chunk_buckets,
+            chunk_buckets=self.prefill_buckets,
         )
 
     @classmethod
@@ -105,13 +104,13 @@ class GatewayConfig:
         batch: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_STEP,
         prefill_batch: int | None = None,
-        kv_budget_bytes: int | None = None,
+        kv_budget: int | None = None,
         kv_quantization: KVQuantization | None = None,
         prompt_cache_bytes: int = 0,
         prompt_cache_block: int = 256,
         decode_buckets: tuple[int, ...] | None = None,
-        chunk_buckets: tuple[int, ...] | None = None,
-        group_buckets: tuple[int, ...] | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
+        prefill_groups: tuple[int, ...] | None = None,
         prefill_budget: int | None = None,
     ) -> GatewayConfig:
         """The settings with each None (auto) resolved for `tier`, the kernel tier that loaded (None: not yet
@@ -126,23 +125,23 @@ class GatewayConfig:
         if decode_buckets is None:
             decode_buckets = power_buckets(batch) if pads else ()
         prefill_batch = prefill_batch or (FAST_PREFILL_BATCH if fast else cls.prefill_batch)
-        if group_buckets is None:
-            group_buckets = power_buckets(prefill_batch) if pads else ()
-        if chunk_buckets is None:
-            chunk_buckets = runner_chunk_buckets(prefill_chunk) if fast else ()
+        if prefill_groups is None:
+            prefill_groups = power_buckets(prefill_batch) if pads else ()
+        if prefill_buckets is None:
+            prefill_buckets = chunk_buckets(prefill_chunk) if fast else ()
         if prefill_budget is None:
             prefill_budget = prefill_chunk if fast else 0
         return cls(
             batch=batch,
             prefill_chunk=prefill_chunk,
             prefill_batch=prefill_batch,
-            kv_budget_bytes=kv_budget_bytes,
+            kv_budget=kv_budget,
             kv_quantization=kv_quantization,
             prompt_cache_bytes=prompt_cache_bytes,
             prompt_cache_block=prompt_cache_block,
             decode_buckets=tuple(decode_buckets),
-            chunk_buckets=tuple(chunk_buckets),
-            group_buckets=tuple(group_buckets),
+            prefill_buckets=tuple(prefill_buckets),
+            prefill_groups=tuple(prefill_groups),
             prefill_budget=prefill_budget or None,
         )
 
@@ -218,8 +217,8 @@ class Gateway:
                 keep_caches=self.prompt_cache is not None,
                 snapshot_block=config.prompt_cache_block,
                 decode_buckets=config.decode_buckets,
-                chunk_buckets=config.chunk_buckets,
-                group_buckets=config.group_buckets,
+                chunk_buckets=config.prefill_buckets,
+                group_buckets=config.prefill_groups,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
@@ -276,7 +275,7 @@ class Gateway:
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
         """Queue a request. Raises RequestTooLarge when it can never fit the KV budget."""
         need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        check_budget(request, need, self.config.kv_budget_bytes)  # both lanes; the batcher checks again
+        check_budget(request, need, self.config.kv_budget)  # both lanes; the batcher checks again
         placement = self.place(request)
         prefix = None
         if self.prompt_cache is not None:

@@ -39,11 +39,11 @@ def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int,
     opens with tokens of its own (its row, its wave), so that none starts from another's prefix in the prompt
     cache, which would run a shorter chunk than its wave is for."""
     waves, below = [], 1
-    for group in config.group_buckets:
+    for group in config.prefill_groups:
         if group > 1:
             rows = below + 1
-            longest = bucket(longest_chunk(scheduler, rows), config.chunk_buckets)
-            for n in config.chunk_buckets:
+            longest = bucket(longest_chunk(scheduler, rows), config.prefill_buckets)
+            for n in config.prefill_buckets:
                 if n <= longest and n + 3 <= context and fits(rows, n):
                     w = len(waves)
                     body = tuple(1 + i % 97 for i in range(n - 2))
@@ -87,7 +87,7 @@ def prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> Warmu
     trace_forwards(
         gateway.model,
         gateway.config.decode_buckets or (1,),
-        [n for n in gateway.config.chunk_buckets if n <= LAYER_MAX_ROWS],
+        [n for n in gateway.config.prefill_buckets if n <= LAYER_MAX_ROWS],
     )
     compile_indexing(gateway.model)  # MLX's own, while the engine's compile in other processes
     cache.settle()
@@ -126,9 +126,9 @@ def warm_up(
         first += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(batch)]
         stages = [(f"decode rows 1-{batch + 2}", [first])]
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
-        budget = gateway.config.kv_budget_bytes
+        budget = gateway.config.kv_budget
         scheduler = gateway.batcher.scheduler.config
-        buckets = gateway.config.chunk_buckets
+        buckets = gateway.config.prefill_buckets
         longest = bucket(longest_chunk(scheduler, 1), buckets)
 
         def fits(rows: int, n: int) -> bool:  # that many prompts of n tokens, each with 2 generated, in the KV budget

@@ -55,7 +55,7 @@ class ServeConfig:
     port: int = 8000
     batch: int | None = None  # None: gateway.default_batch()
     prefill_chunk: int = DEFAULT_PREFILL_STEP
-    kv_budget_bytes: int | None = None
+    kv_budget: int | None = None  # bytes
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     prompt_cache_block: int = 256  # GatewayConfig.prompt_cache_block
     prompt_cache_dir: Path | None = None  # the prompt cache's disk tier (None: RAM only)
@@ -64,7 +64,7 @@ class ServeConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     api_key: str | None = None
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = DEFAULT_MAX_TOKENS  # a request's max_tokens where it names none
     kernels: KernelConfig | None = None  # None: KernelConfig() (tier auto)
     spec: SpecConfig | None = None  # speculative decoding; None: off
     draft_model: str | None = None  # registry name of the draft model (kind "draft")
@@ -75,8 +75,8 @@ class ServeConfig:
     max_queued_requests: int | None = 256  # None: no limit
     max_queued_tokens: int | None = None
     decode_buckets: tuple[int, ...] | None = None  # None: auto (power_buckets on the fast tier); (): off
-    chunk_buckets: tuple[int, ...] | None = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
-    group_buckets: tuple[int, ...] | None = None  # None: auto (power_buckets of the prefill group); (): off
+    prefill_buckets: tuple[int, ...] | None = None  # None: auto (runner.chunk_buckets on the fast tier); (): off
+    prefill_groups: tuple[int, ...] | None = None  # None: auto (power_buckets of the prefill group); (): off
     prefill_batch: int | None = (
         None  # prompts prefilled together; None: auto (gateway.FAST_PREFILL_BATCH on the fast tier)
     )
@@ -85,7 +85,7 @@ class ServeConfig:
     chat_template: str | None = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
     kernel_cache_dir: Path | None = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
-    mlx_cache_bytes: int | None = None  # MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
+    mlx_cache: int | None = None  # bytes; MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
 
     def gateway_config(self, tier: str | None = None) -> GatewayConfig:
         """The gateway's settings, each auto resolved for `tier`, the kernel tier that loaded
@@ -98,13 +98,13 @@ class ServeConfig:
             batch=self.batch,
             prefill_chunk=self.prefill_chunk,
             prefill_batch=self.prefill_batch,
-            kv_budget_bytes=self.kv_budget_bytes,
+            kv_budget=self.kv_budget,
             kv_quantization=kvq,
             prompt_cache_bytes=self.prompt_cache_bytes,
             prompt_cache_block=self.prompt_cache_block,
             decode_buckets=self.decode_buckets,
-            chunk_buckets=self.chunk_buckets,
-            group_buckets=self.group_buckets,
+            prefill_buckets=self.prefill_buckets,
+            prefill_groups=self.prefill_groups,
             prefill_budget=self.prefill_budget,
         )
 
@@ -112,7 +112,7 @@ class ServeConfig:
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer, warm the lanes up; raises on a bad model or setting (`serve` checks the
     settings before it binds)."""
-    limit_buffer_cache(cfg.mlx_cache_bytes)
+    limit_buffer_cache(cfg.mlx_cache)
     if cfg.kernel_cache_dir is not None and on_cuda():
         kernel_cache.enable(cfg.kernel_cache_dir)
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
@@ -165,7 +165,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         model_aliases=frozenset({str(engine.path), engine.path.name}),
         vocab_size=vocab_size(engine.config),
         max_context=context,
-        default_max_tokens=cfg.default_max_tokens,
+        default_max_tokens=cfg.max_tokens,
         api_key=cfg.api_key,
         created=int(time.time()),
         kernels=engine.kernels,

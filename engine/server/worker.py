@@ -352,7 +352,7 @@ class EngineWorker:
                 "waiting_requests": len(self._waiting),
                 "waiting_tokens": sum(self._waiting.values()),
                 "kv_bytes": kv_bytes,
-                "kv_budget_bytes": gateway.config.kv_budget_bytes,
+                "kv_budget_bytes": gateway.config.kv_budget,
             },
             "prompt_cache": None if pc is None else vars(pc.stats()),
             "totals": vars(self.totals).copy(),

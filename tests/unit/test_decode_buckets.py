@@ -109,7 +109,7 @@ def test_bucket_and_settings():
     with pytest.raises(ValueError, match="quantized KV"):
         GatewayConfig(decode_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
     with pytest.raises(ValueError, match="quantized KV"):
-        GatewayConfig(group_buckets=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
+        GatewayConfig(prefill_groups=(1, 2), kv_quantization=KVQuantization(bits=8, group_size=64, start=0))
     with pytest.raises(ValueError, match="quantized KV"):
         BatchRunner(None, kv=KVQuantization(bits=8, group_size=64, start=0), group_buckets=(1, 2))
 

@@ -69,7 +69,7 @@ def test_padded_chunks_and_ghost_rows_score_only_the_real_positions(model):
     """The fast tier's shapes: chunks padded to a bucket, groups filled with ghost joiners (bit for bit on the CPU)."""
     prompts = [tuple(range(3 + i, 3 + i + n)) for i, n in enumerate((9, 14, 5))]
     config = GatewayConfig(
-        batch=4, prefill_chunk=8, chunk_buckets=(4, 8), group_buckets=(1, 2, 4), decode_buckets=(1, 2, 4)
+        batch=4, prefill_chunk=8, prefill_buckets=(4, 8), prefill_groups=(1, 2, 4), decode_buckets=(1, 2, 4)
     )
     for prompt, got in zip(prompts, scored(Gateway(model, config), prompts)):
         want = reference(model, prompt, chunk=8)

@@ -25,9 +25,9 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     cfg = ServeConfig(batch=16)
     assert cfg.gateway_config(FAST).decode_buckets == (1, 2, 4, 8, 16)
     assert cfg.gateway_config(EXACT).decode_buckets == ()  # bit-exact with mlx-lm at every row count
-    assert cfg.gateway_config(FAST).chunk_buckets == chunk_buckets(cfg.prefill_chunk)
-    assert cfg.gateway_config(EXACT).chunk_buckets == ()
-    assert ServeConfig(chunk_buckets=()).gateway_config(FAST).chunk_buckets == ()
+    assert cfg.gateway_config(FAST).prefill_buckets == chunk_buckets(cfg.prefill_chunk)
+    assert cfg.gateway_config(EXACT).prefill_buckets == ()
+    assert ServeConfig(prefill_buckets=()).gateway_config(FAST).prefill_buckets == ()
     assert (cfg.gateway_config(FAST).prefill_budget, cfg.gateway_config(EXACT).prefill_budget) == (
         cfg.prefill_chunk,
         None,
@@ -41,13 +41,13 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     with pytest.raises(ValueError, match="quantized KV"):
         ServeConfig(batch=16, kv_bits=8, decode_buckets=(4, 16)).gateway_config(FAST)
     # the fast tier prefills up to 32 prompts together, in groups of powers of two; the exact tier 8, as mlx-lm
-    assert cfg.gateway_config(FAST).group_buckets == (1, 2, 4, 8, 16, 32)
+    assert cfg.gateway_config(FAST).prefill_groups == (1, 2, 4, 8, 16, 32)
     assert (cfg.gateway_config(FAST).prefill_batch, cfg.gateway_config(EXACT).prefill_batch) == (32, 8)
-    assert ServeConfig(prefill_batch=4).gateway_config(FAST).group_buckets == (1, 2, 4)
+    assert ServeConfig(prefill_batch=4).gateway_config(FAST).prefill_groups == (1, 2, 4)
     assert ServeConfig(prefill_batch=4).gateway_config(EXACT).prefill_batch == 4
-    assert cfg.gateway_config(EXACT).group_buckets == ()
-    assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).group_buckets == ()
-    assert ServeConfig(group_buckets=()).gateway_config(FAST).group_buckets == ()
+    assert cfg.gateway_config(EXACT).prefill_groups == ()
+    assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).prefill_groups == ()
+    assert ServeConfig(prefill_groups=()).gateway_config(FAST).prefill_groups == ()
 
 
 def requests(stages) -> int:
@@ -72,7 +72,8 @@ def test_warmups(tiny_path, mode, requests):
 def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
     model = load_model(tiny_path("tiny-qwen35"))[0]
     gateway = Gateway(
-        model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32), prompt_cache_bytes=1 << 20)
+        model,
+        GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prefill_buckets=(16, 24, 32), prompt_cache_bytes=1 << 20),
     )
     assert requests(warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
     assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
@@ -100,8 +101,8 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warm
         prefill_chunk=64,
         prefill_budget=64,
         decode_buckets=power_buckets(8),
-        chunk_buckets=chunk_buckets(64),
-        group_buckets=(1, 2, 4, 8),
+        prefill_buckets=chunk_buckets(64),
+        prefill_groups=(1, 2, 4, 8),
         prompt_cache_bytes=(1 << 24) * (block > 0),
         prompt_cache_block=block,
     )
@@ -130,7 +131,7 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
     probe = Gateway(model, GatewayConfig(batch=4))
     budget = probe.layout.row_bytes(17, 2)  # a 16-token chunk's prompt fits, a 300-token one's does not
     gateway = Gateway(
-        model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), chunk_buckets=(16, 300), kv_budget_bytes=budget)
+        model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prefill_buckets=(16, 300), kv_budget=budget)
     )
     assert requests(warm_up(gateway, "full")) == 2 + 4 + 1
 
@@ -142,7 +143,7 @@ def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tin
     from engine.kernels.kernel_cache import KernelCache
 
     model = load_model(tiny_path("tiny-qwen35"))[0]
-    config = GatewayConfig(batch=4, prefill_chunk=64, decode_buckets=(1, 2, 4), chunk_buckets=(16, 24, 32, 64))
+    config = GatewayConfig(batch=4, prefill_chunk=64, decode_buckets=(1, 2, 4), prefill_buckets=(16, 24, 32, 64))
     outputs = []
     for cache in (None, KernelCache(Path("/nonexistent"), lambda source, kernel: (b"", ""))):
         monkeypatch.setattr(kernel_cache, "_active", cache)

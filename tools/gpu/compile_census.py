@@ -65,17 +65,17 @@ def main() -> None:
 
     eng = Engine.load(args.model, with_tokenizer=False, kernels=KernelConfig.from_env(args.kernels))
     gw = ServeConfig(
-        batch=args.batch, decode_buckets=None if args.buckets else (), chunk_buckets=None if args.buckets else ()
+        batch=args.batch, decode_buckets=None if args.buckets else (), prefill_buckets=None if args.buckets else ()
     ).gateway_config(eng.kernels.tier)
     batcher = ContinuousBatcher(
         eng.model,
         SchedulerConfig(max_rows=gw.batch, prefill_chunk=gw.prefill_chunk),
         decode_buckets=gw.decode_buckets,
-        chunk_buckets=gw.chunk_buckets,
+        chunk_buckets=gw.prefill_buckets,
     )
     print(
         f"{args.model}: kernels {eng.kernels.tier}; decode buckets {gw.decode_buckets or 'off'}, chunk buckets "
-        f"{gw.chunk_buckets or 'off'}; MLX_PTX_CACHE_DIR={cache}",
+        f"{gw.prefill_buckets or 'off'}; MLX_PTX_CACHE_DIR={cache}",
         flush=True,
     )
     seen, quiet, costly = modules(cache), defaultdict(list), defaultdict(list)

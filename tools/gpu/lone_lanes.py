@@ -148,7 +148,7 @@ def main(argv=None) -> None:
         runner = BatchRunner(
             current["engine"].model,
             decode_buckets=continuous_cfg.decode_buckets,
-            chunk_buckets=continuous_cfg.chunk_buckets,
+            chunk_buckets=continuous_cfg.prefill_buckets,
         )
         runner.add_joiners([Joiner("r", SamplingParams(), prompt)])
         runner.prefill([prompt[:-1]])
