@@ -219,6 +219,7 @@ class Gateway:
                 decode_buckets=config.decode_buckets,
                 chunk_buckets=config.prefill_buckets,
                 group_buckets=config.prefill_groups,
+                layout=self.layout,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
@@ -275,7 +276,7 @@ class Gateway:
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
         """Queue a request. Raises RequestTooLarge when it can never fit the KV budget."""
         need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        check_budget(request, need, self.config.kv_budget)  # both lanes; the batcher checks again
+        check_budget(request, need, self.config.kv_budget)  # both lanes, before the prompt cache is asked
         placement = self.place(request)
         prefix = None
         if self.prompt_cache is not None:
@@ -285,7 +286,7 @@ class Gateway:
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
-            self.batcher.submit(request, sink, prefix)
+            self.batcher.submit(request, sink, prefix, need)
         else:
             self._serial.append(_Queued(request, sink, prefix, placement.lane))
         return Placement(placement.lane, placement.reason, cached)

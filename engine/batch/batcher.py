@@ -52,9 +52,11 @@ class ContinuousBatcher:
         chunk_buckets: tuple[int, ...] = (),
         group_buckets: tuple[int, ...] = (),
         snapshot_block: int = 0,
+        layout: KVLayout | None = None,
     ):
         self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets)
-        self.layout: KVLayout = kv_layout(model, kv_quantization)
+        # the rows' KV projection for the budget: the caller's `layout` (the gateway's), else built here
+        self.layout: KVLayout = layout if layout is not None else kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
         # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too, and block
         # snapshots every `snapshot_block` prompt tokens (the chunks stop there).
@@ -77,14 +79,22 @@ class ContinuousBatcher:
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, sink: TokenSink, prefix: CachedPrefix | None = None) -> None:
+    def submit(
+        self,
+        request: GenerationRequest,
+        sink: TokenSink,
+        prefix: CachedPrefix | None = None,
+        kv_bytes: int | None = None,
+    ) -> None:
         """Queue a request (raises RequestTooLarge if it can never fit the KV budget).
 
         `prefix`: caches holding the first len(prefix.tokens) prompt tokens; prefill starts after them.
+        `kv_bytes`: the row's projected KV bytes where the caller has them (`layout.row_bytes`).
         """
         if request.request_id in self._sinks:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
-        kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
+        if kv_bytes is None:
+            kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
         self.scheduler.submit(request, kv_bytes, cached=len(prefix.tokens) if prefix else 0)
         self._sinks[request.request_id] = sink
         if prefix is not None:
