@@ -14,7 +14,6 @@ from engine.errors import InvalidSamplingError
 
 if TYPE_CHECKING:
     from engine.grammar import Constraint
-    from engine.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -170,5 +169,5 @@ class RequestResult:
     # prompt and the generated tokens that went through the model, and for
     # models whose caches cannot rewind also those at the prompt's boundary.
     caches: tuple[CachedPrefix, ...] = ()
-    spec: SpecStats | None = None  # on the spec lane: what speculation did
+    spec: Any = None  # on the spec lane: what speculation did (a speculative.stats.SpecStats, a layer above)
     prompt_logprobs: tuple[GeneratedToken, ...] = ()  # prompt tokens 1.. scored, where the request asked
