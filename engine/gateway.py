@@ -42,7 +42,7 @@ from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.kernels import FAST, on_cuda
-from engine.kernels.cuda_source import builds as kernel_builds
+from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.prompt_logprobs import PromptScorer
 from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
 from engine.sinks import ForwardingSink, TokenSink
@@ -194,9 +194,14 @@ def _keeps_boundary(
 
 class Gateway:
     def __init__(
-        self, model: nn.Module, config: GatewayConfig = GatewayConfig(), speculation: Speculation | None = None
+        self,
+        model: nn.Module,
+        config: GatewayConfig = GatewayConfig(),
+        speculation: Speculation | None = None,
+        builds: KernelBuilds = BUILDS,
     ):
         self.model = model
+        self.builds = builds  # the model's kernel builds and their cache (`KernelSet.builds`)
         self.config = config
         self.speculation = speculation
         self.batchable = can_batch(model)
@@ -348,7 +353,7 @@ class Gateway:
         """The shapes so far are the warm-up's: shapes past `shapes_at_ready` were first run after ready (on
         CUDA each compiled kernels while requests waited), and so are the custom-kernel builds so far."""
         self.shapes_at_ready = len(self.shapes)
-        self.kernel_builds_at_ready = kernel_builds()
+        self.kernel_builds_at_ready = self.builds.count()
 
     def _run_serial(self, queued: _Queued) -> None:
         """Run one request alone on the device: the strict B=1 path, or speculation on the spec lane."""

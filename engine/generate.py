@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
-from engine.kernels.kernel_cache import settle as settle_kernels
+from engine.kernels.cuda_source import BUILDS
 from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.sampling import Sampler, emitted_token, make_processors
 from engine.stopping import FinishTracker
@@ -89,7 +89,7 @@ def prefill(
             on_hidden(hidden, n)
         if kv_quantization:
             kv_quantization.apply(cache)
-        settle_kernels()
+        BUILDS.settle()
         mx.eval(cache_arrays(cache))
         prompt = prompt[n:]
         done += n
@@ -183,7 +183,7 @@ def decode_steps(
 
     def launch(tokens: mx.array) -> _Step:
         step = decoder.step(tokens)
-        settle_kernels()
+        BUILDS.settle()
         mx.async_eval(step.token, step.logprobs)
         return step
 

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from engine.batch.runner import bucket, trace_forwards
 from engine.batch.scheduler import SchedulerConfig
 from engine.gateway import Gateway, GatewayConfig
-from engine.kernels import kernel_cache, on_cuda
-from engine.kernels.cuda_source import builds as kernel_builds
+from engine.kernels import on_cuda
 from engine.kernels.indexing_warmup import compile_indexing
+from engine.kernels.kernel_cache import KernelCache
 from engine.kernels.quantized_gemv import LAYER_MAX_ROWS
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
@@ -79,11 +79,11 @@ class WarmupStage:
         )
 
 
-def prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> WarmupStage:
+def prebuild_kernels(gateway: Gateway, cache: KernelCache) -> WarmupStage:
     """Every decode bucket's and short prefill chunk's forward built but not run (`trace_forwards`), so that
     the engine's kernels they call compile at once (`cache`), before the requests that run them; MLX's
     indexing kernels compile meanwhile (`compile_indexing`)."""
-    start, builds = time.perf_counter(), kernel_builds()
+    start, builds = time.perf_counter(), gateway.builds.count()
     trace_forwards(
         gateway.model,
         gateway.config.decode_buckets or (1,),
@@ -91,7 +91,7 @@ def prebuild_kernels(gateway: Gateway, cache: kernel_cache.KernelCache) -> Warmu
     )
     compile_indexing(gateway.model)  # MLX's own, while the engine's compile in other processes
     cache.settle()
-    return WarmupStage("kernel builds", 0, 0, kernel_builds() - builds, round(time.perf_counter() - start, 3))
+    return WarmupStage("kernel builds", 0, 0, gateway.builds.count() - builds, round(time.perf_counter() - start, 3))
 
 
 def warm_up(
@@ -148,14 +148,14 @@ def warm_up(
             (f"prefill chunks ({len(chunks)} prompts)", chunks),
             (f"prefill groups ({len(groups)} shapes)", groups),
         ]
-    if prebuild and mode == "full" and gateway.batcher is not None and kernel_cache.active() is not None:
-        report.append(prebuild_kernels(gateway, kernel_cache.active()))
+    if prebuild and mode == "full" and gateway.batcher is not None and gateway.builds.cache is not None:
+        report.append(prebuild_kernels(gateway, gateway.builds.cache))
         log(report[-1].line())
     sinks = []
     for name, waves in stages:
         if not waves:
             continue
-        start, shapes, builds = time.perf_counter(), len(gateway.shapes), kernel_builds()
+        start, shapes, builds = time.perf_counter(), len(gateway.shapes), gateway.builds.count()
         for wave in waves:
             for r in wave:
                 sinks.append(CollectingSink())
@@ -165,7 +165,7 @@ def warm_up(
             name,
             sum(len(w) for w in waves),
             len(gateway.shapes) - shapes,
-            kernel_builds() - builds,
+            gateway.builds.count() - builds,
             round(time.perf_counter() - start, 3),
         )
         report.append(stage)
@@ -189,5 +189,5 @@ def warmup_record(gateway: Gateway, mode: str, stages: list[WarmupStage], second
         "shapes": gateway.shapes_at_ready,
         "kernel_builds": gateway.kernel_builds_at_ready,
         "stages": [asdict(st) for st in stages],
-        "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
+        "kernel_cache": cache.stats() if (cache := gateway.builds.cache) else None,
     }

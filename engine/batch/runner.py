@@ -59,7 +59,7 @@ from engine.cache import (
 )
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
-from engine.kernels.kernel_cache import settle as settle_kernels
+from engine.kernels.cuda_source import BUILDS
 from engine.prompt_logprobs import PromptScorer
 from engine.request import GeneratedToken, SamplingParams
 from engine.sampling import Sampler, emitted_token, make_processors
@@ -330,7 +330,7 @@ class BatchRunner:
             for c in self.joiner_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         hidden = self.model.hidden(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), self.joiner_cache)
-        settle_kernels()
+        BUILDS.settle()
         for i, row in enumerate(self.joiners[:joiners]):
             if row.scorer is not None:
                 row.scorer.add(self.model.logits(hidden[i, : lengths[i]]))
@@ -374,7 +374,7 @@ class BatchRunner:
         logits = self._first_forward(inputs)
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
-        settle_kernels()
+        BUILDS.settle()
         mx.eval(sampled.tokens, sampled.logprobs)
         self.ready_first = sampled
         tokens = self._emitted(self.ready, sampled, failed)
@@ -475,7 +475,7 @@ class BatchRunner:
         if self.ghosts:
             logits = logits[: len(self.rows)]
         following, failed = self._sample(self.rows, inputs.tokens, logits)
-        settle_kernels()
+        BUILDS.settle()
         mx.async_eval(following.tokens, following.logprobs)
         self.register = following
         tokens = self._emitted(self.rows, inputs, failed)  # waits for the previous step only

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from engine.kernels import attention_decode
 from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, Tier, check_tier
+from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.norm_handoff import layer_links
@@ -68,6 +69,12 @@ class KernelSet:
     fused_stages: str = "none"  # the GEMV launches' stages where the kernel runs (Fusion.names)
     reason: str = ""  # why this tier runs, where it is not simply the one asked for
     settings: dict = field(default_factory=dict)  # KernelConfig.settings() of the fast tier that runs
+
+    @property
+    def builds(self) -> KernelBuilds:
+        """The builds its CUDA kernels asked MLX for, and their kernel cache: the process's, as MLX compiles a
+        custom kernel once a process (not a field: a record of the set holds none of it)."""
+        return BUILDS
 
     def as_record(self) -> dict:
         return asdict(self)

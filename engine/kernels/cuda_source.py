@@ -16,30 +16,62 @@ MLX compiles a custom kernel once per process for each built source (its
 template values and input and output types), with NVRTC, when a graph that
 calls it is first evaluated, and keeps it in memory only: unlike its own
 kernels, MLX 0.32's `CustomKernel` never writes them to MLX_PTX_CACHE_DIR, so a
-new process compiles them again. `builds()` counts the distinct builds the
-process has asked for (each one such compilation on CUDA), which the server
+new process compiles them again. `KernelBuilds` counts the distinct builds
+the process has asked for (each one such compilation on CUDA), which the server
 reports so that a compilation after ready can be seen, and hands each new one
-to the kernel cache where one is on (`kernel_cache`: compiled ahead of MLX, in
-parallel, and kept across restarts).
+to its kernel cache where one is on (`kernel_cache`: compiled ahead of MLX, in
+parallel, and kept across restarts). The kernel set (`KernelSet.builds`) holds
+it; as MLX's compilations are the process's, so is it (`BUILDS`).
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 
-from engine.kernels import kernel_cache
-from engine.kernels.kernel_cache import KernelBuild
-
-_builds: set[tuple] = set()
-_lock = threading.Lock()
+from engine.kernels.kernel_cache import KernelBuild, KernelCache
 
 
-def builds() -> int:
-    """How many distinct custom-kernel builds (name, template values, input and output types) this process has
-    asked MLX for: on CUDA, each is one NVRTC compilation."""
-    return len(_builds)
+class KernelBuilds:
+    """The distinct custom-kernel builds (name, template values, input and output types) a process has asked MLX
+    for, on CUDA each one NVRTC compilation, and the kernel cache that compiles them ahead of MLX (None: off)."""
+
+    def __init__(self) -> None:
+        self.cache: KernelCache | None = None
+        self._seen: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def count(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._seen
+
+    def enable_cache(self, directory: Path) -> KernelCache:
+        """Compile the engine's kernels into `directory`, which must be MLX's cache directory (MLX_PTX_CACHE_DIR),
+        from now on."""
+        self.cache = KernelCache(directory)
+        return self.cache
+
+    def settle(self) -> None:
+        """Wait for the kernels being compiled ahead of MLX, if any (call before evaluating a forward)."""
+        if self.cache is not None:
+            self.cache.settle()
+
+    def add(self, key: tuple, build: KernelBuild | None) -> None:
+        """Count the build `key` if new, and hand `build` (None: one the cache cannot compile) to the cache."""
+        if key in self._seen:
+            return
+        with self._lock:
+            new = key not in self._seen
+            self._seen.add(key)
+        if new and build is not None and self.cache is not None:
+            self.cache.submit(build)
+
+
+BUILDS = KernelBuilds()  # this process's: MLX compiles a custom kernel once a process
 
 
 def _strip_comment(line: str) -> str:
@@ -67,10 +99,17 @@ def compact(source: str) -> str:
 
 
 def cuda_kernel(
-    *, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "", shared_memory: int = 0
+    *,
+    name: str,
+    input_names: list[str],
+    output_names: list[str],
+    source: str,
+    header: str = "",
+    shared_memory: int = 0,
+    builds: KernelBuilds = BUILDS,
 ):
     """`mx.fast.cuda_kernel` on the compacted source and header (`shared_memory`: its dynamic bytes), counting
-    its builds (`builds`)."""
+    its builds in `builds` (the process's)."""
     source, header = compact(source), compact(header)
     kernel = mx.fast.cuda_kernel(
         name=name,
@@ -83,24 +122,20 @@ def cuda_kernel(
 
     def call(*, inputs, template=(), output_dtypes, **kwargs):
         key = (name, shared_memory, tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
-        if key not in _builds:
-            with _lock:
-                new = key not in _builds
-                _builds.add(key)
-            cache = kernel_cache.active()
-            if new and cache is not None and all(isinstance(v, (int, bool)) for _, v in template):
-                cache.submit(
-                    KernelBuild(
-                        name,
-                        tuple(input_names),
-                        tuple(output_names),
-                        source,
-                        header,
-                        key[3],
-                        tuple(output_dtypes),
-                        tuple(template),
-                    )
+        if key not in builds:  # every call asks: most builds are known
+            build = None
+            if all(isinstance(v, (int, bool)) for _, v in template):
+                build = KernelBuild(
+                    name,
+                    tuple(input_names),
+                    tuple(output_names),
+                    source,
+                    header,
+                    key[3],
+                    tuple(output_dtypes),
+                    tuple(template),
                 )
+            builds.add(key, build)
         return kernel(inputs=inputs, template=list(template), output_dtypes=output_dtypes, **kwargs)
 
     return call

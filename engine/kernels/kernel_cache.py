@@ -250,27 +250,6 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-_active: KernelCache | None = None
-
-
-def enable(directory: Path) -> KernelCache:
-    """Compile the engine's kernels into `directory`, which must be MLX's cache directory (MLX_PTX_CACHE_DIR),
-    from now on in this process."""
-    global _active
-    _active = KernelCache(directory)
-    return _active
-
-
-def active() -> KernelCache | None:
-    return _active
-
-
-def settle() -> None:
-    """Wait for the kernels being compiled ahead of MLX, if any (call before evaluating a forward)."""
-    if _active is not None:
-        _active.settle()
-
-
 def module_files(directory: Path | None) -> int | None:
     """Compiled modules in a kernel cache directory (None: no directory): MLX writes `<module>.ptx` there for
     each module it compiles, its own and the engine's kernels alike (this cache writes those first), so a count

@@ -29,7 +29,8 @@ from engine.engine import Engine, kernels_notice
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.grammar import Grammars
-from engine.kernels import KernelConfig, kernel_cache, on_cuda
+from engine.kernels import KernelConfig, on_cuda
+from engine.kernels.kernel_cache import module_files
 from engine.loading import context_of, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, make_app
 from engine.server.context import ServerContext
@@ -113,12 +114,11 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer, warm the lanes up; raises on a bad model or setting (`serve` checks the
     settings before it binds)."""
     limit_buffer_cache(cfg.mlx_cache)
-    if cfg.kernel_cache_dir is not None and on_cuda():
-        kernel_cache.enable(cfg.kernel_cache_dir)
     engine = Engine.load(cfg.model, cfg.model_path, seed=cfg.seed, kernels=cfg.kernels)
+    if cfg.kernel_cache_dir is not None and on_cuda():  # before any forward: the first builds the kernels
+        engine.kernels.builds.enable_cache(cfg.kernel_cache_dir)
     if cfg.chat_template is not None:
         engine.tokenizer.use_chat_template(cfg.chat_template)
-    gateway_config = cfg.gateway_config(engine.kernels.tier)
     notice = kernels_notice(engine.kernels)
     if notice:
         print(notice, file=sys.stderr, flush=True)
@@ -127,7 +127,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         speculation = load_speculation(
             cfg.spec, engine, cfg.draft_model, cfg.draft_model_path, seed=cfg.seed, prefill_step_size=cfg.prefill_chunk
         )
-    gateway = Gateway(engine.model, gateway_config, speculation)
+    gateway = Gateway(engine.model, cfg.gateway_config(engine.kernels.tier), speculation, engine.kernels.builds)
     start = time.perf_counter()
     warmup = cfg.warmup or default_warmup()
     context = cfg.max_context or context_of(engine.config)
@@ -174,7 +174,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         grammars=Grammars(engine.tokenizer.backend, sorted(engine.tokenizer.eos_ids), vocab_size(engine.config)),
         reasoning=cfg.reasoning_parser == "auto" and thinks(engine.tokenizer.chat_template),
         kernel_cache_dir=cfg.kernel_cache_dir,
-        modules_at_ready=kernel_cache.module_files(cfg.kernel_cache_dir),
+        modules_at_ready=module_files(cfg.kernel_cache_dir),
     )
     return worker, ctx
 

@@ -27,8 +27,6 @@ from typing import Any
 import mlx.core as mx
 
 from engine.gateway import Gateway, Placement
-from engine.kernels import kernel_cache
-from engine.kernels.cuda_source import builds as kernel_builds
 from engine.request import FinishReason, GeneratedToken, GenerationRequest, RequestResult
 from engine.sinks import ForwardingSink
 
@@ -341,7 +339,7 @@ class EngineWorker:
         batcher = gateway.batcher
         kv_bytes = batcher.kv_bytes if batcher is not None else 0
         pc = gateway.prompt_cache
-        seen, builds = len(gateway.shapes), kernel_builds()
+        seen, builds = len(gateway.shapes), gateway.builds.count()
         self.snapshot = {
             "batch": {
                 "max_rows": gateway.config.batch,
@@ -366,7 +364,7 @@ class EngineWorker:
                 "kernel_builds": builds,
                 "kernel_builds_since_ready": builds - gateway.kernel_builds_at_ready,
             },
-            "kernel_cache": cache.stats() if (cache := kernel_cache.active()) else None,
+            "kernel_cache": cache.stats() if (cache := gateway.builds.cache) else None,
             # MLX's memory: arrays alive, the most alive at once since start, freed buffers kept for reuse
             "memory": {
                 "active_bytes": mx.get_active_memory(),

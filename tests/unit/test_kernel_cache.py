@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from engine.kernels import kernel_cache
-from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.cuda_source import BUILDS, cuda_kernel
 from engine.kernels.kernel_cache import KernelBuild, KernelCache, module_path, std_hash
 
 BUILD = KernelBuild(
@@ -104,7 +104,7 @@ def test_a_build_that_does_not_compile_is_left_to_mlx(tmp_path, caplog):
 def test_a_kernel_call_hands_its_new_build_to_the_active_cache(tmp_path, monkeypatch):
     got, ran = [], []
     cache = KernelCache(tmp_path, lambda source, kernel: got.append(kernel) or (b"x", "m"))
-    monkeypatch.setattr(kernel_cache, "_active", cache)
+    monkeypatch.setattr(BUILDS, "cache", cache)
     monkeypatch.setattr(
         mx.fast, "cuda_kernel", lambda **kw: lambda **call: ran.append(call["template"])
     )  # no CUDA here

@@ -139,14 +139,14 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
 def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tiny_path, monkeypatch):
     # the decode buckets' and short chunks' forwards are built but not run, so their kernels compile together
     # (the CPU has none to compile); nothing of them stays: the warm-up's and a request's tokens are as without
-    from engine.kernels import kernel_cache
+    from engine.kernels.cuda_source import BUILDS
     from engine.kernels.kernel_cache import KernelCache
 
     model = load_model(tiny_path("tiny-qwen35"))[0]
     config = GatewayConfig(batch=4, prefill_chunk=64, decode_buckets=(1, 2, 4), prefill_buckets=(16, 24, 32, 64))
     outputs = []
     for cache in (None, KernelCache(Path("/nonexistent"), lambda source, kernel: (b"", ""))):
-        monkeypatch.setattr(kernel_cache, "_active", cache)
+        monkeypatch.setattr(BUILDS, "cache", cache)
         gateway = Gateway(model, config)
         lines = []
         stages = warm_up(gateway, "full", log=lines.append)

@@ -109,14 +109,15 @@ def main(argv=None) -> None:
     from engine.engine import Engine
     from engine.gateway import Gateway
     from engine.generate import generate
-    from engine.kernels import kernel_cache, on_cuda
+    from engine.kernels import on_cuda
+    from engine.kernels.cuda_source import BUILDS
     from engine.loading import context_of
     from engine.request import GenerationRequest, SamplingParams, StopCriteria
     from engine.server.main import ServeConfig
     from engine.warmup import warm_up
 
     if on_cuda():  # as `engine serve` sets up the device
-        kernel_cache.enable(directory)
+        BUILDS.enable_cache(directory)
         mx.set_cache_limit(CUDA_MLX_CACHE)
 
     def load() -> dict:

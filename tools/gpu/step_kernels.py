@@ -73,7 +73,6 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     import mlx.core as mx
 
     from engine.batch.runner import merge_rows
-    from engine.kernels import kernel_cache
     from engine.loading import text_config
 
     batched = rows > 1 or batch_caches
@@ -81,7 +80,7 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     vocab = min(50000, int(text_config(eng.config)["vocab_size"])) - 10
     prompts = mx.array([[(i * 7919 + r * 104729) % vocab + 10 for i in range(prompt_tokens)] for r in range(rows)])
     logits = eng.model(prompts, cache)
-    kernel_cache.settle()
+    eng.kernels.builds.settle()
     for c in cache:
         if hasattr(c, "finalize"):
             c.finalize()
@@ -185,12 +184,10 @@ def step_rows(
     """One row count's decode steps: timed (pipelined), or one at a time between markers for ncu."""
     import mlx.core as mx
 
-    from engine.kernels import kernel_cache
-
     cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
     for _ in range(warm):  # compiles this shape's kernels
         token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
-        kernel_cache.settle()
+        eng.kernels.builds.settle()
         mx.eval(token)
     if timed:
         mx.synchronize()
@@ -313,10 +310,11 @@ def main() -> None:
             from engine.cli import use_kernel_cache
 
             directory = use_kernel_cache(args.kernel_cache_dir)  # before MLX compiles anything
-            from engine.kernels import kernel_cache, on_cuda
+            from engine.kernels import on_cuda
+            from engine.kernels.cuda_source import BUILDS
 
-            if on_cuda():
-                kernel_cache.enable(directory)
+            if on_cuda():  # the process's builds, which the model's kernel set holds once loaded
+                BUILDS.enable_cache(directory)
         off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
         run(
             args.model,
