@@ -21,44 +21,36 @@ import sys
 from collections.abc import Sequence
 
 from engine.errors import USER_ERRORS
-from harness import (
-    batch_bench_cli,
-    kernels_cli,
-    models_cli,
-    native_cli,
-    parity_cli,
-    quality_cli,
-    report_cli,
-    run_cli,
-    server_overhead_cli,
-    spec_cli,
-    startup_cli,
-    workloads_cli,
-)
+from harness import models
+from harness.bench import cli as bench
 from harness.cli_common import CliError, console
+from harness.gates import cli as gates
+from harness.kernels import cli as kernels
+from harness.report import cli as report
+from harness.run import cli as run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand's parser, each from its own module (`harness/*_cli.py`)."""
+    """Every subcommand's parser, each from the `cli` module of its package (`harness/*/cli.py`)."""
     parser = argparse.ArgumentParser(
         prog="harness",
         description="Benchmark and parity harness for the engine, with stock mlx-lm as the reference.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    models_cli.add_models(sub)
-    parity_cli.add_parity(sub)
-    native_cli.add_native(sub)
-    batch_bench_cli.add_batch_bench(sub)
-    server_overhead_cli.add_server_overhead(sub)
-    startup_cli.add_startup(sub)
-    workloads_cli.add_workloads(sub)
-    report_cli.add_report(sub)
-    report_cli.add_db(sub)
-    spec_cli.add_spec(sub)
-    kernels_cli.add_kernels(sub)
-    quality_cli.add_quality(sub)
-    run_cli.add_run(sub)
-    run_cli.add_trials(sub)
+    models.add_models(sub)
+    gates.add_parity(sub)
+    bench.add_native(sub)
+    bench.add_batch_bench(sub)
+    bench.add_server_overhead(sub)
+    bench.add_startup(sub)
+    run.add_workloads(sub)
+    report.add_report(sub)
+    report.add_db(sub)
+    bench.add_spec(sub)
+    kernels.add_kernels(sub)
+    gates.add_quality(sub)
+    run.add_run(sub)
+    run.add_trials(sub)
     return parser
 
 

@@ -164,6 +164,6 @@ def verdict(passed: bool) -> str:
 
 def paired(ratios: list[float]) -> str:
     """Geometric mean [min-max] of paired ratios."""
-    from harness.native import geomean
+    from harness.bench.native import geomean
 
     return f"{geomean(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"

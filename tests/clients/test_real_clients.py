@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from engine.env import cache_root, trained_dir
-from harness.servers import engine_serve_command, free_port, start_server
+from harness.run.servers import engine_serve_command, free_port, start_server
 
 pytestmark = pytest.mark.clients
 

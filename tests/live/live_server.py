@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from harness.servers import engine_serve_command, free_port, start_server, tail
+from harness.run.servers import engine_serve_command, free_port, start_server, tail
 
 
 class LiveServer:

@@ -23,11 +23,11 @@ import psutil
 import pytest
 from processes import TAG, leftovers, new_tag
 
-from harness.arms import ArmSpec, standard_arms
-from harness.db_export import export_run, kept_by_db
-from harness.records import open_db
-from harness.run_all import Block, Runner, RunSettings
-from harness.workloads import WorkloadSettings, phase_names
+from harness.report.db_export import export_run, kept_by_db
+from harness.run.arms import ArmSpec, standard_arms
+from harness.run.records import open_db
+from harness.run.runner import Block, Runner, RunSettings
+from harness.run.workloads import WorkloadSettings, phase_names
 
 MODEL = "tiny-qwen3"
 THIS = Path(__file__).resolve()

@@ -5,7 +5,7 @@ import sys
 
 import httpx
 
-from harness.servers import free_port, start_server
+from harness.run.servers import free_port, start_server
 
 AT_ONCE = 65  # the warmup phase of a run at 64 streams: one more than the largest concurrency
 

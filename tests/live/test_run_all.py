@@ -10,9 +10,9 @@ import pytest
 from processes import TAG, leftovers, new_tag, tagged_env
 
 from engine.kernels import AUTO
-from harness.arms import ArmSpec, standard_arms
-from harness.run_all import Block, Runner, RunSettings
-from harness.workloads import WorkloadSettings, phase_names
+from harness.run.arms import ArmSpec, standard_arms
+from harness.run.runner import Block, Runner, RunSettings
+from harness.run.workloads import WorkloadSettings, phase_names
 
 MODEL = "tiny-qwen3"
 FAKE = Path(__file__).with_name("fake_server.py")
@@ -261,8 +261,8 @@ def test_an_arm_that_never_starts_is_recorded_with_its_error(tiny_path, tmp_path
 
 
 def test_repeated_cells_run_in_alternating_blocks_and_give_the_aggregate_an_interval(tiny_path, tmp_path, tag):
-    from harness import report
-    from harness.run_all import blocks_of, progress_steps
+    from harness.report import page as report
+    from harness.run.runner import blocks_of, progress_steps
 
     fake = [ArmSpec(name, lambda d, port: [sys.executable, str(FAKE), "--port", str(port)]) for name in ("a", "b")]
     settings = RunSettings(

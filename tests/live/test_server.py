@@ -7,7 +7,7 @@ import pytest
 from live_server import LiveServer, stream
 
 from engine.engine import Engine
-from harness.servers import tail
+from harness.run.servers import tail
 
 MODEL = "tiny-qwen35"
 KEY = "sekret"

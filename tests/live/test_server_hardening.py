@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer, stream
 
-from harness.servers import engine_serve_command, free_port
+from harness.run.servers import engine_serve_command, free_port
 
 MODEL = "tiny-qwen35"
 CONTEXT = 512

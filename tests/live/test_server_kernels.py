@@ -7,10 +7,10 @@ import pytest
 from live_server import LiveServer, stream
 
 from engine.kernels import EXACT, FAST, fast_refusal, on_cuda
-from harness.arms import standard_arms
-from harness.run_all import Block, Runner, RunSettings
-from harness.servers import tail
-from harness.workloads import WorkloadSettings
+from harness.run.arms import standard_arms
+from harness.run.runner import Block, Runner, RunSettings
+from harness.run.servers import tail
+from harness.run.workloads import WorkloadSettings
 
 MODEL = "tiny-llama"  # not the model test_run_all watches for leftover processes
 RAN = FAST if on_cuda() else EXACT  # what asking for the fast tier gives on this machine

@@ -3,7 +3,7 @@
 import pytest
 from live_server import LiveServer
 
-from harness.servers import tail
+from harness.run.servers import tail
 
 MODEL = "tiny-qwen35"
 

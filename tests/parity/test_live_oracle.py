@@ -11,7 +11,7 @@ arrays must be identical: max |difference| == 0.
 import pytest
 
 from engine.registry import base_names
-from harness.parity import ParityCase, cases, run_case
+from harness.gates.parity import ParityCase, cases, run_case
 
 pytestmark = pytest.mark.parity
 

@@ -20,7 +20,7 @@ from engine.loading import load_model
 from engine.registry import base_names
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
-from harness.batch_parity import run_batch_case, scenario_cases
+from harness.gates.batch_parity import run_batch_case, scenario_cases
 from oracles.cases import DTYPES, frozen_prompt_ids, model_name
 
 pytestmark = pytest.mark.parity

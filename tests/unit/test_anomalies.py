@@ -5,8 +5,9 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness import anomalies, report, summary
-from harness.run_cli import _print_summary
+from harness.report import page as report
+from harness.run import anomalies, summary
+from harness.run.cli import _print_summary
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 

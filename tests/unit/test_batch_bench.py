@@ -3,7 +3,7 @@
 import json
 import math
 
-from harness.batch_bench import full_batch_step_ms
+from harness.bench.batch import full_batch_step_ms
 from harness.cli import main as harness_main
 
 

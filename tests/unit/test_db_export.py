@@ -8,9 +8,9 @@ from pathlib import Path
 import pandas as pd
 
 from harness.cli import main as harness_main
-from harness.client import RequestRecord
-from harness.db_export import requests_frame
-from harness.records import ArmRun, Attempt, Cell, ModelRun, RunRecord, db_arm, db_cell, db_run, open_db
+from harness.report.db_export import requests_frame
+from harness.run.client import RequestRecord
+from harness.run.records import ArmRun, Attempt, Cell, ModelRun, RunRecord, db_arm, db_cell, db_run, open_db
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 KEYS = ["run_id", "block", "model", "arm", "phase", "attempt", "idx"]

@@ -1,4 +1,4 @@
-"""The gate's greedy agreement on trained models (harness.greedy_gate): the fast tier, off CUDA the chunked delta
+"""The gate's greedy agreement on trained models (harness.kernels.greedy_gate): the fast tier, off CUDA the chunked delta
 rule and compiled steps with a GEMV stand-in, against the exact tier's greedy paths from held-out text."""
 
 import json
@@ -10,7 +10,7 @@ from engine import env
 from engine.kernels import FAST, KernelConfig
 from engine.kernels.quantized_gemv import Fusion
 from harness.cli import main as harness_main
-from harness.greedy_gate import GreedyResult, agreed_steps, run_greedy_gate, text_prompts
+from harness.kernels.greedy_gate import GreedyResult, agreed_steps, run_greedy_gate, text_prompts
 
 DRAFT = env.trained_dir() / "trained-qwen3-draft-4bit"
 
@@ -69,7 +69,7 @@ def test_the_bound_scales_with_the_steps():
 
 
 def test_the_gate_cli_adds_the_greedy_table_and_refuses_untrained_models(tiny_path, tmp_path, capsys, monkeypatch):
-    import harness.greedy_gate as greedy_gate
+    import harness.kernels.greedy_gate as greedy_gate
 
     monkeypatch.setattr(greedy_gate, "run_greedy_gate", partial(run_greedy_gate, paths=2, lengths=(16,)))
     tiny_path("tiny-qwen3-4bit")

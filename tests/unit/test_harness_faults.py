@@ -16,11 +16,12 @@ import httpx
 import psutil
 import pytest
 
-from harness import report, summary
 from harness.cli import build_parser
-from harness.client import STALLED, TIMED_OUT, RequestRecord, Timeouts, stream_completion
-from harness.db_export import export_run, kept_by_db
-from harness.records import (
+from harness.report import page as report
+from harness.report.db_export import export_run, kept_by_db
+from harness.run import summary
+from harness.run.client import STALLED, TIMED_OUT, RequestRecord, Timeouts, stream_completion
+from harness.run.records import (
     FAILED,
     INTERRUPTED,
     MEASURED,
@@ -35,8 +36,8 @@ from harness.records import (
     open_db,
     write_json,
 )
-from harness.run_all import Interrupts, RunInterrupted
-from harness.servers import ServerProcess, start_server
+from harness.run.runner import Interrupts, RunInterrupted
+from harness.run.servers import ServerProcess, start_server
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 HOSTILE = "<script>alert(1)</script>|x\ny"
@@ -360,7 +361,7 @@ def test_a_run_recorded_before_the_models_table_still_exports(tmp_path):
 
 
 def test_request_and_stall_timeouts_reach_the_run_settings():
-    from harness.run_cli import _run_plan
+    from harness.run.cli import _run_plan
 
     args = build_parser().parse_args(
         ["run", "all", "--models", "tiny-qwen3", "--request-timeout", "90", "--stall-timeout", "2.5", "--dry-run"]
@@ -530,7 +531,7 @@ def test_a_run_without_the_baseline_shows_no_withheld_ratio():
 
 def test_the_terminal_summary_and_db_list_print_markup_like_names_as_text(tmp_path, capsys):
     from harness.cli import main as harness_main
-    from harness.run_cli import _print_summary
+    from harness.run.cli import _print_summary
 
     rec = faulted_record()
     rec.label = rec.models[0].model = "[/red]tiny[bold]|x"

@@ -2,9 +2,9 @@
 
 from collections import namedtuple
 
-from harness import preflight
-from harness.client import RequestRecord
-from harness.metrics import summarize
+from harness.run import preflight
+from harness.run.client import RequestRecord
+from harness.run.metrics import summarize
 
 Mem = namedtuple("Mem", "total available")
 Swap = namedtuple("Swap", "used")
@@ -81,7 +81,7 @@ def test_the_source_tree_hash_leaves_out_a_runs_own_outputs(monkeypatch, tmp_pat
     # A run writing its record over a tracked file (reports/cpu-small-qwen3.json) must not find its tree changed.
     from pathlib import Path
 
-    from harness import provenance
+    from harness.run import provenance
 
     (tmp_path / "code.py").write_text("x = 1\n")
     (tmp_path / "run.json").write_text("{}")

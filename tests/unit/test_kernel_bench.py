@@ -8,7 +8,7 @@ from engine.kernels import on_cuda
 from engine.kernels.quantized_gemv import DENSE_MIN_ROWS
 from engine.registry import get_spec
 from harness.cli import main
-from harness.kernel_bench import (
+from harness.kernels.bench import (
     BenchConfig,
     DeltaResult,
     GemvResult,
@@ -140,7 +140,7 @@ def test_weight_copies_cover_the_cold_bytes_round_robin():
 
 
 def test_serial_timing_chains_each_call_on_the_one_before():
-    from harness.kernel_bench import BenchConfig, serial_us
+    from harness.kernels.bench import BenchConfig, serial_us
 
     seen = []
 

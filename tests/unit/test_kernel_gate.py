@@ -12,8 +12,8 @@ from engine.kernels import FAST, KernelConfig
 from engine.kernels.quantized_gemv import Fusion
 from engine.loading import load_model
 from harness.cli import main as harness_main
-from harness.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
-from harness.kernel_gate import TierScore, gate_prompts, run_gate, score
+from harness.kernels.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
+from harness.kernels.gate import TierScore, gate_prompts, run_gate, score
 
 FAST_ANYWHERE = KernelConfig(FAST, force=True)
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen35", "tiny-gemma3")

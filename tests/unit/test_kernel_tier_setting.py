@@ -8,11 +8,11 @@ from engine.cli import build_parser
 from engine.cli import main as engine_main
 from engine.engine import Engine, kernels_notice
 from engine.kernels import AUTO, EXACT, FAST, KernelSet, on_cuda
-from harness.arms import standard_arms
 from harness.cli import main as harness_main
-from harness.db_export import export_run
-from harness.records import ArmRun, ModelRun, db_arm, open_db
-from harness.summary import rows
+from harness.report.db_export import export_run
+from harness.run.arms import standard_arms
+from harness.run.records import ArmRun, ModelRun, db_arm, open_db
+from harness.run.summary import rows
 
 MODEL = "tiny-qwen3"
 RAN = FAST if on_cuda() else EXACT  # what asking for the fast tier gives on this machine
@@ -196,7 +196,7 @@ def test_the_engine_arms_include_one_per_tier():
 
 
 def test_arm_args_append_server_options_to_one_arm():
-    from harness.arms import parse_arm_options, resolve_arms
+    from harness.run.arms import parse_arm_options, resolve_arms
 
     options = parse_arm_options(["engine=--batch 64 --prefill-chunk '512'"])
     assert options == {"engine": ["--batch", "64", "--prefill-chunk", "512"]}
@@ -241,7 +241,7 @@ def test_the_summary_shows_the_reported_tier_not_the_arm_name():
 
 
 def test_a_probe_that_differs_on_the_fast_tier_is_named_rounding_not_a_failure():
-    from harness.summary import FAST_TIER_PROBE, Notes, table_cells
+    from harness.run.summary import FAST_TIER_PROBE, Notes, table_cells
 
     run = make_run(
         make_arm_record("engine", {"tier": FAST, "requested": AUTO}),

@@ -35,7 +35,7 @@ from engine.kernels.quantized_gemv.staged import StagedConfig, shared_request, s
 from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
-from harness.kernel_bench import delta_inputs
+from harness.kernels.bench import delta_inputs
 
 cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
 FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
@@ -492,10 +492,10 @@ def _handoff_decode(launch_as):
 
 def _as_accurate(want, got) -> bool:
     """Whether the norm_out run is as accurate as the run with every norm an operation of its own, both against
-    the float32 reference of the same forced tokens, by the numerics gate's criterion (harness.kernel_gate)."""
+    the float32 reference of the same forced tokens, by the numerics gate's criterion (harness.kernels.gate)."""
     from engine.synth import ensure_model
-    from harness.float_reference import reference_logits
-    from harness.kernel_gate import KL_RATIO, KL_SLACK, TOP1_MARGIN, score
+    from harness.kernels.float_reference import reference_logits
+    from harness.kernels.gate import KL_RATIO, KL_SLACK, TOP1_MARGIN, score
 
     (ref,) = reference_logits(ensure_model("tiny-qwen35-4bit"), [list(range(3, 11)) + list(range(20, 26))], [9], 6)
     apart, handed = score(ref, mx.stack(want)), score(ref, mx.stack(got))

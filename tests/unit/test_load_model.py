@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import arrivals, counters, vllm_export
-from harness.arms import external_arm, parse_arm_options, resolve_arms
 from harness.cli import main as harness_main
-from harness.workloads import PREFIX, WorkloadSettings, build, phase_names
+from harness.run import arrivals, counters, vllm_export
+from harness.run.arms import external_arm, parse_arm_options, resolve_arms
+from harness.run.workloads import PREFIX, WorkloadSettings, build, phase_names
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 

@@ -7,7 +7,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from harness import report
+from harness.report import page as report
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "run_tiny.json"
@@ -79,7 +79,7 @@ def test_the_wheel_ships_the_template_and_the_report_loads_it_from_there(tmp_pat
     probe = (
         f"import sys; sys.path.insert(0, {str(site)!r})\n"
         "from pathlib import Path\n"
-        "from harness import report\n"
+        "from harness.report import page as report\n"
         "print(report.TEMPLATES / 'report.html.j2')\n"
         f"print(len(report.render_html(report.build_view(report.load([Path({str(FIXTURE)!r})])))))\n"
     )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harness.cli import main
-from harness.quality import QualitySettings, measure, score
+from harness.gates.quality import QualitySettings, measure, score
 
 SMALL = QualitySettings(tokens=192, window=96, chunk=32)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import report
+from harness.report import page as report
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
 HOSTILE = '<script>alert("x")</script>'
@@ -476,8 +476,8 @@ def test_cells_measured_on_one_side_are_counted_not_listed(tmp_path):
 
 
 def test_no_committed_report_draws_a_verdict_from_a_zero_width_or_one_sided_interval():
-    from harness import headline
-    from harness.repetitions import is_repetition
+    from harness.run import headline
+    from harness.run.repetitions import is_repetition
 
     reports = FIXTURE.parent.parent.parent / "reports"
     checked = repeated = 0

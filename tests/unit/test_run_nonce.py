@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from harness import anomalies, comparable
-from harness.arms import external_arm
 from harness.cli import build_parser
-from harness.client import RequestRecord, prompt_sha256
-from harness.records import MEASURED, ArmRun, Attempt, Cell, ModelRun
-from harness.run_all import Block, Runner, RunSettings, probe_parity
-from harness.run_cli import _run_plan
-from harness.servers import free_port, start_server
-from harness.summary import run_nonce
-from harness.workloads import CHAT, WorkloadSettings, load_or_build
+from harness.run import anomalies, comparable
+from harness.run.arms import external_arm
+from harness.run.cli import _run_plan
+from harness.run.client import RequestRecord, prompt_sha256
+from harness.run.records import MEASURED, ArmRun, Attempt, Cell, ModelRun
+from harness.run.runner import Block, Runner, RunSettings, probe_parity
+from harness.run.servers import free_port, start_server
+from harness.run.summary import run_nonce
+from harness.run.workloads import CHAT, WorkloadSettings, load_or_build
 
 FAKE = Path(__file__).resolve().parents[1] / "live" / "fake_server.py"
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run_tiny.json"

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from harness.bench.spec import PLAIN, SpecArm, SpecBenchConfig, markdown, parse_arms, run_spec_bench
 from harness.cli import main as harness_main
-from harness.spec_bench import PLAIN, SpecArm, SpecBenchConfig, markdown, parse_arms, run_spec_bench
 
 
 def test_arms_parse_with_plain_first_and_refuse_unknown_names():

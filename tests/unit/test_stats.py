@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from harness.stats import ONE_BURST, median_of, paired, repeated, sample_ratio
+from harness.run.stats import ONE_BURST, median_of, paired, repeated, sample_ratio
 
 SEEDS = list(range(8))
 
@@ -111,7 +111,7 @@ def test_lower_is_better_requests_flip_the_words():
 
 
 def test_each_compared_metric_reads_its_own_per_request_samples():
-    from harness.comparable import request_samples
+    from harness.run.comparable import request_samples
 
     reqs = [
         {"ok": True, "ttft_ms": 500.0, "tpot_ms": 20.0, "prompt_tokens": 1000, "cached_tokens": 0},

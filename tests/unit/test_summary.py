@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness import summary
-from harness.run_cli import SUMMARY_COLUMNS, _print_summary
+from harness.run import summary
+from harness.run.cli import SUMMARY_COLUMNS, _print_summary
 
 CPU_RUN = Path(__file__).resolve().parents[2] / "reports" / "cpu-small-qwen3.json"
 

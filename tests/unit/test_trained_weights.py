@@ -7,7 +7,7 @@ import pytest
 
 from engine import env
 from engine.synth.artifact import MANIFEST, file_record
-from harness.quality import held_out_score
+from harness.gates.quality import held_out_score
 
 COMMITTED = sorted(p for p in env.trained_dir().iterdir() if (p / MANIFEST).exists())
 

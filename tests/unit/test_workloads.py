@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness.workloads import STANDARD, Workload, WorkloadSettings, build, golden_path, load_or_build, tokenizer_for
+from harness.run.workloads import STANDARD, Workload, WorkloadSettings, build, golden_path, load_or_build, tokenizer_for
 
 SMALL = WorkloadSettings(decode_prompt_tokens=40, cold_prompt_tokens=200, concurrency=(2,), concurrent_prompt_tokens=30)
 
@@ -65,6 +65,6 @@ def test_the_staggered_and_chat_cells_leave_the_other_prompts_as_they_were(tok):
     [(" x", "x", True), ("x", " x", True), ("   x", "    x", True), ("  x", "x", False), ("x", "y", False)],
 )
 def test_probe_texts_forgive_one_leading_space(a, b, same):
-    from harness.run_all import _same_text
+    from harness.run.runner import _same_text
 
     assert _same_text(a, b) is same

@@ -24,7 +24,7 @@ import mlx.core as mx
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
 from engine.kernels.quantized_gemv.staged import MIN_ROWS
-from harness.kernel_bench import BenchConfig, random_quantized, time_us
+from harness.kernels.bench import BenchConfig, random_quantized, time_us
 from tools.gpu.step_kernels import parse_staged, staged_layout
 
 HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144

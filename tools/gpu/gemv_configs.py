@@ -8,7 +8,7 @@ shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choic
 
 --serial: each call adds its product to the previous call's output (the residual in the launch), so it waits
 for it, as in a decode step; independent calls may run side by side, which hides launches of few blocks
-(harness.kernel_bench.serial_us). M = 1 only; every candidate on every shape. At the end it prints the
+(harness.kernels.bench.serial_us). M = 1 only; every candidate on every shape. At the end it prints the
 ENGINE_GEMV_LAUNCH setting that takes each shape's fastest candidate where that beats launch_config's by 3%
 or more; $OUT/gemv-launch.txt holds it, rewritten after each shape. Lines go to stdout, rows to
 $OUT/gemv-configs.json.
@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
 from engine.kernels.quantized_gemv.staged import MIN_ROWS, StagedConfig, staged_config
-from harness.kernel_bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
+from harness.kernels.bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
 from tools.gpu.results import save_json
 
 

@@ -1,0 +1,256 @@
+"""Speculative decoding against plain decoding on the same target, in process.
+
+Arms (all greedy, fixed output length, fresh caches per request):
+
+    plain            the engine's B=1 generation: the baseline
+    self             the target drafts for itself: every draft is its own
+                     greedy choice, so acceptance is the upper bound and the
+                     speed is what the verify window costs and saves
+    draft:NAME       a separate draft model with the target's tokenizer
+    ngram            prompt lookup
+    mtp              the target's Qwen3.5 MTP head
+
+Each block is one frozen natural-text prompt (`text`: the project's corpus at
+an offset set by the block's seed, or the block's slice of the trained models'
+held-out Python source) run once on every arm, in an order that rotates from
+block to block so drift hits every arm alike. Reported per arm: median decode rate
+((tokens - 1) / time after the first token), median time to first token,
+acceptance and tokens per target forward over all blocks, whether every
+block's tokens equal the plain arm's, and the paired ratio against plain
+(geometric mean of per-block ratios with a bootstrap interval and verdict,
+harness.run.stats) once there are enough blocks.
+
+Random weights make a separate draft model or the MTP head agree with the
+target rarely: their acceptance here says how the machinery behaves at low
+acceptance; the trained models (`trained` tier) give a pair's real one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.engine import Engine
+from engine.generate import generate
+from engine.request import StopCriteria
+from engine.speculative.config import SpecConfig, load_speculation
+from engine.speculative.stats import SpecStats
+from harness.bench.native import _time, geomean
+from harness.run.stats import paired
+from harness.run.workloads import text_prompt, tokenizer_for
+
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class SpecArm:
+    name: str
+    kind: str | None  # None: plain decoding
+    draft: str | None = None  # registry name of the draft model (kind "draft")
+
+
+def parse_arms(text: str, target: str) -> list[SpecArm]:
+    """'plain,self,draft:NAME,ngram,mtp' -> arms; plain is always first (the baseline)."""
+    arms = [SpecArm(PLAIN, None)]
+    for name in (x.strip() for x in text.split(",") if x.strip()):
+        if name == PLAIN:
+            continue
+        if name == "self":
+            arms.append(SpecArm("self", "draft", target))
+        elif name.startswith("draft:"):
+            arms.append(SpecArm(name, "draft", name.split(":", 1)[1]))
+        elif name in ("ngram", "mtp"):
+            arms.append(SpecArm(name, name))
+        else:
+            raise ValueError(f"unknown arm {name!r}: use plain, self, draft:NAME, ngram or mtp")
+    if len({a.name for a in arms}) != len(arms):
+        raise ValueError(f"an arm is named twice in {text!r}")
+    return arms
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    prompt_tokens: int = 256
+    decode_tokens: int = 128
+    blocks: int = 5
+    warmup: int = 1
+    num_draft: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+    rollback: str = "trace"
+    policy: str = "fixed"  # the benchmark's default shows the full draft count's cost; "adaptive" as served
+    seed: int = 0
+    text: str = "corpus"  # where prompts come from: "corpus" or "held-out" (TEXTS)
+
+
+TEXTS = ("corpus", "held-out")
+
+
+def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
+    """Block `seed`'s prompt: corpus text at an offset the seed sets, or the seed-th `length`-token slice of the
+    held-out text."""
+    if text == "corpus":
+        return text_prompt(encode, seed, length)
+    if text != "held-out":
+        raise ValueError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
+    from types import SimpleNamespace
+
+    from harness.gates.quality import held_out_ids
+
+    return held_out_ids(SimpleNamespace(encode=encode), (seed + 1) * length)[seed * length : (seed + 1) * length]
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    kind: str | None
+    draft: str | None
+    decode_tps: list[float] = field(default_factory=list)  # per block
+    ttft_ms: list[float] = field(default_factory=list)
+    same_tokens: list[bool] = field(default_factory=list)  # per block, vs plain
+    spec: dict | None = None  # pooled SpecStats over the measured blocks
+
+    @property
+    def median_decode_tps(self) -> float:
+        return statistics.median(self.decode_tps)
+
+    @property
+    def median_ttft_ms(self) -> float:
+        return statistics.median(self.ttft_ms)
+
+
+@dataclass
+class SpecBenchResult:
+    model: str
+    device: str
+    config: SpecBenchConfig
+    arms: list[ArmResult]
+    seeds: list[int]
+
+    def plain(self) -> ArmResult:
+        return self.arms[0]
+
+    def ratios(self, arm: ArmResult) -> list[float]:
+        return [a / b for a, b in zip(arm.decode_tps, self.plain().decode_tps)]
+
+    def verdict(self, arm: ArmResult):
+        return paired("decode tok/s", self.ratios(arm), self.seeds)
+
+    def as_record(self) -> dict:
+        out = {
+            "model": self.model,
+            "device": self.device,
+            "config": asdict(self.config),
+            "seeds": self.seeds,
+            "arms": [],
+        }
+        for a in self.arms:
+            rec = {**asdict(a), "median_decode_tps": a.median_decode_tps, "median_ttft_ms": a.median_ttft_ms}
+            if a is not self.plain():
+                rec["decode_ratio_vs_plain"] = geomean(self.ratios(a))
+                rec["paired"] = self.verdict(a).as_record()
+            out["arms"].append(rec)
+        return out
+
+
+def run_spec_bench(
+    model: str,
+    arms: Sequence[SpecArm],
+    cfg: SpecBenchConfig,
+    on_progress: Callable[[str], None] = lambda _msg: None,
+) -> SpecBenchResult:
+    import mlx.core as mx
+
+    target = Engine.load(model)
+    encode, _ = tokenizer_for(target.path)
+    setups = {}
+    for arm in arms:
+        if arm.kind is not None:
+            spec = SpecConfig(arm.kind, cfg.num_draft, cfg.ngram_min, cfg.ngram_max, cfg.rollback, cfg.policy)
+            setups[arm.name] = load_speculation(spec, target, arm.draft)
+    stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
+
+    def runner(arm: SpecArm, prompt: list[int], stats_out: list) -> Callable[[], Iterator[int]]:
+        if arm.kind is None:
+            return lambda: (t.token_id for t in generate(target.model, prompt, stop=stop))
+        setup = setups[arm.name]
+        stats = setup.new_stats()
+        stats_out.append(stats)
+        return lambda: (t.token_id for t in setup.generate(prompt, stop=stop, stats=stats))
+
+    warm = block_prompt(encode, cfg.text, cfg.seed + cfg.blocks, cfg.prompt_tokens)
+    for arm in arms:
+        on_progress(f"warming up {arm.name}")
+        for _ in range(cfg.warmup):
+            _time(arm.name, runner(arm, warm, []))
+    results = [ArmResult(a.name, a.kind, a.draft) for a in arms]
+    pooled = {a.name: SpecStats(a.kind, cfg.num_draft) for a in arms if a.kind is not None}
+    seeds = [cfg.seed + b for b in range(cfg.blocks)]
+    for b, seed in enumerate(seeds):
+        prompt = block_prompt(encode, cfg.text, seed, cfg.prompt_tokens)
+        order = list(range(len(arms)))
+        order = order[b % len(order) :] + order[: b % len(order)]
+        tokens: dict[str, tuple[int, ...]] = {}
+        for i in order:
+            arm = arms[i]
+            on_progress(f"block {b + 1}/{cfg.blocks}: {arm.name}")
+            stats_out: list[SpecStats] = []
+            sample = _time(arm.name, runner(arm, prompt, stats_out))
+            tokens[arm.name] = sample.tokens
+            results[i].decode_tps.append((len(sample.tokens) - 1) / sample.decode_s)
+            results[i].ttft_ms.append(sample.ttft_s * 1000)
+            for s in stats_out:
+                pooled[arm.name].add(s)
+        for r in results:
+            r.same_tokens.append(tokens[r.arm] == tokens[PLAIN])
+    for r in results:
+        if r.arm in pooled:
+            r.spec = pooled[r.arm].as_dict()
+    return SpecBenchResult(model, str(mx.default_device()), cfg, results, seeds)
+
+
+def markdown(result: SpecBenchResult) -> str:
+    c = result.config
+    lines = [
+        f"# Speculative decoding vs plain: {result.model} on {result.device}",
+        "",
+        f"{c.blocks} blocks, {c.prompt_tokens}-token prompts ({c.text} text), {c.decode_tokens} generated tokens "
+        f"(greedy, EOS ignored), up to {c.num_draft} drafts per round ({c.policy} policy), {c.rollback} rollback. "
+        "Ratios: decode rate against plain, "
+        "geometric mean of per-block ratios with a 95% bootstrap interval.",
+        "",
+        "| arm | decode tok/s | vs plain | paired verdict | TTFT ms | acceptance | tokens / target forward "
+        "| replays / round | same tokens as plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in result.arms:
+        s = a.spec or {}
+        if a is result.plain():
+            ratio, verdict = "1", "baseline"
+        else:
+            v = result.verdict(a)
+            ratio = f"{v.geomean:.3f}"
+            ci = f" [{v.ci_low:.3f}-{v.ci_high:.3f}]" if v.ci_low is not None else ""
+            verdict = f"{v.verdict}{ci}"
+        acc = f"{s['accepted']}/{s['drafted']} ({s['acceptance']:.0%})" if s else "-"
+        tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
+        rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
+        same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
+        lines.append(
+            f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
+            f"| {tpf} | {rep} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(result: SpecBenchResult, json_path: Path | None, md_path: Path | None) -> None:
+    import json
+
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.as_record(), indent=2) + "\n")
+    if md_path:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(markdown(result))
