@@ -1,5 +1,5 @@
 """What every `harness` subcommand shares: the consoles, the user-error type, argument parsers, the options
-several subcommands take (model source, kernel tier), and how results print (verdicts, paired ratios)."""
+several subcommands take (model source, kernel tier), and how verdicts print."""
 
 from __future__ import annotations
 
@@ -160,10 +160,3 @@ def kernels_option(parser: argparse.ArgumentParser, help: str) -> None:
 
 def verdict(passed: bool) -> str:
     return "[green]pass[/]" if passed else "[red]FAIL[/]"
-
-
-def paired(ratios: list[float]) -> str:
-    """Geometric mean [min-max] of paired ratios."""
-    from harness.bench.native import geomean
-
-    return f"{geomean(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"

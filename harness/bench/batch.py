@@ -36,8 +36,8 @@ from engine.kernels import AUTO, KernelConfig, KernelSet, install
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
-from harness.bench.native import geomean
 from harness.gates.parity import vocab_size
+from harness.run.stats import geomean
 from oracles.cases import frozen_prompt_ids
 from oracles.reference import load_model as load_reference
 

@@ -21,13 +21,13 @@ from harness.cli_common import (
     model_source,
     non_negative,
     out,
-    paired,
     positive,
     positive_seconds,
     status,
     targets,
     verdict,
 )
+from harness.run.stats import geomean
 
 
 def add_native(sub) -> None:
@@ -143,7 +143,6 @@ def cmd_batch_bench(args) -> int:
     from engine.engine import kernels_notice
     from engine.kernels import EXACT
     from harness.bench.batch import BatchBenchConfig, run_batch_bench
-    from harness.bench.native import geomean
 
     cfg = BatchBenchConfig(
         args.prompt_tokens,
@@ -498,3 +497,8 @@ def cmd_spec(args) -> int:
     write(result, args.json, args.md)
     out.print(markdown(result), markup=False, highlight=False)
     return 0 if all(all(a.same_tokens) for a in result.arms) else 1
+
+
+def paired(ratios: list[float]) -> str:
+    """Geometric mean [min-max] of paired ratios."""
+    return f"{geomean(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"

@@ -21,7 +21,6 @@ the command prints any problem `harness.run.preflight` sees there.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -137,11 +136,7 @@ class NativeResult:
         }
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def _time(arm: str, run: Callable[[], Iterator[int]]) -> Sample:
+def time_sample(arm: str, run: Callable[[], Iterator[int]]) -> Sample:
     mx.synchronize()
     start = time.perf_counter()
     tokens, stamps = [], []
@@ -198,13 +193,13 @@ def run_native(
     }
     for _ in range(cfg.warmup):
         for arm in (ENGINE, MLX_LM):
-            _time(arm, arms[arm])
+            time_sample(arm, arms[arm])
     samples: dict[str, list[Sample]] = {ENGINE: [], MLX_LM: []}
     before = preflight.check(PREFLIGHT_INTERVAL_S).as_record()
     for i in range(cfg.samples):
         order = (ENGINE, MLX_LM) if i % 2 == 0 else (MLX_LM, ENGINE)
         for arm in order:
-            s = _time(arm, arms[arm])
+            s = time_sample(arm, arms[arm])
             samples[arm].append(s)
             if on_sample:
                 on_sample(s)

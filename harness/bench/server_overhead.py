@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.engine import Engine
-from harness.bench.native import geomean
 from harness.run.servers import engine_serve_command, free_port, start_server
+from harness.run.stats import geomean
 from oracles.cases import frozen_prompt_ids
 
 IN_PROCESS, SERVE_SERIAL, SERVE = "in-process", "serve --batch 1", "serve"

@@ -37,8 +37,8 @@ from engine.generate import generate
 from engine.request import StopCriteria
 from engine.speculative.config import SpecConfig, load_speculation
 from engine.speculative.stats import SpecStats
-from harness.bench.native import _time, geomean
-from harness.run.stats import paired
+from harness.bench.native import time_sample
+from harness.run.stats import geomean, paired
 from harness.run.workloads import text_prompt, tokenizer_for
 
 PLAIN = "plain"
@@ -184,7 +184,7 @@ def run_spec_bench(
     for arm in arms:
         on_progress(f"warming up {arm.name}")
         for _ in range(cfg.warmup):
-            _time(arm.name, runner(arm, warm, []))
+            time_sample(arm.name, runner(arm, warm, []))
     results = [ArmResult(a.name, a.kind, a.draft) for a in arms]
     pooled = {a.name: SpecStats(a.kind, cfg.num_draft) for a in arms if a.kind is not None}
     seeds = [cfg.seed + b for b in range(cfg.blocks)]
@@ -197,7 +197,7 @@ def run_spec_bench(
             arm = arms[i]
             on_progress(f"block {b + 1}/{cfg.blocks}: {arm.name}")
             stats_out: list[SpecStats] = []
-            sample = _time(arm.name, runner(arm, prompt, stats_out))
+            sample = time_sample(arm.name, runner(arm, prompt, stats_out))
             tokens[arm.name] = sample.tokens
             results[i].decode_tps.append((len(sample.tokens) - 1) / sample.decode_s)
             results[i].ttft_ms.append(sample.ttft_s * 1000)

@@ -33,7 +33,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from harness.bench.native import geomean
 from harness.run.client import RequestRecord, Timeouts, stream_completion
 from harness.run.servers import (
     ServerProcess,
@@ -45,6 +44,7 @@ from harness.run.servers import (
     since_ready,
     start_server,
 )
+from harness.run.stats import geomean
 from oracles.cases import frozen_prompt_ids
 
 Log = Callable[[str], None]

@@ -23,7 +23,7 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
-from harness.gates.parity import _max_diff, case_path, vocab_size
+from harness.gates.parity import case_path, max_diff, vocab_size
 from oracles import batch_reference
 from oracles.batch_reference import Arrival, BatchRun
 from oracles.cases import frozen_prompt_ids
@@ -130,7 +130,7 @@ def run_batch_case(case: BatchCase) -> BatchResult:
     ours = engine_run(ours_model, arrivals, case.max_rows, case.prefill_batch)
     worst, first, forwards = 0.0, None, 0
     for r, (a, b) in enumerate(zip(ours.logits, ref.logits)):
-        d, f = _max_diff(a, b)
+        d, f = max_diff(a, b)
         if len(a) != len(b):
             d, f = float("inf"), min(len(a), len(b)) if f is None else f
         if d > 0 and first is None:

@@ -93,7 +93,7 @@ def engine_run(model, ids: Sequence[int], steps: int, kv: KVQuantization | None 
     return reference.Run(tokens=tokens, logits=[reference.to_numpy(x[0]) for x in logits], cache=arrays)
 
 
-def _max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, int | None]:
+def max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, int | None]:
     worst, first = 0.0, None
     for i, (x, y) in enumerate(zip(a, b)):
         if x.shape != y.shape:
@@ -112,7 +112,7 @@ def _max_diff(a: Iterable[np.ndarray], b: Iterable[np.ndarray]) -> tuple[float, 
 
 def compare(ours: reference.Run, ref: reference.Run, steps: int) -> tuple[float, int | None, bool, float, int]:
     n = min(len(ours.logits), len(ref.logits))
-    diff, first = _max_diff(ours.logits, ref.logits)
+    diff, first = max_diff(ours.logits, ref.logits)
     if len(ours.logits) != len(ref.logits):
         diff, first = float("inf"), n if first is None else first
     tokens_equal = ours.tokens[:steps] == ref.tokens[:steps]
@@ -123,7 +123,7 @@ def compare(ours: reference.Run, ref: reference.Run, steps: int) -> tuple[float,
         if len(a) != len(b):
             cache_diff = float("inf")
             continue
-        cache_diff = max(cache_diff, _max_diff(a, b)[0])
+        cache_diff = max(cache_diff, max_diff(a, b)[0])
     return diff, first, tokens_equal, cache_diff, n
 
 

@@ -33,9 +33,10 @@ from harness.report import inputs as report_inputs
 from harness.report import plots as report_plots
 from harness.report.markdown import render_markdown  # noqa: F401 - the report's renderers are all here
 from harness.run import anomalies, comparable, headline, stats
+from harness.run.measured import cell_of, metric, ok_requests, too_short
 from harness.run.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
 from harness.run.repetitions import is_load_phase, is_repetition, repetitions
-from harness.run.summary import LATENCY_HEADERS, cell_of, latency_rows, metric, ok_requests, perplexity_note, too_short
+from harness.run.summary import LATENCY_HEADERS, latency_rows, perplexity_note
 
 
 def templates() -> Traversable:

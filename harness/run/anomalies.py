@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import statistics
 
+from harness.run.measured import ok_requests
 from harness.run.records import MEASURED, RECOVERED
-from harness.run.summary import ok_requests
 from harness.run.workloads import MULTITURN, PREFIX
 
 UNTIMED = ("warmup", "probe")

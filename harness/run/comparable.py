@@ -7,9 +7,9 @@ thing the same way:
   run again after the cell (`Runner(recheck=...)`), the source tree the same at
   the end of the run as at its start;
 - long enough to time a rate: a decode cell with enough timed tokens
-  (`summary.too_short`), a decode or concurrency cell at least MIN_CELL_MS long
+  (`measured.too_short`), a decode or concurrency cell at least MIN_CELL_MS long
   (a TTFT is a latency, timed however short);
-- the same work (`summary.same_work`): attempt, requests, output counts, finish
+- the same work (`measured.same_work`): attempt, requests, output counts, finish
   reasons, cached tokens;
 - no more cached tokens than the workload explains (`anomalies.unexplained_cache`):
   a server that kept an earlier run's prompts times its cache.
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from harness.run import stats
 from harness.run.anomalies import unexplained_cache
+from harness.run.measured import cell_of, geomean, ok_requests, run_nonce, same_work, too_short
+from harness.run.measured import metric as metric_of
 from harness.run.repetitions import is_load_phase
-from harness.run.summary import cell_of, geomean, ok_requests, run_nonce, same_work, too_short
-from harness.run.summary import metric as metric_of
 
 MIN_CELL_MS = 50.0  # a cell shorter than this times the client and the clock, not the server
 
@@ -112,7 +113,6 @@ def compare(
     or the reason it is withheld. A median's ratio resamples the paired requests (`stats.sample_ratio`); a load
     cell's aggregate (`repetitions`) comes from the cell's repetitions, `repeats` being the (arm_a, arm_b) records of
     the run's repetition blocks (`stats.repeated`), and from one burst is unknown."""
-    from harness.run import stats
 
     a, b = metric_of(arm_a, phase, key), metric_of(arm_b, phase, key)
     row = {
@@ -168,7 +168,6 @@ def _repeated(
 ) -> dict:
     """The compared row's numbers from a load cell's repetitions: the geometric means of each side's values over
     the repetitions both may be compared in, their ratio's interval and verdict (`stats.repeated`)."""
-    from harness.run import stats
 
     kept, left_out = [], []
     for arm, base in pairs:

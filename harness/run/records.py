@@ -36,13 +36,7 @@ from harness.run.client import RequestRecord
 SCHEMA_VERSION = 1
 
 # Cell statuses (the report shows one on every cell).
-MEASURED, RECOVERED, FAILED, NOT_MEASURED, UNSUPPORTED = (
-    "measured",
-    "recovered",
-    "failed",
-    "not_measured",
-    "unsupported",
-)
+MEASURED, RECOVERED, FAILED, NOT_MEASURED = "measured", "recovered", "failed", "not_measured"
 # Run and arm statuses, besides MEASURED and FAILED.
 RUNNING, FINISHED, INTERRUPTED = "running", "finished", "interrupted"
 

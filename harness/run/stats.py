@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import stats as sps
 
 MIN_SEEDS = 5
 MIN_SAMPLES = 3  # paired requests a one-run verdict needs
@@ -132,6 +131,9 @@ def paired(
     if np.ptp(logs) == 0:  # every block agrees: a zero-width interval, which `_verdict` takes for no evidence
         lo = hi = center
     else:
+        # scipy on use: it takes ~0.8 s to import, and every subcommand's parser imports this module (the summary's)
+        from scipy import stats as sps
+
         res = sps.bootstrap(
             (logs,),
             np.mean,
@@ -290,6 +292,8 @@ def repeated(
     }
     if n < MIN_REPEATS:
         return RepeatedResult(**base, ci_low=None, ci_high=None, verdict=UNKNOWN, note=ONE_BURST)
+    from scipy import stats as sps  # on use, as in `paired`
+
     half = float(sps.t.ppf((1 + confidence) / 2, n - 1)) * float(logs.std(ddof=1)) / math.sqrt(n)
     verdict, note = _verdict(center - half, center + half, center, n, threshold, higher_is_better, "repetitions")
     return RepeatedResult(
@@ -298,3 +302,8 @@ def repeated(
 
 
 ONE_BURST = "one burst"  # an aggregate rate measured once: a ratio, no interval, no verdict
+
+
+def geomean(values: Sequence[float]) -> float:
+    """The geometric mean of positive values."""
+    return math.exp(sum(math.log(v) for v in values) / len(values))

@@ -2,7 +2,7 @@
 against mlx-lm (`headline`), and numbered notes for what a cell cannot say.
 
     decode tok/s   median over the decode phase's requests (1000 / TPOT); "too short" when the decode
-                   phase is too short to time (`too_short`), and then no ratio or roofline either
+                   phase is too short to time (`measured.too_short`), and then no ratio or roofline either
     TTFT cold/warm median TTFT of the cold and warm phases, ms
     agg@C          output tokens per second with C requests at once (the geometric mean over the cell's
                    repetitions, `repetitions`)
@@ -21,104 +21,22 @@ HTML.
 from __future__ import annotations
 
 import html
-import math
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.errors import UnknownModelError
+from engine.registry import get_spec  # the light registry, no MLX
+from harness.run import headline
+from harness.run.anomalies import flagged_lines
+from harness.run.arrivals import is_burst, saturated
+from harness.run.measured import decode_rate, geomean, metric
 from harness.run.records import MEASURED, RECOVERED
+from harness.run.repetitions import is_repetition, repetitions
 
 FAST_TIER = "fast"  # engine.kernels.FAST, named here so the summary stays free of the engine's imports
 
-# A decode rate is timed over the tokens after the first, E2EL - TTFT. With few of them, or a few
-# milliseconds, it measures how the server flushes its stream (mlx_lm.server can send a short output
-# in one burst: 7 tokens "at" 18,814 tok/s) and the clock, not decoding.
-MIN_TIMED_TOKENS = 16
-MIN_DECODE_MS = 50.0
-
 # Peak memory bandwidth of machines we know, bytes/s (the decode roofline's numerator).
 KNOWN_BANDWIDTH = {"NVIDIA H200": 4.8e12}
-
-
-def cell_of(arm: dict, phase: str) -> dict | None:
-    for c in arm["cells"]:
-        if c["phase"] == phase and c["status"] in (MEASURED, RECOVERED):
-            return c
-    return None
-
-
-def metric(arm: dict, phase: str, key: str) -> float | None:
-    c = cell_of(arm, phase)
-    return None if c is None else c["metrics"].get(key)
-
-
-def ok_requests(cell: dict) -> list[dict]:
-    return [r for att in cell["attempts"] if att["ok"] for r in att["requests"]]
-
-
-def too_short(cell: dict) -> str | None:
-    """Why a decode cell is too short to time, or None. The rule, on the cell's median request: fewer than
-    MIN_TIMED_TOKENS tokens after the first, or under MIN_DECODE_MS between the first and the last."""
-    spans = [
-        (r["output_tokens"] - 1, r["e2el_ms"] - r["ttft_ms"])
-        for r in ok_requests(cell)
-        if r.get("output_tokens") and r.get("e2el_ms") is not None and r.get("ttft_ms") is not None
-    ]
-    if not spans:
-        return "too short: no timed tokens"
-    tokens, ms = statistics.median(t for t, _ in spans), statistics.median(m for _, m in spans)
-    if tokens < MIN_TIMED_TOKENS:
-        return f"too short: {tokens:g} timed tokens (< {MIN_TIMED_TOKENS})"
-    if ms < MIN_DECODE_MS:
-        return f"too short: {ms:.1f} ms of decode (< {MIN_DECODE_MS:g} ms)"
-    return None
-
-
-def decode_rate(arm: dict) -> tuple[float | None, str | None]:
-    """The arm's median decode rate, or None and why it is withheld (too short to time)."""
-    cell = cell_of(arm, "decode")
-    if cell is None:
-        return None, None
-    short = too_short(cell)
-    return (None, short) if short else (cell["metrics"].get("median_decode_tps"), None)
-
-
-def run_nonce(arm: dict) -> str:
-    """The run nonce that opened the arm's prompts (`workloads.with_run_nonce`: a server the harness did not
-    start); "" for the frozen workload."""
-    return (arm.get("endpoint") or {}).get("run_nonce") or ""
-
-
-def same_work(a: dict, b: dict, phase: str) -> str | None:
-    """None when both arms did the same work in `phase`: the same attempt (a retry sends other prompts), the
-    same requests (prompt hashes where both records have them and one run nonce opened both arms' prompts, else
-    prompt lengths), output counts, finish reasons and cached prompt tokens to within CACHED_SLACK of the
-    prompts' (a server that reports none counts as 0); else why not."""
-    ca, cb = cell_of(a, phase), cell_of(b, phase)
-    if ca is None or cb is None:
-        return "not measured on both"
-    attempts = [[t["attempt"] for t in c["attempts"] if t["ok"]] for c in (ca, cb)]
-    if attempts[0] != attempts[1]:
-        return f"different attempts (measured on attempt {attempts[0][-1]} against {attempts[1][-1]})"
-    ra, rb = ok_requests(ca), ok_requests(cb)
-    hashes = [[r.get("prompt_sha256") for r in rs] for rs in (ra, rb)]
-    if run_nonce(a) == run_nonce(b) and None not in hashes[0] + hashes[1] and hashes[0] != hashes[1]:
-        return "different requests (prompt hashes)"
-    if [r["prompt_tokens_sent"] for r in ra] != [r["prompt_tokens_sent"] for r in rb]:
-        return "different prompts"
-    if [r["output_tokens"] for r in ra] != [r["output_tokens"] for r in rb]:
-        return "different output counts"
-    if [r["finish_reason"] for r in ra] != [r["finish_reason"] for r in rb]:
-        return "different finish reasons"
-    cached = [sum(r.get("cached_tokens") or 0 for r in rs) for rs in (ra, rb)]
-    if abs(cached[0] - cached[1]) > CACHED_SLACK * sum(r["prompt_tokens_sent"] for r in ra):
-        return f"different cached tokens ({cached[0]} against {cached[1]})"
-    return None
-
-
-# Cached prompt tokens may differ by this share of the prompt tokens and still count as the same work: a few
-# tokens a prompt shared with an earlier one change the prefill by as little.
-CACHED_SLACK = 0.01
 
 
 def weight_bytes(model_dir: str) -> int:
@@ -128,7 +46,6 @@ def weight_bytes(model_dir: str) -> int:
 def rows(run: dict) -> list[dict]:
     """One row an arm of each model record (a trials file: of each block; a run: block 0, a load cell's value the
     geometric mean over its repetitions)."""
-    from harness.run.repetitions import is_repetition, repetitions
 
     gpu = run["provenance"].get("gpu", "")
     bandwidth = next((bw for name, bw in KNOWN_BANDWIDTH.items() if name in gpu), None)
@@ -168,14 +85,6 @@ def rows(run: dict) -> list[dict]:
                 }
             )
     return out
-
-
-def geomean(values: list[float | None]) -> float | None:
-    """The geometric mean of the positive values; None without one."""
-    kept = [v for v in values if v is not None and v > 0]
-    if len(kept) < 2:
-        return kept[0] if kept else None
-    return math.exp(sum(math.log(v) for v in kept) / len(kept))
 
 
 def fmt(x, spec: str = ".1f") -> str:
@@ -271,8 +180,6 @@ BASELINE = "mlx-lm"
 
 def model_summaries(run: dict) -> list[ModelSummary]:
     """Per model (a trials file: its blocks in one table), its table, verdict lines and notes."""
-    from harness.run import headline
-    from harness.run.repetitions import is_repetition
 
     rs, blocks = rows(run), run["kind"] == "trials"
     out = []
@@ -344,7 +251,6 @@ def markdown(run: dict) -> str:
     if quality:
         lines += ["", "Held-out perplexity (`harness quality`'s text, in process):", ""]
         lines += [f"- {md_text(q)}" for q in quality]
-    from harness.run.anomalies import flagged_lines  # it reads this module's cells
 
     flagged = flagged_lines(run)
     if flagged:
@@ -421,7 +327,6 @@ def load_lines(run: dict) -> list[str]:
     whose attainment stayed at `slo_target`; per arm with a shared-prefix cell: its groups' first TTFT against the
     rest's, and the cached tokens; each cell's prefill rate; the chat probe's verdicts. A sweep that ended on a burst
     (`arrivals.is_burst`) says so."""
-    from harness.run.arrivals import is_burst, saturated
 
     target = run["settings"].get("slo_target", 0.9)
     slos = bool(run["settings"].get("goodput"))
@@ -574,9 +479,6 @@ def perplexity_note(quality: dict, model: str) -> str:
     the registry's for a registry name."""
     vocab = quality.get("vocab_size")
     if vocab is None:
-        from engine.errors import UnknownModelError
-        from engine.registry import get_spec  # the light registry, no MLX
-
         try:
             vocab = get_spec(model).geometry.vocab_size
         except UnknownModelError:

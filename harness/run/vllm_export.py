@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
+from harness.run.measured import ok_requests
 from harness.run.records import MEASURED, RECOVERED
-from harness.run.summary import ok_requests
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 KEYS = (

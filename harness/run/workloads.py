@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -325,7 +325,3 @@ def load_or_build(model: str, model_dir: Path, settings: WorkloadSettings) -> tu
 def save(workload: Workload, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(workload.to_json(), separators=(",", ":")) + "\n")
-
-
-def sent_tokens(prompts: Sequence[Sequence[int]]) -> int:
-    return sum(len(p) for p in prompts)

@@ -16,10 +16,10 @@ from harness.run import anomalies, comparable
 from harness.run.arms import external_arm
 from harness.run.cli import _run_plan
 from harness.run.client import RequestRecord, prompt_sha256
+from harness.run.measured import run_nonce
 from harness.run.records import MEASURED, ArmRun, Attempt, Cell, ModelRun
 from harness.run.runner import Block, Runner, RunSettings, probe_parity
 from harness.run.servers import free_port, start_server
-from harness.run.summary import run_nonce
 from harness.run.workloads import CHAT, WorkloadSettings, load_or_build
 
 FAKE = Path(__file__).resolve().parents[1] / "live" / "fake_server.py"
