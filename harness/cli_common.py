@@ -11,6 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from engine.kernels import AUTO, TIERS
+from engine.model_source import resolve_model_dir
+
 # Piped or captured (a log, CI): rich would wrap every line at 80 columns; lines are left whole (soft wrap) and
 # tables get room to take their natural width.
 console = Console(stderr=True)
@@ -114,8 +117,6 @@ def model_source(parser: argparse.ArgumentParser) -> None:
 
 def targets(args) -> list:
     """(label, model directory) for --models or --model-path."""
-    from engine.model_source import resolve_model_dir
-
     if args.model_path:
         return [(str(args.model_path), resolve_model_dir(model_path=args.model_path))]
     return [(name, resolve_model_dir(model=name, seed=args.seed)) for name in args.models]
@@ -153,8 +154,6 @@ def measured_options(
 
 def kernels_option(parser: argparse.ArgumentParser, help: str) -> None:
     """--kernels auto|exact|fast (default auto): the engine side's kernel tier."""
-    from engine.kernels import AUTO, TIERS
-
     parser.add_argument("--kernels", choices=TIERS, default=AUTO, help=help)
 
 

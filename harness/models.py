@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from engine.registry import TIERS, all_specs, get_spec
+from engine.synth import artifact_dir, is_cached, parameter_count, synthesize
+from engine.synth.weights import planned_weight_bytes
 from harness.cli_common import CliError, console, out
 
 
@@ -30,12 +36,6 @@ def add_models(sub) -> None:
 
 
 def cmd_models_list(args) -> int:
-    from rich.table import Table
-
-    from engine.registry import TIERS, all_specs
-    from engine.synth import artifact_dir, is_cached, parameter_count
-    from engine.synth.weights import planned_weight_bytes
-
     tiers = (args.tier,) if args.tier else TIERS
     rows = []
     for spec in all_specs(tiers):
@@ -89,11 +89,6 @@ def _human(n: float, unit: str) -> str:
 
 
 def cmd_models_synth(args) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from engine.registry import get_spec
-    from engine.synth import artifact_dir, synthesize
-
     if args.out and len(args.names) > 1:
         raise CliError("--out takes one NAME; synthesize several into the cache instead")
     specs = [get_spec(n) for n in args.names]  # validate every name before writing anything

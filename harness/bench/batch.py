@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
@@ -151,8 +152,6 @@ def _ours_concurrent(model, prompts, n, prefill_batch: int) -> Concurrent:
 
 
 def _mlx_lm_concurrent(model, prompts, n, prefill_batch_size) -> Concurrent:
-    from mlx_lm.generate import BatchGenerator
-
     gen = BatchGenerator(
         model, max_tokens=n, prefill_batch_size=prefill_batch_size, completion_batch_size=max(32, len(prompts))
     )

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import json
 import shlex
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from rich.table import Table
+
+from engine.errors import UnknownModelError
+from engine.kernels import EXACT
+from engine.registry import get_spec
 from harness.cli_common import (
     CliError,
     at_least_two,
@@ -54,8 +60,7 @@ def add_native(sub) -> None:
 
 
 def cmd_native(args) -> int:
-    from rich.table import Table
-
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from engine.engine import kernels_notice
     from harness.bench.native import NativeConfig, run_native
 
@@ -138,10 +143,8 @@ def add_batch_bench(sub) -> None:
 
 
 def cmd_batch_bench(args) -> int:
-    from rich.table import Table
-
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from engine.engine import kernels_notice
-    from engine.kernels import EXACT
     from harness.bench.batch import BatchBenchConfig, run_batch_bench
 
     cfg = BatchBenchConfig(
@@ -211,10 +214,7 @@ def add_server_overhead(sub) -> None:
 
 
 def cmd_server_overhead(args) -> int:
-    from dataclasses import asdict
-
-    from rich.table import Table
-
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.bench.server_overhead import OverheadConfig, measure, paired_decode_ratio
     from harness.gates.parity import vocab_size
 
@@ -321,8 +321,7 @@ def _ms(v) -> str:
 
 
 def cmd_startup(args) -> int:
-    from rich.table import Table
-
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.bench.startup import StartupConfig, measure
     from harness.gates.parity import vocab_size
 
@@ -414,8 +413,6 @@ def cmd_startup(args) -> int:
 
 
 def statistics_line(values: list[float]) -> str:
-    import statistics
-
     return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
@@ -468,8 +465,7 @@ def add_spec(sub) -> None:
 
 
 def cmd_spec(args) -> int:
-    from engine.errors import UnknownModelError
-    from engine.registry import get_spec
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.bench.spec import SpecBenchConfig, markdown, parse_arms, run_spec_bench, write
 
     try:

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.generate import generate
 from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
@@ -154,9 +156,6 @@ def _engine_tokens(model, ids: Sequence[int], n: int):
 
 
 def _mlx_lm_tokens(model, ids: Sequence[int], n: int):
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
     steps = generate_step(mx.array(list(ids)), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
     return (int(tok) for tok, _ in steps)
 

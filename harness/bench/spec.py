@@ -27,10 +27,14 @@ acceptance; the trained models (`trained` tier) give a pair's real one.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
 
 from engine.engine import Engine
 from engine.generate import generate
@@ -38,6 +42,7 @@ from engine.request import StopCriteria
 from engine.speculative.config import SpecConfig, load_speculation
 from engine.speculative.stats import SpecStats
 from harness.bench.native import time_sample
+from harness.gates.quality import held_out_ids
 from harness.run.stats import geomean, paired
 from harness.run.workloads import text_prompt, tokenizer_for
 
@@ -95,9 +100,6 @@ def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
         return text_prompt(encode, seed, length)
     if text != "held-out":
         raise ValueError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
-    from types import SimpleNamespace
-
-    from harness.gates.quality import held_out_ids
 
     return held_out_ids(SimpleNamespace(encode=encode), (seed + 1) * length)[seed * length : (seed + 1) * length]
 
@@ -161,8 +163,6 @@ def run_spec_bench(
     cfg: SpecBenchConfig,
     on_progress: Callable[[str], None] = lambda _msg: None,
 ) -> SpecBenchResult:
-    import mlx.core as mx
-
     target = Engine.load(model)
     encode, _ = tokenizer_for(target.path)
     setups = {}
@@ -246,8 +246,6 @@ def markdown(result: SpecBenchResult) -> str:
 
 
 def write(result: SpecBenchResult, json_path: Path | None, md_path: Path | None) -> None:
-    import json
-
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.as_record(), indent=2) + "\n")

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
+from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
 from engine.sinks import CollectingSink
 from harness.gates.parity import case_path, max_diff, vocab_size
@@ -118,8 +119,6 @@ _MODELS: dict[Path, tuple] = {}
 
 
 def run_batch_case(case: BatchCase) -> BatchResult:
-    from engine.loading import load_model
-
     start = time.perf_counter()
     path = case_path(case)
     if path not in _MODELS:

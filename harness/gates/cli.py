@@ -8,7 +8,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from rich.progress import Progress
+from rich.table import Table
+
+from engine.model_source import resolve_model_dir
+from engine.registry import base_names, get_spec
 from harness.cli_common import CliError, console, csv, csv_ints, model_source, out, positive, status, targets, verdict
+from harness.gates.quality import QualitySettings, markdown, measure
 
 
 def add_parity(sub) -> None:
@@ -37,11 +43,7 @@ def add_parity(sub) -> None:
 
 
 def cmd_parity(args) -> int:
-    from rich.progress import Progress
-    from rich.table import Table
-
-    from engine.model_source import resolve_model_dir
-    from engine.registry import base_names, get_spec
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.gates import parity
     from harness.gates.batch_parity import BatchCase, run_batch_case, scenario_cases
 
@@ -163,8 +165,6 @@ def _bits(value: str) -> list[int]:
 
 
 def cmd_quality(args) -> int:
-    from harness.gates.quality import QualitySettings, markdown, measure
-
     if set(args.kv_bits) - {4, 8}:
         raise CliError(f"--kv-bits takes 4 and 8 (quantized KV caches), got {','.join(map(str, args.kv_bits))}")
     if set(args.weight_bits) - {2, 3, 4, 5, 6, 8}:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from oracles.train_data import load_corpus
+
 WEIGHT_BITS = (8, 4)  # in-memory quantizations of a bf16 model (affine, group 64, the registry's variants')
 KV_BITS = (8, 4)
 
@@ -63,8 +65,6 @@ class QualityResult:
 @lru_cache(maxsize=1)
 def held_out_texts() -> tuple[str, ...]:
     """The held-out files' text, read once a process (choosing them reads the whole standard library)."""
-    from oracles.train_data import load_corpus
-
     return tuple(f.text for f in load_corpus().held_out)
 
 
@@ -82,6 +82,7 @@ def held_out_ids(tokenizer, tokens: int) -> list[int]:
 
 def logprobs(model, ids: list[int], s: QualitySettings, kv_bits: int | None) -> np.ndarray:
     """Log-softmax of every position's next-token logits [len(ids) - 1, V], float32, window after window."""
+    # on use: MLX and the model code; `harness --help` imports this module (the run's `held_out_score`)
     import mlx.core as mx
 
     from engine.generate import KVQuantization
@@ -139,6 +140,7 @@ def measure(
     """Every variant of one model against its reference, the artifact on the exact tier. An unquantized
     artifact is also quantized in memory to each of `weight_bits`; the reference weights run with each of
     `kv_bits`; `fast` adds the fast tier where this device runs it."""
+    # on use: MLX and the model code; `harness --help` imports this module (the run's `held_out_score`)
     import mlx.nn as nn
 
     from engine.engine import Engine
@@ -178,6 +180,7 @@ def measure(
 def held_out_score(model_path, tier: str, tokens: int) -> dict:
     """The artifact's held-out perplexity on `tier` (one row, no reference): what `harness run all` records for
     an engine arm, the same first `tokens` held-out tokens every run."""
+    # on use: MLX and the model code; `harness --help` imports this module (the run's `held_out_score`)
     from engine.engine import Engine
 
     engine = Engine.load(None, model_path, kernels=tier)
@@ -199,6 +202,7 @@ def held_out_score(model_path, tier: str, tokens: int) -> dict:
 
 def _dtype_name(model) -> str:
     """'bf16', 'f16' or 'f32': the dtype of an unquantized model's first weight."""
+    # on use: MLX and the model code; `harness --help` imports this module (the run's `held_out_score`)
     from mlx.utils import tree_flatten
 
     dtype = str(tree_flatten(model.parameters())[0][1].dtype)

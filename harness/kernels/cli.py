@@ -6,6 +6,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from rich.table import Table
+
+from engine.errors import UnknownModelError
+from engine.kernels import FAST, KernelConfig
+from engine.model_source import resolve_model_dir
+from engine.registry import all_specs, get_spec
+from engine.synth.artifact import artifact_dir, is_cached
 from harness.cli_common import CliError, csv, csv_ints, non_negative, positive, status
 from harness.cli_common import out as stdout
 from harness.kernels.bench_config import BenchConfig
@@ -108,11 +115,9 @@ def _models_or_none(value: str) -> list[str]:
 
 
 def cmd_kernels(args) -> int:
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     import mlx.core as mx
-    from rich.table import Table
 
-    from engine.errors import UnknownModelError
-    from engine.registry import get_spec
     from harness.kernels.bench import BenchConfig, DeltaResult, GroupResult, PrefillResult, run_kernel_bench, verdicts
 
     if args.gate_model:
@@ -300,11 +305,7 @@ def _save(path, record: dict) -> None:
 
 
 def _gate(args) -> int:
-    from rich.table import Table
-
-    from engine.errors import UnknownModelError
-    from engine.kernels import FAST, KernelConfig
-    from engine.model_source import resolve_model_dir
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.kernels.gate import KL_RATIO, KL_SLACK, TOP1_MARGIN, run_gates
 
     try:
@@ -377,11 +378,7 @@ def _gate(args) -> int:
 
 def _greedy_gate(args, fast) -> list:
     """The greedy agreement part of the gate (`harness.kernels.greedy_gate`), printed as a table."""
-    from rich.table import Table
-
-    from engine.errors import UnknownModelError
-    from engine.registry import all_specs, get_spec
-    from engine.synth.artifact import artifact_dir, is_cached
+    # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.kernels.greedy_gate import run_greedy_gate
 
     if args.gate_greedy is None:

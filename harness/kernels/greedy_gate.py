@@ -18,7 +18,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.engine import Engine
 from engine.kernels import EXACT, FAST, KernelConfig, install
+from harness.gates.quality import held_out_ids
 from harness.kernels.gate import GATE_STEPS, forced, greedy
 
 # Mean steps agreed of GATE_STEPS. Measured on the CPU (16 prompts of 16 and 32 tokens) with stand-ins for the
@@ -57,8 +59,6 @@ class GreedyResult:
 
 def text_prompts(tokenizer, count: int, lengths: Sequence[int] = PROMPT_TOKENS) -> list[list[int]]:
     """`count` prompts cut one after another from the held-out text, their lengths `lengths` cycled."""
-    from harness.gates.quality import held_out_ids
-
     sizes = [lengths[i % len(lengths)] for i in range(count)]
     ids = held_out_ids(tokenizer, sum(sizes))
     out, at = [], 0
@@ -91,8 +91,6 @@ def run_greedy_gate(
 ) -> list[GreedyResult]:
     """Greedy agreement of the fast tier with the exact tier on the model at `path`, at each row count (at
     least `paths` prompts of `lengths` cycled, a whole number of batches)."""
-    from engine.engine import Engine
-
     say = on_progress or (lambda message: None)
     engine = Engine.load(None, path, kernels="exact")
     model, family = engine.model, engine.config.get("model_type")

@@ -6,8 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.markup import escape
+from rich.table import Table
+
 from harness.cli_common import CliError, console
 from harness.cli_common import out as stdout
+from harness.report.db_export import export_run, requests_frame
+from harness.run.records import open_db
 
 
 def add_report(sub) -> None:
@@ -29,6 +34,7 @@ def add_report(sub) -> None:
 
 
 def cmd_report(args) -> int:
+    # on use: the report's plots load matplotlib (~0.4 s), which `harness db` and `harness --help` do not need
     from harness.report import page as report
 
     try:
@@ -66,17 +72,12 @@ def add_db(sub) -> None:
 
 
 def _open(path: Path):
-    from harness.run.records import open_db
-
     if not path.exists():
         raise CliError(f"no database at {path} (harness run writes one; --db PATH to point elsewhere)")
     return open_db(path)
 
 
 def cmd_db_list(args: argparse.Namespace) -> int:
-    from rich.markup import escape
-    from rich.table import Table
-
     db = _open(args.db)
     table = Table(title=escape(str(args.db)))
     for col in ("run", "created", "kind", "label", "host", "commit", "models / arms", "status", "JSON"):
@@ -101,8 +102,6 @@ def cmd_db_list(args: argparse.Namespace) -> int:
 
 
 def cmd_db_export(args: argparse.Namespace) -> int:
-    from harness.report.db_export import export_run, requests_frame
-
     db = _open(args.db)
     try:
         if args.format == "csv":

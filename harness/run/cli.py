@@ -6,11 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
+from rich import box
 from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from engine.model_source import resolve_model_dir
+from engine.registry import get_spec
+from engine.synth import artifact_dir, is_cached
 from harness.cli_common import (
     CliError,
     console,
@@ -25,6 +33,14 @@ from harness.cli_common import (
     targets,
 )
 from harness.cli_common import out as stdout
+from harness.run import preflight, summary
+from harness.run.anomalies import flagged_lines
+from harness.run.arms import external_arm, parse_arm_options, resolve_arms
+from harness.run.arrivals import SWEEP_START, sweep_rates
+from harness.run.metrics import SLO_METRICS
+from harness.run.runner import Interrupts, Runner, RunSettings, blocks_of, progress_steps
+from harness.run.vllm_export import export
+from harness.run.workloads import STANDARD, WorkloadSettings, build, golden_path, load_or_build, save, tokenizer_for
 
 RECHECK_S = 0.25  # the preflight check after every cell: CPU use sampled over this long
 # With no --models and no --model-path: a set that finishes in a few minutes on 2 CPU cores.
@@ -279,8 +295,6 @@ def hex_nonce(text: str) -> str:
 def rates(text: str) -> tuple[float, ...]:
     """--rates: 'sweep' or 'sweep:START' (requests/s), or requests/s separated by commas (all at once is what the
     concurrency cells do)."""
-    from harness.run.arrivals import SWEEP_START, sweep_rates
-
     if text.strip().startswith("sweep"):
         _, _, start = text.strip().partition(":")
         try:
@@ -304,8 +318,6 @@ def rates(text: str) -> tuple[float, ...]:
 
 def slo(text: str) -> tuple[str, float]:
     """A --goodput item, METRIC:MS, as (metric, ms)."""
-    from harness.run.metrics import SLO_METRICS
-
     metric, _, ms = text.partition(":")
     try:
         value = float(ms)
@@ -319,11 +331,6 @@ def slo(text: str) -> tuple[str, float]:
 
 
 def _run_plan(args):
-    from engine.model_source import resolve_model_dir
-    from harness.run.arms import external_arm, parse_arm_options, resolve_arms
-    from harness.run.runner import RunSettings
-    from harness.run.workloads import WorkloadSettings
-
     try:
         arms = resolve_arms(
             args.arms, options=parse_arm_options(args.arm_args), external=[external_arm(item) for item in args.arm]
@@ -390,18 +397,11 @@ def cmd_trials(args) -> int:
 def _run(args, seeds: list[int], kind: str) -> int:
     """Exit status: 0 when every arm was measured, 1 when one was not, 128 + the signal's number when a
     signal (SIGTERM, SIGHUP, SIGINT) interrupted the run (recorded as interrupted in the JSON and the DB)."""
-    import time as _time
-
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from harness.run import preflight
-    from harness.run.runner import Interrupts, Runner, blocks_of, progress_steps
-
     arms, settings, targets = _run_plan(args)
     if kind == "trials" and len(arms) < 2:
         raise CliError("trials compare arms: give at least two (--arms A,B, or --arm NAME=URL)")
     blocks = blocks_of(kind, seeds, arms, settings.cell_repeats)
-    out = args.out or Path("reports") / f"{kind}-{_time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out or Path("reports") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if args.dry_run:
         return _dry_run(args, blocks, settings, targets, out)
     check = preflight.check()
@@ -450,8 +450,6 @@ def _run(args, seeds: list[int], kind: str) -> int:
             signum = interrupts.fired or signal.SIGINT
     rs = _print_summary(runner.record, out, args.db)
     if "vllm" in args.export:
-        from harness.run.vllm_export import export
-
         path = out.with_suffix(".vllm.json")
         path.write_text(json.dumps(export(runner.record.to_json()), indent=1) + "\n")
         console.print(f"vLLM bench serve results: {path}", markup=False, highlight=False)
@@ -467,9 +465,6 @@ SUMMARY_COLUMNS = 100  # the summary's tables and wrapped lines fit this many co
 def _print_summary(record, out: Path, db: Path) -> list[dict]:
     """The summary (`summary.model_summaries`) on stdout, its Markdown next to the JSON; every table and line
     fits SUMMARY_COLUMNS (a run nonce or a path may not), and every label is printed as text, never as markup."""
-    from harness.run import summary
-    from harness.run.anomalies import flagged_lines
-
     run = record.to_json()
     out_md = out.with_suffix(".md")
     out_md.write_text(summary.markdown(run))
@@ -506,9 +501,6 @@ def _print_summary(record, out: Path, db: Path) -> list[dict]:
 
 
 def _table(title: str, headers: list[str], rows: list[list[str]]):
-    from rich import box
-    from rich.table import Table
-
     table = Table(
         title=escape(title),
         title_justify="left",
@@ -535,8 +527,6 @@ def _two_lines(header: str) -> str:
 
 
 def _say(text: str, indent: str, hanging: str) -> None:
-    import textwrap
-
     for line in textwrap.wrap(
         text, SUMMARY_COLUMNS, initial_indent=indent, subsequent_indent=hanging, break_on_hyphens=False
     ) or [""]:
@@ -544,10 +534,6 @@ def _say(text: str, indent: str, hanging: str) -> None:
 
 
 def _dry_run(args, blocks, settings, targets, out: Path) -> int:
-    from engine.registry import get_spec
-    from engine.synth import artifact_dir, is_cached
-    from harness.run.workloads import load_or_build
-
     print_ = stdout.print
     print_(f"would write {out} and {args.db}; nothing is started")
     for name, model_dir in targets:
@@ -602,10 +588,6 @@ def add_workloads(sub) -> None:
 
 
 def cmd_workloads(args) -> int:
-    from dataclasses import replace
-
-    from harness.run.workloads import STANDARD, build, golden_path, save, tokenizer_for
-
     for name, path in targets(args):
         settings = replace(STANDARD, seed=args.workload_seed)
         encode, sha = tokenizer_for(path)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
+import mlx.core as mx
 import psutil
 
 from engine import env
@@ -64,8 +65,6 @@ def source_tree_sha256(exclude: Sequence[Path] = ()) -> str:
 
 def collect(exclude: Sequence[Path] = ()) -> dict:
     """The machine, the software and the source tree (`source_tree_sha256(exclude)`)."""
-    import mlx.core as mx
-
     return {
         "host": socket.gethostname(),
         "os": platform.platform(),

@@ -75,6 +75,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from harness.gates.quality import held_out_score
 from harness.run import counters, provenance
 from harness.run.arms import ArmSpec
 from harness.run.arrivals import is_burst, measured, offsets, rate_of_phase, saturated
@@ -513,8 +514,6 @@ class Runner:
 
     def _quality(self, mrun: ModelRun, arm: ArmRun, model_dir: Path) -> None:
         """The artifact's held-out perplexity in process, on the tier the arm's server ran (its /stats)."""
-        from harness.gates.quality import held_out_score
-
         tier = (arm.kernels or {}).get("tier") or "auto"
         self.on_phase(f"{mrun.model} / {arm.arm} / held-out perplexity")
         try:

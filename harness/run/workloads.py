@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.synth.tokenizer import corpus_text
+from engine.tokenizer import Tokenizer
 from harness.run.arrivals import rate_name
 
 SCHEMA = 1
@@ -297,8 +298,6 @@ def _group(prompt, text: _Text, settings: WorkloadSettings, attempt: int, group:
 
 def tokenizer_for(model_dir: Path) -> tuple[Encode, str]:
     """The artifact's tokenizer (as the engine loads it) and the sha256 of its tokenizer.json."""
-    from engine.tokenizer import Tokenizer
-
     tok = Tokenizer(model_dir)
     sha = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()
     return (lambda s: tok.encode(s, add_special_tokens=False)), sha
