@@ -33,6 +33,7 @@ from harness.report import inputs as report_inputs
 from harness.report import plots as report_plots
 from harness.report.markdown import render_markdown  # noqa: F401 - the report's renderers are all here
 from harness.run import anomalies, comparable, headline, stats
+from harness.run.cells import ACHIEVED, DECODE_RATE, THROUGHPUT, TTFT, kind_of, timed
 from harness.run.measured import cell_of, metric, ok_requests, too_short
 from harness.run.records import FAILED, MEASURED, NOT_MEASURED, RECOVERED
 from harness.run.repetitions import is_load_phase, is_repetition, repetitions
@@ -153,15 +154,17 @@ def _cell_view(cell: dict, load: dict | None = None, on_gpu: bool = False) -> di
     m = cell.get("metrics") or {}
     value = None
     if cell["status"] in (MEASURED, RECOVERED):
-        if cell["phase"] in ("decode", "chat"):
+        kind = kind_of(cell["phase"])
+        shows = kind.shows if kind else None
+        if shows == DECODE_RATE:
             value = _fmt(m.get("median_decode_tps"), "tok/s")
-        elif cell["phase"] in ("cold", "warm", "long", "warmup", "probe", "prefix", "multiturn", "staggered"):
+        elif shows == TTFT:
             value = _fmt(m.get("median_ttft_ms"), "ms TTFT", 0)
             if value and m.get("median_prefill_tps") is not None:
                 value += f", prefill {_fmt(m['median_prefill_tps'], 'tok/s', 0)}"
-        elif cell["phase"].startswith("concurrency-"):
+        elif shows == THROUGHPUT:
             value = _fmt(m.get("output_throughput"), "tok/s")
-        elif cell["phase"].startswith("rate-"):
+        elif shows == ACHIEVED:
             value = (
                 f"{_fmt(m.get('output_throughput'), 'tok/s')}, {_fmt(m.get('request_throughput'), 'req/s', 2)} achieved"
             )
@@ -187,7 +190,7 @@ def _cell_view(cell: dict, load: dict | None = None, on_gpu: bool = False) -> di
     if len(cell["attempts"]) > 1:
         flags.append(f"{len(cell['attempts'])} attempts")
     reqs = ok_requests(cell) if cell["status"] in (MEASURED, RECOVERED) else []
-    cv, n = coefficient_of_variation(cell) if reqs and cell["phase"] not in ("warmup", "probe") else (None, 0)
+    cv, n = coefficient_of_variation(cell) if reqs and timed(cell["phase"]) else (None, 0)
     if cv is not None and cv > CV_FLAG:
         flags.append(f"unstable: the requests' CV is {cv:.0%} over {n} (flagged above {CV_FLAG:.0%})")
     busy = (m.get("preflight") or {}).get("problems")

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import statistics
 
+from harness.run import cells
 from harness.run.measured import ok_requests
 from harness.run.records import MEASURED, RECOVERED
-from harness.run.workloads import MULTITURN, PREFIX
 
-UNTIMED = ("warmup", "probe")
 # A prompt may share the first token of its nonce's hex, or a chat template's opening, with any earlier prompt.
 SHARED_OPENING_TOKENS = 8
 STALL_MIN_MS = 1000.0
@@ -34,9 +33,9 @@ def cacheable_tokens(phase: str, index: int, requests: list[dict], load: dict) -
     r = requests[index]
     if phase == "warm" or (phase == "decode" and index):
         return r.get("prompt_tokens") or r["prompt_tokens_sent"]
-    if phase == PREFIX and index % load.get("prefix_group_size", 4):
+    if phase == cells.PREFIX.name and index % load.get("prefix_group_size", 4):
         return load.get("prefix_tokens", 512)
-    if phase == MULTITURN and index % load.get("turns", 4):
+    if phase == cells.MULTITURN.name and index % load.get("turns", 4):
         return requests[index - 1].get("prompt_tokens") or 0
     return 0
 
@@ -44,7 +43,7 @@ def cacheable_tokens(phase: str, index: int, requests: list[dict], load: dict) -
 def unexplained_cache(cell: dict, load: dict) -> str | None:
     """Why the cell's cached tokens are more than its workload explains (`cacheable_tokens` and
     SHARED_OPENING_TOKENS), or None."""
-    if cell["phase"] in UNTIMED:
+    if not cells.timed(cell["phase"]):
         return None
     reqs = ok_requests(cell)
     over = [(i, r, cacheable_tokens(cell["phase"], i, reqs, load)) for i, r in enumerate(reqs)]
@@ -64,7 +63,7 @@ def stall(cell: dict) -> str | None:
     """'stall: ...' when the cell's largest gap between two tokens passes STALL_MIN_MS and STALL_X_MEDIAN times
     its median gap, or None."""
     gaps = [g for r in ok_requests(cell) for g in r.get("itl_ms") or ()]
-    if cell["phase"] in UNTIMED or not gaps:
+    if not cells.timed(cell["phase"]) or not gaps:
         return None
     worst, median = max(gaps), statistics.median(gaps)
     if worst <= STALL_MIN_MS or worst <= STALL_X_MEDIAN * median:

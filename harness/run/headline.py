@@ -18,40 +18,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from harness.run import comparable
+from harness.run import cells, comparable
+from harness.run.cells import RatioMetric
 from harness.run.repetitions import is_load_phase, repeat_pairs
 from harness.run.stats import ONE_BURST
 
 NOT_ON_BOTH = "not measured on both"
 
 
-@dataclass(frozen=True)
-class RatioMetric:
-    prefix: str  # a phase, or with a trailing '-' a family of them
-    key: str  # the cells' metric
-    label: str  # the table's name
-    short: str  # the verdict line's name
-    higher_is_better: bool
-    unit: str
-
-    def matches(self, phase: str) -> bool:
-        return phase == self.prefix or (self.prefix.endswith("-") and phase.startswith(self.prefix))
-
-
-RATIO_METRICS = [
-    RatioMetric("decode", "median_decode_tps", "decode tok/s", "decode", True, "tok/s"),
-    RatioMetric("chat", "median_decode_tps", "decode tok/s chat", "chat decode", True, "tok/s"),
-    RatioMetric("cold", "median_ttft_ms", "TTFT cold", "cold TTFT", False, "ms"),
-    RatioMetric("cold", "median_prefill_tps", "prefill tok/s cold", "cold prefill", True, "tok/s"),
-    RatioMetric("warm", "median_ttft_ms", "TTFT warm", "warm TTFT", False, "ms"),
-    RatioMetric("long", "median_ttft_ms", "TTFT long", "long TTFT", False, "ms"),
-    RatioMetric("concurrency-", "output_throughput", "aggregate tok/s", "agg", True, "tok/s"),
-    RatioMetric("prefix", "median_ttft_ms", "TTFT shared prefix", "shared-prefix TTFT", False, "ms"),
-    RatioMetric("multiturn", "median_ttft_ms", "TTFT multi-turn", "multi-turn TTFT", False, "ms"),
-    RatioMetric("staggered", "median_ttft_ms", "TTFT staggered", "staggered TTFT", False, "ms"),
-    RatioMetric("staggered", "median_prefill_tps", "prefill tok/s staggered", "staggered prefill", True, "tok/s"),
-    RatioMetric("rate-", "output_throughput", "aggregate tok/s", "agg", True, "tok/s"),
-]
+# Every kind of cell's rows, in the order of `cells.KINDS`.
+RATIO_METRICS = [m for kind in cells.KINDS for m in kind.ratio_metrics()]
 GOODPUT = RatioMetric("", "request_goodput", "goodput req/s", "goodput", True, "req/s")
 KEY_METRICS = ("decode", "cold TTFT")  # named on every verdict line, with the largest concurrency's aggregate
 

@@ -11,17 +11,18 @@ A repeated cell's ratio is then the geometric mean of its per-repetition ratios 
 
 from __future__ import annotations
 
-LOAD_PREFIXES = ("concurrency-", "rate-")
+from harness.run import cells
 
 
 def is_load_phase(phase: str) -> bool:
-    """A cell whose aggregate rate is one number a burst: concurrency and open-loop rate cells."""
-    return phase.startswith(LOAD_PREFIXES)
+    """A cell whose aggregate rate is one number a burst: concurrency and open-loop rate cells (`CellKind.repeated`)."""
+    kind = cells.kind_of(phase)
+    return kind is not None and kind.repeated
 
 
 def repeated_phases(phases: list[str]) -> list[str]:
     """What a repetition block measures of a run's phases: the warm-up (a fresh server), then the load cells."""
-    return ["warmup"] + [p for p in phases if is_load_phase(p)]
+    return [cells.WARMUP.name] + [p for p in phases if is_load_phase(p)]
 
 
 def is_repetition(run: dict, model: dict) -> bool:

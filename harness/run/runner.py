@@ -76,9 +76,9 @@ import httpx
 import numpy as np
 
 from harness.gates.quality import held_out_score
-from harness.run import counters, provenance
+from harness.run import cells, counters, provenance
 from harness.run.arms import ArmSpec
-from harness.run.arrivals import is_burst, measured, offsets, rate_of_phase, saturated
+from harness.run.arrivals import is_burst, measured, rate_of_phase, saturated
 from harness.run.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
 from harness.run.metrics import summarize
 from harness.run.records import (
@@ -118,9 +118,6 @@ from harness.run.servers import (
 from harness.run.workloads import (
     ATTEMPTS,
     CHAT,
-    MULTITURN,
-    PREFIX,
-    STAGGERED,
     Workload,
     WorkloadSettings,
     load_or_build,
@@ -459,7 +456,7 @@ class Runner:
                     self.log(f"{mrun.model} / {spec.name}: kernels {tier}")
                 sweep_end = None  # why a sweep's higher rates are not measured (saturated, or a burst)
                 for phase in phases:
-                    if sweep_end is not None and phase.startswith("rate-"):
+                    if sweep_end is not None and cells.kind_of(phase) is cells.RATE:
                         arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({sweep_end})"))
                         continue
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
@@ -493,10 +490,10 @@ class Runner:
                     self._save()
                     if gone:
                         break
-                    if self.settings.sweep and phase.startswith("rate-") and _saturated(arm):
+                    if self.settings.sweep and cells.kind_of(phase) is cells.RATE and _saturated(arm):
                         sweep_end = f"saturated at {phase.split('-', 1)[1]} req/s"
                         self.log(f"  {phase}: the arm saturated; higher rates not measured")
-                    elif self.settings.sweep and phase.startswith("rate-") and _burst(cell):
+                    elif self.settings.sweep and cells.kind_of(phase) is cells.RATE and _burst(cell):
                         sweep_end = (
                             f"the cell at {phase.split('-', 1)[1]} req/s was a burst: its requests arrived "
                             "within their median E2EL, so more --rate-requests are needed for higher rates"
@@ -561,19 +558,19 @@ class Runner:
     def _send(self, client, phase: str, pairs: list[tuple[dict, RequestRecord]], timeouts: Timeouts) -> None:
         """A phase's requests, sent as the phase sends them (the module docstring)."""
         load = self.settings.workload
-        if phase.startswith("rate-"):
-            at = offsets(rate_of_phase(phase), len(pairs), self.settings.burstiness, load.seed)
-            _open_loop(client, pairs, at, self.settings.max_concurrency, timeouts)
-        elif phase == PREFIX:  # each group's first request computes its prefix, then the others at once
+        kind = cells.kind_of(phase)
+        send = kind.send if kind else cells.ALONE
+        if send == cells.OPEN_LOOP:
+            at, max_concurrency = kind.arrivals(phase, len(pairs), self.settings)
+            _open_loop(client, pairs, at, max_concurrency, timeouts)
+        elif send == cells.PREFIX_GROUPS:  # each group's first request computes its prefix, then the others at once
             for g in range(0, len(pairs), load.prefix_group_size):
                 stream_completion(client, *pairs[g], timeouts)
                 _at_once(client, pairs[g + 1 : g + load.prefix_group_size], timeouts)
-        elif phase == MULTITURN:  # the chats side by side, each one's turns one after another
+        elif send == cells.CHATS:  # the chats side by side, each one's turns one after another
             _chats(client, [pairs[c : c + load.turns] for c in range(0, len(pairs), load.turns)], timeouts)
-        elif phase == STAGGERED:
-            _open_loop(client, pairs, [i * self.settings.stagger_s for i in range(len(pairs))], None, timeouts)
         else:
-            alone = 1 if phase == "warmup" else (0 if phase.startswith("concurrency-") else len(pairs))
+            alone = {cells.FIRST_ALONE: 1, cells.AT_ONCE: 0}.get(send, len(pairs))
             for body, rec in pairs[:alone]:
                 stream_completion(client, body, rec, timeouts)
             if len(pairs) > alone:  # the rest at once
@@ -582,7 +579,8 @@ class Runner:
     def _metrics(self, phase: str, records: list[RequestRecord], wall: float, max_tokens: int) -> dict:
         """A measured cell's metrics (`metrics.summarize`), over a rate cell's measured window, with what the
         rate, shared-prefix and multi-turn cells add."""
-        window = measured(len(records)) if phase.startswith("rate-") else slice(0, len(records))
+        kind = cells.kind_of(phase)
+        window = measured(len(records)) if kind and kind.trimmed else slice(0, len(records))
         kept = records[window]
         span = (max(r.sent_at + r.e2el_ms / 1e3 for r in kept) - min(r.sent_at for r in kept)) if window.start else wall
         metrics = summarize(kept, span, dict(self.settings.goodput)) | {
@@ -590,7 +588,7 @@ class Runner:
             "short_outputs": sum((r.output_tokens or 0) != max_tokens for r in records),
         }
         median = lambda values: round(float(np.median(values)), 3)  # noqa: E731
-        if phase.startswith("rate-"):
+        if kind is cells.RATE:
             metrics |= {
                 "offered_rate": rate_of_phase(phase),
                 "burstiness": self.settings.burstiness,
@@ -598,7 +596,7 @@ class Runner:
                 "measured_requests": [window.start, window.stop],
                 "request_throughput": round(len(kept) / span, 4) if span > 0 else None,
             }
-        elif phase == MULTITURN:
+        elif kind is cells.MULTITURN:
             turns = self.settings.workload.turns
             by_turn = [records[t::turns] for t in range(turns)]
             metrics |= {
@@ -606,9 +604,9 @@ class Runner:
                 "turn_cached_tokens": [int(np.median([r.cached_tokens or 0 for r in rs])) for rs in by_turn],
                 "turn_prompt_tokens": [int(np.median([r.prompt_tokens or 0 for r in rs])) for rs in by_turn],
             }
-        elif phase in PREFILL_PHASES:
+        elif kind and kind.prefill_rate:
             metrics["median_prefill_tps"] = prefill_rate(kept)
-        elif phase == PREFIX:
+        elif kind is cells.PREFIX:
             size = self.settings.workload.prefix_group_size
             rest = [r.ttft_ms for i, r in enumerate(records) if i % size]
             metrics |= {
@@ -620,9 +618,6 @@ class Runner:
     def _save(self) -> None:
         write_json(self.record, self.out)
         db_run(self.db, self.record, self.out)
-
-
-PREFILL_PHASES = ("cold", STAGGERED, "long")  # cells whose TTFT is mostly the prompt's prefill
 
 
 def prefill_rate(records: Sequence[RequestRecord]) -> float | None:
@@ -650,7 +645,7 @@ def _requests(
     """(body, record) for each prompt: token ids to /v1/completions; a multi-turn chat's messages to the chat
     endpoint, where the server's template makes the prompt (no thinking block)."""
     common = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    if phase in (MULTITURN, CHAT):
+    if (kind := cells.kind_of(phase)) and kind.chat:
         return [
             (
                 {**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
@@ -705,9 +700,9 @@ def _chats(client: httpx.Client, chats: list[list[tuple[dict, RequestRecord]]], 
 
 def _saturated(arm: ArmRun) -> bool:
     """Whether the arm's rate cells so far show it saturated (`arrivals.saturated`)."""
-    cells = [c for c in arm.cells if c.phase.startswith("rate-") and c.status in (MEASURED, RECOVERED)]
+    rates = [c for c in arm.cells if cells.kind_of(c.phase) is cells.RATE and c.status in (MEASURED, RECOVERED)]
     return saturated(
-        [c.metrics.get("output_throughput") for c in cells], [c.metrics.get("median_ttft_ms") for c in cells]
+        [c.metrics.get("output_throughput") for c in rates], [c.metrics.get("median_ttft_ms") for c in rates]
     )
 
 

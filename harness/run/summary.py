@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine.errors import UnknownModelError
 from engine.registry import get_spec  # the light registry, no MLX
-from harness.run import headline
+from harness.run import cells, headline
 from harness.run.anomalies import flagged_lines
 from harness.run.arrivals import is_burst, saturated
 from harness.run.measured import decode_rate, geomean, metric
@@ -301,7 +301,7 @@ def latency_rows(run: dict) -> list[list[str]]:
         for arm in mrun.get("arms", []):
             for cell in arm.get("cells", []):
                 m = cell.get("metrics") or {}
-                if cell["phase"] in ("warmup", "probe") or cell["status"] not in (MEASURED, RECOVERED):
+                if not cells.timed(cell["phase"]) or cell["status"] not in (MEASURED, RECOVERED):
                     continue
                 phase = cell["phase"] + (f" #{mrun.get('block', 0) + 1}" if several else "")
                 out.append(
@@ -447,7 +447,7 @@ def goodput_lines(run: dict) -> list[str]:
         for arm in m.get("arms", []):
             for cell in arm.get("cells", []):
                 mt = cell.get("metrics") or {}
-                if cell["phase"] not in ("warmup", "probe") and mt.get("slo_attainment") is not None:
+                if cells.timed(cell["phase"]) and mt.get("slo_attainment") is not None:
                     out.append(
                         f"{m['model']} / {arm['arm']} / {cell['phase']}: goodput {mt['request_goodput']:g} "
                         f"req/s, attainment {mt['slo_attainment']:.0%} of {mt['requests']}"

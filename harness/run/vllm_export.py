@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from harness.run import cells
 from harness.run.measured import ok_requests
 from harness.run.records import MEASURED, RECOVERED
 
@@ -118,5 +119,5 @@ def export(run: dict) -> list[dict]:
         for model in run["models"]
         for arm in model["arms"]
         for cell in arm["cells"]
-        if cell["phase"] not in ("warmup", "probe") and cell["status"] in (MEASURED, RECOVERED) and ok_requests(cell)
+        if cells.timed(cell["phase"]) and cell["status"] in (MEASURED, RECOVERED) and ok_requests(cell)
     ]

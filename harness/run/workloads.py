@@ -29,6 +29,7 @@ import numpy as np
 
 from engine.synth.tokenizer import corpus_text
 from engine.tokenizer import Tokenizer
+from harness.run import cells
 from harness.run.arrivals import rate_name
 
 SCHEMA = 1
@@ -152,10 +153,11 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
     return names
 
 
-PREFIX = "prefix"  # the shared-prefix groups' cell
-MULTITURN = "multiturn"  # the multi-turn chats' cell
-CHAT = "chat"  # single-turn chats through the chat endpoint (the server's template makes the prompt)
-STAGGERED = "staggered"  # long prompts arriving one after another while the earlier ones decode
+# The phases of the cells whose prompts are built here by name (their kinds: `cells`).
+PREFIX = cells.PREFIX.name  # the shared-prefix groups' cell
+MULTITURN = cells.MULTITURN.name  # the multi-turn chats' cell
+CHAT = cells.CHAT.name  # single-turn chats through the chat endpoint (the server's template makes the prompt)
+STAGGERED = cells.STAGGERED.name  # long prompts arriving one after another while the earlier ones decode
 
 
 class _Text:
