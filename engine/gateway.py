@@ -44,10 +44,9 @@ from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization
 from engine.kernels import FAST, on_cuda
 from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.prompt_logprobs import PromptScorer
-from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult
+from engine.request import CachedPrefix, FinishReason, GenerationRequest, Lane, RequestResult, SpecStats
 from engine.sinks import ForwardingSink, TokenSink
 from engine.speculative.config import Speculation
-from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

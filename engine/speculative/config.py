@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 import mlx.nn as nn
 
 from engine.errors import DraftMismatchError
-from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, SpecStats, StopCriteria
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.mtp import MTPSource
 from engine.speculative.ngram import NgramSource
 from engine.speculative.policy import POLICIES, make_policy
 from engine.speculative.rollback import ROLLBACKS, Rollback
 from engine.speculative.source import DraftSource
-from engine.speculative.stats import SpecStats
 from engine.speculative.verifier import speculative_generate
 from engine.tokenizer import Tokenizer
 

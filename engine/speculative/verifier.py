@@ -27,12 +27,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.generate import DEFAULT_PREFILL_STEP, pipelined, prefill
-from engine.request import GeneratedToken, SamplingParams, StopCriteria
+from engine.request import GeneratedToken, SamplingParams, SpecStats, StopCriteria
 from engine.sampling import Sampler, emitted_token
 from engine.speculative.policy import DraftPolicy, FixedPolicy
 from engine.speculative.rollback import ROLLBACKS, Rollback, checkpoint, rewind, room
 from engine.speculative.source import DraftSource, Round
-from engine.speculative.stats import SpecStats
 from engine.stopping import FinishTracker
 
 

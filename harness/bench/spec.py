@@ -38,9 +38,8 @@ import mlx.core as mx
 
 from engine.engine import Engine
 from engine.generate import generate
-from engine.request import StopCriteria
+from engine.request import SpecStats, StopCriteria
 from engine.speculative.config import SpecConfig, load_speculation
-from engine.speculative.stats import SpecStats
 from harness.bench.native import time_sample
 from harness.gates.quality import held_out_ids
 from harness.run.stats import geomean, paired

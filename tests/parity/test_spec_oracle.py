@@ -15,9 +15,8 @@ import random
 import pytest
 
 from engine.loading import load_model as load_ours
-from engine.request import StopCriteria
+from engine.request import SpecStats, StopCriteria
 from engine.speculative.draft_model import DraftModelSource
-from engine.speculative.stats import SpecStats
 from engine.speculative.verifier import speculative_generate
 from engine.synth import ensure_model
 from oracles import reference

@@ -23,14 +23,13 @@ from engine.cache import KVCache, RecurrentCache
 from engine.engine import Engine
 from engine.errors import DraftMismatchError
 from engine.generate import generate
-from engine.request import SamplingParams, StopCriteria
+from engine.request import SamplingParams, SpecStats, StopCriteria
 from engine.speculative.config import SpecConfig, Speculation, load_speculation
 from engine.speculative.draft_model import DraftModelSource
 from engine.speculative.mtp import MTPSource
 from engine.speculative.ngram import NgramSource
 from engine.speculative.rollback import checkpoint, rewind
 from engine.speculative.source import Round
-from engine.speculative.stats import SpecStats
 from engine.speculative.verifier import speculative_generate
 
 TIE_MARGIN = 1e-3  # between the best and second-best logit at every plain greedy step (f32)
