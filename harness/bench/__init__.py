@@ -1,0 +1,1 @@
+"""In-process benchmarks: `harness native`, `batch-bench`, `server-overhead`, `startup` and `spec`."""

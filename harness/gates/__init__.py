@@ -1,0 +1,1 @@
+"""The gates: `harness parity` (our logits against mlx-lm's) and `harness quality` (perplexity and KL)."""
