@@ -33,7 +33,7 @@ from harness.cli_common import (
     targets,
 )
 from harness.cli_common import out as stdout
-from harness.run import preflight, summary
+from harness.run import cells, preflight, summary
 from harness.run.anomalies import flagged_lines
 from harness.run.arms import external_arm, parse_arm_options, resolve_arms
 from harness.run.arrivals import SWEEP_START, sweep_rates
@@ -211,28 +211,15 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
         "decode cell is (--tokens); the servers' templates make the prompts, and the first reply and its "
         "prompt tokens are compared across arms (the chat probe); 0: none (default)",
     )
-    p.add_argument(
-        "--staggered",
-        type=non_negative,
-        default=0,
-        metavar="N",
-        help="a staggered cell: N long prompts (--staggered-tokens) arriving --stagger seconds apart, each "
-        "decoding --tokens while the next prefills: TTFT and prefill rate under load; 0: none (default)",
-    )
-    p.add_argument(
-        "--staggered-tokens",
-        type=positive,
-        default=2048,
-        metavar="P",
-        help="prompt tokens of each staggered request (default 2048)",
-    )
-    p.add_argument(
-        "--stagger",
-        type=positive_float,
-        default=2.0,
-        metavar="SECONDS",
-        help="seconds between the staggered cell's arrivals (default 2)",
-    )
+    for option in cells.options(cells.WORKLOAD) + cells.options(cells.RUN):  # those a kind of cell declares
+        p.add_argument(
+            option.flag,
+            dest=option.dest,
+            type=option.type,
+            default=option.default,
+            metavar=option.metavar,
+            help=option.help,
+        )
     p.add_argument(
         "--goodput",
         type=slo,
@@ -358,7 +345,7 @@ def _run_plan(args):
         max_concurrency=args.max_concurrency,
         sweep=args.rates[:1] == ("sweep",),
         slo_target=args.slo_target,
-        stagger_s=args.stagger,
+        **cells.option_values(args, cells.RUN),
         cell_repeats=getattr(args, "cell_repeats", 1),
         workload=WorkloadSettings(
             seed=args.workload_seed,
@@ -371,9 +358,8 @@ def _run_plan(args):
             prefix_tokens=args.prefix_tokens,
             chats=args.chats,
             turns=args.turns,
-            staggered=args.staggered,
-            staggered_tokens=args.staggered_tokens,
             chat_requests=args.chat_requests,
+            **cells.option_values(args, cells.WORKLOAD),
         ),
     )
     if args.nonce:

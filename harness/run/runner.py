@@ -210,7 +210,6 @@ class RunSettings:
     burstiness: float = 1.0  # rate cells' gamma shape: 1 Poisson, below 1 burstier
     max_concurrency: int | None = None  # rate cells: requests in flight at most (None: as they arrive)
     sweep: bool = False  # rate cells stop at the arm's saturation point
-    stagger_s: float = 2.0  # the staggered cell's gap between arrivals
     # opens the prompts of the servers the harness did not start (`workloads.with_run_nonce`); None: the Runner
     # draws one, so that no run finds them in a cache an earlier run filled; an earlier run's sends its prompts again
     run_nonce: str | None = None
@@ -231,6 +230,10 @@ class RunSettings:
     @property
     def timeouts(self) -> Timeouts:
         return Timeouts(request_s=self.request_timeout_s, stall_s=self.stall_timeout_s)
+
+
+# and a field for each run option a kind of cell declares, such as the staggered cell's gap between arrivals
+RunSettings = cells.with_options(RunSettings, cells.RUN)
 
 
 @dataclass(frozen=True)

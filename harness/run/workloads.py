@@ -41,7 +41,8 @@ Encode = Callable[[str], list[int]]
 
 @dataclass(frozen=True)
 class WorkloadSettings:
-    """What shapes the prompts (output lengths are the run's business, not the workload's)."""
+    """What shapes the prompts (output lengths are the run's business, not the workload's); and a field for each
+    workload option a kind of cell declares (`cells.with_options`), such as the staggered cell's."""
 
     seed: int = 0
     decode_prompt_tokens: int = 128
@@ -57,8 +58,6 @@ class WorkloadSettings:
     chats: int = 0  # multi-turn cell: chats of `turns` turns through the chat endpoint, 0: none
     turns: int = 4
     turn_chars: int = 400  # each user message's characters; each canned assistant reply half as many
-    staggered: int = 0  # long prompts arriving one after another (`RunSettings.stagger_s` apart), 0: none
-    staggered_tokens: int = 2048
     chat_requests: int = 0  # single-turn chats through the chat endpoint, one at a time, 0: none
 
     def covers(self, other: WorkloadSettings) -> bool:
@@ -80,14 +79,21 @@ class WorkloadSettings:
                 or (other.chats, other.turns, other.turn_chars) == (self.chats, self.turns, self.turn_chars)
             )
             and (
-                not other.staggered
-                or (other.staggered, other.staggered_tokens) == (self.staggered, self.staggered_tokens)
-            )
-            and (
                 not other.chat_requests
                 or (other.chat_requests, other.turn_chars) == (self.chat_requests, self.turn_chars)
             )
+            and all(  # a cell a kind's record builds: its options as they were
+                not kind.phases(other)
+                or all(
+                    getattr(other, o.dest) == getattr(self, o.dest) for o in kind.options if o.scope == cells.WORKLOAD
+                )
+                for kind in cells.KINDS
+                if kind.phases
+            )
         )
+
+
+WorkloadSettings = cells.with_options(WorkloadSettings, cells.WORKLOAD)
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,7 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
     if settings.chats:
         names.append(MULTITURN)
     names += [rate_name(r) for r in settings.rates]
-    if settings.staggered:
-        names.append(STAGGERED)
+    names += [phase for kind in cells.KINDS if kind.phases for phase in kind.phases(settings)]
     if settings.context_tokens:
         names.append("long")
     return names
@@ -157,7 +162,6 @@ def phase_names(settings: WorkloadSettings) -> list[str]:
 PREFIX = cells.PREFIX.name  # the shared-prefix groups' cell
 MULTITURN = cells.MULTITURN.name  # the multi-turn chats' cell
 CHAT = cells.CHAT.name  # single-turn chats through the chat endpoint (the server's template makes the prompt)
-STAGGERED = cells.STAGGERED.name  # long prompts arriving one after another while the earlier ones decode
 
 
 class _Text:
@@ -223,11 +227,9 @@ def build(
         ]
     if settings.chats:
         phases[MULTITURN] = [_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
-    if settings.staggered:
-        phases[STAGGERED] = [
-            [prompt(STAGGERED, a, i, settings.staggered_tokens) for i in range(settings.staggered)]
-            for a in range(ATTEMPTS)
-        ]
+    for kind in (k for k in cells.KINDS if k.prompts):  # the cells their records build, after the phases above
+        for phase in kind.phases(settings):
+            phases[phase] = [kind.prompts(prompt, settings, a) for a in range(ATTEMPTS)]
     if settings.chat_requests:
         phases[CHAT] = [_single_chats(settings, a, run_nonce) for a in range(ATTEMPTS)]
     return Workload(model, settings, tokenizer_sha256, phases, run_nonce)

@@ -1,11 +1,16 @@
 """The kinds of cell (harness/run/cells.py): one record a kind, found by its phase, read by the run's sending, the
 verdict tables and the report."""
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
+from harness.cli import build_parser
 from harness.run import cells
 from harness.run.arrivals import offsets
+from harness.run.cli import _run_plan
 from harness.run.headline import RATIO_METRICS
+from harness.run.runner import RunSettings
+from harness.run.workloads import WorkloadSettings, phase_names
 
 
 def test_every_phase_finds_its_kind():
@@ -53,3 +58,23 @@ def test_load_cells_repeat_and_rate_cells_are_trimmed():
     assert [k.name for k in cells.KINDS if k.trimmed] == ["rate-"]
     assert {k.name for k in cells.KINDS if k.prefill_rate} == {"cold", "long", "staggered"}
     assert {k.name for k in cells.KINDS if k.chat} == {"chat", "multiturn"}
+
+
+def test_a_kind_declares_its_options_its_phases_and_its_prompts():
+    assert [(o.flag, o.dest, o.scope) for o in cells.STAGGERED.options] == [
+        ("--staggered", "staggered", cells.WORKLOAD),
+        ("--staggered-tokens", "staggered_tokens", cells.WORKLOAD),
+        ("--stagger", "stagger_s", cells.RUN),
+    ]
+    args = build_parser().parse_args(["run", "all", "--arms", "engine", "--staggered", "3", "--stagger", "0.5"])
+    _, settings, _ = _run_plan(args)
+    assert (settings.stagger_s, settings.workload.staggered, settings.workload.staggered_tokens) == (0.5, 3, 2048)
+    saved = asdict(settings)  # the run's JSON keeps one flat key an option
+    assert saved["stagger_s"] == 0.5
+    assert (saved["workload"]["staggered"], saved["workload"]["staggered_tokens"]) == (3, 2048)
+    assert (RunSettings().stagger_s, WorkloadSettings().staggered) == (2.0, 0)
+    load = WorkloadSettings(staggered=2, staggered_tokens=5, rates=(1.0,), context_tokens=64)
+    assert phase_names(load)[-3:] == ["rate-1", "staggered", "long"]  # after the other kinds' cells, before long
+    assert phase_names(WorkloadSettings()) == phase_names(WorkloadSettings(staggered_tokens=5))
+    asked = cells.STAGGERED.prompts(lambda *request: request, load, 1)  # (phase, attempt, index, length)
+    assert asked == [("staggered", 1, 0, 5), ("staggered", 1, 1, 5)]
