@@ -1,5 +1,6 @@
 """What every `harness` subcommand shares: the consoles, the user-error type, argument parsers, the options
-several subcommands take (model source, kernel tier), and how verdicts print."""
+several subcommands take (model source, artifact seed, results JSON, run database, kernel tier), and how verdicts
+print."""
 
 from __future__ import annotations
 
@@ -115,6 +116,27 @@ def model_source(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model-path", type=Path, help="an mlx-lm model directory instead of a registry name")
 
 
+def seed_option(parser: argparse.ArgumentParser, *, prompts: bool = False) -> None:
+    """--seed N (default 0): the seed a registry model's artifact is synthesized from, and with `prompts` the seed
+    of the prompts too."""
+    what = "artifact and prompt seed of registry models" if prompts else "artifact seed of registry models"
+    same = "" if prompts else "; the same name and seed give the same weights"
+    parser.add_argument("--seed", type=int, default=0, help=f"{what} (default 0{same})")
+
+
+def json_option(parser: argparse.ArgumentParser) -> None:
+    """--json PATH: the results written there as JSON as well."""
+    parser.add_argument("--json", type=Path, help="also write the results here")
+
+
+DB = Path("reports/runs.sqlite")
+
+
+def db_option(parser: argparse.ArgumentParser) -> None:
+    """--db PATH: the run database (SQLite) that `harness run all` and `harness trials` write."""
+    parser.add_argument("--db", type=Path, default=DB, help=f"the run database, SQLite (default {DB})")
+
+
 def targets(args) -> list:
     """(label, model directory) for --models or --model-path."""
     if args.model_path:
@@ -148,8 +170,8 @@ def measured_options(
     )
     parser.add_argument("--samples", type=positive, default=samples, help=f"measured {unit} (default {samples})")
     parser.add_argument("--warmup", type=int, default=1, help=f"warmup {unit} (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    seed_option(parser, prompts=True)
+    json_option(parser)
 
 
 def kernels_option(parser: argparse.ArgumentParser, help: str) -> None:

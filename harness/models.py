@@ -11,7 +11,7 @@ from rich.table import Table
 from engine.registry import TIERS, all_specs, get_spec
 from engine.synth import artifact_dir, is_cached, parameter_count, synthesize
 from engine.synth.weights import planned_weight_bytes
-from harness.cli_common import CliError, console, out
+from harness.cli_common import CliError, console, out, seed_option
 
 
 def add_models(sub) -> None:
@@ -19,7 +19,8 @@ def add_models(sub) -> None:
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     ls = msub.add_parser("list", help="registry names with geometry, parameters, bytes and cache state")
     ls.add_argument("--tier", choices=["tiny", "small", "gpu", "draft", "trained"], help="only this tier")
-    ls.add_argument("--seed", type=int, default=0, help="seed whose cache state to show (default 0)")
+    seed_option(ls)
+    # (not json_option: here --json is a switch, the list printed as JSON)
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=cmd_models_list)
     syn = msub.add_parser(
@@ -29,7 +30,7 @@ def add_models(sub) -> None:
         "on-disk format. Without --out the artifact goes to the model cache, where --model NAME finds it.",
     )
     syn.add_argument("names", nargs="+", metavar="NAME", help="registry names, e.g. tiny-qwen35 qwen27b")
-    syn.add_argument("--seed", type=int, default=0, help="weight seed (default 0); same name + seed = same bytes")
+    seed_option(syn)
     syn.add_argument("--out", type=Path, help="write here instead of the cache (one NAME only)")
     syn.add_argument("--force", action="store_true", help="rewrite even if the artifact exists")
     syn.set_defaults(func=cmd_models_synth)

@@ -22,6 +22,7 @@ from harness.cli_common import (
     at_least_two,
     console,
     csv_ints,
+    json_option,
     kernels_option,
     measured_options,
     model_source,
@@ -29,6 +30,7 @@ from harness.cli_common import (
     out,
     positive,
     positive_seconds,
+    seed_option,
     status,
     targets,
     verdict,
@@ -268,7 +270,7 @@ def add_startup(sub) -> None:
         "`--batch 1` server (the serial lane), and restarts it on the same kernel cache directory.",
     )
     model_source(p)
-    p.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
+    seed_option(p, prompts=True)
     p.add_argument("--prompt-tokens", type=positive, default=128, help="prompt length of every request (default 128)")
     p.add_argument(
         "--tokens", type=positive, default=64, help="output tokens of the first request and the bursts (default 64)"
@@ -312,7 +314,7 @@ def add_startup(sub) -> None:
         help="seconds a server may take to be ready, and a request to finish (default 1800)",
     )
     p.add_argument("--log-dir", type=Path, help="keep each server's stdout and stderr under DIR/<start>/")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    json_option(p)
     p.set_defaults(func=cmd_startup)
 
 
@@ -450,6 +452,7 @@ def add_spec(sub) -> None:
         default="trace",
         help="how recurrent layers undo rejected drafts (default trace; replay feeds kept tokens again)",
     )
+    # (not seed_option: here --seed seeds the prompts alone, from the first block's on, not the target's artifact)
     p.add_argument("--seed", type=int, default=0, help="first block's prompt seed (default 0)")
     p.add_argument(
         "--text",
@@ -459,7 +462,7 @@ def add_spec(sub) -> None:
         "or from the trained models' held-out Python source (default: held-out for a trained target, "
         "corpus otherwise)",
     )
-    p.add_argument("--json", type=Path, help="write the results here")
+    json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")
     p.set_defaults(func=cmd_spec)
 

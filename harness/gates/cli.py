@@ -13,7 +13,20 @@ from rich.table import Table
 
 from engine.model_source import resolve_model_dir
 from engine.registry import base_names, get_spec
-from harness.cli_common import CliError, console, csv, csv_ints, model_source, out, positive, status, targets, verdict
+from harness.cli_common import (
+    CliError,
+    console,
+    csv,
+    csv_ints,
+    json_option,
+    model_source,
+    out,
+    positive,
+    seed_option,
+    status,
+    targets,
+    verdict,
+)
 from harness.gates.quality import QualitySettings, markdown, measure
 
 
@@ -37,8 +50,8 @@ def add_parity(sub) -> None:
     par.add_argument("--dtypes", type=csv, default=["f32", "bf16", "4bit"], help="variants (default f32,bf16,4bit)")
     par.add_argument("--prompt-lengths", type=csv_ints, default=[1, 7, 300, 2100], help="default 1,7,300,2100")
     par.add_argument("--steps", type=positive, default=64, help="decode steps per case (default 64)")
-    par.add_argument("--seed", type=int, default=0, help="artifact and prompt seed (default 0)")
-    par.add_argument("--json", type=Path, help="also write the results here")
+    seed_option(par, prompts=True)
+    json_option(par)
     par.set_defaults(func=cmd_parity)
 
 
@@ -134,7 +147,7 @@ def add_quality(sub) -> None:
         "model in chunks, as prompts are prefilled.",
     )
     model_source(p)
-    p.add_argument("--seed", type=int, default=0, help="artifact seed of synthesized models (default 0)")
+    seed_option(p)
     p.add_argument("--tokens", type=positive, default=4096, help="held-out tokens scored (default 4096)")
     p.add_argument(
         "--window", type=positive, default=512, help="tokens a window, each from an empty cache (default 512)"
@@ -154,7 +167,7 @@ def add_quality(sub) -> None:
         help="quantized KV's group size (default 64; it must divide the head size)",
     )
     p.add_argument("--no-fast", action="store_true", help="skip the fast tier even where the device runs it")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    json_option(p)
     p.add_argument("--md", type=Path, help="also write a Markdown table here")
     p.set_defaults(func=cmd_quality)
 

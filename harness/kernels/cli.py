@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 from rich.table import Table
 
@@ -13,7 +12,7 @@ from engine.kernels import FAST, KernelConfig
 from engine.model_source import resolve_model_dir
 from engine.registry import all_specs, get_spec
 from engine.synth.artifact import artifact_dir, is_cached
-from harness.cli_common import CliError, csv, csv_ints, non_negative, positive, status
+from harness.cli_common import CliError, csv, csv_ints, json_option, non_negative, positive, status
 from harness.cli_common import out as stdout
 from harness.kernels.bench_config import BenchConfig
 from harness.run.summary import fmt
@@ -105,7 +104,7 @@ def add_kernels(sub) -> None:
         help="run the gate's fast tier off CUDA too (the chunked "
         "delta rule and compiled steps run; quantized layers fall back to MLX's op): for testing",
     )
-    p.add_argument("--json", type=Path, help="write the results here")
+    json_option(p)
     p.set_defaults(func=cmd_kernels)
 
 

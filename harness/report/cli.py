@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from harness.cli_common import CliError, console
+from harness.cli_common import CliError, console, db_option
 from harness.cli_common import out as stdout
 from harness.report.db_export import export_run, requests_frame
 from harness.run.records import open_db
@@ -56,7 +56,7 @@ def add_db(sub) -> None:
     p = sub.add_parser("db", help="the run database: list runs, export one (JSON, or its requests as CSV)")
     dsub = p.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND")
     ls = dsub.add_parser("list", help="runs in the database, newest first")
-    ls.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
+    db_option(ls)
     ls.set_defaults(func=cmd_db_list)
     ex = dsub.add_parser(
         "export",
@@ -65,7 +65,7 @@ def add_db(sub) -> None:
         "model, arm, phase, attempt, idx, then the request's status and metric columns).",
     )
     ex.add_argument("run_id")
-    ex.add_argument("--db", type=Path, default=Path("reports/runs.sqlite"))
+    db_option(ex)
     ex.add_argument("--format", choices=["json", "csv"], default="json")
     ex.add_argument("--out", type=Path, help="write here (default: stdout)")
     ex.set_defaults(func=cmd_db_export)

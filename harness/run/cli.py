@@ -24,11 +24,13 @@ from harness.cli_common import (
     console,
     csv,
     csv_ints,
+    db_option,
     model_source,
     non_negative,
     positive,
     positive_float,
     positive_seconds,
+    seed_option,
     share,
     targets,
 )
@@ -255,11 +257,9 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
         "server is stopped and the run goes on with the next arm (default 300)",
     )
     p.add_argument("--workload-seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
+    seed_option(p)
     p.add_argument("--out", type=Path, help="JSON companion (default reports/run-<time>.json)")
-    p.add_argument(
-        "--db", type=Path, default=Path("reports/runs.sqlite"), help="SQLite database (default reports/runs.sqlite)"
-    )
+    db_option(p)
     p.add_argument(
         "--dry-run", action="store_true", help="print artifacts, commands and the workload plan; start nothing"
     )
