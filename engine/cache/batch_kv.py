@@ -188,6 +188,28 @@ class BatchKVCache:
             self.idx -= shared
             self.left_padding = [p - shared for p in self.left_padding]
 
+    def trim_rows(self, drops: Sequence[int]) -> None:
+        """Drop the last drops[b] tokens of each row b (rejected drafts after a verify forward).
+
+        The write index moves back by the smallest drop, which every row can
+        spare; each row then rolls right by what it drops beyond that, so its
+        dropped tokens wrap to the left and become padding. Equal drops roll
+        nothing."""
+        if len(drops) != self.batch_size or min(drops, default=0) < 0:
+            raise ValueError(f"drops must be {self.batch_size} counts >= 0, got {list(drops)}")
+        if not drops:
+            return
+        shared = min(drops)
+        if any(d > o for d, o in zip(drops, self.offsets)):
+            raise ValueError(f"cannot drop {list(drops)} tokens from rows holding {self.offsets}")
+        self.idx -= shared
+        roll = [d - shared for d in drops]
+        if max(roll) > 0:
+            for p in self.parts:
+                p[..., : self.idx, :] = roll_rows(p[..., : self.idx, :], roll)
+            self.left_padding = [p + r for p, r in zip(self.left_padding, roll)]
+        self._changed()
+
     def extract(self, row: int):
         """One row as a fresh single-row cache: copies that own their bytes, holding nothing of the batch."""
         start = self.left_padding[row]

@@ -165,6 +165,16 @@ class RecurrentCache:
         self.slots[1] = trace.states[kept - 1]
         self.offset -= n - kept
 
+    def keep_traced_rows(self, kept: Sequence[int]) -> None:
+        """`keep_traced` per row: row b holds the state after the first kept[b] tokens of the traced forward."""
+        trace, self.trace = self.trace, None
+        n = len(trace.states)
+        if len(kept) != self.batch_size or not all(1 <= k <= n for k in kept):
+            raise ValueError(f"kept must be {self.batch_size} counts in [1, {n}], got {list(kept)}")
+        width = trace.conv_input.shape[1] - n
+        self.slots[0] = mx.concatenate([trace.conv_input[b : b + 1, k : k + width, :] for b, k in enumerate(kept)])
+        self.slots[1] = mx.concatenate([trace.states[k - 1][b : b + 1] for b, k in enumerate(kept)])
+
     def size(self) -> int:
         return self.offset
 

@@ -194,3 +194,70 @@ def test_recurrent_prepare_masks_past_each_length_and_finalize_clears():
     ours.finalize()
     theirs.finalize()
     assert ours.lengths is None and ours.left_padding is None and theirs.lengths is None
+
+
+def _serial_kv(chunks):
+    """A serial cache fed these (keys, values) chunks of one row."""
+    c = KVCache()
+    for k, v in chunks:
+        c.update_and_fetch(k, v)
+    return c
+
+
+@pytest.mark.parametrize("drops", [[0, 3, 1], [2, 2, 2], [3, 0, 0]])
+def test_trim_rows_leaves_each_row_as_a_serial_cache_fed_only_its_kept_tokens(drops):
+    lengths, width = (5, 9, 1), 4
+    rows = [[_kv(1, n)] for n in lengths]
+    batch = BatchKVCache.merge([_serial_kv(r) for r in rows])
+    k, v = _kv(3, width)  # a verify window: each row keeps width - drops[b] of it
+    batch.update_and_fetch(k, v)
+    before = list(batch.left_padding)
+    batch.trim_rows(drops)
+    assert batch.offsets == [n + width - d for n, d in zip(lengths, drops)]
+    if len(set(drops)) == 1:  # nothing rolls: the padding stays, only the write index moves back
+        assert batch.left_padding == before
+    k2, v2 = _kv(3, 2)  # the next window writes after each row's kept tokens
+    batch.update_and_fetch(k2, v2)
+    for b, d in enumerate(drops):
+        kept = width - d
+        rows[b] += [(k[b : b + 1, :, :kept], v[b : b + 1, :, :kept]), (k2[b : b + 1], v2[b : b + 1])]
+        serial, row = _serial_kv(rows[b]), batch.extract(b)
+        assert row.offset == serial.offset == batch.offsets[b]
+        assert _same(row.keys, serial.keys[..., : serial.offset, :])
+        assert _same(row.values, serial.values[..., : serial.offset, :])
+
+
+def test_trim_rows_refuses_more_than_a_row_holds():
+    batch = BatchKVCache.merge([_serial_kv([_kv(1, 2)]), _serial_kv([_kv(1, 4)])])
+    with pytest.raises(ValueError):
+        batch.trim_rows([3, 0])
+    with pytest.raises(ValueError):
+        batch.trim_rows([1])
+
+
+def _traced(b, width, n, seed):
+    """A recurrent cache of b rows right after a traced forward of n tokens: conv inputs and a state per token."""
+    key = mx.random.key(seed)
+    cache = RecurrentCache()
+    cache.start_trace()
+    cache.trace.conv_input = mx.random.normal((b, width + n, 6), key=key)
+    cache.trace.states = [mx.random.normal((b, 2, 3, 3), key=mx.random.key(seed + 1 + t)) for t in range(n)]
+    cache.slots = [cache.trace.conv_input[:, -width:], cache.trace.states[-1]]
+    return cache
+
+
+def test_keep_traced_rows_keeps_each_rows_own_point():
+    kept, width, n = [1, 4, 2], 3, 4
+    batch = _traced(3, width, n, seed=7)
+    trace = batch.trace
+    batch.keep_traced_rows(kept)
+    assert batch.trace is None
+    for b, k in enumerate(kept):
+        serial = RecurrentCache()
+        serial.trace = type(trace)(trace.conv_input[b : b + 1], [s[b : b + 1] for s in trace.states])
+        serial.offset = n
+        serial.keep_traced(k)
+        row = batch.extract(b)
+        assert all(_same(a, s) for a, s in zip(row.slots, serial.slots))
+    with pytest.raises(ValueError):
+        _traced(2, width, n, seed=9).keep_traced_rows([0, 1])
