@@ -413,6 +413,14 @@ def _add_serve(sub) -> None:
     )
     add_kernels_flag(p)
     _add_spec_flags(p)
+    p.add_argument(
+        "--spec-batch",
+        action="store_true",
+        help="speculate inside the continuous batch: with --draft-kind ngram on a model whose caches can roll back "
+        "rows (full attention), each request that can speculate decodes as a spec row beside the plain "
+        "rows, drafting --num-draft-tokens a round; other requests and draft sources run as without it, and each "
+        "result's lane_reason says which (default off: speculation runs alone on the spec lane)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -462,6 +470,7 @@ def cmd_serve(args) -> int:
             max_tokens=args.max_tokens,
             kernels=kernel_config(args),
             spec=spec_config(args),
+            spec_batch=args.spec_batch,
             draft_model=args.draft_model,
             draft_model_path=args.draft_model_path,
             max_body_bytes=args.max_body_bytes,

@@ -39,6 +39,8 @@ from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch, chunk_buckets, power_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
+from engine.batch.spec_rows import SpecRows
+from engine.cache import KVCache
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.kernels import FAST, on_cuda
@@ -54,6 +56,10 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 # the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
 # the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
 FAST_PREFILL_BATCH = 32
+
+
+# the caches spec rows roll back per row (`BatchKVCache.trim_rows`)
+SPEC_ROW_CACHES = frozenset({KVCache})
 
 
 def default_batch() -> int:
@@ -73,6 +79,7 @@ class GatewayConfig:
     prefill_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
     prefill_groups: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
     prefill_budget: int | None = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
+    spec_batch: bool = False  # speculation runs as spec rows in the continuous batch where it can (`--spec-batch`)
 
     def __post_init__(self):
         if self.batch < 1:
@@ -111,6 +118,7 @@ class GatewayConfig:
         prefill_buckets: tuple[int, ...] | None = None,
         prefill_groups: tuple[int, ...] | None = None,
         prefill_budget: int | None = None,
+        spec_batch: bool = False,
     ) -> GatewayConfig:
         """The settings with each None (auto) resolved for `tier`, the kernel tier that loaded (None: not yet
         known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
@@ -142,6 +150,7 @@ class GatewayConfig:
             prefill_buckets=tuple(prefill_buckets),
             prefill_groups=tuple(prefill_groups),
             prefill_budget=prefill_budget or None,
+            spec_batch=spec_batch,
         )
 
 
@@ -150,6 +159,7 @@ class Placement:
     lane: Lane
     reason: str
     cached_tokens: int = 0  # prompt tokens served by the prompt cache
+    spec: bool = False  # on the continuous lane, as a spec row
 
 
 @dataclass(frozen=True)
@@ -224,12 +234,31 @@ class Gateway:
                 chunk_buckets=config.prefill_buckets,
                 group_buckets=config.prefill_groups,
                 layout=self.layout,
+                spec=self._spec_rows(),
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()
         self._serial_shapes: set[tuple[int | str, ...]] = set()
         self.shapes_at_ready = 0  # how many of `shapes` the warm-up ran (`mark_ready`)
         self.kernel_builds_at_ready = 0  # how many custom-kernel builds the process had asked for by then
+
+    def _spec_rows(self) -> SpecRows | None:
+        """The continuous lane's spec rows, with --spec-batch and a draft source they can run (`_spec_batch_refusal`)."""
+        spec = self.speculation
+        if spec is None or not self.config.spec_batch or self._spec_batch_refusal() is not None:
+            return None
+        return SpecRows(self.model, spec.source, spec.config.kind, spec.config.num_draft)
+
+    def _spec_batch_refusal(self) -> str | None:
+        """Why speculation cannot run as spec rows in the continuous batch (None: it can)."""
+        kind = self.speculation.config.kind
+        if kind != "ngram":
+            return f"{kind} drafts run on the spec lane only (the continuous batch drafts ngram only)"
+        kinds = {type(c) for c in self.model.make_cache()}
+        if not kinds <= SPEC_ROW_CACHES:
+            names = ", ".join(sorted(k.__name__ for k in kinds - SPEC_ROW_CACHES))
+            return f"this model's caches ({names}) cannot roll back rows in the continuous batch"
+        return None
 
     @property
     def _kv_batches(self) -> bool:
@@ -257,6 +286,21 @@ class Gateway:
             refusal = "quantized KV runs without speculation"
         if refusal is not None:
             return Placement(placement.lane, f"{refusal}; {placement.reason}")
+        c = spec.config
+        if self.config.spec_batch and placement.lane is Lane.CONTINUOUS:
+            why = self._spec_batch_refusal()
+            if why is None:
+                return Placement(
+                    Lane.CONTINUOUS,
+                    f"speculative decoding ({c.kind}, {c.num_draft} drafts per round, fixed) in the continuous "
+                    f"batch, up to {self.config.batch} rows",
+                    spec=True,
+                )
+            return Placement(
+                Lane.SPEC,
+                f"speculative decoding ({c.kind}, up to {c.num_draft} drafts per round, {c.policy}), alone on the "
+                f"device: {why}",
+            )
         return Placement(
             Lane.SPEC,
             f"speculative decoding ({spec.config.kind}, up to {spec.config.num_draft} "
@@ -282,6 +326,10 @@ class Gateway:
         need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
         check_budget(request, need, self.config.kv_budget)  # both lanes, before the prompt cache is asked
         placement = self.place(request)
+        if placement.spec:  # a verify window writes up to num_draft columns past the row's tokens
+            need = self.layout.row_bytes(
+                len(request.prompt_ids), request.stop.max_tokens + self.speculation.config.num_draft
+            )
         prefix = None
         if self.prompt_cache is not None:
             state = self.speculation.prefix_state if placement.lane is Lane.SPEC else None
@@ -290,10 +338,10 @@ class Gateway:
             sink = _StoringSink(sink, self.prompt_cache)
         cached = len(prefix.tokens) if prefix else 0
         if placement.lane is Lane.CONTINUOUS:
-            self.batcher.submit(request, sink, prefix, need)
+            self.batcher.submit(request, sink, prefix, need, spec=placement.spec)
         else:
             self._serial.append(_Queued(request, sink, prefix, placement.lane))
-        return Placement(placement.lane, placement.reason, cached)
+        return dataclasses.replace(placement, cached_tokens=cached)
 
     def cancel(self, request_id: str) -> bool:
         for i, queued in enumerate(self._serial):

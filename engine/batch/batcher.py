@@ -31,10 +31,19 @@ from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from engine.batch.spec_rows import SpecRows
 from engine.cache import KVCache, cache_nbytes
 from engine.cache.prompt_cache import snapshot
 from engine.generate import KVQuantization
-from engine.request import CachedPrefix, FinishReason, GeneratedToken, GenerationRequest, Lane, RequestResult
+from engine.request import (
+    CachedPrefix,
+    FinishReason,
+    GeneratedToken,
+    GenerationRequest,
+    Lane,
+    RequestResult,
+    SpecStats,
+)
 from engine.sinks import TokenSink
 
 log = logging.getLogger(__name__)
@@ -53,8 +62,9 @@ class ContinuousBatcher:
         group_buckets: tuple[int, ...] = (),
         snapshot_block: int = 0,
         layout: KVLayout | None = None,
+        spec: SpecRows | None = None,
     ):
-        self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets)
+        self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets, spec)
         # the rows' KV projection for the budget: the caller's `layout` (the gateway's), else built here
         self.layout: KVLayout = layout if layout is not None else kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
@@ -85,17 +95,23 @@ class ContinuousBatcher:
         sink: TokenSink,
         prefix: CachedPrefix | None = None,
         kv_bytes: int | None = None,
+        spec: bool = False,
     ) -> None:
         """Queue a request (raises RequestTooLarge if it can never fit the KV budget).
 
         `prefix`: caches holding the first len(prefix.tokens) prompt tokens; prefill starts after them.
         `kv_bytes`: the row's projected KV bytes where the caller has them (`layout.row_bytes`).
+        `spec`: it decodes as a spec row (the batcher was made with `spec` rows).
         """
         if request.request_id in self._sinks:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if spec and self.runner.spec is None:
+            raise ValueError("this batcher has no spec rows")
         if kv_bytes is None:
-            kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        self.scheduler.submit(request, kv_bytes, cached=len(prefix.tokens) if prefix else 0)
+            # a spec row's verify window writes up to num_draft columns past its tokens before the trim
+            extra = self.runner.spec.num_draft if spec else 0
+            kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens + extra)
+        self.scheduler.submit(request, kv_bytes, cached=len(prefix.tokens) if prefix else 0, spec=spec)
         self._sinks[request.request_id] = sink
         if prefix is not None:
             self._prefixes[request.request_id] = prefix.cache
@@ -128,7 +144,8 @@ class ContinuousBatcher:
     @property
     def kv_bytes(self) -> int:
         """Bytes the running batch's and the prefill group's caches hold (ghost rows included)."""
-        return sum(cache_nbytes(c) for c in (self.runner.cache, self.runner.joiner_cache) if c is not None)
+        spec = self.runner.spec.cache if self.runner.spec is not None else None
+        return sum(cache_nbytes(c) for c in (self.runner.cache, self.runner.joiner_cache, spec) if c is not None)
 
     @property
     def shapes(self) -> set[tuple[int | str, ...]]:
@@ -160,31 +177,52 @@ class ContinuousBatcher:
                 self._end(seq)
         if not plan.rows:
             return False
-        try:
-            output = self.runner.decode()
-        except Exception as e:  # noqa: BLE001 - a failed forward fails the batch, never the loop
-            log.exception("decode step failed; failing %d rows", self.runner.num_rows)
-            failed = self.scheduler.fail_running(f"decode step failed: {e!r}")
-            self.runner.reset()
-            for seq in failed:
-                self._end(seq)
-            return True
-        self._fail_rows(output.failures)
-        outcome = self.scheduler.update_decode(output.tokens)
+        spec = self.runner.spec
+        tokens: dict = {}
+        if self.runner.num_rows:
+            try:
+                output = self.runner.decode()
+            except Exception as e:  # noqa: BLE001 - a failed forward fails the batch, never the loop
+                log.exception("decode step failed; failing %d rows", self.runner.num_rows)
+                failed = self.scheduler.fail_running(f"decode step failed: {e!r}")
+                self.runner.reset()
+                if spec is not None:
+                    spec.reset()
+                for seq in failed:
+                    self._end(seq)
+                return True
+            self._fail_rows(output.failures)
+            tokens = output.tokens
+        if spec is not None and spec.num_rows:
+            try:
+                tokens = {**tokens, **spec.step()}
+            except Exception as e:  # noqa: BLE001 - a failed verify forward fails the spec rows only
+                log.exception("verify step failed; failing %d spec rows", spec.num_rows)
+                failed = [self.scheduler.fail_one(r.request_id, f"verify step failed: {e!r}") for r in spec.rows]
+                spec.reset()
+                for seq in failed:
+                    if seq is not None:
+                        self._end(seq)
+            tokens = {s.request_id: tokens[s.request_id] for s in self.scheduler.running}
+        outcome = self.scheduler.update_decode(tokens)
         caches = {}
-        if self.keep_caches:  # each finished row holds its prompt and every token it pushed
+        if self.keep_caches:  # each finished row holds its prompt and every token it pushed (a spec row: kept)
             rows = self.runner.extract([s.request_id for s in outcome.finished])
-            caches = {
-                s.request_id: self._stored(s, s.request.prompt_ids + tuple(s.tracker.ids), rows[s.request_id])
-                for s in outcome.finished
-            }
+            caches = {s.request_id: self._stored(s, self._held(s), rows[s.request_id]) for s in outcome.finished}
         for em in outcome.emissions:
             self._deliver(em.seq, em.tokens)
+        stats = {s.request_id: spec.stats(s.request_id) for s in outcome.finished if s.spec}
         if outcome.finished:
             self.runner.leave({s.request_id for s in outcome.finished})
         for seq in outcome.finished:
-            self._end(seq, caches.get(seq.request_id))
+            self._end(seq, caches.get(seq.request_id), stats.get(seq.request_id))
         return True
+
+    def _held(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens a finished row's caches hold."""
+        if seq.spec:
+            return self.runner.spec.held(seq.request_id)
+        return seq.request.prompt_ids + tuple(seq.tracker.ids)
 
     def _prefill(self, plan: PrefillPlan) -> bool:
         if plan.evicted:
@@ -242,7 +280,8 @@ class ContinuousBatcher:
                 for f in firsts
                 if not f.joins
             }
-        self.runner.join({f.seq.request_id for f in firsts if f.joins})
+        spec = {s.request_id: (s.request.prompt_ids, s.request.stop.max_tokens) for s in ready if s.spec}
+        self.runner.join({f.seq.request_id for f in firsts if f.joins}, spec)
         for f in firsts:
             self._deliver(f.seq, f.tokens)
             if not f.joins:
@@ -283,7 +322,7 @@ class ContinuousBatcher:
         """An entry for the prompt cache: these caches hold `tokens` of this request."""
         return CachedPrefix(tuple(tokens), cache, full_chunk=self._full_chunks.get(seq.request_id))
 
-    def _end(self, seq: Sequence, cache: CachedPrefix | None = None) -> None:
+    def _end(self, seq: Sequence, cache: CachedPrefix | None = None, spec: SpecStats | None = None) -> None:
         self._prefixes.pop(seq.request_id, None)
         self._full_chunks.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)
@@ -303,6 +342,7 @@ class ContinuousBatcher:
             error=seq.error,
             caches=tuple(c for c in (boundary, cache) if c is not None),
             prompt_logprobs=scores,
+            spec=spec,
         )
         try:
             sink.on_end(result)

@@ -37,13 +37,14 @@ had.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.batch.spec_rows import SpecRows
 from engine.cache import (
     BatchCache,
     BatchKVCache,
@@ -250,6 +251,7 @@ class BatchRunner:
         decode_buckets: Sequence[int] = (),
         chunk_buckets: Sequence[int] = (),
         group_buckets: Sequence[int] = (),
+        spec: SpecRows | None = None,
     ):
         if kv is not None and kv.start != 0:
             raise ValueError("the batch lane quantizes KV from the first token (start 0) only")
@@ -279,6 +281,7 @@ class BatchRunner:
         self.ready: list[_Row] = []
         self.ready_cache: list | None = None
         self.ready_first: _Sampled | None = None
+        self.spec = spec  # the spec rows, a group of their own (spec_rows.py); None: no request speculates
 
     # --------------------------------------------------------------- joiners
 
@@ -410,8 +413,25 @@ class BatchRunner:
             logits = logits[:n]
         return logits
 
-    def join(self, request_ids: Collection[str]) -> None:
-        """These split joiners become the last rows of the batch (in split order); the rest of the split goes."""
+    def join(self, request_ids: Collection[str], spec: Mapping[str, tuple[Sequence[int], int]] | None = None) -> None:
+        """These split joiners become the last rows of the batch (in split order); the rest of the split goes.
+        Those in `spec` (request id -> prompt and max_tokens) join the spec rows instead."""
+        if spec:
+            taken = [i for i, row in enumerate(self.ready) if row.request_id in request_ids and row.request_id in spec]
+            if taken:
+                cache = [copy.copy(c) for c in self.ready_cache]
+                for c in cache:
+                    c.filter(taken)
+                rows = [self.ready[i] for i in taken]
+                self.spec.join(
+                    [r.request_id for r in rows],
+                    [r.params for r in rows],
+                    [spec[r.request_id][0] for r in rows],
+                    [spec[r.request_id][1] for r in rows],
+                    cache,
+                    self.ready_first.take(taken).tokens.tolist(),
+                )
+                request_ids = {rid for rid in request_ids if rid not in spec}
         keep = [i for i, row in enumerate(self.ready) if row.request_id in request_ids]
         if keep:
             if len(keep) < len(self.ready):
@@ -486,8 +506,12 @@ class BatchRunner:
         return RowTokens(tokens, failures)
 
     def leave(self, request_ids: Collection[str]) -> None:
-        """These rows leave the batch."""
-        self._filter([i for i, row in enumerate(self.rows) if row.request_id not in request_ids])
+        """These rows leave the batch (plain or spec rows)."""
+        if self.spec is not None:
+            self.spec.leave(request_ids)
+        keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
+        if self.spec is None or len(keep) < len(self.rows):
+            self._filter(keep)
 
     def _filter(self, keep: Sequence[int]) -> None:
         keep = list(keep)
@@ -504,8 +528,10 @@ class BatchRunner:
     def extract(self, request_ids: Collection[str]) -> dict[str, list]:
         """These rows, each as single-row caches (copies; the batch goes on changing), evaluated in one call."""
         index = {r.request_id: i for i, r in enumerate(self.rows)}
-        out = {rid: [c.extract(index[rid]) for c in self.cache] for rid in request_ids}
+        out = {rid: [c.extract(index[rid]) for c in self.cache] for rid in request_ids if rid in index}
         own(out.values())
+        if self.spec is not None and len(out) < len(request_ids):
+            out.update(self.spec.extract([rid for rid in request_ids if rid not in index]))
         return out
 
     def reset(self) -> None:

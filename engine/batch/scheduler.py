@@ -99,6 +99,7 @@ class Sequence:
     # The token in this row's input register was already emitted (token 0 at join):
     # the next decode step reads it back and must not emit it twice.
     input_emitted: bool = False
+    spec: bool = False  # decodes as a spec row (engine.batch.spec_rows): several tokens a step
     finish_reason: FinishReason | None = None
     error: str | None = None
 
@@ -178,12 +179,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, kv_bytes: int, cached: int = 0) -> Sequence:
-        """Queue a request; its first `cached` prompt tokens come from a prompt-cache hit."""
+    def submit(self, request: GenerationRequest, kv_bytes: int, cached: int = 0, spec: bool = False) -> Sequence:
+        """Queue a request; its first `cached` prompt tokens come from a prompt-cache hit; `spec`: it decodes as
+        a spec row."""
         if not 0 <= cached < len(request.prompt_ids):
             raise ValueError(f"cached must be in [0, {len(request.prompt_ids)}), got {cached}")
         check_budget(request, kv_bytes, self.config.kv_budget_bytes)
-        seq = Sequence(request, kv_bytes, FinishTracker(request.stop), prefilled=cached)
+        seq = Sequence(request, kv_bytes, FinishTracker(request.stop), prefilled=cached, spec=spec)
         self.pending.append(seq)
         return seq
 
@@ -232,15 +234,24 @@ class Scheduler:
             self._evict(gone)
         return DecodePlan(tuple(gone), tuple(s.request_id for s in self.running))
 
-    def update_decode(self, tokens: Mapping[str, GeneratedToken]) -> DecodeOutcome:
-        """Apply one decode step's tokens (one per running row, by request id, in row order)."""
+    def update_decode(self, tokens: Mapping[str, GeneratedToken | tuple[GeneratedToken, ...]]) -> DecodeOutcome:
+        """Apply one decode step's tokens (one per running row, by request id, in row order; a spec row's are a
+        tuple, all new, pushed until its request is done)."""
         assert list(tokens) == [s.request_id for s in self.running], (list(tokens), len(self.running))
         emissions, finished = [], []
         for seq, tok in zip(self.running, tokens.values()):
-            if seq.input_emitted:
+            if isinstance(tok, tuple):
+                seq.input_emitted = False
+                out = []
+                for t in tok:
+                    out += self._push(seq, t)
+                    if seq.tracker.done:
+                        break
+            elif seq.input_emitted:
                 seq.input_emitted = False
                 continue
-            out = self._push(seq, tok)
+            else:
+                out = self._push(seq, tok)
             if out:
                 emissions.append(Emission(seq, tuple(out)))
             if seq.tracker.done:
@@ -341,6 +352,8 @@ class Scheduler:
     def _can_admit(self) -> bool:
         if not self.pending or self.hold_admission or len(self.joiners) >= self.config.prefill_batch:
             return False
+        if self.joiners and self.pending[0].spec != self.joiners[0].spec:
+            return False  # a prefill group is all spec rows or all plain rows: plain joiners' padding is their own
         if self.config.kv_groups and self.joiners:
             if (self.pending[0].prefilled > 0) != any(s.prefilled > 0 for s in self.joiners):
                 return False

@@ -68,6 +68,7 @@ class ServeConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS  # a request's max_tokens where it names none
     kernels: KernelConfig | None = None  # None: KernelConfig() (tier auto)
     spec: SpecConfig | None = None  # speculative decoding; None: off
+    spec_batch: bool = False  # speculation as spec rows in the continuous batch where it can (GatewayConfig)
     draft_model: str | None = None  # registry name of the draft model (kind "draft")
     draft_model_path: Path | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -107,6 +108,7 @@ class ServeConfig:
             prefill_buckets=self.prefill_buckets,
             prefill_groups=self.prefill_groups,
             prefill_budget=self.prefill_budget,
+            spec_batch=self.spec_batch,
         )
 
 

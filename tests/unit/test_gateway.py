@@ -145,3 +145,45 @@ def test_a_spec_request_whose_consumer_leaves_is_cancelled(model):
     g.run_until_idle()
     assert sink.result.finish_reason is FinishReason.CANCELLED and sink.result.generated_tokens == 3
     assert not g.has_work
+
+
+# ------------------------------------------------------- spec rows (--spec-batch)
+
+
+def test_spec_batch_runs_ngram_requests_as_spec_rows_in_the_continuous_batch(model):
+    from engine.generate import generate
+
+    g = Gateway(model, GatewayConfig(spec_batch=True, prompt_cache_bytes=1 << 20), _speculation(model))
+    reqs = [make_request(f"r{i}", 10 + 3 * i, 8) for i in range(3)]
+    sinks = [CollectingSink() for _ in reqs]
+    placements = [g.submit(r, s) for r, s in zip(reqs, sinks)]
+    g.run_until_idle()
+    for p, s, r in zip(placements, sinks, reqs):
+        assert p.lane is Lane.CONTINUOUS and p.spec
+        assert "speculative decoding (ngram, 2 drafts per round, fixed) in the continuous batch" in p.reason
+        assert s.result.lane is Lane.CONTINUOUS and s.result.spec.rounds > 0
+        assert s.token_ids == [t.token_id for t in generate(model, r.prompt_ids, stop=r.stop)]
+    assert g.prompt_cache.stats().entries == 3  # each row stored with the tokens its caches hold
+    assert (g.active_rows, g.pending_rows, g.has_work) == (0, 0, False)
+
+
+def test_spec_batch_falls_back_with_the_reason(model, tiny_path):
+    from engine.request import SamplingParams
+
+    g = Gateway(model, GatewayConfig(spec_batch=True), _speculation(model, "draft"))
+    placement = g.place(make_request("d"))
+    assert placement.lane is Lane.SPEC and not placement.spec and "ngram only" in placement.reason
+    g = Gateway(model, GatewayConfig(spec_batch=True), _speculation(model))
+    req = GenerationRequest("p", tuple(range(5, 17)), SamplingParams(presence_penalty=0.5), StopCriteria(max_tokens=4))
+    placement = g.place(req)
+    assert placement.lane is Lane.CONTINUOUS and not placement.spec and placement.reason.startswith("logits processors")
+    gemma = load_model(tiny_path("tiny-gemma3"))[0]  # sliding-window layers: a rotating cache
+    placement = Gateway(gemma, GatewayConfig(spec_batch=True), _speculation(gemma)).place(make_request("w"))
+    assert placement.lane is Lane.SPEC and "RotatingKVCache" in placement.reason
+    assert "cannot roll back rows in the continuous batch" in placement.reason
+
+
+def test_without_spec_batch_speculation_stays_on_the_spec_lane(model):
+    g = Gateway(model, GatewayConfig(), _speculation(model))
+    placement = g.place(make_request("s"))
+    assert placement.lane is Lane.SPEC and not placement.spec and g.batcher.runner.spec is None

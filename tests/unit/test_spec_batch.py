@@ -1,0 +1,154 @@
+"""Spec rows in the continuous batch (engine.batch.spec_rows): every row's greedy output is plain greedy's.
+
+As in test_spec.py the gate is token identity on tie-free float32 prompts (plain greedy never has its top two
+logits closer than TIE_MARGIN): a verify window computes several positions in one forward, so its logits may
+differ from plain decoding's in the last bits. Plain rows decoding beside spec rows run their own forward on their
+own caches, so their logits are bit-identical to a run without the spec rows.
+"""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.batch.spec_rows import SpecRows
+from engine.engine import Engine
+from engine.generate import generate
+from engine.request import FinishReason, GenerationRequest, Lane, StopCriteria
+from engine.sinks import CollectingSink
+from engine.speculative.ngram import NgramSource
+
+TIE_MARGIN = 1e-3
+STEPS = 40
+NUM_DRAFT = 3
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return Engine.load("tiny-qwen3-f32").model
+
+
+def greedy(model, prompt, steps=STEPS, **stop):
+    """Plain greedy ids, and the smallest gap between the top two logits over the run."""
+    gaps = []
+
+    def tap(step):
+        top = mx.sort(step.logits[0].astype(mx.float32))[-2:]
+        gaps.append((top[1] - top[0]).item())
+
+    out = generate(model, prompt, stop=StopCriteria(max_tokens=steps, **stop), tap=tap)
+    return [t.token_id for t in out if not t.is_stop], min(gaps)
+
+
+def prompts_for(model, n, seed=1, length=20):
+    """Tie-free prompts, each a random stretch with its own plain continuation and the stretch again inside, so
+    prompt lookup finds drafts that are sometimes right and sometimes wrong."""
+    rng = random.Random(seed)
+    found = []
+    while len(found) < n:
+        base = [rng.randrange(300, 4000) for _ in range(length)]
+        prompt = base + greedy(model, base, 10)[0] + base
+        if greedy(model, prompt)[1] >= TIE_MARGIN:
+            found.append(prompt)
+    return found
+
+
+@pytest.fixture(scope="module")
+def dense_prompts(dense):
+    return prompts_for(dense, 4)
+
+
+def batcher(model, tap=None, rows=8):
+    spec = SpecRows(model, NgramSource, "ngram", NUM_DRAFT)
+    return ContinuousBatcher(model, SchedulerConfig(max_rows=rows), tap=tap, spec=spec)
+
+
+def run(b, arrivals):
+    """arrivals: (step, request, spec) submitted at that loop step; every request's sink once idle."""
+    sinks, pending, step = {}, sorted(arrivals, key=lambda a: a[0]), 0
+    while pending or b.has_work:
+        while pending and pending[0][0] <= step:
+            _, req, spec = pending.pop(0)
+            sinks[req.request_id] = CollectingSink()
+            b.submit(req, sinks[req.request_id], spec=spec)
+        b.step()
+        step += 1
+    assert b.runner.spec.num_rows == 0 and b.runner.num_rows == 0
+    return sinks
+
+
+def request(rid, prompt, steps=STEPS, **stop):
+    return GenerationRequest(rid, tuple(prompt), stop=StopCriteria(max_tokens=steps, **stop))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_spec_rows_equal_plain_greedy(dense, dense_prompts, rows):
+    sinks = run(batcher(dense), [(0, request(f"r{i}", p), True) for i, p in enumerate(dense_prompts[:rows])])
+    accepted = rejected = 0
+    for i, p in enumerate(dense_prompts[:rows]):
+        s = sinks[f"r{i}"]
+        assert s.token_ids == greedy(dense, p)[0], f"row {i}"
+        assert s.result.lane is Lane.CONTINUOUS and s.result.finish_reason is FinishReason.LENGTH
+        assert s.result.spec.emitted >= STEPS - 1  # token 0 comes from the join, every other from a round
+        accepted += s.result.spec.accepted
+        rejected += s.result.spec.rewinds
+    assert accepted > 0 and rejected > 0  # drafts were taken and drafts were dropped
+    assert sinks["r0"].result.spec.rounds < STEPS - 1  # fewer target forwards than tokens
+
+
+def test_spec_rows_joining_late_and_leaving_early_still_equal(dense, dense_prompts):
+    p = dense_prompts
+    arrivals = [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 7), True),  # leaves early
+        (3, request("c", p[2]), True),  # joins while a and b decode
+        (9, request("d", p[3], 12), True),
+    ]
+    sinks = run(batcher(dense), arrivals)
+    for _, req, _ in arrivals:
+        assert sinks[req.request_id].token_ids == greedy(dense, req.prompt_ids, req.stop.max_tokens)[0]
+
+
+def test_plain_rows_beside_spec_rows_keep_their_logits_bit_for_bit(dense, dense_prompts):
+    p = dense_prompts
+    plain_rows = [(0, request("p0", p[0]), False), (0, request("p1", p[1], 30), False)]
+    spec_rows = [(2, request("s0", p[2]), True), (5, request("s1", p[3], 9), True)]
+
+    def taps(arrivals):
+        seen = {}
+        sinks = run(batcher(dense, tap=lambda rid, x: seen.setdefault(rid, []).append(np.array(x))), arrivals)
+        return seen, sinks
+
+    alone, alone_sinks = taps(plain_rows)
+    beside, sinks = taps(plain_rows + spec_rows)
+    for rid in ("p0", "p1"):
+        assert sinks[rid].token_ids == alone_sinks[rid].token_ids
+        assert len(beside[rid]) == len(alone[rid])
+        assert all(np.array_equal(a, b) for a, b in zip(alone[rid], beside[rid]))
+        assert sinks[rid].result.spec is None
+    for _, req, _ in spec_rows:
+        assert sinks[req.request_id].token_ids == greedy(dense, req.prompt_ids, req.stop.max_tokens)[0]
+
+
+def test_eos_stop_sequences_and_max_tokens_end_spec_rows_exactly(dense, dense_prompts):
+    prompt = dense_prompts[0]
+    ref = greedy(dense, prompt)[0]
+    eos = ref[10]
+    seq = tuple(ref[20:22])
+    at = next(i for i in range(len(ref) - 1) if tuple(ref[i : i + 2]) == seq)
+    arrivals = [
+        (0, request("eos", prompt, eos_ids=frozenset([eos])), True),
+        (0, request("stop", prompt, stop_sequences=(seq,)), True),
+        *[(0, request(f"max{n}", prompt, n), True) for n in (1, 2, 5, 7)],
+    ]
+    sinks = run(batcher(dense), arrivals)
+    assert [t.token_id for t in sinks["eos"].tokens] == ref[: ref.index(eos) + 1]
+    assert sinks["eos"].result.finish_reason is FinishReason.STOP
+    assert sinks["stop"].token_ids == ref[:at] and sinks["stop"].result.finish_reason is FinishReason.STOP
+    for n in (1, 2, 5, 7):
+        assert sinks[f"max{n}"].token_ids == ref[:n]
+        assert sinks[f"max{n}"].result.finish_reason is FinishReason.LENGTH
+        assert sinks[f"max{n}"].result.generated_tokens == n
