@@ -417,7 +417,7 @@ def _add_serve(sub) -> None:
         "--spec-batch",
         action="store_true",
         help="speculate inside the continuous batch: with --draft-kind ngram on a model whose caches can roll back "
-        "rows (full attention), each request that can speculate decodes as a spec row beside the plain "
+        "rows (full attention, DeltaNet), each request that can speculate decodes as a spec row beside the plain "
         "rows, drafting --num-draft-tokens a round; other requests and draft sources run as without it, and each "
         "result's lane_reason says which (default off: speculation runs alone on the spec lane)",
     )

@@ -40,7 +40,7 @@ from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import can_batch, chunk_buckets, power_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.batch.spec_rows import SpecRows
-from engine.cache import KVCache
+from engine.cache import KVCache, RecurrentCache
 from engine.cache.prompt_cache import PromptCache, snapshot
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.kernels import FAST, on_cuda
@@ -58,8 +58,8 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 FAST_PREFILL_BATCH = 32
 
 
-# the caches spec rows roll back per row (`BatchKVCache.trim_rows`)
-SPEC_ROW_CACHES = frozenset({KVCache})
+# the caches spec rows roll back per row (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`)
+SPEC_ROW_CACHES = frozenset({KVCache, RecurrentCache})
 
 
 def default_batch() -> int:

@@ -97,6 +97,18 @@ def test_spec_lane_runs_speculation_and_reports_its_stats(model):
     assert g.prompt_cache.stats().entries == 1  # the prompt's boundary, as the target's caches held it
 
 
+def _second_turn(g):
+    """A request, then a longer one that extends its prompt: both, and the second's placement and sink."""
+    first = make_request("a", max_tokens=6)
+    g.submit(first, CollectingSink())
+    g.run_until_idle()
+    longer = GenerationRequest("b", first.prompt_ids + (31, 32, 33), stop=StopCriteria(max_tokens=6))
+    sink = CollectingSink()
+    placement = g.submit(longer, sink)
+    g.run_until_idle()
+    return first, longer, placement, sink
+
+
 @pytest.mark.parametrize(
     "target,kind",
     [(t, k) for t in ("tiny-llama", "tiny-qwen35-f32") for k in ("draft", "ngram")] + [("tiny-qwen35-f32", "mtp")],
@@ -107,13 +119,7 @@ def test_spec_lane_starts_from_the_prompt_cache_with_the_plain_greedy_tokens(tin
     model = load_model(tiny_path(target))[0]  # dense, and hybrid (its prompt boundary: an exact stored start)
 
     g = Gateway(model, GatewayConfig(prompt_cache_bytes=1 << 30), _speculation(model, kind))
-    first = make_request("a", max_tokens=6)
-    g.submit(first, CollectingSink())
-    g.run_until_idle()
-    longer = GenerationRequest("b", first.prompt_ids + (31, 32, 33), stop=StopCriteria(max_tokens=6))
-    sink = CollectingSink()
-    placement = g.submit(longer, sink)
-    g.run_until_idle()
+    first, longer, placement, sink = _second_turn(g)
     assert placement.lane is Lane.SPEC and placement.cached_tokens == len(first.prompt_ids) - 1
     assert sink.token_ids == [t.token_id for t in generate(model, longer.prompt_ids, stop=longer.stop)]
 
@@ -187,3 +193,14 @@ def test_without_spec_batch_speculation_stays_on_the_spec_lane(model):
     g = Gateway(model, GatewayConfig(), _speculation(model))
     placement = g.place(make_request("s"))
     assert placement.lane is Lane.SPEC and not placement.spec and g.batcher.runner.spec is None
+
+
+def test_spec_batch_on_a_hybrid_model_starts_from_the_prompt_cache_with_the_plain_greedy_tokens(tiny_path):
+    from engine.generate import generate
+
+    hybrid = load_model(tiny_path("tiny-qwen35-f32"))[0]
+    g = Gateway(hybrid, GatewayConfig(spec_batch=True, prompt_cache_bytes=1 << 30), _speculation(hybrid))
+    _, longer, placement, sink = _second_turn(g)
+    assert placement.lane is Lane.CONTINUOUS and placement.spec and placement.cached_tokens > 0
+    assert sink.result.spec.rounds > 0
+    assert sink.token_ids == [t.token_id for t in generate(hybrid, longer.prompt_ids, stop=longer.stop)]

@@ -152,3 +152,23 @@ def test_eos_stop_sequences_and_max_tokens_end_spec_rows_exactly(dense, dense_pr
         assert sinks[f"max{n}"].token_ids == ref[:n]
         assert sinks[f"max{n}"].result.finish_reason is FinishReason.LENGTH
         assert sinks[f"max{n}"].result.generated_tokens == n
+
+
+def test_hybrid_spec_rows_roll_deltanet_state_back_per_row_and_equal_plain_greedy():
+    hybrid = Engine.load("tiny-qwen35-f32").model
+    p = prompts_for(hybrid, 4)
+    arrivals = [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 9), True),
+        (0, request("c", p[2]), False),  # a plain row beside them
+        (4, request("d", p[3]), True),
+    ]
+    sinks = run(batcher(hybrid), arrivals)
+    rewinds = 0
+    for _, req, spec in arrivals:
+        s = sinks[req.request_id]
+        assert s.token_ids == greedy(hybrid, req.prompt_ids, req.stop.max_tokens)[0], req.request_id
+        if spec:
+            assert s.result.spec.replays == 0  # every rejection was undone from the trace, no forward replayed
+            rewinds += s.result.spec.rewinds
+    assert rewinds > 0
