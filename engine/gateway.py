@@ -247,7 +247,7 @@ class Gateway:
         spec = self.speculation
         if spec is None or not self.config.spec_batch or self._spec_batch_refusal() is not None:
             return None
-        return SpecRows(self.model, spec.source, spec.config.kind, spec.config.num_draft)
+        return SpecRows(self.model, spec.source, spec.config.kind, spec.config.num_draft, spec.config.policy)
 
     def _spec_batch_refusal(self) -> str | None:
         """Why speculation cannot run as spec rows in the continuous batch (None: it can)."""

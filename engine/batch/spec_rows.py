@@ -14,12 +14,31 @@ target's own token. The caches then drop each row's rejected tail:
 (the state the traced forward recorded after the row's last kept token) for
 DeltaNet layers.
 
+How many drafts each row feeds (`policy`): "fixed" feeds every draft the
+source proposes (up to `num_draft`); "adaptive" picks the window width W that
+maximises the group's expected emitted tokens per second,
+
+    sum_b tokens_b(min(n_b, W - 1)) / seconds(B * W)
+
+where n_b is what row b's source proposed, tokens_b its expected tokens for k
+drafts (speculative/policy.py's acceptance estimate, per row) and seconds the
+group's measured step time by the forward's token count B * W (moving
+averages, linear between measured counts). W = 1 is plain decoding: every row
+feeds only its pending token. A row's acceptance is learned from its real
+rounds and, while it feeds no drafts, from the drafts its source would have
+proposed checked against the tokens the target then emits (ngram proposals
+cost nothing on the host), so a group that stopped drafting still sees when
+drafting would pay again without a probe window. The first step at a new row
+count runs plain (it measures W = 1); a width never measured is priced at the
+nearest measured count's, so it is tried once.
+
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +48,7 @@ import mlx.nn as nn
 from engine.cache import BatchKVCache, RecurrentCache, cache_arrays, own
 from engine.request import GeneratedToken, SamplingParams, SpecStats
 from engine.sampling import Sampler, emitted_token
+from engine.speculative.policy import AdaptivePolicy, ema, interpolate
 from engine.speculative.source import DraftSource, Round
 
 
@@ -44,16 +64,35 @@ class SpecRow:
     pending: int  # the last emitted token, not yet through the model
     produced: int = 1  # tokens emitted so far (token 0 at the join)
     fed: list[int] = field(default_factory=list)  # tokens after the prompt that the caches hold
+    estimate: AdaptivePolicy | None = None  # acceptance estimate (adaptive policy)
+    shadow: list[int] = field(default_factory=list)  # drafts proposed but not fed, checked against what follows
+    shadow_matched: int = 0
+
+    def check_shadow(self, emitted: Sequence[int]) -> None:
+        """Compare unfed drafts with the tokens the target emitted after them; record them once decided."""
+        for token in emitted:
+            if not self.shadow:
+                return
+            if token == self.shadow[self.shadow_matched]:
+                self.shadow_matched += 1
+                if self.shadow_matched < len(self.shadow):
+                    continue
+            self.estimate.record_acceptance(len(self.shadow), self.shadow_matched)
+            self.shadow, self.shadow_matched = [], 0
 
 
 class SpecRows:
     """The spec rows of a continuous batch; `step` runs one verify forward for all of them."""
 
-    def __init__(self, model: nn.Module, make_source, kind: str, num_draft: int):
+    def __init__(self, model: nn.Module, make_source, kind: str, num_draft: int, policy: str = "fixed"):
+        if policy not in ("fixed", "adaptive"):
+            raise ValueError(f"draft policy must be fixed or adaptive, got {policy!r}")
         self.model = model
         self.make_source = make_source  # a fresh draft source per row
         self.kind = kind
         self.num_draft = num_draft
+        self.adaptive = policy == "adaptive"
+        self.seconds: dict[int, float] = {}  # a step's seconds by its forward's token count (rows * width)
         self.rows: list[SpecRow] = []
         self.cache: list | None = None
 
@@ -76,7 +115,8 @@ class SpecRows:
             source.begin(prompt)
             source.commit(Round((prompt[-1],), 0, token, None))  # token 0, as a round without drafts
             stats = SpecStats(self.kind, self.num_draft)
-            self.rows.append(SpecRow(rid, p, Sampler(p), source, stats, tuple(prompt), most, token))
+            estimate = AdaptivePolicy(self.num_draft) if self.adaptive else None
+            self.rows.append(SpecRow(rid, p, Sampler(p), source, stats, tuple(prompt), most, token, estimate=estimate))
         if self.cache is None:
             self.cache = cache
         else:
@@ -85,9 +125,12 @@ class SpecRows:
 
     def step(self) -> dict[str, tuple[GeneratedToken, ...]]:
         """One verify forward: each row's accepted drafts and the target's own token, by request id (row order)."""
-        drafts = [
+        started = time.perf_counter()
+        proposed = [
             r.source.propose(r.pending, max(min(r.max_tokens - r.produced, self.num_draft), 0)) for r in self.rows
         ]
+        width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
+        drafts = [d[: width - 1] for d in proposed]
         fed = [(r.pending, *d) for r, d in zip(self.rows, drafts)]
         width = max(len(f) for f in fed)
         for c in self.cache:
@@ -118,6 +161,12 @@ class SpecRows:
             row.source.commit(Round(f, accepted, t[accepted], hidden[b : b + 1, : len(f)]))
             row.stats.record_round(len(d), accepted, accepted + 1, False)
             row.fed += f[: accepted + 1]
+            if row.estimate is not None:
+                if d:
+                    row.estimate.record_acceptance(len(d), accepted)
+                if not d and not row.shadow:
+                    row.shadow = list(proposed[b])  # checked against this round's token and the next rounds'
+                row.check_shadow(t[: accepted + 1])
             row.produced += accepted + 1
             row.pending = t[accepted]
         for c in self.cache:
@@ -126,7 +175,20 @@ class SpecRows:
             elif isinstance(c, BatchKVCache):
                 c.trim_rows([width - k for k in kept])
         mx.eval(cache_arrays(self.cache))
+        ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
         return out
+
+    def width(self, proposed: Sequence[Sequence[int]]) -> int:
+        """The window width (1 + drafts fed by the longest row) with the most expected tokens per second."""
+        rows = len(self.rows)
+        if rows not in self.seconds:
+            return 1  # measure a plain step at this row count first
+
+        def rate(w: int) -> float:
+            tokens = sum(r.estimate.expected_tokens(min(len(d), w - 1)) for r, d in zip(self.rows, proposed))
+            return tokens / interpolate(self.seconds, rows * w)
+
+        return max(range(1, 2 + max(len(d) for d in proposed)), key=rate)
 
     def held(self, request_id: str) -> tuple[int, ...]:
         """The tokens this row's caches hold: its prompt, then what it fed and kept."""

@@ -85,19 +85,8 @@ class AdaptivePolicy:
             total += chain
         return total
 
-    def _verify_s(self, window: int) -> float:
-        """Measured, else linear between the nearest measured sizes, else the nearest one's."""
-        t = self.verify_s
-        if window in t:
-            return t[window]
-        below = max((w for w in t if w < window), default=None)
-        above = min((w for w in t if w > window), default=None)
-        if below is None or above is None:
-            return t[below if above is None else above]
-        return t[below] + (t[above] - t[below]) * (window - below) / (above - below)
-
     def seconds(self, k: int) -> float:
-        return k * (self.draft_s or 0.0) + self._verify_s(k + 1)
+        return k * (self.draft_s or 0.0) + interpolate(self.verify_s, k + 1)
 
     def choose(self, limit: int) -> int:
         if limit <= 0:
@@ -123,17 +112,36 @@ class AdaptivePolicy:
     def record(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         self.rounds += 1
         self.idle = self.idle + 1 if drafted == 0 else 0
+        self.record_acceptance(drafted, accepted)
+        ema(self.verify_s, drafted + 1, verify_s)
+        if drafted:
+            per = draft_s / drafted
+            self.draft_s = per if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * per
+
+    def record_acceptance(self, drafted: int, accepted: int) -> None:
+        """Only the acceptance counts: `drafted` drafts of which the first `accepted` matched the target."""
         self.tried = [t * DECAY for t in self.tried]
         self.taken = [t * DECAY for t in self.taken]
         for i in range(min(accepted + 1, drafted)):
             self.tried[i] += 1.0
             self.taken[i] += i < accepted
-        window = drafted + 1
-        old = self.verify_s.get(window)
-        self.verify_s[window] = verify_s if old is None else (1 - EMA) * old + EMA * verify_s
-        if drafted:
-            per = draft_s / drafted
-            self.draft_s = per if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * per
+
+
+def ema(table: dict[int, float], key: int, seconds: float) -> None:
+    """Fold a new timing into `table[key]` (a moving average with weight EMA on the newest)."""
+    old = table.get(key)
+    table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+
+def interpolate(table: dict[int, float], key: int) -> float:
+    """`table[key]` if measured, else linear between the nearest measured keys, else the nearest one's."""
+    if key in table:
+        return table[key]
+    below = max((w for w in table if w < key), default=None)
+    above = min((w for w in table if w > key), default=None)
+    if below is None or above is None:
+        return table[below if above is None else above]
+    return table[below] + (table[above] - table[below]) * (key - below) / (above - below)
 
 
 def make_policy(name: str, num_draft: int) -> DraftPolicy:

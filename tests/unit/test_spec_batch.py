@@ -172,3 +172,57 @@ def test_hybrid_spec_rows_roll_deltanet_state_back_per_row_and_equal_plain_greed
             assert s.result.spec.replays == 0  # every rejection was undone from the trace, no forward replayed
             rewinds += s.result.spec.rewinds
     assert rewinds > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-f32", "tiny-qwen35-f32"])
+def test_the_adaptive_window_changes_windows_not_tokens(name):
+    model = Engine.load(name).model
+    p = prompts_for(model, 4)
+    for rows in (1, 4):
+        spec = SpecRows(model, NgramSource, "ngram", NUM_DRAFT, "adaptive")
+        b = ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec)
+        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
+        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
+        sinks = run(b, arrivals)
+        for _, req, _ in arrivals:
+            s = sinks[req.request_id]
+            assert s.token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
+            assert s.result.spec.emitted == req.stop.max_tokens - 1
+        assert 1 in spec.seconds or rows > 1  # a plain window was measured
+
+
+def adaptive_rows(n, limit=NUM_DRAFT):
+    from engine.batch.spec_rows import SpecRow
+    from engine.speculative.policy import AdaptivePolicy
+
+    spec = SpecRows(None, NgramSource, "ngram", limit, "adaptive")
+    spec.rows = [SpecRow(f"r{i}", None, None, None, None, (), 100, 0, estimate=AdaptivePolicy(limit)) for i in range(n)]
+    return spec
+
+
+def test_the_window_width_maximises_the_groups_expected_tokens_per_second():
+    spec = adaptive_rows(2)
+    assert spec.width([[1, 2, 3], [4]]) == 1  # nothing measured at two rows: a plain step first
+    spec.seconds = {2: 1.0, 8: 1.0}  # drafting costs nothing
+    assert spec.width([[1, 2, 3], [4]]) == 4
+    assert spec.width([[1], []]) == 2  # no wider than the longest proposal
+    assert spec.width([[], []]) == 1
+    spec.seconds = {2: 1.0, 8: 2.5}  # a 4-wide window costs two and a half plain steps
+    for r in spec.rows:
+        for _ in range(20):
+            r.estimate.record_acceptance(3, 0)  # nothing accepted
+    assert spec.width([[1, 2, 3], [4, 5, 6]]) == 1
+    for r in spec.rows:
+        for _ in range(40):
+            r.estimate.record_acceptance(3, 3)  # everything accepted
+    assert spec.width([[1, 2, 3], [4, 5, 6]]) == 4
+    assert spec.width([[1, 2, 3], []]) == 1  # one row alone cannot pay for the window
+
+
+def test_drafts_not_fed_are_checked_against_the_tokens_that_follow():
+    row = adaptive_rows(1).rows[0]
+    row.shadow = [5, 6, 7]
+    row.check_shadow([5])
+    assert row.shadow and row.estimate.tried == [0.0, 0.0, 0.0]  # not decided yet
+    row.check_shadow([6, 9])  # two matched, the third did not
+    assert row.shadow == [] and row.estimate.tried == [1.0, 1.0, 1.0] and row.estimate.taken == [1.0, 1.0, 0.0]
