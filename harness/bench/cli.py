@@ -6,6 +6,7 @@ decoding)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import statistics
@@ -462,19 +463,47 @@ def add_spec(sub) -> None:
         "or from the trained models' held-out Python source (default: held-out for a trained target, "
         "corpus otherwise)",
     )
+    p.add_argument(
+        "--concurrency",
+        type=row_counts,
+        default=(),
+        help="comma-separated row counts, e.g. 1,4,8: run each arm with that many requests at once through the "
+        "continuous batcher (plain rows against ngram spec rows) instead of one request at a time",
+    )
     json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")
     p.set_defaults(func=cmd_spec)
 
 
+def row_counts(text: str) -> tuple[int, ...]:
+    """'1,4,8' -> (1, 4, 8): positive, each once."""
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"row counts must be integers, got {text!r}") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"row counts must be positive and each given once, got {text!r}")
+    return counts
+
+
 def cmd_spec(args) -> int:
     # on use: MLX and the model code load here, not when `harness --help` builds every parser
-    from harness.bench.spec import SpecBenchConfig, markdown, parse_arms, run_spec_bench, write
+    from harness.bench.spec import (
+        SpecBenchConfig,
+        concurrency_refusal,
+        markdown,
+        parse_arms,
+        run_concurrent_bench,
+        run_spec_bench,
+        write,
+    )
 
     try:
         arms = parse_arms(args.arms, args.model)
     except ValueError as e:
         raise CliError(str(e)) from None
+    if args.concurrency and (why := concurrency_refusal(arms)):
+        raise CliError(why)
     try:
         trained = get_spec(args.model).tier == "trained"
     except UnknownModelError as e:
@@ -490,12 +519,15 @@ def cmd_spec(args) -> int:
         policy=args.policy,
         seed=args.seed,
         text=text,
+        concurrency=args.concurrency,
     )
+    run = run_concurrent_bench if cfg.concurrency else run_spec_bench
     with status("loading") as progress:
-        result = run_spec_bench(args.model, arms, cfg, on_progress=progress.update)
+        result = run(args.model, arms, cfg, on_progress=progress.update)
     write(result, args.json, args.md)
     out.print(markdown(result), markup=False, highlight=False)
-    return 0 if all(all(a.same_tokens) for a in result.arms) else 1
+    results = result if cfg.concurrency else [result]
+    return 0 if all(all(a.same_tokens) for r in results for a in r.arms) else 1
 
 
 def paired(ratios: list[float]) -> str:

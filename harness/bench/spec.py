@@ -20,6 +20,17 @@ block's tokens equal the plain arm's, and the paired ratio against plain
 (geometric mean of per-block ratios with a bootstrap interval and verdict,
 harness.run.stats) once there are enough blocks.
 
+With `concurrency` (a list of row counts, `harness spec --concurrency 1,4,8`)
+each arm instead runs N requests at once through the continuous batcher: the
+plain arm as plain rows, ngram as spec rows (engine/batch/spec_rows.py, the
+arm's draft policy). Block b's N prompts are its seed's and the next N - 1
+seeds'. A block's rate is the batch's decode rate: every row's tokens after
+its first over the time from the last row's first token to the last row's
+end; its TTFT the median row's. The paired ratio, acceptance and tokens per
+target forward (pooled over the rows, with each row's own in the record) are
+reported per row count. Draft-model, self and MTP arms draft on the spec lane
+only, so they are refused here.
+
 Random weights make a separate draft model or the MTP head agree with the
 target rarely: their acceptance here says how the machinery behaves at low
 acceptance; the trained models (`trained` tier) give a pair's real one.
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +48,13 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.batch.spec_rows import SpecRows
 from engine.engine import Engine
 from engine.generate import generate
-from engine.request import SpecStats, StopCriteria
+from engine.request import GenerationRequest, SpecStats, StopCriteria
+from engine.sinks import CollectingSink
 from engine.speculative.config import SpecConfig, load_speculation
 from harness.bench.native import time_sample
 from harness.gates.quality import held_out_ids
@@ -87,6 +103,7 @@ class SpecBenchConfig:
     policy: str = "fixed"  # the benchmark's default shows the full draft count's cost; "adaptive" as served
     seed: int = 0
     text: str = "corpus"  # where prompts come from: "corpus" or "held-out" (TEXTS)
+    concurrency: tuple[int, ...] = ()  # row counts run through the continuous batcher; () = one request at a time
 
 
 TEXTS = ("corpus", "held-out")
@@ -112,6 +129,7 @@ class ArmResult:
     ttft_ms: list[float] = field(default_factory=list)
     same_tokens: list[bool] = field(default_factory=list)  # per block, vs plain
     spec: dict | None = None  # pooled SpecStats over the measured blocks
+    row_spec: list[dict] = field(default_factory=list)  # with concurrency: each measured row's own SpecStats
 
     @property
     def median_decode_tps(self) -> float:
@@ -129,6 +147,7 @@ class SpecBenchResult:
     config: SpecBenchConfig
     arms: list[ArmResult]
     seeds: list[int]
+    rows: int | None = None  # concurrent requests (None: one at a time, the serial lanes)
 
     def plain(self) -> ArmResult:
         return self.arms[0]
@@ -147,6 +166,8 @@ class SpecBenchResult:
             "seeds": self.seeds,
             "arms": [],
         }
+        if self.rows is not None:
+            out["rows"] = self.rows
         for a in self.arms:
             rec = {**asdict(a), "median_decode_tps": a.median_decode_tps, "median_ttft_ms": a.median_ttft_ms}
             if a is not self.plain():
@@ -210,44 +231,170 @@ def run_spec_bench(
     return SpecBenchResult(model, str(mx.default_device()), cfg, results, seeds)
 
 
-def markdown(result: SpecBenchResult) -> str:
-    c = result.config
+@dataclass
+class _TimedSink(CollectingSink):
+    """Keeps every token and when it arrived."""
+
+    stamps: list[float] = field(default_factory=list)
+
+    def on_token(self, token):
+        self.stamps.append(time.perf_counter())
+        return super().on_token(token)
+
+
+def concurrency_refusal(arms: Sequence[SpecArm]) -> str | None:
+    """Why these arms cannot run through the continuous batcher (None: they can)."""
+    other = [a.name for a in arms if a.kind not in (None, "ngram")]
+    if other:
+        return (
+            f"--concurrency runs plain and ngram only: {', '.join(other)} draft on the spec lane, one request at a "
+            "time (the continuous batch has no draft-model or MTP rows yet)"
+        )
+    return None
+
+
+def run_concurrent_bench(
+    model: str,
+    arms: Sequence[SpecArm],
+    cfg: SpecBenchConfig,
+    on_progress: Callable[[str], None] = lambda _msg: None,
+) -> list[SpecBenchResult]:
+    """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher."""
+    why = concurrency_refusal(arms)
+    if why is not None:
+        raise ValueError(why)
+    target = Engine.load(model)
+    encode, _ = tokenizer_for(target.path)
+    setups = {
+        a.name: load_speculation(
+            SpecConfig(a.kind, cfg.num_draft, cfg.ngram_min, cfg.ngram_max, cfg.rollback, cfg.policy), target
+        )
+        for a in arms
+        if a.kind is not None
+    }
+    stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
+
+    def batch(arm: SpecArm, prompts: list[list[int]]) -> tuple[list[_TimedSink], float, float]:
+        """The rows' sinks, the batch's decode rate and the median row's TTFT (ms)."""
+        setup = setups.get(arm.name)
+        spec = None if setup is None else SpecRows(target.model, setup.source, arm.kind, cfg.num_draft, cfg.policy)
+        b = ContinuousBatcher(target.model, SchedulerConfig(max_rows=len(prompts)), spec=spec)
+        sinks = [_TimedSink() for _ in prompts]
+        mx.synchronize()
+        start = time.perf_counter()
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks)):
+            b.submit(GenerationRequest(f"{arm.name}-{i}", tuple(prompt), stop=stop), sink, spec=spec is not None)
+        while b.has_work:
+            b.step()
+        mx.synchronize()
+        first = max(s.stamps[0] for s in sinks)
+        end = max(s.stamps[-1] for s in sinks)
+        rate = sum(len(s.stamps) - 1 for s in sinks) / (end - first)
+        return sinks, rate, statistics.median((s.stamps[0] - start) * 1000 for s in sinks)
+
+    results = []
+    seeds = [cfg.seed + b for b in range(cfg.blocks)]
+    for n in cfg.concurrency:
+
+        def prompts(block: int, n: int = n) -> list[list[int]]:
+            return [block_prompt(encode, cfg.text, cfg.seed + block * n + i, cfg.prompt_tokens) for i in range(n)]
+
+        for arm in arms:
+            on_progress(f"{n} rows: warming up {arm.name}")
+            for _ in range(cfg.warmup):
+                batch(arm, prompts(cfg.blocks))
+        out = [ArmResult(a.name, a.kind, a.draft) for a in arms]
+        pooled = {a.name: SpecStats(a.kind, cfg.num_draft) for a in arms if a.kind is not None}
+        for b in range(cfg.blocks):
+            block = prompts(b)
+            order = list(range(len(arms)))
+            order = order[b % len(order) :] + order[: b % len(order)]
+            tokens: dict[str, list[list[int]]] = {}
+            for i in order:
+                arm = arms[i]
+                on_progress(f"{n} rows, block {b + 1}/{cfg.blocks}: {arm.name}")
+                sinks, rate, ttft = batch(arm, block)
+                tokens[arm.name] = [s.token_ids for s in sinks]
+                out[i].decode_tps.append(rate)
+                out[i].ttft_ms.append(ttft)
+                for s in sinks:
+                    if s.result.spec is not None:
+                        pooled[arm.name].add(s.result.spec)
+                        out[i].row_spec.append(s.result.spec.as_dict())
+            for r in out:
+                r.same_tokens.append(tokens[r.arm] == tokens[PLAIN])
+        for r in out:
+            if r.arm in pooled:
+                r.spec = pooled[r.arm].as_dict()
+        results.append(SpecBenchResult(model, str(mx.default_device()), cfg, out, seeds, rows=n))
+    return results
+
+
+def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
+    """One table: a serial result's arms, or every row count's arms of a concurrent run (a rows column first)."""
+    results = [result] if isinstance(result, SpecBenchResult) else list(result)
+    first = results[0]
+    c, rows = first.config, first.rows is not None
+    title = "Speculative decoding vs plain"
+    how = ""
+    if rows:
+        title += " in the continuous batch"
+        how = (
+            "Each block runs N requests at once (plain rows against spec rows); decode tok/s is the batch's, "
+            "TTFT the median row's, acceptance and tokens per target forward pooled over the rows. "
+        )
     lines = [
-        f"# Speculative decoding vs plain: {result.model} on {result.device}",
+        f"# {title}: {first.model} on {first.device}",
         "",
         f"{c.blocks} blocks, {c.prompt_tokens}-token prompts ({c.text} text), {c.decode_tokens} generated tokens "
         f"(greedy, EOS ignored), up to {c.num_draft} drafts per round ({c.policy} policy), {c.rollback} rollback. "
-        "Ratios: decode rate against plain, "
+        f"{how}Ratios: decode rate against plain, "
         "geometric mean of per-block ratios with a 95% bootstrap interval.",
         "",
-        "| arm | decode tok/s | vs plain | paired verdict | TTFT ms | acceptance | tokens / target forward "
-        "| replays / round | same tokens as plain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rows " * rows + "| arm | decode tok/s | vs plain | paired verdict | TTFT ms | acceptance "
+        "| tokens / target forward | replays / round | same tokens as plain |",
+        "|---" * rows + "|---|---|---|---|---|---|---|---|---|",
     ]
-    for a in result.arms:
-        s = a.spec or {}
-        if a is result.plain():
-            ratio, verdict = "1", "baseline"
-        else:
-            v = result.verdict(a)
-            ratio = f"{v.geomean:.3f}"
-            ci = f" [{v.ci_low:.3f}-{v.ci_high:.3f}]" if v.ci_low is not None else ""
-            verdict = f"{v.verdict}{ci}"
-        acc = f"{s['accepted']}/{s['drafted']} ({s['acceptance']:.0%})" if s else "-"
-        tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
-        rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
-        same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
-        lines.append(
-            f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
-            f"| {tpf} | {rep} | {same} |"
-        )
+    for r in results:
+        for a in r.arms:
+            s = a.spec or {}
+            if a is r.plain():
+                ratio, verdict = "1", "baseline"
+            else:
+                v = r.verdict(a)
+                ratio = f"{v.geomean:.3f}"
+                ci = f" [{v.ci_low:.3f}-{v.ci_high:.3f}]" if v.ci_low is not None else ""
+                verdict = f"{v.verdict}{ci}"
+            acc = f"{s['accepted']}/{s['drafted']} ({s['acceptance']:.0%})" if s else "-"
+            tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
+            rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
+            same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
+            lines.append(
+                f"| {r.rows} "
+                * rows
+                + f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
+                f"| {tpf} | {rep} | {same} |"
+            )
     return "\n".join(lines) + "\n"
 
 
-def write(result: SpecBenchResult, json_path: Path | None, md_path: Path | None) -> None:
+def record(result: SpecBenchResult | Sequence[SpecBenchResult]) -> dict:
+    """A serial result's record, or a concurrent run's: model, device, config and one record per row count."""
+    if isinstance(result, SpecBenchResult):
+        return result.as_record()
+    first = result[0]
+    return {
+        "model": first.model,
+        "device": first.device,
+        "config": asdict(first.config),
+        "concurrency": [r.as_record() for r in result],
+    }
+
+
+def write(result: SpecBenchResult | Sequence[SpecBenchResult], json_path: Path | None, md_path: Path | None) -> None:
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.as_record(), indent=2) + "\n")
+        json_path.write_text(json.dumps(record(result), indent=2) + "\n")
     if md_path:
         md_path.parent.mkdir(parents=True, exist_ok=True)
         md_path.write_text(markdown(result))

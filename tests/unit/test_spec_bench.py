@@ -127,3 +127,48 @@ def test_the_trained_hybrid_and_its_mtp_head_accept_most_drafts(tmp_path):
     rec = json.loads(out.read_text())
     mtp, draft = (a["spec"] for a in rec["arms"][1:])
     assert mtp["acceptance"] >= 0.5 and draft["acceptance"] >= 0.5, (mtp, draft)
+
+
+def test_concurrency_parses_a_list_of_row_counts():
+    import argparse
+
+    from harness.bench.cli import row_counts
+
+    assert row_counts("1,4,8") == (1, 4, 8)
+    assert row_counts("4") == (4,)
+    for bad in ("0,4", "1,1", "a", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            row_counts(bad)
+
+
+def test_a_tiny_concurrent_run_at_1_and_4_rows_pairs_spec_rows_with_plain_rows(tmp_path):
+    from harness.bench.spec import record, run_concurrent_bench
+
+    cfg = SpecBenchConfig(prompt_tokens=24, decode_tokens=10, blocks=2, warmup=0, num_draft=2, concurrency=(1, 4))
+    results = run_concurrent_bench("tiny-qwen3-f32", parse_arms("ngram", "tiny-qwen3-f32"), cfg)
+    assert [r.rows for r in results] == [1, 4]
+    for r in results:
+        assert [a.arm for a in r.arms] == [PLAIN, "ngram"]
+        plain, ngram = r.arms
+        assert len(plain.decode_tps) == len(ngram.same_tokens) == 2 and plain.spec is None
+        assert len(ngram.row_spec) == 2 * r.rows  # every row of every block
+        assert ngram.spec["rounds"] == sum(s["rounds"] for s in ngram.row_spec)
+    rec = record(results)
+    assert [c["rows"] for c in rec["concurrency"]] == [1, 4]
+    assert "paired" in rec["concurrency"][1]["arms"][1]
+    json.dumps(rec)
+    md = markdown(results)
+    assert "| rows | arm |" in md and "| 4 | ngram |" in md and "| 1 | plain |" in md
+    with pytest.raises(ValueError, match="plain and ngram only"):
+        run_concurrent_bench("tiny-qwen3-f32", parse_arms("mtp", "x"), cfg)
+    assert harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "self", "--concurrency", "1,4"]) != 0
+
+
+def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path):
+    out, md = tmp_path / "spec.json", tmp_path / "spec.md"
+    args = ["spec", "--model", "tiny-qwen3-f32", "--arms", "plain,ngram", "--blocks", "1", "--prompt-tokens", "16"]
+    args += ["--decode-tokens", "8", "--warmup", "0", "--concurrency", "1,4", "--json", str(out), "--md", str(md)]
+    assert harness_main(args) in (0, 1)  # 1 only if a row's tokens differ from plain's
+    rec = json.loads(out.read_text())
+    assert [c["rows"] for c in rec["concurrency"]] == [1, 4]
+    assert "| 4 | ngram |" in md.read_text()
