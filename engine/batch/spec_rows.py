@@ -133,8 +133,9 @@ class SpecRows:
         drafts = [d[: width - 1] for d in proposed]
         fed = [(r.pending, *d) for r, d in zip(self.rows, drafts)]
         width = max(len(f) for f in fed)
+        traced = width > 1  # a plain window (no row drafts) keeps everything: nothing to trace or trim
         for c in self.cache:
-            if isinstance(c, RecurrentCache):
+            if traced and isinstance(c, RecurrentCache):
                 c.start_trace()
         hidden = self.model.hidden(mx.array([list(f) + [0] * (width - len(f)) for f in fed]), self.cache)
         logits = self.model.logits(hidden)
@@ -170,9 +171,9 @@ class SpecRows:
             row.produced += accepted + 1
             row.pending = t[accepted]
         for c in self.cache:
-            if isinstance(c, RecurrentCache):
+            if traced and isinstance(c, RecurrentCache):
                 c.keep_traced_rows(kept)
-            elif isinstance(c, BatchKVCache):
+            elif traced and isinstance(c, BatchKVCache):
                 c.trim_rows([width - k for k in kept])
         mx.eval(cache_arrays(self.cache))
         ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
