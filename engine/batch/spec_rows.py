@@ -67,6 +67,7 @@ class SpecRow:
     estimate: AdaptivePolicy | None = None  # acceptance estimate (adaptive policy)
     shadow: list[int] = field(default_factory=list)  # drafts proposed but not fed, checked against what follows
     shadow_matched: int = 0
+    in_flight: bool = False  # a launched plain window feeds `pending` (already counted in `fed`)
 
     def check_shadow(self, emitted: Sequence[int]) -> None:
         """Compare unfed drafts with the tokens the target emitted after them; record them once decided."""
@@ -79,6 +80,16 @@ class SpecRow:
                     continue
             self.estimate.record_acceptance(len(self.shadow), self.shadow_matched)
             self.shadow, self.shadow_matched = [], 0
+
+
+@dataclass
+class _Ahead:
+    """A plain window launched before the previous window's tokens were read."""
+
+    sampled: mx.array  # [B, 1]
+    logprobs: mx.array  # [B, 1, V]
+    hidden: mx.array
+    ids: list[str]  # the rows it was launched for, in row order
 
 
 class SpecRows:
@@ -95,6 +106,8 @@ class SpecRows:
         self.seconds: dict[int, float] = {}  # a step's seconds by its forward's token count (rows * width)
         self.rows: list[SpecRow] = []
         self.cache: list | None = None
+        self.ahead: _Ahead | None = None
+        self.read_at = 0.0  # when the last window's tokens were read
 
     @property
     def num_rows(self) -> int:
@@ -125,10 +138,10 @@ class SpecRows:
 
     def step(self) -> dict[str, tuple[GeneratedToken, ...]]:
         """One verify forward: each row's accepted drafts and the target's own token, by request id (row order)."""
+        if self.ahead is not None:
+            return self._take_ahead()
         started = time.perf_counter()
-        proposed = [
-            r.source.propose(r.pending, max(min(r.max_tokens - r.produced, self.num_draft), 0)) for r in self.rows
-        ]
+        proposed = [r.source.propose(r.pending, self._limit(r)) for r in self.rows]
         width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
         drafts = [d[: width - 1] for d in proposed]
         fed = [(r.pending, *d) for r, d in zip(self.rows, drafts)]
@@ -137,22 +150,75 @@ class SpecRows:
         for c in self.cache:
             if traced and isinstance(c, RecurrentCache):
                 c.start_trace()
-        hidden = self.model.hidden(mx.array([list(f) + [0] * (width - len(f)) for f in fed]), self.cache)
+        x = mx.array([list(f) + [0] * (width - len(f)) for f in fed])
+        sampled, logprobs, hidden = self._forward(x, [len(f) for f in fed])
+        launched = not traced and self._launch_ahead(sampled)
+        tokens = sampled.tolist()
+        self.read_at = time.perf_counter()
+        out, kept = self._emit(self.rows, fed, proposed, tokens, logprobs, hidden, launched)
+        if traced:
+            for c in self.cache:
+                if isinstance(c, RecurrentCache):
+                    c.keep_traced_rows(kept)
+                elif isinstance(c, BatchKVCache):
+                    c.trim_rows([width - k for k in kept])
+            mx.eval(cache_arrays(self.cache))
+        if not launched:  # a launching step's time holds part of the launched window's
+            ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
+        return out
+
+    def _limit(self, row: SpecRow) -> int:
+        """The most drafts a row may feed: num_draft, and no more than it has tokens left to emit."""
+        return max(min(row.max_tokens - row.produced, self.num_draft), 0)
+
+    def _forward(self, x: mx.array, lengths: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+        """The target over the right-padded windows x [B, W] (row b's first lengths[b] real), lazily: each
+        position's sampled token [B, W], logprobs [B, W, V] and the final hidden state."""
+        hidden = self.model.hidden(x, self.cache)
         logits = self.model.logits(hidden)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.params.is_greedy for r in self.rows):
-            sampled = mx.argmax(logprobs, axis=-1)
-        else:
-            sampled = mx.stack(
-                [
-                    mx.pad(r.sampler(logprobs[b, : len(f)]), (0, width - len(f)))
-                    for b, (r, f) in enumerate(zip(self.rows, fed))
-                ]
-            )
-        tokens = sampled.tolist()
+            return mx.argmax(logprobs, axis=-1), logprobs, hidden
+        width = x.shape[1]
+        sampled = mx.stack(
+            [mx.pad(r.sampler(logprobs[b, :n]), (0, width - n)) for b, (r, n) in enumerate(zip(self.rows, lengths))]
+        )
+        return sampled, logprobs, hidden
+
+    def _launch_ahead(self, sampled: mx.array) -> bool:
+        """After a plain window: when no row would draft even with every draft proposed, launch the next plain
+        window on this one's tokens before they are read (as plain rows pipeline their steps)."""
+        rows = len(self.rows)
+        if not self.adaptive or rows not in self.seconds or self.width([[0] * self.num_draft] * rows) != 1:
+            return False
+        nxt = self._forward(sampled[:, :1], [1] * rows)
+        mx.async_eval(nxt[0], nxt[1])
+        self.ahead = _Ahead(*nxt, [r.request_id for r in self.rows])
+        return True
+
+    def _take_ahead(self) -> dict[str, tuple[GeneratedToken, ...]]:
+        """The launched plain window's tokens; rows that joined since it was launched emit nothing this step."""
+        a, self.ahead = self.ahead, None
+        rows = self.rows[: len(a.ids)]  # joiners come after the rows it was launched for
+        launched = len(rows) == len(self.rows) and self._launch_ahead(a.sampled)
+        fed = [(r.pending,) for r in rows]
+        # what each row's source would have drafted for this window, for its shadow check
+        proposed = [r.source.propose(r.pending, self._limit(r)) for r in rows]
+        tokens = a.sampled.tolist()
+        now = time.perf_counter()
+        if launched:  # one pipelined plain window costs the time between two windows' reads
+            ema(self.seconds, len(rows), now - self.read_at)
+        self.read_at = now
+        out, _ = self._emit(rows, fed, proposed, tokens, a.logprobs, a.hidden, launched)
+        return out | {r.request_id: () for r in self.rows[len(rows) :]}
+
+    def _emit(self, rows, fed, proposed, tokens, logprobs, hidden, launched: bool):
+        """Each row's accepted drafts and the target's token, the rows' bookkeeping, and how many tokens of its
+        window each row keeps. `launched`: the next plain window, feeding each row's new pending token, is on
+        its way (so the caches will hold it)."""
         out: dict[str, tuple[GeneratedToken, ...]] = {}
         kept = []
-        for b, (row, f) in enumerate(zip(self.rows, fed)):
+        for b, (row, f) in enumerate(zip(rows, fed)):
             d, t = f[1:], tokens[b]
             accepted = 0
             while accepted < len(d) and t[accepted] == d[accepted]:
@@ -161,7 +227,8 @@ class SpecRows:
             out[row.request_id] = tuple(emitted_token(t[j], logprobs[b, j], row.params) for j in range(accepted + 1))
             row.source.commit(Round(f, accepted, t[accepted], hidden[b : b + 1, : len(f)]))
             row.stats.record_round(len(d), accepted, accepted + 1, False)
-            row.fed += f[: accepted + 1]
+            if not row.in_flight:  # an in-flight window's token was counted when it was launched
+                row.fed += f[: accepted + 1]
             if row.estimate is not None:
                 if d:
                     row.estimate.record_acceptance(len(d), accepted)
@@ -170,14 +237,10 @@ class SpecRows:
                 row.check_shadow(t[: accepted + 1])
             row.produced += accepted + 1
             row.pending = t[accepted]
-        for c in self.cache:
-            if traced and isinstance(c, RecurrentCache):
-                c.keep_traced_rows(kept)
-            elif traced and isinstance(c, BatchKVCache):
-                c.trim_rows([width - k for k in kept])
-        mx.eval(cache_arrays(self.cache))
-        ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
-        return out
+            row.in_flight = launched
+            if launched:
+                row.fed.append(row.pending)
+        return out, kept
 
     def width(self, proposed: Sequence[Sequence[int]]) -> int:
         """The window width (1 + drafts fed by the longest row) with the most expected tokens per second."""
@@ -204,6 +267,12 @@ class SpecRows:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
+        a = self.ahead
+        if a is not None:
+            index = [i for i in keep if i < len(a.ids)]
+            ids = [r.request_id for r in self.rows[: len(index)]]
+            rows = mx.array(index)
+            self.ahead = _Ahead(a.sampled[rows], a.logprobs[rows], a.hidden[rows], ids) if index else None
         if not self.rows:
             self.cache = None  # the last row left: the next joiners start a fresh group
             return
@@ -217,4 +286,4 @@ class SpecRows:
         return out
 
     def reset(self) -> None:
-        self.rows, self.cache = [], None
+        self.rows, self.cache, self.ahead = [], None, None

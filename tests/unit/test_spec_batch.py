@@ -226,3 +226,44 @@ def test_drafts_not_fed_are_checked_against_the_tokens_that_follow():
     assert row.shadow and row.estimate.tried == [0.0, 0.0, 0.0]  # not decided yet
     row.check_shadow([6, 9])  # two matched, the third did not
     assert row.shadow == [] and row.estimate.tried == [1.0, 1.0, 1.0] and row.estimate.taken == [1.0, 1.0, 0.0]
+
+
+class MissSource(NgramSource):
+    """Prompt lookup with every drafted token off by one: nothing is ever accepted."""
+
+    def propose(self, pending, limit):
+        return [t + 1 for t in super().propose(pending, limit)]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-f32", "tiny-qwen35-f32"])
+def test_a_group_whose_drafts_never_pay_pipelines_plain_windows_and_still_equals_plain_greedy(name):
+    model = Engine.load(name).model
+    p = prompts_for(model, 4)
+    ref = greedy(model, p[2])[0]
+    launched = []
+
+    class Counting(SpecRows):
+        def _launch_ahead(self, sampled):
+            launched.append(super()._launch_ahead(sampled))
+            return launched[-1]
+
+    spec = Counting(model, MissSource, "ngram", NUM_DRAFT, "adaptive")
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec, keep_caches=True)
+    stored = []
+    real = b._stored
+    b._stored = lambda seq, held, cache: stored.append((held, cache)) or real(seq, held, cache)
+    arrivals = [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 9), True),  # leaves while a plain window is in flight
+        (0, request("c", p[2], eos_ids=frozenset([ref[25]])), True),
+        (6, request("d", p[3], 30), True),  # joins while one is in flight
+        (2, request("e", p[0], 20), False),  # a plain row beside them
+    ]
+    sinks = run(b, arrivals)
+    for _, req, _ in arrivals:
+        want = greedy(model, req.prompt_ids, req.stop.max_tokens, eos_ids=req.stop.eos_ids)[0]
+        assert sinks[req.request_id].token_ids == want, req.request_id
+    assert sum(launched) >= 5  # plain windows were pipelined
+    for held, cache in stored:  # each stored row's caches hold exactly the tokens it says
+        kv = next(c for c in cache if hasattr(c, "keys"))
+        assert kv.offset == len(held)
