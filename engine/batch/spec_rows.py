@@ -30,7 +30,10 @@ proposed checked against the tokens the target then emits (ngram proposals
 cost nothing on the host), so a group that stopped drafting still sees when
 drafting would pay again without a probe window. The first step at a new row
 count runs plain (it measures W = 1); a width never measured is priced at the
-nearest measured count's, so it is tried once.
+nearest measured count's, so it is tried once. While no row would draft even
+with every draft proposed, plain windows are pipelined: the next is launched
+on the current one's tokens before they are read (`_launch_ahead`), so a group
+that does not draft decodes as plain rows do.
 
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).
