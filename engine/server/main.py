@@ -144,12 +144,9 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         scheme = f"tier {engine.kernels.tier}, kv {kv}"
         disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
         gateway.prompt_cache.disk = disk
-        print(
-            f"engine serve: prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes"
-            + (f" (off: {disk.error})" if disk.error else ""),
-            file=sys.stderr,
-            flush=True,
-        )
+        off = f" (off: {disk.error})" if disk.error else ""
+        line = f"prompt cache disk tier {disk.dir}: {len(disk.entries)} entries, {disk.bytes:,} bytes{off}"
+        print(f"engine serve: {line}", file=sys.stderr, flush=True)
     gateway.mark_ready()
     record = warmup_record(gateway, warmup, stages, time.perf_counter() - start)
     model_id = cfg.model or engine.path.name
