@@ -425,7 +425,8 @@ def add_spec(sub) -> None:
         help="speculative decoding vs plain decoding on one target (decode rate, acceptance, token identity)",
         description="Load the target once and run, per block, one frozen natural-text prompt on every arm in a "
         "rotating order: plain (the baseline), self (the target as its own draft: the acceptance upper bound), "
-        "draft:NAME (a draft model with the target's tokenizer), ngram (prompt lookup), mtp (the target's "
+        "draft:NAME (a draft model with the target's tokenizer), ngram (prompt lookup), ngram-miss (prompt lookup "
+        "with every draft moved off by one: what speculation costs when no draft is accepted), mtp (the target's "
         "Qwen3.5 MTP head). Prints median decode rate and TTFT, acceptance, tokens per target forward, "
         "replays per round, the paired ratio against plain, and whether each arm's tokens equal plain's.",
     )
@@ -433,7 +434,8 @@ def add_spec(sub) -> None:
     p.add_argument(
         "--arms",
         default="plain,self,draft:small-qwen35-draft,ngram,mtp",
-        help="comma-separated arms (default plain,self,draft:small-qwen35-draft,ngram,mtp)",
+        help="comma-separated arms (default plain,self,draft:small-qwen35-draft,ngram,mtp; also ngram-miss: "
+        "n-gram drafts moved off by one, what speculation costs when no draft is accepted)",
     )
     p.add_argument("--prompt-tokens", type=positive, default=256, help="prompt length (default 256)")
     p.add_argument("--decode-tokens", type=positive, default=128, help="tokens generated (default 128)")
@@ -468,7 +470,7 @@ def add_spec(sub) -> None:
         type=row_counts,
         default=(),
         help="comma-separated row counts, e.g. 1,4,8: run each arm with that many requests at once through the "
-        "continuous batcher (plain rows against ngram spec rows) instead of one request at a time",
+        "continuous batcher (plain rows against ngram or ngram-miss spec rows) instead of one request at a time",
     )
     json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")

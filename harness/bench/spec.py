@@ -8,6 +8,8 @@ Arms (all greedy, fixed output length, fresh caches per request):
                      speed is what the verify window costs and saves
     draft:NAME       a separate draft model with the target's tokenizer
     ngram            prompt lookup
+    ngram-miss       prompt lookup with every drafted token moved off by one:
+                     what speculation costs when no draft is accepted
     mtp              the target's Qwen3.5 MTP head
 
 Each block is one frozen natural-text prompt (`text`: the project's corpus at
@@ -22,9 +24,9 @@ harness.run.stats) once there are enough blocks.
 
 With `concurrency` (a list of row counts, `harness spec --concurrency 1,4,8`)
 each arm instead runs N requests at once through the continuous batcher: the
-plain arm as plain rows, ngram as spec rows (engine/batch/spec_rows.py, the
-arm's draft policy). Block b's N prompts are its seed's and the next N - 1
-seeds'. A block's rate is the batch's decode rate: every row's tokens after
+plain arm as plain rows, ngram and ngram-miss as spec rows
+(engine/batch/spec_rows.py, the arm's draft policy). Block b's N prompts are
+its seed's and the next N - 1 seeds'. A block's rate is the batch's decode rate: every row's tokens after
 its first over the time from the last row's first token to the last row's
 end; its TTFT the median row's. The paired ratio, acceptance and tokens per
 target forward (pooled over the rows, with each row's own in the record) are
@@ -55,13 +57,15 @@ from engine.engine import Engine
 from engine.generate import generate
 from engine.request import GenerationRequest, SpecStats, StopCriteria
 from engine.sinks import CollectingSink
-from engine.speculative.config import SpecConfig, load_speculation
+from engine.speculative.config import SpecConfig, Speculation, load_speculation
+from engine.speculative.ngram import NgramSource
 from harness.bench.native import time_sample
 from harness.gates.quality import held_out_ids
 from harness.run.stats import geomean, paired
 from harness.run.workloads import text_prompt, tokenizer_for
 
 PLAIN = "plain"
+MISS = "ngram-miss"
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,26 @@ class SpecArm:
     name: str
     kind: str | None  # None: plain decoding
     draft: str | None = None  # registry name of the draft model (kind "draft")
+    miss: bool = False  # every drafted token moved off by one (MissNgramSource)
+
+
+class MissNgramSource(NgramSource):
+    """Prompt lookup's own proposals, each token moved off by one: the lookup costs what it costs, and a draft is
+    accepted only where the moved token happens to be the target's."""
+
+    def propose(self, pending: int, limit: int) -> list[int]:
+        return [t - 1 if t else 1 for t in super().propose(pending, limit)]
+
+
+class MissSpeculation(Speculation):
+    """The ngram setup with a MissNgramSource per request."""
+
+    def source(self) -> MissNgramSource:
+        return MissNgramSource(self.config.ngram_min, self.config.ngram_max)
 
 
 def parse_arms(text: str, target: str) -> list[SpecArm]:
-    """'plain,self,draft:NAME,ngram,mtp' -> arms; plain is always first (the baseline)."""
+    """'plain,self,draft:NAME,ngram,ngram-miss,mtp' -> arms; plain is always first (the baseline)."""
     arms = [SpecArm(PLAIN, None)]
     for name in (x.strip() for x in text.split(",") if x.strip()):
         if name == PLAIN:
@@ -83,8 +103,10 @@ def parse_arms(text: str, target: str) -> list[SpecArm]:
             arms.append(SpecArm(name, "draft", name.split(":", 1)[1]))
         elif name in ("ngram", "mtp"):
             arms.append(SpecArm(name, name))
+        elif name == MISS:
+            arms.append(SpecArm(name, "ngram", miss=True))
         else:
-            raise ValueError(f"unknown arm {name!r}: use plain, self, draft:NAME, ngram or mtp")
+            raise ValueError(f"unknown arm {name!r}: use plain, self, draft:NAME, ngram, {MISS} or mtp")
     if len({a.name for a in arms}) != len(arms):
         raise ValueError(f"an arm is named twice in {text!r}")
     return arms
@@ -107,6 +129,14 @@ class SpecBenchConfig:
 
 
 TEXTS = ("corpus", "held-out")
+
+
+def load_arm(arm: SpecArm, cfg: SpecBenchConfig, target: Engine) -> Speculation:
+    """A speculating arm's setup on `target`."""
+    spec = SpecConfig(arm.kind, cfg.num_draft, cfg.ngram_min, cfg.ngram_max, cfg.rollback, cfg.policy)
+    if arm.miss:
+        return MissSpeculation(spec, target.model)
+    return load_speculation(spec, target, arm.draft)
 
 
 def block_prompt(encode, text: str, seed: int, length: int) -> list[int]:
@@ -185,11 +215,7 @@ def run_spec_bench(
 ) -> SpecBenchResult:
     target = Engine.load(model)
     encode, _ = tokenizer_for(target.path)
-    setups = {}
-    for arm in arms:
-        if arm.kind is not None:
-            spec = SpecConfig(arm.kind, cfg.num_draft, cfg.ngram_min, cfg.ngram_max, cfg.rollback, cfg.policy)
-            setups[arm.name] = load_speculation(spec, target, arm.draft)
+    setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
     stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
 
     def runner(arm: SpecArm, prompt: list[int], stats_out: list) -> Callable[[], Iterator[int]]:
@@ -247,8 +273,8 @@ def concurrency_refusal(arms: Sequence[SpecArm]) -> str | None:
     other = [a.name for a in arms if a.kind not in (None, "ngram")]
     if other:
         return (
-            f"--concurrency runs plain and ngram only: {', '.join(other)} draft on the spec lane, one request at a "
-            "time (the continuous batch has no draft-model or MTP rows yet)"
+            f"--concurrency runs plain, ngram and {MISS} only: {', '.join(other)} draft on the spec lane, one "
+            "request at a time (the continuous batch has no draft-model or MTP rows yet)"
         )
     return None
 
@@ -265,13 +291,7 @@ def run_concurrent_bench(
         raise ValueError(why)
     target = Engine.load(model)
     encode, _ = tokenizer_for(target.path)
-    setups = {
-        a.name: load_speculation(
-            SpecConfig(a.kind, cfg.num_draft, cfg.ngram_min, cfg.ngram_max, cfg.rollback, cfg.policy), target
-        )
-        for a in arms
-        if a.kind is not None
-    }
+    setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
     stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
 
     def batch(arm: SpecArm, prompts: list[list[int]]) -> tuple[list[_TimedSink], float, float]:

@@ -14,6 +14,7 @@ def test_arms_parse_with_plain_first_and_refuse_unknown_names():
     assert arms[1] == SpecArm("self", "draft", "tiny-qwen35")
     assert arms[2].draft == "tiny-qwen35-draft" and arms[3].kind == "ngram"
     assert [a.name for a in parse_arms("plain,ngram", "x")] == [PLAIN, "ngram"]
+    assert parse_arms("ngram-miss", "x")[1] == SpecArm("ngram-miss", "ngram", miss=True)
     with pytest.raises(ValueError, match="unknown arm 'medusa'"):
         parse_arms("medusa", "x")
     with pytest.raises(ValueError, match="named twice"):
@@ -159,9 +160,27 @@ def test_a_tiny_concurrent_run_at_1_and_4_rows_pairs_spec_rows_with_plain_rows(t
     json.dumps(rec)
     md = markdown(results)
     assert "| rows | arm |" in md and "| 4 | ngram |" in md and "| 1 | plain |" in md
-    with pytest.raises(ValueError, match="plain and ngram only"):
+    with pytest.raises(ValueError, match="runs plain, ngram and ngram-miss only"):
         run_concurrent_bench("tiny-qwen3-f32", parse_arms("mtp", "x"), cfg)
     assert harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "self", "--concurrency", "1,4"]) != 0
+
+
+@pytest.mark.parametrize("concurrency", [(), (1,)])
+def test_the_miss_arm_drafts_by_prompt_lookup_has_nothing_accepted_and_emits_plain_tokens(concurrency):
+    from harness.bench.spec import run_concurrent_bench
+
+    cfg = SpecBenchConfig(prompt_tokens=32, decode_tokens=32, blocks=2, warmup=0, num_draft=2, concurrency=concurrency)
+    arms = parse_arms("ngram,ngram-miss", "tiny-qwen3-f32")
+    result = (
+        run_concurrent_bench("tiny-qwen3-f32", arms, cfg)[0]
+        if concurrency
+        else run_spec_bench("tiny-qwen3-f32", arms, cfg)
+    )
+    plain, ngram, miss = result.arms
+    assert ngram.spec["accepted"] > 0  # the lookup finds drafts the target takes
+    assert miss.spec["drafted"] > 0 and miss.spec["accepted"] == 0 and miss.spec["acceptance"] == 0
+    assert all(miss.same_tokens) and all(ngram.same_tokens)
+    assert "| ngram-miss |" in markdown(result)
 
 
 def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path):
