@@ -8,6 +8,7 @@ engine serve --model tiny-qwen35 --port 0
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -117,6 +118,7 @@ def _host_list(text: str) -> frozenset[str]:
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     """`--kernels {auto,exact,fast}`: the kernel tier the model runs (engine.kernels)."""
     from engine.kernels import AUTO, TIERS
+    from engine.kernels.config import STATE_DTYPES
 
     p.add_argument(
         "--kernels",
@@ -128,13 +130,21 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
         "reason is printed; auto = fast on CUDA for model families whose numerics gate passed, else exact "
         "(default auto). ENGINE_FUSE and ENGINE_GEMV_LAUNCH tune the fast tier (README)",
     )
+    p.add_argument(
+        "--state-dtype",
+        choices=STATE_DTYPES,
+        default="float32",
+        help="the dtype the fast tier keeps Gated DeltaNet layers' recurrent state in: bfloat16 halves its "
+        "memory and the bytes a batched decode step moves (its math stays float32); the exact tier keeps "
+        "mlx-lm's float32 (default float32)",
+    )
 
 
 def kernel_config(args):
-    """The KernelConfig of `--kernels` and the documented environment variables."""
+    """The KernelConfig of `--kernels`, `--state-dtype` and the documented environment variables."""
     from engine.kernels import KernelConfig
 
-    return KernelConfig.from_env(args.kernels)
+    return dataclasses.replace(KernelConfig.from_env(args.kernels), state_dtype=args.state_dtype)
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:

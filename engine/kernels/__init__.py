@@ -185,6 +185,7 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_gated_delta if config else None
+            module.state_dtype = getattr(mx, config.state_dtype if config else "float32")
             counts["chunked_delta_layers"] += config is not None
         if not hasattr(module, "fused_step"):
             continue

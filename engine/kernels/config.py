@@ -41,6 +41,9 @@ EXACT, FAST, AUTO = Tier.EXACT, Tier.FAST, Tier.AUTO
 TIERS = tuple(t.value for t in Tier)
 
 
+STATE_DTYPES = ("float32", "bfloat16")  # the recurrent state's dtypes on the fast tier (`KernelConfig.state_dtype`)
+
+
 def check_tier(tier: str) -> None:
     """ValueError for a name that is not a tier."""
     if tier not in TIERS:
@@ -55,7 +58,8 @@ class KernelConfig:
     (fast where it runs and its numerics gate passed for the model's family, else exact). The rest only
     matter to the fast tier: the stages inside the GEMV launches, one-row launch shapes by (rows, K) in
     place of the measured table, which decode kernels run, the prompt-chunk rows from which a layer
-    dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV.
+    dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
+    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32).
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -69,11 +73,14 @@ class KernelConfig:
     attention_kernels: bool = True  # that step's attention as CUDA kernels
     dense_min_rows: int | None = DENSE_MIN_ROWS
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
+    state_dtype: str = "float32"
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
     def __post_init__(self):
         check_tier(self.tier)
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"unknown state dtype {self.state_dtype!r} (choose from {', '.join(STATE_DTYPES)})")
 
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
@@ -96,4 +103,5 @@ class KernelConfig:
             "attention_kernels": self.attention_kernels,
             "dense_min_rows": self.dense_min_rows,
             "gemv_min_outputs": self.gemv_min_outputs,
+            "state_dtype": self.state_dtype,
         }

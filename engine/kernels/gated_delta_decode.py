@@ -25,7 +25,7 @@ from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
 from engine.models.activations import precise_swiglu
-from engine.models.gated_delta import decay, delta_step, normalize_qk, repeat_heads
+from engine.models.gated_delta import decay, delta_step, kept_as, normalize_qk, repeat_heads
 
 
 def applies(x: mx.array, mask, cache) -> bool:
@@ -59,9 +59,9 @@ def _core(hk: int, hv: int, dk: int, dv: int, norm_eps: float):
         q, k = normalize_qk(q, k, inv_scale=dk**-0.5, eps=1e-6)
         q, k = repeat_heads(q, k, hv)
         g = decay(A_log, a, dt_bias)[:, 0]
-        y, state = delta_step(q[:, 0], k[:, 0], v, g, mx.sigmoid(b)[:, 0], state)
+        y, new_state = delta_step(q[:, 0], k[:, 0], v, g, mx.sigmoid(b)[:, 0], state)
         out = precise_swiglu(y, z[:, 0], mx.fast.rms_norm(y, norm_w, norm_eps))
-        return out.reshape(batch, 1, hv * dv), conv_input[:, 1:, :], state
+        return out.reshape(batch, 1, hv * dv), conv_input[:, 1:, :], kept_as(new_state, state.dtype)
 
     return mx.compile(core)
 

@@ -7,7 +7,7 @@ the decay and beta gates, the delta-rule state update and readout, and the
 gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
 (reductions and state-sized temporaries MLX does not fuse), each a launch the
 host pays a few microseconds for; here it is one launch per layer, and the
-float32 state is read and written once.
+state (float32, or bfloat16 with the math in float32) is read and written once.
 
 One block per (batch row, value head). Its first threads take a value
 channel each: they compute the heads' q and k channels (recomputed by each
@@ -37,6 +37,8 @@ HEADER = r"""
 #include <cuda_bf16.h>
 __device__ __forceinline__ bool engine_is_bf16(const __nv_bfloat16*) { return true; }
 __device__ __forceinline__ bool engine_is_bf16(const float*) { return false; }
+__device__ __forceinline__ void engine_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void engine_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 """
 
 SOURCE = r"""
@@ -55,14 +57,14 @@ SOURCE = r"""
 
   // The delta rule's state rows: warp w takes rows w + NW * r (r < RB) in each round, lanes across the key
   // dimension. The first round's loads are issued here, before the conv, so their latency overlaps it.
-  const float* s_in = state + ((size_t)b * HV + h) * DV * DK;
-  float* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
+  const auto* s_in = state + ((size_t)b * HV + h) * DV * DK;  // float or bf16: the math is float32 either way
+  auto* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
   float s[RB][DK / 32];
   auto load_rows = [&](const int i0) {
     #pragma unroll
     for (int r = 0; r < RB; ++r)
       #pragma unroll
-      for (int j = 0; j < DK / 32; ++j) s[r][j] = s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
+      for (int j = 0; j < DK / 32; ++j) s[r][j] = (float)s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
   };
   load_rows(warp);
 
@@ -155,7 +157,7 @@ SOURCE = r"""
       #pragma unroll
       for (int j = 0; j < DK / 32; ++j) {
         s[r][j] += ks[lane + 32 * j] * delta;
-        s_out[(size_t)i * DK + lane + 32 * j] = s[r][j];
+        engine_store(&s_out[(size_t)i * DK + lane + 32 * j], s[r][j]);
         y[r] += s[r][j] * qs[lane + 32 * j];
       }
     }
@@ -259,6 +261,6 @@ def delta_step(
         grid=(batch * hv * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(batch, 1, hv * dv), conv_state.shape, state.shape],
-        output_dtypes=[mx.bfloat16, conv_state.dtype, mx.float32],
+        output_dtypes=[mx.bfloat16, conv_state.dtype, state.dtype],
     )
     return out, new_conv, new_state

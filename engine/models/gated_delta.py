@@ -6,7 +6,9 @@ Per head, with a decay g_t in (0, 1) and a write strength beta_t in (0, 1):
     S_t = S_t + k_t (beta_t * (v_t - S_t k_t))^T        (delta-rule write)
     y_t = S_t q_t
 
-The state S is [Dv, Dk] per value head and stays float32. This is the
+The state S is [Dv, Dk] per value head, float32 as mlx-lm keeps it; the fast
+tier can hold it in bfloat16 (`state_dtype`), the math in float32 either way
+and the state rounded once a token. This is the
 sequential ops path, step for step the one mlx-lm runs on non-Metal devices
 (the exact tier). The kernel tier passes `chunked` (engine/kernels): a prompt
 chunk of at least CHUNKED_MIN_TOKENS then runs in 64-token blocks of matrix
@@ -67,34 +69,46 @@ def repeat_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array, 
 def recurrence(q, k, v, g, beta, state, mask: mx.array | None = None, trace: list | None = None):
     """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv].
 
+    The state keeps its dtype: each token's update is float32 and rounded to it.
     `trace`, when given, receives the state after every token (speculative
     decoding keeps the one after the last accepted token).
     """
     q, k = repeat_heads(q, k, v.shape[2])
+    dtype = state.dtype
     ys = []
     for t in range(q.shape[1]):
         y, state = delta_step(
             q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
         )
+        state = kept_as(state, dtype)
         ys.append(y)
         if trace is not None:
             trace.append(state)
     return mx.stack(ys, axis=1), state
 
 
+def kept_as(state: mx.array, dtype: mx.Dtype) -> mx.array:
+    """`state` in `dtype` (no operation when it already is)."""
+    return state if state.dtype == dtype else state.astype(dtype)
+
+
 # Below this many tokens (decode steps, verify windows) the per-token loop is cheaper.
 CHUNKED_MIN_TOKENS = 16
 
 
-def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None):
+def gated_delta_update(
+    q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None, state_dtype=mx.float32
+):
     """Gates from (a, b), then the recurrence (or `chunked`, which takes the
     recurrence's arguments with log g in place of g, for long inputs that record no trace).
+    A new state is made in `state_dtype`; a given one keeps its dtype.
     Returns (y [B, T, Hv, Dv], new state)."""
     beta = mx.sigmoid(b)
     if state is None:
         batch, _, _, dk = q.shape
         hv, dv = v.shape[-2:]
-        state = mx.zeros((batch, hv, dv, dk), dtype=mx.float32)
+        state = mx.zeros((batch, hv, dv, dk), dtype=state_dtype)
     if chunked is not None and trace is None and q.shape[1] >= CHUNKED_MIN_TOKENS:
-        return chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state, mask)
+        y, new_state = chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state, mask)
+        return y, kept_as(new_state, state.dtype)
     return recurrence(q, k, v, decay(A_log, a, dt_bias), beta, state, mask, trace)

@@ -175,11 +175,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         # The fast tier's replacements, set by engine.kernels.install (None: the exact path).
         self.chunked_rule = None
+        self.state_dtype = mx.float32  # the recurrent state's dtype (mlx-lm's; the fast tier may set bfloat16)
 
     def state_bytes(self, itemsize: int) -> int:
-        """Bytes a row's cache of this layer holds: the conv tail (activations) and the float32 state."""
+        """Bytes a row's cache of this layer holds: the conv tail (activations) and the state."""
         conv = (self.conv_kernel_size - 1) * self.conv_dim * itemsize
-        return conv + self.num_v_heads * self.head_v_dim * self.head_k_dim * mx.float32.size
+        return conv + self.num_v_heads * self.head_v_dim * self.head_k_dim * self.state_dtype.size
 
     def input_projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """qkv, z, beta logits and a, in this order (mlx-lm's)."""
@@ -223,7 +224,7 @@ class GatedDeltaNet(nn.Module):
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         trace = cache.trace.states if cache is not None and cache.trace is not None else None
         out, state = gated_delta_update(
-            q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace, self.chunked_rule
+            q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace, self.chunked_rule, self.state_dtype
         )
         if cache is not None:
             cache[1] = state

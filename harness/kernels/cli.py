@@ -9,6 +9,7 @@ from rich.table import Table
 
 from engine.errors import UnknownModelError
 from engine.kernels import FAST, KernelConfig
+from engine.kernels.config import STATE_DTYPES
 from engine.model_source import resolve_model_dir
 from engine.registry import all_specs, get_spec
 from engine.synth.artifact import artifact_dir, is_cached
@@ -97,6 +98,13 @@ def add_kernels(sub) -> None:
         help="with --gate-model: also the greedy agreement of the fast tier with the exact tier on these "
         "trained models at the gate's row counts (default: every trained model with committed weights; '' "
         "for none)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=STATE_DTYPES,
+        default="float32",
+        help="with --gate-model: the dtype the fast tier keeps DeltaNet states in (engine serve --state-dtype; "
+        "default float32)",
     )
     p.add_argument(
         "--force",
@@ -311,7 +319,7 @@ def _gate(args) -> int:
         path = resolve_model_dir(args.gate_model, None)
     except UnknownModelError as e:
         raise CliError(str(e)) from None
-    fast = replace(KernelConfig.from_env(FAST), force=args.force)
+    fast = replace(KernelConfig.from_env(FAST), force=args.force, state_dtype=args.state_dtype)
     with status(f"gate on {args.gate_model}") as progress:
         results = run_gates(
             path,

@@ -937,6 +937,34 @@ def test_fused_decode_step_matches_the_layer_path():
             assert mx.abs(a - b).max().item() < 1e-4
 
 
+@pytest.mark.parametrize("prompt", [8, 40])  # below and above CHUNKED_MIN_TOKENS: the recurrence and the chunked rule
+def test_bfloat16_state_is_kept_in_bfloat16_through_prefill_steps_and_traces(prompt):
+    from engine.batch.kv_layout import kv_layout
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
+    ids = list(range(3, 3 + prompt))
+    full, full_cache = _decode_states(model, ids, 12)
+    wide = kv_layout(model).layers[0].fixed_bytes
+    install(model, KernelConfig(FAST, force=True, state_dtype="bfloat16"))
+    try:
+        half, half_cache = _decode_states(model, ids, 12)
+        assert kv_layout(model).layers[0].fixed_bytes < wide
+        recurrent = [c for c in half_cache if hasattr(c, "start_trace")]
+        assert recurrent and all(c[1].dtype == mx.bfloat16 for c in recurrent)
+        for c in recurrent:
+            c.start_trace()
+        model(mx.array([[5, 6, 7]]), half_cache)  # a traced window (speculative decoding) keeps the dtype too
+        assert all(s.dtype == mx.bfloat16 for c in recurrent for s in c.trace.states)
+    finally:
+        install(model, KernelConfig(EXACT))
+    assert all(c[1].dtype == mx.float32 for c in full_cache if hasattr(c, "start_trace"))
+    # one bf16 rounding of the state a token, the math in float32: the logits follow the float32 state's
+    assert max(mx.abs(a - b).max().item() for a, b in zip(full, half)) < 0.05
+    with pytest.raises(ValueError, match="state dtype"):
+        KernelConfig(FAST, state_dtype="float16")
+
+
 def _delta_core_inputs(b, hk, hv, dk, dv, ks, bias_dtype):
     mx.random.seed(0)
     c, bf = 2 * hk * dk + hv * dv, mx.bfloat16
@@ -977,6 +1005,7 @@ def test_fused_delta_kernel_refuses_key_dims_above_value_dims():
 
 
 @cuda_only
+@pytest.mark.parametrize("state_dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("bias_dtype", [mx.float32, mx.bfloat16])
 # qwen27b's heads (one round of state rows); batch rows; key dim below value dim; two value dims with more
 # than one round of rows a warp (launch_shape)
@@ -984,11 +1013,12 @@ def test_fused_delta_kernel_refuses_key_dims_above_value_dims():
     "b, hk, hv, dk, dv",
     [(1, 16, 48, 128, 128), (3, 2, 4, 128, 128), (1, 2, 4, 64, 128), (2, 1, 2, 256, 256), (1, 1, 1, 128, 512)],
 )
-def test_fused_delta_kernel_matches_the_compiled_core(bias_dtype, b, hk, hv, dk, dv):
+def test_fused_delta_kernel_matches_the_compiled_core(state_dtype, bias_dtype, b, hk, hv, dk, dv):
     from engine.kernels.gated_delta_decode import _core
     from engine.kernels.gated_delta_step import delta_step
 
     args = _delta_core_inputs(b, hk, hv, dk, dv, 4, bias_dtype)
+    args["state"] = args["state"].astype(state_dtype)  # read and written in its dtype, the math in float32
     want = _core(hk, hv, dk, dv, 1e-6)(
         *(
             args[n]
@@ -996,6 +1026,7 @@ def test_fused_delta_kernel_matches_the_compiled_core(bias_dtype, b, hk, hv, dk,
         )
     )
     got = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk)
+    assert got[2].dtype == want[2].dtype == state_dtype
     assert mx.array_equal(got[1], want[1]).item()  # the conv tail is a copy
     # The kernel sums the conv in float32; MLX's bf16 multiply-sum rounds each product, so 1 in 6 conv
     # channels differ by one bf16 ulp (a NumPy emulation of the kernel on the CPU, qwen27b's head counts:

@@ -148,6 +148,7 @@ def run(
     off: tuple[str, ...] = (),
     variants: Sequence[str] = (),
     only_staged: bool = False,
+    state_dtypes: Sequence[str] = ("float32",),
 ) -> None:
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
@@ -158,8 +159,15 @@ def run(
     ]  # a bad SPEC stops it here
 
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
-        return dataclasses.replace(KernelConfig.from_env(tier), **{name: False for name in off})
+        tier, _, state_dtype = tier.partition("/")
+        switches = {name: False for name in off} | {"state_dtype": state_dtype or "float32"}
+        return dataclasses.replace(KernelConfig.from_env(tier), **switches)
 
+    tiers = [
+        t if len(state_dtypes) == 1 and state_dtypes[0] == "float32" else f"{t}/{d}"
+        for t in tiers
+        for d in state_dtypes
+    ]
     eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
     for tier in tiers:
         ks = install(eng.model, config(tier), eng.config.get("model_type"))
@@ -296,6 +304,11 @@ def main() -> None:
     )
     p.add_argument("--only-staged", action="store_true", help="run the --staged layouts only, not the tree's")
     p.add_argument(
+        "--state-dtype",
+        default="float32",
+        help="the fast tier's DeltaNet state dtypes to run each tier with, comma-separated (float32, bfloat16)",
+    )
+    p.add_argument(
         "--kernel-cache-dir",
         type=Path,
         help="compile the engine's kernels into DIR ahead of MLX, in parallel (MLX_PTX_CACHE_DIR)",
@@ -328,6 +341,7 @@ def main() -> None:
             off,
             args.staged,
             args.only_staged,
+            args.state_dtype.split(","),
         )
 
 
