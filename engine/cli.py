@@ -134,9 +134,10 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
         "--state-dtype",
         choices=STATE_DTYPES,
         default="float32",
-        help="the dtype the fast tier keeps Gated DeltaNet layers' recurrent state in: bfloat16 halves its "
-        "memory and the bytes a batched decode step moves (its math stays float32); the exact tier keeps "
-        "mlx-lm's float32 (default float32)",
+        help="the dtype the fast tier keeps Gated DeltaNet layers' recurrent state in: bfloat16 or float16 "
+        "halves its memory and the bytes a batched decode step moves (the math stays float32; float16 keeps "
+        "3 more bits of each value, bfloat16 a wider range); the exact tier keeps mlx-lm's float32 "
+        "(default float32)",
     )
 
 

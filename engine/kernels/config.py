@@ -41,7 +41,11 @@ EXACT, FAST, AUTO = Tier.EXACT, Tier.FAST, Tier.AUTO
 TIERS = tuple(t.value for t in Tier)
 
 
-STATE_DTYPES = ("float32", "bfloat16")  # the recurrent state's dtypes on the fast tier (`KernelConfig.state_dtype`)
+STATE_DTYPES = (
+    "float32",
+    "bfloat16",
+    "float16",
+)  # the recurrent state's dtypes on the fast tier (`KernelConfig.state_dtype`)
 
 
 def check_tier(tier: str) -> None:

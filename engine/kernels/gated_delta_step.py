@@ -7,7 +7,7 @@ the decay and beta gates, the delta-rule state update and readout, and the
 gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
 (reductions and state-sized temporaries MLX does not fuse), each a launch the
 host pays a few microseconds for; here it is one launch per layer, and the
-state (float32, or bfloat16 with the math in float32) is read and written once.
+state (float32, or bfloat16 or float16 with the math in float32) is read and written once.
 
 One block per (batch row, value head). Its first threads take a value
 channel each: they compute the heads' q and k channels (recomputed by each
@@ -35,10 +35,12 @@ from engine.kernels.quantized_gemv import float_bits, launch_bounds
 
 HEADER = r"""
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 __device__ __forceinline__ bool engine_is_bf16(const __nv_bfloat16*) { return true; }
 __device__ __forceinline__ bool engine_is_bf16(const float*) { return false; }
 __device__ __forceinline__ void engine_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void engine_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void engine_store(__half* p, float v) { *p = __float2half(v); }
 """
 
 SOURCE = r"""
