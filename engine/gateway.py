@@ -252,12 +252,14 @@ class Gateway:
     def _spec_batch_refusal(self) -> str | None:
         """Why speculation cannot run as spec rows in the continuous batch (None: it can)."""
         kind = self.speculation.config.kind
-        if kind != "ngram":
-            return f"{kind} drafts run on the spec lane only (the continuous batch drafts ngram only)"
-        kinds = {type(c) for c in self.model.make_cache()}
-        if not kinds <= SPEC_ROW_CACHES:
-            names = ", ".join(sorted(k.__name__ for k in kinds - SPEC_ROW_CACHES))
-            return f"this model's caches ({names}) cannot roll back rows in the continuous batch"
+        if kind == "mtp":
+            return "mtp drafts run on the spec lane only (the continuous batch drafts ngram or a draft model)"
+        models = {"this model's": self.model, "the draft model's": self.speculation.draft}
+        for whose, model in models.items():
+            kinds = {type(c) for c in model.make_cache()} if model is not None else set()
+            if not kinds <= SPEC_ROW_CACHES:
+                names = ", ".join(sorted(k.__name__ for k in kinds - SPEC_ROW_CACHES))
+                return f"{whose} caches ({names}) cannot roll back rows in the continuous batch"
         return None
 
     @property

@@ -35,6 +35,16 @@ with every draft proposed, plain windows are pipelined: the next is launched
 on the current one's tokens before they are read (`_launch_ahead`), so a group
 that does not draft decodes as plain rows do.
 
+A draft model (a source with `batched()`, speculative/draft_model.py) drafts
+for the whole group at once: its caches hold every row, each step runs
+1 + max n_b [B, 1] greedy steps (a row that feeds fewer drafts ignores the
+rest) and each row's draft cache is rolled back to what the target kept. Its
+drafts cost a forward each, so the adaptive width is chosen before drafting,
+from the proposals every row could make; nothing is drafted for rows that
+feed none, no plain window is pipelined (the draft feeds its lag after each)
+and, as the serial policy does, a group that stopped drafting drafts the full
+count once after PROBE plain windows, to see whether drafting pays again.
+
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).
 """
@@ -51,7 +61,7 @@ import mlx.nn as nn
 from engine.cache import BatchKVCache, RecurrentCache, cache_arrays, own
 from engine.request import GeneratedToken, SamplingParams, SpecStats
 from engine.sampling import Sampler, emitted_token
-from engine.speculative.policy import AdaptivePolicy, ema, interpolate
+from engine.speculative.policy import PROBE, AdaptivePolicy, ema, interpolate
 from engine.speculative.source import DraftSource, Round
 
 
@@ -60,7 +70,7 @@ class SpecRow:
     request_id: str
     params: SamplingParams
     sampler: Sampler
-    source: DraftSource
+    source: DraftSource | None  # None: the group's batched draft drafts for it
     stats: SpecStats
     prompt: tuple[int, ...]
     max_tokens: int
@@ -111,6 +121,9 @@ class SpecRows:
         self.cache: list | None = None
         self.ahead: _Ahead | None = None
         self.read_at = 0.0  # when the last window's tokens were read
+        batched = getattr(make_source(), "batched", None)
+        self.draft = batched() if batched is not None else None  # a draft model drafting for every row at once
+        self.idle = 0  # plain windows in a row of a drafting group (adaptive: a probe after PROBE)
 
     @property
     def num_rows(self) -> int:
@@ -127,12 +140,16 @@ class SpecRows:
     ) -> None:
         """Rows whose caches hold their whole prompt and whose token 0 (`first`, emitted already) is pending."""
         for rid, p, prompt, most, token in zip(request_ids, params, prompts, max_tokens, first):
-            source = self.make_source()
-            source.begin(prompt)
-            source.commit(Round((prompt[-1],), 0, token, None))  # token 0, as a round without drafts
+            source = None
+            if self.draft is None:
+                source = self.make_source()
+                source.begin(prompt)
+                source.commit(Round((prompt[-1],), 0, token, None))  # token 0, as a round without drafts
             stats = SpecStats(self.kind, self.num_draft)
             estimate = AdaptivePolicy(self.num_draft) if self.adaptive else None
             self.rows.append(SpecRow(rid, p, Sampler(p), source, stats, tuple(prompt), most, token, estimate=estimate))
+        if self.draft is not None:
+            self.draft.join(prompts)
         if self.cache is None:
             self.cache = cache
         else:
@@ -144,8 +161,12 @@ class SpecRows:
         if self.ahead is not None:
             return self._take_ahead()
         started = time.perf_counter()
-        proposed = [r.source.propose(r.pending, self._limit(r)) for r in self.rows]
-        width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
+        if self.draft is not None:
+            proposed = self._drafted()
+            width = 1 + max(len(d) for d in proposed)
+        else:
+            proposed = [r.source.propose(r.pending, self._limit(r)) for r in self.rows]
+            width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
         drafts = [d[: width - 1] for d in proposed]
         fed = [(r.pending, *d) for r, d in zip(self.rows, drafts)]
         width = max(len(f) for f in fed)
@@ -159,6 +180,8 @@ class SpecRows:
         tokens = sampled.tolist()
         self.read_at = time.perf_counter()
         out, kept = self._emit(self.rows, fed, proposed, tokens, logprobs, hidden, launched)
+        if self.draft is not None:
+            self.draft.commit(fed, [k - 1 for k in kept])
         if traced:
             for c in self.cache:
                 if isinstance(c, RecurrentCache):
@@ -169,6 +192,18 @@ class SpecRows:
         if not launched:  # a launching step's time holds part of the launched window's
             ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
         return out
+
+    def _drafted(self) -> list[list[int]]:
+        """The batched draft's proposals, as many per row as the policy feeds (drafted before the window is
+        fed, so the adaptive width is chosen from what every row could propose)."""
+        limits = [self._limit(r) for r in self.rows]
+        if self.adaptive:
+            width = self.width([[0] * n for n in limits])
+            self.idle = self.idle + 1 if width == 1 else 0
+            if self.idle > PROBE:  # drafting has not paid for a while: see whether it does again
+                width, self.idle = 1 + max(limits), 0
+            limits = [min(n, width - 1) for n in limits]
+        return self.draft.propose([r.pending for r in self.rows], limits)
 
     def _limit(self, row: SpecRow) -> int:
         """The most drafts a row may feed: num_draft, and no more than it has tokens left to emit."""
@@ -192,7 +227,12 @@ class SpecRows:
         """After a plain window: when no row would draft even with every draft proposed, launch the next plain
         window on this one's tokens before they are read (as plain rows pipeline their steps)."""
         rows = len(self.rows)
-        if not self.adaptive or rows not in self.seconds or self.width([[0] * self.num_draft] * rows) != 1:
+        if (
+            not self.adaptive
+            or self.draft is not None
+            or rows not in self.seconds
+            or self.width([[0] * self.num_draft] * rows) != 1
+        ):
             return False
         nxt = self._forward(sampled[:, :1], [1] * rows)
         mx.async_eval(nxt[0], nxt[1])
@@ -228,7 +268,8 @@ class SpecRows:
                 accepted += 1
             kept.append(accepted + 1)
             out[row.request_id] = tuple(emitted_token(t[j], logprobs[b, j], row.params) for j in range(accepted + 1))
-            row.source.commit(Round(f, accepted, t[accepted], hidden[b : b + 1, : len(f)]))
+            if row.source is not None:
+                row.source.commit(Round(f, accepted, t[accepted], hidden[b : b + 1, : len(f)]))
             row.stats.record_round(len(d), accepted, accepted + 1, False)
             if not row.in_flight:  # an in-flight window's token was counted when it was launched
                 row.fed += f[: accepted + 1]
@@ -276,6 +317,8 @@ class SpecRows:
             ids = [r.request_id for r in self.rows[: len(index)]]
             rows = mx.array(index)
             self.ahead = _Ahead(a.sampled[rows], a.logprobs[rows], a.hidden[rows], ids) if index else None
+        if self.draft is not None:
+            self.draft.filter(keep)
         if not self.rows:
             self.cache = None  # the last row left: the next joiners start a fresh group
             return
@@ -290,3 +333,5 @@ class SpecRows:
 
     def reset(self) -> None:
         self.rows, self.cache, self.ahead = [], None, None
+        if self.draft is not None:
+            self.draft.reset()

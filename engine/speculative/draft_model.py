@@ -7,15 +7,27 @@ been through it yet and goes in first next round. After a rejection it
 keeps the pending token and the accepted drafts: a trim of
 max(drafted - accepted - 1, 0), or, for recurrent layers, a rewind from the
 trace of its draft steps (or a replay, see rollback.py).
+
+`BatchDraft` is the same draft for a group of spec rows in the continuous
+batch (engine/batch/spec_rows.py): one batched cache per layer holding
+every row (each joiner prefilled alone, then appended as the batcher
+appends target rows), one [B, 1] greedy step per draft for all rows. Its
+re-feed rule keeps exactly one token behind per row, so every row feeds
+the same count and nothing is padded: the cache ends before [lag, pending],
+a round feeds both, then the drafts, and rolls each row back to what the
+target kept (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`),
+the next lag being the last kept token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.cache import BatchKVCache, KVCache, RecurrentCache, cache_arrays
 from engine.generate import prefill
 from engine.speculative.rollback import Checkpoint, checkpoint, rewind, room
 from engine.speculative.source import Round
@@ -66,6 +78,10 @@ class DraftModelSource:
         self._fed = inputs + ids[:-1]
         return ids
 
+    def batched(self) -> BatchDraft:
+        """This draft for a group of rows at once (the spec rows of a continuous batch)."""
+        return BatchDraft(self.model, self.prefill_step_size)
+
     def commit(self, result: Round) -> None:
         if self._point is None:  # nothing drafted or fed: the pending token waits for the next round
             self._lag.append(result.fed[0])
@@ -77,3 +93,85 @@ class DraftModelSource:
         keep = len(self._fed) - (drafted - 1) + result.accepted
         rewind(self.model, self.cache, self._point, self._fed, keep)
         self._lag = []
+
+
+def _merged(layer: Sequence) -> BatchKVCache | RecurrentCache:
+    """One layer of the group's draft cache from its rows' single-row caches."""
+    if isinstance(layer[0], RecurrentCache):
+        return RecurrentCache.merge(layer)
+    if type(layer[0]) is not KVCache:
+        raise ValueError(f"a batched draft cannot roll back rows of a {type(layer[0]).__name__}")
+    return BatchKVCache.merge(layer)
+
+
+@dataclass
+class BatchDraft:
+    """The draft model for every spec row of a batch: merged caches, [B, 1] greedy steps, per-row rollback."""
+
+    model: nn.Module
+    prefill_step_size: int
+    cache: list | None = None
+    lag: list[int] = field(default_factory=list)  # per row: the token before its pending one, not fed yet
+    steps: int = 0  # drafts the last `propose` made per row (0: it fed nothing)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lag)
+
+    def join(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New last rows: each prompt but its last token through the draft alone, then into the group."""
+        singles = []
+        for prompt in prompts:
+            cache = self.model.make_cache()
+            prefill(self.model, cache, mx.array(list(prompt)), self.prefill_step_size)
+            singles.append(cache)
+        joined = [_merged(layer) for layer in zip(*singles)]
+        if self.cache is None:
+            self.cache = joined
+        else:
+            for running, joiner in zip(self.cache, joined):
+                running.extend(joiner)
+        self.lag += [prompt[-1] for prompt in prompts]
+
+    def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
+        """Row b's first limits[b] greedy drafts after its pending token; all rows draft max(limits)."""
+        self.steps = max(limits, default=0)
+        if self.steps == 0:
+            return [[] for _ in limits]
+        for c in self.cache:
+            if isinstance(c, RecurrentCache):
+                c.start_trace()
+        y = mx.array([[a, b] for a, b in zip(self.lag, pending)], mx.uint32)
+        drafts = []
+        for _ in range(self.steps):
+            logits = self.model.logits(self.model.hidden(y, self.cache)[:, -1:, :])[:, 0, :]
+            y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
+            mx.async_eval(y)  # the next step's graph is built while this one runs
+            drafts.append(y)
+        ids = mx.concatenate(drafts, axis=1).tolist()
+        return [row[:n] for row, n in zip(ids, limits)]
+
+    def commit(self, fed: Sequence[Sequence[int]], accepted: Sequence[int]) -> None:
+        """The target fed row b `fed[b]` (its pending token and drafts) and kept `fed[b][:accepted[b] + 1]`."""
+        if self.steps == 0:  # nothing drafted: feed each lag now, so the cache again ends before [lag, pending]
+            self.model.hidden(mx.array([[t] for t in self.lag], mx.uint32), self.cache)
+        else:  # fed [lag, pending, drafts 1 .. steps - 1]: keep the lag, the pending token and accepted - 1 drafts
+            for c in self.cache:
+                if isinstance(c, RecurrentCache):
+                    c.keep_traced_rows([a + 1 for a in accepted])
+                else:
+                    c.trim_rows([self.steps - a for a in accepted])
+        self.lag = [f[a] for f, a in zip(fed, accepted)]
+        mx.async_eval(cache_arrays(self.cache))
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep these rows (in this order); none: the next joiners start a fresh group."""
+        self.lag = [self.lag[i] for i in keep]
+        if not keep:
+            self.cache = None
+        elif self.cache is not None:
+            for c in self.cache:
+                c.filter(keep)
+
+    def reset(self) -> None:
+        self.cache, self.lag, self.steps = None, [], 0

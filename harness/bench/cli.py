@@ -470,7 +470,7 @@ def add_spec(sub) -> None:
         type=row_counts,
         default=(),
         help="comma-separated row counts, e.g. 1,4,8: run each arm with that many requests at once through the "
-        "continuous batcher (plain rows against ngram or ngram-miss spec rows) instead of one request at a time",
+        "continuous batcher (plain rows against spec rows: every arm but mtp) instead of one request at a time",
     )
     json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")

@@ -160,9 +160,21 @@ def test_a_tiny_concurrent_run_at_1_and_4_rows_pairs_spec_rows_with_plain_rows(t
     json.dumps(rec)
     md = markdown(results)
     assert "| rows | arm |" in md and "| 4 | ngram |" in md and "| 1 | plain |" in md
-    with pytest.raises(ValueError, match="runs plain, ngram and ngram-miss only"):
+    with pytest.raises(ValueError, match="mtp drafts on the spec lane"):
         run_concurrent_bench("tiny-qwen3-f32", parse_arms("mtp", "x"), cfg)
-    assert harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "self", "--concurrency", "1,4"]) != 0
+    assert harness_main(["spec", "--model", "tiny-qwen3-f32", "--arms", "mtp", "--concurrency", "1,4"]) != 0
+
+
+def test_draft_model_arms_run_as_spec_rows_at_1_and_4_rows():
+    from harness.bench.spec import run_concurrent_bench
+
+    cfg = SpecBenchConfig(prompt_tokens=24, decode_tokens=10, blocks=2, warmup=0, num_draft=2, concurrency=(1, 4))
+    arms = parse_arms("self,draft:tiny-qwen3-draft-f32", "tiny-qwen3-f32")
+    for r in run_concurrent_bench("tiny-qwen3-f32", arms, cfg):
+        plain, self_draft, draft = r.arms
+        assert all(self_draft.same_tokens) and all(draft.same_tokens)
+        assert len(draft.row_spec) == 2 * r.rows and draft.spec["kind"] == "draft"
+        assert self_draft.spec["acceptance"] == 1.0  # f32: the target agrees with itself in every row
 
 
 @pytest.mark.parametrize("concurrency", [(), (1,)])

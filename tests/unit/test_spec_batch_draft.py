@@ -1,0 +1,129 @@
+"""A draft model's speculation as spec rows in the continuous batch (speculative/draft_model.py's BatchDraft).
+
+The draft's caches hold every spec row; each step drafts for all rows in [B, 1] greedy steps and rolls each row's
+draft cache back to what the target kept. The gate is the one of test_spec_batch.py: on tie-free float32 prompts
+every row's greedy output is plain greedy's, whatever the draft proposes.
+"""
+
+import pytest
+from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.batch.spec_rows import SpecRows
+from engine.engine import Engine
+from engine.request import FinishReason, Lane, SpecStats
+from engine.speculative.config import SpecConfig, Speculation
+from engine.speculative.draft_model import DraftModelSource
+
+PAIRS = [("tiny-qwen3-f32", "tiny-qwen3-draft-f32"), ("tiny-qwen35-f32", "tiny-qwen35-draft-f32")]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=["dense", "hybrid"])
+def pair(request):
+    target, draft = (Engine.load(name).model for name in request.param)
+    return target, draft, prompts_for(target, 4)
+
+
+def batcher(target, draft, policy="fixed", rows=8):
+    spec = SpecRows(target, lambda: DraftModelSource(draft, 2048), "draft", NUM_DRAFT, policy)
+    return ContinuousBatcher(target, SchedulerConfig(max_rows=rows), spec=spec)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_draft_model_spec_rows_equal_plain_greedy(pair, rows):
+    target, draft, prompts = pair
+    sinks = run(batcher(target, draft), [(0, request(f"r{i}", p), True) for i, p in enumerate(prompts[:rows])])
+    accepted = rejected = 0
+    for i, p in enumerate(prompts[:rows]):
+        s = sinks[f"r{i}"]
+        assert s.token_ids == greedy(target, p)[0], f"row {i}"
+        assert s.result.lane is Lane.CONTINUOUS and s.result.finish_reason is FinishReason.LENGTH
+        assert s.result.spec.kind == "draft" and s.result.spec.replays == 0
+        accepted += s.result.spec.accepted
+        rejected += s.result.spec.rewinds
+    assert accepted > 0 and rejected > 0  # drafts were taken and drafts were dropped
+
+
+def test_draft_model_rows_joining_late_and_leaving_early_still_equal(pair):
+    target, draft, p = pair
+    arrivals = [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 7), True),  # leaves early
+        (3, request("c", p[2]), True),  # joins while a and b decode
+        (5, request("plain", p[1], 20), False),  # a plain row beside them
+        (9, request("d", p[3], 12), True),
+        (30, request("e", p[2][:1], 9), True),  # a one-token prompt: nothing to prefill in the draft
+    ]
+    b = batcher(target, draft)
+    sinks = run(b, arrivals)
+    for _, req, _ in arrivals:
+        assert sinks[req.request_id].token_ids == greedy(target, req.prompt_ids, req.stop.max_tokens)[0]
+    assert b.runner.spec.draft.cache is None and b.runner.spec.draft.lag == []  # the last row left the draft too
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-f32", "tiny-qwen35-f32"])
+def test_a_target_drafting_for_itself_has_every_draft_accepted_in_every_row(name):
+    # f32 on the CPU: a [B, 1] draft step and the verify window agree to the last bits, so nothing is rejected.
+    model = Engine.load(name).model
+    p = prompts_for(model, 3)
+    sinks = run(batcher(model, model), [(i, request(f"r{i}", q), True) for i, q in enumerate(p)])
+    for i, q in enumerate(p):
+        s = sinks[f"r{i}"].result.spec
+        assert sinks[f"r{i}"].token_ids == greedy(model, q)[0]
+        assert s.accepted == s.drafted > 0 and s.rewinds == 0
+        assert s.rounds <= (STEPS - 1 + NUM_DRAFT) // (NUM_DRAFT + 1) + 1  # every round emits num_draft + 1
+
+
+def test_one_row_emits_the_serial_spec_lanes_tokens_with_the_same_draft(pair):
+    target, draft, prompts = pair
+    setup = Speculation(SpecConfig("draft", NUM_DRAFT, policy="fixed"), target, draft)
+    for prompt in prompts[:2]:
+        serial = SpecStats("draft", NUM_DRAFT)
+        lane = [t.token_id for t in setup.generate(prompt, stop=request("x", prompt).stop, stats=serial)]
+        sinks = run(batcher(target, draft), [(0, request("r", prompt), True)])
+        assert sinks["r"].token_ids == lane
+        assert serial.accepted > 0 and sinks["r"].result.spec.accepted > 0
+
+
+def test_the_adaptive_window_with_a_draft_model_changes_windows_not_tokens(pair):
+    target, draft, p = pair
+    for rows in (1, 4):
+        b = batcher(target, draft, "adaptive")
+        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
+        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
+        sinks = run(b, arrivals)
+        for _, req, _ in arrivals:
+            s = sinks[req.request_id]
+            assert s.token_ids == greedy(target, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
+            assert s.result.spec.emitted == req.stop.max_tokens - 1
+
+
+# ------------------------------------------------------------------ placement (engine serve --spec-batch)
+
+
+def test_spec_batch_places_draft_model_requests_in_spec_rows():
+    from engine.gateway import Gateway, GatewayConfig
+    from engine.sinks import CollectingSink
+
+    target = Engine.load("tiny-qwen3-f32").model
+    draft = Engine.load("tiny-qwen3-draft-f32").model
+    setup = Speculation(SpecConfig("draft", 2), target, draft, draft_name="tiny-qwen3-draft-f32")
+    g = Gateway(target, GatewayConfig(spec_batch=True, prompt_cache_bytes=1 << 20), setup)
+    reqs = [request(f"r{i}", p, 12) for i, p in enumerate(prompts_for(target, 3))]
+    sinks = [CollectingSink() for _ in reqs]
+    placements = [g.submit(r, s) for r, s in zip(reqs, sinks)]
+    g.run_until_idle()
+    for p, s, r in zip(placements, sinks, reqs):
+        assert p.lane is Lane.CONTINUOUS and p.spec
+        assert "speculative decoding (draft, 2 drafts per round" in p.reason and "continuous batch" in p.reason
+        assert s.result.lane is Lane.CONTINUOUS and s.result.spec.kind == "draft" and s.result.spec.rounds > 0
+        assert s.token_ids == greedy(target, r.prompt_ids, 12)[0]
+    assert (g.active_rows, g.pending_rows, g.has_work) == (0, 0, False)
+    # a draft whose caches cannot roll back rows (sliding windows) keeps the spec lane, and says why
+    gemma = Engine.load("tiny-gemma3").model
+    placement = Gateway(target, GatewayConfig(spec_batch=True), Speculation(SpecConfig("draft"), target, gemma)).place(
+        request("w", [5, 6, 7])
+    )
+    assert placement.lane is Lane.SPEC and not placement.spec
+    assert "the draft model's caches (RotatingKVCache) cannot roll back rows" in placement.reason
