@@ -40,10 +40,12 @@ for the whole group at once: its caches hold every row, each step runs
 1 + max n_b [B, 1] greedy steps (a row that feeds fewer drafts ignores the
 rest) and each row's draft cache is rolled back to what the target kept. Its
 drafts cost a forward each, so the adaptive width is chosen before drafting,
-from the proposals every row could make; nothing is drafted for rows that
-feed none, no plain window is pipelined (the draft feeds its lag after each)
-and, as the serial policy does, a group that stopped drafting drafts the full
-count once after PROBE plain windows, to see whether drafting pays again.
+from the proposals every row could make, and nothing is drafted for rows that
+feed none. Plain windows leave the draft alone (it catches up when drafting
+resumes), so they pipeline as the n-gram group's do; with no free proposals
+to check, a group that stopped drafting drafts the full count once after
+`wait` plain windows, as the serial policy probes (PROBE, doubling up to
+MAX_PROBE while probes keep showing drafting does not pay).
 
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).
@@ -61,7 +63,7 @@ import mlx.nn as nn
 from engine.cache import BatchKVCache, RecurrentCache, cache_arrays, own
 from engine.request import GeneratedToken, SamplingParams, SpecStats
 from engine.sampling import Sampler, emitted_token
-from engine.speculative.policy import PROBE, AdaptivePolicy, ema, interpolate
+from engine.speculative.policy import MAX_PROBE, PROBE, AdaptivePolicy, ema, interpolate
 from engine.speculative.source import DraftSource, Round
 
 
@@ -123,7 +125,9 @@ class SpecRows:
         self.read_at = 0.0  # when the last window's tokens were read
         batched = getattr(make_source(), "batched", None)
         self.draft = batched() if batched is not None else None  # a draft model drafting for every row at once
-        self.idle = 0  # plain windows in a row of a drafting group (adaptive: a probe after PROBE)
+        self.idle = 0  # plain windows in a row (a draft-model group probes after `wait` of them)
+        self.wait = PROBE
+        self.probing = False  # the last window was a probe
 
     @property
     def num_rows(self) -> int:
@@ -164,6 +168,7 @@ class SpecRows:
         if self.draft is not None:
             proposed = self._drafted()
             width = 1 + max(len(d) for d in proposed)
+            self.idle = self.idle + 1 if width == 1 else 0
         else:
             proposed = [r.source.propose(r.pending, self._limit(r)) for r in self.rows]
             width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
@@ -199,9 +204,11 @@ class SpecRows:
         limits = [self._limit(r) for r in self.rows]
         if self.adaptive:
             width = self.width([[0] * n for n in limits])
-            self.idle = self.idle + 1 if width == 1 else 0
-            if self.idle > PROBE:  # drafting has not paid for a while: see whether it does again
-                width, self.idle = 1 + max(limits), 0
+            if self.probing:  # the first choice after a probe says whether it found drafting worth it
+                self.wait = PROBE if width > 1 else min(2 * self.wait, MAX_PROBE)
+            self.probing = width == 1 and self.idle >= self.wait
+            if self.probing:  # drafting has not paid for a while: see whether it does again
+                width = 1 + max(limits)
             limits = [min(n, width - 1) for n in limits]
         return self.draft.propose([r.pending for r in self.rows], limits)
 
@@ -227,12 +234,9 @@ class SpecRows:
         """After a plain window: when no row would draft even with every draft proposed, launch the next plain
         window on this one's tokens before they are read (as plain rows pipeline their steps)."""
         rows = len(self.rows)
-        if (
-            not self.adaptive
-            or self.draft is not None
-            or rows not in self.seconds
-            or self.width([[0] * self.num_draft] * rows) != 1
-        ):
+        if self.draft is not None and self.idle >= self.wait:
+            return False  # a draft-model group's probe is due: the next window drafts
+        if not self.adaptive or rows not in self.seconds or self.width([[0] * self.num_draft] * rows) != 1:
             return False
         nxt = self._forward(sampled[:, :1], [1] * rows)
         mx.async_eval(nxt[0], nxt[1])
@@ -243,16 +247,19 @@ class SpecRows:
         """The launched plain window's tokens; rows that joined since it was launched emit nothing this step."""
         a, self.ahead = self.ahead, None
         rows = self.rows[: len(a.ids)]  # joiners come after the rows it was launched for
+        self.idle += 1
         launched = len(rows) == len(self.rows) and self._launch_ahead(a.sampled)
         fed = [(r.pending,) for r in rows]
-        # what each row's source would have drafted for this window, for its shadow check
-        proposed = [r.source.propose(r.pending, self._limit(r)) for r in rows]
+        # what each row's source would have drafted for this window, for its shadow check (a draft model: none)
+        proposed = [r.source.propose(r.pending, self._limit(r)) if r.source else [] for r in rows]
         tokens = a.sampled.tolist()
         now = time.perf_counter()
         if launched:  # one pipelined plain window costs the time between two windows' reads
             ema(self.seconds, len(rows), now - self.read_at)
         self.read_at = now
         out, _ = self._emit(rows, fed, proposed, tokens, a.logprobs, a.hidden, launched)
+        if self.draft is not None:
+            self.draft.commit(fed, [0] * len(fed))
         return out | {r.request_id: () for r in self.rows[len(rows) :]}
 
     def _emit(self, rows, fed, proposed, tokens, logprobs, hidden, launched: bool):

@@ -12,11 +12,14 @@ trace of its draft steps (or a replay, see rollback.py).
 batch (engine/batch/spec_rows.py): one batched cache per layer holding
 every row (each joiner prefilled alone, then appended as the batcher
 appends target rows), one [B, 1] greedy step per draft for all rows. Its
-re-feed rule keeps exactly one token behind per row, so every row feeds
-the same count and nothing is padded: the cache ends before [lag, pending],
-a round feeds both, then the drafts, and rolls each row back to what the
-target kept (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`),
-the next lag being the last kept token.
+re-feed rule keeps a row's cache one token behind: it ends before
+[lag, pending], a drafting round feeds both, then the drafts, and rolls each
+row back to what the target kept (`BatchKVCache.trim_rows`,
+`RecurrentCache.keep_traced_rows`), the next lag being the last kept token.
+A round that drafts nothing feeds the draft nothing either (plain windows
+cost what plain decoding costs): the rows fall further behind, and the next
+drafting round first feeds each row's backlog but its last token in one
+right-padded forward, so every row again feeds [lag, pending].
 """
 
 from __future__ import annotations
@@ -111,12 +114,8 @@ class BatchDraft:
     model: nn.Module
     prefill_step_size: int
     cache: list | None = None
-    lag: list[int] = field(default_factory=list)  # per row: the token before its pending one, not fed yet
+    behind: list[list[int]] = field(default_factory=list)  # per row: the tokens before its pending one not fed yet
     steps: int = 0  # drafts the last `propose` made per row (0: it fed nothing)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.lag)
 
     def join(self, prompts: Sequence[Sequence[int]]) -> None:
         """New last rows: each prompt but its last token through the draft alone, then into the group."""
@@ -131,17 +130,18 @@ class BatchDraft:
         else:
             for running, joiner in zip(self.cache, joined):
                 running.extend(joiner)
-        self.lag += [prompt[-1] for prompt in prompts]
+        self.behind += [[prompt[-1]] for prompt in prompts]
 
     def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
         """Row b's first limits[b] greedy drafts after its pending token; all rows draft max(limits)."""
         self.steps = max(limits, default=0)
         if self.steps == 0:
             return [[] for _ in limits]
+        self._catch_up()
         for c in self.cache:
             if isinstance(c, RecurrentCache):
                 c.start_trace()
-        y = mx.array([[a, b] for a, b in zip(self.lag, pending)], mx.uint32)
+        y = mx.array([[b[-1], p] for b, p in zip(self.behind, pending)], mx.uint32)
         drafts = []
         for _ in range(self.steps):
             logits = self.model.logits(self.model.hidden(y, self.cache)[:, -1:, :])[:, 0, :]
@@ -151,22 +151,45 @@ class BatchDraft:
         ids = mx.concatenate(drafts, axis=1).tolist()
         return [row[:n] for row, n in zip(ids, limits)]
 
+    def _catch_up(self) -> None:
+        """Feed every row's backlog but its last token (one right-padded forward), so each row is one behind."""
+        lengths = [len(b) - 1 for b in self.behind]
+        width = max(lengths)
+        if width == 0:
+            return
+        x = mx.array([b[:-1] + [0] * (width - n) for b, n in zip(self.behind, lengths)], mx.uint32)
+        padding = [width - n for n in lengths]
+        for c in self.cache:
+            if isinstance(c, RecurrentCache):
+                c.prepare(lengths, padding)  # the padding leaves the state and the conv tail alone
+        self.model.hidden(x, self.cache)
+        for c in self.cache:
+            if isinstance(c, RecurrentCache):
+                c.finalize()
+            else:
+                c.trim_rows(padding)
+        self.behind = [b[-1:] for b in self.behind]
+
     def commit(self, fed: Sequence[Sequence[int]], accepted: Sequence[int]) -> None:
-        """The target fed row b `fed[b]` (its pending token and drafts) and kept `fed[b][:accepted[b] + 1]`."""
-        if self.steps == 0:  # nothing drafted: feed each lag now, so the cache again ends before [lag, pending]
-            self.model.hidden(mx.array([[t] for t in self.lag], mx.uint32), self.cache)
-        else:  # fed [lag, pending, drafts 1 .. steps - 1]: keep the lag, the pending token and accepted - 1 drafts
-            for c in self.cache:
-                if isinstance(c, RecurrentCache):
-                    c.keep_traced_rows([a + 1 for a in accepted])
-                else:
-                    c.trim_rows([self.steps - a for a in accepted])
-        self.lag = [f[a] for f, a in zip(fed, accepted)]
+        """The target fed row b `fed[b]` (its pending token and drafts) and kept `fed[b][:accepted[b] + 1]`. A round
+        that drafted nothing may leave out the last rows (rows that joined after its window was launched)."""
+        if self.steps == 0:  # nothing fed: each row falls one more token behind
+            for b, f in zip(self.behind, fed):
+                b.append(f[0])
+            return
+        # fed [lag, pending, drafts 1 .. steps - 1]: keep the lag, the pending token and accepted - 1 drafts
+        for c in self.cache:
+            if isinstance(c, RecurrentCache):
+                c.keep_traced_rows([a + 1 for a in accepted])
+            else:
+                c.trim_rows([self.steps - a for a in accepted])
+        self.behind = [[f[a]] for f, a in zip(fed, accepted)]
+        self.steps = 0
         mx.async_eval(cache_arrays(self.cache))
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep these rows (in this order); none: the next joiners start a fresh group."""
-        self.lag = [self.lag[i] for i in keep]
+        self.behind = [self.behind[i] for i in keep]
         if not keep:
             self.cache = None
         elif self.cache is not None:
@@ -174,4 +197,4 @@ class BatchDraft:
                 c.filter(keep)
 
     def reset(self) -> None:
-        self.cache, self.lag, self.steps = None, [], 0
+        self.cache, self.behind, self.steps = None, [], 0

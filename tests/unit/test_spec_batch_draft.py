@@ -59,7 +59,7 @@ def test_draft_model_rows_joining_late_and_leaving_early_still_equal(pair):
     sinks = run(b, arrivals)
     for _, req, _ in arrivals:
         assert sinks[req.request_id].token_ids == greedy(target, req.prompt_ids, req.stop.max_tokens)[0]
-    assert b.runner.spec.draft.cache is None and b.runner.spec.draft.lag == []  # the last row left the draft too
+    assert b.runner.spec.draft.cache is None and b.runner.spec.draft.behind == []  # the last row left the draft too
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-f32", "tiny-qwen35-f32"])
@@ -127,3 +127,45 @@ def test_spec_batch_places_draft_model_requests_in_spec_rows():
     )
     assert placement.lane is Lane.SPEC and not placement.spec
     assert "the draft model's caches (RotatingKVCache) cannot roll back rows" in placement.reason
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-f32", "tiny-qwen35-f32"])
+def test_the_batched_draft_follows_every_rows_kept_tokens_through_trims_catch_ups_and_joins(name):
+    """The target as its own BatchDraft, driven by hand: whatever each round kept (rounds drafting nothing, so the
+    rows fall behind; partial acceptance; a row joining late; a row leaving), its next drafts are plain greedy's."""
+    from engine.speculative.draft_model import BatchDraft
+
+    model = Engine.load(name).model
+    prompts = prompts_for(model, 3)
+    refs = [greedy(model, p)[0] for p in prompts]
+    draft = BatchDraft(model, 2048)
+    at = []  # per row: (its reference index, how many of its tokens were emitted)
+
+    def join(i):
+        draft.join([prompts[i]])
+        at.append([i, 1])  # token 0 emitted, pending
+
+    def round(limits, accept):
+        pending = [refs[i][n - 1] for i, n in at]
+        drafts = draft.propose(pending, limits)
+        fed = []
+        for (i, n), d, limit, a in zip(at, drafts, limits, accept):
+            assert d == refs[i][n : n + limit], (i, n)
+            fed.append((refs[i][n - 1], *d))
+        draft.commit(fed, [min(a, len(f) - 1) for a, f in zip(accept, fed)])
+        for row, f, a in zip(at, fed, accept):
+            row[1] += min(a, len(f) - 1) + 1
+
+    join(0)
+    join(1)
+    round([3, 1], [3, 0])
+    round([0, 0], [0, 0])  # nothing drafted: both rows fall behind
+    round([0, 0], [0, 0])
+    join(2)  # joins while the others are behind
+    round([2, 3, 1], [1, 3, 1])  # the backlog fed first, then drafts
+    round([0, 0, 0], [0, 0, 0])
+    draft.filter([0, 2])  # row 1 leaves
+    del at[1]
+    round([3, 2], [2, 2])
+    round([1, 3], [0, 1])
+    assert draft.behind == [[refs[i][n - 2]] for i, n in at]  # one token behind each row's pending one
