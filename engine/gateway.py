@@ -41,7 +41,7 @@ from engine.batch.runner import can_batch, chunk_buckets, power_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.batch.spec_rows import SpecRows
 from engine.cache import KVCache, RecurrentCache
-from engine.cache.prompt_cache import PromptCache, snapshot
+from engine.cache.prompt_cache import PromptCache
 from engine.generate import DEFAULT_PREFILL_STEP, BlockSnapshots, KVQuantization, generate
 from engine.kernels import FAST, on_cuda
 from engine.kernels.cuda_source import BUILDS, KernelBuilds
@@ -487,7 +487,7 @@ class Gateway:
             # caches that cannot rewind: keep the prompt's boundary too
             on_prompt = _keeps_boundary(request, kept, self._serial_full_chunk(queued))
             if self.config.prompt_cache_block:  # and the block boundaries on the way
-                blocks = BlockSnapshots(self.config.prompt_cache_block, lambda n, c: snapshots.append((n, snapshot(c))))
+                blocks = BlockSnapshots(self.config.prompt_cache_block, lambda n, layers: snapshots.append((n, layers)))
 
         tokens = generate(
             self.model,

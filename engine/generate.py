@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.cache import KVCache, QuantizedKVCache, RotatingKVCache, cache_arrays
+from engine.cache.prompt_cache import keep_at, markable, snapshot, snapshot_at, unmark
 from engine.kernels.cuda_source import BUILDS
 from engine.request import GeneratedToken, SamplingParams, StopCriteria
 from engine.sampling import Sampler, emitted_token, make_processors
@@ -74,27 +75,39 @@ def prefill(
 ) -> mx.array:
     """Run all but the last prompt token through the model in chunks; return the rest.
 
-    `on_hidden` sees each chunk's final hidden state [1, n, H] and n. With `blocks`, no chunk passes a
-    multiple of its block size, and its `take` sees the cache at each one; with quantized KV but for the first
-    chunk of a cold start, which attends to full-precision keys and stays `step_size` long (mlx-lm's kv_bits).
+    `on_hidden` sees each chunk's final hidden state [1, n, H] and n. With `blocks`, its `take` sees the
+    snapshot at each block boundary: kept from inside the chunks where the caches can (`prompt_cache.markable`),
+    so the chunks are the same as without; else no chunk passes a boundary, but for the first chunk of a cold
+    start with quantized KV, which attends to full-precision keys and stays `step_size` long (mlx-lm's kv_bits);
+    its boundaries are not taken (the prompt cache serves no start inside it).
     """
     total = prompt.size
     done = 0
+    inside = blocks is not None and markable(cache)
     while prompt.size > 1:
         n = min(step_size, prompt.size - 1)
-        if blocks is not None and not (kv_quantization and blocks.start + done == 0):
+        first_quantized = kv_quantization is not None and blocks is not None and blocks.start + done == 0
+        if blocks is not None and not inside and not first_quantized:
             n = min(n, blocks.block - (blocks.start + done) % blocks.block)
+        at = blocks.counts(done, n, prompt.size) if blocks is not None else []
+        marked = [p for p in at if p < n] if inside and not first_quantized else []
+        if marked:
+            keep_at(cache, [marked])
         hidden = model.hidden(prompt[:n][None], cache)
         if on_hidden:
             on_hidden(hidden, n)
         if kv_quantization:
             kv_quantization.apply(cache)
         BUILDS.settle()
-        mx.eval(cache_arrays(cache))
+        taken = [(p, snapshot_at(cache, 0, p)) for p in marked]
+        unmark(cache)
+        mx.eval(cache_arrays(cache), [c.state for _, layers in taken for c in layers if c is not None])
+        for p, layers in taken:
+            blocks.take(blocks.start + done + p, layers)
         prompt = prompt[n:]
         done += n
-        if blocks is not None and (blocks.start + done) % blocks.block == 0 and prompt.size > 1:
-            blocks.take(blocks.start + done, cache)
+        if at and at[-1] == n:
+            blocks.take(blocks.start + done, snapshot(cache))
         if on_progress:
             on_progress(done, total)
         mx.clear_cache()
@@ -103,9 +116,10 @@ def prefill(
 
 @dataclass(frozen=True)
 class BlockSnapshots:
-    """Where a prefill stops for the prompt cache's block snapshots: at every multiple of `block` tokens from
-    the start of the prompt (`start`: the tokens the cache held before), where `take(n, cache)` sees it (the
-    prompt's own boundary, the last token's, is not one: the caller keeps that)."""
+    """The prompt cache's block snapshots of a prefill: at every multiple of `block` tokens from the start of the
+    prompt (`start`: the tokens the cache held before), `take(n, layers)` sees the snapshot there
+    (`prompt_cache.snapshot`'s form). The prompt's own boundary, the last token's, is not one: the caller keeps
+    that."""
 
     block: int
     take: Callable[[int, list], None]
@@ -114,6 +128,12 @@ class BlockSnapshots:
     def __post_init__(self):
         if self.block < 1:
             raise ValueError(f"the snapshot block must be >= 1 token, got {self.block}")
+
+    def counts(self, done: int, n: int, left: int) -> list[int]:
+        """The boundaries a chunk of `n` tokens after `done` passes, as counts into the chunk, `left` prompt
+        tokens (the last one among them) ahead of it."""
+        first = self.block - (self.start + done) % self.block
+        return list(range(first, min(n, left - 2) + 1, self.block))
 
 
 class _Decoder:

@@ -24,11 +24,9 @@ def default_warmup() -> str:
 
 
 def longest_chunk(scheduler: SchedulerConfig, rows: int) -> int:
-    """The longest chunk each of `rows` prefilling joiners takes in one forward: its share of the prefill budget,
-    cut at the block snapshots' boundary where the batcher takes them (a hybrid model's prompt runs in
-    `snapshot_block`-token chunks, so a longer prompt adds no forward shape)."""
-    chunk = scheduler.chunk(rows)
-    return min(chunk, scheduler.snapshot_block) if scheduler.snapshot_block else chunk
+    """The longest chunk each of `rows` prefilling joiners takes in one forward: its share of the prefill budget
+    (block snapshots cut no chunk: they are kept from inside the forwards)."""
+    return scheduler.chunk(rows)
 
 
 def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int, fits) -> list[list[GenerationRequest]]:

@@ -32,8 +32,8 @@ from engine.batch.kv_layout import kv_layout
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.batch.spec_rows import SpecRows
-from engine.cache import KVCache, cache_nbytes
-from engine.cache.prompt_cache import snapshot
+from engine.cache import KVCache, cache_nbytes, own
+from engine.cache.prompt_cache import keep_at, markable, snapshot, snapshot_at, unmark
 from engine.generate import KVQuantization
 from engine.request import (
     CachedPrefix,
@@ -69,15 +69,14 @@ class ContinuousBatcher:
         self.layout: KVLayout = layout if layout is not None else kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
         # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too, and block
-        # snapshots every `snapshot_block` prompt tokens (the chunks stop there).
+        # snapshots every `snapshot_block` prompt tokens, kept from inside the prefill forwards (`keep_at`: the
+        # chunks are the same as without); none where a layer that cannot rewind keeps no state inside one.
         self.keep_boundaries = keep_caches and not all(c.is_trimmable() for c in model.make_cache())
-        self.snapshot_block = snapshot_block if self.keep_boundaries else 0
+        self.snapshot_block = snapshot_block if self.keep_boundaries and markable(model.make_cache()) else 0
         # the layers a snapshot copies: all but plain KV, which the stored entry's own caches stand in for
         self._snapshot_layers = {i for i, c in enumerate(model.make_cache()) if type(c) is not KVCache}
         self.quantized = kv_quantization is not None
-        self.scheduler = Scheduler(
-            dataclasses.replace(config, snapshot_block=self.snapshot_block, kv_groups=self.quantized)
-        )
+        self.scheduler = Scheduler(dataclasses.replace(config, kv_groups=self.quantized))
         # Quantized KV: each request's first chunk, the one that attended to full-precision keys (its prefix's
         # where it started from one), for the prompt cache (`CachedPrefix.full_chunk`).
         self._full_chunks: dict[str, int | None] = {}
@@ -239,12 +238,20 @@ class ContinuousBatcher:
             if plan.first_tokens:
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
-                self.runner.prefill([chunk for _, chunk in plan.chunks])
+                at = self._block_counts(plan.chunks)
+                inside = [[p for p in counts if p < len(chunk)] for counts, (_, chunk) in zip(at, plan.chunks)]
+                if any(inside):
+                    keep_at(self.runner.joiner_cache, inside)
+                try:
+                    self.runner.prefill([chunk for _, chunk in plan.chunks])
+                    self._take_snapshots(plan.chunks, at)
+                finally:
+                    if self.runner.joiner_cache is not None:
+                        unmark(self.runner.joiner_cache)
                 if self.quantized:
                     for seq, chunk in plan.chunks:
                         self._full_chunks.setdefault(seq.request_id, len(chunk))
                 self.scheduler.update_prefill(plan)
-                self._take_snapshots([seq for seq, _ in plan.chunks])
         except Exception as e:  # noqa: BLE001 - the joiners' failure is theirs alone
             log.exception("prefill failed; failing %d joiners", len(self.scheduler.joiners))
             failed = self.scheduler.fail_joiners(f"prefill failed: {e!r}")
@@ -253,13 +260,29 @@ class ContinuousBatcher:
                 self._end(seq)
         return True
 
-    def _take_snapshots(self, prefilled: list[Sequence]) -> None:
-        """A block snapshot of each joiner whose chunk ended at a block boundary inside its prompt body."""
+    def _block_counts(self, chunks) -> list[list[int]]:
+        """For each joiner's chunk, the block boundaries inside its prompt body that the chunk passes, as counts
+        into it (none inside a fresh prompt's first chunk with quantized KV: no start is served there)."""
         block = self.snapshot_block
-        for seq in prefilled:
-            if block and seq.prefilled % block == 0 and seq.prefilled < len(seq.prompt_body):
-                layers = snapshot(self.runner.joiner_extract(seq.request_id, self._snapshot_layers), copied=True)
-                self._snapshots.setdefault(seq.request_id, []).append((seq.prefilled, layers))
+        out = []
+        for seq, chunk in chunks:
+            first = block - seq.prefilled % block if block else 0
+            last = min(len(chunk), len(seq.prompt_body) - seq.prefilled - 1)
+            counts = list(range(first, last + 1, block)) if block else []
+            out.append([p for p in counts if p == len(chunk)] if self.quantized and seq.prefilled == 0 else counts)
+        return out
+
+    def _take_snapshots(self, chunks, at: list[list[int]]) -> None:
+        """Each joiner's block snapshots at the boundaries its chunk passed (`_block_counts`): from inside the
+        forward (`keep_at`), or, at the chunk's end, copies of its caches."""
+        for row, ((seq, chunk), counts) in enumerate(zip(chunks, at)):
+            for p in counts:
+                if p < len(chunk):
+                    layers = snapshot_at(self.runner.joiner_cache, row, p, self._snapshot_layers)
+                    own([layers])
+                else:
+                    layers = snapshot(self.runner.joiner_extract(seq.request_id, self._snapshot_layers), copied=True)
+                self._snapshots.setdefault(seq.request_id, []).append((seq.prefilled + p, layers))
 
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
         snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}

@@ -60,9 +60,6 @@ class SchedulerConfig:
     # The prefill forwards' chunk buckets (a forward is padded to the smallest that holds its longest chunk): with a
     # budget, a joiner's share is rounded down to the largest bucket within it, so no forward pads its chunks.
     chunk_buckets: tuple[int, ...] = ()
-    # A joiner's chunks stop at every multiple of this many prompt tokens (the prompt cache's block snapshots
-    # are taken there); 0: chunks as long as they come.
-    snapshot_block: int = 0
     # Quantized KV: a prefill group is fresh (no joiner in it has run a chunk) or quantized (every joiner has,
     # or starts from a cached prefix), and a queued prompt joins only a group of its own kind: the group's caches
     # are quantized after a chunk, a fresh prompt's first chunk must attend to full-precision keys (the serial
@@ -73,8 +70,6 @@ class SchedulerConfig:
         for name in ("max_rows", "prefill_chunk", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.snapshot_block < 0:
-            raise ValueError(f"snapshot_block must be >= 0, got {self.snapshot_block}")
         if self.prefill_budget is not None and self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
 
@@ -275,15 +270,8 @@ class Scheduler:
             admitted.append(seq)
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
-        size, block = self.config.chunk(len(prefilling)), self.config.snapshot_block
-
-        def taken(s: Sequence) -> int:  # this chunk's tokens: `size`, stopping at the next block boundary (with
-            # quantized KV, past a fresh prompt's first chunk: that one attends to full-precision keys, as long
-            # as it comes, as mlx-lm's kv_bits)
-            cut = block and not (self.config.kv_groups and s.prefilled == 0)
-            return min(size, block - s.prefilled % block) if cut else size
-
-        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + taken(s)]) for s in prefilling)
+        size = self.config.chunk(len(prefilling))
+        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 
     def update_first_tokens(self, tokens: Mapping[str, GeneratedToken]) -> tuple[FirstToken, ...]:

@@ -9,8 +9,10 @@ picks the entry that saves the most prompt tokens:
 - the others (recurrent Gated DeltaNet state, a wrapped window) are reused
   at an exact stored boundary inside the common prefix: the whole entry, or
   one of its block snapshots (`CachedPrefix.snapshots`: the layers that
-  cannot rewind, copied as prefill passed a multiple of the block size; the
-  layers that can are the entry's own, cut back to the snapshot).
+  cannot rewind as they were after a multiple of the block size, kept from
+  inside the prefill's forwards where those layers can (`keep_at`,
+  `snapshot_at`); the layers that can rewind are the entry's own, cut back
+  to the snapshot).
 
 At least the last prompt token is always left to compute, since its logits
 give the first generated token. The hit is a deep copy, so the entry stays
@@ -42,13 +44,13 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from engine.cache import cache_nbytes
+from engine.cache import BatchKVCache, KVCache, QuantizedKVCache, RecurrentCache, cache_nbytes
 from engine.cache.prompt_disk import DiskTier
 from engine.request import CachedPrefix
 
@@ -68,6 +70,34 @@ def snapshot(cache: list, copied: bool = False) -> list:
     (the stored entry's layer, cut back, stands in for it) and for each left out (None). `copied`: the layers
     are copies already (extracted from a batch), kept as they are."""
     return [None if c is None or c.is_trimmable() else c if copied else copy.deepcopy(c) for c in cache]
+
+
+def markable(cache: list) -> bool:
+    """Whether a forward can keep block snapshots from inside itself (`keep_at`): each layer is recurrent (it
+    records its state where asked) or growing KV (the stored entry's, cut back, stands in for it)."""
+    return all(isinstance(c, (RecurrentCache, KVCache, QuantizedKVCache, BatchKVCache)) for c in cache)
+
+
+def keep_at(cache: list, at: Sequence[Sequence[int]]) -> None:
+    """The next forward keeps each row b's recurrent layers after each count of its tokens in at[b]."""
+    for c in cache:
+        if isinstance(c, RecurrentCache):
+            c.keep_at(at)
+
+
+def snapshot_at(cache: list, row: int, n: int, layers: Collection[int] | None = None) -> list:
+    """After the forward `keep_at` asked for, a block snapshot of row `row` after the first `n` tokens of that
+    forward, in `snapshot`'s form (copies; `layers`: only these, None elsewhere)."""
+    return [
+        c.kept(row, n) if isinstance(c, RecurrentCache) and (layers is None or i in layers) else None
+        for i, c in enumerate(cache)
+    ]
+
+
+def unmark(cache: list) -> None:
+    for c in cache:
+        if isinstance(c, RecurrentCache):
+            c.unmark()
 
 
 def _start(ids: np.ndarray, trimmable: bool, snapshot_at, common: int, limit: int) -> int:

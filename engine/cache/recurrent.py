@@ -4,7 +4,10 @@ Slot 0 holds the last (kernel - 1) conv inputs, slot 1 the [B, Hv, Dv, Dk]
 recurrent state. Neither can be trimmed. Speculative decoding rewinds them
 either from a trace (`start_trace`: the next forward records its conv input
 and the state after every token, and `keep_traced` picks the point) or by
-restoring a snapshot and replaying the kept tokens. In a batch the rows simply stack
+restoring a snapshot and replaying the kept tokens. The prompt cache's block
+snapshots come from inside a forward (`keep_at`: the next forward records its
+conv input and the state after the token counts asked for, per row, and
+`kept` hands one of them over as a cache). In a batch the rows simply stack
 on axis 0; there is no token axis to align, only left padding to mask while
 a padded row's padding is still ahead of it (mlx-lm's ArraysCache rules).
 """
@@ -34,6 +37,17 @@ class Trace:
             self.conv_input = mx.concatenate([self.conv_input, conv_input[:, -new:, :]], axis=1)
 
 
+@dataclass
+class Marks:
+    """What the forward after `keep_at` keeps: per row, the token counts into it asked for (`at`); the layer
+    records its conv inputs [conv tail before the forward; its inputs] and, for each count any row asked
+    for, the batch's state after that many tokens (`states`, filled by the rule)."""
+
+    at: tuple[tuple[int, ...], ...]
+    conv_input: mx.array | None = None
+    states: dict[int, mx.array | None] = field(default_factory=dict)
+
+
 class RecurrentCache:
     def __init__(self, size: int = 2):
         self.slots: list[mx.array | None] = [None] * size
@@ -43,6 +57,7 @@ class RecurrentCache:
         self.left_padding: list[int] | None = None
         self.lengths: list[int] | None = None
         self.trace: Trace | None = None  # set by start_trace, filled by the layer's next forward
+        self.marks: Marks | None = None  # set by keep_at, filled by the layer's next forward
 
     def __getitem__(self, i: int) -> mx.array | None:
         return self.slots[i]
@@ -174,6 +189,30 @@ class RecurrentCache:
         width = trace.conv_input.shape[1] - n
         self.slots[0] = mx.concatenate([trace.conv_input[b : b + 1, k : k + width, :] for b, k in enumerate(kept)])
         self.slots[1] = mx.concatenate([trace.states[k - 1][b : b + 1] for b, k in enumerate(kept)])
+
+    def keep_at(self, at: Sequence[Sequence[int]]) -> None:
+        """The next forward records, for each row b, the conv tail and the state after each of its first n
+        tokens for n in at[b] (1 <= n <= the row's tokens in it), for `kept`; `unmark` ends it."""
+        rows = tuple(tuple(r) for r in at)
+        self.marks = Marks(rows, states={n: None for r in rows for n in r})
+
+    def kept(self, row: int, n: int) -> RecurrentCache:
+        """After the forward `keep_at` asked for, row `row` as it was after the first `n` tokens of that forward,
+        as a fresh single-row cache (copies that own their bytes)."""
+        marks = self.marks
+        state = marks.states.get(n) if marks is not None and n in marks.at[row] else None
+        if state is None or marks.conv_input is None:
+            raise ValueError(f"row {row} recorded no state after {n} tokens of the last forward")
+        width = self.slots[0].shape[1]
+        out = RecurrentCache(len(self.slots))
+        out.slots[0], out.slots[1] = owned_copies(
+            [marks.conv_input[row : row + 1, n : n + width], state[row : row + 1]]
+        )
+        out.offset = self.offset - (marks.conv_input.shape[1] - width - n)
+        return out
+
+    def unmark(self) -> None:
+        self.marks = None
 
     def size(self) -> int:
         return self.offset

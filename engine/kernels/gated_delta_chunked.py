@@ -27,6 +27,12 @@ finite log g, and a gradient through log(g) would carry a factor 1/g that
 overflows in training. Padding past the last token uses log g = 0 and beta =
 0, which leaves the state as it is; positions a batch mask marks as padding
 get the same treatment.
+
+The state after a count of tokens inside the forward (`marks`, the prompt
+cache's block snapshots) is the state after a chunk where the count ends one;
+inside a chunk, after its first l tokens, it is G_l S0 + U^T diag(G_l / G) K
+over those l rows: one more product of the chunk's size, so any count costs
+about a chunk's state update and no forward is cut.
 """
 
 from __future__ import annotations
@@ -63,8 +69,17 @@ def _chunk_step(state, u_tilde, w, q_decayed, qk, k_decayed, chunk_decay):
     return y, state
 
 
+@mx.compile
+def _state_within(state, u_tilde, w, k_decayed, gamma):
+    """The state after the first l tokens of a chunk: its u_tilde and w; k_decayed [B, H, C, Dk], each row j < l
+    scaled by G_l / G_j, the others zero; gamma [B, H] = G_l."""
+    u = u_tilde - w @ state.swapaxes(-1, -2)
+    return gamma[..., None, None] * state + u.swapaxes(-1, -2) @ k_decayed
+
+
 def _prepare(q, k, v, log_g, beta, size: int):
-    """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]."""
+    """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]; then, for states
+    inside a chunk, the decays G_i / G_j [B, H, N, C, C] (zero for j > i) and G [B, H, N, C]."""
     cum = mx.cumsum(mx.maximum(log_g, LOG_FLOOR), axis=-1)  # the floor keeps the sums' rounding small
     lower = mx.tril(mx.ones((size, size), dtype=mx.bool_))
     strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)
@@ -80,7 +95,7 @@ def _prepare(q, k, v, log_g, beta, size: int):
     q_decayed = gamma[..., None] * q
     last = cum[..., -1:]
     k_decayed = mx.exp(last - cum)[..., None] * k
-    return u_tilde, w, q_decayed, qk, k_decayed, gamma[..., -1]
+    return (u_tilde, w, q_decayed, qk, k_decayed, gamma[..., -1]), (decay, gamma)
 
 
 def chunked_gated_delta(
@@ -92,10 +107,12 @@ def chunked_gated_delta(
     state: mx.array,
     mask: mx.array | None = None,
     chunk: int = CHUNK,
+    marks: dict[int, mx.array | None] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The contract of `recurrence` with log g for g: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
     log_g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
-    returns (y [B, T, Hv, Dv] in q's dtype, final state)."""
+    returns (y [B, T, Hv, Dv] in q's dtype, final state). `marks` (token count in
+    1..T: None) receives the state after each of its counts."""
     out_dtype = q.dtype
     q, k = repeat_heads(q, k, v.shape[2])
     b, t, h, dk = q.shape
@@ -118,10 +135,22 @@ def chunked_gated_delta(
         x = x.reshape(b, n, chunk, h, *x.shape[3:])
         return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
 
-    parts = _prepare(blocks(q), blocks(k), blocks(v), blocks(log_g), blocks(beta), chunk)
+    k = blocks(k)
+    parts, (decay, gamma) = _prepare(blocks(q), k, blocks(v), blocks(log_g), blocks(beta), chunk)
+    within = {}  # chunk: the counts that end inside it
+    for count in marks or ():
+        if count % chunk:
+            within.setdefault(count // chunk, []).append(count)
     ys = []
     for i in range(n):
-        y, state = _chunk_step(state, *(p[:, :, i] for p in parts))
+        step = [p[:, :, i] for p in parts]
+        for count in within.get(i, ()):
+            last = count % chunk - 1
+            k_decayed = decay[:, :, i, last, :, None] * k[:, :, i]
+            marks[count] = _state_within(state, step[0], step[1], k_decayed, gamma[:, :, i, last])
+        y, state = _chunk_step(state, *step)
         ys.append(y)
+        if marks is not None and (i + 1) * chunk in marks:
+            marks[(i + 1) * chunk] = state
     y = mx.stack(ys, axis=2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return y.swapaxes(1, 2).astype(out_dtype), state

@@ -66,12 +66,15 @@ def repeat_heads(q: mx.array, k: mx.array, value_heads: int) -> tuple[mx.array, 
     return q, k
 
 
-def recurrence(q, k, v, g, beta, state, mask: mx.array | None = None, trace: list | None = None):
+def recurrence(
+    q, k, v, g, beta, state, mask: mx.array | None = None, trace: list | None = None, marks: dict | None = None
+):
     """Run the rule over T tokens: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv].
 
     The state keeps its dtype: each token's update is float32 and rounded to it.
     `trace`, when given, receives the state after every token (speculative
-    decoding keeps the one after the last accepted token).
+    decoding keeps the one after the last accepted token); `marks` (token
+    count: None) the state after each of its counts (block snapshots).
     """
     q, k = repeat_heads(q, k, v.shape[2])
     dtype = state.dtype
@@ -84,6 +87,8 @@ def recurrence(q, k, v, g, beta, state, mask: mx.array | None = None, trace: lis
         ys.append(y)
         if trace is not None:
             trace.append(state)
+        if marks is not None and t + 1 in marks:
+            marks[t + 1] = state
     return mx.stack(ys, axis=1), state
 
 
@@ -97,11 +102,12 @@ CHUNKED_MIN_TOKENS = 16
 
 
 def gated_delta_update(
-    q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None, state_dtype=mx.float32
+    q, k, v, a, b, A_log, dt_bias, state=None, mask=None, trace=None, chunked=None, state_dtype=mx.float32, marks=None
 ):
     """Gates from (a, b), then the recurrence (or `chunked`, which takes the
     recurrence's arguments with log g in place of g, for long inputs that record no trace).
-    A new state is made in `state_dtype`; a given one keeps its dtype.
+    A new state is made in `state_dtype`; a given one keeps its dtype, and so do
+    the states `marks` (token count: None) receives after its counts.
     Returns (y [B, T, Hv, Dv], new state)."""
     beta = mx.sigmoid(b)
     if state is None:
@@ -109,6 +115,9 @@ def gated_delta_update(
         hv, dv = v.shape[-2:]
         state = mx.zeros((batch, hv, dv, dk), dtype=state_dtype)
     if chunked is not None and trace is None and q.shape[1] >= CHUNKED_MIN_TOKENS:
-        y, new_state = chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state, mask)
+        extra = {} if marks is None else {"marks": marks}  # (a rule without marks serves forwards that ask none)
+        y, new_state = chunked(q, k, v, log_decay(A_log, a, dt_bias), beta, state, mask, **extra)
+        for n, s in (marks or {}).items():
+            marks[n] = kept_as(s, state.dtype)
         return y, kept_as(new_state, state.dtype)
-    return recurrence(q, k, v, decay(A_log, a, dt_bias), beta, state, mask, trace)
+    return recurrence(q, k, v, decay(A_log, a, dt_bias), beta, state, mask, trace, marks)

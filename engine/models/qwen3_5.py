@@ -205,6 +205,8 @@ class GatedDeltaNet(nn.Module):
                 cache[0] = mx.contiguous(conv_input[:, -keep:, :])
             if cache.trace is not None:
                 cache.trace.record_conv(conv_input, s)
+            if cache.marks is not None:
+                cache.marks.conv_input = conv_input
         return nn.silu(self.conv1d(conv_input))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
@@ -223,8 +225,21 @@ class GatedDeltaNet(nn.Module):
         state = cache[1] if cache is not None else None
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         trace = cache.trace.states if cache is not None and cache.trace is not None else None
+        marks = cache.marks.states if cache is not None and cache.marks is not None else None
         out, state = gated_delta_update(
-            q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, trace, self.chunked_rule, self.state_dtype
+            q,
+            k,
+            v,
+            a,
+            beta_logits,
+            self.A_log,
+            self.dt_bias,
+            state,
+            mask,
+            trace,
+            self.chunked_rule,
+            self.state_dtype,
+            marks,
         )
         if cache is not None:
             cache[1] = state

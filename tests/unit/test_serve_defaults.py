@@ -86,15 +86,15 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
         # 5 chunk buckets and a prompt of two 64-token chunks and a 16-token one, then groups: 2 prompts of 16-32
         # tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
         (0, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
-        # chunks cut at 24 (block snapshots): no prompt past bucket 24 but the one of three chunks (64 tokens)
-        (24, 2 + 8 + 2 + 1 + 2 * 2 + 3 * 1 + 5 * 1),
+        # block snapshots every 24 tokens cut no chunk (kept from inside the forwards): the same warm-up
+        (24, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
     ],
 )
 def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warmup_requests):
     # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
     # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
-    # length, arriving at once, runs only the warm-up's forward shapes. A hybrid model's prompts cut at every
-    # block (the prompt cache's snapshots) take no chunk past it, so the warm-up runs none.
+    # length, arriving at once, runs only the warm-up's forward shapes, with the prompt cache's block snapshots
+    # as without.
     model = load_model(tiny_path("tiny-qwen35"))[0]
     config = GatewayConfig(
         batch=8,
