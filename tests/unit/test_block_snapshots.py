@@ -5,6 +5,8 @@ tier (the per-token recurrence) and the fast tier (the chunked rule)."""
 import mlx.core as mx
 import pytest
 
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
 from engine.cache.prompt_cache import PromptCache
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import BlockSnapshots, generate, prefill
@@ -149,3 +151,28 @@ def test_a_start_from_a_snapshot_gives_the_cold_logits(which, chunk, bitwise, re
 
     for cold, warm in zip(logits(), logits(hit.cache, 512)):
         assert same(cold, warm, bitwise or which == "exact")
+
+
+@pytest.mark.parametrize("which", ["exact", "fast"])
+def test_batched_joiners_keep_their_own_boundaries_inside_shared_chunks(which, request):
+    # Two joiners in one prefill group, one from a cached 23-token prefix: their 16-token boundaries fall at
+    # other counts into the same 40-token forwards, and each snapshot holds the state of its prompt cut there.
+    model = request.getfixturevalue(which)
+    prompts = {"fresh": SYSTEM[:100], "hit": SYSTEM[200:300]}
+    prefix = model.make_cache()
+    prefill(model, prefix, mx.array(list(prompts["hit"][:24])))
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=4, prefill_chunk=40), keep_caches=True, snapshot_block=16)
+    sinks = {rid: CollectingSink() for rid in prompts}
+    b.submit(req("fresh", prompts["fresh"]), sinks["fresh"])
+    b.submit(req("hit", prompts["hit"]), sinks["hit"], CachedPrefix(prompts["hit"][:23], prefix))
+    b.run_until_idle()
+    for rid, prompt in prompts.items():
+        (entry,) = [c for c in sinks[rid].result.caches if c.snapshots]
+        assert [n for n, _ in entry.snapshots] == list(range(16 if rid == "fresh" else 32, 99, 16)), rid
+        for n, layers in entry.snapshots:
+            cut = model.make_cache()
+            prefill(model, cut, mx.array(list(prompt[: n + 1])))
+            for kept, c in zip(layers, cut):
+                if kept is not None:
+                    for x, y in zip(kept.state, c.state):
+                        assert same(x, y, which == "exact"), (rid, n)
