@@ -107,11 +107,14 @@ def test_bad_speculation_settings_fail_at_startup_with_the_reason(flags, message
     assert message in r.stderr
 
 
-def test_spec_batch_runs_concurrent_ngram_requests_as_spec_rows_in_the_continuous_batch(tiny_path):
+@pytest.mark.parametrize(
+    "kind, flags", [("ngram", ["--draft-kind", "ngram"]), ("draft", ["--draft-model", "tiny-qwen3-draft-f32"])]
+)
+def test_spec_batch_runs_concurrent_requests_as_spec_rows_in_the_continuous_batch(tiny_path, kind, flags):
     from concurrent.futures import ThreadPoolExecutor
 
     dense = Engine.load(model_path=tiny_path("tiny-qwen3-f32"))  # f32: no exact ties between the top two
-    srv = LiveServer("--model", "tiny-qwen3-f32", "--draft-kind", "ngram", "--num-draft-tokens", "2", "--spec-batch")
+    srv = LiveServer("--model", "tiny-qwen3-f32", *flags, "--num-draft-tokens", "2", "--spec-batch")
     try:
         prompts = [list(range(300 + 7 * i, 330 + 7 * i)) * 2 for i in range(3)]
         body = {"max_tokens": 32, "ignore_eos": True, "return_token_ids": True}
@@ -122,7 +125,7 @@ def test_spec_batch_runs_concurrent_ngram_requests_as_spec_rows_in_the_continuou
             assert out["choices"][0]["token_ids"] == expected
             ext = out["usage"]["engine"]
             assert ext["lane"] == "continuous" and "in the continuous batch" in ext["lane_reason"]
-            assert ext["spec"]["kind"] == "ngram" and ext["spec"]["rounds"] > 0
+            assert ext["spec"]["kind"] == kind and ext["spec"]["rounds"] > 0
         assert max(out["usage"]["engine"]["batch_size"] for out in outs) > 1
     finally:
         code, _, _ = srv.stop()
