@@ -226,21 +226,8 @@ class GatedDeltaNet(nn.Module):
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
         trace = cache.trace.states if cache is not None and cache.trace is not None else None
         marks = cache.marks.states if cache is not None and cache.marks is not None else None
-        out, state = gated_delta_update(
-            q,
-            k,
-            v,
-            a,
-            beta_logits,
-            self.A_log,
-            self.dt_bias,
-            state,
-            mask,
-            trace,
-            self.chunked_rule,
-            self.state_dtype,
-            marks,
-        )
+        rules = dict(trace=trace, chunked=self.chunked_rule, state_dtype=self.state_dtype, marks=marks)
+        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, **rules)
         if cache is not None:
             cache[1] = state
             cache.advance(s)
