@@ -63,6 +63,8 @@ def standard_arms() -> dict[str, ArmSpec]:
         "engine": _engine_arm("engine"),
         "engine-serial": _engine_arm("engine-serial", "--batch", "1"),
         **{f"engine-{tier}": _engine_arm(f"engine-{tier}", "--kernels", tier) for tier in (EXACT, FAST)},
+        # n-gram speculation as spec rows in the continuous batch (engine serve --spec-batch)
+        "engine-spec": _engine_arm("engine-spec", "--draft-kind", "ngram", "--spec-batch"),
         "mlx-lm": ArmSpec(
             "mlx-lm",
             lambda d, p: [

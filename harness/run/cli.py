@@ -101,7 +101,8 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
         type=arm_names,
         default=csv(arms_default),
         help=f"arms the harness starts, from engine, engine-serial, engine-exact, engine-fast (--kernels "
-        f"exact|fast), mlx-lm (default {arms_default}); '' for none, so that only the --arm servers are "
+        f"exact|fast), engine-spec (n-gram speculation in the batch: --draft-kind ngram --spec-batch), mlx-lm "
+        f"(default {arms_default}); '' for none, so that only the --arm servers are "
         "measured; a NAME an --arm gives places that server in the order",
     )
     p.add_argument(

@@ -193,6 +193,8 @@ def test_the_engine_arms_include_one_per_tier():
         assert cmd[cmd.index("--kernels") + 1] == tier and arm.is_engine and arm.returns_token_ids
     assert "--kernels" not in arms["engine"].command("/m", 1234) and arms["engine"].is_engine
     assert not arms["mlx-lm"].is_engine
+    spec = arms["engine-spec"].command("/m", 1234)
+    assert spec[spec.index("--draft-kind") + 1] == "ngram" and "--spec-batch" in spec
 
 
 def test_arm_args_append_server_options_to_one_arm():
