@@ -120,6 +120,13 @@ def test_spec_batch_places_draft_model_requests_in_spec_rows():
         assert s.result.lane is Lane.CONTINUOUS and s.result.spec.kind == "draft" and s.result.spec.rounds > 0
         assert s.token_ids == greedy(target, r.prompt_ids, 12)[0]
     assert (g.active_rows, g.pending_rows, g.has_work) == (0, 0, False)
+    # a second turn starts the target from the prompt cache; the draft prefills the whole prompt itself
+    longer = request("again", (*reqs[0].prompt_ids, *sinks[0].token_ids), 12)
+    sink = CollectingSink()
+    placement = g.submit(longer, sink)
+    g.run_until_idle()
+    assert placement.spec and placement.cached_tokens > 0 and sink.result.spec.rounds > 0
+    assert sink.token_ids == greedy(target, longer.prompt_ids, 12)[0]
     # a draft whose caches cannot roll back rows (sliding windows) keeps the spec lane, and says why
     gemma = Engine.load("tiny-gemma3").model
     placement = Gateway(target, GatewayConfig(spec_batch=True), Speculation(SpecConfig("draft"), target, gemma)).place(
