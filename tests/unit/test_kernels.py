@@ -962,7 +962,7 @@ def test_bfloat16_state_is_kept_in_bfloat16_through_prefill_steps_and_traces(pro
     # one bf16 rounding of the state a token, the math in float32: the logits follow the float32 state's
     assert max(mx.abs(a - b).max().item() for a, b in zip(full, half)) < 0.05
     with pytest.raises(ValueError, match="state dtype"):
-        KernelConfig(FAST, state_dtype="float16")
+        KernelConfig(FAST, state_dtype="float64")
 
 
 def _delta_core_inputs(b, hk, hv, dk, dv, ks, bias_dtype):
