@@ -251,9 +251,6 @@ class Gateway:
 
     def _spec_batch_refusal(self) -> str | None:
         """Why speculation cannot run as spec rows in the continuous batch (None: it can)."""
-        kind = self.speculation.config.kind
-        if kind == "mtp":
-            return "mtp drafts run on the spec lane only (the continuous batch drafts ngram or a draft model)"
         models = {"this model's": self.model, "the draft model's": self.speculation.draft}
         for whose, model in models.items():
             kinds = {type(c) for c in model.make_cache()} if model is not None else set()

@@ -47,6 +47,12 @@ to check, a group that stopped drafting drafts the full count once after
 `wait` plain windows, as the serial policy probes (PROBE, doubling up to
 MAX_PROBE while probes keep showing drafting does not pay).
 
+The MTP head (`--draft-kind mtp`, speculative/mtp.py's BatchMTP) is such a
+batched draft too: its KV cache holds every row, each window's hidden states
+at the positions a row kept go in as that row's exact pairs (plain windows
+included, so the head never falls behind), and its [B, 1] draft steps are
+trimmed after the round.
+
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).
 """
@@ -186,7 +192,7 @@ class SpecRows:
         self.read_at = time.perf_counter()
         out, kept = self._emit(self.rows, fed, proposed, tokens, logprobs, hidden, launched)
         if self.draft is not None:
-            self.draft.commit(fed, [k - 1 for k in kept])
+            self._commit_draft(self.rows, fed, [k - 1 for k in kept], hidden)
         if traced:
             for c in self.cache:
                 if isinstance(c, RecurrentCache):
@@ -211,6 +217,14 @@ class SpecRows:
                 width = 1 + max(limits)
             limits = [min(n, width - 1) for n in limits]
         return self.draft.propose([r.pending for r in self.rows], limits)
+
+    def _commit_draft(self, rows, fed, accepted: Sequence[int], hidden: mx.array) -> None:
+        """The group's draft learns what each row kept; the MTP head also takes the window's hidden states and
+        each row's next token (its exact pairs)."""
+        if getattr(self.draft, "sees_hidden", False):
+            self.draft.commit(fed, accepted, hidden, [r.pending for r in rows])
+        else:
+            self.draft.commit(fed, accepted)
 
     def _limit(self, row: SpecRow) -> int:
         """The most drafts a row may feed: num_draft, and no more than it has tokens left to emit."""
@@ -259,7 +273,7 @@ class SpecRows:
         self.read_at = now
         out, _ = self._emit(rows, fed, proposed, tokens, a.logprobs, a.hidden, launched)
         if self.draft is not None:
-            self.draft.commit(fed, [0] * len(fed))
+            self._commit_draft(rows, fed, [0] * len(fed), a.hidden)
         return out | {r.request_id: () for r in self.rows[len(rows) :]}
 
     def _emit(self, rows, fed, proposed, tokens, logprobs, hidden, launched: bool):

@@ -14,18 +14,27 @@ after n prompt tokens, the pairs of positions 0 .. n - 2 (they need tokens up
 to n - 1 only) and the target's hidden state at n - 1, whose pair waits for
 the next prompt's token n. A request that starts the target from that entry
 `resume`s the head from it instead of seeing the whole prompt again.
+
+`BatchMTP` is the head for a group of spec rows in the continuous batch
+(engine/batch/spec_rows.py): one batched KV cache per head layer holding
+every row, fed each verify window's hidden states at the positions the row
+kept (with the tokens that followed them) as exact pairs, drafting in
+[B, 1] steps for all rows, its speculative entries trimmed after the round.
+Its rows start at the join with no pairs (the batched prefill does not hand
+the prompt's hidden states over): a row drafts from its first window on,
+and the head attends to the pairs of the tokens it generated only.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache import KVCache, cache_nbytes
+from engine.cache import BatchKVCache, KVCache, cache_arrays, cache_nbytes
 from engine.cache.kv import owned_copies
 from engine.speculative.source import Round
 
@@ -109,6 +118,10 @@ class MTPSource:
         self._last = out[:, -1:, :]
         self._hidden, self._next = [], []
 
+    def batched(self) -> BatchMTP:
+        """This head for a group of rows at once (the spec rows of a continuous batch)."""
+        return BatchMTP(self.head, self.embed, self.logits)
+
     def _draft(self, out: mx.array) -> mx.array:
         logits = self.logits(out)[:, -1, :]
         return mx.argmax(logits, axis=-1)
@@ -138,3 +151,102 @@ class MTPSource:
         kept = result.accepted + 1
         self._hidden.append(result.hidden[:, :kept, :])
         self._next.extend(list(result.drafts[: result.accepted]) + [result.next_token])
+
+
+@dataclass
+class BatchMTP:
+    """The MTP head for every spec row of a batch: merged head caches, [B, 1] draft steps, per-row exact pairs."""
+
+    head: nn.Module
+    embed: nn.Module
+    logits: object  # the target's lm head: hidden states to logits
+    cache: list | None = None  # one BatchKVCache per head layer
+    queued: list[tuple[list[mx.array], list[int]]] = field(default_factory=list)  # per row: exact pairs to feed
+    last: list[mx.array | None] = field(default_factory=list)  # per row: the head's output for its newest pair
+    steps: int = 0  # drafts the last `propose` made per row (0: it fed nothing)
+    sees_hidden = True  # `commit` takes the verify window's hidden states and each row's next token
+
+    def join(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New last rows, with no pairs yet: their first window's hidden states are their first pairs."""
+        n = len(prompts)
+        joined = [BatchKVCache([0] * n) for _ in self.head.layers]
+        if self.cache is None:
+            self.cache = joined
+        else:
+            for running, joiner in zip(self.cache, joined):
+                running.extend(joiner)
+        self.queued += [([], []) for _ in range(n)]
+        self.last += [None] * n
+
+    def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
+        """Row b's first limits[b] drafts after its pending token (none before the row has a pair); every row
+        drafts max(limits)."""
+        self.steps = max(limits, default=0)
+        if self.steps == 0:
+            return [[] for _ in limits]  # the pairs wait: one forward for all of them when drafting resumes
+        self._flush()
+        ready = [x is not None for x in self.last]
+        if not any(ready):
+            self.steps = 0
+            return [[] for _ in limits]
+        zero = mx.zeros_like(next(x for x in self.last if x is not None))
+        out = mx.concatenate([x if x is not None else zero for x in self.last])  # [B, 1, H]
+        y = mx.argmax(self.logits(out)[:, -1, :], axis=-1)
+        drafts = [y]
+        for _ in range(self.steps - 1):
+            out = self.head(out, self.embed(y[:, None]), self.cache)
+            y = mx.argmax(self.logits(out)[:, -1, :], axis=-1)
+            mx.async_eval(y)
+            drafts.append(y)
+        ids = mx.stack(drafts, axis=1).tolist()
+        return [row[:n] if r else [] for row, n, r in zip(ids, limits, ready)]
+
+    def _flush(self) -> None:
+        """Every row's queued pairs through the head in one right-padded forward; the padding is trimmed."""
+        lengths = [len(tokens) for _, tokens in self.queued]
+        width = max(lengths, default=0)
+        if width == 0:
+            return
+        rows = [mx.concatenate(h, axis=1) if h else None for h, _ in self.queued]
+        ref = next(h for h in rows if h is not None)
+        hidden = mx.concatenate(
+            [
+                mx.pad(h, [(0, 0), (0, width - n), (0, 0)])
+                if h is not None
+                else mx.zeros((1, width, ref.shape[2]), ref.dtype)
+                for h, n in zip(rows, lengths)
+            ]
+        )
+        tokens = mx.array([t + [0] * (width - n) for (_, t), n in zip(self.queued, lengths)])
+        out = self.head(hidden, self.embed(tokens), self.cache)
+        for c in self.cache:
+            c.trim_rows([width - n for n in lengths])
+        self.last = [out[b : b + 1, n - 1 : n] if n else x for b, (n, x) in enumerate(zip(lengths, self.last))]
+        self.queued = [([], []) for _ in self.queued]
+        mx.eval(cache_arrays(self.cache), [x for x in self.last if x is not None])
+
+    def commit(self, fed: Sequence[Sequence[int]], accepted: Sequence[int], hidden: mx.array, pending: Sequence[int]):
+        """The target fed row b `fed[b]`, kept `fed[b][:accepted[b] + 1]` and then emitted `pending[b]`; `hidden`
+        [B, W, H] is its final hidden state over the window. A round that drafted nothing may leave out the last
+        rows (rows that joined after its window was launched)."""
+        if self.steps > 1:  # the chained drafts' entries: every row added steps - 1
+            for c in self.cache:
+                c.trim_rows([self.steps - 1] * c.batch_size)
+        self.steps = 0
+        for b, (f, a, p) in enumerate(zip(fed, accepted, pending)):
+            h, t = self.queued[b]
+            h.append(hidden[b : b + 1, : a + 1])
+            t.extend([*f[1 : a + 1], p])
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep these rows (in this order); none: the next joiners start a fresh group."""
+        self.queued = [self.queued[i] for i in keep]
+        self.last = [self.last[i] for i in keep]
+        if not keep:
+            self.cache = None
+        elif self.cache is not None:
+            for c in self.cache:
+                c.filter(keep)
+
+    def reset(self) -> None:
+        self.cache, self.queued, self.last, self.steps = None, [], [], 0

@@ -470,7 +470,7 @@ def add_spec(sub) -> None:
         type=row_counts,
         default=(),
         help="comma-separated row counts, e.g. 1,4,8: run each arm with that many requests at once through the "
-        "continuous batcher (plain rows against spec rows: every arm but mtp) instead of one request at a time",
+        "continuous batcher (plain rows against spec rows) instead of one request at a time",
     )
     json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")
@@ -492,7 +492,6 @@ def cmd_spec(args) -> int:
     # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.bench.spec import (
         SpecBenchConfig,
-        concurrency_refusal,
         markdown,
         parse_arms,
         run_concurrent_bench,
@@ -504,8 +503,6 @@ def cmd_spec(args) -> int:
         arms = parse_arms(args.arms, args.model)
     except ValueError as e:
         raise CliError(str(e)) from None
-    if args.concurrency and (why := concurrency_refusal(arms)):
-        raise CliError(why)
     try:
         trained = get_spec(args.model).tier == "trained"
     except UnknownModelError as e:

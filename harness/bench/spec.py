@@ -269,17 +269,6 @@ class _TimedSink(CollectingSink):
         return super().on_token(token)
 
 
-def concurrency_refusal(arms: Sequence[SpecArm]) -> str | None:
-    """Why these arms cannot run through the continuous batcher (None: they can)."""
-    other = [a.name for a in arms if a.kind == "mtp"]
-    if other:
-        return (
-            f"--concurrency runs plain, self, draft:NAME, ngram and {MISS}: {', '.join(other)} drafts on the spec "
-            "lane, one request at a time (the continuous batch has no MTP rows yet)"
-        )
-    return None
-
-
 def run_concurrent_bench(
     model: str,
     arms: Sequence[SpecArm],
@@ -287,9 +276,6 @@ def run_concurrent_bench(
     on_progress: Callable[[str], None] = lambda _msg: None,
 ) -> list[SpecBenchResult]:
     """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher."""
-    why = concurrency_refusal(arms)
-    if why is not None:
-        raise ValueError(why)
     target = Engine.load(model)
     encode, _ = tokenizer_for(target.path)
     setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}

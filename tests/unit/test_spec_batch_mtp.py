@@ -1,0 +1,196 @@
+"""The MTP head's speculation as spec rows in the continuous batch (speculative/mtp.py's BatchMTP).
+
+The head's KV cache holds every spec row; each verify window's hidden states at the positions a row kept go in as
+that row's exact pairs, drafts chain in [B, 1] steps and are trimmed after the round. The gate is the one of
+test_spec_batch.py: on tie-free float32 prompts every row's greedy output is plain greedy's, whatever the head
+proposes (tiny-qwen35-f32's head has random weights, so a steered head also feeds the right drafts).
+"""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.scheduler import SchedulerConfig
+from engine.batch.spec_rows import SpecRows
+from engine.cache import KVCache
+from engine.engine import Engine
+from engine.request import FinishReason, Lane, SpecStats
+from engine.sinks import CollectingSink
+from engine.speculative.config import SpecConfig, Speculation
+from engine.speculative.mtp import BatchMTP, MTPSource
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    model = Engine.load("tiny-qwen35-f32").model
+    return model, prompts_for(model, 4)
+
+
+def batcher(model, policy="fixed", rows=8):
+    spec = SpecRows(model, lambda: MTPSource(model), "mtp", NUM_DRAFT, policy)
+    return ContinuousBatcher(model, SchedulerConfig(max_rows=rows), spec=spec)
+
+
+class Steered(BatchMTP):
+    """The batched head with the known continuation put in front of its drafts, a different number of right
+    drafts per row and round (the head still runs and its cache fills and trims as usual)."""
+
+    spec: SpecRows | None = None
+    truth: dict | None = None
+    rounds: int = 0
+
+    def propose(self, pending, limits):
+        drafts = super().propose(pending, limits)
+        out = []
+        for b, (row, d) in enumerate(zip(self.spec.rows, drafts)):
+            right = self.truth[row.request_id][row.produced : row.produced + (self.rounds + b) % (len(d) + 1)]
+            out.append(right + d[len(right) :])
+        self.rounds += 1
+        return out
+
+
+def steered_batcher(model, truth):
+    head = MTPSource(model)
+    steered = Steered(head.head, head.embed, head.logits)
+    spec = SpecRows(model, lambda: SimpleNamespace(batched=lambda: steered), "mtp", NUM_DRAFT)
+    steered.spec, steered.truth = spec, truth
+    return ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_mtp_spec_rows_equal_plain_greedy(hybrid, rows):
+    model, prompts = hybrid
+    sinks = run(batcher(model), [(0, request(f"r{i}", p), True) for i, p in enumerate(prompts[:rows])])
+    for i, p in enumerate(prompts[:rows]):
+        s = sinks[f"r{i}"]
+        assert s.token_ids == greedy(model, p)[0], f"row {i}"
+        assert s.result.lane is Lane.CONTINUOUS and s.result.finish_reason is FinishReason.LENGTH
+        assert s.result.spec.kind == "mtp" and s.result.spec.drafted > 0 and s.result.spec.replays == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_steered_mtp_rows_accept_and_reject_and_equal_plain_greedy(hybrid, rows):
+    model, prompts = hybrid
+    truth = {f"r{i}": greedy(model, p)[0] for i, p in enumerate(prompts[:rows])}
+    sinks = run(steered_batcher(model, truth), [(0, request(f"r{i}", p), True) for i, p in enumerate(prompts[:rows])])
+    for rid, tokens in truth.items():
+        s = sinks[rid].result.spec
+        assert sinks[rid].token_ids == tokens, rid
+        assert s.accepted > 0 and s.rewinds > 0
+        assert s.rounds < STEPS - 1
+
+
+def test_the_head_cache_holds_each_rows_exact_pairs_of_the_tokens_it_generated(hybrid):
+    """Mid-run, after rounds that kept 1 .. NUM_DRAFT + 1 tokens per row (and a late joiner): each row's head
+    cache and newest output are a fresh head's over the target's hidden states of the row's fed tokens."""
+    model, prompts = hybrid
+    truth = {f"r{i}": greedy(model, p)[0] for i, p in enumerate(prompts[:3])}
+    b = steered_batcher(model, truth)
+    sinks = {rid: CollectingSink() for rid in truth}
+    b.submit(request("r0", prompts[0]), sinks["r0"], spec=True)
+    b.submit(request("r1", prompts[1]), sinks["r1"], spec=True)
+    for step in range(9):
+        if step == 3:
+            b.submit(request("r2", prompts[2]), sinks["r2"], spec=True)
+        b.step()
+    spec = b.runner.spec
+    head = spec.draft
+    head._flush()
+    text = model.language_model
+    assert len(spec.rows) == 3
+    for i, row in enumerate(spec.rows):
+        n = len(row.prompt)
+        seq = [*row.prompt, *row.fed, row.pending]
+        assert len(row.fed) > 1
+        hidden = model.hidden(mx.array(seq[:-1])[None], model.make_cache())
+        fresh = [KVCache() for _ in text.mtp.layers]
+        out = text.mtp(hidden[:, n:], text.model.embed_tokens(mx.array(seq[n + 1 :])[None]), fresh)
+        got = [c.extract(i) for c in head.cache]
+        for g, f in zip(got, fresh):
+            assert g.size() == f.size() == len(row.fed)
+            for x, y in zip(g.state, f.state):
+                np.testing.assert_allclose(np.array(x[..., : g.size(), :]), np.array(y[..., : f.size(), :]), atol=1e-5)
+        np.testing.assert_allclose(np.array(head.last[i]), np.array(out[:, -1:]), atol=1e-5)
+    while b.has_work:
+        b.step()
+    for rid, tokens in truth.items():
+        assert sinks[rid].token_ids == tokens
+
+
+def test_mtp_rows_joining_late_and_leaving_early_still_equal(hybrid):
+    model, p = hybrid
+    arrivals = [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 7), True),  # leaves early
+        (3, request("c", p[2]), True),  # joins while a and b decode
+        (5, request("plain", p[1], 20), False),  # a plain row beside them
+        (9, request("d", p[3], 12), True),
+        (30, request("e", p[2][:1], 9), True),  # a one-token prompt
+    ]
+    b = batcher(model)
+    sinks = run(b, arrivals)
+    for _, req, _ in arrivals:
+        assert sinks[req.request_id].token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0]
+    head = b.runner.spec.draft
+    assert head.cache is None and head.queued == [] and head.last == []  # the last row left the head too
+
+
+def test_one_mtp_row_emits_the_serial_spec_lanes_tokens(hybrid):
+    model, prompts = hybrid
+    setup = Speculation(SpecConfig("mtp", NUM_DRAFT, policy="fixed"), model)
+    for prompt in prompts[:2]:
+        serial = SpecStats("mtp", NUM_DRAFT)
+        lane = [t.token_id for t in setup.generate(prompt, stop=request("x", prompt).stop, stats=serial)]
+        sinks = run(batcher(model), [(0, request("r", prompt), True)])
+        assert sinks["r"].token_ids == lane
+        assert serial.drafted > 0 and sinks["r"].result.spec.drafted > 0
+
+
+def test_the_adaptive_window_with_mtp_rows_changes_windows_not_tokens(hybrid):
+    model, p = hybrid
+    for rows in (1, 4):
+        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
+        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
+        sinks = run(batcher(model, "adaptive"), arrivals)
+        for _, req, _ in arrivals:
+            s = sinks[req.request_id]
+            assert s.token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
+            assert s.result.spec.emitted == req.stop.max_tokens - 1
+
+
+def test_spec_batch_places_mtp_requests_in_spec_rows(hybrid):
+    from engine.gateway import Gateway, GatewayConfig
+
+    model, prompts = hybrid
+    setup = Speculation(SpecConfig("mtp", 2), model)
+    g = Gateway(model, GatewayConfig(spec_batch=True, prompt_cache_bytes=1 << 20), setup)
+    reqs = [request(f"r{i}", q, 12) for i, q in enumerate(prompts[:3])]
+    sinks = [CollectingSink() for _ in reqs]
+    placements = [g.submit(r, s) for r, s in zip(reqs, sinks)]
+    g.run_until_idle()
+    for placement, s, r in zip(placements, sinks, reqs):
+        assert placement.lane is Lane.CONTINUOUS and placement.spec
+        assert "speculative decoding (mtp, 2 drafts per round" in placement.reason
+        assert "continuous batch" in placement.reason
+        assert s.result.lane is Lane.CONTINUOUS and s.result.spec.kind == "mtp" and s.result.spec.rounds > 0
+        assert s.token_ids == greedy(model, r.prompt_ids, 12)[0]
+    # a second turn starts the target from the prompt cache; the head starts from the generated tokens as ever
+    longer = request("again", (*reqs[0].prompt_ids, *sinks[0].token_ids), 12)
+    sink = CollectingSink()
+    placement = g.submit(longer, sink)
+    g.run_until_idle()
+    assert placement.spec and placement.cached_tokens > 0 and sink.result.spec.rounds > 0
+    assert sink.token_ids == greedy(model, longer.prompt_ids, 12)[0]
+
+
+def test_a_tiny_concurrent_mtp_run_at_1_and_4_rows():
+    from harness.bench.spec import SpecBenchConfig, parse_arms, run_concurrent_bench
+
+    cfg = SpecBenchConfig(prompt_tokens=24, decode_tokens=10, blocks=2, warmup=0, num_draft=2, concurrency=(1, 4))
+    for r in run_concurrent_bench("tiny-qwen35-f32", parse_arms("mtp", "tiny-qwen35-f32"), cfg):
+        plain, mtp = r.arms
+        assert all(mtp.same_tokens) and mtp.spec["kind"] == "mtp" and len(mtp.row_spec) == 2 * r.rows
