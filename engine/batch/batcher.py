@@ -99,8 +99,9 @@ class ContinuousBatcher:
         """Queue a request (raises RequestTooLarge if it can never fit the KV budget).
 
         `prefix`: caches holding the first len(prefix.tokens) prompt tokens; prefill starts after them.
-        `kv_bytes`: the row's projected KV bytes where the caller has them (`layout.row_bytes`).
-        `spec`: it decodes as a spec row (the batcher was made with `spec` rows).
+        `kv_bytes`: the row's projected KV bytes where the caller has them (`layout.row_bytes`), the target's.
+        `spec`: it decodes as a spec row (the batcher was made with `spec` rows); with a draft model its
+        projection adds the draft's caches (`draft_bytes`).
         """
         if request.request_id in self._sinks:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -110,11 +111,23 @@ class ContinuousBatcher:
             # a spec row's verify window writes up to num_draft columns past its tokens before the trim
             extra = self.runner.spec.num_draft if spec else 0
             kv_bytes = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens + extra)
-        self.scheduler.submit(request, kv_bytes, cached=len(prefix.tokens) if prefix else 0, spec=spec)
+        draft = self.draft_bytes(request) if spec else 0
+        cached = len(prefix.tokens) if prefix else 0
+        self.scheduler.submit(request, kv_bytes + draft, cached=cached, spec=spec, draft_bytes=draft)
         self._sinks[request.request_id] = sink
         if prefix is not None:
             self._prefixes[request.request_id] = prefix.cache
             self._full_chunks[request.request_id] = prefix.full_chunk
+
+    def draft_bytes(self, request: GenerationRequest) -> int:
+        """A spec row's projected bytes in its group's draft-model caches (0: the spec rows' draft holds no KV
+        of its own, or projects none): the draft's own layout over the prompt, max_tokens and the draft window,
+        which it writes before the rollback as the target does."""
+        spec = self.runner.spec
+        layout = getattr(spec.draft, "layout", None) if spec is not None else None
+        if layout is None:
+            return 0
+        return layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens + spec.num_draft)
 
     def cancel(self, request_id: str) -> bool:
         seq = self.scheduler.cancel(request_id)
@@ -142,9 +155,13 @@ class ContinuousBatcher:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes the running batch's and the prefill group's caches hold (ghost rows included)."""
-        spec = self.runner.spec.cache if self.runner.spec is not None else None
-        return sum(cache_nbytes(c) for c in (self.runner.cache, self.runner.joiner_cache, spec) if c is not None)
+        """Bytes the running batch's and the prefill group's caches hold (ghost rows included), and the spec
+        rows' target and draft caches."""
+        spec = self.runner.spec
+        caches = [self.runner.cache, self.runner.joiner_cache]
+        if spec is not None:
+            caches += [spec.cache, getattr(spec.draft, "cache", None)]
+        return sum(cache_nbytes(c) for c in caches if c is not None)
 
     @property
     def shapes(self) -> set[tuple[int | str, ...]]:

@@ -31,13 +31,15 @@ from engine.request import FinishReason, GeneratedToken, GenerationRequest
 from engine.stopping import FinishTracker
 
 
-def check_budget(request: GenerationRequest, kv_bytes: int, budget: int | None) -> None:
-    """Raise RequestTooLarge when `kv_bytes` can never fit the budget (None: no budget)."""
+def check_budget(request: GenerationRequest, kv_bytes: int, budget: int | None, draft_bytes: int = 0) -> None:
+    """Raise RequestTooLarge when `kv_bytes` (`draft_bytes` of them a draft model's) can never fit the budget
+    (None: no budget)."""
     if budget is not None and kv_bytes > budget:
+        draft = f", {draft_bytes:,} of them for the draft model's KV cache" if draft_bytes else ""
         raise RequestTooLarge(
             f"request {request.request_id} needs {kv_bytes:,} bytes of KV cache (prompt {len(request.prompt_ids)} "
-            f"tokens + max_tokens {request.stop.max_tokens}) but the whole KV budget is {budget:,} bytes; lower "
-            "max_tokens, shorten the prompt, or raise the KV budget (`engine serve --kv-budget`)"
+            f"tokens + max_tokens {request.stop.max_tokens}{draft}) but the whole KV budget is {budget:,} bytes; "
+            "lower max_tokens, shorten the prompt, or raise the KV budget (`engine serve --kv-budget`)"
         )
 
 
@@ -174,12 +176,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- intake
 
-    def submit(self, request: GenerationRequest, kv_bytes: int, cached: int = 0, spec: bool = False) -> Sequence:
-        """Queue a request; its first `cached` prompt tokens come from a prompt-cache hit; `spec`: it decodes as
-        a spec row."""
+    def submit(
+        self, request: GenerationRequest, kv_bytes: int, cached: int = 0, spec: bool = False, draft_bytes: int = 0
+    ) -> Sequence:
+        """Queue a request projecting `kv_bytes` (`draft_bytes` of them its draft model's caches); its first
+        `cached` prompt tokens come from a prompt-cache hit; `spec`: it decodes as a spec row."""
         if not 0 <= cached < len(request.prompt_ids):
             raise ValueError(f"cached must be in [0, {len(request.prompt_ids)}), got {cached}")
-        check_budget(request, kv_bytes, self.config.kv_budget_bytes)
+        check_budget(request, kv_bytes, self.config.kv_budget_bytes, draft_bytes)
         seq = Sequence(request, kv_bytes, FinishTracker(request.stop), prefilled=cached, spec=spec)
         self.pending.append(seq)
         return seq

@@ -20,6 +20,8 @@ A round that drafts nothing feeds the draft nothing either (plain windows
 cost what plain decoding costs): the rows fall further behind, and the next
 drafting round first feeds each row's backlog but its last token in one
 right-padded forward, so every row again feeds [lag, pending].
+Its caches count in the batch's KV budget: a spec row's projected bytes add
+the draft's own (`BatchDraft.layout`) over the same tokens as the target's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.batch.kv_budget import KVLayout
+from engine.batch.kv_layout import kv_layout
 from engine.cache import BatchKVCache, KVCache, RecurrentCache, cache_arrays
 from engine.generate import prefill
 from engine.speculative.rollback import Checkpoint, checkpoint, rewind, room
@@ -116,6 +120,10 @@ class BatchDraft:
     cache: list | None = None
     behind: list[list[int]] = field(default_factory=list)  # per row: the tokens before its pending one not fed yet
     steps: int = 0  # drafts the last `propose` made per row (0: it fed nothing)
+    layout: KVLayout = field(init=False, repr=False)  # the draft's own KV per row, for the batch's budget
+
+    def __post_init__(self):
+        self.layout = kv_layout(self.model)
 
     def join(self, prompts: Sequence[Sequence[int]]) -> None:
         """New last rows: each prompt but its last token through the draft alone, then into the group."""

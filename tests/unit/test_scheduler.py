@@ -159,6 +159,10 @@ def test_a_request_larger_than_the_whole_budget_is_rejected():
     with pytest.raises(RequestTooLarge, match="needs 5,000 bytes.*budget is 1,000"):
         s.submit(make_request(), 5000)
     assert s.pending_rows == 0
+    # a spec row's projection with its draft model's caches says how much of it is the draft's
+    with pytest.raises(RequestTooLarge, match=r"needs 1,200 bytes.*, 300 of them for the draft model's KV cache\)"):
+        s.submit(make_request(), 1200, spec=True, draft_bytes=300)
+    assert s.pending_rows == 0
 
 
 def test_hold_admission_lets_the_batch_drain():

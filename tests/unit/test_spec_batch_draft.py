@@ -11,8 +11,10 @@ from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.batch.spec_rows import SpecRows
+from engine.cache import cache_nbytes
 from engine.engine import Engine
 from engine.request import FinishReason, Lane, SpecStats
+from engine.sinks import CollectingSink
 from engine.speculative.config import SpecConfig, Speculation
 from engine.speculative.draft_model import DraftModelSource
 
@@ -25,9 +27,9 @@ def pair(request):
     return target, draft, prompts_for(target, 4)
 
 
-def batcher(target, draft, policy="fixed", rows=8):
+def batcher(target, draft, policy="fixed", rows=8, budget=None):
     spec = SpecRows(target, lambda: DraftModelSource(draft, 2048), "draft", NUM_DRAFT, policy)
-    return ContinuousBatcher(target, SchedulerConfig(max_rows=rows), spec=spec)
+    return ContinuousBatcher(target, SchedulerConfig(max_rows=rows, kv_budget_bytes=budget), spec=spec)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
@@ -176,3 +178,56 @@ def test_the_batched_draft_follows_every_rows_kept_tokens_through_trims_catch_up
     round([3, 2], [2, 2])
     round([1, 3], [0, 1])
     assert draft.behind == [[refs[i][n - 2]] for i, n in at]  # one token behind each row's pending one
+
+
+# ------------------------------------------------------------------ the KV budget
+
+
+def _dense_pair():
+    return Engine.load("tiny-qwen3-f32").model, Engine.load("tiny-qwen3-draft-f32").model
+
+
+def test_the_kv_budget_counts_a_draft_model_spec_rows_draft_caches():
+    """A budget that admits four plain rows admits fewer draft-model spec rows: each projects the draft's caches
+    too (the draft's own layout over prompt + max_tokens + the draft window); the batch's bytes hold them."""
+    target, draft = _dense_pair()
+    prompt, steps = list(range(300, 320)), 8
+    probe = batcher(target, draft)
+    plain = probe.layout.row_bytes(len(prompt), steps)
+    target_bytes = probe.layout.row_bytes(len(prompt), steps + NUM_DRAFT)
+    draft_bytes = probe.draft_bytes(request("x", prompt, steps))
+    assert draft_bytes == probe.runner.spec.draft.layout.row_bytes(len(prompt), steps + NUM_DRAFT) > 0
+    budget = 4 * max(plain, target_bytes)  # four plain rows, or four spec rows without a draft model's caches
+    fits = budget // (target_bytes + draft_bytes)
+    assert 0 < fits < 4
+
+    b = batcher(target, draft, budget=budget)
+    for spec in (False, True):
+        sinks = [CollectingSink() for _ in range(4)]
+        for i, sink in enumerate(sinks):
+            b.submit(request(f"{spec}-{i}", [*prompt[:-1], 400 + i], steps), sink, spec=spec)
+        b.step()
+        assert (b.active_rows, b.pending_rows) == ((fits, 4 - fits) if spec else (4, 0)), spec
+        assert b.scheduler.kv_bytes <= budget
+        if spec:
+            while not b.runner.spec.num_rows:
+                b.step()
+            held = b.runner.spec.draft.cache
+            assert cache_nbytes(held) > 0 and b.kv_bytes == cache_nbytes(b.runner.spec.cache) + cache_nbytes(held)
+        b.run_until_idle()
+        assert all(s.result.finish_reason is FinishReason.LENGTH and s.result.generated_tokens == steps for s in sinks)
+
+
+def test_a_request_whose_draft_caches_can_never_fit_is_refused_naming_the_draft():
+    from engine.errors import RequestTooLarge
+    from engine.gateway import Gateway, GatewayConfig
+
+    target, draft = _dense_pair()
+    setup = Speculation(SpecConfig("draft", NUM_DRAFT), target, draft)
+    req = request("big", list(range(300, 320)), 8)
+    target_bytes = Gateway(target, GatewayConfig(spec_batch=True), setup).layout.row_bytes(20, 8 + NUM_DRAFT)
+    g = Gateway(target, GatewayConfig(spec_batch=True, kv_budget=target_bytes), setup)  # the target alone fits
+    need = target_bytes + g.batcher.draft_bytes(req)
+    with pytest.raises(RequestTooLarge, match=rf"needs {need:,} bytes .*of them for the draft model's KV cache"):
+        g.submit(req, CollectingSink())
+    assert (g.pending_rows, g.has_work) == (0, False)
