@@ -147,8 +147,11 @@ class SpecRows:
         max_tokens: Sequence[int],
         cache: list,
         first: Sequence[int],
+        hidden: Sequence[mx.array | None] = (),
     ) -> None:
-        """Rows whose caches hold their whole prompt and whose token 0 (`first`, emitted already) is pending."""
+        """Rows whose caches hold their whole prompt and whose token 0 (`first`, emitted already) is pending.
+        `hidden`: the target's final hidden states over each prompt where they were kept (the MTP head's pairs of
+        the prompt; a row without starts the head at its first window)."""
         for rid, p, prompt, most, token in zip(request_ids, params, prompts, max_tokens, first):
             source = None
             if self.draft is None:
@@ -158,7 +161,9 @@ class SpecRows:
             stats = SpecStats(self.kind, self.num_draft)
             estimate = AdaptivePolicy(self.num_draft) if self.adaptive else None
             self.rows.append(SpecRow(rid, p, Sampler(p), source, stats, tuple(prompt), most, token, estimate=estimate))
-        if self.draft is not None:
+        if getattr(self.draft, "sees_hidden", False):
+            self.draft.join(prompts, first, hidden)
+        elif self.draft is not None:
             self.draft.join(prompts)
         if self.cache is None:
             self.cache = cache

@@ -20,9 +20,10 @@ the next prompt's token n. A request that starts the target from that entry
 every row, fed each verify window's hidden states at the positions the row
 kept (with the tokens that followed them) as exact pairs, drafting in
 [B, 1] steps for all rows, its speculative entries trimmed after the round.
-Its rows start at the join with no pairs (the batched prefill does not hand
-the prompt's hidden states over): a row drafts from its first window on,
-and the head attends to the pairs of the tokens it generated only.
+A row joins with its prompt's pairs where it is given the target's hidden
+states over the prompt; the batched prefill does not hand them over, so a
+row of the continuous batch starts with no pairs: it drafts from its first
+window on, and the head attends to the pairs of its generated tokens only.
 """
 
 from __future__ import annotations
@@ -166,8 +167,12 @@ class BatchMTP:
     steps: int = 0  # drafts the last `propose` made per row (0: it fed nothing)
     sees_hidden = True  # `commit` takes the verify window's hidden states and each row's next token
 
-    def join(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New last rows, with no pairs yet: their first window's hidden states are their first pairs."""
+    def join(
+        self, prompts: Sequence[Sequence[int]], first: Sequence[int] = (), hidden: Sequence[mx.array | None] = ()
+    ) -> None:
+        """New last rows. A row given the target's final hidden states over its prompt (hidden[b], [1, n, H]) and its
+        token 0 (first[b]) starts with its prompt's pairs, as the serial head does; a row without starts with no
+        pairs, and its first window's hidden states are its first."""
         n = len(prompts)
         joined = [BatchKVCache([0] * n) for _ in self.head.layers]
         if self.cache is None:
@@ -175,7 +180,9 @@ class BatchMTP:
         else:
             for running, joiner in zip(self.cache, joined):
                 running.extend(joiner)
-        self.queued += [([], []) for _ in range(n)]
+        for b, prompt in enumerate(prompts):
+            h = hidden[b] if b < len(hidden) else None
+            self.queued.append(([h], [*prompt[1:], first[b]]) if h is not None else ([], []))
         self.last += [None] * n
 
     def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:

@@ -22,6 +22,7 @@ from engine.request import FinishReason, Lane, SpecStats
 from engine.sinks import CollectingSink
 from engine.speculative.config import SpecConfig, Speculation
 from engine.speculative.mtp import BatchMTP, MTPSource
+from engine.speculative.source import Round
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +195,51 @@ def test_a_tiny_concurrent_mtp_run_at_1_and_4_rows():
     for r in run_concurrent_bench("tiny-qwen35-f32", parse_arms("mtp", "tiny-qwen35-f32"), cfg):
         plain, mtp = r.arms
         assert all(mtp.same_tokens) and mtp.spec["kind"] == "mtp" and len(mtp.row_spec) == 2 * r.rows
+
+
+def test_the_batched_head_given_the_prompts_hidden_states_drafts_what_the_serial_head_drafts(hybrid):
+    """BatchMTP driven by hand beside one serial MTPSource per row, both fed the same target hidden states: rounds
+    that draft nothing (the pairs queue), partial acceptance, a row joining late and a row leaving; each row's
+    drafts are its serial head's."""
+    model, prompts = hybrid
+    refs = [greedy(model, p)[0] for p in prompts[:3]]
+    head = MTPSource(model).batched()
+    rows = []  # per row: [reference index, tokens emitted, serial head]
+
+    def join(i):
+        hidden = model.hidden(mx.array(prompts[i])[None], model.make_cache())
+        serial = MTPSource(model)
+        serial.begin(prompts[i])
+        serial.observe(hidden[:, :-1], 0)
+        serial.commit(Round((prompts[i][-1],), 0, refs[i][0], hidden[:, -1:]))  # token 0, as a round without drafts
+        head.join([prompts[i]], [refs[i][0]], [hidden])
+        rows.append([i, 1, serial])
+
+    def round(limits, accept):
+        drafts = head.propose([refs[i][n - 1] for i, n, _ in rows], limits)
+        fed, windows, after = [], [], []
+        for (i, n, serial), d, limit, a in zip(rows, drafts, limits, accept):
+            assert d == serial.propose(refs[i][n - 1], limit), (i, n)
+            f = (refs[i][n - 1], *refs[i][n : n + a], *[1] * (limit - a))  # a right drafts, then wrong ones
+            seq = [*prompts[i], *refs[i][: n + limit]]
+            start = len(prompts[i]) + n - 1
+            hidden = model.hidden(mx.array(seq)[None], model.make_cache())[:, start : start + len(f)]
+            serial.commit(Round(f, a, refs[i][n + a], hidden))
+            fed.append(f)
+            windows.append(mx.pad(hidden, [(0, 0), (0, 1 + max(limits) - len(f)), (0, 0)]))
+            after.append(refs[i][n + a])
+        head.commit(fed, accept, mx.concatenate(windows), after)
+        for row, a in zip(rows, accept):
+            row[1] += a + 1
+
+    join(0)
+    join(1)
+    round([3, 1], [3, 0])
+    round([0, 0], [0, 0])  # nothing drafted: the pairs queue
+    join(2)
+    round([2, 3, 1], [1, 3, 0])
+    head.filter([0, 2])  # row 1 leaves
+    del rows[1]
+    round([3, 2], [2, 1])
+    round([1, 3], [0, 3])
+    round([3, 3], [0, 0])
