@@ -24,15 +24,15 @@ harness.run.stats) once there are enough blocks.
 
 With `concurrency` (a list of row counts, `harness spec --concurrency 1,4,8`)
 each arm instead runs N requests at once through the continuous batcher: the
-plain arm as plain rows, ngram, ngram-miss, self and draft:NAME as spec rows
+plain arm as plain rows, ngram, ngram-miss, self, draft:NAME and mtp as spec rows
 (engine/batch/spec_rows.py, the arm's draft policy; a draft model drafts for
-every row at once, speculative/draft_model.py's BatchDraft). Block b's N prompts are
+every row at once, speculative/draft_model.py's BatchDraft, and so does the MTP head,
+speculative/mtp.py's BatchMTP). Block b's N prompts are
 its seed's and the next N - 1 seeds'. A block's rate is the batch's decode rate: every row's tokens after
 its first over the time from the last row's first token to the last row's
 end; its TTFT the median row's. The paired ratio, acceptance and tokens per
 target forward (pooled over the rows, with each row's own in the record) are
-reported per row count. The MTP arm drafts on the spec lane only, so it is
-refused here.
+reported per row count.
 
 Random weights make a separate draft model or the MTP head agree with the
 target rarely: their acceptance here says how the machinery behaves at low
