@@ -141,7 +141,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
         full = gateway.prompt_cache.full_chunk  # quantized KV: entries are made and served past this first chunk
         kv = f"{cfg.kv_bits} bits, group {cfg.kv_group_size}, first chunk {full}" if cfg.kv_bits else "full"
-        scheme = f"tier {engine.kernels.tier}, kv {kv}"
+        scheme = f"tier {engine.kernels.tier}, state {engine.kernels.settings.get('state_dtype', 'float32')}, kv {kv}"
         disk = DiskTier(cfg.prompt_cache_dir, artifact_key(engine.path, scheme), cfg.prompt_cache_disk_bytes)
         gateway.prompt_cache.disk = disk
         off = f" (off: {disk.error})" if disk.error else ""
