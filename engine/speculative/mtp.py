@@ -24,6 +24,8 @@ A row joins with its prompt's pairs where it is given the target's hidden
 states over the prompt; the batched prefill does not hand them over, so a
 row of the continuous batch starts with no pairs: it drafts from its first
 window on, and the head attends to the pairs of its generated tokens only.
+Its KV counts in the batch's budget (`BatchMTP.layout`: the head's layers
+over the prompt and max_tokens, as the target's).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.batch.kv_budget import KVLayout, LayerKV
+from engine.batch.kv_layout import activation_itemsize
 from engine.cache import BatchKVCache, KVCache, cache_arrays, cache_nbytes
 from engine.cache.kv import owned_copies
 from engine.speculative.source import Round
@@ -65,6 +69,7 @@ class MTPSource:
         self.head = text.mtp
         self.embed = text.model.embed_tokens
         self.logits = model.logits
+        self.itemsize = activation_itemsize(model)  # bytes per element of the head's KV
         self.cache: list = []
         self.prompt: list[int] = []
         self._hidden: list[mx.array] = []  # queued exact pairs: hidden rows [1, n, H] ...
@@ -121,7 +126,10 @@ class MTPSource:
 
     def batched(self) -> BatchMTP:
         """This head for a group of rows at once (the spec rows of a continuous batch)."""
-        return BatchMTP(self.head, self.embed, self.logits)
+        kv = tuple(
+            LayerKV("kv", bytes_per_token=layer.self_attn.kv_channels * self.itemsize) for layer in self.head.layers
+        )
+        return BatchMTP(self.head, self.embed, self.logits, KVLayout(kv))
 
     def _draft(self, out: mx.array) -> mx.array:
         logits = self.logits(out)[:, -1, :]
@@ -161,6 +169,7 @@ class BatchMTP:
     head: nn.Module
     embed: nn.Module
     logits: object  # the target's lm head: hidden states to logits
+    layout: KVLayout | None = None  # the head's own KV per row, for the batch's budget (over the prompt's pairs too)
     cache: list | None = None  # one BatchKVCache per head layer
     queued: list[tuple[list[mx.array], list[int]]] = field(default_factory=list)  # per row: exact pairs to feed
     last: list[mx.array | None] = field(default_factory=list)  # per row: the head's output for its newest pair

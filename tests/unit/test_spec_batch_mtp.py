@@ -14,9 +14,10 @@ import pytest
 from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
 
 from engine.batch.batcher import ContinuousBatcher
+from engine.batch.kv_budget import STEP
 from engine.batch.scheduler import SchedulerConfig
 from engine.batch.spec_rows import SpecRows
-from engine.cache import KVCache
+from engine.cache import KVCache, cache_nbytes
 from engine.engine import Engine
 from engine.request import FinishReason, Lane, SpecStats
 from engine.sinks import CollectingSink
@@ -243,3 +244,19 @@ def test_the_batched_head_given_the_prompts_hidden_states_drafts_what_the_serial
     round([3, 2], [2, 1])
     round([1, 3], [0, 3])
     round([3, 3], [0, 0])
+
+
+def test_an_mtp_rows_head_cache_counts_in_the_kv_budget(hybrid):
+    model, prompts = hybrid
+    b = batcher(model)
+    req = request("r", prompts[0])
+    head = model.language_model.mtp.layers[0].self_attn.kv_channels * 4  # f32 keys and values, one layer
+    assert b.draft_bytes(req) == head * STEP * -(-(len(prompts[0]) + STEPS + NUM_DRAFT) // STEP) > 0
+    sink = CollectingSink()
+    b.submit(req, sink, spec=True)
+    for _ in range(4):
+        b.step()
+    assert b.kv_bytes > sum(cache_nbytes(c) for c in (b.runner.cache, b.runner.spec.cache) if c is not None)
+    while b.has_work:
+        b.step()
+    assert sink.token_ids == greedy(model, prompts[0])[0]
