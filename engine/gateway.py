@@ -291,7 +291,7 @@ class Gateway:
             if why is None:
                 return Placement(
                     Lane.CONTINUOUS,
-                    f"speculative decoding ({c.kind}, {c.num_draft} drafts per round, fixed) in the continuous "
+                    f"speculative decoding ({c.kind}, up to {c.num_draft} drafts per round, {c.policy}) in the continuous "
                     f"batch, up to {self.config.batch} rows",
                     spec=True,
                 )
