@@ -427,8 +427,8 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--spec-batch",
         action="store_true",
-        help="speculate inside the continuous batch: with --draft-kind ngram or a draft model (--draft-model), on "
-        "models whose caches can roll back rows (full attention, DeltaNet), each request that can speculate decodes "
+        help="speculate inside the continuous batch: with --draft-kind ngram or mtp or a draft model (--draft-model), "
+        "on models whose caches can roll back rows (full attention, DeltaNet), each request that can speculate decodes "
         "as a spec row beside the plain "
         "rows, drafting --num-draft-tokens a round; other requests and draft sources run as without it, and each "
         "result's lane_reason says which (default off: speculation runs alone on the spec lane)",

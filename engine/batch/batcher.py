@@ -341,7 +341,12 @@ class ContinuousBatcher:
             sink.on_start()
         req = seq.request
         return Joiner(
-            req.request_id, req.sampling, req.prompt_ids, self._prefixes.pop(req.request_id, None), req.prompt_logprobs
+            req.request_id,
+            req.sampling,
+            req.prompt_ids,
+            self._prefixes.pop(req.request_id, None),
+            req.prompt_logprobs,
+            spec=seq.spec,
         )
 
     def _deliver(self, seq: Sequence, tokens: tuple[GeneratedToken, ...]) -> None:

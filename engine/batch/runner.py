@@ -58,6 +58,7 @@ from engine.cache import (
     cache_arrays,
     own,
 )
+from engine.cache.kv import owned_copies
 from engine.generate import KVQuantization
 from engine.grammar import mask_rows
 from engine.kernels.cuda_source import BUILDS
@@ -124,6 +125,7 @@ class Joiner:
     prompt_ids: Sequence[int]
     cache: list | None = None  # single-row caches holding a cached prefix of the prompt
     prompt_logprobs: int | None = None  # score the prompt (`GenerationRequest.prompt_logprobs`); never cached
+    spec: bool = False  # joins the spec rows: with an MTP head, its prompt's hidden states are kept for the head
 
 
 @dataclass
@@ -136,9 +138,12 @@ class _Row:
     last_prompt_token: int  # what the token-0 forward feeds
     grammar: Any | None = None  # the request's grammar matcher (engine.grammar), masked with the batch's others
     scorer: PromptScorer | None = None  # fed the prefill chunks' logits where the request scores its prompt
+    # The target's final hidden states over the prompt positions this row fed, chunk by chunk ([1, n, H] each),
+    # for an MTP spec row's head (the prompt's pairs); None: not kept (every other row)
+    hidden: list[mx.array] | None = None
 
     @classmethod
-    def start(cls, j: Joiner) -> _Row:
+    def start(cls, j: Joiner, keep_hidden: bool = False) -> _Row:
         history = mx.array(list(j.prompt_ids[:-1])) if len(j.prompt_ids) > 1 else None
         grammar = j.params.constraint.processor() if j.params.constraint is not None else None
         scorer = PromptScorer(j.prompt_ids, j.prompt_logprobs) if j.prompt_logprobs is not None else None
@@ -151,6 +156,7 @@ class _Row:
             j.prompt_ids[-1],
             grammar,
             scorer,
+            [] if keep_hidden else None,
         )
 
     def process(self, inputs: mx.array, logits: mx.array) -> mx.array:
@@ -282,6 +288,8 @@ class BatchRunner:
         self.ready_cache: list | None = None
         self.ready_first: _Sampled | None = None
         self.spec = spec  # the spec rows, a group of their own (spec_rows.py); None: no request speculates
+        # the spec rows' batched draft is the MTP head, which starts from the prompt's pairs (speculative/mtp.py)
+        self._head_sees_hidden = spec is not None and getattr(spec.draft, "sees_hidden", False)
 
     # --------------------------------------------------------------- joiners
 
@@ -296,7 +304,7 @@ class BatchRunner:
         rows, kept, failures = [], [], []
         for j in joiners:
             try:
-                rows.append(_Row.start(j))
+                rows.append(_Row.start(j, keep_hidden=j.spec and self._head_sees_hidden))
                 kept.append(j)
             except Exception as e:  # noqa: BLE001 - this joiner's settings, nobody else's
                 failures.append(RowFailure(j.request_id, f"sampling setup failed: {e!r}"))
@@ -334,10 +342,14 @@ class BatchRunner:
                 c.prepare(lengths=lengths, right_padding=padding)
         hidden = self.model.hidden(mx.array([list(c) + [0] * p for c, p in zip(chunks, padding)]), self.joiner_cache)
         BUILDS.settle()
+        kept = []
         for i, row in enumerate(self.joiners[:joiners]):
             if row.scorer is not None:
                 row.scorer.add(self.model.logits(hidden[i, : lengths[i]]))
-        mx.eval(cache_arrays(self.joiner_cache))
+            if row.hidden is not None:  # an MTP spec row: its own copy, not a view holding the padded chunk's
+                kept += owned_copies([hidden[i : i + 1, : lengths[i]]])
+                row.hidden.append(kept[-1])
+        mx.eval(cache_arrays(self.joiner_cache), kept)
         if max(padding) > 0:
             for c in self.joiner_cache:
                 c.finalize()
@@ -374,11 +386,11 @@ class BatchRunner:
         }
         own(prompts.values())
         inputs = mx.array([row.last_prompt_token for row in self.ready])
-        logits = self._first_forward(inputs)
+        logits = self._first_forward(inputs, keep_hidden=[row.hidden is not None for row in self.ready])
         self._quantize_kv(self.ready_cache)
         sampled, failed = self._sample(self.ready, inputs, logits)
         BUILDS.settle()
-        mx.eval(sampled.tokens, sampled.logprobs)
+        mx.eval(sampled.tokens, sampled.logprobs, [row.hidden for row in self.ready if row.hidden])
         self.ready_first = sampled
         tokens = self._emitted(self.ready, sampled, failed)
         scores = {row.request_id: row.scorer.result() for row in self.ready if row.scorer is not None}
@@ -397,16 +409,25 @@ class BatchRunner:
             self.ready_cache = self.ready_first = None
         return RowTokens(tokens, failures, prompts, scores)
 
-    def _first_forward(self, inputs: mx.array) -> mx.array:
+    def _first_forward(self, inputs: mx.array, keep_hidden: Sequence[bool] = ()) -> mx.array:
         """The split's L=1 forward, its rows filled with ghosts to their decode bucket (a shape the decode
-        steps compile anyway; the ghosts leave the split's caches after): logits of the split's rows."""
+        steps compile anyway; the ghosts leave the split's caches after): logits of the split's rows. Rows that
+        keep their hidden states (MTP spec rows) get the last prompt position's; otherwise the full forward
+        runs as ever."""
         n = inputs.shape[0]
         ghosts = bucket(n, self.buckets) - n
         if ghosts > 0:
             _add_ghosts(self.ready_cache, n, ghosts)
             inputs = _ghost_tokens(inputs, ghosts)
         self.shapes.add(("first", n + ghosts))
-        logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
+        if any(keep_hidden):
+            hidden = self.model.hidden(inputs[:, None], self.ready_cache)
+            logits = self.model.logits(hidden)[:, -1, :]
+            for i, keep in enumerate(keep_hidden):
+                if keep:
+                    self.ready[i].hidden += owned_copies([hidden[i : i + 1]])
+        else:
+            logits = self.model(inputs[:, None], cache=self.ready_cache)[:, -1, :]
         if ghosts > 0:
             for c in self.ready_cache:
                 c.filter(list(range(n)))
@@ -430,6 +451,9 @@ class BatchRunner:
                     [spec[r.request_id][1] for r in rows],
                     cache,
                     self.ready_first.take(taken).tokens.tolist(),
+                    # the MTP head's prompt pairs: hidden states over the positions the rows fed (after a
+                    # prompt-cache hit, the uncached suffix only: the cached part's were never computed here)
+                    [mx.concatenate(r.hidden, axis=1) if r.hidden else None for r in rows],
                 )
                 request_ids = {rid for rid in request_ids if rid not in spec}
         keep = [i for i, row in enumerate(self.ready) if row.request_id in request_ids]

@@ -48,10 +48,11 @@ to check, a group that stopped drafting drafts the full count once after
 MAX_PROBE while probes keep showing drafting does not pay).
 
 The MTP head (`--draft-kind mtp`, speculative/mtp.py's BatchMTP) is such a
-batched draft too: its KV cache holds every row, each window's hidden states
-at the positions a row kept go in as that row's exact pairs (plain windows
-included, so the head never falls behind), and its [B, 1] draft steps are
-trimmed after the round.
+batched draft too: its KV cache holds every row, a row starts from its
+prompt's pairs (the target's hidden states the batched prefill kept for it,
+engine/batch/runner.py), each window's hidden states at the positions a row
+kept go in as that row's exact pairs (plain windows included, so the head
+never falls behind), and its [B, 1] draft steps are trimmed after the round.
 
 A row's caches hold its prompt and every token it fed that was kept, so a
 finished row is stored in the prompt cache with exactly those tokens (`held`).

@@ -20,10 +20,12 @@ the next prompt's token n. A request that starts the target from that entry
 every row, fed each verify window's hidden states at the positions the row
 kept (with the tokens that followed them) as exact pairs, drafting in
 [B, 1] steps for all rows, its speculative entries trimmed after the round.
-A row joins with its prompt's pairs where it is given the target's hidden
-states over the prompt; the batched prefill does not hand them over, so a
-row of the continuous batch starts with no pairs: it drafts from its first
-window on, and the head attends to the pairs of its generated tokens only.
+A row joins with its prompt's pairs: the batched prefill keeps an MTP spec
+row's target hidden states over every prompt chunk and the token-0 forward
+(engine/batch/runner.py), as the serial head sees them; after a prompt-cache
+hit only the uncached suffix's pairs go in (the head has no state for the
+cached part). A row given none starts with no pairs and drafts from its
+first window on.
 Its KV counts in the batch's budget (`BatchMTP.layout`: the head's layers
 over the prompt and max_tokens, as the target's).
 """
@@ -181,7 +183,8 @@ class BatchMTP:
     ) -> None:
         """New last rows. A row given the target's final hidden states over its prompt (hidden[b], [1, n, H]) and its
         token 0 (first[b]) starts with its prompt's pairs, as the serial head does; a row without starts with no
-        pairs, and its first window's hidden states are its first."""
+        pairs, and its first window's hidden states are its first. Hidden states over the prompt's last n positions
+        only (a prompt-cache hit: the target never computed the cached part's) give those positions' pairs."""
         n = len(prompts)
         joined = [BatchKVCache([0] * n) for _ in self.head.layers]
         if self.cache is None:
@@ -191,7 +194,7 @@ class BatchMTP:
                 running.extend(joiner)
         for b, prompt in enumerate(prompts):
             h = hidden[b] if b < len(hidden) else None
-            self.queued.append(([h], [*prompt[1:], first[b]]) if h is not None else ([], []))
+            self.queued.append(([h], [*prompt[1:], first[b]][-h.shape[1] :]) if h is not None else ([], []))
         self.last += [None] * n
 
     def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:

@@ -86,9 +86,10 @@ def test_steered_mtp_rows_accept_and_reject_and_equal_plain_greedy(hybrid, rows)
         assert s.rounds < STEPS - 1
 
 
-def test_the_head_cache_holds_each_rows_exact_pairs_of_the_tokens_it_generated(hybrid):
+def test_the_head_cache_holds_each_rows_exact_pairs_of_its_prompt_and_the_tokens_it_generated(hybrid):
     """Mid-run, after rounds that kept 1 .. NUM_DRAFT + 1 tokens per row (and a late joiner): each row's head
-    cache and newest output are a fresh head's over the target's hidden states of the row's fed tokens."""
+    cache and newest output are a fresh head's over the target's hidden states of the row's prompt and fed tokens
+    (the prompt's pairs from the batched prefill's hidden states)."""
     model, prompts = hybrid
     truth = {f"r{i}": greedy(model, p)[0] for i, p in enumerate(prompts[:3])}
     b = steered_batcher(model, truth)
@@ -110,10 +111,10 @@ def test_the_head_cache_holds_each_rows_exact_pairs_of_the_tokens_it_generated(h
         assert len(row.fed) > 1
         hidden = model.hidden(mx.array(seq[:-1])[None], model.make_cache())
         fresh = [KVCache() for _ in text.mtp.layers]
-        out = text.mtp(hidden[:, n:], text.model.embed_tokens(mx.array(seq[n + 1 :])[None]), fresh)
+        out = text.mtp(hidden, text.model.embed_tokens(mx.array(seq[1:])[None]), fresh)
         got = [c.extract(i) for c in head.cache]
         for g, f in zip(got, fresh):
-            assert g.size() == f.size() == len(row.fed)
+            assert g.size() == f.size() == n + len(row.fed)
             for x, y in zip(g.state, f.state):
                 np.testing.assert_allclose(np.array(x[..., : g.size(), :]), np.array(y[..., : f.size(), :]), atol=1e-5)
         np.testing.assert_allclose(np.array(head.last[i]), np.array(out[:, -1:]), atol=1e-5)
@@ -176,7 +177,7 @@ def test_spec_batch_places_mtp_requests_in_spec_rows(hybrid):
     g.run_until_idle()
     for placement, s, r in zip(placements, sinks, reqs):
         assert placement.lane is Lane.CONTINUOUS and placement.spec
-        assert "speculative decoding (mtp, 2 drafts per round" in placement.reason
+        assert "speculative decoding (mtp, up to 2 drafts per round" in placement.reason
         assert "continuous batch" in placement.reason
         assert s.result.lane is Lane.CONTINUOUS and s.result.spec.kind == "mtp" and s.result.spec.rounds > 0
         assert s.token_ids == greedy(model, r.prompt_ids, 12)[0]
@@ -260,3 +261,60 @@ def test_an_mtp_rows_head_cache_counts_in_the_kv_budget(hybrid):
     while b.has_work:
         b.step()
     assert sink.token_ids == greedy(model, prompts[0])[0]
+
+
+def test_an_mtp_row_drafts_what_the_serial_lanes_head_drafts_from_the_prompt_on(hybrid, monkeypatch):
+    """Through the batcher, each MTP spec row's head starts from its prompt's pairs (the target's hidden states the
+    batched prefill kept over every chunk and the token-0 forward), so with fixed drafts its every round's drafts
+    are the serial spec lane's on the same prompt, from the first round on; its tokens are plain greedy's. Rows
+    prefilled together in chunks (a short chunk size) and right-padded against each other, and a plain row beside
+    them that keeps nothing."""
+    model, prompts = hybrid
+    serial_drafts = []
+    propose = MTPSource.propose
+
+    def record(self, pending, limit):
+        drafts = propose(self, pending, limit)
+        if drafts:
+            serial_drafts[-1].append(drafts)
+        return drafts
+
+    monkeypatch.setattr(MTPSource, "propose", record)
+    setup = Speculation(SpecConfig("mtp", NUM_DRAFT, policy="fixed"), model)
+    lanes = []
+    for p in prompts[:3]:
+        serial_drafts.append([])
+        lanes.append(
+            [t.token_id for t in setup.generate(p, stop=request("x", p).stop, stats=SpecStats("mtp", NUM_DRAFT))]
+        )
+    monkeypatch.setattr(MTPSource, "propose", propose)
+
+    batched_drafts = {f"r{i}": [] for i in range(3)}
+    b = ContinuousBatcher(
+        model,
+        SchedulerConfig(max_rows=8, prefill_chunk=5),
+        spec=SpecRows(model, lambda: MTPSource(model), "mtp", NUM_DRAFT, "fixed"),
+    )
+    head = b.runner.spec.draft
+    batch_propose = head.propose
+
+    def record_rows(pending, limits):
+        drafts = batch_propose(pending, limits)
+        for row, d in zip(b.runner.spec.rows, drafts):
+            if d:
+                batched_drafts[row.request_id].append(d)
+        return drafts
+
+    head.propose = record_rows
+    arrivals = [(0, request(f"r{i}", p), True) for i, p in enumerate(prompts[:3])]
+    arrivals.append((0, request("plain", prompts[3]), False))
+    sinks = run(b, arrivals)
+    for i, p in enumerate(prompts[:3]):
+        rid = f"r{i}"
+        assert sinks[rid].token_ids == lanes[i] == greedy(model, p)[0], rid
+        # the lane's first round drafts after the last prompt token (token 0 on); the batch samples token 0 from
+        # its token-0 forward. That round rejects its first draft here, so the lane's next rounds are the batch's
+        assert serial_drafts[i][0][0] != lanes[i][0], rid
+        assert batched_drafts[rid] == serial_drafts[i][1:], rid
+        assert len(batched_drafts[rid]) == sinks[rid].result.spec.rounds  # it drafted from its first round on
+    assert sinks["plain"].token_ids == greedy(model, prompts[3])[0]
