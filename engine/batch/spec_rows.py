@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.cache import BatchKVCache, RecurrentCache, cache_arrays, own
+from engine.cache import BatchKVCache, RecurrentCache, cache_arrays, kept_rows, own, with_rows
 from engine.request import GeneratedToken, SamplingParams, SpecStats
 from engine.sampling import Sampler, emitted_token
 from engine.speculative.policy import MAX_PROBE, PROBE, AdaptivePolicy, ema, interpolate
@@ -166,11 +166,7 @@ class SpecRows:
             self.draft.join(prompts, first, hidden)
         elif self.draft is not None:
             self.draft.join(prompts)
-        if self.cache is None:
-            self.cache = cache
-        else:
-            for running, joiner in zip(self.cache, cache):
-                running.extend(joiner)
+        self.cache = with_rows(self.cache, cache)
 
     def step(self) -> dict[str, tuple[GeneratedToken, ...]]:
         """One verify forward: each row's accepted drafts and the target's own token, by request id (row order)."""
@@ -346,11 +342,7 @@ class SpecRows:
             self.ahead = _Ahead(a.sampled[rows], a.logprobs[rows], a.hidden[rows], ids) if index else None
         if self.draft is not None:
             self.draft.filter(keep)
-        if not self.rows:
-            self.cache = None  # the last row left: the next joiners start a fresh group
-            return
-        for c in self.cache:
-            c.filter(keep)
+        self.cache = kept_rows(self.cache, keep)  # None when the last row left: the next joiners start a fresh group
 
     def extract(self, request_ids: Collection[str]) -> dict[str, list]:
         index = {r.request_id: i for i, r in enumerate(self.rows)}

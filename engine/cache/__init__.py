@@ -21,6 +21,26 @@ def cache_arrays(cache: list) -> list:
     return [c.state for c in cache]
 
 
+def with_rows(cache: list | None, joined: list) -> list:
+    """A batch's per-layer caches with `joined`'s rows appended as its last rows (in place); with no batch yet
+    (None), `joined` is the batch."""
+    if cache is None:
+        return joined
+    for running, joiner in zip(cache, joined):
+        running.extend(joiner)
+    return cache
+
+
+def kept_rows(cache: list | None, keep: list[int]) -> list | None:
+    """A batch's per-layer caches holding only rows `keep`, in this order (in place); None when no row stays,
+    so the next joiners start a fresh batch."""
+    if not keep or cache is None:
+        return None
+    for c in cache:
+        c.filter(keep)
+    return cache
+
+
 def own(caches) -> None:
     """Evaluate extracted caches (lists of caches, None for a layer left out), asynchronously and in one
     call, so that their copies let go of the batch they were sliced from (`kv.owned_copies`)."""
@@ -40,4 +60,6 @@ __all__ = [
     "cache_arrays",
     "own",
     "cache_nbytes",
+    "kept_rows",
+    "with_rows",
 ]

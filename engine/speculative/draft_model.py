@@ -34,7 +34,7 @@ import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
-from engine.cache import BatchKVCache, KVCache, RecurrentCache, cache_arrays
+from engine.cache import BatchKVCache, KVCache, RecurrentCache, cache_arrays, kept_rows, with_rows
 from engine.generate import prefill
 from engine.speculative.rollback import Checkpoint, checkpoint, rewind, room
 from engine.speculative.source import Round
@@ -132,12 +132,7 @@ class BatchDraft:
             cache = self.model.make_cache()
             prefill(self.model, cache, mx.array(list(prompt)), self.prefill_step_size)
             singles.append(cache)
-        joined = [_merged(layer) for layer in zip(*singles)]
-        if self.cache is None:
-            self.cache = joined
-        else:
-            for running, joiner in zip(self.cache, joined):
-                running.extend(joiner)
+        self.cache = with_rows(self.cache, [_merged(layer) for layer in zip(*singles)])
         self.behind += [[prompt[-1]] for prompt in prompts]
 
     def propose(self, pending: Sequence[int], limits: Sequence[int]) -> list[list[int]]:
@@ -198,11 +193,7 @@ class BatchDraft:
     def filter(self, keep: Sequence[int]) -> None:
         """Keep these rows (in this order); none: the next joiners start a fresh group."""
         self.behind = [self.behind[i] for i in keep]
-        if not keep:
-            self.cache = None
-        elif self.cache is not None:
-            for c in self.cache:
-                c.filter(keep)
+        self.cache = kept_rows(self.cache, keep)
 
     def reset(self) -> None:
         self.cache, self.behind, self.steps = None, [], 0

@@ -41,7 +41,7 @@ import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout, LayerKV
 from engine.batch.kv_layout import activation_itemsize
-from engine.cache import BatchKVCache, KVCache, cache_arrays, cache_nbytes
+from engine.cache import BatchKVCache, KVCache, cache_arrays, cache_nbytes, kept_rows, with_rows
 from engine.cache.kv import owned_copies
 from engine.speculative.source import Round
 
@@ -186,12 +186,7 @@ class BatchMTP:
         pairs, and its first window's hidden states are its first. Hidden states over the prompt's last n positions
         only (a prompt-cache hit: the target never computed the cached part's) give those positions' pairs."""
         n = len(prompts)
-        joined = [BatchKVCache([0] * n) for _ in self.head.layers]
-        if self.cache is None:
-            self.cache = joined
-        else:
-            for running, joiner in zip(self.cache, joined):
-                running.extend(joiner)
+        self.cache = with_rows(self.cache, [BatchKVCache([0] * n) for _ in self.head.layers])
         for b, prompt in enumerate(prompts):
             h = hidden[b] if b < len(hidden) else None
             self.queued.append(([h], [*prompt[1:], first[b]][-h.shape[1] :]) if h is not None else ([], []))
@@ -261,11 +256,7 @@ class BatchMTP:
         """Keep these rows (in this order); none: the next joiners start a fresh group."""
         self.queued = [self.queued[i] for i in keep]
         self.last = [self.last[i] for i in keep]
-        if not keep:
-            self.cache = None
-        elif self.cache is not None:
-            for c in self.cache:
-                c.filter(keep)
+        self.cache = kept_rows(self.cache, keep)
 
     def reset(self) -> None:
         self.cache, self.queued, self.last, self.steps = None, [], [], 0
