@@ -84,6 +84,31 @@ def request(rid, prompt, steps=STEPS, **stop):
     return GenerationRequest(rid, tuple(prompt), stop=StopCriteria(max_tokens=steps, **stop))
 
 
+def joining_and_leaving(p):
+    """Spec rows joining late and leaving early, a plain row beside them and a one-token prompt (nothing to
+    prefill in a draft): (arrival step, request, speculates) as `run` takes them."""
+    return [
+        (0, request("a", p[0]), True),
+        (0, request("b", p[1], 7), True),  # leaves early
+        (3, request("c", p[2]), True),  # joins while a and b decode
+        (5, request("plain", p[1], 20), False),  # a plain row beside them
+        (9, request("d", p[3], 12), True),
+        (30, request("e", p[2][:1], 9), True),  # a one-token prompt
+    ]
+
+
+def check_windows_not_tokens(model, b, p, rows):
+    """`rows` spec rows and a late one through batcher `b`: each emits plain greedy's tokens, all but token 0 from
+    spec rounds, however its group's windows were chosen."""
+    arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
+    arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
+    sinks = run(b, arrivals)
+    for _, req, _ in arrivals:
+        s = sinks[req.request_id]
+        assert s.token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
+        assert s.result.spec.emitted == req.stop.max_tokens - 1
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_spec_rows_equal_plain_greedy(dense, dense_prompts, rows):
     sinks = run(batcher(dense), [(0, request(f"r{i}", p), True) for i, p in enumerate(dense_prompts[:rows])])
@@ -180,14 +205,7 @@ def test_the_adaptive_window_changes_windows_not_tokens(name):
     p = prompts_for(model, 4)
     for rows in (1, 4):
         spec = SpecRows(model, NgramSource, "ngram", NUM_DRAFT, "adaptive")
-        b = ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec)
-        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
-        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
-        sinks = run(b, arrivals)
-        for _, req, _ in arrivals:
-            s = sinks[req.request_id]
-            assert s.token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
-            assert s.result.spec.emitted == req.stop.max_tokens - 1
+        check_windows_not_tokens(model, ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec), p, rows)
         assert 1 in spec.seconds or rows > 1  # a plain window was measured
 
 

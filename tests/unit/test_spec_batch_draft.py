@@ -6,7 +6,16 @@ every row's greedy output is plain greedy's, whatever the draft proposes.
 """
 
 import pytest
-from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
+from test_spec_batch import (
+    NUM_DRAFT,
+    STEPS,
+    check_windows_not_tokens,
+    greedy,
+    joining_and_leaving,
+    prompts_for,
+    request,
+    run,
+)
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
@@ -49,14 +58,7 @@ def test_draft_model_spec_rows_equal_plain_greedy(pair, rows):
 
 def test_draft_model_rows_joining_late_and_leaving_early_still_equal(pair):
     target, draft, p = pair
-    arrivals = [
-        (0, request("a", p[0]), True),
-        (0, request("b", p[1], 7), True),  # leaves early
-        (3, request("c", p[2]), True),  # joins while a and b decode
-        (5, request("plain", p[1], 20), False),  # a plain row beside them
-        (9, request("d", p[3], 12), True),
-        (30, request("e", p[2][:1], 9), True),  # a one-token prompt: nothing to prefill in the draft
-    ]
+    arrivals = joining_and_leaving(p)
     b = batcher(target, draft)
     sinks = run(b, arrivals)
     for _, req, _ in arrivals:
@@ -91,14 +93,7 @@ def test_one_row_emits_the_serial_spec_lanes_tokens_with_the_same_draft(pair):
 def test_the_adaptive_window_with_a_draft_model_changes_windows_not_tokens(pair):
     target, draft, p = pair
     for rows in (1, 4):
-        b = batcher(target, draft, "adaptive")
-        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
-        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
-        sinks = run(b, arrivals)
-        for _, req, _ in arrivals:
-            s = sinks[req.request_id]
-            assert s.token_ids == greedy(target, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
-            assert s.result.spec.emitted == req.stop.max_tokens - 1
+        check_windows_not_tokens(target, batcher(target, draft, "adaptive"), p, rows)
 
 
 # ------------------------------------------------------------------ placement (engine serve --spec-batch)

@@ -11,7 +11,16 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_spec_batch import NUM_DRAFT, STEPS, greedy, prompts_for, request, run
+from test_spec_batch import (
+    NUM_DRAFT,
+    STEPS,
+    check_windows_not_tokens,
+    greedy,
+    joining_and_leaving,
+    prompts_for,
+    request,
+    run,
+)
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_budget import STEP
@@ -126,14 +135,7 @@ def test_the_head_cache_holds_each_rows_exact_pairs_of_its_prompt_and_the_tokens
 
 def test_mtp_rows_joining_late_and_leaving_early_still_equal(hybrid):
     model, p = hybrid
-    arrivals = [
-        (0, request("a", p[0]), True),
-        (0, request("b", p[1], 7), True),  # leaves early
-        (3, request("c", p[2]), True),  # joins while a and b decode
-        (5, request("plain", p[1], 20), False),  # a plain row beside them
-        (9, request("d", p[3], 12), True),
-        (30, request("e", p[2][:1], 9), True),  # a one-token prompt
-    ]
+    arrivals = joining_and_leaving(p)
     b = batcher(model)
     sinks = run(b, arrivals)
     for _, req, _ in arrivals:
@@ -156,13 +158,7 @@ def test_one_mtp_row_emits_the_serial_spec_lanes_tokens(hybrid):
 def test_the_adaptive_window_with_mtp_rows_changes_windows_not_tokens(hybrid):
     model, p = hybrid
     for rows in (1, 4):
-        arrivals = [(0, request(f"r{i}", q), True) for i, q in enumerate(p[:rows])]
-        arrivals.append((5, request("late", p[-1], 17), True))  # the row count changes mid-run
-        sinks = run(batcher(model, "adaptive"), arrivals)
-        for _, req, _ in arrivals:
-            s = sinks[req.request_id]
-            assert s.token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0], (rows, req.request_id)
-            assert s.result.spec.emitted == req.stop.max_tokens - 1
+        check_windows_not_tokens(model, batcher(model, "adaptive"), p, rows)
 
 
 def test_spec_batch_places_mtp_requests_in_spec_rows(hybrid):
