@@ -428,7 +428,9 @@ def add_spec(sub) -> None:
         "draft:NAME (a draft model with the target's tokenizer), ngram (prompt lookup), ngram-miss (prompt lookup "
         "with every draft moved off by one: what speculation costs when no draft is accepted), mtp (the target's "
         "Qwen3.5 MTP head). Prints median decode rate and TTFT, acceptance, tokens per target forward, "
-        "replays per round, the paired ratio against plain, and whether each arm's tokens equal plain's.",
+        "replays per round, the time of one target forward (a verify window's cost beside a plain step's), the "
+        "paired ratio against plain, and whether each arm's tokens equal plain's. --kernels picks the target's "
+        "kernel tier; the output names the tier that runs.",
     )
     p.add_argument("--model", default="small-qwen35", help="registry name of the target (default small-qwen35)")
     p.add_argument(
@@ -471,6 +473,12 @@ def add_spec(sub) -> None:
         default=(),
         help="comma-separated row counts, e.g. 1,4,8: run each arm with that many requests at once through the "
         "continuous batcher (plain rows against spec rows) instead of one request at a time",
+    )
+    kernels_option(
+        p,
+        "the target's kernel tier, in every arm (a draft model runs exact): exact = MLX's operations; fast = "
+        "custom CUDA kernels, equal to rounding (CUDA only, exact elsewhere); auto = fast on CUDA where its "
+        "numerics gate passed for the model's family (default auto)",
     )
     json_option(p)
     p.add_argument("--md", type=Path, help="write a Markdown table here")
@@ -519,6 +527,7 @@ def cmd_spec(args) -> int:
         seed=args.seed,
         text=text,
         concurrency=args.concurrency,
+        kernels=args.kernels,
     )
     run = run_concurrent_bench if cfg.concurrency else run_spec_bench
     with status("loading") as progress:

@@ -20,7 +20,11 @@ block to block so drift hits every arm alike. Reported per arm: median decode ra
 acceptance and tokens per target forward over all blocks, whether every
 block's tokens equal the plain arm's, and the paired ratio against plain
 (geometric mean of per-block ratios with a bootstrap interval and verdict,
-harness.run.stats) once there are enough blocks.
+harness.run.stats) once there are enough blocks. Also per arm: the median time of one
+target forward, a block's decode time over the target forwards that ran in it (a speculating arm's
+target_calls, verify windows plus replays; the plain arm's tokens - 1), which puts a verify window's
+cost beside a plain step's. The target loads with `kernels` (auto, exact or fast: Engine.load), and
+the result names the tier that runs.
 
 With `concurrency` (a list of row counts, `harness spec --concurrency 1,4,8`)
 each arm instead runs N requests at once through the continuous batcher: the
@@ -30,7 +34,8 @@ every row at once, speculative/draft_model.py's BatchDraft, and so does the MTP 
 speculative/mtp.py's BatchMTP). Block b's N prompts are
 its seed's and the next N - 1 seeds'. A block's rate is the batch's decode rate: every row's tokens after
 its first over the time from the last row's first token to the last row's
-end; its TTFT the median row's. The paired ratio, acceptance and tokens per
+end; its TTFT the median row's; its time per target forward that span over the most target forwards
+any row ran (rows step together, so the longest row's count is the batch's). The paired ratio, acceptance and tokens per
 target forward (pooled over the rows, with each row's own in the record) are
 reported per row count.
 
@@ -127,6 +132,7 @@ class SpecBenchConfig:
     seed: int = 0
     text: str = "corpus"  # where prompts come from: "corpus" or "held-out" (TEXTS)
     concurrency: tuple[int, ...] = ()  # row counts run through the continuous batcher; () = one request at a time
+    kernels: str = "auto"  # the kernel tier asked of Engine.load: auto, exact or fast
 
 
 TEXTS = ("corpus", "held-out")
@@ -158,6 +164,7 @@ class ArmResult:
     draft: str | None
     decode_tps: list[float] = field(default_factory=list)  # per block
     ttft_ms: list[float] = field(default_factory=list)
+    forward_ms: list[float] = field(default_factory=list)  # per block: decode time / target forwards in it
     same_tokens: list[bool] = field(default_factory=list)  # per block, vs plain
     spec: dict | None = None  # pooled SpecStats over the measured blocks
     row_spec: list[dict] = field(default_factory=list)  # with concurrency: each measured row's own SpecStats
@@ -170,6 +177,10 @@ class ArmResult:
     def median_ttft_ms(self) -> float:
         return statistics.median(self.ttft_ms)
 
+    @property
+    def median_forward_ms(self) -> float:
+        return statistics.median(self.forward_ms)
+
 
 @dataclass
 class SpecBenchResult:
@@ -178,6 +189,7 @@ class SpecBenchResult:
     config: SpecBenchConfig
     arms: list[ArmResult]
     seeds: list[int]
+    kernels: str  # the tier the target runs (KernelSet.tier)
     rows: int | None = None  # concurrent requests (None: one at a time, the serial lanes)
 
     def plain(self) -> ArmResult:
@@ -193,6 +205,7 @@ class SpecBenchResult:
         out = {
             "model": self.model,
             "device": self.device,
+            "kernels": self.kernels,
             "config": asdict(self.config),
             "seeds": self.seeds,
             "arms": [],
@@ -200,7 +213,12 @@ class SpecBenchResult:
         if self.rows is not None:
             out["rows"] = self.rows
         for a in self.arms:
-            rec = {**asdict(a), "median_decode_tps": a.median_decode_tps, "median_ttft_ms": a.median_ttft_ms}
+            rec = {
+                **asdict(a),
+                "median_decode_tps": a.median_decode_tps,
+                "median_ttft_ms": a.median_ttft_ms,
+                "median_forward_ms": a.median_forward_ms,
+            }
             if a is not self.plain():
                 rec["decode_ratio_vs_plain"] = geomean(self.ratios(a))
                 rec["paired"] = self.verdict(a).as_record()
@@ -214,7 +232,7 @@ def run_spec_bench(
     cfg: SpecBenchConfig,
     on_progress: Callable[[str], None] = lambda _msg: None,
 ) -> SpecBenchResult:
-    target = Engine.load(model)
+    target = Engine.load(model, kernels=cfg.kernels)
     encode, _ = tokenizer_for(target.path)
     setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
     stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
@@ -248,6 +266,8 @@ def run_spec_bench(
             tokens[arm.name] = sample.tokens
             results[i].decode_tps.append((len(sample.tokens) - 1) / sample.decode_s)
             results[i].ttft_ms.append(sample.ttft_s * 1000)
+            forwards = stats_out[0].target_calls if stats_out else len(sample.tokens) - 1
+            results[i].forward_ms.append(sample.decode_s * 1000 / forwards)
             for s in stats_out:
                 pooled[arm.name].add(s)
         for r in results:
@@ -255,7 +275,7 @@ def run_spec_bench(
     for r in results:
         if r.arm in pooled:
             r.spec = pooled[r.arm].as_dict()
-    return SpecBenchResult(model, str(mx.default_device()), cfg, results, seeds)
+    return SpecBenchResult(model, str(mx.default_device()), cfg, results, seeds, target.kernels.tier)
 
 
 @dataclass
@@ -276,13 +296,14 @@ def run_concurrent_bench(
     on_progress: Callable[[str], None] = lambda _msg: None,
 ) -> list[SpecBenchResult]:
     """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher."""
-    target = Engine.load(model)
+    target = Engine.load(model, kernels=cfg.kernels)
     encode, _ = tokenizer_for(target.path)
     setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
     stop = StopCriteria(max_tokens=cfg.decode_tokens, ignore_eos=True)
 
-    def batch(arm: SpecArm, prompts: list[list[int]]) -> tuple[list[_TimedSink], float, float]:
-        """The rows' sinks, the batch's decode rate and the median row's TTFT (ms)."""
+    def batch(arm: SpecArm, prompts: list[list[int]]) -> tuple[list[_TimedSink], float, float, float]:
+        """The rows' sinks, the batch's decode rate, the median row's TTFT (ms) and the time (ms) of one target
+        forward of the batch: the decode span over the most target forwards any row ran."""
         setup = setups.get(arm.name)
         spec = None if setup is None else SpecRows(target.model, setup.source, arm.kind, cfg.num_draft, cfg.policy)
         b = ContinuousBatcher(target.model, SchedulerConfig(max_rows=len(prompts)), spec=spec)
@@ -297,7 +318,12 @@ def run_concurrent_bench(
         first = max(s.stamps[0] for s in sinks)
         end = max(s.stamps[-1] for s in sinks)
         rate = sum(len(s.stamps) - 1 for s in sinks) / (end - first)
-        return sinks, rate, statistics.median((s.stamps[0] - start) * 1000 for s in sinks)
+        if spec is None:
+            forwards = max(len(s.stamps) - 1 for s in sinks)
+        else:
+            forwards = max(s.result.spec.target_calls for s in sinks)
+        ttft = statistics.median((s.stamps[0] - start) * 1000 for s in sinks)
+        return sinks, rate, ttft, (end - first) * 1000 / forwards
 
     results = []
     seeds = [cfg.seed + b for b in range(cfg.blocks)]
@@ -320,10 +346,11 @@ def run_concurrent_bench(
             for i in order:
                 arm = arms[i]
                 on_progress(f"{n} rows, block {b + 1}/{cfg.blocks}: {arm.name}")
-                sinks, rate, ttft = batch(arm, block)
+                sinks, rate, ttft, forward = batch(arm, block)
                 tokens[arm.name] = [s.token_ids for s in sinks]
                 out[i].decode_tps.append(rate)
                 out[i].ttft_ms.append(ttft)
+                out[i].forward_ms.append(forward)
                 for s in sinks:
                     if s.result.spec is not None:
                         pooled[arm.name].add(s.result.spec)
@@ -333,7 +360,7 @@ def run_concurrent_bench(
         for r in out:
             if r.arm in pooled:
                 r.spec = pooled[r.arm].as_dict()
-        results.append(SpecBenchResult(model, str(mx.default_device()), cfg, out, seeds, rows=n))
+        results.append(SpecBenchResult(model, str(mx.default_device()), cfg, out, seeds, target.kernels.tier, rows=n))
     return results
 
 
@@ -344,23 +371,26 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
     c, rows = first.config, first.rows is not None
     title = "Speculative decoding vs plain"
     how = ""
+    forward = "a block's decode time over its target forwards"
     if rows:
         title += " in the continuous batch"
         how = (
             "Each block runs N requests at once (plain rows against spec rows); decode tok/s is the batch's, "
             "TTFT the median row's, acceptance and tokens per target forward pooled over the rows. "
         )
+        forward = "the batch's decode time over the most target forwards any row ran"
     lines = [
-        f"# {title}: {first.model} on {first.device}",
+        f"# {title}: {first.model} on {first.device}, {first.kernels} kernels",
         "",
         f"{c.blocks} blocks, {c.prompt_tokens}-token prompts ({c.text} text), {c.decode_tokens} generated tokens "
         f"(greedy, EOS ignored), up to {c.num_draft} drafts per round ({c.policy} policy), {c.rollback} rollback. "
-        f"{how}Ratios: decode rate against plain, "
+        f"{how}ms / target forward: {forward} (verify windows plus replays, or plain steps), the median over "
+        "blocks. Ratios: decode rate against plain, "
         "geometric mean of per-block ratios with a 95% bootstrap interval.",
         "",
         "| rows " * rows + "| arm | decode tok/s | vs plain | paired verdict | TTFT ms | acceptance "
-        "| tokens / target forward | replays / round | same tokens as plain |",
-        "|---" * rows + "|---|---|---|---|---|---|---|---|---|",
+        "| tokens / target forward | ms / target forward | replays / round | same tokens as plain |",
+        "|---" * rows + "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for a in r.arms:
@@ -380,7 +410,7 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
                 f"| {r.rows} "
                 * rows
                 + f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
-                f"| {tpf} | {rep} | {same} |"
+                f"| {tpf} | {a.median_forward_ms:.2f} | {rep} | {same} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -393,6 +423,7 @@ def record(result: SpecBenchResult | Sequence[SpecBenchResult]) -> dict:
     return {
         "model": first.model,
         "device": first.device,
+        "kernels": first.kernels,
         "config": asdict(first.config),
         "concurrency": [r.as_record() for r in result],
     }

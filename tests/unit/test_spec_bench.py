@@ -33,8 +33,9 @@ def test_a_tiny_run_records_every_arm_and_block():
     assert "paired" not in plain and plain["spec"] is None
     assert self_draft["spec"]["acceptance"] == 1.0  # the target agrees with itself
     assert self_draft["paired"]["verdict"] == "unknown" and "too few blocks" in self_draft["paired"]["note"]  # 2 blocks
+    assert all(a["median_forward_ms"] > 0 for a in rec["arms"])
     md = markdown(result)
-    assert "| self |" in md and "| plain |" in md
+    assert "| self |" in md and "| plain |" in md and "| ms / target forward |" in md
     json.dumps(rec)
 
 
@@ -154,12 +155,17 @@ def test_a_tiny_concurrent_run_at_1_and_4_rows_pairs_spec_rows_with_plain_rows(t
         assert len(plain.decode_tps) == len(ngram.same_tokens) == 2 and plain.spec is None
         assert len(ngram.row_spec) == 2 * r.rows  # every row of every block
         assert ngram.spec["rounds"] == sum(s["rounds"] for s in ngram.row_spec)
+    for r in results:
+        for a in r.arms:
+            assert len(a.forward_ms) == 2 and all(ms > 0 for ms in a.forward_ms)
     rec = record(results)
     assert [c["rows"] for c in rec["concurrency"]] == [1, 4]
     assert "paired" in rec["concurrency"][1]["arms"][1]
+    assert all(a["median_forward_ms"] > 0 for c in rec["concurrency"] for a in c["arms"])
     json.dumps(rec)
     md = markdown(results)
     assert "| rows | arm |" in md and "| 4 | ngram |" in md and "| 1 | plain |" in md
+    assert "| ms / target forward |" in md
 
 
 def test_draft_model_arms_run_as_spec_rows_at_1_and_4_rows():
@@ -195,8 +201,13 @@ def test_the_miss_arm_drafts_by_prompt_lookup_has_nothing_accepted_and_emits_pla
 def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path):
     out, md = tmp_path / "spec.json", tmp_path / "spec.md"
     args = ["spec", "--model", "tiny-qwen3-f32", "--arms", "plain,ngram", "--blocks", "1", "--prompt-tokens", "16"]
-    args += ["--decode-tokens", "8", "--warmup", "0", "--concurrency", "1,4", "--json", str(out), "--md", str(md)]
+    args += ["--decode-tokens", "8", "--warmup", "0", "--concurrency", "1,2", "--json", str(out), "--md", str(md)]
+    args += ["--kernels", "exact"]
     assert harness_main(args) in (0, 1)  # 1 only if a row's tokens differ from plain's
     rec = json.loads(out.read_text())
-    assert [c["rows"] for c in rec["concurrency"]] == [1, 4]
-    assert "| 4 | ngram |" in md.read_text()
+    assert [c["rows"] for c in rec["concurrency"]] == [1, 2]
+    assert rec["config"]["kernels"] == "exact" and rec["kernels"] == "exact"
+    assert all(a["median_forward_ms"] > 0 for c in rec["concurrency"] for a in c["arms"])
+    text = md.read_text()
+    assert "| 2 | ngram |" in text and "exact kernels" in text.splitlines()[0]
+    assert "| ms / target forward |" in text
