@@ -481,7 +481,11 @@ def add_spec(sub) -> None:
         "numerics gate passed for the model's family (default auto)",
     )
     json_option(p)
-    p.add_argument("--md", type=Path, help="write a Markdown table here")
+    p.add_argument(
+        "--md",
+        type=Path,
+        help="write a Markdown table here (with --concurrency, rewritten after each row count, as is --json)",
+    )
     p.set_defaults(func=cmd_spec)
 
 
@@ -529,9 +533,13 @@ def cmd_spec(args) -> int:
         concurrency=args.concurrency,
         kernels=args.kernels,
     )
-    run = run_concurrent_bench if cfg.concurrency else run_spec_bench
     with status("loading") as progress:
-        result = run(args.model, arms, cfg, on_progress=progress.update)
+        if cfg.concurrency:  # each row count's results written as it finishes
+            result = run_concurrent_bench(
+                args.model, arms, cfg, progress.update, lambda so_far: write(so_far, args.json, args.md)
+            )
+        else:
+            result = run_spec_bench(args.model, arms, cfg, on_progress=progress.update)
     write(result, args.json, args.md)
     out.print(markdown(result), markup=False, highlight=False)
     results = result if cfg.concurrency else [result]

@@ -294,8 +294,10 @@ def run_concurrent_bench(
     arms: Sequence[SpecArm],
     cfg: SpecBenchConfig,
     on_progress: Callable[[str], None] = lambda _msg: None,
+    on_results: Callable[[list[SpecBenchResult]], None] = lambda _results: None,
 ) -> list[SpecBenchResult]:
-    """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher."""
+    """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher.
+    `on_results` gets the results so far after each row count (a long run's finished counts kept if it stops)."""
     target = Engine.load(model, kernels=cfg.kernels)
     encode, _ = tokenizer_for(target.path)
     setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
@@ -361,6 +363,7 @@ def run_concurrent_bench(
             if r.arm in pooled:
                 r.spec = pooled[r.arm].as_dict()
         results.append(SpecBenchResult(model, str(mx.default_device()), cfg, out, seeds, target.kernels.tier, rows=n))
+        on_results(results)
     return results
 
 
