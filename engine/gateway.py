@@ -329,6 +329,8 @@ class Gateway:
             need = self.layout.row_bytes(
                 len(request.prompt_ids), request.stop.max_tokens + self.speculation.config.num_draft
             )
+            draft = self.batcher.draft_bytes(request)  # a draft model's caches, checked before the cache is asked
+            check_budget(request, need + draft, self.config.kv_budget, draft)
         prefix = None
         if self.prompt_cache is not None:
             state = self.speculation.prefix_state if placement.lane is Lane.SPEC else None

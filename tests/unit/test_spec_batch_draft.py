@@ -221,8 +221,10 @@ def test_a_request_whose_draft_caches_can_never_fit_is_refused_naming_the_draft(
     setup = Speculation(SpecConfig("draft", NUM_DRAFT), target, draft)
     req = request("big", list(range(300, 320)), 8)
     target_bytes = Gateway(target, GatewayConfig(spec_batch=True), setup).layout.row_bytes(20, 8 + NUM_DRAFT)
-    g = Gateway(target, GatewayConfig(spec_batch=True, kv_budget=target_bytes), setup)  # the target alone fits
+    # the target alone fits; the prompt cache on, so the refusal must come before it is asked
+    g = Gateway(target, GatewayConfig(spec_batch=True, kv_budget=target_bytes, prompt_cache_bytes=1 << 20), setup)
     need = target_bytes + g.batcher.draft_bytes(req)
     with pytest.raises(RequestTooLarge, match=rf"needs {need:,} bytes .*of them for the draft model's KV cache"):
         g.submit(req, CollectingSink())
     assert (g.pending_rows, g.has_work) == (0, False)
+    assert (g.prompt_cache.stats().hits, g.prompt_cache.stats().misses) == (0, 0)
