@@ -320,17 +320,23 @@ class Gateway:
             )
         return Placement(Lane.CONTINUOUS, f"continuous batching, up to {self.config.batch} rows")
 
+    def kv_need(self, request: GenerationRequest, placement: Placement) -> tuple[int, int]:
+        """The target's KV bytes `request` projects where `placement` puts it, and its draft model's caches' (a
+        spec row's verify window writes up to num_draft columns past its tokens; a draft model keeps caches of
+        its own for every spec row)."""
+        if not placement.spec:
+            return self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens), 0
+        extra = self.speculation.config.num_draft
+        return (
+            self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens + extra),
+            self.batcher.draft_bytes(request),
+        )
+
     def submit(self, request: GenerationRequest, sink: TokenSink) -> Placement:
         """Queue a request. Raises RequestTooLarge when it can never fit the KV budget."""
-        need = self.layout.row_bytes(len(request.prompt_ids), request.stop.max_tokens)
-        check_budget(request, need, self.config.kv_budget)  # both lanes, before the prompt cache is asked
         placement = self.place(request)
-        if placement.spec:  # a verify window writes up to num_draft columns past the row's tokens
-            need = self.layout.row_bytes(
-                len(request.prompt_ids), request.stop.max_tokens + self.speculation.config.num_draft
-            )
-            draft = self.batcher.draft_bytes(request)  # a draft model's caches, checked before the cache is asked
-            check_budget(request, need + draft, self.config.kv_budget, draft)
+        need, draft = self.kv_need(request, placement)
+        check_budget(request, need + draft, self.config.kv_budget, draft)  # before the prompt cache is asked
         prefix = None
         if self.prompt_cache is not None:
             state = self.speculation.prefix_state if placement.lane is Lane.SPEC else None

@@ -130,7 +130,8 @@ def warm_up(
         longest = bucket(longest_chunk(scheduler, 1), buckets)
 
         def fits(rows: int, n: int) -> bool:  # that many prompts of n tokens, each with 2 generated, in the KV budget
-            return budget is None or rows * gateway.layout.row_bytes(n + 1, 2) <= budget
+            probe = request("fits", (0,) * (n + 1))  # (a spec row's: with its verify window and draft caches)
+            return budget is None or rows * sum(gateway.kv_need(probe, gateway.place(probe))) <= budget
 
         # a prompt of each chunk bucket up to the longest chunk, and one of two longest chunks and a short one:
         # chunks after the first (a cache ahead of them, the caches growing) run kernels of their own, which a

@@ -5,6 +5,8 @@ draft cache back to what the target kept. The gate is the one of test_spec_batch
 every row's greedy output is plain greedy's, whatever the draft proposes.
 """
 
+import dataclasses
+
 import pytest
 from test_spec_batch import (
     NUM_DRAFT,
@@ -228,3 +230,23 @@ def test_a_request_whose_draft_caches_can_never_fit_is_refused_naming_the_draft(
         g.submit(req, CollectingSink())
     assert (g.pending_rows, g.has_work) == (0, False)
     assert (g.prompt_cache.stats().hits, g.prompt_cache.stats().misses) == (0, 0)
+
+
+def test_the_full_warmup_keeps_a_draft_model_spec_rows_draft_caches_in_the_kv_budget():
+    """A warm-up prompt that fits the budget with the target's caches alone but not with the draft's is left
+    out, as a client's would be refused: the start does not fail on it."""
+    from engine.gateway import Gateway, GatewayConfig
+    from engine.request import GenerationRequest, StopCriteria
+    from engine.warmup import warm_up
+
+    target, draft = _dense_pair()
+    setup = Speculation(SpecConfig("draft", NUM_DRAFT), target, draft)
+    config = GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prefill_buckets=(16, 300), spec_batch=True)
+    probe = Gateway(target, config, setup)
+    longest = GenerationRequest("probe", (0,) * 301, stop=StopCriteria(max_tokens=2))
+    placement = probe.place(longest)
+    need, draft_bytes = probe.kv_need(longest, placement)
+    assert placement.spec and draft_bytes > 0
+    gateway = Gateway(target, dataclasses.replace(config, kv_budget=need), setup)  # the target's alone fit
+    stages = warm_up(gateway, "full")
+    assert sum(st.requests for st in stages) == 2 + 4 + 1  # the 16-token chunk's prompt, not the 300-token one's
