@@ -189,7 +189,8 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         choices=ROLLBACKS,
         default=Rollback.TRACE.value,
         help="how recurrent (DeltaNet) layers undo rejected drafts: trace = keep the state recorded after "
-        "the last accepted token (default); replay = restore and feed the kept tokens again",
+        "the last accepted token (default); replay = restore and feed the kept tokens again (the spec lane "
+        "only: spec rows in the batch, --spec-batch, always keep the traced state)",
     )
 
 

@@ -291,8 +291,8 @@ class Gateway:
             if why is None:
                 return Placement(
                     Lane.CONTINUOUS,
-                    f"speculative decoding ({c.kind}, up to {c.num_draft} drafts per round, {c.policy}) in the continuous "
-                    f"batch, up to {self.config.batch} rows",
+                    f"speculative decoding ({c.kind}, up to {c.num_draft} drafts per round, {c.policy}, trace rollback) "
+                    f"in the continuous batch, up to {self.config.batch} rows",
                     spec=True,
                 )
             return Placement(

@@ -221,6 +221,8 @@ def serve(cfg: ServeConfig) -> int:
     state.ctx = ctx
     gw = worker.gateway.config
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
+    if spec and gw.spec_batch and worker.gateway.speculation.config.rollback != "trace":
+        spec += " (spec rows in the batch: trace rollback)"
     buckets = f", decode buckets {','.join(map(str, gw.decode_buckets))}" if gw.decode_buckets else ""
     warm = worker.warmup
     print(

@@ -166,7 +166,10 @@ def test_spec_batch_runs_ngram_requests_as_spec_rows_in_the_continuous_batch(mod
     g.run_until_idle()
     for p, s, r in zip(placements, sinks, reqs):
         assert p.lane is Lane.CONTINUOUS and p.spec
-        assert "speculative decoding (ngram, up to 2 drafts per round, adaptive) in the continuous batch" in p.reason
+        assert (
+            "speculative decoding (ngram, up to 2 drafts per round, adaptive, trace rollback) in the continuous batch"
+            in p.reason
+        )
         assert s.result.lane is Lane.CONTINUOUS and s.result.spec.rounds > 0
         assert s.token_ids == [t.token_id for t in generate(model, r.prompt_ids, stop=r.stop)]
     assert g.prompt_cache.stats().entries == 3  # each row stored with the tokens its caches hold
