@@ -1,4 +1,4 @@
-"""A Gated DeltaNet decoder layer's decode step (one token) as one compiled function.
+"""A Gated DeltaNet decoder layer's decode step (one token) as one compiled function, and its verify window.
 
 Between its input projections and its output projection a DeltaNet layer runs
 ~20 small operations a token (the conv tail update, the depthwise conv and
@@ -25,19 +25,24 @@ from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
 from engine.models.activations import precise_swiglu
-from engine.models.gated_delta import decay, delta_step, kept_as, normalize_qk, repeat_heads
+from engine.models.gated_delta import CHUNKED_MIN_TOKENS, decay, delta_step, kept_as, normalize_qk, repeat_heads
 
 
 def applies(x: mx.array, mask, cache) -> bool:
     """One token, a plain serial cache that already holds both states, nothing recorded."""
+    return x.shape[1] == 1 and cache is not None and cache.trace is None and _plain(mask, cache)
+
+
+def window_applies(x: mx.array, mask, cache) -> bool:
+    """A speculative verify window: 2 tokens up to where the chunked rule takes over, the state after each one
+    recorded (`RecurrentCache.start_trace`), on a cache as `applies` asks."""
+    return 1 < x.shape[1] < CHUNKED_MIN_TOKENS and cache is not None and cache.trace is not None and _plain(mask, cache)
+
+
+def _plain(mask, cache) -> bool:
+    """No mask, no batch lengths, no block snapshots, both states there."""
     return (
-        x.shape[1] == 1
-        and mask is None
-        and cache is not None
-        and cache.lengths is None
-        and cache.trace is None
-        and cache[0] is not None
-        and cache[1] is not None
+        mask is None and cache.lengths is None and cache.marks is None and cache[0] is not None and cache[1] is not None
     )
 
 
@@ -104,13 +109,46 @@ def layer_step(
         )
         return conv_state, state, *residual_mlp(layer, out, lin.out_proj, x, fusion, link.next_norm)
 
-    compiled = mx.compile(body)
+    def window(x, conv_state, state, *prenormed):
+        # a verify window: the projections and the MLP over all its tokens (one launch each, every token's
+        # rows), the core token after token as in a decode step; returns the conv input [tail; window] and the
+        # state after each token for the trace
+        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, fusion, prenormed)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        outs, states = [], []
+        for t in range(x.shape[1]):
+            out, conv_state, state = core(
+                qkv[:, t : t + 1],
+                z[:, t : t + 1],
+                a[:, t : t + 1],
+                beta_logits[:, t : t + 1],
+                conv_state,
+                state,
+                lin.conv1d.weight,
+                lin.A_log,
+                lin.dt_bias,
+                lin.norm.weight,
+            )
+            outs.append(out)
+            states.append(state)
+        outputs = residual_mlp(layer, mx.concatenate(outs, axis=1), lin.out_proj, x, fusion, link.next_norm)
+        return conv_input, conv_state, *states, *outputs
+
+    compiled, compiled_window = mx.compile(body), mx.compile(window)
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
-        if not applies(x, mask, cache):
+        n = x.shape[1]
+        if applies(x, mask, cache):
+            cache[0], cache[1], *outputs = compiled(x, cache[0], cache[1], *link.take(x))
+        elif window_applies(x, mask, cache):
+            conv_input, cache[0], *rest = compiled_window(x, cache[0], cache[1], *link.take(x))
+            states, outputs = rest[:n], rest[n:]
+            cache[1] = states[-1]
+            cache.trace.record_conv(conv_input, n)
+            cache.trace.states.extend(states)
+        else:
             return None
-        cache[0], cache[1], *outputs = compiled(x, cache[0], cache[1], *link.take(x))
-        cache.advance(1)
+        cache.advance(n)
         return link.pass_on(tuple(outputs))
 
     return step

@@ -1051,6 +1051,58 @@ def test_fused_decode_leaves_batched_and_traced_steps_to_the_layer():
     assert not applies(x, None, cache)
 
 
+def test_a_traced_window_of_a_few_tokens_takes_the_window_step():
+    from engine.cache import RecurrentCache
+    from engine.kernels.gated_delta_decode import window_applies
+
+    cache = RecurrentCache()
+    cache[0], cache[1] = mx.zeros((1, 3, 8)), mx.zeros((1, 2, 4, 4))
+    window = mx.zeros((1, 4, 8))
+    assert not window_applies(window, None, cache)  # nothing recorded: not a verify window
+    cache.start_trace()
+    assert window_applies(window, None, cache)
+    assert not window_applies(mx.zeros((1, 1, 8)), None, cache)  # one token: the decode step's
+    assert not window_applies(mx.zeros((1, 16, 8)), None, cache)  # the chunked rule's length
+    cache.lengths = [4]
+    assert not window_applies(window, None, cache)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen35", "tiny-qwen35-f32", "tiny-qwen35-4bit"])
+def test_the_window_step_matches_the_layer_path(name, monkeypatch):
+    # A speculative verify window on the fast tier: the DeltaNet layers' compiled window step (projections
+    # over all its tokens, the core token after token) against the layers' own per-token recurrence: the same
+    # output, the same state after each token and the same conv inputs for the trace. Bits off CUDA (the
+    # compiled core); on CUDA the step kernel's bound against the compiled core.
+    import engine.kernels.gated_delta_decode as decode
+    from engine.engine import Engine
+
+    model = Engine.load(name, with_tokenizer=False).model
+    install(model, FAST_ANYWHERE, family="qwen3_5")
+    window_applies = decode.window_applies
+    runs = []
+    for windowed in (True, False):
+        monkeypatch.setattr(decode, "window_applies", window_applies if windowed else lambda *a: False)
+        cache = model.make_cache()
+        model(mx.array([list(range(3, 40))]), cache)
+        recurrent = [c for c in cache if hasattr(c, "start_trace")]
+        for c in recurrent:
+            c.start_trace()
+        out = model(mx.array([[5, 9, 11, 2]]), cache)
+        states = [s for c in recurrent for s in c.trace.states]
+        convs = [c.trace.conv_input for c in recurrent]
+        mx.eval(out, states, convs)
+        runs.append((out, states, convs))
+    (out, states, convs), (want, want_states, want_convs) = runs
+    assert len(states) == len(want_states) == 4 * len(recurrent)
+    pairs = [(out, want), *zip(states, want_states), *zip(convs, want_convs)]
+    for got, expected in pairs:
+        if on_cuda():
+            got, expected = got.astype(mx.float32), expected.astype(mx.float32)
+            assert mx.abs(got - expected).max().item() <= 0.02 * mx.abs(expected).max().item()
+        else:
+            assert mx.array_equal(got, expected).item()
+
+
 def test_the_step_kernel_is_chosen_for_bf16_layers_only():
     from engine.engine import Engine
     from engine.kernels.gated_delta_decode import step_kernel_applies
