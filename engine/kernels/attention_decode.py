@@ -1,4 +1,5 @@
-"""A Qwen3.5 full-attention decoder layer's decode step (one token a row) as two compiled calls.
+"""A Qwen3.5 full-attention decoder layer's decode step (one token a row, or a verify window of a few) as two
+compiled calls.
 
 What a token does in such a layer before and after the attention itself has
 fixed shapes every step: the input norm, the q/k/v projections (one launch in
@@ -34,6 +35,7 @@ from engine.kernels import attention_step
 from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
+from engine.models.gated_delta import CHUNKED_MIN_TOKENS
 
 
 def applies(layer) -> bool:
@@ -53,8 +55,9 @@ def kernel_applies(layer) -> bool:
 def layer_step(
     layer, fusion: Fusion, kernels: bool = False, link: LayerLink | None = None
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
-    """`step(x, mask, cache)`: the layer's output for one token a row, updating `cache` as the layer does,
-    or None for several tokens a row (the layer's own path runs). With `kernels` (CUDA only), a bf16 token
+    """`step(x, mask, cache)`: the layer's output for one token a row, or a few (a speculative verify window,
+    up to CHUNKED_MIN_TOKENS - 1), updating `cache` as the layer does, or None for more tokens a row (the
+    layer's own path runs). With `kernels` (CUDA only), one bf16 token
     with a plain `KVCache` and no mask, or with a `BatchKVCache` (whose mask only hides each row's left
     padding, which the kernels skip), takes `attention_step`'s kernels between the projections; anything
     else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV launches.
@@ -111,11 +114,11 @@ def layer_step(
         return tuple(kernel_after(s)(x, q, *buffers, apar, rpar))
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
-        if x.shape[1] != 1:
+        if not x.shape[1] < CHUNKED_MIN_TOKENS:
             return None
         prenormed = link.take(x)
         takes = (mask is None and type(cache) is KVCache) or type(cache) is BatchKVCache
-        if kernels and takes and x.dtype == mx.bfloat16:
+        if kernels and takes and x.dtype == mx.bfloat16 and x.shape[1] == 1:
             return link.pass_on(kernel_step(x, cache, prenormed))
         q, k, v, gate = before_c(x, *prenormed)
         return link.pass_on(tuple(after_c(x, attn.attend(q, k, v, mask, cache), gate)))

@@ -1070,18 +1070,19 @@ def test_a_traced_window_of_a_few_tokens_takes_the_window_step():
 @pytest.mark.parametrize("name", ["tiny-qwen35", "tiny-qwen35-f32", "tiny-qwen35-4bit"])
 def test_the_window_step_matches_the_layer_path(name, monkeypatch):
     # A speculative verify window on the fast tier: the DeltaNet layers' compiled window step (projections
-    # over all its tokens, the core token after token) against the layers' own per-token recurrence: the same
-    # output, the same state after each token and the same conv inputs for the trace. Bits off CUDA (the
-    # compiled core); on CUDA the step kernel's bound against the compiled core.
+    # over all its tokens, the core token after token) and the attention layers' compiled parts around their
+    # own attention, against the layers' own paths (the per-token recurrence): the same output, the same state
+    # after each token and the same conv inputs for the trace. Bits off CUDA (the compiled core); on CUDA the
+    # step kernel's bound against the compiled core.
     import engine.kernels.gated_delta_decode as decode
     from engine.engine import Engine
 
     model = Engine.load(name, with_tokenizer=False).model
-    install(model, FAST_ANYWHERE, family="qwen3_5")
     window_applies = decode.window_applies
     runs = []
     for windowed in (True, False):
         monkeypatch.setattr(decode, "window_applies", window_applies if windowed else lambda *a: False)
+        install(model, replace(FAST_ANYWHERE, attention_step=windowed), family="qwen3_5")
         cache = model.make_cache()
         model(mx.array([list(range(3, 40))]), cache)
         recurrent = [c for c in cache if hasattr(c, "start_trace")]
