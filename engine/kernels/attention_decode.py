@@ -57,10 +57,12 @@ def layer_step(
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """`step(x, mask, cache)`: the layer's output for one token a row, or a few (a speculative verify window,
     up to CHUNKED_MIN_TOKENS - 1), updating `cache` as the layer does, or None for more tokens a row (the
-    layer's own path runs). With `kernels` (CUDA only), one bf16 token
-    with a plain `KVCache` and no mask, or with a `BatchKVCache` (whose mask only hides each row's left
-    padding, which the kernels skip), takes `attention_step`'s kernels between the projections; anything
-    else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV launches.
+    layer's own path runs). With `kernels` (CUDA only), one bf16 token with a plain `KVCache` and no mask,
+    or with a `BatchKVCache` (whose mask only hides each row's left padding, which the kernels skip), takes
+    `attention_step`'s kernels between the projections; a few bf16 tokens on either cache take them token
+    after token (each token's attention over the columns before it: causal, as the window's mask says);
+    anything else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV
+    launches.
     `link`: with `fusion.norm_out`, the input norm
     comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
     weights are held by the compiled graphs from their first trace (no copies), so
@@ -96,30 +98,58 @@ def layer_step(
 
     kernel_before_c = mx.compile(kernel_before)
 
-    def kernel_step(x: mx.array, cache, prenormed: tuple) -> tuple[mx.array, ...]:
-        rows = x.shape[0]
+    def rows_at(cache, rows: int) -> mx.array:
+        """`row_params` for the cache's next token: each row's first column and that token's position."""
         if type(cache) is KVCache:  # every row at the same position, from column 0
-            starts, positions = (0,) * rows, (cache.offset,) * rows
-        else:  # BatchKVCache: row b holds columns [left_padding[b], idx), at position idx - left_padding[b]
-            starts, positions = tuple(cache.left_padding), tuple(cache.offsets)
-        rpar = attention_step.row_params(starts, positions)
-        q, k, v = kernel_before_c(x, rpar, *prenormed)
+            return attention_step.row_params((0,) * rows, (cache.offset,) * rows)
+        # BatchKVCache: row b holds columns [left_padding[b], idx), at position idx - left_padding[b]
+        return attention_step.row_params(tuple(cache.left_padding), tuple(cache.offsets))
+
+    def append(cache, k, v) -> tuple[int, tuple[mx.array, mx.array]]:
+        """The new token's k and v into the cache: the columns it then holds and its buffers."""
         if type(cache) is KVCache:
             cache.append(k, v)
-            n, buffers = cache.offset, (cache.keys, cache.values)
-        else:
-            cache.update_and_fetch(k, v)  # its views of the columns go unused
-            n, buffers = cache.idx, tuple(cache.parts)
+            return cache.offset, (cache.keys, cache.values)
+        cache.update_and_fetch(k, v)  # its views of the columns go unused
+        return cache.idx, tuple(cache.parts)
+
+    def kernel_step(x: mx.array, cache, prenormed: tuple) -> tuple[mx.array, ...]:
+        rpar = rows_at(cache, x.shape[0])
+        q, k, v = kernel_before_c(x, rpar, *prenormed)
+        n, buffers = append(cache, k, v)
         apar, s = attention_step.attend_params(n, buffers[0].shape[2])
         return tuple(kernel_after(s)(x, q, *buffers, apar, rpar))
+
+    # A verify window through the kernels: the projections, the output projection and the MLP over all its
+    # tokens (one launch each), each token's k, v and attention as a decode step's, one token after another,
+    # so that a token's attention is the one it would have had decoded alone.
+    def window_before(x, *prenormed):
+        return normed_projections(x, layer.input_layernorm, projections, fusion, prenormed)
+
+    def window_after(x, out):
+        return residual_mlp(layer, out, attn.o_proj, x, fusion, link.next_norm)
+
+    window_before_c, window_after_c = mx.compile(window_before), mx.compile(window_after)
+
+    def kernel_window(x: mx.array, cache, prenormed: tuple) -> tuple[mx.array, ...]:
+        q, k, v = window_before_c(x, *prenormed)
+        outs = []
+        for t in range(x.shape[1]):
+            rpar = rows_at(cache, x.shape[0])
+            n, buffers = append(cache, *attention_step.keys(attn, k[:, t : t + 1], v[:, t : t + 1], rpar, fpar))
+            apar, s = attention_step.attend_params(n, buffers[0].shape[2])
+            outs.append(attention_step.attend(attn, q[:, t : t + 1], *buffers, apar, rpar, fpar, s))
+        return tuple(window_after_c(x, mx.concatenate(outs, axis=1)))
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
         if not x.shape[1] < CHUNKED_MIN_TOKENS:
             return None
         prenormed = link.take(x)
-        takes = (mask is None and type(cache) is KVCache) or type(cache) is BatchKVCache
-        if kernels and takes and x.dtype == mx.bfloat16 and x.shape[1] == 1:
+        kernel = kernels and x.dtype == mx.bfloat16
+        if kernel and x.shape[1] == 1 and ((mask is None and type(cache) is KVCache) or type(cache) is BatchKVCache):
             return link.pass_on(kernel_step(x, cache, prenormed))
+        if kernel and x.shape[1] > 1 and type(cache) in (KVCache, BatchKVCache):  # (each token sees those before)
+            return link.pass_on(kernel_window(x, cache, prenormed))
         q, k, v, gate = before_c(x, *prenormed)
         return link.pass_on(tuple(after_c(x, attn.attend(q, k, v, mask, cache), gate)))
 

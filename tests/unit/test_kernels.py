@@ -1226,8 +1226,9 @@ def test_attention_kernels_are_chosen_on_cuda_only():
     assert ks.attention_kernel_layers == (ks.attention_step_layers if on_cuda() else 0)
 
 
-# one serial row; three rows of a left-padded batch (the continuous batcher's), prompts of three lengths
-@pytest.mark.parametrize("lengths", [(8,), (5, 8, 3)])
+# one serial row; three rows of a left-padded batch (the continuous batcher's), prompts of three lengths (16 tokens
+# or more, so that the prompts take the layers' own paths; a few tokens take the step, `window` below)
+@pytest.mark.parametrize("lengths", [(20,), (17, 20, 16)])
 def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
     # The step's own plumbing (the flat projections, the cache update, n and each row's positions, the output
     # into o_proj) on any backend, with the kernels replaced by the references above, against the compiled
@@ -1279,6 +1280,58 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
     # the logits differ by a few bf16 ulps (2^-8 relative each) of their largest magnitude.
     worst = max((mx.abs(a - b).max() / mx.abs(a).max()).item() for a, b in zip(compiled, kernel))
     assert worst < 2**-5
+
+
+# one serial row; three rows of a left-padded batch
+@pytest.mark.parametrize("lengths", [(20,), (17, 20, 16)])
+def test_a_window_decodes_as_its_tokens_one_at_a_time(monkeypatch, lengths):
+    # A verify window of 4 tokens on the fast tier with the kernels (off CUDA: the references above stand in
+    # for them): each token's k, v and attention as a decode step's, the DeltaNet core token after token, the
+    # projections and the MLP over all its rows. Its logits at every position, its caches and its recorded
+    # states equal those of the same tokens decoded one step at a time, bit for bit (on CUDA from two rows: the
+    # quantized matmul's sums do not depend on the rows a launch takes from 2 to 64): a speculative window
+    # verifies what plain decoding would emit.
+    from engine.batch.runner import merge_rows
+    from engine.engine import Engine
+    from engine.kernels import attention_decode, attention_step
+
+    if not on_cuda():
+        monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, rpar, fpar: _keys_reference(attn, k, v, rpar))
+        monkeypatch.setattr(
+            attention_step,
+            "attend",
+            lambda attn, q, k, v, apar, rpar, fpar, s: _attend_reference(attn, q, k, v, apar, rpar),
+        )
+    monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: True)
+    model = Engine.load("tiny-qwen35", with_tokenizer=False).model  # bf16
+    ks = install(model, FAST_ANYWHERE)
+    assert ks.attention_kernel_layers == ks.attention_step_layers > 0
+    rows, tokens = len(lengths), [[40 + 3 * t + r for t in range(4)] for r in range(len(lengths))]
+
+    def prefilled():
+        singles = [model.make_cache() for _ in lengths]
+        for n, single in zip(lengths, singles):
+            model(mx.array([list(range(3, 3 + n))]), single)
+        return singles[0] if rows == 1 else merge_rows(singles)
+
+    window_cache = prefilled()
+    for c in window_cache:
+        if hasattr(c, "start_trace"):
+            c.start_trace()
+    window = model(mx.array(tokens), window_cache)
+    steps_cache = prefilled()
+    steps = mx.concatenate([model(mx.array([[row[t]] for row in tokens]), steps_cache) for t in range(4)], axis=1)
+    mx.eval(window, steps)
+    if on_cuda() and rows == 1:  # one row decodes on the register kernel, a window's rows on the staged one
+        assert (mx.abs(window - steps).max() / mx.abs(steps).max()).item() < 2**-5
+        return
+    assert mx.array_equal(window, steps).item()
+    for a, b in zip(window_cache, steps_cache):
+        if hasattr(a, "start_trace"):
+            assert mx.array_equal(a.trace.states[-1], b[1]).item() and mx.array_equal(a[0], b[0]).item()
+        else:
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
+    install(model, KernelConfig(EXACT))
 
 
 @cuda_only
