@@ -455,6 +455,18 @@ def use_kernel_cache(directory: Path | None, environ=None) -> Path:
     return directory
 
 
+def enable_kernel_cache(directory: Path | None) -> Path:
+    """`use_kernel_cache`, and on CUDA the process's kernel builds compiled into it ahead of MLX, in parallel
+    (`engine.kernels.kernel_cache`): for in-process tools, before anything is loaded."""
+    from engine.kernels import on_cuda
+    from engine.kernels.cuda_source import BUILDS
+
+    directory = use_kernel_cache(directory)
+    if on_cuda():
+        BUILDS.enable_cache(directory)
+    return directory
+
+
 def cmd_serve(args) -> int:
     from engine.server.main import ServeConfig, serve
 

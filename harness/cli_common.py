@@ -179,5 +179,27 @@ def kernels_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--kernels", choices=TIERS, default=AUTO, help=help)
 
 
+def kernel_cache_option(parser: argparse.ArgumentParser) -> None:
+    """--kernel-cache-dir DIR: the engine's CUDA kernels compiled into DIR ahead of MLX, in parallel."""
+    parser.add_argument(
+        "--kernel-cache-dir",
+        type=Path,
+        help="compile the engine's CUDA kernels into DIR ahead of MLX, in parallel, and load those compiled "
+        "there before (MLX_PTX_CACHE_DIR; as engine serve --kernel-cache-dir): a first run compiles in parallel "
+        "what MLX compiles one kernel at a time, a later one nothing (default: MLX compiles, nothing is kept)",
+    )
+
+
+def enable_kernel_cache(args) -> None:
+    """The kernel cache `kernel_cache_option` asks for, before the command loads a model."""
+    if getattr(args, "kernel_cache_dir", None) is not None:
+        from engine.cli import enable_kernel_cache as enable
+
+        try:
+            enable(args.kernel_cache_dir)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+
 def verdict(passed: bool) -> str:
     return "[green]pass[/]" if passed else "[red]FAIL[/]"

@@ -23,7 +23,9 @@ from harness.cli_common import (
     at_least_two,
     console,
     csv_ints,
+    enable_kernel_cache,
     json_option,
+    kernel_cache_option,
     kernels_option,
     measured_options,
     model_source,
@@ -59,6 +61,7 @@ def add_native(sub) -> None:
         "exact elsewhere with the reason printed); auto = fast on CUDA where its numerics gate "
         "passed for the model's family (default auto)",
     )
+    kernel_cache_option(nat)
     nat.set_defaults(func=cmd_native)
 
 
@@ -67,6 +70,7 @@ def cmd_native(args) -> int:
     from engine.engine import kernels_notice
     from harness.bench.native import NativeConfig, run_native
 
+    enable_kernel_cache(args)
     cfg = NativeConfig(args.prompt_tokens, args.decode_tokens, args.samples, args.warmup, args.seed, args.kernels)
     results = []
     for name, path in targets(args):
@@ -486,6 +490,7 @@ def add_spec(sub) -> None:
         type=Path,
         help="write a Markdown table here (with --concurrency, rewritten after each row count, as is --json)",
     )
+    kernel_cache_option(p)
     p.set_defaults(func=cmd_spec)
 
 
@@ -533,6 +538,7 @@ def cmd_spec(args) -> int:
         concurrency=args.concurrency,
         kernels=args.kernels,
     )
+    enable_kernel_cache(args)
     with status("loading") as progress:
         if cfg.concurrency:  # each row count's results written as it finishes
             result = run_concurrent_bench(

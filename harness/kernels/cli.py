@@ -13,7 +13,17 @@ from engine.kernels.config import STATE_DTYPES
 from engine.model_source import resolve_model_dir
 from engine.registry import all_specs, get_spec
 from engine.synth.artifact import artifact_dir, is_cached
-from harness.cli_common import CliError, csv, csv_ints, json_option, non_negative, positive, status
+from harness.cli_common import (
+    CliError,
+    csv,
+    csv_ints,
+    enable_kernel_cache,
+    json_option,
+    kernel_cache_option,
+    non_negative,
+    positive,
+    status,
+)
 from harness.cli_common import out as stdout
 from harness.kernels.bench_config import BenchConfig
 from harness.run.summary import fmt
@@ -113,6 +123,7 @@ def add_kernels(sub) -> None:
         "delta rule and compiled steps run; quantized layers fall back to MLX's op): for testing",
     )
     json_option(p)
+    kernel_cache_option(p)
     p.set_defaults(func=cmd_kernels)
 
 
@@ -127,6 +138,7 @@ def cmd_kernels(args) -> int:
 
     from harness.kernels.bench import BenchConfig, DeltaResult, GroupResult, PrefillResult, run_kernel_bench, verdicts
 
+    enable_kernel_cache(args)
     if args.gate_model:
         return _gate(args)
     try:

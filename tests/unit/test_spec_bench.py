@@ -198,12 +198,15 @@ def test_the_miss_arm_drafts_by_prompt_lookup_has_nothing_accepted_and_emits_pla
     assert "| ngram-miss |" in markdown(result)
 
 
-def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path):
+def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path, monkeypatch):
     out, md = tmp_path / "spec.json", tmp_path / "spec.md"
     args = ["spec", "--model", "tiny-qwen3-f32", "--arms", "plain,ngram", "--blocks", "1", "--prompt-tokens", "16"]
     args += ["--decode-tokens", "8", "--warmup", "0", "--concurrency", "1,2", "--json", str(out), "--md", str(md)]
-    args += ["--kernels", "exact"]
+    args += ["--kernels", "exact", "--kernel-cache-dir", str(tmp_path / "kernels")]
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "")  # the option sets it for the process: undone after the test
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
     assert harness_main(args) in (0, 1)  # 1 only if a row's tokens differ from plain's
+    assert (tmp_path / "kernels").is_dir()
     rec = json.loads(out.read_text())
     assert [c["rows"] for c in rec["concurrency"]] == [1, 2]
     assert rec["config"]["kernels"] == "exact" and rec["kernels"] == "exact"

@@ -320,14 +320,9 @@ def main() -> None:
         summarize(args.summarize, args.top)
     else:
         if args.kernel_cache_dir:
-            from engine.cli import use_kernel_cache
+            from engine.cli import enable_kernel_cache
 
-            directory = use_kernel_cache(args.kernel_cache_dir)  # before MLX compiles anything
-            from engine.kernels import on_cuda
-            from engine.kernels.cuda_source import BUILDS
-
-            if on_cuda():  # the process's builds, which the model's kernel set holds once loaded
-                BUILDS.enable_cache(directory)
+            enable_kernel_cache(args.kernel_cache_dir)  # before MLX compiles anything
         off = tuple(filter(None, (v.strip() for v in args.off.split(","))))
         run(
             args.model,
