@@ -18,7 +18,8 @@ held-out Python source) run once on every arm, in an order that rotates from
 block to block so drift hits every arm alike. Reported per arm: median decode rate
 ((tokens - 1) / time after the first token), median time to first token,
 acceptance and tokens per target forward over all blocks, whether every
-block's tokens equal the plain arm's, and the paired ratio against plain
+block's tokens equal the plain arm's (where not, the earliest token that
+differs), and the paired ratio against plain
 (geometric mean of per-block ratios with a bootstrap interval and verdict,
 harness.run.stats) once there are enough blocks. Also per arm: the median time of one
 target forward, a block's decode time over the target forwards that ran in it (a speculating arm's
@@ -166,6 +167,7 @@ class ArmResult:
     ttft_ms: list[float] = field(default_factory=list)
     forward_ms: list[float] = field(default_factory=list)  # per block: decode time / target forwards in it
     same_tokens: list[bool] = field(default_factory=list)  # per block, vs plain
+    first_difference: list[int | None] = field(default_factory=list)  # per block: `first_difference`'s
     spec: dict | None = None  # pooled SpecStats over the measured blocks
     row_spec: list[dict] = field(default_factory=list)  # with concurrency: each measured row's own SpecStats
 
@@ -226,6 +228,17 @@ class SpecBenchResult:
         return out
 
 
+def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> int | None:
+    """The earliest token index at which a row of `got` differs from the same row of `want` (a shorter row
+    differs where it ends), or None where every row is equal."""
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        for g, w in zip(got, want)
+        if g != w
+    ]
+    return min(firsts) if firsts else None
+
+
 def run_spec_bench(
     model: str,
     arms: Sequence[SpecArm],
@@ -272,6 +285,7 @@ def run_spec_bench(
                 pooled[arm.name].add(s)
         for r in results:
             r.same_tokens.append(tokens[r.arm] == tokens[PLAIN])
+            r.first_difference.append(first_difference([tokens[r.arm]], [tokens[PLAIN]]))
     for r in results:
         if r.arm in pooled:
             r.spec = pooled[r.arm].as_dict()
@@ -359,6 +373,7 @@ def run_concurrent_bench(
                         out[i].row_spec.append(s.result.spec.as_dict())
             for r in out:
                 r.same_tokens.append(tokens[r.arm] == tokens[PLAIN])
+                r.first_difference.append(first_difference(tokens[r.arm], tokens[PLAIN]))
         for r in out:
             if r.arm in pooled:
                 r.spec = pooled[r.arm].as_dict()
@@ -409,6 +424,9 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
             tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
             rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
             same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
+            firsts = [i for i in a.first_difference if i is not None]
+            if firsts:
+                same += f" (first differs at token {min(firsts)})"
             lines.append(
                 f"| {r.rows} "
                 * rows

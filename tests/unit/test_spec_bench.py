@@ -214,3 +214,11 @@ def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path, monkeypatch):
     text = md.read_text()
     assert "| 2 | ngram |" in text and "exact kernels" in text.splitlines()[0]
     assert "| ms / target forward |" in text
+
+
+def test_first_difference_names_the_earliest_token_any_row_differs_at():
+    from harness.bench.spec import first_difference
+
+    assert first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
+    assert first_difference([[1, 2, 3], [4, 9]], [[1, 7, 3], [4, 5]]) == 1
+    assert first_difference([[1, 2]], [[1, 2, 3]]) == 2  # a shorter row differs where it ends
