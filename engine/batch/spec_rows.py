@@ -31,9 +31,11 @@ cost nothing on the host), so a group that stopped drafting still sees when
 drafting would pay again without a probe window. The first step at a new row
 count runs plain (it measures W = 1); a width never measured is priced at the
 nearest measured count's, so it is tried once. While no row would draft even
-with every draft proposed, plain windows are pipelined: the next is launched
-on the current one's tokens before they are read (`_launch_ahead`), so a group
-that does not draft decodes as plain rows do.
+with every draft proposed (at the widths measured), plain windows are
+pipelined: the next is launched on the current one's tokens before they are
+read (`_launch_ahead`), so a group that does not draft decodes as plain rows
+do; while a width not yet measured looks worth trying, the stretch pauses
+every `wait` windows for the rows' proposals.
 
 A draft model (a source with `batched()`, speculative/draft_model.py) drafts
 for the whole group at once: its caches hold every row, each step runs
@@ -132,7 +134,7 @@ class SpecRows:
         self.read_at = 0.0  # when the last window's tokens were read
         batched = getattr(make_source(), "batched", None)
         self.draft = batched() if batched is not None else None  # a draft model drafting for every row at once
-        self.idle = 0  # plain windows in a row (a draft-model group probes after `wait` of them)
+        self.idle = 0  # pipelined plain windows in a row (after `wait` of them a group may pause: `_launch_ahead`)
         self.wait = PROBE
         self.probing = False  # the last window was a probe
 
@@ -180,6 +182,9 @@ class SpecRows:
         else:
             proposed = [r.source.propose(r.pending, self._limit(r)) for r in self.rows]
             width = self.width(proposed) if self.adaptive else 1 + max(len(d) for d in proposed)
+            if self.idle >= self.wait:  # the pause a pipelined stretch made for proposals (`_launch_ahead`)
+                self.wait = PROBE if width > 1 else min(2 * self.wait, MAX_PROBE)
+            self.idle = 0
         drafts = [d[: width - 1] for d in proposed]
         fed = [(r.pending, *d) for r, d in zip(self.rows, drafts)]
         width = max(len(f) for f in fed)
@@ -247,13 +252,19 @@ class SpecRows:
         return sampled, logprobs, hidden
 
     def _launch_ahead(self, sampled: mx.array) -> bool:
-        """After a plain window: when no row would draft even with every draft proposed, launch the next plain
-        window on this one's tokens before they are read (as plain rows pipeline their steps)."""
+        """After a plain window: when no row would draft even with every draft proposed, at the widths whose
+        cost has been measured, launch the next plain window on this one's tokens before they are read (as plain
+        rows pipeline their steps). A width not yet measured would be tried (`width`) but can only be with a
+        proposal, so while one looks worth trying the stretch pauses every `wait` windows for the rows'
+        proposals (doubling up to MAX_PROBE while none comes), as a draft-model group pauses to probe."""
         rows = len(self.rows)
-        if self.draft is not None and self.idle >= self.wait:
-            return False  # a draft-model group's probe is due: the next window drafts
-        if not self.adaptive or rows not in self.seconds or self.width([[0] * self.num_draft] * rows) != 1:
+        if not self.adaptive or rows not in self.seconds:
             return False
+        full = [[0] * self.num_draft] * rows
+        if self.width(full, measured=True) != 1:
+            return False
+        if self.idle >= self.wait and (self.draft is not None or self.width(full) != 1):
+            return False  # a draft-model group's probe, or a pause for proposals, is due: the next window may draft
         nxt = self._forward(sampled[:, :1], [1] * rows)
         mx.async_eval(nxt[0], nxt[1])
         self.ahead = _Ahead(*nxt, [r.request_id for r in self.rows])
@@ -309,8 +320,10 @@ class SpecRows:
                 row.fed.append(row.pending)
         return out, kept
 
-    def width(self, proposed: Sequence[Sequence[int]]) -> int:
-        """The window width (1 + drafts fed by the longest row) with the most expected tokens per second."""
+    def width(self, proposed: Sequence[Sequence[int]], measured: bool = False) -> int:
+        """The window width (1 + drafts fed by the longest row) with the most expected tokens per second;
+        `measured`: among the widths whose forward has been timed at this row count only (one never timed is
+        priced as the nearest timed one, so that it is tried once)."""
         rows = len(self.rows)
         if rows not in self.seconds:
             return 1  # measure a plain step at this row count first
@@ -319,7 +332,8 @@ class SpecRows:
             tokens = sum(r.estimate.expected_tokens(min(len(d), w - 1)) for r, d in zip(self.rows, proposed))
             return tokens / interpolate(self.seconds, rows * w)
 
-        return max(range(1, 2 + max(len(d) for d in proposed)), key=rate)
+        widths = range(1, 2 + max(len(d) for d in proposed))
+        return max((w for w in widths if not measured or rows * w in self.seconds), key=rate)
 
     def held(self, request_id: str) -> tuple[int, ...]:
         """The tokens this row's caches hold: its prompt, then what it fed and kept."""

@@ -285,3 +285,31 @@ def test_a_group_whose_drafts_never_pay_pipelines_plain_windows_and_still_equals
     for held, cache in stored:  # each stored row's caches hold exactly the tokens it says
         kv = next(c for c in cache if hasattr(c, "keys"))
         assert kv.offset == len(held)
+
+
+class SilentSource(NgramSource):
+    """A source with nothing to propose: no window is ever wider than one token, so none is measured."""
+
+    def propose(self, pending, limit):
+        return []
+
+
+def test_a_group_that_never_proposes_pipelines_its_plain_windows():
+    # Widths never measured look worth trying (priced as the nearest measured one), but only a proposal can try
+    # one: the group pipelines at the widths it has measured and pauses every `wait` windows for proposals.
+    model = Engine.load("tiny-qwen35-f32").model
+    p = prompts_for(model, 4)
+    launched = []
+
+    class Counting(SpecRows):
+        def _launch_ahead(self, sampled):
+            launched.append(super()._launch_ahead(sampled))
+            return launched[-1]
+
+    spec = Counting(model, SilentSource, "ngram", NUM_DRAFT, "adaptive")  # the rows' estimates: their priors
+    b = ContinuousBatcher(model, SchedulerConfig(max_rows=8), spec=spec)
+    arrivals = [(0, request(f"r{i}", p[i], 40), True) for i in range(4)]
+    sinks = run(b, arrivals)
+    for _, req, _ in arrivals:
+        assert sinks[req.request_id].token_ids == greedy(model, req.prompt_ids, req.stop.max_tokens)[0]
+    assert sum(launched) >= 30 and not all(launched)  # pipelined, with pauses for proposals
