@@ -192,7 +192,7 @@ def kernel_cache_option(parser: argparse.ArgumentParser) -> None:
 
 def enable_kernel_cache(args) -> None:
     """The kernel cache `kernel_cache_option` asks for, before the command loads a model."""
-    if getattr(args, "kernel_cache_dir", None) is not None:
+    if args.kernel_cache_dir is not None:
         from engine.cli import enable_kernel_cache as enable
 
         try:

@@ -39,6 +39,7 @@ from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for
 from engine.server.worker import EngineWorker, QueueLimits
 from engine.speculative.config import SpecConfig, load_speculation
+from engine.speculative.rollback import Rollback
 from engine.warmup import default_warmup, warm_up, warmup_record
 
 log = logging.getLogger("engine.server")
@@ -221,7 +222,7 @@ def serve(cfg: ServeConfig) -> int:
     state.ctx = ctx
     gw = worker.gateway.config
     spec = f", speculation {worker.gateway.speculation.describe()}" if worker.gateway.speculation else ""
-    if spec and gw.spec_batch and worker.gateway.speculation.config.rollback != "trace":
+    if spec and gw.spec_batch and worker.gateway.speculation.config.rollback != Rollback.TRACE:
         spec += " (spec rows in the batch: trace rollback)"
     buckets = f", decode buckets {','.join(map(str, gw.decode_buckets))}" if gw.decode_buckets else ""
     warm = worker.warmup
