@@ -100,6 +100,19 @@ def _budget(text: str) -> int | None:
     return _positive(text)
 
 
+def _itl_ratio(text: str) -> float | None:
+    """--prefill-itl: None for auto, 0 for off, else a ratio > 1."""
+    if text in ("auto", "off"):
+        return None if text == "auto" else 0.0
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = 0.0
+    if not ratio > 1:
+        raise argparse.ArgumentTypeError(f"give auto, off or a ratio > 1 (such as 2.5), got {text!r}")
+    return ratio
+
+
 def _template_file(path: str) -> str:
     """--chat-template: the Jinja template in FILE."""
     try:
@@ -278,6 +291,16 @@ def _add_serve(sub) -> None:
         help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
         "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
         "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)",
+    )
+    p.add_argument(
+        "--prefill-itl",
+        type=_itl_ratio,
+        default=None,
+        metavar="auto|off|R",
+        help="prefill pacing: while rows decode, a prompt prefills in pieces small enough that the gap "
+        "between two of a decoding row's tokens stays within R decode steps, measured as the server runs "
+        "(auto, the default: 2.5 on the fast tier; off on the exact tier: a whole --prefill-budget share "
+        "a step, as mlx-lm)",
     )
     p.add_argument(
         "--warmup",
@@ -508,6 +531,7 @@ def cmd_serve(args) -> int:
             prefill_groups=args.prefill_groups,
             prefill_batch=args.prefill_batch,
             prefill_budget=args.prefill_budget,
+            prefill_itl=args.prefill_itl,
             warmup=args.warmup,
             kernel_cache_dir=kernel_cache_dir,
             mlx_cache=args.mlx_cache,

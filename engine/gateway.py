@@ -37,6 +37,7 @@ import mlx.nn as nn
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.kv_layout import kv_layout
+from engine.batch.pacing import PacingConfig
 from engine.batch.runner import can_batch, chunk_buckets, power_buckets
 from engine.batch.scheduler import SchedulerConfig, check_budget
 from engine.batch.spec_rows import SpecRows
@@ -56,6 +57,9 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 # the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
 # the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
 FAST_PREFILL_BATCH = 32
+# The fast tier's prefill pacing (`engine.batch.pacing`): with rows decoding, the gap between two of a row's
+# tokens with a prefill in it is at most this many decode steps.
+FAST_PREFILL_ITL = 2.5
 
 
 # the caches spec rows roll back per row (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`)
@@ -79,6 +83,7 @@ class GatewayConfig:
     prefill_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
     prefill_groups: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
     prefill_budget: int | None = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
+    prefill_itl: float | None = None  # prefill pacing's ratio beside decoding rows (`PacingConfig`); None: none
     spec_batch: bool = False  # speculation runs as spec rows in the continuous batch where it can (`--spec-batch`)
 
     def __post_init__(self):
@@ -118,14 +123,15 @@ class GatewayConfig:
         prefill_buckets: tuple[int, ...] | None = None,
         prefill_groups: tuple[int, ...] | None = None,
         prefill_budget: int | None = None,
+        prefill_itl: float | None = None,
         spec_batch: bool = False,
     ) -> GatewayConfig:
         """The settings with each None (auto) resolved for `tier`, the kernel tier that loaded (None: not yet
         known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
         power_buckets and prefill chunks to chunk_buckets, prefills up to FAST_PREFILL_BATCH prompts together,
-        and its joiners share one chunk's tokens an iteration; the exact tier does none of it (it stays bit-exact
-        with mlx-lm's BatchGenerator, which pads neither and gives each joiner a whole chunk). A prefill budget
-        of 0 is none."""
+        and its joiners share one chunk's tokens an iteration, paced beside decoding rows (FAST_PREFILL_ITL); the
+        exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator, which pads neither and gives
+        each joiner a whole chunk). A prefill budget or pacing ratio of 0 is none."""
         fast = tier == FAST
         batch = batch or default_batch()
         pads = fast and kv_quantization is None and batch > 1
@@ -138,6 +144,8 @@ class GatewayConfig:
             prefill_buckets = chunk_buckets(prefill_chunk) if fast else ()
         if prefill_budget is None:
             prefill_budget = prefill_chunk if fast else 0
+        if prefill_itl is None:
+            prefill_itl = FAST_PREFILL_ITL if fast else 0
         return cls(
             batch=batch,
             prefill_chunk=prefill_chunk,
@@ -150,6 +158,7 @@ class GatewayConfig:
             prefill_buckets=tuple(prefill_buckets),
             prefill_groups=tuple(prefill_groups),
             prefill_budget=prefill_budget or None,
+            prefill_itl=prefill_itl or None,
             spec_batch=spec_batch,
         )
 
@@ -235,6 +244,7 @@ class Gateway:
                 group_buckets=config.prefill_groups,
                 layout=self.layout,
                 spec=self._spec_rows(),
+                pacing=PacingConfig(config.prefill_itl) if config.prefill_itl else None,
             )
         self._serial: deque[_Queued] = deque()
         self._cancelled: set[str] = set()

@@ -171,6 +171,8 @@ def warm_up(
         log(stage.line())
     if gateway.prompt_cache is not None:
         gateway.prompt_cache.clear()  # a client's prompt must never reuse the warm-up's
+    if gateway.batcher is not None and gateway.batcher.pacer is not None:
+        gateway.batcher.pacer.forget()  # its gaps timed compilations
     for sink in sinks:
         if sink.result is None or sink.result.error:
             setting = f" with --kv-bits {kv_bits}" if kv_bits else ""

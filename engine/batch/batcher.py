@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
 import mlx.nn as nn
 
 from engine.batch.kv_budget import KVLayout
 from engine.batch.kv_layout import kv_layout
+from engine.batch.pacing import PacingConfig, PrefillPacer
 from engine.batch.runner import BatchRunner, Joiner, LogitsTap, RowFailure
 from engine.batch.scheduler import DecodePlan, PrefillPlan, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from engine.batch.spec_rows import SpecRows
@@ -63,6 +66,8 @@ class ContinuousBatcher:
         snapshot_block: int = 0,
         layout: KVLayout | None = None,
         spec: SpecRows | None = None,
+        pacing: PacingConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.runner = BatchRunner(model, tap, kv_quantization, decode_buckets, chunk_buckets, group_buckets, spec)
         # the rows' KV projection for the budget: the caller's `layout` (the gateway's), else built here
@@ -85,6 +90,13 @@ class ContinuousBatcher:
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
         self._snapshots: dict[str, list[tuple[int, list]]] = {}  # their block snapshots (`prompt_cache.snapshot`)
         self._scores: dict[str, tuple[GeneratedToken, ...]] = {}  # scored prompts, for their results
+        # Prefill pacing (`engine.batch.pacing`): the last readback's time and rows, and what ran since it.
+        self.pacer = PrefillPacer(pacing) if pacing is not None else None
+        self._clock = clock
+        self._read_at: float | None = None
+        self._read_rows = 0
+        self._prefilled = 0  # prompt tokens prefilled since the last readback
+        self._joined = False  # joiners took token 0 since it (their forward is in the gap: not a measurement)
 
     # ---------------------------------------------------------------- intake
 
@@ -174,8 +186,21 @@ class ContinuousBatcher:
         """One iteration in two phases, each planned by the scheduler once the one before has run (the order
         of mlx-lm's BatchGenerator), run by the runner, its outcome handed back: a decode step for the
         running rows, then admission, token 0 for ready joiners and one prefill chunk."""
-        decoded = self._decode(self.scheduler.schedule_decode())
-        return self._prefill(self.scheduler.schedule_prefill()) or decoded
+        plan = self.scheduler.schedule_decode()
+        decoded = self._decode(plan)
+        cap = self._pace(len(plan.rows) if decoded else 0) if self.pacer is not None else None
+        return self._prefill(self.scheduler.schedule_prefill(cap)) or decoded
+
+    def _pace(self, rows: int) -> int | None:
+        """The pacer's cap on this iteration's prefill (None: no rows decode, no cap), once it has seen the gap
+        since the last readback of `rows` decoding rows (none: this iteration decoded nothing)."""
+        now = self._clock()
+        if rows and rows == self._read_rows and self._read_at is not None and not self._joined:
+            self.pacer.observe(rows, now - self._read_at, self._prefilled)
+        self._read_at, self._read_rows = (now, rows) if rows else (None, 0)
+        self._prefilled, self._joined = 0, False
+        running = len(self.scheduler.running)
+        return self.pacer.cap(running) if running else None
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         steps = 0
@@ -253,6 +278,7 @@ class ContinuousBatcher:
                 self._fail_rows(failures)
                 plan = plan.without({f.request_id for f in failures})
             if plan.first_tokens:
+                self._joined = True
                 self._first_tokens(plan.first_tokens)
             if plan.chunks:
                 at = self._block_counts(plan.chunks)
@@ -265,6 +291,7 @@ class ContinuousBatcher:
                 finally:
                     if self.runner.joiner_cache is not None:
                         unmark(self.runner.joiner_cache)
+                self._prefilled += sum(len(chunk) for _, chunk in plan.chunks)
                 if self.quantized:
                     for seq, chunk in plan.chunks:
                         self._full_chunks.setdefault(seq.request_id, len(chunk))

@@ -75,13 +75,18 @@ class SchedulerConfig:
         if self.prefill_budget is not None and self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
 
-    def chunk(self, joiners: int) -> int:
-        """Prompt tokens each of `joiners` prefilling joiners takes this iteration: its share of the budget, rounded
-        down to a chunk bucket where one fits (31 joiners of 2048: 64 tokens each, not 66 padded to 96)."""
-        if self.prefill_budget is None or joiners == 0:
+    def chunk(self, joiners: int, cap: int | None = None) -> int:
+        """Prompt tokens each of `joiners` prefilling joiners takes this iteration: its share of the budget (and of
+        `cap`, the pacer's tokens for this iteration, where smaller), rounded down to a chunk bucket where one fits
+        (31 joiners of 2048: 64 tokens each, not 66 padded to 96), up to the smallest where none does (a forward
+        pads to it anyway). A cap of 0: none."""
+        if cap == 0:
+            return 0
+        budget = min((b for b in (self.prefill_budget, cap) if b is not None), default=None)
+        if budget is None or joiners == 0:
             return self.prefill_chunk
-        share = max(1, min(self.prefill_chunk, self.prefill_budget // joiners))
-        return max((b for b in self.chunk_buckets if b <= share), default=share)
+        share = max(1, min(self.prefill_chunk, budget // joiners))
+        return max((b for b in self.chunk_buckets if b <= share), default=min(self.chunk_buckets, default=share))
 
 
 @dataclass(eq=False)
@@ -258,9 +263,10 @@ class Scheduler:
         self._evict(finished)
         return DecodeOutcome(tuple(emissions), tuple(finished))
 
-    def schedule_prefill(self) -> PrefillPlan:
+    def schedule_prefill(self, cap: int | None = None) -> PrefillPlan:
         """Steps 2-4's plan: joiners cancelled since the last step leave, then admission, then which joiners
-        take token 0 and which advance by a chunk."""
+        take token 0 and which advance by a chunk (of `cap` prompt tokens in all at most, past the smallest chunk
+        bucket each; 0: none advances)."""
         gone = [s for s in self.joiners if s.finish_reason is not None]
         if gone:
             self.joiners = [s for s in self.joiners if s.finish_reason is None]
@@ -274,8 +280,8 @@ class Scheduler:
             admitted.append(seq)
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
-        size = self.config.chunk(len(prefilling))
-        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling)
+        size = self.config.chunk(len(prefilling), cap)
+        chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling if size)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 
     def update_first_tokens(self, tokens: Mapping[str, GeneratedToken]) -> tuple[FirstToken, ...]:

@@ -84,6 +84,7 @@ class ServeConfig:
         None  # prompts prefilled together; None: auto (gateway.FAST_PREFILL_BATCH on the fast tier)
     )
     prefill_budget: int | None = None  # None: auto (prefill_chunk on the fast tier); 0: off
+    prefill_itl: float | None = None  # None: auto (gateway.FAST_PREFILL_ITL on the fast tier); 0: off
     warmup: str | None = None  # full, quick or off; None: warmup.default_warmup()
     chat_template: str | None = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
@@ -109,6 +110,7 @@ class ServeConfig:
             prefill_buckets=self.prefill_buckets,
             prefill_groups=self.prefill_groups,
             prefill_budget=self.prefill_budget,
+            prefill_itl=self.prefill_itl,
             spec_batch=self.spec_batch,
         )
 

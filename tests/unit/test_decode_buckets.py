@@ -125,8 +125,9 @@ def test_a_prefill_budget_is_shared_by_the_joiners():
         1024,
         512,
         64,
-        10,
-    ]  # 200: below the first, its share
+        16,
+    ]  # 200: below the first, the first (its forward pads to it anyway)
+    assert [buckets.chunk(n, cap) for n, cap in ((1, 0), (1, 100), (4, 100), (1, 4096))] == [0, 96, 24, 2048]
     with pytest.raises(ValueError, match="prefill_budget"):
         SchedulerConfig(prefill_budget=0)
 

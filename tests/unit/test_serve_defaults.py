@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from engine.batch.runner import chunk_buckets, power_buckets
-from engine.gateway import Gateway, GatewayConfig, default_batch
+from engine.gateway import FAST_PREFILL_ITL, Gateway, GatewayConfig, default_batch
 from engine.kernels import EXACT, FAST, on_cuda
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
@@ -34,6 +34,10 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     )
     assert ServeConfig(prefill_budget=0).gateway_config(FAST).prefill_budget is None
     assert ServeConfig(prefill_budget=512).gateway_config(EXACT).prefill_budget == 512
+    # prefill pacing beside decoding rows: the fast tier's; off on the exact tier (mlx-lm's whole chunks)
+    assert (cfg.gateway_config(FAST).prefill_itl, cfg.gateway_config(EXACT).prefill_itl) == (FAST_PREFILL_ITL, None)
+    assert ServeConfig(prefill_itl=0).gateway_config(FAST).prefill_itl is None
+    assert ServeConfig(prefill_itl=4.0).gateway_config(EXACT).prefill_itl == 4.0
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=1).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=16, decode_buckets=()).gateway_config(FAST).decode_buckets == ()

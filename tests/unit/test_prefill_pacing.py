@@ -1,0 +1,91 @@
+"""Prefill pacing: beside decoding rows a prompt prefills in pieces that keep their token gaps within the ratio."""
+
+import pytest
+
+from engine.batch.batcher import ContinuousBatcher
+from engine.batch.pacing import PacingConfig, PrefillPacer
+from engine.batch.scheduler import SchedulerConfig
+from engine.loading import load_model
+from engine.request import GenerationRequest, SamplingParams, StopCriteria
+from engine.sinks import CollectingSink
+
+
+def test_the_cap_holds_a_prefill_to_the_ratio_of_a_decode_step():
+    pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=1.0))
+    assert pacer.cap(rows=2) == 0  # no decode step measured: prefill nothing, so the next gap measures one
+    pacer.observe(rows=2, gap_s=0.010, tokens=0)
+    assert pacer.cap(rows=2) == 1  # a step, but no prefill cost yet: the smallest piece
+    pacer.observe(rows=2, gap_s=0.026, tokens=16)  # 16 tokens cost 16 ms
+    assert pacer.cap(rows=2) == 20  # (3 - 1) * 10 ms / 1 ms a token
+    assert pacer.cap(rows=4) == 20  # 4 rows unmeasured: 2 rows' step stands in
+    assert pacer.cap(rows=1) == 0  # nothing measured at or below 1 row
+    pacer.observe(rows=4, gap_s=0.020, tokens=0)
+    assert pacer.cap(rows=4) == 40
+
+
+def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
+    pacer = PrefillPacer(PacingConfig(ratio=2.0, alpha=0.5))
+    pacer.observe(1, 0.010, 0)
+    pacer.observe(1, 0.020, 0)
+    assert pacer.step_s[1] == pytest.approx(0.015)
+    pacer.observe(1, 0.010, 8)  # faster than a step alone: free
+    assert pacer.token_s == 0.0 and pacer.cap(1) > 10**6
+    pacer.forget()
+    assert (pacer.step_s, pacer.token_s, pacer.cap(1)) == ({}, None, 0)
+    with pytest.raises(ValueError, match="ratio"):
+        PacingConfig(ratio=1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        PacingConfig(ratio=2.0, alpha=0.0)
+
+
+def request(rid, prompt_len, max_tokens):
+    prompt = tuple(range(5, 5 + prompt_len))
+    return GenerationRequest(rid, prompt, SamplingParams(), StopCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def run(model, pacing):
+    """Row `a` decodes; a 200-token prompt `b` joins it. A simulated device: a decode step costs 10 ms and a
+    prompt token 1 ms (the batcher's clock reads it). The tokens of each row, `b`'s chunks, and the gaps between
+    `a`'s readbacks while `b` prefilled."""
+    now, buckets = [0.0], (8, 16, 32, 64, 128, 256)
+    b = ContinuousBatcher(
+        model,
+        SchedulerConfig(max_rows=4, prefill_chunk=256, prefill_budget=256, chunk_buckets=buckets),
+        chunk_buckets=buckets,
+        pacing=pacing,
+        clock=lambda: now[0],
+    )
+    decode, prefill = b.runner.decode, b.runner.prefill
+    chunks, reads = [], []
+
+    def timed_decode():
+        now[0] += 0.010
+        reads.append(now[0])
+        return decode()
+
+    def timed_prefill(cs):
+        now[0] += 0.001 * sum(len(c) for c in cs)
+        if b.scheduler.running:
+            chunks.append(max(len(c) for c in cs))
+        return prefill(cs)
+
+    b.runner.decode, b.runner.prefill = timed_decode, timed_prefill
+    sinks = {"a": CollectingSink(), "b": CollectingSink()}
+    b.submit(request("a", 7, 40), sinks["a"])
+    for _ in range(4):
+        b.step()
+    b.submit(request("b", 201, 4), sinks["b"])
+    b.run_until_idle()
+    gaps = [y - x for x, y in zip(reads, reads[1:])]
+    return {rid: s.token_ids for rid, s in sinks.items()}, chunks, gaps
+
+
+def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    plain, plain_chunks, plain_gaps = run(model, None)
+    paced, chunks, gaps = run(model, PacingConfig(ratio=2.5, alpha=1.0))
+    assert paced == plain  # the same tokens, in smaller prefill pieces
+    assert plain_chunks == [200] and max(plain_gaps) == pytest.approx(0.210)  # the whole prompt in one gap
+    # 0 (a step measured), 8 (the smallest bucket), then (2.5 - 1) * 10 ms / 1 ms: 15, rounded down to 8
+    assert chunks[0] == 8 and set(chunks) == {8}
+    assert max(gaps) == pytest.approx(0.018) and max(gaps) <= 2.5 * 0.010
