@@ -43,8 +43,9 @@ def request(rid, prompt_len, max_tokens):
     return GenerationRequest(rid, prompt, SamplingParams(), StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run(model, pacing):
-    """Row `a` decodes; a 200-token prompt `b` joins it. A simulated device: a decode step costs 10 ms and a
+def run(model, pacing, lead=4):
+    """Row `a` decodes (`lead` iterations in; 1: it takes token 0 as `b` is admitted); a 200-token prompt `b`
+    joins it. A simulated device: a decode step costs 10 ms and a
     prompt token 1 ms (the batcher's clock reads it). The tokens of each row, `b`'s chunks, and the gaps between
     `a`'s readbacks while `b` prefilled."""
     now, buckets = [0.0], (8, 16, 32, 64, 128, 256)
@@ -72,7 +73,7 @@ def run(model, pacing):
     b.runner.decode, b.runner.prefill = timed_decode, timed_prefill
     sinks = {"a": CollectingSink(), "b": CollectingSink()}
     b.submit(request("a", 7, 40), sinks["a"])
-    for _ in range(4):
+    for _ in range(lead):
         b.step()
     b.submit(request("b", 201, 4), sinks["b"])
     b.run_until_idle()
@@ -89,3 +90,7 @@ def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
     # 0 (a step measured), 8 (the smallest bucket), then (2.5 - 1) * 10 ms / 1 ms: 15, rounded down to 8
     assert chunks[0] == 8 and set(chunks) == {8}
     assert max(gaps) == pytest.approx(0.018) and max(gaps) <= 2.5 * 0.010
+    # `b` admitted in the phase where `a` takes token 0: `a` decodes next, so `b`'s first chunk is paced too
+    assert run(model, None, lead=1)[1] == [200]  # (unpaced: all of it before `a`'s first decode step)
+    paced, chunks, gaps = run(model, PacingConfig(ratio=2.5, alpha=1.0), lead=1)
+    assert paced == plain and set(chunks) == {8} and max(gaps) <= 2.5 * 0.010
