@@ -421,6 +421,11 @@ def load_lines(run: dict) -> list[str]:
                         f"{name} / {c['phase']}: prefill {m['median_prefill_tps']:,.0f} prompt tok/s (median over "
                         f"{m['completed']}), TTFT p50 {fmt(m.get('median_ttft_ms'), '.0f')} ms p99 "
                         f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms"
+                        + (  # rows decoding beside a prefill: how far the prefill stretched their token gaps
+                            f", ITL p50 {fmt(m.get('median_itl_ms'), '.1f')} ms p99 {fmt(m.get('p99_itl_ms'), '.1f')} ms"
+                            if c["phase"] == "staggered"
+                            else ""
+                        )
                     )
             prefix = next(
                 (c for c in arm.get("cells", []) if c["phase"] == "prefix" and c["status"] in (MEASURED, RECOVERED)),

@@ -155,4 +155,4 @@ def test_the_chat_cell_and_its_probe_and_the_staggered_cell(run):
         assert cold["metrics"]["median_prefill_tps"] > 0
     md = (out / "run.md").read_text()
     assert "/ chat probe (first chat reply and prompt tokens against engine-serial): engine-serial: same" in md
-    assert "/ staggered: prefill " in md and "prompt tok/s (median over 2)" in md
+    assert "/ staggered: prefill " in md and "prompt tok/s (median over 2)" in md and ", ITL p50 " in md
