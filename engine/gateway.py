@@ -59,7 +59,7 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 FAST_PREFILL_BATCH = 32
 # The fast tier's prefill pacing (`engine.batch.pacing`): with rows decoding, the gap between two of a row's
 # tokens with a prefill in it is at most this many decode steps.
-FAST_PREFILL_ITL = 2.5
+FAST_PREFILL_ITL = 3.0
 
 
 # the caches spec rows roll back per row (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`)
