@@ -1,10 +1,12 @@
 """Prefill pacing: beside decoding rows a prompt prefills in pieces that keep their token gaps within the ratio."""
 
+import mlx.core as mx
 import pytest
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.pacing import PacingConfig, PrefillPacer
 from engine.batch.scheduler import SchedulerConfig
+from engine.generate import prefill
 from engine.loading import load_model
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
 from engine.sinks import CollectingSink
@@ -43,11 +45,10 @@ def request(rid, prompt_len, max_tokens):
     return GenerationRequest(rid, prompt, SamplingParams(), StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run(model, pacing, lead=4):
-    """Row `a` decodes (`lead` iterations in; 1: it takes token 0 as `b` is admitted); a 200-token prompt `b`
-    joins it. A simulated device: a decode step costs 10 ms and a
-    prompt token 1 ms (the batcher's clock reads it). The tokens of each row, `b`'s chunks, and the gaps between
-    `a`'s readbacks while `b` prefilled."""
+def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), **batcher):
+    """Row `a` decodes (`lead` iterations in; 1: it takes token 0 as `b` is admitted); `b`, a 201-token prompt,
+    joins it. A simulated device: a decode step costs 10 ms and a prompt token 1 ms (the batcher's clock reads
+    it). The tokens of each row, `b`'s chunks beside `a`, the gaps between `a`'s readbacks, and `b`'s result."""
     now, buckets = [0.0], (8, 16, 32, 64, 128, 256)
     b = ContinuousBatcher(
         model,
@@ -55,6 +56,7 @@ def run(model, pacing, lead=4):
         chunk_buckets=buckets,
         pacing=pacing,
         clock=lambda: now[0],
+        **batcher,
     )
     decode, prefill = b.runner.decode, b.runner.prefill
     chunks, reads = [], []
@@ -75,16 +77,16 @@ def run(model, pacing, lead=4):
     b.submit(request("a", 7, 40), sinks["a"])
     for _ in range(lead):
         b.step()
-    b.submit(request("b", 201, 4), sinks["b"])
+    b.submit(GenerationRequest("b", prompt, stop=StopCriteria(max_tokens=4, ignore_eos=True)), sinks["b"])
     b.run_until_idle()
     gaps = [y - x for x, y in zip(reads, reads[1:])]
-    return {rid: s.token_ids for rid, s in sinks.items()}, chunks, gaps
+    return {rid: s.token_ids for rid, s in sinks.items()}, chunks, gaps, sinks["b"].result
 
 
 def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
     model = load_model(tiny_path("tiny-qwen35"))[0]
-    plain, plain_chunks, plain_gaps = run(model, None)
-    paced, chunks, gaps = run(model, PacingConfig(ratio=2.5, alpha=1.0))
+    plain, plain_chunks, plain_gaps, _ = run(model, None)
+    paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0))
     assert paced == plain  # the same tokens, in smaller prefill pieces
     assert plain_chunks == [200] and max(plain_gaps) == pytest.approx(0.210)  # the whole prompt in one gap
     # 0 (a step measured), 8 (the smallest bucket), then (2.5 - 1) * 10 ms / 1 ms: 15, rounded down to 8
@@ -92,5 +94,25 @@ def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
     assert max(gaps) == pytest.approx(0.018) and max(gaps) <= 2.5 * 0.010
     # `b` admitted in the phase where `a` takes token 0: `a` decodes next, so `b`'s first chunk is paced too
     assert run(model, None, lead=1)[1] == [200]  # (unpaced: all of it before `a`'s first decode step)
-    paced, chunks, gaps = run(model, PacingConfig(ratio=2.5, alpha=1.0), lead=1)
+    paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), lead=1)
     assert paced == plain and set(chunks) == {8} and max(gaps) <= 2.5 * 0.010
+
+
+def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
+    # A hybrid model's prompt cache keeps a snapshot every 16 tokens from inside the prefill forwards: paced
+    # into 8-token pieces beside a decoding row, each still holds the state of the prompt cut there.
+    model = load_model(tiny_path("tiny-qwen35-f32"))[0]
+    prompt = tuple(3 + (i * 37) % 200 for i in range(101))
+    _, chunks, _, result = run(
+        model, PacingConfig(ratio=2.5, alpha=1.0), prompt=prompt, keep_caches=True, snapshot_block=16
+    )
+    assert max(chunks) == 8 and sum(chunks) == 100  # 12 pieces of 8 and the prompt's last 4
+    (entry,) = [c for c in result.caches if c.snapshots]
+    assert [n for n, _ in entry.snapshots] == list(range(16, 100, 16))
+    for n, layers in entry.snapshots:
+        cut = model.make_cache()
+        prefill(model, cut, mx.array(list(prompt[: n + 1])))
+        for kept, c in zip(layers, cut):
+            if kept is not None:
+                for x, y in zip(kept.state, c.state):
+                    assert mx.array_equal(x, y).item(), n
