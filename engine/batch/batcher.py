@@ -199,9 +199,12 @@ class ContinuousBatcher:
             self.pacer.observe(rows, now - self._read_at, self._prefilled)
         self._read_at, self._read_rows = (now, rows) if rows else (None, 0)
         self._prefilled, self._joined = 0, False
-        # the rows decoding next: the running ones and the joiners whose prompts are through (token 0 this phase)
-        rows = len(self.scheduler.running) + sum(s.prefilled >= len(s.prompt_body) for s in self.scheduler.joiners)
-        return self.pacer.cap(rows) if rows else None
+        # the rows decoding next: the running ones and the joiners whose prompts are through (token 0 this phase);
+        # the prompts waiting for their first token: the other joiners and the queue
+        sched = self.scheduler
+        through = sum(s.prefilled >= len(s.prompt_body) for s in sched.joiners)
+        rows = len(sched.running) + through
+        return self.pacer.cap(rows, len(sched.joiners) - through + sched.pending_rows) if rows else None
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         steps = 0

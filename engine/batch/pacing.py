@@ -2,14 +2,17 @@
 
 An iteration reads the decoding rows' tokens back, then runs the joiners' prefill forward, so the gap
 between two of a row's tokens is a decode step plus whatever prefilled between the two readbacks. The
-rule: with rows decoding, that gap is at most `ratio` times a decode step alone, so a prefill between two
-readbacks takes at most `ratio - 1` decode steps. The pacer measures both from the gaps themselves (wall
-time between readbacks, what a client sees as inter-token latency):
+rule: with rows decoding, a prefill between two readbacks takes at most `ratio - 1` decode steps for each
+prompt waiting for its first token per decoding row (one at least). While no more prompts wait than rows
+decode, the gap between a row's tokens is then at most `ratio` decode steps; a burst of prompts beside a
+few decoding rows is not held to their pace (a row's stall weighs against each waiting prompt's TTFT,
+one for one). The pacer measures both from the gaps themselves (wall time between readbacks, what a
+client sees as inter-token latency):
 
 - `d`, a decode step alone, for each count of decoding rows: gaps with nothing prefilled between them;
 - `c`, prefill seconds a prompt token: (a gap with a prefill - d) / the tokens prefilled in it;
 
-and caps the next prefill at `(ratio - 1) * d / c` prompt tokens. A cost per token measured at a smaller
+and caps the next prefill at `(ratio - 1) * d / c` prompt tokens (times the waiting prompts per row). A cost per token measured at a smaller
 prefill overstates it at a larger one (a forward's fixed costs spread over more tokens), so the cap grows
 toward the limit from below, a prefill at a time, and shrinks at once where a prefill costs more (a later
 chunk of a long prompt attends to more keys). For a count of rows with no `d` yet, the `d` of the most rows
@@ -51,14 +54,16 @@ class PrefillPacer:
         elif d is not None:
             self.token_s = self._blend(self.token_s, max(gap_s - d, 0.0) / tokens)
 
-    def cap(self, rows: int) -> int:
-        """Prompt tokens the next prefill may take beside `rows` decoding rows (0: none, to measure a step)."""
+    def cap(self, rows: int, waiting: int = 1) -> int:
+        """Prompt tokens the next prefill may take beside `rows` decoding rows, with `waiting` prompts waiting for
+        their first token (0: none, to measure a step)."""
         d = self._step(rows)
         if d is None:
             return 0
         if self.token_s is None:
             return 1
-        return max(1, int((self.config.ratio - 1) * d / max(self.token_s, 1e-9)))
+        share = max(1.0, waiting / rows)
+        return max(1, int((self.config.ratio - 1) * d * share / max(self.token_s, 1e-9)))
 
     def forget(self) -> None:
         """Drop every estimate (the warm-up's gaps hold kernel compilations, not steps)."""

@@ -23,6 +23,8 @@ def test_the_cap_holds_a_prefill_to_the_ratio_of_a_decode_step():
     assert pacer.cap(rows=1) == 0  # nothing measured at or below 1 row
     pacer.observe(rows=4, gap_s=0.020, tokens=0)
     assert pacer.cap(rows=4) == 40
+    # more prompts waiting than rows decoding: each waiting prompt per row weighs as much as a row's stall
+    assert (pacer.cap(rows=4, waiting=4), pacer.cap(rows=4, waiting=12), pacer.cap(rows=4, waiting=0)) == (40, 120, 40)
 
 
 def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
@@ -45,14 +47,14 @@ def request(rid, prompt_len, max_tokens):
     return GenerationRequest(rid, prompt, SamplingParams(), StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), **batcher):
+def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), others=0, **batcher):
     """Row `a` decodes (`lead` iterations in; 1: it takes token 0 as `b` is admitted); `b`, a 201-token prompt,
     joins it. A simulated device: a decode step costs 10 ms and a prompt token 1 ms (the batcher's clock reads
     it). The tokens of each row, `b`'s chunks beside `a`, the gaps between `a`'s readbacks, and `b`'s result."""
     now, buckets = [0.0], (8, 16, 32, 64, 128, 256)
     b = ContinuousBatcher(
         model,
-        SchedulerConfig(max_rows=4, prefill_chunk=256, prefill_budget=256, chunk_buckets=buckets),
+        SchedulerConfig(max_rows=8, prefill_chunk=256, prefill_budget=256, chunk_buckets=buckets),
         chunk_buckets=buckets,
         pacing=pacing,
         clock=lambda: now[0],
@@ -69,7 +71,7 @@ def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), **batcher):
     def timed_prefill(cs):
         now[0] += 0.001 * sum(len(c) for c in cs)
         if b.scheduler.running:
-            chunks.append(max(len(c) for c in cs))
+            chunks.append(max(len(c) for c in cs) if not others else sum(len(c) for c in cs))
         return prefill(cs)
 
     b.runner.decode, b.runner.prefill = timed_decode, timed_prefill
@@ -78,6 +80,11 @@ def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), **batcher):
     for _ in range(lead):
         b.step()
     b.submit(GenerationRequest("b", prompt, stop=StopCriteria(max_tokens=4, ignore_eos=True)), sinks["b"])
+    for i in range(others):  # more prompts arriving with b
+        sinks[f"o{i}"] = CollectingSink()
+        b.submit(
+            GenerationRequest(f"o{i}", prompt[i:], stop=StopCriteria(max_tokens=2, ignore_eos=True)), sinks[f"o{i}"]
+        )
     b.run_until_idle()
     gaps = [y - x for x, y in zip(reads, reads[1:])]
     return {rid: s.token_ids for rid, s in sinks.items()}, chunks, gaps, sinks["b"].result
@@ -116,3 +123,12 @@ def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
             if kept is not None:
                 for x, y in zip(kept.state, c.state):
                     assert mx.array_equal(x, y).item(), n
+
+
+def test_a_burst_beside_a_lone_decoding_row_is_not_held_to_its_pace(tiny_path):
+    # Four prompts wait beside one decoding row: each is weighed against that row's stall, so a prefill may take
+    # (2.5 - 1) * 4 decode steps, not 1.5.
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    _, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), others=3)
+    assert max(chunks) == 32  # the four joiners' pieces together (8 each), beside the row
+    assert 0.025 < max(gaps) <= 0.010 + 1.5 * 4 * 0.010
