@@ -57,8 +57,8 @@ CUDA_BATCH, OTHER_BATCH = 64, 8  # the default --batch: on CUDA the fast tier's 
 # the default --prefill-batch: on the fast tier a burst's prompts share fewer, larger prefill forwards (each reads
 # the weights once); elsewhere mlx_lm.server's 8, which the same-B parity gates replay
 FAST_PREFILL_BATCH = 32
-# The fast tier's prefill pacing (`engine.batch.pacing`): with rows decoding, the gap between two of a row's
-# tokens with a prefill in it is at most this many decode steps.
+# The fast tier's prefill pacing (`engine.batch.pacing`): with rows decoding (and no more prompts waiting than
+# them), the gap between two of a row's tokens with a prefill in it is at most this many decode steps.
 FAST_PREFILL_ITL = 3.0
 
 

@@ -65,6 +65,14 @@ class PrefillPacer:
         share = max(1.0, waiting / rows)
         return max(1, int((self.config.ratio - 1) * d * share / max(self.token_s, 1e-9)))
 
+    def as_record(self) -> dict:
+        """The setting and the running estimates, in milliseconds (for /stats)."""
+        return {
+            "ratio": self.config.ratio,
+            "decode_step_ms": {rows: round(d * 1e3, 3) for rows, d in sorted(self.step_s.items())},
+            "prompt_token_ms": None if self.token_s is None else round(self.token_s * 1e3, 4),
+        }
+
     def forget(self) -> None:
         """Drop every estimate (the warm-up's gaps hold kernel compilations, not steps)."""
         self.step_s.clear()

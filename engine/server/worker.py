@@ -351,6 +351,8 @@ class EngineWorker:
                 "waiting_tokens": sum(self._waiting.values()),
                 "kv_bytes": kv_bytes,
                 "kv_budget_bytes": gateway.config.kv_budget,
+                # prefill pacing beside decoding rows (`--prefill-itl`): its ratio and what it has measured
+                "prefill_pacing": batcher.pacer.as_record() if batcher is not None and batcher.pacer else None,
             },
             "prompt_cache": None if pc is None else vars(pc.stats()),
             "totals": vars(self.totals).copy(),

@@ -42,6 +42,7 @@ def test_health_models_and_stats(server):
     stats = server.stats()
     assert stats["batch"]["max_rows"] == 8 and stats["batch"]["mode"] == "continuous"
     assert {"active_rows", "pending_rows", "kv_bytes", "kv_budget_bytes"} <= set(stats["batch"])
+    assert stats["batch"]["prefill_pacing"] is None  # the exact tier's default: off
     assert {"entries", "bytes", "hits"} <= set(stats["prompt_cache"])
     assert {"requests", "completed", "prompt_tokens", "completion_tokens"} <= set(stats["totals"])
 

@@ -34,6 +34,7 @@ def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
     assert pacer.step_s[1] == pytest.approx(0.015)
     pacer.observe(1, 0.010, 8)  # faster than a step alone: free
     assert pacer.token_s == 0.0 and pacer.cap(1) > 10**6
+    assert pacer.as_record() == {"ratio": 2.0, "decode_step_ms": {1: 15.0}, "prompt_token_ms": 0.0}
     pacer.forget()
     assert (pacer.step_s, pacer.token_s, pacer.cap(1)) == ({}, None, 0)
     with pytest.raises(ValueError, match="ratio"):
