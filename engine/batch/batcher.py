@@ -204,7 +204,8 @@ class ContinuousBatcher:
         sched = self.scheduler
         through = sum(s.prefilled >= len(s.prompt_body) for s in sched.joiners)
         rows = len(sched.running) + through
-        return self.pacer.cap(rows, len(sched.joiners) - through + sched.pending_rows) if rows else None
+        waiting = len(sched.joiners) - through + sched.pending_rows
+        return self.pacer.cap(rows, waiting, first_tokens=through > 0) if rows else None
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         steps = 0

@@ -15,7 +15,8 @@ client sees as inter-token latency):
 and caps the next prefill at `(ratio - 1) * d / c` prompt tokens (times the waiting prompts per row). A cost per token measured at a smaller
 prefill overstates it at a larger one (a forward's fixed costs spread over more tokens), so the cap grows
 toward the limit from below, a prefill at a time, and shrinks at once where a prefill costs more (a later
-chunk of a long prompt attends to more keys). For a count of rows with no `d` yet, the `d` of the most rows
+chunk of a long prompt attends to more keys). Joiners taking token 0 in the same gap run a forward of
+their own, counted as one decode step of the allowance. For a count of rows with no `d` yet, the `d` of the most rows
 below it stands in (a smaller step: a smaller cap); with none, the next iteration prefills nothing, so that
 its gap measures one. Until `c` is measured the cap is one token (the scheduler gives each joiner at least
 the smallest chunk bucket). With nothing decoding there is no cap.
@@ -23,6 +24,7 @@ the smallest chunk bucket). With nothing decoding there is no cap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -54,16 +56,21 @@ class PrefillPacer:
         elif d is not None:
             self.token_s = self._blend(self.token_s, max(gap_s - d, 0.0) / tokens)
 
-    def cap(self, rows: int, waiting: int = 1) -> int:
+    def cap(self, rows: int, waiting: int = 1, first_tokens: bool = False) -> int:
         """Prompt tokens the next prefill may take beside `rows` decoding rows, with `waiting` prompts waiting for
-        their first token (0: none, to measure a step)."""
+        their first token (0: none, to measure a step, or where the gap has no room left). `first_tokens`:
+        joiners take token 0 in the same gap, a forward that takes one decode step of the allowance."""
         d = self._step(rows)
         if d is None:
             return 0
+        allowance = (self.config.ratio - 1) * d * max(1.0, waiting / rows) - (d if first_tokens else 0.0)
+        if allowance <= 0:
+            return 0
         if self.token_s is None:
             return 1
-        share = max(1.0, waiting / rows)
-        return max(1, int((self.config.ratio - 1) * d * share / max(self.token_s, 1e-9)))
+        # rounded up: a cost per token measured at T tokens overstates it at T + 1 (fixed costs), so truncating
+        # could hold the cap at T below the bound; rounding up passes it by a token's cost at most
+        return max(1, math.ceil(allowance / max(self.token_s, 1e-9) - 1e-6))
 
     def as_record(self) -> dict:
         """The setting and the running estimates, in milliseconds (for /stats)."""

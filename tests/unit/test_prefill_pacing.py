@@ -23,8 +23,24 @@ def test_the_cap_holds_a_prefill_to_the_ratio_of_a_decode_step():
     assert pacer.cap(rows=1) == 0  # nothing measured at or below 1 row
     pacer.observe(rows=4, gap_s=0.020, tokens=0)
     assert pacer.cap(rows=4) == 40
+    assert pacer.cap(rows=4, first_tokens=True) == 20  # token 0's forward takes a decode step of the allowance
     # more prompts waiting than rows decoding: each waiting prompt per row weighs as much as a row's stall
     assert (pacer.cap(rows=4, waiting=4), pacer.cap(rows=4, waiting=12), pacer.cap(rows=4, waiting=0)) == (40, 120, 40)
+
+
+def test_the_cap_rounds_up_so_fixed_costs_cannot_hold_it_below_the_bound():
+    # a prefill forward that costs 55 ms before its first token and 10 ms a token, beside a 50 ms step, ratio 3:
+    # the bound (100 ms of prefill) is 4.5 tokens; measured at 1 token (65 ms), truncating would stay at 1
+    pacer, caps = PrefillPacer(PacingConfig(ratio=3.0, alpha=1.0)), []
+    pacer.observe(1, 0.050, 0)
+    tokens = 1
+    for _ in range(6):
+        pacer.observe(1, 0.050 + 0.055 + 0.010 * tokens, tokens)
+        tokens = pacer.cap(1)
+        caps.append(tokens)
+    assert caps[:4] == [2, 3, 4, 5] and caps[-1] == 5  # within a token of the bound
+    assert pacer.cap(1, first_tokens=True) == 3  # (100 - 50) ms / 21 ms a token (105 ms for 5), rounded up
+    assert PrefillPacer(PacingConfig(ratio=1.5), {1: 0.05}, 0.01).cap(1, first_tokens=True) == 0  # no room left
 
 
 def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
