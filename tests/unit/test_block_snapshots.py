@@ -169,10 +169,15 @@ def test_batched_joiners_keep_their_own_boundaries_inside_shared_chunks(which, r
     for rid, prompt in prompts.items():
         (entry,) = [c for c in sinks[rid].result.caches if c.snapshots]
         assert [n for n, _ in entry.snapshots] == list(range(16 if rid == "fresh" else 32, 99, 16)), rid
-        for n, layers in entry.snapshots:
-            cut = model.make_cache()
-            prefill(model, cut, mx.array(list(prompt[: n + 1])))
-            for kept, c in zip(layers, cut):
-                if kept is not None:
-                    for x, y in zip(kept.state, c.state):
-                        assert same(x, y, which == "exact"), (rid, n)
+        assert_cut_states(model, prompt, entry.snapshots, which == "exact")
+
+
+def assert_cut_states(model, prompt, snapshots, bitwise: bool):
+    """Each snapshot (count, layers) holds the state of `prompt` prefilled alone up to it (and its next token)."""
+    for n, layers in snapshots:
+        cut = model.make_cache()
+        prefill(model, cut, mx.array(list(prompt[: n + 1])))
+        for kept, c in zip(layers, cut):
+            if kept is not None:
+                for x, y in zip(kept.state, c.state):
+                    assert same(x, y, bitwise), n

@@ -1,12 +1,11 @@
 """Prefill pacing: beside decoding rows a prompt prefills in pieces that keep their token gaps within the ratio."""
 
-import mlx.core as mx
 import pytest
+from test_block_snapshots import assert_cut_states
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.pacing import PacingConfig, PrefillPacer
 from engine.batch.scheduler import SchedulerConfig
-from engine.generate import prefill
 from engine.loading import load_model
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
 from engine.sinks import CollectingSink
@@ -133,19 +132,4 @@ def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
     assert max(chunks) == 8 and sum(chunks) == 100  # 12 pieces of 8 and the prompt's last 4
     (entry,) = [c for c in result.caches if c.snapshots]
     assert [n for n, _ in entry.snapshots] == list(range(16, 100, 16))
-    for n, layers in entry.snapshots:
-        cut = model.make_cache()
-        prefill(model, cut, mx.array(list(prompt[: n + 1])))
-        for kept, c in zip(layers, cut):
-            if kept is not None:
-                for x, y in zip(kept.state, c.state):
-                    assert mx.array_equal(x, y).item(), n
-
-
-def test_a_burst_beside_a_lone_decoding_row_is_not_held_to_its_pace(tiny_path):
-    # Four prompts wait beside one decoding row: each is weighed against that row's stall, so a prefill may take
-    # (2.5 - 1) * 4 decode steps, not 1.5.
-    model = load_model(tiny_path("tiny-qwen35"))[0]
-    _, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), others=3)
-    assert max(chunks) == 32  # the four joiners' pieces together (8 each), beside the row
-    assert 0.025 < max(gaps) <= 0.010 + 1.5 * 4 * 0.010
+    assert_cut_states(model, prompt, entry.snapshots, bitwise=True)
