@@ -291,7 +291,8 @@ class ContinuousBatcher:
                 if any(inside):
                     keep_at(self.runner.joiner_cache, inside)
                 try:
-                    self.runner.prefill([chunk for _, chunk in plan.chunks])
+                    # beside decoding rows MLX's buffer cache stays: emptied, their next step allocates anew
+                    self.runner.prefill([chunk for _, chunk in plan.chunks], clear_cache=not self.scheduler.running)
                     self._take_snapshots(plan.chunks, at)
                 finally:
                     if self.runner.joiner_cache is not None:

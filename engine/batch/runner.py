@@ -322,10 +322,11 @@ class BatchRunner:
         self.joiners += rows
         return failures
 
-    def prefill(self, chunks: Sequence[Sequence[int]]) -> None:
+    def prefill(self, chunks: Sequence[Sequence[int]], clear_cache: bool = True) -> None:
         """One chunk per joiner (group order) through the model, right-padded to the longest (to its chunk
         bucket), the group filled with ghost joiners to its group bucket; a joiner that scores its prompt is fed
-        its rows of the forward's logits."""
+        its rows of the forward's logits. `clear_cache`: empty MLX's buffer cache after it (not between decode
+        steps: each would allocate its buffers again)."""
         joiners = len(chunks)
         ghosts = bucket(joiners, self.group_buckets) - joiners
         if ghosts > 0:  # empty rows fed the last joiner's chunk: no joiner's caches move (they are the longer side)
@@ -359,7 +360,8 @@ class BatchRunner:
                 c.filter(list(range(joiners)), trim=False)
             mx.eval(cache_arrays(self.joiner_cache))
         self._quantize_kv(self.joiner_cache)
-        mx.clear_cache()
+        if clear_cache:
+            mx.clear_cache()
 
     def first_tokens(self, request_ids: Sequence[str], snapshot: Collection[str] = ()) -> RowTokens:
         """Split these joiners off the group; token 0 of each from an L=1 forward of its last prompt token

@@ -106,7 +106,7 @@ def test_a_prefill_error_fails_only_the_joiners_of_that_prefill(model):
     b.run_until_idle(max_steps=3)
     real = b.runner.prefill
 
-    def boom(chunks):
+    def boom(chunks, clear_cache=True):
         b.runner.prefill = real
         raise MemoryError("prefill out of memory")
 
