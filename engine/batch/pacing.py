@@ -12,14 +12,15 @@ client sees as inter-token latency):
 - `d`, a decode step alone, for each count of decoding rows: gaps with nothing prefilled between them;
 - `c`, prefill seconds a prompt token: (a gap with a prefill - d) / the tokens prefilled in it;
 
-and caps the next prefill at `(ratio - 1) * d / c` prompt tokens (times the waiting prompts per row). A cost per token measured at a smaller
-prefill overstates it at a larger one (a forward's fixed costs spread over more tokens), so the cap grows
-toward the limit from below, a prefill at a time, and shrinks at once where a prefill costs more (a later
-chunk of a long prompt attends to more keys). Joiners taking token 0 in the same gap run a forward of
-their own, counted as one decode step of the allowance. For a count of rows with no `d` yet, the `d` of the most rows
-below it stands in (a smaller step: a smaller cap); with none, the next iteration prefills nothing, so that
-its gap measures one. Until `c` is measured the cap is one token (the scheduler gives each joiner at least
-the smallest chunk bucket). With nothing decoding there is no cap.
+and caps the next prefill at `(ratio - 1) * d / c` prompt tokens (times the waiting prompts per row). A cost
+per token measured at a smaller prefill overstates it at a larger one (a forward's fixed costs spread over
+more tokens), so the cap grows toward the limit from below, a prefill at a time, and shrinks at once where a
+prefill costs more (a later chunk of a long prompt attends to more keys). Joiners taking token 0 in the same
+gap run a forward of their own, counted as one decode step of the allowance. For a count of rows with no `d`
+yet, the `d` of the most rows below it stands in (a smaller step: a smaller cap), or else of the fewest above
+it; with none measured at all, the next iteration prefills nothing, so that its gap measures one. Until `c`
+is measured the cap is one token (the scheduler gives each joiner at least the smallest chunk bucket). With
+nothing decoding there is no cap.
 """
 
 from __future__ import annotations
@@ -86,9 +87,12 @@ class PrefillPacer:
         self.token_s = None
 
     def _step(self, rows: int) -> float | None:
-        """d for `rows` decoding rows, or for the most rows below it measured (None: none)."""
-        known = [n for n in self.step_s if n <= rows]
-        return self.step_s[max(known)] if known else None
+        """d for `rows` decoding rows, or for the most rows below it measured, or else the fewest above it (rows
+        leaving one an iteration leave no count measured below; None: nothing measured)."""
+        below = [n for n in self.step_s if n <= rows]
+        if below or self.step_s:
+            return self.step_s[max(below) if below else min(self.step_s)]
+        return None
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.alpha * (new - old)

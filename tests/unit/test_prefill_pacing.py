@@ -19,7 +19,7 @@ def test_the_cap_holds_a_prefill_to_the_ratio_of_a_decode_step():
     pacer.observe(rows=2, gap_s=0.026, tokens=16)  # 16 tokens cost 16 ms
     assert pacer.cap(rows=2) == 20  # (3 - 1) * 10 ms / 1 ms a token
     assert pacer.cap(rows=4) == 20  # 4 rows unmeasured: 2 rows' step stands in
-    assert pacer.cap(rows=1) == 0  # nothing measured at or below 1 row
+    assert pacer.cap(rows=1) == 20  # nothing at or below 1 row: the fewest rows above stand in
     pacer.observe(rows=4, gap_s=0.020, tokens=0)
     assert pacer.cap(rows=4) == 40
     assert pacer.cap(rows=4, first_tokens=True) == 20  # token 0's forward takes a decode step of the allowance
@@ -134,3 +134,12 @@ def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
     (entry,) = [c for c in result.caches if c.snapshots]
     assert [n for n, _ in entry.snapshots] == list(range(16, 100, 16))
     assert_cut_states(model, prompt, entry.snapshots, bitwise=True)
+
+
+def test_a_burst_beside_a_lone_decoding_row_is_not_held_to_its_pace(tiny_path):
+    # Four prompts wait beside one decoding row: each is weighed against that row's stall, so a prefill may take
+    # (2.5 - 1) * 4 decode steps, not 1.5.
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    _, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), others=3)
+    assert max(chunks) == 32  # the four joiners' pieces together (8 each), beside the row
+    assert 0.025 < max(gaps) <= 0.010 + 1.5 * 4 * 0.010
