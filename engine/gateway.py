@@ -129,7 +129,8 @@ class GatewayConfig:
         """The settings with each None (auto) resolved for `tier`, the kernel tier that loaded (None: not yet
         known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
         power_buckets and prefill chunks to chunk_buckets, prefills up to FAST_PREFILL_BATCH prompts together,
-        and its joiners share one chunk's tokens an iteration, paced beside decoding rows (FAST_PREFILL_ITL); the
+        and its joiners share one chunk's tokens an iteration, paced beside decoding rows (FAST_PREFILL_ITL; not
+        with quantized KV); the
         exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator, which pads neither and gives
         each joiner a whole chunk). A prefill budget or pacing ratio of 0 is none."""
         fast = tier == FAST
@@ -144,8 +145,9 @@ class GatewayConfig:
             prefill_buckets = chunk_buckets(prefill_chunk) if fast else ()
         if prefill_budget is None:
             prefill_budget = prefill_chunk if fast else 0
-        if prefill_itl is None:
-            prefill_itl = FAST_PREFILL_ITL if fast else 0
+        if prefill_itl is None:  # not with quantized KV: a prompt's first chunk, the one that attends to
+            # full-precision keys (mlx-lm's scheme), would be a paced piece
+            prefill_itl = FAST_PREFILL_ITL if fast and kv_quantization is None else 0
         return cls(
             batch=batch,
             prefill_chunk=prefill_chunk,

@@ -37,6 +37,7 @@ def test_decode_buckets_auto_pads_the_fast_tier_only():
     # prefill pacing beside decoding rows: the fast tier's; off on the exact tier (mlx-lm's whole chunks)
     assert (cfg.gateway_config(FAST).prefill_itl, cfg.gateway_config(EXACT).prefill_itl) == (FAST_PREFILL_ITL, None)
     assert ServeConfig(prefill_itl=0).gateway_config(FAST).prefill_itl is None
+    assert ServeConfig(kv_bits=8).gateway_config(FAST).prefill_itl is None  # a first chunk of full-precision keys
     assert ServeConfig(prefill_itl=4.0).gateway_config(EXACT).prefill_itl == 4.0
     assert ServeConfig(batch=16, kv_bits=8).gateway_config(FAST).decode_buckets == ()
     assert ServeConfig(batch=1).gateway_config(FAST).decode_buckets == ()
