@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill
+#                         | census | lane | prefill | first
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -28,6 +28,8 @@
 #            continuous lane's lone-row penalty goes
 #   prefill  SHAPES (1x1024,1x256,32x64,32x128,64x32), NCU_SHAPES (32x64,1x256): prefill forwards' wall time by
 #            group x chunk (tools/gpu/prefill_kernels.py), then ncu over one forward of each NCU_SHAPES
+#   first    WARMUP (full), LENGTHS (1024,4096): the first prompts after ready against the ones that follow, then
+#            again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -121,6 +123,11 @@ case "$PART" in
         --log-file "$OUT/ncu-prefill.csv" python3 -m tools.gpu.prefill_kernels --shapes "${NCU_SHAPES:-32x64,1x256}" --ncu
     python3 -m tools.gpu.step_kernels --summarize "$OUT/ncu-prefill.csv" --top 14 2>&1 | tee -a "$OUT/qwen27b-prefill.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane or prefill (got '$PART')" >&2
+  first)  # the first prompts after ready against the following ones: buffer cache or compilation
+    synth
+    python3 -m tools.gpu.first_prompts --model qwen27b --warmup "${WARMUP:-full}" --lengths "${LENGTHS:-1024,4096}" \
+        2>&1 | tee "$OUT/qwen27b-first-prompts.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill or first (got '$PART')" >&2
      exit 2 ;;
 esac
