@@ -89,10 +89,10 @@ class PrefillPacer:
     def _step(self, rows: int) -> float | None:
         """d for `rows` decoding rows, or for the most rows below it measured, or else the fewest above it (rows
         leaving one an iteration leave no count measured below; None: nothing measured)."""
+        if not self.step_s:
+            return None
         below = [n for n in self.step_s if n <= rows]
-        if below or self.step_s:
-            return self.step_s[max(below) if below else min(self.step_s)]
-        return None
+        return self.step_s[max(below) if below else min(self.step_s)]
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.alpha * (new - old)
