@@ -195,7 +195,7 @@ class ContinuousBatcher:
         """The pacer's cap on this iteration's prefill (None: no rows decode, no cap), once it has seen the gap
         since the last readback of `rows` decoding rows (none: this iteration decoded nothing)."""
         now = self._clock()
-        if rows and rows == self._read_rows and self._read_at is not None and not self._joined:
+        if rows and rows == self._read_rows and not self._joined:
             self.pacer.observe(rows, now - self._read_at, self._prefilled)
         self._read_at, self._read_rows = (now, rows) if rows else (None, 0)
         self._prefilled, self._joined = 0, False
@@ -203,9 +203,9 @@ class ContinuousBatcher:
         # the prompts waiting for their first token: the other joiners and the queue
         sched = self.scheduler
         through = sum(s.prefilled >= len(s.prompt_body) for s in sched.joiners)
-        rows = len(sched.running) + through
+        decoding = len(sched.running) + through
         waiting = len(sched.joiners) - through + sched.pending_rows
-        return self.pacer.cap(rows, waiting, first_tokens=through > 0) if rows else None
+        return self.pacer.cap(decoding, waiting, first_tokens=through > 0) if decoding else None
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         steps = 0
