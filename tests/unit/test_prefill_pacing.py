@@ -1,6 +1,8 @@
 """Prefill pacing: beside decoding rows a prompt prefills in pieces that keep their token gaps within the ratio."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_block_snapshots import assert_cut_states
 
 from engine.batch.batcher import ContinuousBatcher
@@ -40,6 +42,22 @@ def test_the_cap_rounds_up_so_fixed_costs_cannot_hold_it_below_the_bound():
     assert caps[:4] == [2, 3, 4, 5] and caps[-1] == 5  # within a token of the bound
     assert pacer.cap(1, first_tokens=True) == 3  # (100 - 50) ms / 21 ms a token (105 ms for 5), rounded up
     assert PrefillPacer(PacingConfig(ratio=1.5), {1: 0.05}, 0.01).cap(1, first_tokens=True) == 0  # no room left
+
+
+gaps = st.lists(st.tuples(st.integers(1, 64), st.floats(1e-4, 1.0), st.integers(0, 4096)), min_size=1, max_size=30)
+
+
+@given(gaps, st.integers(1, 64), st.integers(0, 200), st.sampled_from([1.5, 2.0, 3.0, 5.0]))
+def test_the_cap_grows_with_waiting_prompts_and_shrinks_for_token_0(observed, rows, waiting, ratio):
+    pacer = PrefillPacer(PacingConfig(ratio=ratio))
+    for r, gap, tokens in observed:
+        pacer.observe(r, gap, tokens)
+    cap = pacer.cap(rows, waiting)
+    assert cap >= 0 and pacer.cap(rows, waiting + rows) >= cap >= pacer.cap(rows, waiting, first_tokens=True)
+    assert (cap == 0) == (not pacer.step_s)  # none only before any decode step is measured (ratio > 1)
+    if pacer.token_s:  # the bound: (ratio - 1) d a row's share, within a token
+        d = pacer._step(rows)
+        assert (cap - 1) * pacer.token_s <= (ratio - 1) * d * max(1.0, waiting / rows) + 1e-9
 
 
 def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
