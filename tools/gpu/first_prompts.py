@@ -27,25 +27,6 @@ import statistics
 import time
 
 
-class _First:
-    """A TokenSink that keeps the time of the first token."""
-
-    def __init__(self):
-        self.first: float | None = None
-        self.result = None
-
-    def on_start(self) -> None:
-        pass
-
-    def on_token(self, token) -> bool:
-        if self.first is None:
-            self.first = time.perf_counter()
-        return True
-
-    def on_end(self, result) -> None:
-        self.result = result
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen27b", help="registry name (synthesized on first use)")
@@ -72,6 +53,7 @@ def main(argv=None) -> None:
     from engine.request import GenerationRequest, StopCriteria
     from engine.server.main import ServeConfig
     from engine.warmup import warm_up
+    from tools.gpu.lone_lanes import Stamps
 
     if on_cuda():  # as `engine serve` sets up the device
         BUILDS.enable_cache(directory)
@@ -90,12 +72,12 @@ def main(argv=None) -> None:
         """One prompt of n tokens (its own: opened by a token no other prompt has there), max_tokens 2."""
         i = next(ids)
         prompt = (5 + i % 50, 60 + i // 50, *((7 * j + 11 * i) % 900 + 10 for j in range(n - 2)))
-        sink, sent = _First(), time.perf_counter()
+        sink, sent = Stamps(), time.perf_counter()
         gateway.submit(GenerationRequest(f"p{i}", prompt, stop=StopCriteria(max_tokens=2, ignore_eos=True)), sink)
         gateway.run_until_idle()
         if sink.result is None or sink.result.error:
             raise SystemExit(f"a {n}-token prompt failed: {sink.result.error if sink.result else 'no result'}")
-        return (sink.first - sent) * 1e3
+        return (sink.stamps[0] - sent) * 1e3
 
     def phase(label: str) -> None:
         cached = mx.get_cache_memory() / 2**30

@@ -38,7 +38,7 @@ def _rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-class _Stamps:
+class Stamps:
     """A TokenSink that keeps the time of every token."""
 
     def __init__(self):
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     ids = itertools.count()
 
     def run_gateway(name: str) -> list[float]:
-        sink = _Stamps()
+        sink = Stamps()
         gateway = current["gateways"][name]
         gateway.submit(GenerationRequest(f"{name}-{next(ids)}", tuple(prompt), SamplingParams(), stop), sink)
         gateway.run_until_idle()
@@ -231,7 +231,7 @@ def main(argv=None) -> None:
             print(f"warm-up {args.warmup} (pass {n + 1}): {time.perf_counter() - start:.1f} s", flush=True)
     rounds("fresh", warm=True)
     if args.burst:
-        sinks, busy = [_Stamps() for _ in range(args.burst)], first["gateways"]["continuous"]
+        sinks, busy = [Stamps() for _ in range(args.burst)], first["gateways"]["continuous"]
         for i, sink in enumerate(sinks):
             rotated = tuple(prompt[i:] + prompt[:i])  # no request reuses another's prefix
             busy.submit(GenerationRequest(f"burst-{i}", rotated, SamplingParams(), stop), sink)
