@@ -300,8 +300,8 @@ def _add_serve(sub) -> None:
         help="prefill pacing: while rows decode, a prompt prefills in pieces small enough that the gap "
         "between two of a decoding row's tokens stays within R decode steps, measured as the server runs "
         "(looser in proportion where more prompts wait for their first token than rows decode) "
-        "(auto, the default: 3 on the fast tier without --kv-bits; off on the exact tier: a whole --prefill-budget share "
-        "a step, as mlx-lm)",
+        "(auto, the default: 3 on the fast tier without --kv-bits; off on the exact tier: a whole "
+        "--prefill-budget share a step, as mlx-lm)",
     )
     p.add_argument(
         "--warmup",

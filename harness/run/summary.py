@@ -422,7 +422,8 @@ def load_lines(run: dict) -> list[str]:
                         f"{m['completed']}), TTFT p50 {fmt(m.get('median_ttft_ms'), '.0f')} ms p99 "
                         f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms"
                         + (  # rows decoding beside a prefill: how far the prefill stretched their token gaps
-                            f", ITL p50 {fmt(m.get('median_itl_ms'), '.1f')} ms p99 {fmt(m.get('p99_itl_ms'), '.1f')} ms"
+                            f", ITL p50 {fmt(m.get('median_itl_ms'), '.1f')} ms "
+                            f"p99 {fmt(m.get('p99_itl_ms'), '.1f')} ms"
                             if c["phase"] == "staggered"
                             else ""
                         )
