@@ -540,7 +540,7 @@ def cmd_spec(args) -> int:
     )
     enable_kernel_cache(args)
     with status("loading") as progress:
-        if cfg.concurrency:  # each row count's results written as it finishes
+        if cfg.concurrency:  # written after each block, so a cut-off run keeps what it finished
             result = run_concurrent_bench(
                 args.model, arms, cfg, progress.update, lambda so_far: write(so_far, args.json, args.md)
             )

@@ -311,7 +311,7 @@ def run_concurrent_bench(
     on_results: Callable[[list[SpecBenchResult]], None] = lambda _results: None,
 ) -> list[SpecBenchResult]:
     """One result per row count in `cfg.concurrency`: every arm with that many requests at once in the batcher.
-    `on_results` gets the results so far after each row count (a long run's finished counts kept if it stops)."""
+    `on_results` gets the results so far after each block (a long run's finished blocks kept if it stops)."""
     target = Engine.load(model, kernels=cfg.kernels)
     encode, _ = tokenizer_for(target.path)
     setups = {a.name: load_arm(a, cfg, target) for a in arms if a.kind is not None}
@@ -374,11 +374,13 @@ def run_concurrent_bench(
             for r in out:
                 r.same_tokens.append(tokens[r.arm] == tokens[PLAIN])
                 r.first_difference.append(first_difference(tokens[r.arm], tokens[PLAIN]))
-        for r in out:
-            if r.arm in pooled:
-                r.spec = pooled[r.arm].as_dict()
-        results.append(SpecBenchResult(model, str(mx.default_device()), cfg, out, seeds, target.kernels.tier, rows=n))
-        on_results(results)
+                if r.arm in pooled:
+                    r.spec = pooled[r.arm].as_dict()
+            done = SpecBenchResult(
+                model, str(mx.default_device()), cfg, out, seeds[: b + 1], target.kernels.tier, rows=n
+            )
+            on_results([*results, done])
+        results.append(done)
     return results
 
 

@@ -147,7 +147,13 @@ def test_a_tiny_concurrent_run_at_1_and_4_rows_pairs_spec_rows_with_plain_rows(t
     from harness.bench.spec import record, run_concurrent_bench
 
     cfg = SpecBenchConfig(prompt_tokens=24, decode_tokens=10, blocks=2, warmup=0, num_draft=2, concurrency=(1, 4))
-    results = run_concurrent_bench("tiny-qwen3-f32", parse_arms("ngram", "tiny-qwen3-f32"), cfg)
+    seen = []  # after each block: (rows, blocks done) of each result so far, each one recordable then
+
+    def on_results(so_far):
+        seen.append([(c["rows"], len(c["seeds"])) for c in record(so_far)["concurrency"]])
+
+    results = run_concurrent_bench("tiny-qwen3-f32", parse_arms("ngram", "tiny-qwen3-f32"), cfg, on_results=on_results)
+    assert seen == [[(1, 1)], [(1, 2)], [(1, 2), (4, 1)], [(1, 2), (4, 2)]]
     assert [r.rows for r in results] == [1, 4]
     for r in results:
         assert [a.arm for a in r.arms] == [PLAIN, "ngram"]
