@@ -43,6 +43,7 @@ come from a batch are copies that own their bytes (the batch caches'
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -51,18 +52,13 @@ from typing import Any
 import numpy as np
 
 from engine.cache import BatchKVCache, KVCache, QuantizedKVCache, RecurrentCache, cache_nbytes
+from engine.cache.prefix_index import PrefixIndex, common_prefix
 from engine.cache.prompt_disk import DiskTier
 from engine.request import CachedPrefix
 
 
 def _trimmable(cache: list) -> bool:
     return all(c.is_trimmable() for c in cache)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
 
 
 def snapshot(cache: list, copied: bool = False) -> list:
@@ -117,6 +113,7 @@ class _Entry:
     trimmable: bool
     snapshots: dict[int, list]  # tokens: the snapshot holding the first that many (non-trimmable entries)
     draft: Any = None  # a draft source's state after all of `ids` (CachedPrefix.draft)
+    used: int = 0  # when it was stored or last hit: of two entries that save as much, the older one serves
 
     def caches(self, n: int) -> list:
         """Copies of caches holding the first n tokens (n: a start `_start` allows)."""
@@ -159,6 +156,8 @@ class PromptCache:
         self.disk = disk
         self.full_chunk = full_chunk  # quantized KV: the first chunk every entry and start must share
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
+        self._index = PrefixIndex()  # the same keys, walked from the longest common prefix with a prompt
+        self._clock = itertools.count()
         self.bytes = 0
         self.hits = self.misses = self.cached_tokens = self.block_hits = 0
 
@@ -167,6 +166,7 @@ class PromptCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self.bytes = self.hits = self.misses = self.cached_tokens = self.block_hits = 0
 
     def stats(self) -> PromptCacheStats:
@@ -181,15 +181,17 @@ class PromptCache:
         that hold a draft source's state of that kind, handed over (a copy) with the caches."""
         ids = np.asarray(prompt, dtype=np.int64)
         limit = ids.size - 1  # the last prompt token is always computed
-        best, best_n = None, 0
-        for key, entry in self._entries.items():
+        best, best_n, best_used, floor = None, 0, 0, self._min_start
+        for (key, entry), common in self._index.nearest(tuple(ids.tolist()), ids):
+            if common < best_n or common < floor:  # no entry further out can save as much
+                break
             if draft is None:
-                n = _start(entry.ids, entry.trimmable, entry.snapshots, _common_prefix(entry.ids, ids), limit)
+                n = _start(entry.ids, entry.trimmable, entry.snapshots, common, limit)
             else:
-                whole = entry.ids.size <= limit and _common_prefix(entry.ids, ids) == entry.ids.size
+                whole = entry.ids.size <= limit and common == entry.ids.size
                 n = entry.ids.size if whole and getattr(entry.draft, "kind", None) == draft else 0
-            if n > best_n and n >= self._min_start:
-                best, best_n = key, n
+            if n >= floor and (n > best_n or n == best_n and entry.used < best_used):
+                best, best_n, best_used = key, n, entry.used
         loaded = self._from_disk(ids, limit, best_n) if draft is None else None
         if loaded is not None:
             best, best_n = loaded
@@ -198,6 +200,7 @@ class PromptCache:
             return None
         entry = self._entries[best]
         self._entries.move_to_end(best)
+        entry.used = next(self._clock)
         self.hits += 1
         self.block_hits += not entry.trimmable and best_n < entry.ids.size
         self.cached_tokens += best_n
@@ -214,7 +217,7 @@ class PromptCache:
             return None
         ranked = sorted(
             (
-                (_start(e.ids, e.trimmable, e.snapshot_at, _common_prefix(e.ids, ids), limit), e)
+                (_start(e.ids, e.trimmable, e.snapshot_at, common_prefix(e.ids, ids), limit), e)
                 for e in self.disk.entries.values()
             ),
             key=lambda ne: -ne[0],
@@ -264,13 +267,14 @@ class PromptCache:
         if not key or nbytes > self.max_bytes:
             return False
         self._remove(key)
-        entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots, draft)
+        entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots, draft, next(self._clock))
         if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those (but a draft's state)
             for other in [
                 k for k, e in self._entries.items() if len(k) < len(key) and key[: len(k)] == k and e.draft is None
             ]:
                 self._remove(other)
         self._entries[key] = entry
+        self._index.add(key, entry.ids, (key, entry))
         self.bytes += nbytes
         while self.bytes > self.max_bytes:
             oldest = next(iter(self._entries))
@@ -283,4 +287,5 @@ class PromptCache:
     def _remove(self, key: tuple[int, ...]) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            self._index.remove(key)
             self.bytes -= entry.nbytes
