@@ -120,3 +120,12 @@ def test_a_lookup_picks_what_a_scan_over_every_entry_picks(stores, prompts):
         for kind in (None, "mtp"):
             want = scan(pc, prompt, kind)
             assert chosen(pc.lookup(prompt, kind)) == want
+
+
+def test_the_lookup_cost_tool_times_both_kinds_of_prompt(capsys):
+    from tools.prompt_cache_lookup import main
+
+    main(["--entries", "20", "--shared", "300", "--tail", "10", "--lookups", "3"])
+    out = capsys.readouterr().out
+    assert "20 entries of 300 shared + 10 own tokens" in out
+    assert "sharing the system prompt:" in out and "sharing nothing:" in out
