@@ -1,7 +1,10 @@
 """The prompt cache's sorted index: every key once, longest common prefix first, and lookups that pick what a
 scan over every entry picks."""
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
@@ -122,10 +125,9 @@ def test_a_lookup_picks_what_a_scan_over_every_entry_picks(stores, prompts):
             assert chosen(pc.lookup(prompt, kind)) == want
 
 
-def test_the_lookup_cost_tool_times_both_kinds_of_prompt(capsys):
-    from tools.prompt_cache_lookup import main
-
-    main(["--entries", "20", "--shared", "300", "--tail", "10", "--lookups", "3"])
-    out = capsys.readouterr().out
+def test_the_lookup_cost_tool_times_both_kinds_of_prompt():
+    root = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout, as its docstring says
+    cmd = [sys.executable, "-m", "tools.prompt_cache_lookup", "--entries", "20", "--shared", "300", "--tail", "10"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True).stdout
     assert "20 entries of 300 shared + 10 own tokens" in out
     assert "sharing the system prompt:" in out and "sharing nothing:" in out
