@@ -21,12 +21,21 @@ yet, the `d` of the most rows below it stands in (a smaller step: a smaller cap)
 it; with none measured at all, the next iteration prefills nothing, so that its gap measures one. Until `c`
 is measured the cap is one token (the scheduler gives each joiner at least the smallest chunk bucket). With
 nothing decoding there is no cap.
+
+Where even the smallest prefill measured beside decoding rows took longer than the allowance, no piece can
+keep the bound: a forward's fixed cost (on the H200, ~100 ms for a qwen27b prompt chunk of 96 tokens, against
+a 10-33 ms decode step) is paid again by every piece, so small pieces would stall the rows as long each time
+and slow the prompt several-fold. There is no cap then: whole chunks, the fixed cost paid once. That smallest
+prefill's cost follows new measurements of it (at once where lower), a larger prefill that cost less lowers it,
+and after every `PROBE` prefills without one a prefill takes the smallest piece again, measuring it anew.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+PROBE = 16  # prefills beside decoding rows, with no cap, before a capped one measures the smallest again
 
 
 @dataclass(frozen=True)
@@ -48,30 +57,45 @@ class PrefillPacer:
     config: PacingConfig
     step_s: dict[int, float] = field(default_factory=dict)  # d: a decode step alone, by decoding rows
     token_s: float | None = None  # c: prefill seconds a prompt token
+    least: tuple[int, float] | None = None  # the fewest prompt tokens prefilled beside decoding rows, their seconds
+    since_least: int = 0  # prefills beside decoding rows since one of `least`'s tokens or fewer
 
     def observe(self, rows: int, gap_s: float, tokens: int) -> None:
         """The gap between two readbacks of `rows` decoding rows, with `tokens` prompt tokens prefilled in it."""
         d = self._step(rows)
         if tokens == 0:
             self.step_s[rows] = self._blend(self.step_s.get(rows), gap_s)
-        elif d is not None:
-            self.token_s = self._blend(self.token_s, max(gap_s - d, 0.0) / tokens)
+            return
+        if d is None:
+            return
+        extra = max(gap_s - d, 0.0)
+        self.token_s = self._blend(self.token_s, extra / tokens)
+        if self.least is None or tokens < self.least[0]:
+            self.least, self.since_least = (tokens, extra), 0
+        elif tokens == self.least[0]:  # down at once (a kernel compiled in the first one), up as a blend
+            self.least, self.since_least = (tokens, min(extra, self._blend(self.least[1], extra))), 0
+        else:  # a larger prefill costs at least as much as a smaller one
+            self.least, self.since_least = (self.least[0], min(self.least[1], extra)), self.since_least + 1
 
-    def cap(self, rows: int, waiting: int = 1, first_tokens: bool = False) -> int:
+    def cap(self, rows: int, waiting: int = 1, first_tokens: bool = False) -> int | None:
         """Prompt tokens the next prefill may take beside `rows` decoding rows, with `waiting` prompts waiting for
-        their first token (0: none, to measure a step, or where the gap has no room left). `first_tokens`:
-        joiners take token 0 in the same gap, a forward that takes one decode step of the allowance."""
+        their first token (0: none, to measure a step, or where the gap has no room left; None: no cap, no piece
+        can keep the bound). `first_tokens`: joiners take token 0 in the same gap, a forward that takes one
+        decode step of the allowance."""
         d = self._step(rows)
         if d is None:
             return 0
-        allowance = (self.config.ratio - 1) * d * max(1.0, waiting / rows) - (d if first_tokens else 0.0)
-        if allowance <= 0:
+        allowance = (self.config.ratio - 1) * d * max(1.0, waiting / rows)
+        if self.least is not None and self.least[1] > allowance:  # no piece keeps the bound: whole chunks, and
+            return None if self.since_least < PROBE else 1  # now and then the smallest piece, measured anew
+        room = allowance - (d if first_tokens else 0.0)
+        if room <= 0:
             return 0
         if self.token_s is None:
             return 1
         # rounded up: a cost per token measured at T tokens overstates it at T + 1 (fixed costs), so truncating
         # could hold the cap at T below the bound; rounding up passes it by a token's cost at most
-        return max(1, math.ceil(allowance / max(self.token_s, 1e-9) - 1e-6))
+        return max(1, math.ceil(room / max(self.token_s, 1e-9) - 1e-6))
 
     def as_record(self) -> dict:
         """The setting and the running estimates, in milliseconds (for /stats)."""
@@ -79,12 +103,15 @@ class PrefillPacer:
             "ratio": self.config.ratio,
             "decode_step_ms": {rows: round(d * 1e3, 3) for rows, d in sorted(self.step_s.items())},
             "prompt_token_ms": None if self.token_s is None else round(self.token_s * 1e3, 4),
+            "smallest_prefill": None
+            if self.least is None
+            else {"tokens": self.least[0], "ms": round(self.least[1] * 1e3, 3)},
         }
 
     def forget(self) -> None:
         """Drop every estimate (the warm-up's gaps hold kernel compilations, not steps)."""
         self.step_s.clear()
-        self.token_s = None
+        self.token_s, self.least, self.since_least = None, None, 0
 
     def _step(self, rows: int) -> float | None:
         """d for `rows` decoding rows, or for the most rows below it measured, or else the fewest above it (rows

@@ -12,7 +12,12 @@ def test_a_paced_server_measures_its_steps_and_prompt_tokens(tiny_path):
     tiny_path(MODEL)
     srv = LiveServer("--model", MODEL, "--prefill-itl", "3", "--prefill-budget", "2048")
     try:
-        assert srv.stats()["batch"]["prefill_pacing"] == {"ratio": 3.0, "decode_step_ms": {}, "prompt_token_ms": None}
+        assert srv.stats()["batch"]["prefill_pacing"] == {
+            "ratio": 3.0,
+            "decode_step_ms": {},
+            "prompt_token_ms": None,
+            "smallest_prefill": None,
+        }
         decoding, started = {}, threading.Event()
 
         def long_stream():  # a row decoding before the long prompt arrives
@@ -35,5 +40,6 @@ def test_a_paced_server_measures_its_steps_and_prompt_tokens(tiny_path):
         assert r.status_code == decoding["status"] == 200 and decoding["events"] > 300
         pacing = srv.stats()["batch"]["prefill_pacing"]
         assert pacing["ratio"] == 3.0 and pacing["decode_step_ms"] and pacing["prompt_token_ms"] is not None
+        assert pacing["smallest_prefill"]["tokens"] >= 1 and pacing["smallest_prefill"]["ms"] >= 0
     finally:
         assert srv.stop()[0] == 0

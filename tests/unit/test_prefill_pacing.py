@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from test_block_snapshots import assert_cut_states
 
 from engine.batch.batcher import ContinuousBatcher
-from engine.batch.pacing import PacingConfig, PrefillPacer
+from engine.batch.pacing import PROBE, PacingConfig, PrefillPacer
 from engine.batch.scheduler import SchedulerConfig
 from engine.loading import load_model
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
@@ -53,11 +53,37 @@ def test_the_cap_grows_with_waiting_prompts_and_shrinks_for_token_0(observed, ro
     for r, gap, tokens in observed:
         pacer.observe(r, gap, tokens)
     cap = pacer.cap(rows, waiting)
-    assert cap >= 0 and pacer.cap(rows, waiting + rows) >= cap >= pacer.cap(rows, waiting, first_tokens=True)
+    d = pacer._step(rows)
+    allowance = None if d is None else (ratio - 1) * d * max(1.0, waiting / rows)
+    if pacer.least is not None and pacer.least[1] > allowance:  # no piece keeps the bound
+        assert cap == (None if pacer.since_least < PROBE else 1)
+        return
+    more, token_0 = pacer.cap(rows, waiting + rows), pacer.cap(rows, waiting, first_tokens=True)
+    assert cap >= 0 and (more is None or more >= cap) and cap >= token_0
     assert (cap == 0) == (not pacer.step_s)  # none only before any decode step is measured (ratio > 1)
     if pacer.token_s:  # the bound: (ratio - 1) d a row's share, within a token
-        d = pacer._step(rows)
-        assert (cap - 1) * pacer.token_s <= (ratio - 1) * d * max(1.0, waiting / rows) + 1e-9
+        assert (cap - 1) * pacer.token_s <= allowance + 1e-9
+
+
+def test_where_the_smallest_prefill_outlasts_the_allowance_whole_chunks_go_and_a_probe_remeasures():
+    # a decode step of 10 ms, ratio 3: 20 ms of prefill a gap; the smallest piece (16 tokens) took 60 ms
+    pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=0.5))
+    pacer.observe(4, 0.010, 0)
+    pacer.observe(4, 0.070, 16)
+    assert pacer.least == (16, pytest.approx(0.060)) and pacer.cap(4) is None  # no cap: whole chunks
+    assert pacer.cap(4, waiting=28) == 38  # 7 prompts a row: 140 ms of allowance, pieces again (3.75 ms a token)
+    for _ in range(PROBE - 1):  # whole chunks of 2048 tokens, 300 ms each
+        pacer.observe(4, 0.310, 2048)
+        assert pacer.cap(4) is None
+    pacer.observe(4, 0.310, 2048)
+    assert pacer.cap(4) == 1  # the smallest piece again, to measure it anew
+    pacer.observe(4, 0.025, 16)  # now 15 ms (the first had compiled a kernel): down at once
+    assert pacer.least == (16, pytest.approx(0.015)) and pacer.cap(4) not in (None, 1)
+    pacer.observe(4, 0.050, 16)  # up as a blend: (15 + 40) / 2 ms, over the 20 ms allowance again
+    assert pacer.least == (16, pytest.approx(0.0275)) and pacer.cap(4) is None
+    pacer.observe(4, 0.015, 64)  # a larger prefill that cost 5 ms: the smallest costs no more
+    assert pacer.least == (16, pytest.approx(0.005)) and pacer.cap(4) is not None
+    assert pacer.as_record()["smallest_prefill"] == {"tokens": 16, "ms": 5.0}
 
 
 def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
@@ -67,9 +93,14 @@ def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
     assert pacer.step_s[1] == pytest.approx(0.015)
     pacer.observe(1, 0.010, 8)  # faster than a step alone: free
     assert pacer.token_s == 0.0 and pacer.cap(1) > 10**6
-    assert pacer.as_record() == {"ratio": 2.0, "decode_step_ms": {1: 15.0}, "prompt_token_ms": 0.0}
+    assert pacer.as_record() == {
+        "ratio": 2.0,
+        "decode_step_ms": {1: 15.0},
+        "prompt_token_ms": 0.0,
+        "smallest_prefill": {"tokens": 8, "ms": 0.0},
+    }
     pacer.forget()
-    assert (pacer.step_s, pacer.token_s, pacer.cap(1)) == ({}, None, 0)
+    assert (pacer.step_s, pacer.token_s, pacer.least, pacer.cap(1)) == ({}, None, None, 0)
     with pytest.raises(ValueError, match="ratio"):
         PacingConfig(ratio=1.0)
     with pytest.raises(ValueError, match="alpha"):
@@ -81,10 +112,10 @@ def request(rid, prompt_len, max_tokens):
     return GenerationRequest(rid, prompt, SamplingParams(), StopCriteria(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), others=0, **batcher):
+def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), others=0, forward_s=0.0, **batcher):
     """Row `a` decodes (`lead` iterations in; 1: it takes token 0 as `b` is admitted); `b`, a 201-token prompt,
-    joins it. A simulated device: a decode step costs 10 ms and a prompt token 1 ms (the batcher's clock reads
-    it). The tokens of each row, `b`'s chunks beside `a`, the gaps between `a`'s readbacks, and `b`'s result."""
+    joins it. A simulated device: a decode step costs 10 ms and a prompt token 1 ms, a prefill forward
+    `forward_s` more (the batcher's clock reads it). The tokens of each row, `b`'s chunks beside `a`, the gaps between `a`'s readbacks, and `b`'s result."""
     now, buckets = [0.0], (8, 16, 32, 64, 128, 256)
     b = ContinuousBatcher(
         model,
@@ -103,7 +134,7 @@ def run(model, pacing, lead=4, prompt=tuple(range(5, 206)), others=0, **batcher)
         return decode()
 
     def timed_prefill(cs, clear_cache=True):
-        now[0] += 0.001 * sum(len(c) for c in cs)
+        now[0] += forward_s + 0.001 * sum(len(c) for c in cs)
         if b.scheduler.running:
             chunks.append(max(len(c) for c in cs) if not others else sum(len(c) for c in cs))
             assert not clear_cache  # the decoding rows' buffers stay cached
@@ -138,6 +169,17 @@ def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
     assert run(model, None, lead=1)[1] == [200]  # (unpaced: all of it before `a`'s first decode step)
     paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), lead=1)
     assert paced == plain and set(chunks) == {8} and max(gaps) <= 2.5 * 0.010
+
+
+def test_where_a_forward_costs_more_than_the_allowance_the_prompt_goes_whole(tiny_path):
+    # 50 ms a prefill forward before its first token (a GPU's prompt chunk), ratio 2.5 of a 10 ms step: no piece
+    # keeps the bound, and pieces of 8 would take 25 forwards, each stalling the row as long as the first
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    plain = run(model, None, forward_s=0.05)
+    paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.05)
+    assert paced == plain[0] and plain[1] == [200]
+    assert chunks == [8, 192]  # the smallest piece, measured at 58 ms, then the rest in one chunk
+    assert max(gaps) == pytest.approx(0.010 + 0.05 + 0.192)
 
 
 def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
