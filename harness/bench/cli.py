@@ -488,7 +488,7 @@ def add_spec(sub) -> None:
     p.add_argument(
         "--md",
         type=Path,
-        help="write a Markdown table here (with --concurrency, rewritten after each row count, as is --json)",
+        help="write a Markdown table here (with --concurrency, rewritten after each block, as is --json)",
     )
     kernel_cache_option(p)
     p.set_defaults(func=cmd_spec)
