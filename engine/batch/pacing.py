@@ -22,12 +22,16 @@ it; with none measured at all, the next iteration prefills nothing, so that its 
 is measured the cap is one token (the scheduler gives each joiner at least the smallest chunk bucket). With
 nothing decoding there is no cap.
 
-Where even the smallest prefill measured beside decoding rows took longer than the allowance, no piece can
-keep the bound: a forward's fixed cost (on the H200, ~100 ms for a qwen27b prompt chunk of 96 tokens, against
-a 10-33 ms decode step) is paid again by every piece, so small pieces would stall the rows as long each time
-and slow the prompt several-fold. There is no cap then: whole chunks, the fixed cost paid once. That smallest
-prefill's cost follows new measurements of it (at once where lower), a larger prefill that cost less lowers it,
-and after every `PROBE` prefills without one a prefill takes the smallest piece again, measuring it anew.
+Where even the smallest prefill measured beside decoding rows took longer than the allowance, no piece keeps the
+bound, and what to do turns on what a piece costs. Where a piece costs about its tokens (a CPU), pieces still
+bound the stalls, as above. Where a forward's fixed cost dominates it (on the H200 a qwen27b prompt chunk of 96
+tokens takes ~100 ms against a 10-33 ms decode step), every piece pays it again: the rows would stall about as
+long each time as for a whole chunk while the prompt prefilled at a small fraction of its rate. Then there is
+no cap: whole chunks, the fixed cost paid once. Which of the two: the smallest piece costs more than twice its
+tokens at the lowest rate a prefill of at least `SPAN` times its size has shown; until one has, the next
+prefill takes `SPAN` times the smallest piece, to show it. The smallest piece's cost follows new measurements
+of it (at once where lower), a larger prefill that cost less lowers it, and after every `PROBE` prefills
+without one a prefill takes the smallest piece again, measuring it anew.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 PROBE = 16  # prefills beside decoding rows, with no cap, before a capped one measures the smallest again
+SPAN = 4  # a prefill this many times the smallest piece shows what a token costs without its fixed cost
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class PrefillPacer:
     token_s: float | None = None  # c: prefill seconds a prompt token
     least: tuple[int, float] | None = None  # the fewest prompt tokens prefilled beside decoding rows, their seconds
     since_least: int = 0  # prefills beside decoding rows since one of `least`'s tokens or fewer
+    token_low: float | None = None  # the lowest cost a token of a prefill of at least SPAN x least's tokens
 
     def observe(self, rows: int, gap_s: float, tokens: int) -> None:
         """The gap between two readbacks of `rows` decoding rows, with `tokens` prompt tokens prefilled in it."""
@@ -76,6 +82,8 @@ class PrefillPacer:
             self.least, self.since_least = (tokens, min(extra, self._blend(self.least[1], extra))), 0
         else:  # a larger prefill costs at least as much as a smaller one
             self.least, self.since_least = (self.least[0], min(self.least[1], extra)), self.since_least + 1
+        if tokens >= SPAN * self.least[0]:
+            self.token_low = min(extra / tokens, self.token_low if self.token_low is not None else math.inf)
 
     def cap(self, rows: int, waiting: int = 1, first_tokens: bool = False) -> int | None:
         """Prompt tokens the next prefill may take beside `rows` decoding rows, with `waiting` prompts waiting for
@@ -86,8 +94,12 @@ class PrefillPacer:
         if d is None:
             return 0
         allowance = (self.config.ratio - 1) * d * max(1.0, waiting / rows)
-        if self.least is not None and self.least[1] > allowance:  # no piece keeps the bound: whole chunks, and
-            return None if self.since_least < PROBE else 1  # now and then the smallest piece, measured anew
+        if self.least is not None and self.least[1] > allowance:  # no piece keeps the bound
+            tokens, seconds = self.least
+            if self.token_low is None:  # how a piece's cost grows with its tokens: a larger one shows it
+                return SPAN * tokens
+            if seconds > 2 * tokens * self.token_low:  # fixed costs dominate: whole chunks, and now and then
+                return None if self.since_least < PROBE else 1  # the smallest piece, measured anew
         room = allowance - (d if first_tokens else 0.0)
         if room <= 0:
             return 0
@@ -106,12 +118,13 @@ class PrefillPacer:
             "smallest_prefill": None
             if self.least is None
             else {"tokens": self.least[0], "ms": round(self.least[1] * 1e3, 3)},
+            "larger_prefill_token_ms": None if self.token_low is None else round(self.token_low * 1e3, 4),
         }
 
     def forget(self) -> None:
         """Drop every estimate (the warm-up's gaps hold kernel compilations, not steps)."""
         self.step_s.clear()
-        self.token_s, self.least, self.since_least = None, None, 0
+        self.token_s, self.least, self.since_least, self.token_low = None, None, 0, None
 
     def _step(self, rows: int) -> float | None:
         """d for `rows` decoding rows, or for the most rows below it measured, or else the fewest above it (rows

@@ -17,6 +17,7 @@ def test_a_paced_server_measures_its_steps_and_prompt_tokens(tiny_path):
             "decode_step_ms": {},
             "prompt_token_ms": None,
             "smallest_prefill": None,
+            "larger_prefill_token_ms": None,
         }
         decoding, started = {}, threading.Event()
 

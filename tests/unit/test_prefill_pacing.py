@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from test_block_snapshots import assert_cut_states
 
 from engine.batch.batcher import ContinuousBatcher
-from engine.batch.pacing import PROBE, PacingConfig, PrefillPacer
+from engine.batch.pacing import PROBE, SPAN, PacingConfig, PrefillPacer
 from engine.batch.scheduler import SchedulerConfig
 from engine.loading import load_model
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
@@ -56,8 +56,13 @@ def test_the_cap_grows_with_waiting_prompts_and_shrinks_for_token_0(observed, ro
     d = pacer._step(rows)
     allowance = None if d is None else (ratio - 1) * d * max(1.0, waiting / rows)
     if pacer.least is not None and pacer.least[1] > allowance:  # no piece keeps the bound
-        assert cap == (None if pacer.since_least < PROBE else 1)
-        return
+        tokens, seconds = pacer.least
+        if pacer.token_low is None:  # a larger piece first, to see how the cost grows
+            assert cap == SPAN * tokens
+            return
+        if seconds > 2 * tokens * pacer.token_low:  # fixed costs dominate
+            assert cap == (None if pacer.since_least < PROBE else 1)
+            return
     more, token_0 = pacer.cap(rows, waiting + rows), pacer.cap(rows, waiting, first_tokens=True)
     assert cap >= 0 and (more is None or more >= cap) and cap >= token_0
     assert (cap == 0) == (not pacer.step_s)  # none only before any decode step is measured (ratio > 1)
@@ -70,9 +75,11 @@ def test_where_the_smallest_prefill_outlasts_the_allowance_whole_chunks_go_and_a
     pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=0.5))
     pacer.observe(4, 0.010, 0)
     pacer.observe(4, 0.070, 16)
-    assert pacer.least == (16, pytest.approx(0.060)) and pacer.cap(4) is None  # no cap: whole chunks
-    assert pacer.cap(4, waiting=28) == 38  # 7 prompts a row: 140 ms of allowance, pieces again (3.75 ms a token)
-    for _ in range(PROBE - 1):  # whole chunks of 2048 tokens, 300 ms each
+    assert pacer.least == (16, pytest.approx(0.060)) and pacer.cap(4) == 4 * 16  # a larger one, to compare
+    assert pacer.cap(4, waiting=28) == 38  # 7 prompts a row: 140 ms of allowance, pieces (3.75 ms a token)
+    pacer.observe(4, 0.072, 64)  # 62 ms for 4x the tokens: the smallest piece's cost is a forward's fixed cost
+    assert pacer.token_low == pytest.approx(0.062 / 64) and pacer.cap(4) is None  # no cap: whole chunks
+    for _ in range(PROBE - 2):  # whole chunks of 2048 tokens, 300 ms each
         pacer.observe(4, 0.310, 2048)
         assert pacer.cap(4) is None
     pacer.observe(4, 0.310, 2048)
@@ -83,7 +90,18 @@ def test_where_the_smallest_prefill_outlasts_the_allowance_whole_chunks_go_and_a
     assert pacer.least == (16, pytest.approx(0.0275)) and pacer.cap(4) is None
     pacer.observe(4, 0.015, 64)  # a larger prefill that cost 5 ms: the smallest costs no more
     assert pacer.least == (16, pytest.approx(0.005)) and pacer.cap(4) is not None
-    assert pacer.as_record()["smallest_prefill"] == {"tokens": 16, "ms": 5.0}
+    record = pacer.as_record()
+    assert record["smallest_prefill"] == {"tokens": 16, "ms": 5.0} and record["larger_prefill_token_ms"] > 0
+
+
+def test_where_pieces_cost_their_tokens_they_still_bound_the_stalls():
+    # the same 60 ms for the smallest piece, but 4x the tokens cost 4x as much (a CPU): pieces, not whole chunks
+    pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=1.0))
+    pacer.observe(4, 0.010, 0)
+    pacer.observe(4, 0.070, 16)
+    pacer.observe(4, 0.250, 64)
+    assert pacer.token_low == pytest.approx(0.240 / 64)
+    assert pacer.cap(4) == 6  # 20 ms at 3.75 ms a token, rounded up: the scheduler's smallest piece
 
 
 def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
@@ -98,6 +116,7 @@ def test_the_estimates_blend_and_a_free_prefill_does_not_divide_by_zero():
         "decode_step_ms": {1: 15.0},
         "prompt_token_ms": 0.0,
         "smallest_prefill": {"tokens": 8, "ms": 0.0},
+        "larger_prefill_token_ms": None,
     }
     pacer.forget()
     assert (pacer.step_s, pacer.token_s, pacer.least, pacer.cap(1)) == ({}, None, None, 0)
@@ -178,8 +197,9 @@ def test_where_a_forward_costs_more_than_the_allowance_the_prompt_goes_whole(tin
     plain = run(model, None, forward_s=0.05)
     paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.05)
     assert paced == plain[0] and plain[1] == [200]
-    assert chunks == [8, 192]  # the smallest piece, measured at 58 ms, then the rest in one chunk
-    assert max(gaps) == pytest.approx(0.010 + 0.05 + 0.192)
+    # the smallest piece (58 ms), one of 4x its tokens (82 ms: the fixed cost dominates), the rest in one chunk
+    assert chunks == [8, 32, 160]
+    assert max(gaps) == pytest.approx(0.010 + 0.05 + 0.160)
 
 
 def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
