@@ -27,9 +27,10 @@ bound, and what to do turns on what a piece costs. Where a piece costs about its
 bound the stalls, as above. Where a forward's fixed cost dominates it (on the H200 a qwen27b prompt chunk of 96
 tokens takes ~100 ms against a 10-33 ms decode step), every piece pays it again: the rows would stall about as
 long each time as for a whole chunk while the prompt prefilled at a small fraction of its rate. Then there is
-no cap: whole chunks, the fixed cost paid once. Which of the two: the smallest piece costs more than twice its
-tokens at the lowest rate a prefill of at least `SPAN` times its size has shown; until one has, the next
-prefill takes `SPAN` times the smallest piece, to show it. The smallest piece's cost follows new measurements
+no cap: whole chunks, the fixed cost paid once. Which of the two: the smallest piece costs more than `DOMINATED`
+times its tokens at the lowest rate a prefill of at least `SPAN` times its size has shown (a pure fixed cost
+shows as SPAN times; a CPU's pieces, a decode step's fixed cost and their tokens, under 2); until one has, the
+next prefill takes `SPAN` times the smallest piece, to show it. The smallest piece's cost follows new measurements
 of it (at once where lower), a larger prefill that cost less lowers it, and after every `PROBE` prefills
 without one a prefill takes the smallest piece again, measuring it anew.
 """
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 
 PROBE = 16  # prefills beside decoding rows, with no cap, before a capped one measures the smallest again
 SPAN = 4  # a prefill this many times the smallest piece shows what a token costs without its fixed cost
+DOMINATED = 3.0  # the smallest piece's cost over its tokens' at that rate, past which whole chunks go
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class PrefillPacer:
             tokens, seconds = self.least
             if self.token_low is None:  # how a piece's cost grows with its tokens: a larger one shows it
                 return SPAN * tokens
-            if seconds > 2 * tokens * self.token_low:  # fixed costs dominate: whole chunks, and now and then
+            if seconds > DOMINATED * tokens * self.token_low:  # fixed costs dominate: whole chunks, and now and then
                 return None if self.since_least < PROBE else 1  # the smallest piece, measured anew
         room = allowance - (d if first_tokens else 0.0)
         if room <= 0:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from test_block_snapshots import assert_cut_states
 
 from engine.batch.batcher import ContinuousBatcher
-from engine.batch.pacing import PROBE, SPAN, PacingConfig, PrefillPacer
+from engine.batch.pacing import DOMINATED, PROBE, SPAN, PacingConfig, PrefillPacer
 from engine.batch.scheduler import SchedulerConfig
 from engine.loading import load_model
 from engine.request import GenerationRequest, SamplingParams, StopCriteria
@@ -60,7 +60,7 @@ def test_the_cap_grows_with_waiting_prompts_and_shrinks_for_token_0(observed, ro
         if pacer.token_low is None:  # a larger piece first, to see how the cost grows
             assert cap == SPAN * tokens
             return
-        if seconds > 2 * tokens * pacer.token_low:  # fixed costs dominate
+        if seconds > DOMINATED * tokens * pacer.token_low:  # fixed costs dominate
             assert cap == (None if pacer.since_least < PROBE else 1)
             return
     more, token_0 = pacer.cap(rows, waiting + rows), pacer.cap(rows, waiting, first_tokens=True)
@@ -191,15 +191,17 @@ def test_a_paced_prompt_keeps_the_decoding_row_within_the_ratio(tiny_path):
 
 
 def test_where_a_forward_costs_more_than_the_allowance_the_prompt_goes_whole(tiny_path):
-    # 50 ms a prefill forward before its first token (a GPU's prompt chunk), ratio 2.5 of a 10 ms step: no piece
+    # 100 ms a prefill forward before its first token (a GPU's prompt chunk), ratio 2.5 of a 10 ms step: no piece
     # keeps the bound, and pieces of 8 would take 25 forwards, each stalling the row as long as the first
     model = load_model(tiny_path("tiny-qwen35"))[0]
-    plain = run(model, None, forward_s=0.05)
-    paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.05)
+    plain = run(model, None, forward_s=0.1)
+    paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.1)
     assert paced == plain[0] and plain[1] == [200]
-    # the smallest piece (58 ms), one of 4x its tokens (82 ms: the fixed cost dominates), the rest in one chunk
+    # the smallest piece (108 ms), one of 4x its tokens (132 ms: 108 > 3 x 8 x 4.1 ms), the rest in one chunk
     assert chunks == [8, 32, 160]
-    assert max(gaps) == pytest.approx(0.010 + 0.05 + 0.160)
+    assert max(gaps) == pytest.approx(0.010 + 0.1 + 0.160)
+    # 50 ms: the piece of 8 is 2.8x its tokens at the larger one's rate, under 3x: pieces still
+    assert set(run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.05)[1][2:]) == {8}
 
 
 def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
