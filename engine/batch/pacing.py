@@ -29,8 +29,9 @@ tokens takes ~100 ms against a 10-33 ms decode step), every piece pays it again:
 long each time as for a whole chunk while the prompt prefilled at a small fraction of its rate. Then there is
 no cap: whole chunks, the fixed cost paid once. Which of the two: the smallest piece costs more than `DOMINATED`
 times its tokens at the lowest rate a prefill of at least `SPAN` times its size has shown (a pure fixed cost
-shows as SPAN times; a CPU's pieces, a decode step's fixed cost and their tokens, under 2); until one has, the
-next prefill takes `SPAN` times the smallest piece, to show it. The smallest piece's cost follows new measurements
+shows as SPAN times; a CPU's pieces, a decode step's fixed cost and their tokens, about 1-1.3); until one has,
+the next prefill takes `SPAN` times the smallest piece, to show it (on a CPU that one piece stalls the rows
+twice as long; where a fixed cost dominates, about as long). The smallest piece's cost follows new measurements
 of it (at once where lower), a larger prefill that cost less lowers it, and after every `PROBE` prefills
 without one a prefill takes the smallest piece again, measuring it anew.
 """
@@ -41,8 +42,8 @@ import math
 from dataclasses import dataclass, field
 
 PROBE = 16  # prefills beside decoding rows, with no cap, before a capped one measures the smallest again
-SPAN = 4  # a prefill this many times the smallest piece shows what a token costs without its fixed cost
-DOMINATED = 3.0  # the smallest piece's cost over its tokens' at that rate, past which whole chunks go
+SPAN = 2  # a prefill this many times the smallest piece shows what a token costs without its fixed cost
+DOMINATED = 1.5  # the smallest piece's cost over its tokens' at that rate, past which whole chunks go
 
 
 @dataclass(frozen=True)

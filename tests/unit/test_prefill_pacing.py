@@ -75,10 +75,10 @@ def test_where_the_smallest_prefill_outlasts_the_allowance_whole_chunks_go_and_a
     pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=0.5))
     pacer.observe(4, 0.010, 0)
     pacer.observe(4, 0.070, 16)
-    assert pacer.least == (16, pytest.approx(0.060)) and pacer.cap(4) == 4 * 16  # a larger one, to compare
+    assert pacer.least == (16, pytest.approx(0.060)) and pacer.cap(4) == 2 * 16  # a larger one, to compare
     assert pacer.cap(4, waiting=28) == 38  # 7 prompts a row: 140 ms of allowance, pieces (3.75 ms a token)
-    pacer.observe(4, 0.072, 64)  # 62 ms for 4x the tokens: the smallest piece's cost is a forward's fixed cost
-    assert pacer.token_low == pytest.approx(0.062 / 64) and pacer.cap(4) is None  # no cap: whole chunks
+    pacer.observe(4, 0.072, 32)  # 62 ms for 2x the tokens: the smallest piece's cost is a forward's fixed cost
+    assert pacer.token_low == pytest.approx(0.062 / 32) and pacer.cap(4) is None  # no cap: whole chunks
     for _ in range(PROBE - 2):  # whole chunks of 2048 tokens, 300 ms each
         pacer.observe(4, 0.310, 2048)
         assert pacer.cap(4) is None
@@ -95,12 +95,12 @@ def test_where_the_smallest_prefill_outlasts_the_allowance_whole_chunks_go_and_a
 
 
 def test_where_pieces_cost_their_tokens_they_still_bound_the_stalls():
-    # the same 60 ms for the smallest piece, but 4x the tokens cost 4x as much (a CPU): pieces, not whole chunks
+    # the same 60 ms for the smallest piece, but 2x the tokens cost 2x as much (a CPU): pieces, not whole chunks
     pacer = PrefillPacer(PacingConfig(ratio=3.0, alpha=1.0))
     pacer.observe(4, 0.010, 0)
     pacer.observe(4, 0.070, 16)
-    pacer.observe(4, 0.250, 64)
-    assert pacer.token_low == pytest.approx(0.240 / 64)
+    pacer.observe(4, 0.130, 32)
+    assert pacer.token_low == pytest.approx(0.120 / 32)
     assert pacer.cap(4) == 6  # 20 ms at 3.75 ms a token, rounded up: the scheduler's smallest piece
 
 
@@ -197,11 +197,11 @@ def test_where_a_forward_costs_more_than_the_allowance_the_prompt_goes_whole(tin
     plain = run(model, None, forward_s=0.1)
     paced, chunks, gaps, _ = run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.1)
     assert paced == plain[0] and plain[1] == [200]
-    # the smallest piece (108 ms), one of 4x its tokens (132 ms: 108 > 3 x 8 x 4.1 ms), the rest in one chunk
-    assert chunks == [8, 32, 160]
-    assert max(gaps) == pytest.approx(0.010 + 0.1 + 0.160)
-    # 50 ms: the piece of 8 is 2.8x its tokens at the larger one's rate, under 3x: pieces still
-    assert set(run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.05)[1][2:]) == {8}
+    # the smallest piece (108 ms), one of 2x its tokens (116 ms: 108 > 1.5 x 8 x 7.25 ms), the rest in one chunk
+    assert chunks == [8, 16, 176]
+    assert max(gaps) == pytest.approx(0.010 + 0.1 + 0.176)
+    # 10 ms: the piece of 8 (18 ms, over the 15 ms allowance) is 1.4x its tokens at the larger one's rate: pieces
+    assert set(run(model, PacingConfig(ratio=2.5, alpha=1.0), forward_s=0.01)[1][2:]) == {8}
 
 
 def test_paced_pieces_keep_the_block_snapshots_a_cold_prefill_would(tiny_path):
