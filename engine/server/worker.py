@@ -330,6 +330,9 @@ class EngineWorker:
             self.totals.errors += 1
         if self.metrics is not None and stream is not None:
             self.metrics.observe_end(result, stream.times, stream.token_gaps)
+        # published now, before the end reaches the client (the next refresh comes after the step): a client
+        # that reads /metrics or /stats as its response ends finds the request counted
+        self.snapshot = {**self.snapshot, "totals": vars(self.totals).copy()}
         return result
 
     def _refresh(self, gateway: Gateway) -> None:
