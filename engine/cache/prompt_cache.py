@@ -269,9 +269,13 @@ class PromptCache:
         self._remove(key)
         entry = _Entry(np.asarray(key, dtype=np.int64), cache, nbytes, trimmable, snapshots, draft, next(self._clock))
         if entry.trimmable:  # a trimmable entry serves every prefix of itself: drop those (but a draft's state)
-            for other in [
-                k for k, e in self._entries.items() if len(k) < len(key) and key[: len(k)] == k and e.draft is None
-            ]:
+            prefixes = []
+            for (k, e), common in self._index.nearest(key, entry.ids):  # an entry is a prefix: it shares all of it
+                if common == 0:
+                    break
+                if common == len(k) < len(key) and e.draft is None:
+                    prefixes.append(k)
+            for other in prefixes:
                 self._remove(other)
         self._entries[key] = entry
         self._index.add(key, entry.ids, (key, entry))

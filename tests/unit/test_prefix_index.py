@@ -112,10 +112,17 @@ entry = st.tuples(
 def test_a_lookup_picks_what_a_scan_over_every_entry_picks(stores, prompts):
     """Insertions, lookups (which make an entry the newest) and budget evictions in any order; ties go to the
     entry least recently used, as a scan oldest-first picks them."""
-    pc = PromptCache(max_bytes=12)
+    pc, drafts = PromptCache(max_bytes=12), {}  # drafts: whether each key's entry holds a draft's state
     for (key, trimmable, blocks, draft), hit in stores:
         snaps = tuple((n, [Layer(False, key)]) for n in sorted(blocks))
-        pc.insert(CachedPrefix(key, [Layer(trimmable, key)], snaps, Draft(draft) if draft else None))
+        before = [k for k in pc._entries if k != key]  # oldest first
+        if pc.insert(CachedPrefix(key, [Layer(trimmable, key)], snaps, Draft(draft) if draft else None)):
+            # a trimmable entry replaces the entries that are its prefixes (not those with a draft's state); then
+            # the budget evicts the oldest of the rest
+            kept = [k for k in before if not (trimmable and k == key[: len(k)] and not drafts.get(k))]
+            after = [k for k in pc._entries if k != key]
+            assert after == kept[len(kept) - len(after) :]
+            drafts[key] = draft is not None
         if hit:  # a lookup between insertions makes its entry the newest, as a request's would
             want = scan(pc, key + (0,))
             assert chosen(pc.lookup(key + (0,))) == want
