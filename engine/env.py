@@ -17,6 +17,8 @@ _VARS = {
     "ENGINE_API_KEY": "the key `engine serve` requires when --api-key is not given (recorded redacted)",
     "ENGINE_FUSE": "the fast tier's stages inside its GEMV launches, comma-separated (residual, gated, norm_scale, "
     "norm_out; 'none'), in place of the default residual,gated,norm_out (KernelConfig.fusion)",
+    "ENGINE_COMPILED_PREFILL": "'1': the fast tier runs a prompt chunk's layers as compiled calls "
+    "(KernelConfig.compiled_prefill; default '0')",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -35,6 +37,16 @@ def fuse_stages(environ: Mapping[str, str] = os.environ) -> str | None:
 def gemv_launch(environ: Mapping[str, str] = os.environ) -> str | None:
     """ENGINE_GEMV_LAUNCH as given (None when unset); `KernelConfig.from_env` parses and checks it."""
     return environ.get("ENGINE_GEMV_LAUNCH")
+
+
+def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_COMPILED_PREFILL as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    value = environ.get("ENGINE_COMPILED_PREFILL")
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"ENGINE_COMPILED_PREFILL must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def cache_root() -> Path:

@@ -195,11 +195,12 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
         link = links.get(id(module))
         if getattr(module, "is_linear", False):
             kernel = config.delta_step_kernel and on_cuda() and step_kernel_applies(module)
-            module.fused_step = layer_step(module, config.fusion, kernel, link)
+            module.fused_step = layer_step(module, config.fusion, kernel, link, config.compiled_prefill)
             counts["step_kernel_layers"] += kernel
         elif config.attention_step and attention_decode.applies(module):
             kernel = config.attention_kernels and attention_decode.kernel_applies(module)
-            module.fused_step = attention_decode.layer_step(module, config.fusion, kernel, link)
+            prefill = config.compiled_prefill
+            module.fused_step = attention_decode.layer_step(module, config.fusion, kernel, link, prefill)
             counts["attention_step_layers"] += 1
             counts["attention_kernel_layers"] += kernel
     return counts

@@ -53,11 +53,12 @@ def kernel_applies(layer) -> bool:
 
 
 def layer_step(
-    layer, fusion: Fusion, kernels: bool = False, link: LayerLink | None = None
+    layer, fusion: Fusion, kernels: bool = False, link: LayerLink | None = None, prefill: bool = False
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """`step(x, mask, cache)`: the layer's output for one token a row, or a few (a speculative verify window,
     up to CHUNKED_MIN_TOKENS - 1), updating `cache` as the layer does, or None for more tokens a row (the
-    layer's own path runs). With `kernels` (CUDA only), one bf16 token with a plain `KVCache` and no mask,
+    layer's own path runs; with `prefill` a prompt chunk takes the compiled parts around the layer's own
+    attention, one trace per chunk shape). With `kernels` (CUDA only), one bf16 token with a plain `KVCache` and no mask,
     or with a `BatchKVCache` (whose mask only hides each row's left padding, which the kernels skip), takes
     `attention_step`'s kernels between the projections; a few bf16 tokens on either cache take them token
     after token (each token's attention over the columns before it: causal, as the window's mask says);
@@ -142,10 +143,11 @@ def layer_step(
         return tuple(window_after_c(x, mx.concatenate(outs, axis=1)))
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
-        if not x.shape[1] < CHUNKED_MIN_TOKENS:
+        window = x.shape[1] < CHUNKED_MIN_TOKENS
+        if not (window or prefill):
             return None
         prenormed = link.take(x)
-        kernel = kernels and x.dtype == mx.bfloat16
+        kernel = kernels and window and x.dtype == mx.bfloat16
         if kernel and x.shape[1] == 1 and ((mask is None and type(cache) is KVCache) or type(cache) is BatchKVCache):
             return link.pass_on(kernel_step(x, cache, prenormed))
         if kernel and x.shape[1] > 1 and type(cache) in (KVCache, BatchKVCache):  # (each token sees those before)

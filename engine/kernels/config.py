@@ -63,7 +63,9 @@ class KernelConfig:
     matter to the fast tier: the stages inside the GEMV launches, one-row launch shapes by (rows, K) in
     place of the measured table, which decode kernels run, the prompt-chunk rows from which a layer
     dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
-    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32).
+    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
+    a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
+    operation.
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -78,6 +80,7 @@ class KernelConfig:
     dense_min_rows: int | None = DENSE_MIN_ROWS
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
     state_dtype: str = "float32"
+    compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
@@ -88,13 +91,14 @@ class KernelConfig:
 
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
-        """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`) and ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...') where they are set; ValueError for a value they cannot take."""
+        """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
+        ('ROWSxK=W,RT,U[,MINB];...') and ENGINE_COMPILED_PREFILL (0 or 1) where they are set; ValueError for a value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
         return cls(
             tier=tier,
             fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
             launches=parse_launches(launch or ""),
+            compiled_prefill=bool(env.compiled_prefill(environ)),
         )
 
     def settings(self) -> dict:
@@ -108,4 +112,5 @@ class KernelConfig:
             "dense_min_rows": self.dense_min_rows,
             "gemv_min_outputs": self.gemv_min_outputs,
             "state_dtype": self.state_dtype,
+            "compiled_prefill": self.compiled_prefill,
         }

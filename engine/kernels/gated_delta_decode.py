@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import gated_delta_step
+from engine.kernels import gated_delta_prefill, gated_delta_step
 from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
@@ -79,7 +79,7 @@ def step_kernel_applies(layer) -> bool:
 
 
 def layer_step(
-    layer, fusion: Fusion, kernel: bool = False, link: LayerLink | None = None
+    layer, fusion: Fusion, kernel: bool = False, link: LayerLink | None = None, prefill: bool = False
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
@@ -87,7 +87,8 @@ def layer_step(
     layer's output for one token, updating `cache` as the layer does, or None where the step does not
     apply (the layer's own path runs). `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see
     `step_kernel_applies`). `link`: with `fusion.norm_out`, the input norm comes from the layer before and
-    the next layer's from this step's last launch (`norm_handoff`).
+    the next layer's from this step's last launch (`norm_handoff`). `prefill`: a prompt chunk is one compiled
+    call too (`gated_delta_prefill`).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
@@ -135,6 +136,7 @@ def layer_step(
         return conv_input, conv_state, *states, *outputs
 
     compiled, compiled_window = mx.compile(body), mx.compile(window)
+    chunk = gated_delta_prefill.layer_prefill(layer, fusion, link) if prefill else None
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
         n = x.shape[1]
@@ -147,7 +149,7 @@ def layer_step(
             cache.trace.record_conv(conv_input, n)
             cache.trace.states.extend(states)
         else:
-            return None
+            return chunk(x, mask, cache) if chunk is not None else None
         cache.advance(n)
         return link.pass_on(tuple(outputs))
 

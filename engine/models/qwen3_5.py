@@ -186,34 +186,46 @@ class GatedDeltaNet(nn.Module):
         """qkv, z, beta logits and a, in this order (mlx-lm's)."""
         return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def _conv(self, qkv: mx.array, mask, cache) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        b, s, _ = x.shape
+        qkv, z, beta_logits, a = self.input_projections(x)
+        if cache is None:
+            return self.out_proj(self.mix(qkv, z, beta_logits, a, None, None, mask)[0])
+        ends = None if cache.lengths is None else mx.clip(mx.array(cache.lengths), 0, s)
+        trace = cache.trace.states if cache.trace is not None else None
+        marks = cache.marks.states if cache.marks is not None else None
+        out, conv_input, cache[0], cache[1] = self.mix(
+            qkv, z, beta_logits, a, cache[0], cache[1], mask, ends, trace=trace, marks=marks
+        )
+        if cache.trace is not None:
+            cache.trace.record_conv(conv_input, s)
+        if cache.marks is not None:
+            cache.marks.conv_input = conv_input
+        cache.advance(s)
+        return self.out_proj(out)
+
+    # The stage between the projections, for the fast tier's compiled prompt chunk
+    # (engine/kernels/gated_delta_prefill.py), which compiles it with the layer's other parts.
+    def mix(
+        self, qkv, z, beta_logits, a, conv_state, state, mask=None, ends=None, trace=None, marks=None
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The layer from its input projections [B, L, *] to its output projection's input [B, L, value_dim]:
+        the causal conv over [conv_state; qkv], the gated delta rule from `state` and the gated norm; a state
+        given as None starts from zeros. `mask` [B, L] marks each row's real tokens, `ends` [B] (None: L) each
+        row's count of them, after which its next conv state is taken; `trace` and `marks` are the rule's.
+        Returns (output, conv input [conv_state; qkv], next conv state, next state)."""
         b, s, _ = qkv.shape
         keep = self.conv_kernel_size - 1
-        if cache is not None and cache[0] is not None:
-            conv_state = cache[0]
-        else:
+        if conv_state is None:
             conv_state = mx.zeros((b, keep, self.conv_dim), dtype=qkv.dtype)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        if cache is not None:
-            if cache.lengths is not None:
-                ends = mx.clip(mx.array(cache.lengths), 0, s)
-                positions = (ends[:, None] + mx.arange(keep))[..., None]
-                cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
-            else:
-                cache[0] = mx.contiguous(conv_input[:, -keep:, :])
-            if cache.trace is not None:
-                cache.trace.record_conv(conv_input, s)
-            if cache.marks is not None:
-                cache.marks.conv_input = conv_input
-        return nn.silu(self.conv1d(conv_input))
-
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        b, s, _ = x.shape
-        qkv, z, beta_logits, a = self.input_projections(x)
-        z = z.reshape(b, s, self.num_v_heads, self.head_v_dim)
-        conv_out = self._conv(qkv, mask, cache)
+        if ends is not None:
+            next_conv = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(keep))[..., None], axis=1)
+        else:
+            next_conv = mx.contiguous(conv_input[:, -keep:, :])
+        conv_out = nn.silu(self.conv1d(conv_input))
         q, k, v = [
             t.reshape(b, s, heads, dim)
             for t, heads, dim in zip(
@@ -222,17 +234,11 @@ class GatedDeltaNet(nn.Module):
                 [self.head_k_dim, self.head_k_dim, self.head_v_dim],
             )
         ]
-        state = cache[1] if cache is not None else None
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        trace = cache.trace.states if cache is not None and cache.trace is not None else None
-        marks = cache.marks.states if cache is not None and cache.marks is not None else None
         rules = dict(trace=trace, chunked=self.chunked_rule, state_dtype=self.state_dtype, marks=marks)
         out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, **rules)
-        if cache is not None:
-            cache[1] = state
-            cache.advance(s)
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(b, s, -1))
+        out = self.norm(out, z.reshape(b, s, self.num_v_heads, self.head_v_dim))
+        return out.reshape(b, s, -1), conv_input, next_conv, state
 
 
 class DecoderLayer(nn.Module):
