@@ -15,8 +15,11 @@ the lower-triangular system (the WY / UT form of flash-linear-attention's
 
 With T = (I + A)^-1, W = T diag(beta G) K and U~ = T diag(beta) V depend on
 the chunk alone and are computed for all chunks at once; only
-U = U~ - W S0^T, the outputs Y = diag(G) Q S0^T + ((Q K^T) * decay) U and the
-next state G_C S0 + U^T diag(G_C / G) K run chunk after chunk. A is strictly
+U = U~ - W S0^T and the next state G_C S0 + U^T diag(G_C / G) K run chunk
+after chunk (two products a chunk: every operation in that loop is a graph
+node the host submits, ~20 a chunk before), and the outputs
+Y = diag(G) Q S0^T + ((Q K^T) * decay) U of all chunks are two batched
+products after it. A is strictly
 lower triangular, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... ends after
 log2(C) factors: ten matrix products, no per-row substitution.
 
@@ -57,24 +60,6 @@ def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
         inv = inv + inv @ power
         span *= 2
     return inv
-
-
-@mx.compile
-def _chunk_step(state, u_tilde, w, q_decayed, qk, k_decayed, chunk_decay):
-    """One chunk: state [B, H, Dv, Dk]; the rest [B, H, C, .] for this chunk."""
-    st = state.swapaxes(-1, -2)
-    u = u_tilde - w @ st
-    y = q_decayed @ st + qk @ u
-    state = chunk_decay[..., None, None] * state + u.swapaxes(-1, -2) @ k_decayed
-    return y, state
-
-
-@mx.compile
-def _state_within(state, u_tilde, w, k_decayed, gamma):
-    """The state after the first l tokens of a chunk: its u_tilde and w; k_decayed [B, H, C, Dk], each row j < l
-    scaled by G_l / G_j, the others zero; gamma [B, H] = G_l."""
-    u = u_tilde - w @ state.swapaxes(-1, -2)
-    return gamma[..., None, None] * state + u.swapaxes(-1, -2) @ k_decayed
 
 
 def _prepare(q, k, v, log_g, beta, size: int):
@@ -136,21 +121,45 @@ def chunked_gated_delta(
         return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
 
     k = blocks(k)
-    parts, (decay, gamma) = _prepare(blocks(q), k, blocks(v), blocks(log_g), blocks(beta), chunk)
+    (u_tilde, w, q_decayed, qk, k_decayed, chunk_decay), (decay, gamma) = _prepare(
+        blocks(q), k, blocks(v), blocks(log_g), blocks(beta), chunk
+    )
+    # Only the states at the chunks' starts run chunk after chunk (two products a chunk, on views of one split
+    # a part); the outputs of all chunks are then two batched products. The state runs transposed (S^T
+    # [Dk, Dv]), as the products take it.
+    ws, kds, decays = (_chunks(x, n) for x in (w, k_decayed.swapaxes(-1, -2), chunk_decay[..., None, None]))
+    u_tildes = _chunks(u_tilde, n)
     within = {}  # chunk: the counts that end inside it
     for count in marks or ():
         if count % chunk:
             within.setdefault(count // chunk, []).append(count)
-    ys = []
+    st = state.swapaxes(-1, -2)[:, :, None]  # [B, H, 1, Dk, Dv]
+    starts, us = [], []
     for i in range(n):
-        step = [p[:, :, i] for p in parts]
+        u = u_tildes[i] - ws[i] @ st
+        starts.append(st)
+        us.append(u)
         for count in within.get(i, ()):
             last = count % chunk - 1
-            k_decayed = decay[:, :, i, last, :, None] * k[:, :, i]
-            marks[count] = _state_within(state, step[0], step[1], k_decayed, gamma[:, :, i, last])
-        y, state = _chunk_step(state, *step)
-        ys.append(y)
+            rows = (decay[:, :, i, last, :, None] * k[:, :, i]).swapaxes(-1, -2)[:, :, None]
+            marks[count] = _untransposed(gamma[:, :, i, last, None, None, None] * st + rows @ u)
+        st = decays[i] * st + kds[i] @ u
         if marks is not None and (i + 1) * chunk in marks:
-            marks[(i + 1) * chunk] = state
-    y = mx.stack(ys, axis=2).reshape(b, h, n * chunk, dv)[:, :, :t]
-    return y.swapaxes(1, 2).astype(out_dtype), state
+            marks[(i + 1) * chunk] = _untransposed(st)
+    y = q_decayed @ _joined(starts) + qk @ _joined(us)  # [B, H, N, C, Dv]
+    y = y.reshape(b, h, n * chunk, dv)[:, :, :t]
+    return y.swapaxes(1, 2).astype(out_dtype), _untransposed(st)
+
+
+def _chunks(x: mx.array, n: int) -> list[mx.array]:
+    """x [B, H, N, ...] as N views [B, H, 1, ...] (one split)."""
+    return mx.split(x, n, axis=2) if n > 1 else [x]
+
+
+def _joined(xs: list[mx.array]) -> mx.array:
+    return mx.concatenate(xs, axis=2) if len(xs) > 1 else xs[0]
+
+
+def _untransposed(st: mx.array) -> mx.array:
+    """A running state [B, H, 1, Dk, Dv] as the rule's [B, H, Dv, Dk]."""
+    return st[:, :, 0].swapaxes(-1, -2)
