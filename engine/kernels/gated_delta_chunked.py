@@ -40,6 +40,8 @@ about a chunk's state update and no forward is cut.
 
 from __future__ import annotations
 
+from functools import cache
+
 import mlx.core as mx
 
 from engine.models.gated_delta import repeat_heads
@@ -48,10 +50,23 @@ CHUNK = 64
 LOG_FLOOR = -69.0  # the smallest log decay the chunked form takes (g = 1e-30: a state forgotten to rounding)
 
 
+@cache
+def _constants(size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The lower-triangular and strictly lower-triangular masks and the identity [C, C] (float32), made once:
+    evaluated arrays add no graph nodes to a forward."""
+    out = (
+        mx.tril(mx.ones((size, size), dtype=mx.bool_)),
+        mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1),
+        mx.eye(size, dtype=mx.float32),
+    )
+    mx.eval(out)
+    return out
+
+
 def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
     """(I + a)^-1 for strictly lower-triangular a [..., C, C], by doubling."""
     x = -a
-    eye = mx.eye(size, dtype=a.dtype)
+    eye = _constants(size)[2].astype(a.dtype)
     inv = eye + x
     power = x
     span = 2
@@ -66,8 +81,7 @@ def _prepare(q, k, v, log_g, beta, size: int):
     """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]; then, for states
     inside a chunk, the decays G_i / G_j [B, H, N, C, C] (zero for j > i) and G [B, H, N, C]."""
     cum = mx.cumsum(mx.maximum(log_g, LOG_FLOOR), axis=-1)  # the floor keeps the sums' rounding small
-    lower = mx.tril(mx.ones((size, size), dtype=mx.bool_))
-    strict = mx.tril(mx.ones((size, size), dtype=mx.bool_), k=-1)
+    lower, strict, _ = _constants(size)
     diff = cum[..., :, None] - cum[..., None, :]
     decay = mx.exp(mx.where(lower, diff, -mx.inf))
     kk = k @ k.swapaxes(-1, -2)
