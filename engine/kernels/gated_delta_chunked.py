@@ -40,7 +40,7 @@ about a chunk's state update and no forward is cut.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 
 import mlx.core as mx
 
@@ -77,6 +77,7 @@ def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
     return inv
 
 
+@partial(mx.compile, shapeless=False)
 def _prepare(q, k, v, log_g, beta, size: int):
     """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]; then, for states
     inside a chunk, the decays G_i / G_j [B, H, N, C, C] (zero for j > i) and G [B, H, N, C]."""
@@ -157,12 +158,18 @@ def chunked_gated_delta(
             last = count % chunk - 1
             rows = (decay[:, :, i, last, :, None] * k[:, :, i]).swapaxes(-1, -2)[:, :, None]
             marks[count] = _untransposed(gamma[:, :, i, last, None, None, None] * st + rows @ u)
-        st = decays[i] * st + kds[i] @ u
+        st = _advance(decays[i], st, kds[i] @ u)
         if marks is not None and (i + 1) * chunk in marks:
             marks[(i + 1) * chunk] = _untransposed(st)
     y = q_decayed @ _joined(starts) + qk @ _joined(us)  # [B, H, N, C, Dv]
     y = y.reshape(b, h, n * chunk, dv)[:, :, :t]
     return y.swapaxes(1, 2).astype(out_dtype), _untransposed(st)
+
+
+@partial(mx.compile, shapeless=True)
+def _advance(decay: mx.array, st: mx.array, update: mx.array) -> mx.array:
+    """The running state at the next chunk's start (one fused kernel)."""
+    return decay * st + update
 
 
 def _chunks(x: mx.array, n: int) -> list[mx.array]:

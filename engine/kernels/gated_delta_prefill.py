@@ -1,16 +1,20 @@
-"""A Gated DeltaNet decoder layer's prompt chunk as one compiled call.
+"""A Gated DeltaNet decoder layer's prompt chunk as two compiled calls around the delta rule.
 
 A prompt chunk's forward costs the host every graph node it builds and
 submits, whatever the chunk's length: a DeltaNet layer's prompt path is
-~140 operations (the norms, the projections, the conv, the chunked rule's
+~130 operations (the norms, the projections, the conv, the chunked rule's
 products and the gates between them, the gated norm, the MLP), so a
-64-layer hybrid's forward is thousands before its first token. Compiled as
-one call per layer (traced once per chunk shape, batch mask and block
-snapshot counts), the host replays the graph and MLX fuses its elementwise
-chains. The layer's own stages run inside (`GatedDeltaNet.mix`, the GEMV
-launches of `layer_launches` with `fusion`'s stages where a chunk has few
-enough rows), so this is the fast tier: equal to the layer's path to
-rounding.
+64-layer hybrid's forward is thousands before its first token. Here what
+comes before the rule (the input norm and projections, the conv, the q/k
+norms) is one compiled call and what comes after it (the gated norm, the
+output projection, the MLP and the residuals) another, each traced once per
+chunk shape and batch mask, so the host replays their graphs and MLX fuses
+their elementwise chains. The rule runs between them as the layer runs it
+(`GatedDeltaNet.rule`), so the block snapshots it keeps at any token count
+make no new trace. The layer's own stages run inside (`conv_heads`,
+`gated_norm`, the GEMV launches of `layer_launches` with `fusion`'s stages
+where a chunk has few enough rows): the fast tier, equal to the layer's path
+to rounding.
 """
 
 from __future__ import annotations
@@ -43,35 +47,33 @@ def layer_prefill(
     inputs = [lin.in_proj_qkv, lin.in_proj_z, lin.in_proj_b, lin.in_proj_a]  # input_projections' order
 
     @cache
-    def compiled(present: tuple[str, ...], counts: tuple[int, ...]):
-        # present: which of conv, state, mask, ends the call passes; counts: the marks' token counts
-        def body(x, arrays, *prenormed):
+    def before(present: tuple[str, ...]):
+        # present: which of conv, mask, ends the call passes
+        def run(x, arrays, *prenormed):
             qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, fusion, prenormed)
-            marks = dict.fromkeys(counts) if counts else None
             get = arrays.get
-            out, conv_input, conv_state, state = lin.mix(
-                qkv, z, beta_logits, a, get("conv"), get("state"), get("mask"), get("ends"), marks=marks
-            )
-            outputs = residual_mlp(layer, out, lin.out_proj, x, fusion, link.next_norm)
-            kept = (conv_input, *(marks[n] for n in counts)) if counts else ()
-            return conv_state, state, *kept, *outputs
+            return *lin.conv_heads(qkv, get("conv"), get("mask"), get("ends")), z, beta_logits, a
 
-        return mx.compile(body)
+        return mx.compile(run)
+
+    def after_run(x, y, z):
+        return residual_mlp(layer, lin.gated_norm(y, z), lin.out_proj, x, fusion, link.next_norm)
+
+    after = mx.compile(after_run)
 
     def prefill(x: mx.array, mask, cache) -> mx.array | None:
         if not applies(x, cache):
             return None
         s = x.shape[1]
         ends = None if cache.lengths is None else mx.clip(mx.array(cache.lengths), 0, s)
-        named = {"conv": cache[0], "state": cache[1], "mask": mask, "ends": ends}
+        named = {"conv": cache[0], "mask": mask, "ends": ends}
         arrays = {k: v for k, v in named.items() if v is not None}
-        counts = tuple(sorted(cache.marks.states)) if cache.marks is not None else ()
-        cache[0], cache[1], *rest = compiled(tuple(arrays), counts)(x, arrays, *link.take(x))
-        if counts:
-            cache.marks.conv_input, *states = rest[: len(counts) + 1]
-            cache.marks.states.update(zip(counts, states))
-            rest = rest[len(counts) + 1 :]
+        q, k, v, conv_input, cache[0], z, beta_logits, a = before(tuple(arrays))(x, arrays, *link.take(x))
+        marks = cache.marks
+        y, cache[1] = lin.rule(q, k, v, a, beta_logits, cache[1], mask, marks=marks.states if marks else None)
+        if marks is not None:
+            marks.conv_input = conv_input
         cache.advance(s)
-        return link.pass_on(tuple(rest))
+        return link.pass_on(tuple(after(x, y, z)))
 
     return prefill

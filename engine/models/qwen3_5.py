@@ -187,33 +187,32 @@ class GatedDeltaNet(nn.Module):
         return project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        b, s, _ = x.shape
         qkv, z, beta_logits, a = self.input_projections(x)
         if cache is None:
-            return self.out_proj(self.mix(qkv, z, beta_logits, a, None, None, mask)[0])
+            q, k, v, _, _ = self.conv_heads(qkv, None, mask)
+            return self.out_proj(self.gated_norm(self.rule(q, k, v, a, beta_logits, None, mask)[0], z))
+        s = x.shape[1]
         ends = None if cache.lengths is None else mx.clip(mx.array(cache.lengths), 0, s)
+        q, k, v, conv_input, cache[0] = self.conv_heads(qkv, cache[0], mask, ends)
         trace = cache.trace.states if cache.trace is not None else None
         marks = cache.marks.states if cache.marks is not None else None
-        out, conv_input, cache[0], cache[1] = self.mix(
-            qkv, z, beta_logits, a, cache[0], cache[1], mask, ends, trace=trace, marks=marks
-        )
+        out, cache[1] = self.rule(q, k, v, a, beta_logits, cache[1], mask, trace, marks)
         if cache.trace is not None:
             cache.trace.record_conv(conv_input, s)
         if cache.marks is not None:
             cache.marks.conv_input = conv_input
         cache.advance(s)
-        return self.out_proj(out)
+        return self.out_proj(self.gated_norm(out, z))
 
-    # The stage between the projections, for the fast tier's compiled prompt chunk
-    # (engine/kernels/gated_delta_prefill.py), which compiles it with the layer's other parts.
-    def mix(
-        self, qkv, z, beta_logits, a, conv_state, state, mask=None, ends=None, trace=None, marks=None
-    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """The layer from its input projections [B, L, *] to its output projection's input [B, L, value_dim]:
-        the causal conv over [conv_state; qkv], the gated delta rule from `state` and the gated norm; a state
-        given as None starts from zeros. `mask` [B, L] marks each row's real tokens, `ends` [B] (None: L) each
-        row's count of them, after which its next conv state is taken; `trace` and `marks` are the rule's.
-        Returns (output, conv input [conv_state; qkv], next conv state, next state)."""
+    # The stages between the projections, for the fast tier's compiled prompt chunk
+    # (engine/kernels/gated_delta_prefill.py), which compiles those around the rule with the layer's other parts.
+    def conv_heads(
+        self, qkv: mx.array, conv_state: mx.array | None, mask=None, ends=None
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+        """The causal conv over [conv_state; qkv] (None: zeros) and its output as the rule's q, k [B, L, Hk,
+        Dk] (normalized) and v [B, L, Hv, Dv]; `mask` [B, L] marks each row's real tokens, `ends` [B] (None:
+        L) each row's count of them, after which its next conv state is taken. Returns (q, k, v, the conv
+        input, the next conv state)."""
         b, s, _ = qkv.shape
         keep = self.conv_kernel_size - 1
         if conv_state is None:
@@ -235,10 +234,18 @@ class GatedDeltaNet(nn.Module):
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        return q, k, v, conv_input, next_conv
+
+    def rule(self, q, k, v, a, beta_logits, state, mask=None, trace=None, marks=None) -> tuple[mx.array, mx.array]:
+        """The gated delta rule from `state` (None: zeros in `state_dtype`): (y [B, L, Hv, Dv], next state);
+        `trace` and `marks` as `gated_delta_update` takes them."""
         rules = dict(trace=trace, chunked=self.chunked_rule, state_dtype=self.state_dtype, marks=marks)
-        out, state = gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, **rules)
-        out = self.norm(out, z.reshape(b, s, self.num_v_heads, self.head_v_dim))
-        return out.reshape(b, s, -1), conv_input, next_conv, state
+        return gated_delta_update(q, k, v, a, beta_logits, self.A_log, self.dt_bias, state, mask, **rules)
+
+    def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
+        """The rule's output gated by z [B, L, value_dim] and normed: the output projection's input."""
+        b, s = z.shape[:2]
+        return self.norm(y, z.reshape(b, s, self.num_v_heads, self.head_v_dim)).reshape(b, s, -1)
 
 
 class DecoderLayer(nn.Module):
