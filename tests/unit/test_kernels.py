@@ -617,6 +617,10 @@ def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
         KernelConfig.from_env(FAST, {"ENGINE_FUSE": "turbo"})
     with pytest.raises(ValueError, match="ENGINE_GEMV_LAUNCH"):
         KernelConfig.from_env(FAST, {"ENGINE_GEMV_LAUNCH": "5120x17408=8"})
+    assert not KernelConfig.from_env(FAST, {}).compiled_prefill
+    assert KernelConfig.from_env(FAST, {"ENGINE_COMPILED_PREFILL": "1"}).settings()["compiled_prefill"] is True
+    with pytest.raises(ValueError, match="ENGINE_COMPILED_PREFILL must be 0 or 1"):
+        KernelConfig.from_env(FAST, {"ENGINE_COMPILED_PREFILL": "yes"})
 
 
 def test_the_installed_layers_take_the_config():
