@@ -17,6 +17,9 @@ projections and the new k and v, then the attention, the output projection
 and the MLP, with the cache's update between them and each row's positions
 passed in as arrays, so both replay at every position.
 
+With `KernelConfig.compiled_prefill` a prompt chunk runs the same two compiled
+parts around the layer's own attention (one trace per chunk shape).
+
 Fusion keeps float32 intermediates where the layer's graph rounds, so this is
 the fast tier: equal to the layer's step up to rounding.
 """
