@@ -39,8 +39,9 @@ from harness.run import cells, preflight, summary
 from harness.run.anomalies import flagged_lines
 from harness.run.arms import external_arm, parse_arm_options, resolve_arms
 from harness.run.arrivals import SWEEP_START, sweep_rates
+from harness.run.interrupts import Interrupts
 from harness.run.metrics import SLO_METRICS
-from harness.run.runner import Interrupts, Runner, RunSettings, blocks_of, progress_steps
+from harness.run.runner import Runner, RunSettings, blocks_of, progress_steps
 from harness.run.vllm_export import export
 from harness.run.workloads import STANDARD, WorkloadSettings, build, golden_path, load_or_build, save, tokenizer_for
 

@@ -59,15 +59,11 @@ propagates.
 
 from __future__ import annotations
 
-import json
 import secrets
-import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -76,10 +72,11 @@ import httpx
 import numpy as np
 
 from harness.gates.quality import held_out_score
-from harness.run import cells, counters, provenance
+from harness.run import cells, counters, provenance, traffic
 from harness.run.arms import ArmSpec
 from harness.run.arrivals import is_burst, measured, rate_of_phase, saturated
-from harness.run.client import STALLED, RequestRecord, Timeouts, prompt_sha256, stream_completion
+from harness.run.client import STALLED, RequestRecord, Timeouts, stream_completion
+from harness.run.interrupts import Interrupts, signal_name
 from harness.run.metrics import summarize
 from harness.run.records import (
     FAILED,
@@ -136,61 +133,6 @@ SINCE_READY = (
     ("new_shapes", "forward shapes new since ready"),
     ("compiled_modules", "kernel modules compiled during the cell"),
 )
-INTERRUPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """A signal stopped the run. A KeyboardInterrupt, so that nothing catching Exception swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def signal_name(e: BaseException) -> str:
-    return signal.Signals(e.signum).name if isinstance(e, RunInterrupted) else "SIGINT"
-
-
-class Interrupts:
-    """While `installed()`, the first SIGTERM, SIGHUP or SIGINT raises RunInterrupted in the main thread; later
-    ones are ignored, so the cleanup the first one started runs to its end. Inside `deferred()` (stopping a
-    server, writing the records) a signal waits until the block ends. Not installed, both are no-ops."""
-
-    def __init__(self) -> None:
-        self.fired: int | None = None
-        self._pending: int | None = None
-        self._depth = 0
-
-    @contextmanager
-    def installed(self, signums: Sequence[int] = INTERRUPT_SIGNALS) -> Iterator[Interrupts]:
-        previous = {s: signal.signal(s, self._handler) for s in signums}
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0 and self._pending is not None:
-                self._raise(self._pending)
-
-    def _handler(self, signum: int, frame) -> None:
-        if self.fired is not None:
-            return
-        if self._depth:
-            self._pending = signum
-            return
-        self._raise(signum)
-
-    def _raise(self, signum: int) -> None:
-        self.fired, self._pending = signum, None
-        raise RunInterrupted(signum)
 
 
 @dataclass(frozen=True)
@@ -539,7 +481,7 @@ class Runner:
         timeouts = self.settings.timeouts
         for attempt in range(ATTEMPTS):
             prompts = workload.prompts(phase, attempt) * self.settings.repeats(phase)
-            pairs = _requests(phase, attempt, prompts, max_tokens, spec.extra_body)
+            pairs = traffic.request_pairs(phase, attempt, prompts, max_tokens, spec.extra_body)
             start = time.perf_counter()
             self._send(client, phase, pairs, timeouts)
             wall = time.perf_counter() - start
@@ -565,19 +507,19 @@ class Runner:
         send = kind.send if kind else cells.ALONE
         if send == cells.OPEN_LOOP:
             at, max_concurrency = kind.arrivals(phase, len(pairs), self.settings)
-            _open_loop(client, pairs, at, max_concurrency, timeouts)
+            traffic.open_loop(client, pairs, at, max_concurrency, timeouts)
         elif send == cells.PREFIX_GROUPS:  # each group's first request computes its prefix, then the others at once
             for g in range(0, len(pairs), load.prefix_group_size):
                 stream_completion(client, *pairs[g], timeouts)
-                _at_once(client, pairs[g + 1 : g + load.prefix_group_size], timeouts)
+                traffic.at_once(client, pairs[g + 1 : g + load.prefix_group_size], timeouts)
         elif send == cells.CHATS:  # the chats side by side, each one's turns one after another
-            _chats(client, [pairs[c : c + load.turns] for c in range(0, len(pairs), load.turns)], timeouts)
+            traffic.chats(client, [pairs[c : c + load.turns] for c in range(0, len(pairs), load.turns)], timeouts)
         else:
             alone = {cells.FIRST_ALONE: 1, cells.AT_ONCE: 0}.get(send, len(pairs))
             for body, rec in pairs[:alone]:
                 stream_completion(client, body, rec, timeouts)
             if len(pairs) > alone:  # the rest at once
-                _at_once(client, pairs[alone:], timeouts)
+                traffic.at_once(client, pairs[alone:], timeouts)
 
     def _metrics(self, phase: str, records: list[RequestRecord], wall: float, max_tokens: int) -> dict:
         """A measured cell's metrics (`metrics.summarize`), over a rate cell's measured window, with what the
@@ -631,74 +573,6 @@ def prefill_rate(records: Sequence[RequestRecord]) -> float | None:
         if r.ok and r.ttft_ms
     ]
     return round(float(np.median(rates)), 1) if rates else None
-
-
-def _at_once(client: httpx.Client, pairs: list[tuple[dict, RequestRecord]], timeouts: Timeouts) -> None:
-    pool = ThreadPoolExecutor(len(pairs))
-    try:
-        list(pool.map(lambda br: stream_completion(client, *br, timeouts), pairs))
-    finally:
-        # On a signal, do not wait for the streams: stopping the server ends them.
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _requests(
-    phase: str, attempt: int, prompts: list, max_tokens: int, extra_body: dict
-) -> list[tuple[dict, RequestRecord]]:
-    """(body, record) for each prompt: token ids to /v1/completions; a multi-turn chat's messages to the chat
-    endpoint, where the server's template makes the prompt (no thinking block)."""
-    common = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    if (kind := cells.kind_of(phase)) and kind.chat:
-        return [
-            (
-                {**p, **common, "chat_template_kwargs": {"enable_thinking": False}, **extra_body},
-                RequestRecord(phase, attempt, i, 0, prompt_sha256=prompt_sha256(json.dumps(p["messages"]))),
-            )
-            for i, p in enumerate(prompts)
-        ]
-    return [
-        (
-            {"prompt": p, **common, **extra_body},
-            RequestRecord(phase, attempt, i, len(p), prompt_sha256=prompt_sha256(p)),
-        )
-        for i, p in enumerate(prompts)
-    ]
-
-
-def _open_loop(
-    client: httpx.Client,
-    pairs: list[tuple[dict, RequestRecord]],
-    at: Sequence[float],
-    max_concurrency: int | None,
-    timeouts: Timeouts,
-) -> None:
-    """Each request sent at its offset (s) from now, whatever the others are doing, at most `max_concurrency`
-    in flight (a later arrival then waits its turn, and its TTFT counts the wait, as vLLM's does)."""
-    start = time.perf_counter()
-    gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
-
-    def send(i: int) -> None:
-        time.sleep(max(0.0, start + at[i] - time.perf_counter()))
-        if gate is None:
-            stream_completion(client, *pairs[i], timeouts)
-            return
-        with gate:
-            stream_completion(client, *pairs[i], timeouts)
-
-    pool = ThreadPoolExecutor(len(pairs))
-    try:
-        list(pool.map(send, range(len(pairs))))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _chats(client: httpx.Client, chats: list[list[tuple[dict, RequestRecord]]], timeouts: Timeouts) -> None:
-    """Each chat in a thread of its own, its turns one after another."""
-    pool = ThreadPoolExecutor(max(len(chats), 1))
-    try:
-        list(pool.map(lambda turns: [stream_completion(client, *t, timeouts) for t in turns], chats))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _saturated(arm: ArmRun) -> bool:

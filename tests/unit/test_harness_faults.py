@@ -21,6 +21,7 @@ from harness.report import page as report
 from harness.report.db_export import export_run, kept_by_db
 from harness.run import summary
 from harness.run.client import STALLED, TIMED_OUT, RequestRecord, Timeouts, stream_completion
+from harness.run.interrupts import Interrupts, RunInterrupted
 from harness.run.records import (
     FAILED,
     INTERRUPTED,
@@ -36,7 +37,6 @@ from harness.run.records import (
     open_db,
     write_json,
 )
-from harness.run.runner import Interrupts, RunInterrupted
 from harness.run.servers import ServerProcess, start_server
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "run_tiny.json"
