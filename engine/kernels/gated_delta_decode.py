@@ -87,8 +87,8 @@ def layer_step(
     layer's output for one token, updating `cache` as the layer does, or None where the step does not
     apply (the layer's own path runs). `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see
     `step_kernel_applies`). `link`: with `fusion.norm_out`, the input norm comes from the layer before and
-    the next layer's from this step's last launch (`norm_handoff`). `prefill`: a prompt chunk is one compiled
-    call too (`gated_delta_prefill`).
+    the next layer's from this step's last launch (`norm_handoff`). `prefill`: a prompt chunk runs as compiled
+    calls too (`gated_delta_prefill`).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
