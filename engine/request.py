@@ -175,6 +175,12 @@ class SpecStats:
     emitted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose draft position i was accepted
     drafted_at: list[int] = field(default_factory=list)  # rounds that drafted position i
+    # Spec rows in the continuous batch (engine/batch/spec_rows.py), which step together: the verify windows that
+    # fed drafts, the seconds from building each such window's forward to its tokens read and its rollback done,
+    # and the seconds the batched draft took to propose (a draft model or the MTP head), all the row group's.
+    windows: int = 0
+    window_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.num_draft
@@ -194,7 +200,8 @@ class SpecStats:
 
     def add(self, other: SpecStats) -> None:
         """Pool another request's counts into these (same kind and draft count)."""
-        for name in ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted"):
+        names = ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted", "windows")
+        for name in (*names, "window_seconds", "draft_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
         self.drafted_at = [a + b for a, b in zip(self.drafted_at, other.drafted_at)]
@@ -226,6 +233,9 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_at),
             "drafted_per_position": list(self.drafted_at),
             "tokens_per_target_forward": round(self.tokens_per_target_forward, 4),
+            "windows": self.windows,
+            "ms_per_window": round(1e3 * self.window_seconds / self.windows, 3) if self.windows else None,
+            "draft_ms_per_round": round(1e3 * self.draft_seconds / self.rounds, 3) if self.rounds else None,
         }
 
 

@@ -177,6 +177,9 @@ class SpecRows:
         started = time.perf_counter()
         if self.draft is not None:
             proposed = self._drafted()
+            drafting = time.perf_counter() - started
+            for r in self.rows:
+                r.stats.draft_seconds += drafting
             width = 1 + max(len(d) for d in proposed)
             self.idle = self.idle + 1 if width == 1 else 0
         else:
@@ -192,6 +195,7 @@ class SpecRows:
         for c in self.cache:
             if traced and isinstance(c, RecurrentCache):
                 c.start_trace()
+        window_start = time.perf_counter()
         x = mx.array([list(f) + [0] * (width - len(f)) for f in fed])
         sampled, logprobs, hidden = self._forward(x, [len(f) for f in fed])
         launched = not traced and self._launch_ahead(sampled)
@@ -199,14 +203,23 @@ class SpecRows:
         self.read_at = time.perf_counter()
         out, kept = self._emit(self.rows, fed, proposed, tokens, logprobs, hidden, launched)
         if self.draft is not None:
+            committing = time.perf_counter()
             self._commit_draft(self.rows, fed, [k - 1 for k in kept], hidden)
+            committed = time.perf_counter() - committing
+            for r in self.rows:
+                r.stats.draft_seconds += committed
         if traced:
+            rollback = time.perf_counter()
             for c in self.cache:
                 if isinstance(c, RecurrentCache):
                     c.keep_traced_rows(kept)
                 elif isinstance(c, BatchKVCache):
                     c.trim_rows([width - k for k in kept])
             mx.eval(cache_arrays(self.cache))
+            window = self.read_at - window_start + time.perf_counter() - rollback  # forward to tokens, rollback
+            for r in self.rows:
+                r.stats.windows += 1
+                r.stats.window_seconds += window
         if not launched:  # a launching step's time holds part of the launched window's
             ema(self.seconds, len(self.rows) * width, time.perf_counter() - started)
         return out

@@ -405,12 +405,15 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
         f"{c.blocks} blocks, {c.prompt_tokens}-token prompts ({c.text} text), {c.decode_tokens} generated tokens "
         f"(greedy, EOS ignored), up to {c.num_draft} drafts per round ({c.policy} policy), {c.rollback} rollback. "
         f"{how}ms / target forward: {forward} (verify windows plus replays, or plain steps), the median over "
-        "blocks. Ratios: decode rate against plain, "
+        "blocks; ms / verify window: a window that fed drafts, from building its forward to its tokens read and "
+        "its rollback done, and draft ms / round: a batched draft's proposing and catching up, each the mean over "
+        "all blocks (spec rows only). Ratios: decode rate against plain, "
         "geometric mean of per-block ratios with a 95% bootstrap interval.",
         "",
         "| rows " * rows + "| arm | decode tok/s | vs plain | paired verdict | TTFT ms | acceptance "
-        "| tokens / target forward | ms / target forward | replays / round | same tokens as plain |",
-        "|---" * rows + "|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens / target forward | ms / target forward | ms / verify window | draft ms / round | replays / round "
+        "| same tokens as plain |",
+        "|---" * rows + "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for a in r.arms:
@@ -425,6 +428,9 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
             acc = f"{s['accepted']}/{s['drafted']} ({s['acceptance']:.0%})" if s else "-"
             tpf = f"{s['tokens_per_target_forward']:.2f}" if s else "1.00"
             rep = f"{s['replays'] / s['rounds']:.2f}" if s and s["rounds"] else "-"
+            window, draft = (
+                f"{v:.2f}" if v is not None else "-" for v in (s.get("ms_per_window"), s.get("draft_ms_per_round"))
+            )
             same = f"{sum(a.same_tokens)}/{len(a.same_tokens)}"
             firsts = [i for i in a.first_difference if i is not None]
             if firsts:
@@ -433,7 +439,7 @@ def markdown(result: SpecBenchResult | Sequence[SpecBenchResult]) -> str:
                 f"| {r.rows} "
                 * rows
                 + f"| {a.arm} | {a.median_decode_tps:.2f} | {ratio} | {verdict} | {a.median_ttft_ms:.0f} | {acc} "
-                f"| {tpf} | {a.median_forward_ms:.2f} | {rep} | {same} |"
+                f"| {tpf} | {a.median_forward_ms:.2f} | {window} | {draft} | {rep} | {same} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -184,6 +184,8 @@ def test_draft_model_arms_run_as_spec_rows_at_1_and_4_rows():
         assert all(self_draft.same_tokens) and all(draft.same_tokens)
         assert len(draft.row_spec) == 2 * r.rows and draft.spec["kind"] == "draft"
         assert self_draft.spec["acceptance"] == 1.0  # f32: the target agrees with itself in every row
+        for a in (self_draft, draft):  # the group's verify windows and its draft's time, in every row's stats
+            assert a.spec["windows"] > 0 and a.spec["ms_per_window"] > 0 and a.spec["draft_ms_per_round"] > 0
 
 
 @pytest.mark.parametrize("concurrency", [(), (1,)])
@@ -202,6 +204,11 @@ def test_the_miss_arm_drafts_by_prompt_lookup_has_nothing_accepted_and_emits_pla
     assert miss.spec["drafted"] > 0 and miss.spec["accepted"] == 0 and miss.spec["acceptance"] == 0
     assert all(miss.same_tokens) and all(ngram.same_tokens)
     assert "| ngram-miss |" in markdown(result)
+    if concurrency:  # spec rows time their windows (prompt lookup drafts on the host: no draft time)
+        assert miss.spec["windows"] > 0 and miss.spec["ms_per_window"] > 0 and miss.spec["draft_ms_per_round"] == 0
+        assert "| ms / verify window | draft ms / round |" in markdown(result)
+    else:  # the serial lane does not
+        assert miss.spec["windows"] == 0 and miss.spec["ms_per_window"] is None
 
 
 def test_the_cli_runs_concurrency_and_writes_one_record(tmp_path, monkeypatch):
