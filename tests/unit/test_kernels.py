@@ -272,6 +272,25 @@ def test_prompt_chunks_past_the_kernels_rows_take_the_dense_path(monkeypatch):
     assert calls == [chunk.shape, chunk.shape]
 
 
+def test_chunks_below_a_raised_dense_threshold_run_the_kernel_in_pieces():
+    # dense_min_rows above the kernel's rows: a chunk between them goes through the launch in pieces of at most
+    # LAYER_MAX_ROWS rows (here a stand-in launch computing MLX's product), and equals the layer's product
+    q = make_quantized(n=256, k=128)
+    launched = []
+
+    def launch(x, layers, **stages):
+        launched.append(x.shape)
+        return (layers[0].mlx_matmul(x),)
+
+    layer = KernelQuantizedLinear.from_module(q, True, min_outputs=0, dense_min_rows=200, launch=launch)
+    x = mx.random.normal((2, 75, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(layer(x), q(x)).item()
+    assert launched == [(1, 64, 128), (1, 64, 128), (1, 22, 128)]
+    launched.clear()
+    layer(x[:, :30])  # 60 rows: one launch
+    assert launched == [(2, 30, 128)]
+
+
 @cuda_only
 def test_kernel_layer_runs_the_compiled_kernel():
     q = make_quantized(n=2048, k=512)

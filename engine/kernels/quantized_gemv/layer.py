@@ -5,7 +5,8 @@ Where the layer uses which path was measured on an H200 with qwen27b's shapes
 matrices of at least 2048 outputs (MLX's kernel wins below); prompt chunks of
 more rows than the kernel takes (`DENSE_MIN_ROWS`) as a dequantize and one GEMM, so
 that MLX's quantized matmul, whose JIT compilation is the longest of a start, never
-runs in a forward of the model. MLX's operation takes the rows as one matrix:
+runs in a forward of the model (with `dense_min_rows` set higher, the chunks in between run the
+kernel in launches of its most rows: `in_pieces`). MLX's operation takes the rows as one matrix:
 given a batch [B, 1, K], it runs B one-row products, each reading all the
 weights.
 """
@@ -76,9 +77,19 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if self.dense_prefill and x.size >= self.dense_min_rows * x.shape[-1]:
             y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return with_bias(y, self)
-        if not self.use_kernel or not _takes(x, self):
-            return self.mlx_matmul(x)
-        return self.launch(x, [self])[0]
+        if self.use_kernel and _takes(x, self):
+            return self.launch(x, [self])[0]
+        if self.use_kernel and self.dense_prefill and _fits(x, self):  # below dense_min_rows, past a launch's rows
+            return self.in_pieces(x)
+        return self.mlx_matmul(x)
+
+    def in_pieces(self, x: mx.array) -> mx.array:
+        """A chunk of more rows than a launch takes but fewer than `dense_min_rows` (set above the kernel's rows):
+        its rows in launches of LAYER_MAX_ROWS, each row's products as any launch computes them."""
+        flat = x.reshape(1, -1, x.shape[-1])
+        pieces = range(0, flat.shape[1], LAYER_MAX_ROWS)
+        ys = [self.launch(flat[:, i : i + LAYER_MAX_ROWS], [self])[0] for i in pieces]
+        return mx.concatenate(ys, axis=1).reshape(*x.shape[:-1], -1)
 
     def mlx_matmul(self, x: mx.array) -> mx.array:
         """MLX's operation on x's rows as one [rows, K] matrix."""
@@ -114,5 +125,9 @@ def no_bias(layers: Sequence[nn.Module]) -> bool:
 
 def _takes(x: mx.array, q: nn.QuantizedLinear) -> bool:
     """Whether the kernel computes q(x): bf16 activations, at most LAYER_MAX_ROWS rows, q's input size."""
-    k = x.shape[-1]
-    return x.dtype == mx.bfloat16 and x.size <= LAYER_MAX_ROWS * k and q["weight"].shape[1] * 32 // q.bits == k
+    return _fits(x, q) and x.size <= LAYER_MAX_ROWS * x.shape[-1]
+
+
+def _fits(x: mx.array, q: nn.QuantizedLinear) -> bool:
+    """bf16 activations of q's input size (in launches of at most LAYER_MAX_ROWS rows)."""
+    return x.dtype == mx.bfloat16 and q["weight"].shape[1] * 32 // q.bits == x.shape[-1]
