@@ -200,8 +200,8 @@ class SpecStats:
 
     def add(self, other: SpecStats) -> None:
         """Pool another request's counts into these (same kind and draft count)."""
-        names = ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted", "windows")
-        for name in (*names, "window_seconds", "draft_seconds"):
+        counts = ("rounds", "drafted", "accepted", "target_calls", "rewinds", "replays", "emitted", "windows")
+        for name in counts + ("window_seconds", "draft_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
         self.drafted_at = [a + b for a, b in zip(self.drafted_at, other.drafted_at)]

@@ -61,12 +61,12 @@ def layer_step(
     """`step(x, mask, cache)`: the layer's output for one token a row, or a few (a speculative verify window,
     up to CHUNKED_MIN_TOKENS - 1), updating `cache` as the layer does, or None for more tokens a row (the
     layer's own path runs; with `prefill` a prompt chunk takes the compiled parts around the layer's own
-    attention, one trace per chunk shape). With `kernels` (CUDA only), one bf16 token with a plain `KVCache` and no mask,
-    or with a `BatchKVCache` (whose mask only hides each row's left padding, which the kernels skip), takes
-    `attention_step`'s kernels between the projections; a few bf16 tokens on either cache take them token
-    after token (each token's attention over the columns before it: causal, as the window's mask says);
-    anything else the compiled parts around the layer's own attention; `fusion`'s stages ride in the GEMV
-    launches.
+    attention, one trace per chunk shape). With `kernels` (CUDA only), one bf16 token with a plain `KVCache`
+    and no mask, or with a `BatchKVCache` (whose mask only hides each row's left padding, which the kernels
+    skip), takes `attention_step`'s kernels between the projections; a few bf16 tokens on either cache take
+    them token after token (each token's attention over the columns before it: causal, as the window's mask
+    says); anything else the compiled parts around the layer's own attention; `fusion`'s stages ride in the
+    GEMV launches.
     `link`: with `fusion.norm_out`, the input norm
     comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
     weights are held by the compiled graphs from their first trace (no copies), so

@@ -92,7 +92,8 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...') and ENGINE_COMPILED_PREFILL (0 or 1) where they are set; ValueError for a value they cannot take."""
+        ('ROWSxK=W,RT,U[,MINB];...') and ENGINE_COMPILED_PREFILL (0 or 1) where they are set; ValueError for a
+        value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
         return cls(
             tier=tier,

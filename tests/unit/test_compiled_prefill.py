@@ -30,15 +30,10 @@ def installed(model, compiled: bool):
 def test_only_a_prompt_chunk_takes_the_compiled_layer(model):
     for compiled in (False, True):
         installed(model, compiled)
-        for layer in model.layers:
-            cache = model.make_cache()[layer_index(model, layer)]
+        for layer, cache in zip(model.layers, model.make_cache()):
             x = mx.zeros((1, 20, model.text_args.hidden_size), dtype=layer.input_layernorm.weight.dtype)
             ran = layer.fused_step(x, None, cache) is not None
             assert ran == compiled, (compiled, layer.is_linear)
-
-
-def layer_index(model, layer) -> int:
-    return next(i for i, x in enumerate(model.layers) if x is layer)
 
 
 def serial_run(model, compiled: bool):
