@@ -1095,17 +1095,21 @@ def test_the_window_step_matches_the_layer_path(name, monkeypatch):
     # A speculative verify window on the fast tier: the DeltaNet layers' compiled window step (projections
     # over all its tokens, the core token after token) and the attention layers' compiled parts around their
     # own attention, against the layers' own paths (the per-token recurrence): the same output, the same state
-    # after each token and the same conv inputs for the trace. Bits off CUDA (the compiled core); on CUDA the
-    # step kernel's bound against the compiled core.
+    # after each token and the same conv inputs for the trace. Bits off CUDA (the compiled core). On CUDA the
+    # two paths round differently (an H100 measured up to 0.029 of the largest value between them in bfloat16,
+    # each 0.011 and 0.023 from float32), so there each of the window's values is held against a float32
+    # reference of the same weights: within 0.02 of it, or no further than the layer path's.
     import engine.kernels.gated_delta_decode as decode
     from engine.engine import Engine
 
-    model = Engine.load(name, with_tokenizer=False).model
     window_applies = decode.window_applies
-    runs = []
-    for windowed in (True, False):
+
+    def run(windowed: bool, reference: bool = False):
+        model = Engine.load(name, with_tokenizer=False).model
         monkeypatch.setattr(decode, "window_applies", window_applies if windowed else lambda *a: False)
-        install(model, replace(FAST_ANYWHERE, attention_step=windowed), family="qwen3_5")
+        if reference:
+            model.set_dtype(mx.float32)
+        install(model, KernelConfig(EXACT) if reference else replace(FAST_ANYWHERE, attention_step=windowed))
         cache = model.make_cache()
         model(mx.array([list(range(3, 40))]), cache)
         recurrent = [c for c in cache if hasattr(c, "start_trace")]
@@ -1115,16 +1119,17 @@ def test_the_window_step_matches_the_layer_path(name, monkeypatch):
         states = [s for c in recurrent for s in c.trace.states]
         convs = [c.trace.conv_input for c in recurrent]
         mx.eval(out, states, convs)
-        runs.append((out, states, convs))
-    (out, states, convs), (want, want_states, want_convs) = runs
-    assert len(states) == len(want_states) == 4 * len(recurrent)
-    pairs = [(out, want), *zip(states, want_states), *zip(convs, want_convs)]
-    for got, expected in pairs:
-        if on_cuda():
-            got, expected = got.astype(mx.float32), expected.astype(mx.float32)
-            assert mx.abs(got - expected).max().item() <= 0.02 * mx.abs(expected).max().item()
-        else:
-            assert mx.array_equal(got, expected).item()
+        assert len(states) == 4 * len(recurrent)
+        return [out, *states, *convs]
+
+    window, layer = run(True), run(False)
+    if not on_cuda():
+        assert all(mx.array_equal(got, want).item() for got, want in zip(window, layer))
+        return
+    for got, want, ref in zip(window, layer, run(False, reference=True)):
+        got, want, ref = (x.astype(mx.float32) for x in (got, want, ref))
+        off, layer_off = mx.abs(got - ref).max().item(), mx.abs(want - ref).max().item()
+        assert off <= max(0.02 * mx.abs(ref).max().item(), layer_off)
 
 
 def test_the_step_kernel_is_chosen_for_bf16_layers_only():
