@@ -1,4 +1,5 @@
-"""The device's settings `engine serve` makes before loading: how much freed memory MLX keeps for reuse."""
+"""The device: the settings `engine serve` makes before loading (how much freed memory MLX keeps for reuse), and
+the name results record it by."""
 
 from __future__ import annotations
 
@@ -29,3 +30,10 @@ def limit_buffer_cache(limit: int | None) -> None:
         limit = cuda_cache_limit(mx.device_info())
     if limit is not None:
         mx.set_cache_limit(limit)
+
+
+def device_label() -> str:
+    """MLX's default device and the name of the card (or CPU) it runs on, as results record it:
+    `Device(gpu, 0) NVIDIA H100 80GB HBM3`, so figures from two kinds of card are not taken for one."""
+    name = mx.device_info().get("device_name")
+    return f"{mx.default_device()} {name}" if name else str(mx.default_device())

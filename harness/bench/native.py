@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.device import device_label
 from engine.generate import generate
 from engine.kernels import AUTO, EXACT, KernelConfig, KernelSet, install
 from engine.loading import load_model
@@ -205,7 +206,7 @@ def run_native(
     identical = all(s.tokens == samples[ENGINE][0].tokens for s in samples[ENGINE] + samples[MLX_LM])
     return NativeResult(
         model=name,
-        device=str(mx.default_device()),
+        device=device_label(),
         prompt_tokens=cfg.prompt_tokens,
         decode_tokens=n,
         engine=_summarize(ENGINE, samples[ENGINE], cfg.prompt_tokens, n),

@@ -60,6 +60,7 @@ import mlx.core as mx
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
 from engine.batch.spec_rows import SpecRows
+from engine.device import device_label
 from engine.engine import Engine
 from engine.generate import generate
 from engine.request import GenerationRequest, SpecStats, StopCriteria
@@ -289,7 +290,7 @@ def run_spec_bench(
     for r in results:
         if r.arm in pooled:
             r.spec = pooled[r.arm].as_dict()
-    return SpecBenchResult(model, str(mx.default_device()), cfg, results, seeds, target.kernels.tier)
+    return SpecBenchResult(model, device_label(), cfg, results, seeds, target.kernels.tier)
 
 
 @dataclass
@@ -376,9 +377,7 @@ def run_concurrent_bench(
                 r.first_difference.append(first_difference(tokens[r.arm], tokens[PLAIN]))
                 if r.arm in pooled:
                     r.spec = pooled[r.arm].as_dict()
-            done = SpecBenchResult(
-                model, str(mx.default_device()), cfg, out, seeds[: b + 1], target.kernels.tier, rows=n
-            )
+            done = SpecBenchResult(model, device_label(), cfg, out, seeds[: b + 1], target.kernels.tier, rows=n)
             on_results([*results, done])
         results.append(done)
     return results

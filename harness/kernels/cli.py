@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from rich.table import Table
 
+from engine.device import device_label
 from engine.errors import UnknownModelError
 from engine.kernels import FAST, KernelConfig
 from engine.kernels.config import STATE_DTYPES
@@ -134,7 +135,6 @@ def _models_or_none(value: str) -> list[str]:
 
 def cmd_kernels(args) -> int:
     # on use: MLX and the model code load here, not when `harness --help` builds every parser
-    import mlx.core as mx
 
     from harness.kernels.bench import BenchConfig, DeltaResult, GroupResult, PrefillResult, run_kernel_bench, verdicts
 
@@ -168,7 +168,7 @@ def cmd_kernels(args) -> int:
         bench = run_kernel_bench(spec, cfg, on_result=timed)
     gemv, groups, prefill, delta = bench.gemv, bench.groups, bench.prefill, bench.delta
     weights = f"weights rotated over {cfg.cold_bytes >> 20} MB" if cfg.cold_bytes else "one copy of the weights"
-    t = Table(title=f"quantized matmul on {spec.name} shapes ({mx.default_device()}, {weights})")
+    t = Table(title=f"quantized matmul on {spec.name} shapes ({device_label()}, {weights})")
     for col in (
         "N x K",
         "M",
@@ -293,7 +293,7 @@ def cmd_kernels(args) -> int:
     record = {
         "shapes": spec.name,
         "verdicts": [vars(v) for v in checks],
-        "device": str(mx.default_device()),
+        "device": device_label(),
         "peak_gbs": cfg.peak_gbs,
         "cold_bytes": cfg.cold_bytes,
         "gemv": [

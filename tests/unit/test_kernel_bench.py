@@ -4,6 +4,7 @@ import json
 
 import mlx.core as mx
 
+from engine.device import device_label
 from engine.kernels import on_cuda
 from engine.kernels.quantized_gemv import DENSE_MIN_ROWS
 from engine.registry import get_spec
@@ -106,7 +107,7 @@ def test_kernels_command_writes_json_off_cuda(tmp_path, capsys):
     )
     assert code == 0
     record = json.loads(out.read_text())
-    assert record["device"] == str(mx.default_device()) and record["cold_bytes"] == 1 << 20
+    assert record["device"] == device_label() and record["cold_bytes"] == 1 << 20
     assert record["gemv"][0]["kernel_us"] is None and "CUDA" in record["gemv"][0]["note"]
     assert record["gemv"][0]["serial_builtin_us"] > 0 and record["gemv"][0]["serial_kernel_us"] is None
     assert record["delta"][0]["tokens"] == 16
