@@ -19,6 +19,8 @@ _VARS = {
     "norm_out; 'none'), in place of the default residual,gated,norm_out (KernelConfig.fusion)",
     "ENGINE_COMPILED_PREFILL": "'1': the fast tier runs a prompt chunk's layers as compiled calls "
     "(KernelConfig.compiled_prefill; default '0')",
+    "ENGINE_SCAN_TOKENS": "the fast tier runs a DeltaNet layer's core over verify windows and prompt chunks of up "
+    "to this many tokens as one CUDA launch (KernelConfig.scan_tokens; default 0: off)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -47,6 +49,16 @@ def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
     if value not in ("0", "1"):
         raise ValueError(f"ENGINE_COMPILED_PREFILL must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:
+    """ENGINE_SCAN_TOKENS as a count (None when unset); ValueError for anything but a whole number >= 0."""
+    value = environ.get("ENGINE_SCAN_TOKENS")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"ENGINE_SCAN_TOKENS must be a whole number of tokens (0: off), got {value!r}")
+    return int(value)
 
 
 def cache_root() -> Path:

@@ -195,7 +195,9 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
         link = links.get(id(module))
         if getattr(module, "is_linear", False):
             kernel = config.delta_step_kernel and on_cuda() and step_kernel_applies(module)
-            module.fused_step = layer_step(module, config.fusion, kernel, link, config.compiled_prefill)
+            module.fused_step = layer_step(
+                module, config.fusion, kernel, link, config.compiled_prefill, config.scan_tokens
+            )
             counts["step_kernel_layers"] += kernel
         elif config.attention_step and attention_decode.applies(module):
             kernel = config.attention_kernels and attention_decode.kernel_applies(module)

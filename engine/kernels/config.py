@@ -65,7 +65,8 @@ class KernelConfig:
     dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
     dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
     a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
-    operation.
+    operation, and up to how many tokens a verify window or prompt chunk runs each DeltaNet layer's core as
+    one launch of the scan kernel (0: off).
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -81,6 +82,7 @@ class KernelConfig:
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
     state_dtype: str = "float32"
     compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
+    scan_tokens: int = 0  # verify windows and prompt chunks up to this many tokens: one DeltaNet core launch
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
@@ -92,14 +94,15 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...') and ENGINE_COMPILED_PREFILL (0 or 1) where they are set; ValueError for a
-        value they cannot take."""
+        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1) and ENGINE_SCAN_TOKENS (a count) where
+        they are set; ValueError for a value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
         return cls(
             tier=tier,
             fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
             launches=parse_launches(launch or ""),
             compiled_prefill=bool(env.compiled_prefill(environ)),
+            scan_tokens=env.scan_tokens(environ) or 0,
         )
 
     def settings(self) -> dict:
@@ -114,4 +117,5 @@ class KernelConfig:
             "gemv_min_outputs": self.gemv_min_outputs,
             "state_dtype": self.state_dtype,
             "compiled_prefill": self.compiled_prefill,
+            "scan_tokens": self.scan_tokens,
         }

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import gated_delta_prefill, gated_delta_step
+from engine.kernels import gated_delta_prefill, gated_delta_scan, gated_delta_step
 from engine.kernels.layer_launches import normed_projections, residual_mlp
 from engine.kernels.norm_handoff import LayerLink
 from engine.kernels.quantized_gemv import Fusion
@@ -37,6 +37,18 @@ def window_applies(x: mx.array, mask, cache) -> bool:
     """A speculative verify window: 2 tokens up to where the chunked rule takes over, the state after each one
     recorded (`RecurrentCache.start_trace`), on a cache as `applies` asks."""
     return 1 < x.shape[1] < CHUNKED_MIN_TOKENS and cache is not None and cache.trace is not None and _plain(mask, cache)
+
+
+def scan_applies(x: mx.array, cache, most: int) -> bool:
+    """A prompt chunk of 2 to `most` tokens the scan kernel takes: nothing recorded, no block snapshots, no
+    left padding (right-padded batch rows stop at their lengths)."""
+    return (
+        1 < x.shape[1] <= most
+        and cache is not None
+        and cache.trace is None
+        and cache.marks is None
+        and (cache.left_padding is None or max(cache.left_padding) <= 0)
+    )
 
 
 def _plain(mask, cache) -> bool:
@@ -79,7 +91,12 @@ def step_kernel_applies(layer) -> bool:
 
 
 def layer_step(
-    layer, fusion: Fusion, kernel: bool = False, link: LayerLink | None = None, prefill: bool = False
+    layer,
+    fusion: Fusion,
+    kernel: bool = False,
+    link: LayerLink | None = None,
+    prefill: bool = False,
+    scan_tokens: int = 0,
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """A DeltaNet decoder layer's whole decode step as one compiled call: the input norm, the input
     projections (one launch in the fast tier), the core above, the output projection, the residual, the
@@ -88,7 +105,9 @@ def layer_step(
     apply (the layer's own path runs). `kernel`: the core is gated_delta_step's CUDA kernel (CUDA only; see
     `step_kernel_applies`). `link`: with `fusion.norm_out`, the input norm comes from the layer before and
     the next layer's from this step's last launch (`norm_handoff`). `prefill`: a prompt chunk runs as compiled
-    calls too (`gated_delta_prefill`).
+    calls too (`gated_delta_prefill`). `scan_tokens`: with `kernel`, a verify window or a prompt chunk of
+    up to this many tokens runs its core as one launch of gated_delta_scan's kernel (0: off; a chunk then
+    runs the layer's own parts around it, the window its compiled ones).
 
     The layer's weights are read when the step is first traced and held by the compiled graph (no
     copies), so `engine.kernels.install` makes a new step each time it changes the layer."""
@@ -135,7 +154,33 @@ def layer_step(
         outputs = residual_mlp(layer, mx.concatenate(outs, axis=1), lin.out_proj, x, fusion, link.next_norm)
         return conv_input, conv_state, *states, *outputs
 
-    compiled, compiled_window = mx.compile(body), mx.compile(window)
+    scan = kernel and scan_tokens > 1 and gated_delta_scan.refusal(lin.head_k_dim, lin.head_v_dim) is None
+    core_scan = partial(gated_delta_scan.delta_scan, norm_eps=lin.norm.eps, heads_k=lin.num_k_heads, dk=lin.head_k_dim)
+    weights = (lin.conv1d.weight, lin.A_log, lin.dt_bias, lin.norm.weight)
+
+    def scan_window(x, conv_state, state, *prenormed):
+        # `window` with its core as one launch: the same tokens, states and conv input, bit for bit
+        qkv, z, beta_logits, a = normed_projections(x, layer.input_layernorm, inputs, fusion, prenormed)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        out, conv_state, _, states = core_scan(qkv, z, a, beta_logits, conv_state, state, *weights, trace=True)
+        outputs = residual_mlp(layer, out, lin.out_proj, x, fusion, link.next_norm)
+        return conv_input, conv_state, *[states[t] for t in range(x.shape[1])], *outputs
+
+    def scan_chunk(x, cache) -> mx.array:
+        # a prompt chunk: the layer's own parts around one launch of the core; rows stop at their lengths
+        b, n = x.shape[:2]
+        qkv, z, beta_logits, a = lin.input_projections(layer.input_layernorm(x))
+        conv_state, state = cache[0], cache[1]
+        if conv_state is None:
+            conv_state = mx.zeros((b, lin.conv_kernel_size - 1, lin.conv_dim), dtype=qkv.dtype)
+        if state is None:
+            state = mx.zeros((b, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim), dtype=lin.state_dtype)
+        ends = None if cache.lengths is None else mx.clip(mx.array(cache.lengths), 0, n)
+        out, cache[0], cache[1], _ = core_scan(qkv, z, a, beta_logits, conv_state, state, *weights, ends=ends)
+        h = x + lin.out_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    compiled, compiled_window, compiled_scan_window = mx.compile(body), mx.compile(window), mx.compile(scan_window)
     chunk = gated_delta_prefill.layer_prefill(layer, fusion, link) if prefill else None
 
     def step(x: mx.array, mask, cache) -> mx.array | None:
@@ -143,11 +188,16 @@ def layer_step(
         if applies(x, mask, cache):
             cache[0], cache[1], *outputs = compiled(x, cache[0], cache[1], *link.take(x))
         elif window_applies(x, mask, cache):
-            conv_input, cache[0], *rest = compiled_window(x, cache[0], cache[1], *link.take(x))
+            run = compiled_scan_window if scan and n <= scan_tokens else compiled_window
+            conv_input, cache[0], *rest = run(x, cache[0], cache[1], *link.take(x))
             states, outputs = rest[:n], rest[n:]
             cache[1] = states[-1]
             cache.trace.record_conv(conv_input, n)
             cache.trace.states.extend(states)
+        elif scan and scan_applies(x, cache, scan_tokens):
+            h = scan_chunk(x, cache)
+            cache.advance(n)
+            return h
         else:
             return chunk(x, mask, cache) if chunk is not None else None
         cache.advance(n)

@@ -640,6 +640,10 @@ def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
     assert KernelConfig.from_env(FAST, {"ENGINE_COMPILED_PREFILL": "1"}).settings()["compiled_prefill"] is True
     with pytest.raises(ValueError, match="ENGINE_COMPILED_PREFILL must be 0 or 1"):
         KernelConfig.from_env(FAST, {"ENGINE_COMPILED_PREFILL": "yes"})
+    assert KernelConfig.from_env(FAST, {}).scan_tokens == 0
+    assert KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "128"}).settings()["scan_tokens"] == 128
+    with pytest.raises(ValueError, match="ENGINE_SCAN_TOKENS must be a whole number"):
+        KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "-1"})
 
 
 def test_the_installed_layers_take_the_config():
@@ -1057,6 +1061,113 @@ def test_fused_delta_kernel_matches_the_compiled_core(state_dtype, bias_dtype, b
     for g, w in ((got[0], want[0]), (got[2], want[2])):
         g, w = g.astype(mx.float32), w.astype(mx.float32)
         assert mx.abs(g - w).max().item() <= 0.02 * mx.abs(w).max().item()
+
+
+def _scan_inputs(b, t, hk, hv, dk, dv, state_dtype):
+    args = _delta_core_inputs(b, hk, hv, dk, dv, 4, mx.bfloat16)
+    mx.random.seed(1)
+    c, bf = 2 * hk * dk + hv * dv, mx.bfloat16
+    return args | dict(
+        qkv=mx.random.normal((b, t, c)).astype(bf),
+        z=mx.random.normal((b, t, hv * dv)).astype(bf),
+        a=mx.random.normal((b, t, hv)).astype(bf),
+        beta_logits=mx.random.normal((b, t, hv)).astype(bf),
+        state=args["state"].astype(state_dtype),
+    )
+
+
+def test_the_scan_kernel_refuses_heads_whose_state_needs_two_rounds():
+    from engine.kernels.gated_delta_scan import delta_scan, refusal
+
+    assert refusal(128, 128) is None and refusal(64, 128) is None and refusal(32, 32) is None
+    assert "more than one round" in refusal(256, 256) and "key dim 64" in refusal(64, 32)
+    with pytest.raises(ValueError, match="more than one round"):
+        delta_scan(**_scan_inputs(1, 3, 1, 1, 256, 256, mx.float32), norm_eps=1e-6, heads_k=1, dk=256)
+
+
+@cuda_only
+@pytest.mark.parametrize("state_dtype", [mx.float32, mx.bfloat16])
+# qwen27b's heads; batch rows that stop early (one with no token at all); key dim below value dim; small heads
+@pytest.mark.parametrize(
+    "t, ends, hk, hv, dk, dv",
+    [(7, [7], 16, 48, 128, 128), (5, [5, 3, 0], 2, 4, 128, 128), (3, [3, 2], 2, 4, 64, 128), (2, [2], 1, 2, 32, 32)],
+)
+def test_the_scan_kernel_is_the_step_kernel_token_after_token(state_dtype, t, ends, hk, hv, dk, dv):
+    from engine.kernels.gated_delta_scan import delta_scan
+    from engine.kernels.gated_delta_step import delta_step
+
+    b = len(ends)
+    args = _scan_inputs(b, t, hk, hv, dk, dv, state_dtype)
+    kw = dict(norm_eps=1e-6, heads_k=hk, dk=dk)
+    out, conv, state, states = delta_scan(**args, **kw, ends=mx.array(ends), trace=True)
+    assert out.shape == (b, t, hv * dv) and states.shape == (t, b, hv, dv, dk) and state.dtype == state_dtype
+    for r, n in enumerate(ends):
+        row = {
+            k: v[r : r + 1] if k in ("qkv", "z", "a", "beta_logits", "conv_state", "state") else v
+            for k, v in args.items()
+        }
+        step_conv, step_state = row["conv_state"], row["state"]
+        for p in range(n):
+            one = row | dict(
+                qkv=row["qkv"][:, p : p + 1],
+                z=row["z"][:, p : p + 1],
+                a=row["a"][:, p : p + 1],
+                beta_logits=row["beta_logits"][:, p : p + 1],
+                conv_state=step_conv,
+                state=step_state,
+            )
+            step_out, step_conv, step_state = delta_step(**one, **kw)
+            assert mx.array_equal(out[r : r + 1, p : p + 1], step_out).item(), (r, p)
+            assert mx.array_equal(states[p, r : r + 1], step_state).item(), (r, p)
+        assert mx.array_equal(state[r : r + 1], step_state).item() and mx.array_equal(conv[r : r + 1], step_conv).item()
+        assert not mx.any(out[r, n:]).item()  # a row's padded positions: zeros
+
+
+@cuda_only
+def test_a_prompt_chunk_and_a_window_through_the_scan_kernel():
+    # A prompt chunk through the scan (the layer's parts around one core launch) is as close to a float32
+    # reference as the chunked rule's path; a verify window through it is the token-after-token window, bit
+    # for bit.
+    from engine.engine import Engine
+
+    def run(scan_tokens: int, reference: bool = False):
+        model = Engine.load("tiny-qwen35", with_tokenizer=False).model
+        if reference:
+            model.set_dtype(mx.float32)
+        install(model, KernelConfig(EXACT) if reference else replace(FAST_ANYWHERE, scan_tokens=scan_tokens))
+        cache = model.make_cache()
+        prompt = model(mx.array([list(range(3, 40))]), cache)
+        recurrent = [c for c in cache if hasattr(c, "start_trace")]
+        for c in recurrent:
+            c.start_trace()
+        window = model(mx.array([[5, 9, 11, 2]]), cache)
+        states = [s for c in recurrent for s in c.trace.states]
+        mx.eval(prompt, window, states)
+        return prompt.astype(mx.float32), window, states
+
+    (scanned, window, states), (chunked, want_window, want_states), (ref, _, _) = run(64), run(0), run(0, True)
+    assert mx.abs(scanned - ref).max().item() <= max(
+        0.02 * mx.abs(ref).max().item(), mx.abs(chunked - ref).max().item()
+    )
+    assert mx.array_equal(window, want_window).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(states, want_states))
+
+
+def test_the_scan_takes_prompt_chunks_without_a_record_or_left_padding():
+    from engine.cache import RecurrentCache
+    from engine.kernels.gated_delta_decode import scan_applies
+
+    cache = RecurrentCache()  # no states yet: the scan starts from zeros
+    chunk = mx.zeros((1, 24, 8))
+    assert scan_applies(chunk, cache, 64) and not scan_applies(chunk, cache, 16) and not scan_applies(chunk, None, 64)
+    assert not scan_applies(mx.zeros((1, 1, 8)), cache, 64)  # one token: the decode step's
+    cache.lengths = [20]  # right padding: the row stops at its length
+    assert scan_applies(chunk, cache, 64)
+    cache.left_padding = [3]
+    assert not scan_applies(chunk, cache, 64)
+    cache.left_padding = [0]
+    cache.start_trace()
+    assert not scan_applies(chunk, cache, 64)  # a verify window: window_applies' path
 
 
 def test_fused_decode_leaves_batched_and_traced_steps_to_the_layer():
