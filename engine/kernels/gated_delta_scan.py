@@ -49,7 +49,7 @@ SOURCE = r"""
   constexpr int VW = DV / 32;
   static_assert(DV == RB * NW, "the head's whole state in registers: RB rows a warp, one round");
   const int hk = h / GROUP;
-  const int T = length[0];              // the run's tokens; this row's real ones are the first n
+  const int len = length[0];            // the run's tokens; this row's real ones are the first n
   const int n = ends[b];
   __shared__ float qs[DK], ks[DK], vs[DV], red[2][NW];
 
@@ -61,9 +61,9 @@ SOURCE = r"""
     #pragma unroll
     for (int j = 0; j < DK / 32; ++j) s[r][j] = (float)s_in[(size_t)(warp + r * NW) * DK + lane + 32 * j];
 
-  auto at = [&](int pos, int c) -> float {  // position pos of [conv state (K - 1); the run (T)], channel c
+  auto at = [&](int pos, int c) -> float {  // position pos of [conv state (K - 1); the run (len)], channel c
     return pos < KS - 1 ? (float)conv_state[((size_t)b * (KS - 1) + pos) * C + c]
-                        : (float)qkv[((size_t)b * T + pos - (KS - 1)) * C + c];
+                        : (float)qkv[((size_t)b * len + pos - (KS - 1)) * C + c];
   };
   auto conv = [&](int p, int c) -> float {  // token p's depthwise conv over its K positions, SiLU
     float acc = 0.0f;
@@ -104,7 +104,7 @@ SOURCE = r"""
       }
     }
     __syncthreads();
-    const size_t gi = ((size_t)b * T + p) * HV + h;
+    const size_t gi = ((size_t)b * len + p) * HV + h;
     const float av = round_like_bias((float)a[gi] + (float)dt_bias[h]);
     const float sp = round_like_bias(av > 20.0f ? av : log1pf(__expf(av)));
     const float g = __expf(-__expf((float)A_log[h]) * sp);
@@ -152,7 +152,7 @@ SOURCE = r"""
       const float yv = t < DV ? vs[t] : 0.0f;
       const float yss = block_sum(yv * yv, 0);
       if (t < DV) {
-        const size_t oi = ((size_t)b * T + p) * HV * DV + (size_t)h * DV + t;
+        const size_t oi = ((size_t)b * len + p) * HV * DV + (size_t)h * DV + t;
         const float rn = rsqrtf(yss / DV + __int_as_float(NORM_EPS));
         const float normed = __bfloat162float(__float2bfloat16(yv * rn * (float)norm_w[t]));
         const float zv = (float)z[oi];
@@ -163,7 +163,7 @@ SOURCE = r"""
   }
 
   if (t < DV)
-    for (int p = n; p < T; ++p) out[((size_t)b * T + p) * HV * DV + (size_t)h * DV + t] = __float2bfloat16(0.0f);
+    for (int p = n; p < len; ++p) out[((size_t)b * len + p) * HV * DV + (size_t)h * DV + t] = __float2bfloat16(0.0f);
   #pragma unroll
   for (int r = 0; r < RB; ++r)
     #pragma unroll
