@@ -51,3 +51,33 @@ def test_the_instrumented_classes_are_restored():
     undo()
     assert {id(m): type(m) for _, m in model.named_modules()} == before
     assert tally.calls["layer"] == len(model.layers) and tally.seconds["mlp"] > 0
+
+
+def test_ablation_times_the_forward_without_each_part(tiny_path):
+    cmd = [sys.executable, "-m", "tools.gpu.prefill_parts", "--model-path", str(tiny_path("tiny-qwen35"))]
+    cmd += ["--shapes", "1x24", "--reps", "1", "--force", "--ablate", "deltanet.rule,mlp"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^prefill 1x24: whole forward [0-9.]+ ms$", proc.stdout, re.M), proc.stdout
+    for part in ("deltanet.rule", "mlp"):
+        assert re.search(rf"^  {re.escape(part)} +[0-9.]+ +-?[0-9.]+ +-?\d+%$", proc.stdout, re.M), proc.stdout
+    bad = subprocess.run([*cmd[:3], "--ablate", "norm"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ablate takes deltanet" in bad.stderr
+
+
+def test_an_ablated_part_answers_with_zeros_after_its_first_call():
+    import mlx.core as mx
+
+    from engine.engine import Engine
+    from tools.gpu.prefill_parts import ablate
+
+    model = Engine.load("tiny-qwen35", with_tokenizer=False).model
+    mlp = model.layers[0].mlp
+    x = mx.random.normal((1, 3, model.layers[0].input_layernorm.weight.shape[0])).astype(mx.bfloat16)
+    want = mlp(x)
+    undo = ablate(model, "mlp")
+    assert mx.array_equal(mlp(x), want).item()  # the first call at this shape runs the part
+    again = mlp(x)
+    assert again.shape == want.shape and again.dtype == want.dtype and not mx.any(again).item()
+    undo()
+    assert mx.array_equal(mlp(x), want).item()

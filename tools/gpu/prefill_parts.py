@@ -13,6 +13,16 @@ output projection). A last untimed pass counts each part's graph nodes by primit
 few). Nested parts count inside their parent; the synced forward's total against the whole one is what the
 syncs cost. Set against the forward's fixed cost (a 96-token forward against a 1,024-token one), the parts
 whose time does not grow with the chunk are where a short prompt's time goes.
+
+A synced part's time holds a round trip to the device and its kernels' launch latency, which the unsynced
+forward hides behind the host's work, so small parts look larger than they cost. `--ablate PART,...` measures
+what a part costs inside the whole forward instead: the forward timed with that part (a name from the table,
+e.g. deltanet.rule, mlp, attention) answering with zeros of its output's shapes (learned from one real call at
+each input shape), against the whole forward, in turn, with no syncs between parts. The zeros change the
+numbers downstream but not the shapes, so every other kernel still runs; work whose only use was the part
+(a DeltaNet layer's q/k norms for its rule) is left out with it, as MLX evaluates only what is used.
+
+    python3 -m tools.gpu.prefill_parts --model qwen27b --shapes 1x96,1x1024 --ablate deltanet.rule,mlp,attention
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from tools.gpu.prefill_kernels import one_pass, parse_shapes
 
@@ -103,6 +113,73 @@ def _timed(fn, label: str, method: str, tally: Tally, counting: Callable[[], boo
     return run
 
 
+# parts the residual stream goes around, so zeros in their place leave the rest of the forward to run (zeros
+# for a whole layer or every norm would leave the caches depending on nothing before them)
+ABLATABLE = ("deltanet", "attention", "mlp")
+
+
+def part_method(part: str) -> tuple[str, str]:
+    """The class name and method a part's name (as the table prints it) stands for, where `--ablate` takes
+    it; ValueError for another."""
+    label, _, method = part.partition(".")
+    for cls_name, (name, methods) in PARTS.items():
+        if name == label and name in ABLATABLE and (method or "__call__") in methods:
+            return cls_name, method or "__call__"
+    names = [f"{n}.{m}" if m != "__call__" else n for n, ms in PARTS.values() if n in ABLATABLE for m in ms]
+    raise ValueError(f"--ablate takes {', '.join(names)}, not {part!r}")
+
+
+def ablate(model, part: str) -> Callable[[], None]:
+    """Make `part` answer with zeros of its output's shapes and dtypes (its first call at each input shape
+    runs it for real, to learn them; later calls add no graph node). Returns the undo."""
+    cls_name, method = part_method(part)
+    made: dict[type, type] = {}
+    changed = []
+    zeros: dict[tuple, object] = {}
+
+    def stand_in(fn):
+        def run(self, *args, **kwargs):
+            key = tuple((tuple(a.shape), a.dtype) for a in _arrays((args, kwargs)))
+            if key not in zeros:
+                out = fn(self, *args, **kwargs)
+                mx.eval(_arrays(out))
+                zeros[key] = tree_map(lambda a: mx.zeros(a.shape, a.dtype) if isinstance(a, mx.array) else a, out)
+                mx.eval(_arrays(zeros[key]))
+                return out
+            return zeros[key]
+
+        return run
+
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls.__name__ != cls_name:
+            continue
+        if cls not in made:
+            made[cls] = type(f"Ablated{cls.__name__}", (cls,), {method: stand_in(getattr(cls, method))})
+        changed.append((module, cls))
+        module.__class__ = made[cls]
+
+    def undo() -> None:
+        for module, cls in changed:
+            module.__class__ = cls
+
+    return undo
+
+
+def ablations(eng, group: int, length: int, reps: int, parts: list[str], whole: list[float]) -> None:
+    """Each part's cost inside the whole forward: the forward without it (zeros in its place) against with."""
+    full = statistics.median(whole) * 1e3
+    print(f"  {'part answered with zeros':28s} {'forward ms':>10s} {'part costs ms':>14s} {'share':>6s}", flush=True)
+    for part in parts:
+        undo = ablate(eng.model, part)
+        try:
+            one_pass(eng, group, length, 1)  # the part's real first call at this shape, and the new graph's
+            without = statistics.median(one_pass(eng, group, length, 1)[0] for _ in range(reps)) * 1e3
+        finally:
+            undo()
+        print(f"  {part:28s} {without:10.1f} {full - without:14.1f} {(full - without) / full:6.0%}", flush=True)
+
+
 def report(tally: Tally, reps: int, top: int) -> None:
     stages = defaultdict(float)
     for name, s in tally.seconds.items():
@@ -127,7 +204,17 @@ def report(tally: Tally, reps: int, top: int) -> None:
         )
 
 
-def run(model_name, model_path, shapes, reps: int, tier: str, dense_min_rows, top: int, force: bool = False) -> None:
+def run(
+    model_name,
+    model_path,
+    shapes,
+    reps: int,
+    tier: str,
+    dense_min_rows,
+    top: int,
+    force: bool = False,
+    ablate_parts: list[str] | None = None,
+) -> None:
     from engine.engine import Engine
     from engine.kernels import KernelConfig
 
@@ -143,6 +230,11 @@ def run(model_name, model_path, shapes, reps: int, tier: str, dense_min_rows, to
     for group, length in shapes:
         one_pass(eng, group, length, 1)  # compiles this shape
         whole = [one_pass(eng, group, length, 1)[0] for _ in range(reps)]
+        if ablate_parts:
+            print(f"prefill {group}x{length}: whole forward {statistics.median(whole) * 1e3:.1f} ms", flush=True)
+            ablations(eng, group, length, reps, ablate_parts, whole)
+            mx.clear_cache()
+            continue
         tally, count = Tally(), [False]
         undo = instrument(eng.model, tally, lambda: count[0])
         try:
@@ -176,8 +268,19 @@ def main() -> None:
         help="run the fast tier off CUDA too (its chunked delta rule and other paths; quantized layers then run "
         "MLX's op): the parts and their nodes as on CUDA, on a CPU",
     )
+    p.add_argument(
+        "--ablate",
+        help="comma-separated parts (as the table names them: deltanet.rule, mlp, ...): time the forward with each "
+        "answering with zeros instead of the synced parts",
+    )
     p.add_argument("--nodes", type=int, default=4, help="primitives listed a part (the most frequent)")
     args = p.parse_args()
+    parts = [x.strip() for x in args.ablate.split(",") if x.strip()] if args.ablate else None
+    for part in parts or ():
+        try:
+            part_method(part)
+        except ValueError as e:
+            p.error(str(e))
     run(
         args.model,
         args.model_path,
@@ -187,6 +290,7 @@ def main() -> None:
         args.dense_min_rows,
         args.nodes,
         args.force,
+        parts,
     )
 
 
