@@ -21,6 +21,8 @@ _VARS = {
     "(KernelConfig.compiled_prefill; default '0')",
     "ENGINE_SCAN_TOKENS": "the fast tier runs a DeltaNet layer's core over verify windows and prompt chunks of up "
     "to this many tokens as one CUDA launch (KernelConfig.scan_tokens; default 0: off)",
+    "ENGINE_KEEP_DENSE": "'1': the fast tier dequantizes the weights its dense prompt chunks use once and keeps "
+    "them (KernelConfig.keep_dense; memory: 2 bytes a weight more; default '0')",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -41,14 +43,24 @@ def gemv_launch(environ: Mapping[str, str] = os.environ) -> str | None:
     return environ.get("ENGINE_GEMV_LAUNCH")
 
 
-def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
-    """ENGINE_COMPILED_PREFILL as a bool (None when unset); ValueError for a value other than 0 or 1."""
-    value = environ.get("ENGINE_COMPILED_PREFILL")
+def _switch(name: str, environ: Mapping[str, str]) -> bool | None:
+    """A 0/1 variable as a bool (None when unset); ValueError for another value."""
+    value = environ.get(name)
     if value is None:
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"ENGINE_COMPILED_PREFILL must be 0 or 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_COMPILED_PREFILL as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    return _switch("ENGINE_COMPILED_PREFILL", environ)
+
+
+def keep_dense(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_KEEP_DENSE as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    return _switch("ENGINE_KEEP_DENSE", environ)
 
 
 def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:

@@ -162,6 +162,7 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             return None
         if isinstance(child, KernelQuantizedLinear):
             child = retyped(child, nn.QuantizedLinear)
+            child.__dict__.pop("kept", None)  # a kept dense copy goes with the kernel form
         if config is None:
             return child
         return KernelQuantizedLinear.from_module(
@@ -171,9 +172,12 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             dense_min_rows=config.dense_min_rows,
             launches=config.launches,
             launch=launch,
+            keep_dense=config.keep_dense,
         )
 
     replace_modules(module, swap)
+    kept = [m.kept.weight for _, m in module.named_modules() if getattr(m, "kept", None) is not None]
+    mx.eval(kept)  # made now, so that the memory they take is taken before any budget is set from what is free
 
 
 def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:

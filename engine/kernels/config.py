@@ -65,8 +65,9 @@ class KernelConfig:
     dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
     dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
     a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
-    operation, and up to how many tokens a verify window or prompt chunk runs each DeltaNet layer's core as
-    one launch of the scan kernel (0: off).
+    operation, up to how many tokens a verify window or prompt chunk runs each DeltaNet layer's core as
+    one launch of the scan kernel (0: off), and whether the dense prompt chunks' dequantized weights are made
+    once and kept (the memory of every such weight in its scales' dtype) instead of made anew each chunk.
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -83,6 +84,7 @@ class KernelConfig:
     state_dtype: str = "float32"
     compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
     scan_tokens: int = 0  # verify windows and prompt chunks up to this many tokens: one DeltaNet core launch
+    keep_dense: bool = False  # the dense path's dequantized weights made once and kept (2 bytes a weight more)
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
@@ -94,8 +96,8 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1) and ENGINE_SCAN_TOKENS (a count) where
-        they are set; ValueError for a value they cannot take."""
+        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count) and
+        ENGINE_KEEP_DENSE (0 or 1) where they are set; ValueError for a value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
         return cls(
             tier=tier,
@@ -103,6 +105,7 @@ class KernelConfig:
             launches=parse_launches(launch or ""),
             compiled_prefill=bool(env.compiled_prefill(environ)),
             scan_tokens=env.scan_tokens(environ) or 0,
+            keep_dense=bool(env.keep_dense(environ)),
         )
 
     def settings(self) -> dict:
@@ -118,4 +121,5 @@ class KernelConfig:
             "state_dtype": self.state_dtype,
             "compiled_prefill": self.compiled_prefill,
             "scan_tokens": self.scan_tokens,
+            "keep_dense": self.keep_dense,
         }

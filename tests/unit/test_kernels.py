@@ -9,6 +9,7 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from tf32 import rerun_without_tf32
 
 from engine.kernels import EXACT, FAST, KernelConfig, KernelSet, install, on_cuda
@@ -270,6 +271,36 @@ def test_prompt_chunks_past_the_kernels_rows_take_the_dense_path(monkeypatch):
     large(chunk)
     small(chunk)  # a matrix of few outputs too
     assert calls == [chunk.shape, chunk.shape]
+
+
+def test_kept_dense_weights_give_the_dense_path_s_products_bit_for_bit():
+    # keep_dense: the dequantized copy made once gives what dequantizing per chunk gives, and stays out of the
+    # module's parameters; a re-install drops it
+    q = make_quantized(n=256, k=128)
+    per_chunk = KernelQuantizedLinear.from_module(q, True, min_outputs=0)
+    kept = KernelQuantizedLinear.from_module(q, True, min_outputs=0, keep_dense=True)
+    assert per_chunk.kept is None and kept.kept is not None
+    assert "kept" not in kept and set(dict(tree_flatten(kept.parameters()))) == set(dict(tree_flatten(q.parameters())))
+    x = mx.random.normal((2, DENSE_MIN_ROWS, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(kept(x), per_chunk(x)).item()
+    assert KernelQuantizedLinear.from_module(q, False, keep_dense=True).kept is None  # no dense path off the kernel
+
+
+def test_a_model_with_kept_dense_weights_prefills_the_same_logits():
+    from engine.engine import Engine
+
+    model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
+    config = replace(_stand_in(lambda x, layers, **_: tuple(q.mlx_matmul(x) for q in layers)), dense_min_rows=8)
+    prompt = mx.array([list(range(3, 40))])
+    runs = []
+    for keep in (False, True):
+        install(model, replace(config, keep_dense=keep))
+        kept = [m for _, m in model.named_modules() if getattr(m, "kept", None) is not None]
+        assert bool(kept) == keep
+        runs.append(model(prompt, model.make_cache()))
+    assert mx.array_equal(*runs).item()
+    install(model, KernelConfig(EXACT))
+    assert not any(getattr(m, "kept", None) is not None for _, m in model.named_modules())
 
 
 def test_chunks_below_a_raised_dense_threshold_run_the_kernel_in_pieces():
@@ -644,6 +675,9 @@ def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
     assert KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "128"}).settings()["scan_tokens"] == 128
     with pytest.raises(ValueError, match="ENGINE_SCAN_TOKENS must be a whole number"):
         KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "-1"})
+    assert KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "1"}).settings()["keep_dense"] is True
+    with pytest.raises(ValueError, match="ENGINE_KEEP_DENSE must be 0 or 1"):
+        KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "on"})
 
 
 def test_the_installed_layers_take_the_config():

@@ -31,6 +31,14 @@ DENSE_DTYPES = (mx.bfloat16, mx.float16)
 Launch = Callable[..., tuple]
 
 
+class KeptWeight:
+    """A layer's weights dequantized once and kept for its dense prompt chunks (`KernelConfig.keep_dense`): held
+    outside the module's parameters, so saving, counting and re-installing the weights never see the copy."""
+
+    def __init__(self, weight: mx.array):
+        self.weight = weight
+
+
 def retyped(q: nn.QuantizedLinear, cls: type) -> nn.QuantizedLinear:
     """The same layer (same arrays, no copies) as an instance of `cls`, a QuantizedLinear class."""
     new = cls.__new__(cls)
@@ -57,6 +65,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         launches: Launches = {},
         launch: Launch = run_kernel,
+        keep_dense: bool = False,
     ) -> KernelQuantizedLinear:
         new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
@@ -69,12 +78,19 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             use_kernel and dense_min_rows is not None and q.mode == "affine" and q["scales"].dtype in DENSE_DTYPES
         )
         new.dense_min_rows = dense_min_rows
+        new.kept = None
+        if keep_dense and new.dense_prefill:
+            new.kept = KeptWeight(
+                mx.dequantize(q["weight"], q["scales"], q["biases"], group_size=q.group_size, bits=q.bits)
+            )
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
         new.launch = launch
         return new
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.dense_prefill and x.size >= self.dense_min_rows * x.shape[-1]:
+            if self.kept is not None:  # the same product as dense_matmul's, on the copy made once
+                return with_bias(x @ self.kept.weight.T, self)
             y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
             return with_bias(y, self)
         if self.use_kernel and _takes(x, self):
