@@ -177,7 +177,7 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
 
     replace_modules(module, swap)
     kept = [m.kept.weight for _, m in module.named_modules() if getattr(m, "kept", None) is not None]
-    mx.eval(kept)  # made now, so that the memory they take is taken before any budget is set from what is free
+    mx.eval(kept)  # made at load: the memory they take shows before the first request
 
 
 def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:
