@@ -51,6 +51,8 @@ SOURCE = r"""
   const int hk = h / GROUP;
   const int len = length[0];            // the run's tokens; this row's real ones are the first n
   const int n = ends[b];
+  const bool has_qk = t < DK, has_v = t < DV;
+  const int cq = hk * DK + t, ck = KD + hk * DK + t, cv = 2 * KD + h * DV + t;  // this thread's conv channels
   __shared__ float qs[DK], ks[DK], vs[DV], red[2][NW];
 
   const auto* s_in = state + ((size_t)b * HV + h) * DV * DK;
@@ -61,42 +63,84 @@ SOURCE = r"""
     #pragma unroll
     for (int j = 0; j < DK / 32; ++j) s[r][j] = (float)s_in[(size_t)(warp + r * NW) * DK + lane + 32 * j];
 
-  auto at = [&](int pos, int c) -> float {  // position pos of [conv state (K - 1); the run (len)], channel c
-    return pos < KS - 1 ? (float)conv_state[((size_t)b * (KS - 1) + pos) * C + c]
-                        : (float)qkv[((size_t)b * len + pos - (KS - 1)) * C + c];
+  // Each channel's conv weights and its last K - 1 inputs stay in registers (the window slides a token a time);
+  // the next token's inputs are loaded while the current one computes.
+  float wq[KS], wk[KS], wv[KS], xq[KS - 1], xk[KS - 1], xv[KS - 1];
+  #pragma unroll
+  for (int j = 0; j < KS; ++j) {
+    wq[j] = has_qk ? (float)conv_w[(size_t)cq * KS + j] : 0.0f;
+    wk[j] = has_qk ? (float)conv_w[(size_t)ck * KS + j] : 0.0f;
+    wv[j] = has_v ? (float)conv_w[(size_t)cv * KS + j] : 0.0f;
+  }
+  #pragma unroll
+  for (int j = 0; j < KS - 1; ++j) {
+    const size_t row = ((size_t)b * (KS - 1) + j) * C;
+    xq[j] = has_qk ? (float)conv_state[row + cq] : 0.0f;
+    xk[j] = has_qk ? (float)conv_state[row + ck] : 0.0f;
+    xv[j] = has_v ? (float)conv_state[row + cv] : 0.0f;
+  }
+  float nq = 0.0f, nk = 0.0f, nv = 0.0f, nz = 0.0f, na = 0.0f, nbl = 0.0f;
+  auto fetch = [&](const int p) {       // token p's inputs (none past the row's end)
+    if (p >= n) return;
+    const size_t row = ((size_t)b * len + p) * C;
+    if (has_qk) {
+      nq = (float)qkv[row + cq];
+      nk = (float)qkv[row + ck];
+    }
+    if (has_v) {
+      nv = (float)qkv[row + cv];
+      nz = (float)z[((size_t)b * len + p) * HV * DV + (size_t)h * DV + t];
+    }
+    na = (float)a[((size_t)b * len + p) * HV + h];
+    nbl = (float)beta_logits[((size_t)b * len + p) * HV + h];
   };
-  auto conv = [&](int p, int c) -> float {  // token p's depthwise conv over its K positions, SiLU
-    float acc = 0.0f;
+  auto conv = [&](float (&x)[KS - 1], const float (&w)[KS], const float cur) -> float {
+    float acc = 0.0f;                   // over the K positions in order, as the step kernel sums them
     #pragma unroll
-    for (int j = 0; j < KS; ++j) acc += at(p + j, c) * (float)conv_w[(size_t)c * KS + j];
+    for (int j = 0; j < KS - 1; ++j) acc += x[j] * w[j];
+    acc += cur * w[KS - 1];
+    #pragma unroll
+    for (int j = 0; j < KS - 2; ++j) x[j] = x[j + 1];
+    x[KS - 2] = cur;
     return __bfloat162float(__float2bfloat16(acc / (1.0f + __expf(-acc))));
   };
-  auto block_sum = [&](float v, int slot) -> float {  // sum over the first DV threads (the rest pass 0)
+  auto warp_sum = [&](float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) red[slot][warp] = v;
-    __syncthreads();
-    float total = 0.0f;
-    #pragma unroll
-    for (int w = 0; w < VW; ++w) total += red[slot][w];
-    return total;
+    return v;
   };
   const bool bf16_bias = engine_is_bf16(dt_bias);
   auto round_like_bias = [&](float x) { return bf16_bias ? __bfloat162float(__float2bfloat16(x)) : x; };
   const float inv = rsqrtf((float)DK);
   const float eps = __int_as_float(QK_EPS) * inv * inv;
+  const float decay_rate = __expf((float)A_log[h]);
 
+  fetch(0);
   for (int p = 0; p < n; ++p) {
-    if (t < DK) {
-      qs[t] = conv(p, hk * DK + t);
-      ks[t] = conv(p, KD + hk * DK + t);
+    const float q_in = nq, k_in = nk, v_in = nv, zv = nz, a_in = na, b_in = nbl;
+    fetch(p + 1);
+    if (has_qk) {
+      qs[t] = conv(xq, wq, q_in);
+      ks[t] = conv(xk, wk, k_in);
     }
-    if (t < DV) vs[t] = conv(p, 2 * KD + h * DV + t);
+    if (has_v) vs[t] = conv(xv, wv, v_in);
     __syncthreads();
-    {  // q, k: RMS-normalized, times Dk^-1 and Dk^-0.5, rounded to bf16 twice (the step kernel's)
-      const float qv = t < DK ? qs[t] : 0.0f, kv = t < DK ? ks[t] : 0.0f;
-      const float qss = block_sum(qv * qv, 0), kss = block_sum(kv * kv, 1);
-      if (t < DK) {
+    {  // q, k: RMS-normalized, times Dk^-1 and Dk^-0.5, rounded to bf16 twice (the step kernel's); both sums
+       // of squares over the block behind one barrier
+      const float qv = has_qk ? qs[t] : 0.0f, kv = has_qk ? ks[t] : 0.0f;
+      const float qw = warp_sum(qv * qv), kw = warp_sum(kv * kv);
+      if (lane == 0) {
+        red[0][warp] = qw;
+        red[1][warp] = kw;
+      }
+      __syncthreads();
+      float qss = 0.0f, kss = 0.0f;
+      #pragma unroll
+      for (int w = 0; w < VW; ++w) {
+        qss += red[0][w];
+        kss += red[1][w];
+      }
+      if (has_qk) {
         const float qn = __bfloat162float(__float2bfloat16(qv * rsqrtf(qss / DK + eps)));
         const float kn = __bfloat162float(__float2bfloat16(kv * rsqrtf(kss / DK + eps)));
         qs[t] = __bfloat162float(__float2bfloat16(qn * inv * inv));
@@ -104,11 +148,10 @@ SOURCE = r"""
       }
     }
     __syncthreads();
-    const size_t gi = ((size_t)b * len + p) * HV + h;
-    const float av = round_like_bias((float)a[gi] + (float)dt_bias[h]);
+    const float av = round_like_bias(a_in + (float)dt_bias[h]);
     const float sp = round_like_bias(av > 20.0f ? av : log1pf(__expf(av)));
-    const float g = __expf(-__expf((float)A_log[h]) * sp);
-    const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-(float)beta_logits[gi]))));
+    const float g = __expf(-decay_rate * sp);
+    const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-b_in))));
 
     float kv_mem[RB], y[RB];
     #pragma unroll
@@ -149,40 +192,47 @@ SOURCE = r"""
     }
     __syncthreads();
     {  // gated RMS norm: bf16(y * rsqrt(mean(y^2) + eps) * w), then silu(z) times it, in float32
-      const float yv = t < DV ? vs[t] : 0.0f;
-      const float yss = block_sum(yv * yv, 0);
-      if (t < DV) {
-        const size_t oi = ((size_t)b * len + p) * HV * DV + (size_t)h * DV + t;
+      const float yv = has_v ? vs[t] : 0.0f;
+      const float yw = warp_sum(yv * yv);
+      if (lane == 0) red[0][warp] = yw;
+      __syncthreads();
+      float yss = 0.0f;
+      #pragma unroll
+      for (int w = 0; w < VW; ++w) yss += red[0][w];
+      if (has_v) {
         const float rn = rsqrtf(yss / DV + __int_as_float(NORM_EPS));
         const float normed = __bfloat162float(__float2bfloat16(yv * rn * (float)norm_w[t]));
-        const float zv = (float)z[oi];
-        out[oi] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
+        out[((size_t)b * len + p) * HV * DV + (size_t)h * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
       }
     }
-    __syncthreads();  // the next token's q, k, v and sums overwrite the shared arrays
+    // no barrier here: the next token's first writes (its own q, k, v channels) come before a barrier that
+    // every thread reaches only after this token's last reads of the shared arrays
   }
 
-  if (t < DV)
+  if (has_v)
     for (int p = n; p < len; ++p) out[((size_t)b * len + p) * HV * DV + (size_t)h * DV + t] = __float2bfloat16(0.0f);
   #pragma unroll
   for (int r = 0; r < RB; ++r)
     #pragma unroll
     for (int j = 0; j < DK / 32; ++j) engine_store(&s_out[(size_t)(warp + r * NW) * DK + lane + 32 * j], s[r][j]);
-  auto tail = [&](int c) {              // the conv state after the row's last real token: positions n .. n + K - 2
-    #pragma unroll
-    for (int j = 0; j < KS - 1; ++j) engine_store(&new_conv[((size_t)b * (KS - 1) + j) * C + c], at(n + j, c));
-  };
-  if (t < DK && h % GROUP == 0) {
-    tail(hk * DK + t);
-    tail(KD + hk * DK + t);
+  // the conv state after the row's last real token: the window's K - 1 positions
+  #pragma unroll
+  for (int j = 0; j < KS - 1; ++j) {
+    const size_t row = ((size_t)b * (KS - 1) + j) * C;
+    if (has_qk && h % GROUP == 0) {
+      engine_store(&new_conv[row + cq], xq[j]);
+      engine_store(&new_conv[row + ck], xk[j]);
+    }
+    if (has_v) engine_store(&new_conv[row + cv], xv[j]);
   }
-  if (t < DV) tail(2 * KD + h * DV + t);
 """
 
 
 @cache
 def _kernel(threads: int):
-    # the step kernel's bounds (64 registers a thread, two blocks of 512 an SM)
+    # one block of 512 an SM may hold (the step kernel asks two, capping a thread at 64 registers): a run keeps
+    # each channel's conv weights and window and the next token's inputs beside the state, which at 64 spilled
+    # ~100 bytes a thread (nvcc, qwen27b's heads); one row's 48 blocks take one an SM anyway
     return cuda_kernel(
         name=f"engine_gated_delta_scan_{threads}",
         input_names=[
@@ -201,7 +251,7 @@ def _kernel(threads: int):
         ],
         output_names=["out", "new_conv", "new_state", "states"],
         source=SOURCE,
-        header=HEADER + launch_bounds(threads, max(1, 1024 // threads)),
+        header=HEADER + launch_bounds(threads, 1),
     )
 
 
