@@ -36,7 +36,8 @@ def test_each_part_reports_its_time_and_nodes(tiny_path):
     assert re.search(r"^  deltanet\.rest +\d+ +-?[0-9.]+ +-?[0-9.]+ *$", proc.stdout, re.M), proc.stdout
 
 
-def test_the_instrumented_classes_are_restored():
+def test_the_instrumented_classes_are_restored(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
     import mlx.core as mx
 
     from engine.engine import Engine
@@ -65,7 +66,8 @@ def test_ablation_times_the_forward_without_each_part(tiny_path):
     assert bad.returncode == 2 and "--ablate takes deltanet" in bad.stderr
 
 
-def test_an_ablated_part_answers_with_zeros_after_its_first_call():
+def test_an_ablated_part_answers_with_zeros_after_its_first_call(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
     import mlx.core as mx
 
     from engine.engine import Engine

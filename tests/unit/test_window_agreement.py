@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-from tools.gpu.window_agreement import measure
+ROOT = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout, as its docstring says
 
 
-def test_windows_agree_with_steps_off_cuda(capsys):
+def test_windows_agree_with_steps_off_cuda(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.gpu.window_agreement import measure
+
     measure("tiny-qwen35", tokens=10, window=4, prompt_tokens=24, tier="fast")
     out = capsys.readouterr().out
     assert "margin p10" in out
