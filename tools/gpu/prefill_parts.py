@@ -73,17 +73,25 @@ def _nodes(out) -> Counter:
 def instrument(model, tally: Tally, counting: Callable[[], bool]) -> Callable[[], None]:
     """Give every module of a class in PARTS a subclass whose timed methods evaluate their output and add their
     wall time (or, while `counting()`, their graph's nodes) to `tally`. Returns the undo."""
+
+    def methods(cls: type) -> dict:
+        label, names = PARTS[cls.__name__]
+        return {m: _timed(getattr(cls, m), label, m, tally, counting) for m in names}
+
+    return _subclassed(model, set(PARTS), "Timed", methods)
+
+
+def _subclassed(model, class_names: set[str], prefix: str, methods: Callable[[type], dict]) -> Callable[[], None]:
+    """Give every module of `model` whose class is named in `class_names` a subclass (`prefix` + its name, one a
+    class) with `methods(cls)` in place of its own. Returns the undo, which gives each module its class back."""
     made: dict[type, type] = {}
     changed = []
     for _, module in model.named_modules():
         cls = type(module)
-        if cls.__name__ not in PARTS:
+        if cls.__name__ not in class_names:
             continue
         if cls not in made:
-            label, methods = PARTS[cls.__name__]
-            made[cls] = type(
-                f"Timed{cls.__name__}", (cls,), {m: _timed(getattr(cls, m), label, m, tally, counting) for m in methods}
-            )
+            made[cls] = type(f"{prefix}{cls.__name__}", (cls,), methods(cls))
         changed.append((module, cls))
         module.__class__ = made[cls]
 
@@ -133,8 +141,6 @@ def ablate(model, part: str) -> Callable[[], None]:
     """Make `part` answer with zeros of its output's shapes and dtypes (its first call at each input shape
     runs it for real, to learn them; later calls add no graph node). Returns the undo."""
     cls_name, method = part_method(part)
-    made: dict[type, type] = {}
-    changed = []
     zeros: dict[tuple, object] = {}
 
     def stand_in(fn):
@@ -150,20 +156,7 @@ def ablate(model, part: str) -> Callable[[], None]:
 
         return run
 
-    for _, module in model.named_modules():
-        cls = type(module)
-        if cls.__name__ != cls_name:
-            continue
-        if cls not in made:
-            made[cls] = type(f"Ablated{cls.__name__}", (cls,), {method: stand_in(getattr(cls, method))})
-        changed.append((module, cls))
-        module.__class__ = made[cls]
-
-    def undo() -> None:
-        for module, cls in changed:
-            module.__class__ = cls
-
-    return undo
+    return _subclassed(model, {cls_name}, "Ablated", lambda cls: {method: stand_in(getattr(cls, method))})
 
 
 def ablations(eng, group: int, length: int, reps: int, parts: list[str], whole: list[float]) -> None:
