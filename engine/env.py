@@ -23,6 +23,8 @@ _VARS = {
     "to this many tokens as one CUDA launch (KernelConfig.scan_tokens; default 0: off)",
     "ENGINE_KEEP_DENSE": "'1': the fast tier dequantizes the weights its dense prompt chunks use once and keeps "
     "them (KernelConfig.keep_dense; memory: 2 bytes a weight more; default '0')",
+    "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
+    "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -61,6 +63,11 @@ def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
 def keep_dense(environ: Mapping[str, str] = os.environ) -> bool | None:
     """ENGINE_KEEP_DENSE as a bool (None when unset); ValueError for a value other than 0 or 1."""
     return _switch("ENGINE_KEEP_DENSE", environ)
+
+
+def dequant_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_DEQUANT_KERNEL as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    return _switch("ENGINE_DEQUANT_KERNEL", environ)
 
 
 def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:

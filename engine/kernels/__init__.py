@@ -173,6 +173,7 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             launches=config.launches,
             launch=launch,
             keep_dense=config.keep_dense,
+            dequant_kernel=config.dequant_kernel,
         )
 
     replace_modules(module, swap)

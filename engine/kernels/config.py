@@ -66,8 +66,9 @@ class KernelConfig:
     dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
     a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
     operation, up to how many tokens a verify window or prompt chunk runs each DeltaNet layer's core as
-    one launch of the scan kernel (0: off), and whether the dense prompt chunks' dequantized weights are made
-    once and kept (the memory of every such weight in its scales' dtype) instead of made anew each chunk.
+    one launch of the scan kernel (0: off), whether the dense prompt chunks' dequantized weights are made
+    once and kept (the memory of every such weight in its scales' dtype) instead of made anew each chunk, and
+    whether they are made by the engine's dequantization kernel (the same values as MLX's) instead of MLX's.
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -85,6 +86,7 @@ class KernelConfig:
     compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
     scan_tokens: int = 0  # verify windows and prompt chunks up to this many tokens: one DeltaNet core launch
     keep_dense: bool = False  # the dense path's dequantized weights made once and kept (2 bytes a weight more)
+    dequant_kernel: bool = False  # the dense path's weights dequantized by engine.kernels.dequantize (CUDA)
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
@@ -96,8 +98,8 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count) and
-        ENGINE_KEEP_DENSE (0 or 1) where they are set; ValueError for a value they cannot take."""
+        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count),
+        ENGINE_KEEP_DENSE and ENGINE_DEQUANT_KERNEL (0 or 1) where they are set; ValueError for a value they cannot take."""
         fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
         return cls(
             tier=tier,
@@ -106,6 +108,7 @@ class KernelConfig:
             compiled_prefill=bool(env.compiled_prefill(environ)),
             scan_tokens=env.scan_tokens(environ) or 0,
             keep_dense=bool(env.keep_dense(environ)),
+            dequant_kernel=bool(env.dequant_kernel(environ)),
         )
 
     def settings(self) -> dict:
@@ -122,4 +125,5 @@ class KernelConfig:
             "compiled_prefill": self.compiled_prefill,
             "scan_tokens": self.scan_tokens,
             "keep_dense": self.keep_dense,
+            "dequant_kernel": self.dequant_kernel,
         }

@@ -11,7 +11,7 @@ dequantized weights to bf16.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cache
 
@@ -274,13 +274,25 @@ def run_kernel(
     return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 
 
-def dense_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+def mlx_dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+
+
+def dense_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    bits: int,
+    dequantize: Callable[..., mx.array] = mlx_dequantize,
+) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` as the weights dequantized to their
-    scales' dtype, then one matrix multiply (cuBLAS on CUDA): for a prompt chunk the GEMM runs near the
-    tensor cores' rate, and the dequantized copy (one matrix at a time, freed after) costs a pass over
-    memory. Measured equal to MLX's quantized matmul on qwen27b's shapes on an H200, not promised: the
-    fast tier."""
-    return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
+    scales' dtype (`dequantize`: MLX's, or `engine.kernels.dequantize`'s, the same values), then one matrix
+    multiply (cuBLAS on CUDA): for a prompt chunk the GEMM runs near the tensor cores' rate, and the
+    dequantized copy (one matrix at a time, freed after) costs a pass over memory. Measured equal to MLX's
+    quantized matmul on qwen27b's shapes on an H200, not promised: the fast tier."""
+    return x @ dequantize(w, scales, biases, group_size, bits).T
 
 
 def _norm_eps(norm: tuple[mx.array, float] | None, prenormed: tuple[mx.array, float] | None) -> float:

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels.quantized_gemv.calls import dense_matmul, run_kernel, weight_refusal, with_bias
+from engine.kernels.dequantize import dequantize as kernel_dequantize
+from engine.kernels.quantized_gemv.calls import dense_matmul, mlx_dequantize, run_kernel, weight_refusal, with_bias
 from engine.kernels.quantized_gemv.launch import Launches
 
 LAYER_MAX_ROWS = 64
@@ -52,7 +53,8 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
     The weights are checked once (`kernel_refusal`); per call only the activations' dtype and row count
     decide. `launch` is how a launch is computed (`calls.run_kernel`; a test may stand another in),
-    `launches` the one-row launch shapes it takes.
+    `launches` the one-row launch shapes it takes, `dequantize` how the dense path dequantizes the weights
+    (MLX's operation, or the engine's kernel with `dequant_kernel`: the same values).
     """
 
     @classmethod
@@ -66,6 +68,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         launches: Launches = {},
         launch: Launch = run_kernel,
         keep_dense: bool = False,
+        dequant_kernel: bool = False,
     ) -> KernelQuantizedLinear:
         new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
@@ -78,11 +81,10 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
             use_kernel and dense_min_rows is not None and q.mode == "affine" and q["scales"].dtype in DENSE_DTYPES
         )
         new.dense_min_rows = dense_min_rows
+        new.dequantize = kernel_dequantize if dequant_kernel else mlx_dequantize
         new.kept = None
         if keep_dense and new.dense_prefill:
-            new.kept = KeptWeight(
-                mx.dequantize(q["weight"], q["scales"], q["biases"], group_size=q.group_size, bits=q.bits)
-            )
+            new.kept = KeptWeight(new.dequantize(q["weight"], q["scales"], q["biases"], q.group_size, q.bits))
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
         new.launch = launch
         return new
@@ -91,7 +93,9 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if self.dense_prefill and x.size >= self.dense_min_rows * x.shape[-1]:
             if self.kept is not None:  # the same product as dense_matmul's, on the copy made once
                 return with_bias(x @ self.kept.weight.T, self)
-            y = dense_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            y = dense_matmul(
+                x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, self.dequantize
+            )
             return with_bias(y, self)
         if self.use_kernel and _takes(x, self):
             return self.launch(x, [self])[0]
