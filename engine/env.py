@@ -25,6 +25,9 @@ _VARS = {
     "them (KernelConfig.keep_dense; memory: 2 bytes a weight more; default '0')",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
+    "ENGINE_STAGED_LAYOUT": "the fast tier's staged GEMV launches (2-64 rows) laid out otherwise, by row count: "
+    "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS (e.g. '32,64:RW=1'; "
+    "KernelConfig.staged_layouts)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
@@ -43,6 +46,11 @@ def fuse_stages(environ: Mapping[str, str] = os.environ) -> str | None:
 def gemv_launch(environ: Mapping[str, str] = os.environ) -> str | None:
     """ENGINE_GEMV_LAUNCH as given (None when unset); `KernelConfig.from_env` parses and checks it."""
     return environ.get("ENGINE_GEMV_LAUNCH")
+
+
+def staged_layout(environ: Mapping[str, str] = os.environ) -> str | None:
+    """ENGINE_STAGED_LAYOUT as given (None when unset); `KernelConfig.from_env` parses and checks it."""
+    return environ.get("ENGINE_STAGED_LAYOUT")
 
 
 def _switch(name: str, environ: Mapping[str, str]) -> bool | None:

@@ -171,6 +171,7 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             min_outputs=config.gemv_min_outputs,
             dense_min_rows=config.dense_min_rows,
             launches=config.launches,
+            layouts=config.staged_layouts,
             launch=launch,
             keep_dense=config.keep_dense,
             dequant_kernel=config.dequant_kernel,

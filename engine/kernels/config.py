@@ -20,6 +20,7 @@ from engine.kernels.quantized_gemv import (
     LAYER_MIN_OUTPUTS,
     Fusion,
     LaunchConfig,
+    StagedLayouts,
     launches_setting,
     parse_launches,
 )
@@ -61,7 +62,7 @@ class KernelConfig:
     `tier`: `exact` (MLX's operations, bit-exact with mlx-lm), `fast` (the engine's CUDA kernels) or `auto`
     (fast where it runs and its numerics gate passed for the model's family, else exact). The rest only
     matter to the fast tier: the stages inside the GEMV launches, one-row launch shapes by (rows, K) in
-    place of the measured table, which decode kernels run, the prompt-chunk rows from which a layer
+    place of the measured table, the staged launches' layouts by row count in place of `staged_config`'s, which decode kernels run, the prompt-chunk rows from which a layer
     dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
     dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
     a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
@@ -77,6 +78,7 @@ class KernelConfig:
     tier: str = AUTO
     fusion: Fusion = DEFAULT_FUSION
     launches: Mapping[tuple[int, int], LaunchConfig] = field(default_factory=dict)
+    staged_layouts: StagedLayouts = StagedLayouts()  # the staged launches (2-64 rows) changed by row count
     delta_step_kernel: bool = True  # a DeltaNet decode step's core as one CUDA kernel
     attention_step: bool = True  # the compiled decode step of gated-attention layers
     attention_kernels: bool = True  # that step's attention as CUDA kernels
@@ -98,13 +100,14 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count),
+        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count),
         ENGINE_KEEP_DENSE and ENGINE_DEQUANT_KERNEL (0 or 1) where they are set; ValueError for a value they cannot take."""
-        fuse, launch = env.fuse_stages(environ), env.gemv_launch(environ)
+        fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         return cls(
             tier=tier,
             fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
             launches=parse_launches(launch or ""),
+            staged_layouts=StagedLayouts.parse(layouts or ""),
             compiled_prefill=bool(env.compiled_prefill(environ)),
             scan_tokens=env.scan_tokens(environ) or 0,
             keep_dense=bool(env.keep_dense(environ)),
@@ -116,6 +119,7 @@ class KernelConfig:
         return {
             "fusion": self.fusion.names(),
             "launches": launches_setting(self.launches),
+            "staged_layouts": self.staged_layouts.text(),
             "delta_step_kernel": self.delta_step_kernel,
             "attention_step": self.attention_step,
             "attention_kernels": self.attention_kernels,

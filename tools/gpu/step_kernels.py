@@ -89,29 +89,16 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     return cache, token
 
 
-STAGED_KEYS = {
-    "W": "warps",
-    "RT": "row_tiles",
-    "CK": "chunk_tiles",
-    "ST": "stages",
-    "S": "splits",
-    "MINB": "min_blocks",
-    "MG": "m_groups",
-    "RW": "rounded",
-    "KS": "split_values",
-}
-
-
 def parse_staged(spec: str) -> tuple[set[int] | None, dict[str, int]]:
-    """A `--staged` SPEC as (the row counts it keeps to, or None for all; StagedConfig fields)."""
-    rows, _, body = spec.rpartition(":")
-    fields = {}
-    for item in filter(None, (v.strip() for v in body.split(","))):
-        key, _, value = item.partition("=")
-        if key.strip().upper() not in STAGED_KEYS or not value.strip().isdigit():
-            raise SystemExit(f"--staged {spec!r}: give KEY=VALUE items with KEY one of {', '.join(STAGED_KEYS)}")
-        fields[STAGED_KEYS[key.strip().upper()]] = int(value)
-    return ({int(r) for r in rows.split(",")} if rows else None), fields
+    """A `--staged` SPEC as (the row counts it keeps to, or None for all; StagedConfig fields): the syntax of
+    ENGINE_STAGED_LAYOUT's items (`engine.kernels.quantized_gemv.staged.StagedLayout`)."""
+    from engine.kernels.quantized_gemv.staged import StagedLayout
+
+    try:
+        layout = StagedLayout.parse(spec)
+    except ValueError as e:
+        raise SystemExit(f"--staged {spec!r}: {e}") from None
+    return (set(layout.rows) if layout.rows else None), dict(layout.fields)
 
 
 @contextmanager
@@ -119,20 +106,16 @@ def staged_layout(fields: dict[str, int]):
     """Every staged launch traced inside laid out by `fields` (splits as the tree chooses unless given)."""
     from engine.kernels.quantized_gemv import calls, staged
 
-    chosen, limit = staged.staged_config, staged.SPLIT_K_VALUES
-    fields = dict(fields)
-    values = fields.pop("split_values", None)
-    if values:
-        staged.SPLIT_K_VALUES = values
-    changed = bool(fields or values)
-    if changed:
-        staged.staged_config = lambda *a: dataclasses.replace(chosen(*a), **fields)
+    chosen = staged.staged_config
+    if fields:
+        layouts = staged.StagedLayouts((staged.StagedLayout(None, tuple(sorted(fields.items()))),))
+        staged.staged_config = lambda m, k, group_size, bits, _=None: chosen(m, k, group_size, bits, layouts)
         calls._compiled.cache_clear()  # the traced launches hold their layouts
     try:
         yield
     finally:
-        staged.staged_config, staged.SPLIT_K_VALUES = chosen, limit
-        if changed:
+        staged.staged_config = chosen
+        if fields:
             calls._compiled.cache_clear()
 
 

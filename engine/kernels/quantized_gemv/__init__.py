@@ -47,6 +47,7 @@ from engine.kernels.quantized_gemv.layer import (
     retyped,
 )
 from engine.kernels.quantized_gemv.source import input_names, kernel_source, launch_bounds, output_names
+from engine.kernels.quantized_gemv.staged import StagedLayouts
 
 __all__ = [
     "BITS",
@@ -61,6 +62,7 @@ __all__ = [
     "KernelQuantizedLinear",
     "LaunchConfig",
     "Launches",
+    "StagedLayouts",
     "dense_matmul",
     "float_bits",
     "input_names",

@@ -70,6 +70,7 @@ def quantized_matmuls(
     config: LaunchConfig | staged.StagedConfig | None = None,
     *,
     launches: Launches = {},
+    layouts: staged.StagedLayouts = staged.NO_LAYOUTS,
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
     gated: bool = False,
@@ -79,7 +80,7 @@ def quantized_matmuls(
 ) -> list[mx.array]:
     """x [..., K] bf16 times each quantized [N_i, K] matrix, transposed, in one launch: [..., N_i] bf16 each
     (CUDA only). Each result equals this call's for that matrix alone. `config` overrides `launch_config`
-    (and `launches`, its one-row table). In the same launch (`Fusion`), to rounding what the separate
+    (and `launches`, its one-row table) or `staged.staged_config` (and `layouts`, its changes by row count). In the same launch (`Fusion`), to rounding what the separate
     operations give: `residual` ([..., N], one matrix) is added to the product; `gated` (two matrices of
     equal rows, gate and up) gives one result, silu(gate product) * up product; `norm_scale` with `norm`
     (weight [K], eps) multiplies by the RMS norm of x, `mx.fast.rms_norm(x, weight, eps)`, taken after the
@@ -109,7 +110,7 @@ def quantized_matmuls(
     # would be graph nodes the host handles at every decode step.
     extra = _stage_arrays(norm, residual, norm_out, prenormed)
     if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
-        config = config or staged.staged_config(m, k, group_size, bits)
+        config = config or staged.staged_config(m, k, group_size, bits, layouts)
         template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
             fusion.norm_scale or fusion.prenormed
         ) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
@@ -222,6 +223,7 @@ def _compiled(
     fusion: Fusion = Fusion(),
     eps: float = 0.0,
     launches: frozenset = frozenset(),
+    layouts: staged.StagedLayouts = staged.NO_LAYOUTS,
 ):
     # Traced once per input shape: later calls skip building the kernel call (template list, source text) on
     # the host, at hundreds of calls a decode step.
@@ -240,6 +242,7 @@ def _compiled(
             group_size,
             bits,
             launches=table,
+            layouts=layouts,
             norm=norm,
             residual=residual,
             gated=fusion.gated,
@@ -263,13 +266,14 @@ def run_kernel(
 ) -> tuple[mx.array, ...]:
     """The layers (same bits and group size) applied to x in one compiled launch, biases added (the fused
     stages take layers without bias), then norm_out's two results where asked. The one-row launch shapes
-    are the first layer's (`layer.KernelQuantizedLinear.launches`)."""
+    and the staged layouts are the first layer's (`layer.KernelQuantizedLinear.launches`, `.layouts`)."""
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
     fusion = Fusion.of(residual, gated, norm_scale, norm_out, prenormed)
     extra = _stage_arrays(norm, residual, norm_out, prenormed)  # eps is a constant of the trace
     launches = getattr(first, "launches", frozenset())
-    run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed), launches)
+    layouts = getattr(first, "layouts", staged.NO_LAYOUTS)
+    run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed), launches, layouts)
     ys = run(x, *arrays, *extra)
     return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from engine.kernels.dequantize import dequantize as kernel_dequantize
 from engine.kernels.quantized_gemv.calls import dense_matmul, mlx_dequantize, run_kernel, weight_refusal, with_bias
 from engine.kernels.quantized_gemv.launch import Launches
+from engine.kernels.quantized_gemv.staged import NO_LAYOUTS, StagedLayouts
 
 LAYER_MAX_ROWS = 64
 LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
@@ -53,7 +54,8 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
 
     The weights are checked once (`kernel_refusal`); per call only the activations' dtype and row count
     decide. `launch` is how a launch is computed (`calls.run_kernel`; a test may stand another in),
-    `launches` the one-row launch shapes it takes, `dequantize` how the dense path dequantizes the weights
+    `launches` the one-row launch shapes it takes, `layouts` the staged launches' changes by row count,
+    `dequantize` how the dense path dequantizes the weights
     (MLX's operation, or the engine's kernel with `dequant_kernel`: the same values).
     """
 
@@ -66,6 +68,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         min_outputs: int = LAYER_MIN_OUTPUTS,
         dense_min_rows: int | None = DENSE_MIN_ROWS,
         launches: Launches = {},
+        layouts: StagedLayouts = NO_LAYOUTS,
         launch: Launch = run_kernel,
         keep_dense: bool = False,
         dequant_kernel: bool = False,
@@ -86,6 +89,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if keep_dense and new.dense_prefill:
             new.kept = KeptWeight(new.dequantize(q["weight"], q["scales"], q["biases"], q.group_size, q.bits))
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
+        new.layouts = layouts
         new.launch = launch
         return new
 
