@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first
+#                         | census | lane | prefill | first | dequant | layouts
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -30,6 +30,11 @@
 #            group x chunk (tools/gpu/prefill_kernels.py), then ncu over one forward of each NCU_SHAPES
 #   first    WARMUP (full), LENGTHS (1024,4096): the first prompts after ready against the ones that follow, then
 #            again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
+#   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
+#            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
+#   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1 RW=1,W=4 RW=1,W=4,MG=2"),
+#            GATE_LAYOUT (32,64:RW=1): decode steps with each layout against the tree's, then the numerics gate
+#            at 32 and 64 rows with ENGINE_STAGED_LAYOUT=GATE_LAYOUT
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -46,7 +51,8 @@ case "$PART" in
     # leave pytest running on the GPU into the next command, and a `| tail` keeps nothing of a killed run
     rc=0
     timeout -s INT "${TESTS_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rs -n "${WORKERS:-4}" \
-        tests/unit/test_kernels.py tests/unit/test_cuda_source.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
+        tests/unit/test_kernels.py tests/unit/test_cuda_source.py tests/unit/test_dequantize_kernel.py \
+        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
     tail -20 "$OUT/kernel-tests.txt"
     exit "$rc"
     ;;
@@ -128,6 +134,24 @@ case "$PART" in
     python3 -m tools.gpu.first_prompts --model qwen27b --warmup "${WARMUP:-full}" --lengths "${LENGTHS:-1024,4096}" \
         2>&1 | tee "$OUT/qwen27b-first-prompts.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill or first (got '$PART')" >&2
+  dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
+    synth
+    { python3 -m tools.gpu.dequant_speed --model qwen27b
+      for v in 0 1 0 1; do
+        echo "ENGINE_DEQUANT_KERNEL=$v"
+        ENGINE_DEQUANT_KERNEL=$v python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" \
+            --chunks 1 --reps 3
+      done; } 2>&1 | tee "$OUT/qwen27b-dequant.txt"
+    ;;
+  layouts)  # staged layouts at many rows: step times against the tree's, then the gate with one of them
+    synth
+    staged=()
+    for layout in ${LAYOUTS:-RW=1 RW=1,W=4 RW=1,W=4,MG=2}; do staged+=(--staged "$layout"); done
+    python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" 2>&1 \
+        | tee "$OUT/qwen27b-layout-steps.txt"
+    ENGINE_STAGED_LAYOUT="${GATE_LAYOUT:-32,64:RW=1}" python3 -m harness kernels --gate-model qwen27b \
+        --gate-rows 32,64 --json "$OUT/qwen27b-layout-gate.json" 2>&1 | tee "$OUT/qwen27b-layout-gate.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant or layouts (got '$PART')" >&2
      exit 2 ;;
 esac

@@ -82,8 +82,8 @@ __device__ __forceinline__ uint32_t engine_pair(uint32_t word, int j) {
 }
 template <int BITS>
 __device__ __forceinline__ uint32_t engine_dequant(uint32_t word, int j, __nv_bfloat162 scale, __nv_bfloat162 bias) {
-  // values j and j + 16 / BITS of a word as bf16 round(q * scale + bias), rounded once (MLX's dequantize rounds
-  // the product and then the sum)
+  // values j and j + 16 / BITS of a word as bf16 round(q * scale + bias), rounded once (as MLX's dequantize on
+  // sm_90, where ptxas fuses its product and sum; its sm_80 code rounds each)
   const uint32_t v = engine_pair<BITS>(word, j);
   __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&v);
   if constexpr (BITS == 4) q = __hsub2(q, __float2bfloat162_rn(128.0f));  // exact: small integers
