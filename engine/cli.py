@@ -100,17 +100,25 @@ def _budget(text: str) -> int | None:
     return _positive(text)
 
 
-def _itl_ratio(text: str) -> float | None:
-    """--prefill-itl: None for auto, 0 for off, else a ratio > 1."""
-    if text in ("auto", "off"):
-        return None if text == "auto" else 0.0
-    try:
-        ratio = float(text)
-    except ValueError:
-        ratio = 0.0
-    if not ratio > 1:
-        raise argparse.ArgumentTypeError(f"give auto, off or a ratio > 1 (such as 2.5), got {text!r}")
-    return ratio
+def _auto_off_above(floor: float, what: str):
+    """A parser of `auto` (None), `off` (0.0) or a number above `floor` (`what` says which, with an example)."""
+
+    def parse(text: str) -> float | None:
+        if text in ("auto", "off"):
+            return None if text == "auto" else 0.0
+        try:
+            value = float(text)
+        except ValueError:
+            value = floor
+        if not value > floor:
+            raise argparse.ArgumentTypeError(f"give auto, off or {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_gather_ms = _auto_off_above(0.0, "milliseconds > 0 (such as 2)")  # --gather-ms
+_itl_ratio = _auto_off_above(1.0, "a ratio > 1 (such as 2.5)")  # --prefill-itl
 
 
 def _template_file(path: str) -> str:
@@ -302,6 +310,15 @@ def _add_serve(sub) -> None:
         "(looser in proportion where more prompts wait for their first token than rows decode) "
         "(auto, the default: 3 on the fast tier without --kv-bits; off on the exact tier: a whole "
         "--prefill-budget share a step, as mlx-lm)",
+    )
+    p.add_argument(
+        "--gather-ms",
+        type=_gather_ms,
+        default=None,
+        metavar="auto|off|MS",
+        help="requests reaching an idle server: keep taking arrivals until none came for MS milliseconds (at "
+        "most 10 times that), so a burst starts as one prefill group rather than its first request alone "
+        "(auto, the default: 2 on the fast tier; off on the exact tier, as mlx_lm.server)",
     )
     p.add_argument(
         "--warmup",
@@ -533,6 +550,7 @@ def cmd_serve(args) -> int:
             prefill_batch=args.prefill_batch,
             prefill_budget=args.prefill_budget,
             prefill_itl=args.prefill_itl,
+            gather_ms=args.gather_ms,
             warmup=args.warmup,
             kernel_cache_dir=kernel_cache_dir,
             mlx_cache=args.mlx_cache,

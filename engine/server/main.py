@@ -29,7 +29,7 @@ from engine.engine import Engine, kernels_notice
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.grammar import Grammars
-from engine.kernels import KernelConfig, on_cuda
+from engine.kernels import FAST, KernelConfig, on_cuda
 from engine.kernels.kernel_cache import module_files
 from engine.loading import context_of, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, make_app
@@ -37,7 +37,7 @@ from engine.server.context import ServerContext
 from engine.server.http_edges import DEFAULT_MAX_HEADER_BYTES, HeadLimit, allowed_hosts, listen
 from engine.server.reasoning import thinks
 from engine.server.tool_calls import parser_for
-from engine.server.worker import EngineWorker, QueueLimits
+from engine.server.worker import FAST_GATHER_MS, EngineWorker, QueueLimits
 from engine.speculative.config import SpecConfig, load_speculation
 from engine.speculative.rollback import Rollback
 from engine.warmup import default_warmup, warm_up, warmup_record
@@ -85,11 +85,19 @@ class ServeConfig:
     )
     prefill_budget: int | None = None  # None: auto (prefill_chunk on the fast tier); 0: off
     prefill_itl: float | None = None  # None: auto (gateway.FAST_PREFILL_ITL on the fast tier); 0: off
+    gather_ms: float | None = None  # EngineWorker.gather_s in ms; None: auto (FAST_GATHER_MS on the fast tier); 0: off
     warmup: str | None = None  # full, quick or off; None: warmup.default_warmup()
     chat_template: str | None = None  # a Jinja chat template in place of the model's
     reasoning_parser: str = "auto"  # auto: a thinking template's <think> blocks go to reasoning_content; none: off
     kernel_cache_dir: Path | None = None  # MLX_PTX_CACHE_DIR (set by the caller): the engine's kernels go there too
     mlx_cache: int | None = None  # bytes; MLX's buffer cache limit; None: cuda_cache_limit on CUDA, MLX's elsewhere
+
+    def gather_seconds(self, tier: str | None) -> float:
+        """`gather_ms` in seconds, auto resolved for the kernel tier that loaded: FAST_GATHER_MS on the fast tier,
+        none on the exact tier (its groups form as mlx_lm.server's do, from what is queued at each step)."""
+        if self.gather_ms is not None:
+            return self.gather_ms / 1e3
+        return FAST_GATHER_MS / 1e3 if tier == FAST else 0.0
 
     def gateway_config(self, tier: str | None = None) -> GatewayConfig:
         """The gateway's settings, each auto resolved for `tier`, the kernel tier that loaded
@@ -159,7 +167,13 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         metrics = Metrics(model_id)
     except ImportError:
         metrics = None  # /metrics answers 501
-    worker = EngineWorker(gateway, QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens), metrics, record)
+    worker = EngineWorker(
+        gateway,
+        QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens),
+        metrics,
+        record,
+        gather_s=cfg.gather_seconds(engine.kernels.tier),
+    )
     ctx = ServerContext(
         worker=worker,
         tokenizer=engine.tokenizer,

@@ -33,6 +33,10 @@ from engine.sinks import ForwardingSink
 log = logging.getLogger("engine.server")
 
 
+FAST_GATHER_MS = 2.0  # `engine serve --gather-ms` auto on the fast tier
+GATHER_SPAN = 10  # the longest a gathering waits, in quiet gaps (`EngineWorker.gather_s`)
+
+
 class QueueFull(Exception):
     """More requests (or prompt tokens) waiting to start than the server takes."""
 
@@ -218,6 +222,9 @@ class EngineWorker:
     limits: QueueLimits = QueueLimits()
     metrics: Any = None  # a metrics.Metrics that hears every request's end (None: none)
     warmup: dict[str, Any] = field(default_factory=dict)  # what ran before ready (mode, requests, seconds)
+    # Requests reaching an idle engine: more are taken until none came for this long (at most GATHER_SPAN times it
+    # in all), so a burst whose requests the HTTP thread hands over one by one starts as one prefill group
+    gather_s: float = 0.0
     inbox: queue.Queue = field(default_factory=queue.Queue)
     totals: Totals = field(default_factory=Totals)
     snapshot: dict[str, Any] = field(default_factory=dict)
@@ -254,7 +261,10 @@ class EngineWorker:
     def run(self) -> None:
         gateway = self.gateway
         while True:
-            commands = self._drain(block=not gateway.has_work)
+            idle = not gateway.has_work
+            commands = self._drain(block=idle)
+            if idle and self.gather_s > 0 and any(isinstance(c, _Submit) for c in commands):
+                commands += self._gather()
             for cmd in commands:
                 if isinstance(cmd, _Stop):
                     self._shutdown(gateway)
@@ -275,6 +285,16 @@ class EngineWorker:
                 out.append(self.inbox.get_nowait())
         except queue.Empty:
             return out
+
+    def _gather(self) -> list:
+        """The commands that come until none came for `gather_s` (at most GATHER_SPAN times it in all)."""
+        out, end = [], time.perf_counter() + GATHER_SPAN * self.gather_s
+        while (left := end - time.perf_counter()) > 0:
+            try:
+                out.append(self.inbox.get(timeout=min(self.gather_s, left)))
+            except queue.Empty:
+                break
+        return out
 
     def _apply(self, gateway: Gateway, cmd) -> None:
         if isinstance(cmd, _Cancel):
