@@ -376,6 +376,7 @@ class EngineWorker:
                 "kv_budget_bytes": gateway.config.kv_budget,
                 # prefill pacing beside decoding rows (`--prefill-itl`): its ratio and what it has measured
                 "prefill_pacing": batcher.pacer.as_record() if batcher is not None and batcher.pacer else None,
+                "gather_ms": self.gather_s * 1e3,  # `--gather-ms`: how long an idle engine gathers a burst
             },
             "prompt_cache": None if pc is None else vars(pc.stats()),
             "totals": vars(self.totals).copy(),

@@ -10,7 +10,7 @@ def test_a_requests_end_is_in_the_snapshot_before_the_next_refresh(tiny_path):
     # the worker refreshes its snapshot after each step, but the client may read /metrics or /stats as soon as
     # its response ends (within the step): the totals there already count the request
     worker = EngineWorker(Gateway(load_model(tiny_path("tiny-qwen3"))[0], GatewayConfig()))
-    assert worker.snapshot["totals"]["completion_tokens"] == 0
+    assert worker.snapshot["totals"]["completion_tokens"] == 0 and worker.snapshot["batch"]["gather_ms"] == 0.0
     worker.record_end(RequestResult("r", Lane.SERIAL, FinishReason.LENGTH, prompt_tokens=5, generated_tokens=8))
     assert worker.snapshot["totals"]["completion_tokens"] == 8 and worker.snapshot["totals"]["completed"] == 1
     assert "batch" in worker.snapshot  # the rest of the snapshot stays
