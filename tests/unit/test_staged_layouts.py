@@ -9,7 +9,8 @@ import pytest
 
 from engine.kernels import FAST, KernelConfig, install
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, StagedLayouts
-from engine.kernels.quantized_gemv.staged import NO_LAYOUTS, StagedLayout, staged_config
+from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayout
+from engine.kernels.quantized_gemv.staged import staged_config
 
 ROOT = Path(__file__).resolve().parents[2]  # `tools/` is run from the checkout
 
@@ -21,7 +22,7 @@ def test_layouts_parse_print_and_refuse_what_they_cannot_take():
         StagedLayout(None, (("m_groups", 2),)),
     )
     assert StagedLayouts.parse(layouts.text()) == layouts and StagedLayouts.parse("") == NO_LAYOUTS
-    for bad in ("X=1", "W=four", "1:W=4", "65:W=4", "a,b:W=4"):
+    for bad in ("X=1", "W=four", "0:W=4", "65:W=4", "a,b:W=4"):
         with pytest.raises(ValueError, match="staged layout"):
             StagedLayouts.parse(bad)
 

@@ -91,8 +91,8 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
 
 def parse_staged(spec: str) -> tuple[set[int] | None, dict[str, int]]:
     """A `--staged` SPEC as (the row counts it keeps to, or None for all; StagedConfig fields): the syntax of
-    ENGINE_STAGED_LAYOUT's items (`engine.kernels.quantized_gemv.staged.StagedLayout`)."""
-    from engine.kernels.quantized_gemv.staged import StagedLayout
+    ENGINE_STAGED_LAYOUT's items (`engine.kernels.quantized_gemv.layouts.StagedLayout`)."""
+    from engine.kernels.quantized_gemv.layouts import StagedLayout
 
     try:
         layout = StagedLayout.parse(spec)
@@ -105,10 +105,11 @@ def parse_staged(spec: str) -> tuple[set[int] | None, dict[str, int]]:
 def staged_layout(fields: dict[str, int]):
     """Every staged launch traced inside laid out by `fields` (splits as the tree chooses unless given)."""
     from engine.kernels.quantized_gemv import calls, staged
+    from engine.kernels.quantized_gemv.layouts import StagedLayout, StagedLayouts
 
     chosen = staged.staged_config
     if fields:
-        layouts = staged.StagedLayouts((staged.StagedLayout(None, tuple(sorted(fields.items()))),))
+        layouts = StagedLayouts((StagedLayout(None, tuple(sorted(fields.items()))),))
         staged.staged_config = lambda m, k, group_size, bits, _=None: chosen(m, k, group_size, bits, layouts)
         calls._compiled.cache_clear()  # the traced launches hold their layouts
     try:

@@ -46,8 +46,8 @@ from engine.kernels.quantized_gemv.layer import (
     one_launch,
     retyped,
 )
+from engine.kernels.quantized_gemv.layouts import StagedLayouts
 from engine.kernels.quantized_gemv.source import input_names, kernel_source, launch_bounds, output_names
-from engine.kernels.quantized_gemv.staged import StagedLayouts
 
 __all__ = [
     "BITS",

@@ -21,6 +21,7 @@ import mlx.nn as nn
 from engine.kernels.quantized_gemv import staged
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import LaunchConfig, Launches, launch_config
+from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
 
 MAX_ROWS = 64  # the kernel's limit
 BITS = (4, 8)
@@ -70,7 +71,7 @@ def quantized_matmuls(
     config: LaunchConfig | staged.StagedConfig | None = None,
     *,
     launches: Launches = {},
-    layouts: staged.StagedLayouts = staged.NO_LAYOUTS,
+    layouts: StagedLayouts = NO_LAYOUTS,
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
     gated: bool = False,
@@ -223,7 +224,7 @@ def _compiled(
     fusion: Fusion = Fusion(),
     eps: float = 0.0,
     launches: frozenset = frozenset(),
-    layouts: staged.StagedLayouts = staged.NO_LAYOUTS,
+    layouts: StagedLayouts = NO_LAYOUTS,
 ):
     # Traced once per input shape: later calls skip building the kernel call (template list, source text) on
     # the host, at hundreds of calls a decode step.
@@ -272,7 +273,7 @@ def run_kernel(
     fusion = Fusion.of(residual, gated, norm_scale, norm_out, prenormed)
     extra = _stage_arrays(norm, residual, norm_out, prenormed)  # eps is a constant of the trace
     launches = getattr(first, "launches", frozenset())
-    layouts = getattr(first, "layouts", staged.NO_LAYOUTS)
+    layouts = getattr(first, "layouts", NO_LAYOUTS)
     run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed), launches, layouts)
     ys = run(x, *arrays, *extra)
     return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from engine.kernels.dequantize import dequantize as kernel_dequantize
 from engine.kernels.quantized_gemv.calls import dense_matmul, mlx_dequantize, run_kernel, weight_refusal, with_bias
 from engine.kernels.quantized_gemv.launch import Launches
-from engine.kernels.quantized_gemv.staged import NO_LAYOUTS, StagedLayouts
+from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
 
 LAYER_MAX_ROWS = 64
 LAYER_MIN_OUTPUTS = 2048  # the default of KernelConfig.gemv_min_outputs
