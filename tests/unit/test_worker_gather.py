@@ -11,7 +11,7 @@ from engine.kernels import EXACT, FAST
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
 from engine.server.main import ServeConfig
-from engine.server.worker import FAST_GATHER_MS, Ended, EngineWorker, Stream
+from engine.server.worker import FAST_GATHER_MS, Ended, EngineWorker, Rejected, Stream
 
 STOP = StopCriteria(max_tokens=2, ignore_eos=True)
 
@@ -41,7 +41,10 @@ def prefill_groups(tiny_path, gather_s: float, late_s: float = 0.02) -> list[int
         time.sleep(late_s)
         for i in range(1, 4):
             submit(i)
-        while any(not r.kept or not isinstance(r.kept[-1], Ended) for r in streams):
+        deadline = time.monotonic() + 120  # a request refused or stuck ends the test, not the run
+        while time.monotonic() < deadline and not all(
+            r.kept and isinstance(r.kept[-1], (Ended, Rejected)) for r in streams
+        ):
             time.sleep(0.01)
         worker.stop()
 
@@ -50,6 +53,7 @@ def prefill_groups(tiny_path, gather_s: float, late_s: float = 0.02) -> list[int
     thread.start()
     worker.run()
     thread.join()
+    assert all(isinstance(r.kept[-1], Ended) for r in streams), [r.kept[-1:] for r in streams]
     return sorted(shape[1] for shape in gateway.batcher.shapes if shape[0] == "prefill")
 
 
