@@ -59,17 +59,17 @@ def check_tier(tier: str) -> None:
 class KernelConfig:
     """The kernel tier and the fast tier's settings.
 
-    `tier`: `exact` (MLX's operations, bit-exact with mlx-lm), `fast` (the engine's CUDA kernels) or `auto`
-    (fast where it runs and its numerics gate passed for the model's family, else exact). The rest only
-    matter to the fast tier: the stages inside the GEMV launches, one-row launch shapes by (rows, K) in
-    place of the measured table, the staged launches' layouts by row count in place of `staged_config`'s, which decode kernels run, the prompt-chunk rows from which a layer
-    dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
-    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether
-    a prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by
-    operation, up to how many tokens a verify window or prompt chunk runs each DeltaNet layer's core as
-    one launch of the scan kernel (0: off), whether the dense prompt chunks' dequantized weights are made
-    once and kept (the memory of every such weight in its scales' dtype) instead of made anew each chunk, and
-    whether they are made by the engine's dequantization kernel (the same values as MLX's) instead of MLX's.
+    `tier`: `exact` (MLX's operations, bit-exact with mlx-lm), `fast` (the engine's CUDA kernels) or `auto` (fast where
+    it runs and its numerics gate passed for the model's family, else exact). The rest only matter to the fast tier: the
+    stages inside the GEMV launches, one-row launch shapes by (rows, K) in place of the measured table, the staged
+    launches' layouts by row count in place of `staged_config`'s, which decode kernels run, the prompt-chunk rows from
+    which a layer dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
+    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether a prompt
+    chunk runs each layer as compiled calls (as a decode step does) rather than operation by operation, up to how many
+    tokens a verify window or prompt chunk runs each DeltaNet layer's core as one launch of the scan kernel (0: off),
+    whether the dense prompt chunks' dequantized weights are made once and kept (the memory of every such weight in its
+    scales' dtype) instead of made anew each chunk, and whether they are made by the engine's dequantization kernel (the
+    same values as MLX's) instead of MLX's.
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -100,8 +100,9 @@ class KernelConfig:
     @classmethod
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
-        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL (0 or 1), ENGINE_SCAN_TOKENS (a count),
-        ENGINE_KEEP_DENSE and ENGINE_DEQUANT_KERNEL (0 or 1) where they are set; ValueError for a value they cannot take."""
+        ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL
+        (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE and ENGINE_DEQUANT_KERNEL (0 or 1) where they are
+        set; ValueError for a value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         return cls(
             tier=tier,

@@ -8,8 +8,9 @@ write. Here a thread reads UNITS 16-byte runs of packed words (32 values each at
 writes each run's values as 16-byte vectors; a block's runs are consecutive, so every load and store is
 coalesced.
 
-The values are MLX's bit for bit: each is `scale * q + bias` in the scales' dtype, the product rounded and
-then the sum (`__hmul2` then `__hadd2`, the operations MLX's `scale * T(q) + bias` makes of each value).
+The values are MLX's bit for bit: each is `scale * q + bias` in the scales' dtype, written as MLX's kernel writes
+it (`__hmul2` then `__hadd2`, the operations of its `scale * T(q) + bias`), so ptxas compiles both alike: one
+fused multiply-add a value on sm_90 (HFMA2.BF16_V2 in both), the product and the sum rounded apart on sm_80.
 The kernel takes 4- and 8-bit weights whose rows are whole runs and whose groups hold whole runs, with
 bfloat16 or float16 scales; anything else, or a process off CUDA, gets `mx.dequantize`.
 """
@@ -67,7 +68,8 @@ _SOURCE = r"""
       for (int j = 0; j < PW / 2; ++j) {
         // values 2j and 2j + 1 of word i (value v: bits [v * BITS, (v + 1) * BITS), MLX's packing)
         constexpr uint32_t MASK = (1u << BITS) - 1;
-        const auto q = engine_dq_ints(scales, (word[i] >> (2 * j * BITS)) & MASK, (word[i] >> ((2 * j + 1) * BITS)) & MASK);
+        const uint32_t lo = (word[i] >> (2 * j * BITS)) & MASK, hi = (word[i] >> ((2 * j + 1) * BITS)) & MASK;
+        const auto q = engine_dq_ints(scales, lo, hi);
         const auto v = __hadd2(__hmul2(scale, q), bias);
         pairs[i * PW / 2 + j] = *reinterpret_cast<const uint32_t*>(&v);
       }
@@ -107,7 +109,9 @@ def kernel_refusal(w: mx.array, scales: mx.array, group_size: int, bits: int) ->
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
     """`mx.dequantize(w, scales, biases, group_size, bits)`: through the kernel on CUDA where it takes the
     weights (the same values bit for bit), else MLX's operation."""
-    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu) or kernel_refusal(w, scales, group_size, bits):
+    from engine.kernels import on_cuda  # the package imports this module before it defines on_cuda
+
+    if not on_cuda() or kernel_refusal(w, scales, group_size, bits):
         return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
     return dequantize_kernel(w, scales, biases, group_size, bits)
 

@@ -79,16 +79,16 @@ def quantized_matmuls(
     norm_out: mx.array | None = None,
     prenormed: tuple[mx.array, float] | None = None,
 ) -> list[mx.array]:
-    """x [..., K] bf16 times each quantized [N_i, K] matrix, transposed, in one launch: [..., N_i] bf16 each
-    (CUDA only). Each result equals this call's for that matrix alone. `config` overrides `launch_config`
-    (and `launches`, its one-row table) or `staged.staged_config` (and `layouts`, its changes by row count). In the same launch (`Fusion`), to rounding what the separate
-    operations give: `residual` ([..., N], one matrix) is added to the product; `gated` (two matrices of
-    equal rows, gate and up) gives one result, silu(gate product) * up product; `norm_scale` with `norm`
-    (weight [K], eps) multiplies by the RMS norm of x, `mx.fast.rms_norm(x, weight, eps)`, taken after the
-    products. `norm_out` (the next norm's weight [N], one matrix) adds two results for the launch that takes
-    that norm: the result times the weight ([..., N] bf16) and the blocks' parts of each row's sum of squares
-    ([M, blocks] float32); `prenormed` (those parts, the norm's eps) is that launch, x being the result times
-    the weight: together, `norm=(weight, eps), norm_scale=True` on the first launch's result, to rounding."""
+    """x [..., K] bf16 times each quantized [N_i, K] matrix, transposed, in one launch: [..., N_i] bf16 each (CUDA
+    only). Each result equals this call's for that matrix alone. `config` overrides `launch_config` (and `launches`, its
+    one-row table) or `staged.staged_config` (and `layouts`, its changes by row count). In the same launch (`Fusion`),
+    to rounding what the separate operations give: `residual` ([..., N], one matrix) is added to the product; `gated`
+    (two matrices of equal rows, gate and up) gives one result, silu(gate product) * up product; `norm_scale` with
+    `norm` (weight [K], eps) multiplies by the RMS norm of x, `mx.fast.rms_norm(x, weight, eps)`, taken after the
+    products. `norm_out` (the next norm's weight [N], one matrix) adds two results for the launch that takes that norm:
+    the result times the weight ([..., N] bf16) and the blocks' parts of each row's sum of squares ([M, blocks]
+    float32); `prenormed` (those parts, the norm's eps) is that launch, x being the result times the weight: together,
+    `norm=(weight, eps), norm_scale=True` on the first launch's result, to rounding."""
     k = x.shape[-1]
     m = x.size // k
     if norm_scale and norm is None:
