@@ -94,7 +94,7 @@ def _auto_positive(text: str) -> int | None:
 
 
 def _budget(text: str) -> int | None:
-    """--prefill-budget: None for auto, 0 for off, else the tokens."""
+    """--prefill-budget and --prefill-budget-idle: None for auto, 0 for off, else the tokens."""
     if text in ("auto", "off"):
         return None if text == "auto" else 0
     return _positive(text)
@@ -299,6 +299,15 @@ def _add_serve(sub) -> None:
         help="prompt tokens all prefilling requests take in one step, shared equally, so that a burst "
         "of long prompts cannot hold decoding rows for long (auto, the default: --prefill-chunk on the "
         "fast tier; off on the exact tier: --prefill-chunk each, as mlx-lm)",
+    )
+    p.add_argument(
+        "--prefill-budget-idle",
+        type=_budget,
+        default=None,
+        metavar="auto|off|N",
+        help="the same while no request decodes (no row waits behind the forward), if larger: a burst "
+        "reaching an idle server prefills in fewer, larger forwards (auto, the default: twice "
+        "--prefill-budget on the fast tier; off: --prefill-budget)",
     )
     p.add_argument(
         "--prefill-itl",
@@ -549,6 +558,7 @@ def cmd_serve(args) -> int:
             prefill_groups=args.prefill_groups,
             prefill_batch=args.prefill_batch,
             prefill_budget=args.prefill_budget,
+            idle_prefill_budget=args.prefill_budget_idle,
             prefill_itl=args.prefill_itl,
             gather_ms=args.gather_ms,
             warmup=args.warmup,

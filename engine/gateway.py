@@ -60,6 +60,10 @@ FAST_PREFILL_BATCH = 32
 # The fast tier's prefill pacing (`engine.batch.pacing`): with rows decoding (and no more prompts waiting than
 # them), the gap between two of a row's tokens with a prefill in it is at most this many decode steps.
 FAST_PREFILL_ITL = 3.0
+# The fast tier's prefill budget while no row decodes, as a multiple of its budget: a qwen27b prefill forward on
+# the H200 has a fixed cost of ~100 ms, and the rate grows with its tokens to ~4K (32x64: 6,515 prompt tok/s,
+# 32x128: 7,813), so an idle burst of 32 128-token prompts is one forward, not two.
+IDLE_BUDGET_FACTOR = 2
 
 
 # the caches spec rows roll back per row (`BatchKVCache.trim_rows`, `RecurrentCache.keep_traced_rows`)
@@ -83,6 +87,7 @@ class GatewayConfig:
     prefill_buckets: tuple[int, ...] = ()  # its prefill chunk lengths, padded up to one of them; (): any
     prefill_groups: tuple[int, ...] = ()  # its prefill group sizes, filled with ghost joiners up to one; (): any
     prefill_budget: int | None = None  # its prompt tokens an iteration, all joiners (SchedulerConfig)
+    idle_prefill_budget: int | None = None  # the same while no row decodes (SchedulerConfig)
     prefill_itl: float | None = None  # prefill pacing's ratio beside decoding rows (`PacingConfig`); None: none
     spec_batch: bool = False  # speculation runs as spec rows in the continuous batch where it can (`--spec-batch`)
 
@@ -104,6 +109,7 @@ class GatewayConfig:
             prefill_batch=self.prefill_batch,
             kv_budget_bytes=self.kv_budget,
             prefill_budget=self.prefill_budget,
+            idle_prefill_budget=self.idle_prefill_budget,
             chunk_buckets=self.prefill_buckets,
         )
 
@@ -123,6 +129,7 @@ class GatewayConfig:
         prefill_buckets: tuple[int, ...] | None = None,
         prefill_groups: tuple[int, ...] | None = None,
         prefill_budget: int | None = None,
+        idle_prefill_budget: int | None = None,
         prefill_itl: float | None = None,
         spec_batch: bool = False,
     ) -> GatewayConfig:
@@ -130,7 +137,7 @@ class GatewayConfig:
         known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
         power_buckets and prefill chunks to chunk_buckets, prefills up to FAST_PREFILL_BATCH prompts together,
         and its joiners share one chunk's tokens an iteration, paced beside decoding rows (FAST_PREFILL_ITL; not
-        with quantized KV); the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator, which
+        with quantized KV), IDLE_BUDGET_FACTOR times that while no row decodes; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator, which
         pads neither and gives each joiner a whole chunk). A prefill budget or pacing ratio of 0 is none."""
         fast = tier == FAST
         batch = batch or default_batch()
@@ -144,6 +151,8 @@ class GatewayConfig:
             prefill_buckets = chunk_buckets(prefill_chunk) if fast else ()
         if prefill_budget is None:
             prefill_budget = prefill_chunk if fast else 0
+        if idle_prefill_budget is None:
+            idle_prefill_budget = IDLE_BUDGET_FACTOR * prefill_budget if fast else 0
         if prefill_itl is None:  # not with quantized KV: a prompt's first chunk, the one that attends to
             # full-precision keys (mlx-lm's scheme), would be a paced piece
             prefill_itl = FAST_PREFILL_ITL if fast and kv_quantization is None else 0
@@ -159,6 +168,7 @@ class GatewayConfig:
             prefill_buckets=tuple(prefill_buckets),
             prefill_groups=tuple(prefill_groups),
             prefill_budget=prefill_budget or None,
+            idle_prefill_budget=idle_prefill_budget or None,
             prefill_itl=prefill_itl or None,
             spec_batch=spec_batch,
         )

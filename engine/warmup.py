@@ -24,9 +24,10 @@ def default_warmup() -> str:
 
 
 def longest_chunk(scheduler: SchedulerConfig, rows: int) -> int:
-    """The longest chunk each of `rows` prefilling joiners takes in one forward: its share of the prefill budget
-    (block snapshots cut no chunk: they are kept from inside the forwards)."""
-    return scheduler.chunk(rows)
+    """The longest chunk each of `rows` prefilling joiners takes in one forward: its share of the idle prefill
+    budget, where a burst reaching an idle server starts (block snapshots cut no chunk: they are kept from inside
+    the forwards; a share of the budget beside decoding rows is one of the chunk buckets up to it)."""
+    return scheduler.chunk(rows, idle=True)
 
 
 def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int, fits) -> list[list[GenerationRequest]]:

@@ -59,6 +59,9 @@ class SchedulerConfig:
     # Prompt tokens all joiners take in one iteration, shared equally (each at most prefill_chunk): a burst of
     # long prompts then holds the decoding rows for about one such forward a step. None: prefill_chunk each.
     prefill_budget: int | None = None
+    # The budget while no row decodes (no prefill holds a row's next token up): fewer, larger forwards, where a
+    # forward's fixed cost is paid once for more prompts. None: the prefill budget; it never lowers it.
+    idle_prefill_budget: int | None = None
     # The prefill forwards' chunk buckets (a forward is padded to the smallest that holds its longest chunk): with a
     # budget, a joiner's share is rounded down to the largest bucket within it, so no forward pads its chunks.
     chunk_buckets: tuple[int, ...] = ()
@@ -72,17 +75,21 @@ class SchedulerConfig:
         for name in ("max_rows", "prefill_chunk", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_budget is not None and self.prefill_budget < 1:
-            raise ValueError(f"prefill_budget must be >= 1, got {self.prefill_budget}")
+        for name in ("prefill_budget", "idle_prefill_budget"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def chunk(self, joiners: int, cap: int | None = None) -> int:
-        """Prompt tokens each of `joiners` prefilling joiners takes this iteration: its share of the budget (and of
-        `cap`, the pacer's tokens for this iteration, where smaller), rounded down to a chunk bucket where one fits
-        (31 joiners of 2048: 64 tokens each, not 66 padded to 96), up to the smallest where none does (a forward
-        pads to it anyway). A cap of 0: none."""
+    def chunk(self, joiners: int, cap: int | None = None, idle: bool = False) -> int:
+        """Prompt tokens each of `joiners` prefilling joiners takes this iteration: its share of the budget (the
+        idle budget where `idle`, no row decoding; and of `cap`, the pacer's tokens for this iteration, where
+        smaller), rounded down to a chunk bucket where one fits (31 joiners of 2048: 64 tokens each, not 66
+        padded to 96), up to the smallest where none does (a forward pads to it anyway). A cap of 0: none."""
         if cap == 0:
             return 0
-        budget = min((b for b in (self.prefill_budget, cap) if b is not None), default=None)
+        budget = self.prefill_budget
+        if idle and budget is not None and self.idle_prefill_budget is not None:
+            budget = max(budget, self.idle_prefill_budget)
+        budget = min((b for b in (budget, cap) if b is not None), default=None)
         if budget is None or joiners == 0:
             return self.prefill_chunk
         share = max(1, min(self.prefill_chunk, budget // joiners))
@@ -280,7 +287,8 @@ class Scheduler:
             admitted.append(seq)
         first = tuple(s for s in self.joiners if s.prefilled >= len(s.prompt_body))
         prefilling = [s for s in self.joiners if s.prefilled < len(s.prompt_body)]
-        size = self.config.chunk(len(prefilling), cap)
+        idle = not self.running and not first  # no row decodes beside this forward, nor right after it
+        size = self.config.chunk(len(prefilling), cap, idle)
         chunks = tuple((s, s.prompt_body[s.prefilled : s.prefilled + size]) for s in prefilling if size)
         return PrefillPlan(tuple(gone), tuple(admitted), first, chunks)
 

@@ -84,6 +84,7 @@ class ServeConfig:
         None  # prompts prefilled together; None: auto (gateway.FAST_PREFILL_BATCH on the fast tier)
     )
     prefill_budget: int | None = None  # None: auto (prefill_chunk on the fast tier); 0: off
+    idle_prefill_budget: int | None = None  # None: auto (gateway.IDLE_BUDGET_FACTOR x the budget, fast tier); 0: off
     prefill_itl: float | None = None  # None: auto (gateway.FAST_PREFILL_ITL on the fast tier); 0: off
     gather_ms: float | None = None  # EngineWorker.gather_s in ms; None: auto (FAST_GATHER_MS on the fast tier); 0: off
     warmup: str | None = None  # full, quick or off; None: warmup.default_warmup()
@@ -118,6 +119,7 @@ class ServeConfig:
             prefill_buckets=self.prefill_buckets,
             prefill_groups=self.prefill_groups,
             prefill_budget=self.prefill_budget,
+            idle_prefill_budget=self.idle_prefill_budget,
             prefill_itl=self.prefill_itl,
             spec_batch=self.spec_batch,
         )

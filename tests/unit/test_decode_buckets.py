@@ -132,6 +132,24 @@ def test_a_prefill_budget_is_shared_by_the_joiners():
         SchedulerConfig(prefill_budget=0)
 
 
+def test_with_no_row_decoding_the_joiners_share_the_idle_budget():
+    idle = SchedulerConfig(
+        prefill_chunk=2048, prefill_budget=2048, idle_prefill_budget=4096, chunk_buckets=chunk_buckets(2048)
+    )
+    # 32 prompts of 128 tokens reaching an idle server: one [32, 128] forward, not two [32, 64]
+    assert [idle.chunk(n, idle=True) for n in (1, 2, 32, 64)] == [2048, 2048, 128, 64]
+    assert [idle.chunk(n) for n in (1, 2, 32, 64)] == [2048, 1024, 64, 32]
+    assert idle.chunk(32, cap=0, idle=True) == 0
+    # it never lowers the budget, and without a budget (whole chunks each) it changes nothing
+    assert SchedulerConfig(prefill_budget=2048, idle_prefill_budget=512).chunk(8, idle=True) == 256
+    assert SchedulerConfig(prefill_chunk=16, idle_prefill_budget=24).chunk(3, idle=True) == 16
+    with pytest.raises(ValueError, match="idle_prefill_budget"):
+        SchedulerConfig(idle_prefill_budget=0)
+    fast, exact = GatewayConfig.for_tier("fast"), GatewayConfig.for_tier("exact")
+    assert fast.idle_prefill_budget == 2 * fast.prefill_budget and exact.idle_prefill_budget is None
+    assert GatewayConfig.for_tier("fast", prefill_budget=512, idle_prefill_budget=0).idle_prefill_budget is None
+
+
 def test_ghosts_leave_the_kept_caches_and_cancellations_alone(tiny_path):
     # What a finished row leaves for the prompt cache is its own caches, ghosts or not; a cancelled row
     # leaves the batch and the others' tokens stay.

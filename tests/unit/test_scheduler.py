@@ -204,3 +204,25 @@ def test_kv_projection_per_layer_kind():
     # growing KV rounds up to 256-token steps; rotating stops at the window; recurrent is fixed
     assert layout.row_bytes(100, 100) == 10 * 256 + 10 * 64 + 1000
     assert layout.row_bytes(10, 10) == 10 * 256 + 10 * 20 + 1000
+
+
+def test_joiners_take_the_idle_budget_only_while_no_row_decodes():
+    s = make_scheduler(max_rows=4, prefill_batch=2, prefill_chunk=16, prefill_budget=8, idle_prefill_budget=16)
+    for rid in "ab":
+        s.submit(make_request(rid, prompt_len=20), 0)
+    plan = s.schedule_prefill()  # nothing decodes: 16 tokens shared
+    assert [len(c) for _, c in plan.chunks] == [8, 8]
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()
+    assert [len(c) for _, c in plan.chunks] == [8, 8]
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()
+    assert [len(c) for _, c in plan.chunks] == [3, 3]  # 19 tokens each before the last
+    s.update_prefill(plan)
+    plan = s.schedule_prefill()  # both through: token 0, then they decode
+    assert [q.request_id for q in plan.first_tokens] == ["a", "b"] and not plan.chunks
+    s.update_first_tokens({"a": GeneratedToken(100), "b": GeneratedToken(100)})
+    for rid in "cd":
+        s.submit(make_request(rid, prompt_len=20), 0)
+    plan = s.schedule_prefill()  # "a" and "b" decode beside these: the budget's 8 tokens shared
+    assert [(q.request_id, len(c)) for q, c in plan.chunks] == [("c", 4), ("d", 4)]

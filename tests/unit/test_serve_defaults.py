@@ -86,16 +86,18 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
 
 
 @pytest.mark.parametrize(
-    "block, warmup_requests",
+    "block, idle, warmup_requests",
     [
         # 5 chunk buckets and a prompt of two 64-token chunks and a 16-token one, then groups: 2 prompts of 16-32
         # tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
-        (0, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        (0, None, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
         # block snapshots every 24 tokens cut no chunk (kept from inside the forwards): the same warm-up
-        (24, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        (24, None, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        # an idle budget of 128: the groups take longer chunks, 2 prompts of 16-64 tokens, 3 of 16-32, 5 of 16-24
+        (0, 128, 2 + 8 + 5 + 1 + 2 * 5 + 3 * 3 + 5 * 2),
     ],
 )
-def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warmup_requests):
+def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, idle, warmup_requests):
     # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
     # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
     # length, arriving at once, runs only the warm-up's forward shapes, with the prompt cache's block snapshots
@@ -105,6 +107,7 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, warm
         batch=8,
         prefill_chunk=64,
         prefill_budget=64,
+        idle_prefill_budget=idle,
         decode_buckets=power_buckets(8),
         prefill_buckets=chunk_buckets(64),
         prefill_groups=(1, 2, 4, 8),
