@@ -7,11 +7,11 @@
 
 A shape GxL is a prefill group of G prompts taking L-token chunks, as the continuous batcher runs it (the
 batched caches, one forward of [G, L] a chunk); `--chunks` chunks follow each other on the same caches (a
-hybrid model's prompt is cut at every `--prompt-cache-block` tokens, 256 by default, so a 1K prompt is four
-1x256 forwards). Each shape is compiled by one untimed pass, then timed `--reps` times on fresh caches: the
-wall time of each chunk's forward to its evaluated caches (`--clear`: MLX's buffer cache emptied after each
-chunk, as mlx-lm's and the batcher's prefill do; `--interleave`: the shapes in turn, as a server's iterations
-mix them). `--ncu` instead runs one pass between markers (`prefill_GxL`) for `step_kernels --summarize`.
+prompt longer than `engine serve --prefill-chunk`, 2048 by default, is such chunks). Each shape is compiled by
+one untimed pass, then timed `--reps` times on fresh caches: the wall time of each chunk's forward to its
+evaluated caches (`--clear`: MLX's buffer cache emptied after each chunk, as mlx-lm's and the batcher's prefill
+do; `--interleave`: the shapes in turn, as a server's iterations mix them). `--ncu` instead runs one pass
+between markers (`prefill_GxL`) for `step_kernels --summarize`.
 """
 
 from __future__ import annotations
