@@ -55,7 +55,7 @@ def main() -> None:
     for (n, k), layers in sorted(linear_shapes(spec).items(), key=lambda item: -item[0][0] * item[0][1]):
         r = row(n, k, layers, q.bits, q.group_size, cfg)
         rows.append(r)
-        rate = {side: r["mb_moved"] / r[side] / 1e3 for side in totals if r.get(side)}
+        rate = {side: r["mb_moved"] / r[side] * 1e3 for side in totals if r.get(side)}
         for side in totals:
             totals[side] += (r.get(side) or 0.0) * layers
         kernel = f"{r['kernel_us']:.1f} us ({rate['kernel_us']:.0f} GB/s)" if r["kernel_us"] else r["note"]
