@@ -163,3 +163,21 @@ def test_the_full_gate_with_the_greedy_part_over_every_trained_model(tiny_path, 
     rc = harness_main(["kernels", "--gate-model", "tiny-qwen3", "--gate-rows", "1,2", "--force", "--json", str(out)])
     gate = json.loads(out.read_text())["gate"]
     assert rc == (0 if gate["passed"] else 1) and gate["greedy"]
+
+
+def test_sequences_of_one_length_share_a_reference_forward(tiny_path, monkeypatch):
+    # Batched by length and start (here two at a time), each row's reference is its own forward's.
+    from harness.kernels import float_reference
+
+    path = tiny_path("tiny-qwen35-4bit")
+    seqs = [list(range(3 + i, 30 + i)) for i in range(3)] + [list(range(9, 20))]
+    starts = [20, 20, 20, 5]
+    monkeypatch.setattr(float_reference, "BATCH_TOKENS", 2 * 27)
+    batched = float_reference._in_process(path, seqs, starts, 4)
+    model, _ = load_model(path)
+    to_float32(model)
+    for seq, start, got in zip(seqs, starts, batched):
+        want = forward_logits(model, seq, start, 4)
+        assert got.shape == want.shape
+        # measured: equal on the CPU
+        assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
