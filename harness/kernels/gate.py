@@ -19,6 +19,7 @@ positions its mean KL is at most `KL_RATIO` times the exact tier's plus
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,10 +145,31 @@ def score(reference: mx.array, tier: mx.array) -> TierScore:
     )
 
 
-def greedy(model: nn.Module, ids: Sequence[int], steps: int) -> tuple[list[int], mx.array]:
-    """One row decoded greedily: its tokens and the logits [steps, V] that chose them."""
-    cache = model.make_cache()
-    inputs = prefill(model, cache, mx.array(list(ids)))[None]
+@dataclass
+class Prefilled:
+    """A prompt prefilled alone: its caches (left as they were: each use decodes on a copy) and last id."""
+
+    cache: list
+    last: int
+
+    @classmethod
+    def of(cls, model: nn.Module, ids: Sequence[int]) -> Prefilled:
+        cache = model.make_cache()
+        last = prefill(model, cache, mx.array(list(ids))).item()
+        return cls(cache, last)
+
+    def copy(self) -> list:
+        return copy.deepcopy(self.cache)
+
+
+def greedy(
+    model: nn.Module, ids: Sequence[int], steps: int, start: Prefilled | None = None
+) -> tuple[list[int], mx.array]:
+    """One row decoded greedily (from `start`, the prompt prefilled, where given): its tokens and the logits
+    [steps, V] that chose them."""
+    start = start or Prefilled.of(model, ids)
+    cache = start.copy()
+    inputs = mx.array([[start.last]])
     tokens, logits = [], []
     for _ in range(steps):
         out = model(inputs, cache)[0, -1].astype(mx.float32)
@@ -158,17 +180,20 @@ def greedy(model: nn.Module, ids: Sequence[int], steps: int) -> tuple[list[int],
     return tokens, mx.stack(logits)
 
 
-def forced(model: nn.Module, prompts: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> list[mx.array]:
+def forced(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]],
+    starts: Sequence[Prefilled | None] = (),
+) -> list[mx.array]:
     """The logits [steps, V] of each prompt's row fed `tokens` after it, all rows decoding as one batch: each
-    prompt prefilled on its own, the rows' caches merged (left-padded, as the continuous batcher joins rows),
-    then one token a row a step. One prompt decodes on plain caches, as the serial lane does."""
-    singles, last = [], []
-    for ids in prompts:
-        cache = model.make_cache()
-        last.append(prefill(model, cache, mx.array(list(ids))).item())
-        singles.append(cache)
+    prompt prefilled on its own (or taken from `starts`, prefilled so by this model and tier), the rows' caches
+    merged (left-padded, as the continuous batcher joins rows), then one token a row a step. One prompt decodes
+    on plain caches, as the serial lane does."""
+    starts = [s or Prefilled.of(model, ids) for ids, s in zip(prompts, starts or [None] * len(prompts))]
+    singles = [s.copy() for s in starts]
     cache = singles[0] if len(prompts) == 1 else merge_rows(singles)
-    inputs = mx.array([[t] for t in last])
+    inputs = mx.array([[s.last] for s in starts])
     steps = len(tokens[0])
     out = []
     for i in range(steps):
@@ -199,10 +224,13 @@ def run_gates(
     specs = {r: gate_prompts(r, vocab, lengths, seed) for r in rows}
     unique = list(dict.fromkeys(spec for r in rows for spec in specs[r]))
     prompts = {spec: frozen_prompt_ids(spec[0], vocab, spec[1]) for spec in unique}
-    tokens, alone = {}, {}
+    tokens, alone, prefilled = {}, {}, {}  # prefilled: the exact tier's prompts, for its forced runs at many rows
     for i, spec in enumerate(unique):
         say(f"exact tier: greedy continuation {i + 1}/{len(unique)} ({spec[0]}-id prompt)")
-        tokens[spec], logits = greedy(model, prompts[spec], steps)
+        start = Prefilled.of(model, prompts[spec])
+        if any(r > 1 and spec in specs[r] for r in rows):
+            prefilled[spec] = start
+        tokens[spec], logits = greedy(model, prompts[spec], steps, start)
         if 1 in rows:
             alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
     say(f"float32 reference ({len(unique)} sequences)")
@@ -217,21 +245,25 @@ def run_gates(
     exact = {1: {spec: score(refs[spec], logits) for spec, logits in alone.items()}} if 1 in rows else {}
     del alone
 
-    def scored(r: int, tier: str) -> dict:
+    def scored(r: int, tier: str, starts: dict) -> dict:
         out = {}
         for b in range(0, len(specs[r]), r):
             batch = specs[r][b : b + r]
             say(f"{tier} tier: {r} row{'s' * (r > 1)} forced, batch {b // r + 1}/{len(specs[r]) // r}")
-            for spec, logits in zip(batch, forced(model, [prompts[s] for s in batch], [tokens[s] for s in batch])):
+            runs = forced(
+                model, [prompts[s] for s in batch], [tokens[s] for s in batch], [starts.get(s) for s in batch]
+            )
+            for spec, logits in zip(batch, runs):
                 out[spec] = score(refs[spec], logits)
         return out
 
     for r in rows:
         if r > 1:
-            exact[r] = scored(r, EXACT)
+            exact[r] = scored(r, EXACT, prefilled)
+    del prefilled
     fast_set = install(model, fast, family=config.get("model_type"))
     try:
-        fast_scores = {r: scored(r, FAST) for r in rows}
+        fast_scores = {r: scored(r, FAST, {}) for r in rows}
     finally:
         install(model, KernelConfig(EXACT))
     return [

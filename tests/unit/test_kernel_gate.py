@@ -13,7 +13,7 @@ from engine.kernels.quantized_gemv import Fusion
 from engine.loading import load_model
 from harness.cli import main as harness_main
 from harness.kernels.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
-from harness.kernels.gate import TierScore, gate_prompts, run_gate, score
+from harness.kernels.gate import Prefilled, TierScore, forced, gate_prompts, greedy, run_gate, score
 
 FAST_ANYWHERE = KernelConfig(FAST, force=True)
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen35", "tiny-gemma3")
@@ -181,3 +181,17 @@ def test_sequences_of_one_length_share_a_reference_forward(tiny_path, monkeypatc
         assert got.shape == want.shape
         # measured: equal on the CPU
         assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
+def test_forced_runs_from_kept_prefills_give_the_same_logits(tiny_path):
+    # The exact tier's prompts prefilled once for its greedy run serve its forced runs at many rows: each use
+    # decodes on a copy, so the same logits as prompts prefilled anew, bit for bit, and a second use as the first.
+    model, _ = load_model(tiny_path("tiny-qwen35-4bit"))
+    prompts = [list(range(3, 30)), list(range(9, 20))]
+    starts = [Prefilled.of(model, p) for p in prompts]
+    tokens = [greedy(model, p, 5, s)[0] for p, s in zip(prompts, starts)]
+    assert tokens[0] == greedy(model, prompts[0], 5)[0]
+    anew = forced(model, prompts, tokens)
+    for _ in range(2):
+        kept = forced(model, prompts, tokens, starts)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(anew, kept))
