@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | layouts
+#                         | census | lane | prefill | first | dequant | switch | layouts
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -32,6 +32,7 @@
 #            again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
+#   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1 RW=1,W=8 RW=1,W=4,MG=2"),
 #            GATE_LAYOUT (32,64:RW=1): decode steps with each layout against the tree's, then the numerics gate
 #            at 32 and 64 rows with ENGINE_STAGED_LAYOUT=GATE_LAYOUT
@@ -42,6 +43,12 @@ PART=${PART:-tests}
 mkdir -p "$OUT"
 
 synth() { [ -f "$ENGINE_HARNESS_CACHE/models/qwen27b-s0/manifest.json" ] || python3 -m harness models synth qwen27b; }
+switch_prefill() {  # prefill forwards (SHAPES) with the switch $1 at 0, 1, 0, 1: one process each
+  for v in 0 1 0 1; do
+    echo "$1=$v"
+    env "$1=$v" python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" --chunks 1 --reps 3
+  done
+}
 
 case "$PART" in
   tests)
@@ -137,11 +144,11 @@ case "$PART" in
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth
     { python3 -m tools.gpu.dequant_speed --model qwen27b
-      for v in 0 1 0 1; do
-        echo "ENGINE_DEQUANT_KERNEL=$v"
-        ENGINE_DEQUANT_KERNEL=$v python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" \
-            --chunks 1 --reps 3
-      done; } 2>&1 | tee "$OUT/qwen27b-dequant.txt"
+      switch_prefill ENGINE_DEQUANT_KERNEL; } 2>&1 | tee "$OUT/qwen27b-dequant.txt"
+    ;;
+  switch)  # whole prefill forwards with an engine switch off and on, twice
+    synth
+    switch_prefill "${SWITCH:?SWITCH names the switch, e.g. ENGINE_KEEP_DENSE}" 2>&1 | tee "$OUT/qwen27b-$SWITCH.txt"
     ;;
   layouts)  # staged layouts at many rows: step times against the tree's, then the gate with one of them
     synth
@@ -152,6 +159,6 @@ case "$PART" in
     ENGINE_STAGED_LAYOUT="${GATE_LAYOUT:-32,64:RW=1}" python3 -m harness kernels --gate-model qwen27b \
         --gate-rows 32,64 --json "$OUT/qwen27b-layout-gate.json" 2>&1 | tee "$OUT/qwen27b-layout-gate.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant or layouts (got '$PART')" >&2
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch or layouts (got '$PART')" >&2
      exit 2 ;;
 esac
