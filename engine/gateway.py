@@ -137,8 +137,9 @@ class GatewayConfig:
         known): the batch cap `default_batch`; the fast tier pads decode rows and prefill groups to
         power_buckets and prefill chunks to chunk_buckets, prefills up to FAST_PREFILL_BATCH prompts together,
         and its joiners share one chunk's tokens an iteration, paced beside decoding rows (FAST_PREFILL_ITL; not
-        with quantized KV), IDLE_BUDGET_FACTOR times that while no row decodes; the exact tier does none of it (it stays bit-exact with mlx-lm's BatchGenerator, which
-        pads neither and gives each joiner a whole chunk). A prefill budget or pacing ratio of 0 is none."""
+        with quantized KV), IDLE_BUDGET_FACTOR times that while no row decodes; the exact tier does none of it (it
+        stays bit-exact with mlx-lm's BatchGenerator, which pads neither and gives each joiner a whole chunk). A
+        prefill budget, idle budget or pacing ratio of 0 is none."""
         fast = tier == FAST
         batch = batch or default_batch()
         pads = fast and kv_quantization is None and batch > 1
