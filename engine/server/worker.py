@@ -374,6 +374,9 @@ class EngineWorker:
                 "waiting_tokens": sum(self._waiting.values()),
                 "kv_bytes": kv_bytes,
                 "kv_budget_bytes": gateway.config.kv_budget,
+                # prompt tokens all prefilling requests take a step, beside decoding rows and with none (None: a chunk each)
+                "prefill_budget": gateway.config.prefill_budget,
+                "idle_prefill_budget": gateway.config.idle_prefill_budget,
                 # prefill pacing beside decoding rows (`--prefill-itl`): its ratio and what it has measured
                 "prefill_pacing": batcher.pacer.as_record() if batcher is not None and batcher.pacer else None,
                 "gather_ms": self.gather_s * 1e3,  # `--gather-ms`: how long an idle engine gathers a burst

@@ -14,3 +14,9 @@ def test_a_requests_end_is_in_the_snapshot_before_the_next_refresh(tiny_path):
     worker.record_end(RequestResult("r", Lane.SERIAL, FinishReason.LENGTH, prompt_tokens=5, generated_tokens=8))
     assert worker.snapshot["totals"]["completion_tokens"] == 8 and worker.snapshot["totals"]["completed"] == 1
     assert "batch" in worker.snapshot  # the rest of the snapshot stays
+
+
+def test_the_snapshot_says_the_prefill_budgets(tiny_path):
+    config = GatewayConfig(prefill_budget=512, idle_prefill_budget=1024)
+    batch = EngineWorker(Gateway(load_model(tiny_path("tiny-qwen3"))[0], config)).snapshot["batch"]
+    assert (batch["prefill_budget"], batch["idle_prefill_budget"]) == (512, 1024)
