@@ -125,22 +125,29 @@ def batch_logits(model: nn.Module, sequences: Sequence[Sequence[int]], start: in
     return logits
 
 
-def _in_process(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int) -> list[mx.array]:
-    """Each sequence's reference, the sequences of one length and start `BATCH_TOKENS` at a time a forward."""
-    model, _ = load_model(path)
-    to_float32(model)
+def batches(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[int]]:
+    """The reference's forwards: indices of sequences of one length and start, `BATCH_TOKENS` tokens at most each
+    (one sequence at least)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (seq, start) in enumerate(zip(sequences, starts)):
         groups.setdefault((len(seq), start), []).append(i)
-    out: list[mx.array | None] = [None] * len(sequences)
-    for (length, start), members in groups.items():
+    out = []
+    for (length, _), members in groups.items():
         size = max(1, BATCH_TOKENS // length)
-        for b in range(0, len(members), size):
-            batch = members[b : b + size]
-            logits = batch_logits(model, [sequences[i] for i in batch], start, count)
-            for row, i in enumerate(batch):
-                out[i] = logits[row]
-            mx.clear_cache()
+        out += [members[b : b + size] for b in range(0, len(members), size)]
+    return out
+
+
+def _in_process(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int) -> list[mx.array]:
+    """Each sequence's reference, a forward for each of `batches`."""
+    model, _ = load_model(path)
+    to_float32(model)
+    out: list[mx.array | None] = [None] * len(sequences)
+    for batch in batches(sequences, starts):
+        logits = batch_logits(model, [sequences[i] for i in batch], starts[batch[0]], count)
+        for row, i in enumerate(batch):
+            out[i] = logits[row]
+        mx.clear_cache()
     return out
 
 

@@ -32,7 +32,7 @@ from engine.generate import prefill
 from engine.kernels import EXACT, FAST, KernelConfig, install
 from engine.loading import load_model, vocab_size
 from harness.gates.parity import PROMPT_LENGTHS
-from harness.kernels.float_reference import reference_logits
+from harness.kernels.float_reference import batches, reference_logits
 from oracles.cases import frozen_prompt_ids
 
 GATE_STEPS = 64
@@ -233,15 +233,9 @@ def run_gates(
         tokens[spec], logits = greedy(model, prompts[spec], steps, start)
         if 1 in rows:
             alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
-    say(f"float32 reference ({len(unique)} sequences)")
-    refs = dict(
-        zip(
-            unique,
-            reference_logits(
-                path, [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique], steps
-            ),
-        )
-    )
+    sequences, starts = [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique]
+    say(f"float32 reference ({len(unique)} sequences, {len(batches(sequences, starts))} forwards)")
+    refs = dict(zip(unique, reference_logits(path, sequences, starts, steps)))
     exact = {1: {spec: score(refs[spec], logits) for spec, logits in alone.items()}} if 1 in rows else {}
     del alone
 

@@ -173,6 +173,7 @@ def test_sequences_of_one_length_share_a_reference_forward(tiny_path, monkeypatc
     seqs = [list(range(3 + i, 30 + i)) for i in range(3)] + [list(range(9, 20))]
     starts = [20, 20, 20, 5]
     monkeypatch.setattr(float_reference, "BATCH_TOKENS", 2 * 27)
+    assert float_reference.batches(seqs, starts) == [[0, 1], [2], [3]]
     batched = float_reference._in_process(path, seqs, starts, 4)
     model, _ = load_model(path)
     to_float32(model)
