@@ -374,7 +374,8 @@ class EngineWorker:
                 "waiting_tokens": sum(self._waiting.values()),
                 "kv_bytes": kv_bytes,
                 "kv_budget_bytes": gateway.config.kv_budget,
-                # prompt tokens all prefilling requests take a step, beside decoding rows and with none (None: a chunk each)
+                # prompt tokens all prefilling requests take a step, beside decoding rows and with none (None: a
+                # chunk each)
                 "prefill_budget": gateway.config.prefill_budget,
                 "idle_prefill_budget": gateway.config.idle_prefill_budget,
                 # prefill pacing beside decoding rows (`--prefill-itl`): its ratio and what it has measured

@@ -147,7 +147,8 @@ def score(reference: mx.array, tier: mx.array) -> TierScore:
 
 @dataclass
 class Prefilled:
-    """A prompt prefilled alone: its caches (left as they were: each use decodes on a copy) and last id."""
+    """A prompt prefilled alone: its caches and last id. `greedy` and `forced` decode on the caches they are
+    given; a prompt used again hands each use a `copy`."""
 
     cache: list
     last: int
@@ -158,8 +159,8 @@ class Prefilled:
         last = prefill(model, cache, mx.array(list(ids))).item()
         return cls(cache, last)
 
-    def copy(self) -> list:
-        return copy.deepcopy(self.cache)
+    def copy(self) -> Prefilled:
+        return Prefilled(copy.deepcopy(self.cache), self.last)
 
 
 def greedy(
@@ -168,7 +169,7 @@ def greedy(
     """One row decoded greedily (from `start`, the prompt prefilled, where given): its tokens and the logits
     [steps, V] that chose them."""
     start = start or Prefilled.of(model, ids)
-    cache = start.copy()
+    cache = start.cache
     inputs = mx.array([[start.last]])
     tokens, logits = [], []
     for _ in range(steps):
@@ -187,11 +188,11 @@ def forced(
     starts: Sequence[Prefilled | None] = (),
 ) -> list[mx.array]:
     """The logits [steps, V] of each prompt's row fed `tokens` after it, all rows decoding as one batch: each
-    prompt prefilled on its own (or taken from `starts`, prefilled so by this model and tier), the rows' caches
-    merged (left-padded, as the continuous batcher joins rows), then one token a row a step. One prompt decodes
-    on plain caches, as the serial lane does."""
+    prompt prefilled on its own (or taken from `starts`, prefilled so by this model and tier; their caches are
+    decoded on), the rows' caches merged (left-padded, as the continuous batcher joins rows), then one token a
+    row a step. One prompt decodes on plain caches, as the serial lane does."""
     starts = [s or Prefilled.of(model, ids) for ids, s in zip(prompts, starts or [None] * len(prompts))]
-    singles = [s.copy() for s in starts]
+    singles = [s.cache for s in starts]
     cache = singles[0] if len(prompts) == 1 else merge_rows(singles)
     inputs = mx.array([[s.last] for s in starts])
     steps = len(tokens[0])
@@ -230,7 +231,7 @@ def run_gates(
         start = Prefilled.of(model, prompts[spec])
         if any(r > 1 and spec in specs[r] for r in rows):
             prefilled[spec] = start
-        tokens[spec], logits = greedy(model, prompts[spec], steps, start)
+        tokens[spec], logits = greedy(model, prompts[spec], steps, start.copy() if spec in prefilled else start)
         if 1 in rows:
             alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
     sequences, starts = [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique]
@@ -245,7 +246,10 @@ def run_gates(
             batch = specs[r][b : b + r]
             say(f"{tier} tier: {r} row{'s' * (r > 1)} forced, batch {b // r + 1}/{len(specs[r]) // r}")
             runs = forced(
-                model, [prompts[s] for s in batch], [tokens[s] for s in batch], [starts.get(s) for s in batch]
+                model,
+                [prompts[s] for s in batch],
+                [tokens[s] for s in batch],
+                [starts[s].copy() if s in starts else None for s in batch],
             )
             for spec, logits in zip(batch, runs):
                 out[spec] = score(refs[spec], logits)

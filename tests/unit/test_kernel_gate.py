@@ -186,13 +186,13 @@ def test_sequences_of_one_length_share_a_reference_forward(tiny_path, monkeypatc
 
 def test_forced_runs_from_kept_prefills_give_the_same_logits(tiny_path):
     # The exact tier's prompts prefilled once for its greedy run serve its forced runs at many rows: each use
-    # decodes on a copy, so the same logits as prompts prefilled anew, bit for bit, and a second use as the first.
+    # decodes on a copy, the same logits as prompts prefilled anew, bit for bit, and a second use as the first.
     model, _ = load_model(tiny_path("tiny-qwen35-4bit"))
     prompts = [list(range(3, 30)), list(range(9, 20))]
     starts = [Prefilled.of(model, p) for p in prompts]
-    tokens = [greedy(model, p, 5, s)[0] for p, s in zip(prompts, starts)]
+    tokens = [greedy(model, p, 5, s.copy())[0] for p, s in zip(prompts, starts)]
     assert tokens[0] == greedy(model, prompts[0], 5)[0]
     anew = forced(model, prompts, tokens)
     for _ in range(2):
-        kept = forced(model, prompts, tokens, starts)
+        kept = forced(model, prompts, tokens, [s.copy() for s in starts])
         assert all(mx.array_equal(a, b).item() for a, b in zip(anew, kept))
