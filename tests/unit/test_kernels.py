@@ -28,10 +28,12 @@ from engine.kernels.quantized_gemv import (
     quantized_matmul,
     quantized_matmuls,
     refusal,
+    staged,
     tile_k,
 )
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.layer import _takes
+from engine.kernels.quantized_gemv.layouts import StagedLayouts
 from engine.kernels.quantized_gemv.staged import StagedConfig, shared_request, splits, staged_config
 from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
@@ -938,13 +940,27 @@ def test_rounded_staged_kernel_runs_the_fused_stages_on_its_sums(m, stages):
             assert mx.all(mx.abs(y.astype(f32) - want) <= 2.0**-7 * mx.abs(want)).item()
 
 
+def test_the_weights_enter_rounded_from_a_batch_of_32_rows(monkeypatch):
+    # RW=1 from ROUNDED_ROWS rows of the batch, not of the launch: a window of W tokens over B rows (B x W rows)
+    # computes what the batch's one-token steps compute, so greedy speculation keeps plain decoding's tokens.
+    assert [staged_config(m, 5120, 64, 4).rounded for m in (2, 16, 31, 32, 33, 64)] == [0, 0, 0, 1, 1, 1]
+    assert staged_config(64, 5120, 64, 4, batch=8).rounded == 0
+    assert staged_config(64, 5120, 64, 4, StagedLayouts.parse("RW=0")).rounded == 0  # a layout still decides
+    monkeypatch.setattr(staged, "matmuls", lambda x, matrices, group, bits, config, *rest: config)
+    q = make_quantized(n=2048, k=5120)
+    launch = [(q.weight, q.scales, q.biases)]
+    for shape, rounded in (((8, 8, 5120), 0), ((16, 1, 5120), 0), ((32, 1, 5120), 1), ((32, 2, 5120), 1)):
+        assert quantized_matmuls(mx.zeros(shape, dtype=mx.bfloat16), launch, 64, 4).rounded == rounded, shape
+    assert quantized_matmuls(mx.zeros((40, 5120), dtype=mx.bfloat16), launch, 64, 4).rounded == 1
+
+
 def test_staged_kernel_splits_long_inputs_only():
     # K past SPLIT_K_VALUES is split into the fewest even parts of at most SPLIT_K_VALUES: qwen27b's down
     # projection (17408) in 8, its output projections (6144) in 3, the projections of its hidden state in 4.
     assert [splits(k, 128) for k in (1536, 2048, 5120, 6144, 17408)] == [1, 1, 4, 3, 8]
     assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=8)
-    assert staged_config(32, 1536, 64, 4) == StagedConfig(stages=2, splits=1)
-    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4)
+    assert staged_config(32, 1536, 64, 4) == StagedConfig(stages=2, splits=1, rounded=1)
+    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4, rounded=1)
     assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
     assert staged_takes(2, 5120, 64, 4, Fusion()) and not staged_takes(1, 5120, 64, 4, Fusion())
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())

@@ -28,9 +28,9 @@ def test_layouts_parse_print_and_refuse_what_they_cannot_take():
 
 
 def test_a_launch_takes_the_first_layout_that_names_its_rows():
-    layouts = StagedLayouts.parse("32,64:RW=1,W=4;MG=2")
+    layouts = StagedLayouts.parse("32,64:RW=0,W=4;MG=2")
     base = staged_config(64, 5120, 64, 4)
-    assert staged_config(64, 5120, 64, 4, layouts) == base.__class__(**{**vars(base), "rounded": 1, "warps": 4})
+    assert staged_config(64, 5120, 64, 4, layouts) == base.__class__(**{**vars(base), "rounded": 0, "warps": 4})
     assert staged_config(16, 5120, 64, 4, layouts).m_groups == 2  # the catch-all
     assert staged_config(16, 5120, 64, 4).m_groups == 1
     # K's split: as `splits` chooses at the layout's chunk, at most KS values a split, or S as given
@@ -69,7 +69,7 @@ def test_a_layer_s_launches_are_laid_out_by_its_layouts(monkeypatch):
     assert KernelQuantizedLinear.from_module(q, True).kernel_refusal is None
     x = mx.zeros((64, 1, 512), dtype=mx.bfloat16)
     templates = {}
-    for text in ("", "64:RW=1,W=4", "32:RW=1"):
+    for text in ("", "64:RW=0,W=4", "32:RW=0"):
         layer = KernelQuantizedLinear.from_module(q, True, layouts=StagedLayouts.parse(text))
         builds = []
         calls._compiled.cache_clear()
@@ -80,4 +80,4 @@ def test_a_layer_s_launches_are_laid_out_by_its_layouts(monkeypatch):
             calls._compiled.cache_clear()
         part = next(dict(build.template) for build, *_ in builds if build.name.startswith("engine_affine_sqmm1"))
         templates[text] = (part["RW"], part["W"])
-    assert templates == {"": (0, 2), "64:RW=1,W=4": (1, 4), "32:RW=1": (0, 2)}
+    assert templates == {"": (1, 2), "64:RW=0,W=4": (0, 4), "32:RW=0": (1, 2)}

@@ -110,7 +110,9 @@ def staged_layout(fields: dict[str, int]):
     chosen = staged.staged_config
     if fields:
         layouts = StagedLayouts((StagedLayout(None, tuple(sorted(fields.items()))),))
-        staged.staged_config = lambda m, k, group_size, bits, _=None: chosen(m, k, group_size, bits, layouts)
+        staged.staged_config = lambda m, k, group_size, bits, _=None, batch=None: chosen(
+            m, k, group_size, bits, layouts, batch
+        )
         calls._compiled.cache_clear()  # the traced launches hold their layouts
     try:
         yield

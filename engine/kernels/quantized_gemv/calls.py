@@ -111,7 +111,8 @@ def quantized_matmuls(
     # would be graph nodes the host handles at every decode step.
     extra = _stage_arrays(norm, residual, norm_out, prenormed)
     if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
-        config = config or staged.staged_config(m, k, group_size, bits, layouts)
+        batch = x.shape[0] if x.ndim > 2 else m  # a decode step's or a window's rows, whatever their tokens
+        config = config or staged.staged_config(m, k, group_size, bits, layouts, batch)
         template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
             fusion.norm_scale or fusion.prenormed
         ) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
