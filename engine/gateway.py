@@ -250,6 +250,7 @@ class Gateway:
                 config.scheduler(),
                 kv_quantization=config.kv_quantization,
                 keep_caches=self.prompt_cache is not None,
+                keep_budget=self.prompt_cache.copy_budget if self.prompt_cache is not None else None,
                 snapshot_block=config.prompt_cache_block,
                 decode_buckets=config.decode_buckets,
                 chunk_buckets=config.prefill_buckets,

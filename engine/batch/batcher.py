@@ -59,6 +59,7 @@ class ContinuousBatcher:
         config: SchedulerConfig = SchedulerConfig(),
         tap: LogitsTap | None = None,
         keep_caches: bool = False,
+        keep_budget: Callable[[], int | None] | None = None,
         kv_quantization: KVQuantization | None = None,
         decode_buckets: tuple[int, ...] = (),
         chunk_buckets: tuple[int, ...] = (),
@@ -73,6 +74,10 @@ class ContinuousBatcher:
         # the rows' KV projection for the budget: the caller's `layout` (the gateway's), else built here
         self.layout: KVLayout = layout if layout is not None else kv_layout(model, kv_quantization)
         self.keep_caches = keep_caches
+        # The prompt cache's budget (`PromptCache.copy_budget`): the boundary and block-snapshot copies held for
+        # running rows stay within it, earlier copies first (one past it would be refused on insertion or evict
+        # one that fits); None: no bound.
+        self.keep_budget = keep_budget
         # Caches that cannot rewind are reusable only at stored boundaries: keep the prompt's too, and block
         # snapshots every `snapshot_block` prompt tokens, kept from inside the prefill forwards (`keep_at`: the
         # chunks are the same as without); none where a layer that cannot rewind keeps no state inside one.
@@ -89,6 +94,7 @@ class ContinuousBatcher:
         self._prefixes: dict[str, list] = {}  # prompt-cache hits waiting for admission
         self._boundaries: dict[str, CachedPrefix] = {}  # prompt-boundary caches of running rows
         self._snapshots: dict[str, list[tuple[int, list]]] = {}  # their block snapshots (`prompt_cache.snapshot`)
+        self._copied: dict[str, int] = {}  # the bytes of each running request's boundary and snapshot copies
         self._scores: dict[str, tuple[GeneratedToken, ...]] = {}  # scored prompts, for their results
         # Prefill pacing (`engine.batch.pacing`): the last readback's time and rows, and what ran since it.
         self.pacer = PrefillPacer(pacing) if pacing is not None else None
@@ -329,20 +335,31 @@ class ContinuousBatcher:
             for p in counts:
                 if p < len(chunk):
                     layers = snapshot_at(self.runner.joiner_cache, row, p, self._snapshot_layers)
-                    own([layers])
                 else:
                     layers = snapshot(self.runner.joiner_extract(seq.request_id, self._snapshot_layers), copied=True)
+                nbytes = cache_nbytes([c for c in layers if c is not None])
+                room = self._room()
+                if room is not None and nbytes > room:
+                    continue  # the copies are not made
+                own([layers])
                 self._snapshots.setdefault(seq.request_id, []).append((seq.prefilled + p, layers))
+                self._copied[seq.request_id] = self._copied.get(seq.request_id, 0) + nbytes
+
+    def _room(self) -> int | None:
+        """The bytes of copies the prompt cache's budget still has room for beside those held (None: no bound)."""
+        budget = self.keep_budget() if self.keep_budget is not None else None
+        return None if budget is None else budget - sum(self._copied.values())
 
     def _first_tokens(self, ready: tuple[Sequence, ...]) -> None:
         snapshot = {s.request_id for s in ready if self.keep_boundaries and len(s.prompt_body) > 0}
-        output = self.runner.first_tokens([s.request_id for s in ready], snapshot)
+        output = self.runner.first_tokens([s.request_id for s in ready], snapshot, self._room())
         self._scores.update(output.scores)
         self._fail_rows(output.failures)
         seqs = {s.request_id: s for s in ready}
         for request_id, cache in output.prompts.items():
             seq = seqs[request_id]
             self._boundaries[request_id] = self._stored(seq, seq.prompt_body, cache)
+            self._copied[request_id] = self._copied.get(request_id, 0) + cache_nbytes(cache)
         firsts = self.scheduler.update_first_tokens(output.tokens)
         caches = {}
         if self.keep_caches:  # finished at token 0: only the prompt went through
@@ -404,6 +421,7 @@ class ContinuousBatcher:
         self._prefixes.pop(seq.request_id, None)
         self._full_chunks.pop(seq.request_id, None)
         boundary = self._boundaries.pop(seq.request_id, None)
+        self._copied.pop(seq.request_id, None)
         snapshots = tuple(self._snapshots.pop(seq.request_id, ()))
         scores = self._scores.pop(seq.request_id, ())
         if cache is not None and snapshots:

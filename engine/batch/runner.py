@@ -56,6 +56,7 @@ from engine.cache import (
     RecurrentCache,
     RotatingKVCache,
     cache_arrays,
+    cache_nbytes,
     own,
 )
 from engine.cache.kv import owned_copies
@@ -363,10 +364,13 @@ class BatchRunner:
         if clear_cache:
             mx.clear_cache()
 
-    def first_tokens(self, request_ids: Sequence[str], snapshot: Collection[str] = ()) -> RowTokens:
+    def first_tokens(
+        self, request_ids: Sequence[str], snapshot: Collection[str] = (), room: int | None = None
+    ) -> RowTokens:
         """Split these joiners off the group; token 0 of each from an L=1 forward of its last prompt token
         (read now). The split joiners in `snapshot` hand back a copy of their caches before that forward
-        (`RowTokens.prompts`). A split joiner whose token 0 cannot be sampled leaves the split."""
+        (`RowTokens.prompts`), in order while the copies fit in `room` bytes (None: all). A split joiner whose
+        token 0 cannot be sampled leaves the split."""
         position = {row.request_id: i for i, row in enumerate(self.joiners)}
         indices = [position[r] for r in request_ids]
         taken = set(indices)
@@ -381,11 +385,14 @@ class BatchRunner:
             self.joiners = [self.joiners[i] for i in rest]
         else:
             self.joiners, self.joiner_cache = [], None
-        prompts = {
-            row.request_id: [c.extract(i) for c in self.ready_cache]
-            for i, row in enumerate(self.ready)
-            if row.request_id in snapshot
-        }
+        prompts = {}
+        for i, row in enumerate(self.ready):
+            if row.request_id in snapshot:
+                layers = [c.extract(i) for c in self.ready_cache]  # copies, not yet made: free to drop
+                nbytes = cache_nbytes(layers)
+                if room is None or nbytes <= room:
+                    prompts[row.request_id] = layers
+                    room = None if room is None else room - nbytes
         own(prompts.values())
         inputs = mx.array([row.last_prompt_token for row in self.ready])
         logits = self._first_forward(inputs, keep_hidden=[row.hidden is not None for row in self.ready])
@@ -476,11 +483,10 @@ class BatchRunner:
         self.ready, self.ready_cache, self.ready_first = [], None, None
 
     def joiner_extract(self, request_id: str, layers: Collection[int]) -> list:
-        """A prefilling joiner's caches so far in these layers, as single-row caches (copies); None elsewhere."""
+        """A prefilling joiner's caches so far in these layers, as single-row caches (copies, not yet made:
+        `own` them to keep them); None elsewhere."""
         index = next(i for i, row in enumerate(self.joiners) if row.request_id == request_id)
-        caches = [c.extract(index) if i in layers else None for i, c in enumerate(self.joiner_cache)]
-        own([caches])
-        return caches
+        return [c.extract(index) if i in layers else None for i, c in enumerate(self.joiner_cache)]
 
     def ready_extract(self, request_id: str) -> list:
         """A split joiner's caches (prompt only), as single-row caches."""

@@ -239,6 +239,11 @@ class PromptCache:
             return 0
         return sum(self.disk.write(key, e.cache, e.snapshots, e.trimmable) for key, e in self._entries.items())
 
+    def copy_budget(self) -> int | None:
+        """The most bytes of copies worth holding for this cache at once: its RAM budget (an entry past it is
+        refused or evicts others), None with a disk tier (which takes the evicted entries)."""
+        return self.max_bytes if self.disk is None else None
+
     def insert(self, prefix: CachedPrefix) -> bool:
         """Store a finished request's caches (with its block snapshots that the caches can complete); False when
         they alone exceed the budget, or were made with another first chunk than `full_chunk` asks for."""

@@ -7,6 +7,7 @@ import pytest
 
 from engine.batch.batcher import ContinuousBatcher
 from engine.batch.scheduler import SchedulerConfig
+from engine.cache import cache_nbytes
 from engine.cache.prompt_cache import PromptCache
 from engine.gateway import Gateway, GatewayConfig
 from engine.generate import BlockSnapshots, generate, prefill
@@ -181,3 +182,45 @@ def assert_cut_states(model, prompt, snapshots, bitwise: bool):
             if kept is not None:
                 for x, y in zip(kept.state, c.state):
                     assert same(x, y, bitwise), n
+
+
+def test_the_copies_held_for_the_prompt_cache_stay_within_its_budget(exact):
+    # Four 100-token prompts in one group: unbounded, each keeps 6 block snapshots (16..96) and its boundary.
+    # Bounded, the earliest copies are made and no others (the rest would be refused by the prompt cache or
+    # evict what fits): room for 8.5 snapshots gives r0 its 6, r1 two and nobody a boundary; room for all 24
+    # and one boundary gives r0 alone its boundary.
+    prompts = {f"r{i}": SYSTEM[i * 100 : i * 100 + 100] for i in range(4)}
+
+    def run(budget):
+        held = []
+        b = ContinuousBatcher(
+            exact,
+            SchedulerConfig(max_rows=4),
+            keep_caches=True,
+            snapshot_block=16,
+            keep_budget=None if budget is None else lambda: budget,
+        )
+        sinks = {rid: CollectingSink() for rid in prompts}
+        for rid, prompt in prompts.items():
+            b.submit(req(rid, prompt), sinks[rid])
+        while b.step():
+            held.append(sum(b._copied.values()))
+        return sinks, held
+
+    sinks, _ = run(None)
+    snapshots = {rid: [n for c in s.result.caches for n, _ in c.snapshots] for rid, s in sinks.items()}
+    assert snapshots == {rid: list(range(16, 99, 16)) for rid in prompts}
+    assert all(len(s.result.caches) == 2 for s in sinks.values())  # the boundary, then the final caches
+    one = sinks["r0"].result.caches[0]  # the boundary (prompt body), its snapshots on the final entry
+    boundary = cache_nbytes(one.cache)
+    state = cache_nbytes([c for c in sinks["r0"].result.caches[1].snapshots[0][1] if c is not None])
+    assert boundary > state
+    all_six = list(range(16, 99, 16))
+    for budget, want, entries in (
+        (8 * state + state // 2, {"r0": all_six, "r1": [16, 32], "r2": [], "r3": []}, [1, 1, 1, 1]),
+        (24 * state + boundary, dict.fromkeys(prompts, all_six), [2, 1, 1, 1]),
+    ):
+        sinks, held = run(budget)
+        assert {rid: [n for c in s.result.caches for n, _ in c.snapshots] for rid, s in sinks.items()} == want
+        assert [len(s.result.caches) for s in sinks.values()] == entries  # a boundary where it fitted, then final
+        assert max(held) <= budget

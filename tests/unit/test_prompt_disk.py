@@ -193,3 +193,10 @@ def test_concurrent_writers_of_one_directory_leave_whole_entries(dense, tmp_path
     assert len(fresh.entries) == 2 and not list((tmp_path / "a").glob(".*"))
     for key in fresh.entries:
         assert fresh.read(key) is not None
+
+
+def test_copies_for_the_cache_are_bounded_by_its_budget_only_without_a_disk_tier(tmp_path):
+    # the continuous lane's copies (boundaries, block snapshots) past the RAM budget are worth making only where a
+    # disk tier takes what the budget evicts
+    assert PromptCache(1 << 20).copy_budget() == 1 << 20
+    assert PromptCache(1 << 20, DiskTier(tmp_path, "a", 1 << 30)).copy_budget() is None
