@@ -402,6 +402,8 @@ def _greedy_gate(args, fast) -> list:
 
     if args.gate_greedy is None:
         names = [spec.name for spec in all_specs(("trained",)) if is_cached(spec.name)]
+        if not names:  # said, so that a passing record without it is not read as a passed greedy part
+            stdout.print("greedy agreement: not run (no trained model has weights here: `python -m oracles.train`)")
     else:
         names = args.gate_greedy
         for name in names:

@@ -1,6 +1,7 @@
 """The gate's greedy agreement on trained models (harness.kernels.greedy_gate): the fast tier, off CUDA the chunked delta
 rule and compiled steps with a GEMV stand-in, against the exact tier's greedy paths from held-out text."""
 
+import argparse
 import json
 from functools import partial
 
@@ -103,3 +104,12 @@ def test_an_empty_gate_greedy_list_means_no_greedy_part():
     assert parse(["kernels", "--gate-model", "qwen27b", "--gate-greedy", ""]).gate_greedy == []
     assert parse(["kernels", "--gate-model", "qwen27b", "--gate-greedy", "a,b"]).gate_greedy == ["a", "b"]
     assert parse(["kernels", "--gate-model", "qwen27b"]).gate_greedy is None
+
+
+def test_the_gate_says_when_no_trained_model_is_there_for_the_greedy_part(capsys, monkeypatch):
+    import harness.kernels.cli as kernels_cli
+
+    monkeypatch.setattr(kernels_cli, "is_cached", lambda name: False)
+    args = argparse.Namespace(gate_greedy=None, gate_rows=(1,), gate_steps=8)
+    assert kernels_cli._greedy_gate(args, fast=None) == []
+    assert "greedy agreement: not run" in capsys.readouterr().out
