@@ -199,35 +199,83 @@ _BODY = r"""
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
   };
-  // Chunk c's copies into stage c % ST (rows past M or N: never read into a stored result; an mma's B column
-  // reaches only its own output column), committed as one group (empty past the last chunk).
+  // Each thread's copies of a chunk, planned once (a chunk moves every source by its k offset, never its rows):
+  // its activation rows m0 + j * XM, its weight and scale rows' sources and slots. Rows past M or N are never
+  // read into a stored result (an mma's B column reaches only its own output column); past N a row is N - 1's.
+  constexpr int XV = KC / 8;                        // 16-byte copies an activation row
+  constexpr int WV = KC / PW / 4;                   // 16-byte copies a weight row
+  constexpr int NXC = (M * XV + THREADS - 1) / THREADS;
+  constexpr int NWC = (R * WV + THREADS - 1) / THREADS;
+  constexpr int SC = 2 * R * (GC / 2);              // 4-byte copies: two groups' scales (or biases)
+  constexpr int NSC = (SC + THREADS - 1) / THREADS;
+  constexpr bool X_ROWS = THREADS % XV == 0;        // a thread's activation copies keep one column
+  constexpr int XM = X_ROWS ? THREADS / XV : 0;     // rows between them
+  auto weight_row = [&](const int slot) {  // a weight slot's row of the matrix (past N where the block ends)
+    const int r = (slot / 16) % RT;
+    return block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16;
+  };
+  const __nv_bfloat16* x_src = x + k_first + (X_ROWS ? (size_t)(threadIdx.x / XV) * K + (threadIdx.x % XV) * 8 : 0);
+  const int x_dst = X_ROWS ? (threadIdx.x / XV) * XS + (threadIdx.x % XV) * 8 : 0;
+  // Weight copies: a thread's slots lie SW apart; where that is a whole number of its warp's tiles (the default
+  // layouts at 4 bits) they keep one matrix and rows a fixed stride apart, so one source and a check against N
+  // do (a row past N is not copied), else each copy's source is kept.
+  constexpr int SW = THREADS / WV;
+  constexpr bool W_ROWS = THREADS % WV == 0 && SW % (16 * RT) == 0;
+  constexpr int NWS = W_ROWS ? 1 : NWC;            // sources kept
+  constexpr int W_STEP = W_ROWS ? SW / (16 * RT) * 16 * RTO : 0;  // rows between a thread's weight copies
+  const uint32_t* w_src[NWS];
+  int w_dst[NWS];
+  int w_row = 0;
+  #pragma unroll
+  for (int j = 0; j < NWS; ++j) {
+    const int i = threadIdx.x + j * THREADS, slot = min(i, R * WV - 1) / WV, v = i % WV;
+    const int row = weight_row(slot);
+    if (W_ROWS) w_row = row;
+    w_src[j] = tile_w((slot / 16) % RT) + (size_t)min(row, N - 1) * WORDS_PER_ROW + k_first / PW + v * 4;
+    w_dst[j] = slot * WS + v * 4;
+  }
+  const __nv_bfloat16* s_src[NSC];
+  int s_dst[NSC];
+  #pragma unroll
+  for (int j = 0; j < NSC; ++j) {
+    const int i = min(threadIdx.x + j * THREADS, SC - 1);
+    const int which = i / (R * (GC / 2)), jj = i % (R * (GC / 2));
+    const int slot = jj / (GC / 2), v = jj % (GC / 2), r = (slot / 16) % RT;
+    const size_t at = (size_t)min(weight_row(slot), N - 1) * GROUPS_PER_ROW + k_first / GS + 2 * v;
+    s_src[j] = (which ? tile_biases(r) : tile_scales(r)) + at;
+    s_dst[j] = which * R * GC + slot * GC + 2 * v;
+  }
+  // Chunk c's copies into stage c % ST, committed as one group (empty past the last chunk).
   auto issue = [&](const int c) {
     if (c < CHUNKS) {
       const int b = c % ST;
-      const size_t kc = k_first + (size_t)c * KC;
       __nv_bfloat16* sx = stage_x(b);
-      #pragma unroll 1
-      for (int i = threadIdx.x; i < M * (KC / 8); i += THREADS) {
-        const int m = i / (KC / 8), v = i % (KC / 8);
-        copy16(sx + m * XS + v * 8, x + (size_t)m * K + kc + v * 8);
+      if constexpr (X_ROWS) {
+        #pragma unroll
+        for (int j = 0; j < NXC; ++j)
+          if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
+            copy16(sx + x_dst + j * XM * XS, x_src + (size_t)j * XM * K + c * KC);
+      } else {
+        #pragma unroll 1
+        for (int i = threadIdx.x; i < M * XV; i += THREADS) {
+          const int m = i / XV, v = i % XV;
+          copy16(sx + m * XS + v * 8, x_src + (size_t)m * K + c * KC + v * 8);
+        }
       }
       uint32_t* sw = stage_w(b);
-      constexpr int WV = KC / PW / 4;               // 16-byte copies a weight row
-      #pragma unroll 1
-      for (int i = threadIdx.x; i < R * WV; i += THREADS) {
-        const int slot = i / WV, v = i % WV, r = (slot / 16) % RT;
-        const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
-        copy16(sw + slot * WS + v * 4, tile_w(r) + row * WORDS_PER_ROW + kc / PW + v * 4);
+      #pragma unroll
+      for (int j = 0; j < NWC; ++j) {
+        if constexpr (W_ROWS) {
+          if (((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) && w_row + j * W_STEP < N)
+            copy16(sw + w_dst[0] + j * SW * WS, w_src[0] + (size_t)j * W_STEP * WORDS_PER_ROW + c * (KC / PW));
+        } else if ((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) {
+          copy16(sw + w_dst[j], w_src[j] + c * (KC / PW));
+        }
       }
       __nv_bfloat16* ss = stage_s(b);
-      #pragma unroll 1
-      for (int i = threadIdx.x; i < 2 * R * (GC / 2); i += THREADS) {
-        const int which = i / (R * (GC / 2)), j = i % (R * (GC / 2));
-        const int slot = j / (GC / 2), v = j % (GC / 2), r = (slot / 16) % RT;
-        const size_t row = min(block_base + (slot / (16 * RT)) * 16 * RTO + (r % RTO) * 16 + slot % 16, N - 1);
-        const __nv_bfloat16* src = (which ? tile_biases(r) : tile_scales(r)) + row * GROUPS_PER_ROW + kc / GS + 2 * v;
-        copy4(ss + which * R * GC + slot * GC + 2 * v, src);
-      }
+      #pragma unroll
+      for (int j = 0; j < NSC; ++j)
+        if (SC % THREADS == 0 || threadIdx.x + j * THREADS < SC) copy4(ss + s_dst[j], s_src[j] + c * GC);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
