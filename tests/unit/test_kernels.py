@@ -34,7 +34,7 @@ from engine.kernels.quantized_gemv import (
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.layer import _takes
 from engine.kernels.quantized_gemv.layouts import StagedLayouts
-from engine.kernels.quantized_gemv.staged import StagedConfig, shared_request, splits, staged_config
+from engine.kernels.quantized_gemv.staged import StagedConfig, in_turn, shared_request, splits, staged_config
 from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
@@ -976,6 +976,35 @@ def test_staged_launch_asks_for_shared_memory_past_48_kb():
     assert shared_request(StagedConfig(stages=3), 64, Fusion(prenormed=True), 64, 4) == StagedConfig(
         stages=3
     ).shared_bytes(64, 64, 4)
+
+
+def test_row_blocks_in_turn_keep_their_split_s_activations():
+    # NR row blocks a block: its split's activation chunks (K / S / KC of them) stay in shared memory beside ST
+    # stages of weights, scales and biases; only split launches whose threads copy rows a whole tile apart.
+    wide = StagedConfig(warps=2, m_groups=2, splits=4, row_blocks=4)
+    x_chunk, rest = 64 * 136 * 2, 64 * 24 * 4 + 4 * 64 * 2
+    assert wide.shared_bytes(64, 64, 4, 5120) == 10 * x_chunk + 2 * rest
+    assert in_turn(wide, 64, 4) == wide and in_turn(StagedConfig(splits=4, row_blocks=2), 32, 4).row_blocks == 2
+    assert in_turn(StagedConfig(row_blocks=4), 64, 4).row_blocks == 1  # unsplit: results, not parts
+    assert in_turn(StagedConfig(splits=4, row_blocks=4), 64, 8).row_blocks == 1  # 8 copies a row: 16 rows apart
+    assert StagedLayouts.parse("64:NR=4,KS=1024").fields(64) == {"row_blocks": 4, "split_values": 1024}
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [9, 40, 64])
+@pytest.mark.parametrize("layout", [dict(row_blocks=2), dict(row_blocks=3, warps=2, m_groups=2, rounded=1)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_row_blocks_in_turn_change_no_bit(m, layout, gated):
+    # A block taking its row blocks in turn adds each row's k-tiles of its split as a block of its own does:
+    # the same parts, so the same bits (3000 rows: the last block's row blocks run past N).
+    q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
+    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
+    matrices = [(q.weight, q.scales, q.biases)] + gated * [(up.weight, up.scales, up.biases)]
+    one = StagedConfig(splits=4, **{key: v for key, v in layout.items() if key != "row_blocks"})
+    want = quantized_matmuls(x, matrices, 64, 4, one, gated=gated)
+    got = quantized_matmuls(x, matrices, 64, 4, replace(one, row_blocks=layout["row_blocks"]), gated=gated)
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b).item()
 
 
 def test_staged_m_groups_take_more_warps():

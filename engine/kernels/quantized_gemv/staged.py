@@ -41,7 +41,9 @@ class StagedConfig:
     over, blocks an SM must hold (0: as the registers allow), warps that share each row tile's activation
     blocks (`m_groups`: fewer sums a warp, more warps an SM), and how the weights enter the products
     (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
-    exact integers with float32 group sums, the register kernel's arithmetic)."""
+    exact integers with float32 group sums, the register kernel's arithmetic), and the row blocks a block takes
+    in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
+    for all of them, so fewer blocks read them from L2)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -51,6 +53,7 @@ class StagedConfig:
     min_blocks: int = 0
     m_groups: int = 1
     rounded: int = 0
+    row_blocks: int = 1
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -66,20 +69,25 @@ class StagedConfig:
             ("S", self.splits),
             ("MG", self.m_groups),
             ("RW", self.rounded),
+            ("NR", self.row_blocks),
         ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def threads(self) -> int:
         return self.warps * self.m_groups * 32
 
-    def shared_bytes(self, m: int, group_size: int, bits: int) -> int:
+    def shared_bytes(self, m: int, group_size: int, bits: int, k: int = 0) -> int:
         """Dynamic shared memory of a products' launch: `stages` chunks of the activation rows and the block's
-        weight rows, scales and biases (as the kernel's STAGE_BYTES)."""
+        weight rows, scales and biases (as the kernel's STAGE_BYTES); with row blocks in turn, every chunk of a
+        split of K's activation rows (K = `k`) and `stages` of the rest."""
         tk = tile_k(group_size, bits)
         wide = tk == 8 * (32 // bits)  # two words a lane a row (WL = 2)
         kc = self.chunk(group_size, bits) * tk
         rows = self.warps * self.row_tiles * 16
-        per_stage = 8 * -(-m // 8) * (kc + (8 if wide else 32)) * 2 + rows * (kc * bits // 32 + (8 if wide else 4)) * 4
-        return self.stages * (per_stage + 4 * rows * (kc // group_size))
+        x_chunk = 8 * -(-m // 8) * (kc + (8 if wide else 32)) * 2
+        rest = rows * (kc * bits // 32 + (8 if wide else 4)) * 4 + 4 * rows * (kc // group_size)
+        if self.row_blocks > 1:
+            return k // self.splits // kc * x_chunk + self.stages * rest
+        return self.stages * (x_chunk + rest)
 
 
 # The most k values one split adds: a longer K is split over blocks. The model's launches are dependent, so a
@@ -123,17 +131,27 @@ def staged_config(
 DEFAULT_SHARED = 48 << 10  # a block's shared memory, static and dynamic, unless its kernel asks for more
 
 
-def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int, bits: int) -> int:
+def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int, bits: int, k: int = 0) -> int:
     """The dynamic shared memory a products' launch asks MLX for: its stages, or at least DEFAULT_SHARED where
     those and the fused stages' static arrays (at most: the prenormed parts' 8 KB copy and row scales, norm_out's
     squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
     have (MLX then raises its limit)."""
-    dynamic = config.shared_bytes(m, group_size, bits)
+    dynamic = config.shared_bytes(m, group_size, bits, k)
     static = 0
     if config.splits == 1:
         out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
         static = fusion.prenormed * ((8 << 10) + 4 * m) + fusion.norm_out * 4 * out_rows * (m + 1)
     return dynamic if dynamic + static <= DEFAULT_SHARED else max(dynamic, DEFAULT_SHARED)
+
+
+def in_turn(config: StagedConfig, group_size: int, bits: int) -> StagedConfig:
+    """`config` with one row block a block (`row_blocks` 1) where the kernel cannot take several in turn: an
+    unsplit K (its blocks store results, not parts), or a thread's weight copies not a whole number of its warp's
+    tiles apart (8 bits at the default warps)."""
+    copies = config.chunk(group_size, bits) * tile_k(group_size, bits) * bits // 128  # 16-byte copies a row
+    threads = config.threads()
+    apart = threads % copies == 0 and (threads // copies) % (16 * config.row_tiles) == 0
+    return config if config.splits > 1 and apart else replace(config, row_blocks=1)
 
 
 def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
@@ -164,7 +182,14 @@ _BODY = r"""
   // Shared rows, padded so that each load phase's lanes hit distinct banks: activations (bf16) and weights (words)
   constexpr int XS = KC + (WL == 2 ? 8 : 32);
   constexpr int WS = KC / PW + (WL == 2 ? 8 : 4);
-  constexpr int STAGE_BYTES = 8 * NB * XS * 2 + R * WS * 4 + 2 * R * GC * 2;
+  // NR > 1 (split launches): the block takes NR row blocks in turn, its split's activation rows copied once and
+  // kept (CHUNKS chunks, then ST stages of weights, scales and biases); else ST stages of all three.
+  constexpr bool RESIDENT = NR > 1;
+  static_assert(!RESIDENT || S > 1, "row blocks in turn store split parts");
+  constexpr int X_BYTES = 8 * NB * XS * 2;          // a chunk's activation rows
+  constexpr int X_AREA = RESIDENT ? CHUNKS * X_BYTES : 0;
+  constexpr int STAGE_BYTES = (RESIDENT ? 0 : X_BYTES) + R * WS * 4 + 2 * R * GC * 2;
+  constexpr int BR = W * 16 * RTO;                  // output rows of a row block
   constexpr int WORDS_PER_ROW = K / PW;
   constexpr int GROUPS_PER_ROW = K / GS;
   using Words = typename engine_words<WL>::type;
@@ -174,8 +199,8 @@ _BODY = r"""
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x % S;
-  const int block_base = blk * W * 16 * RTO;        // the block's first output row
-  const int row_base = block_base + warp * 16 * RTO;
+  int block_base = blk * NR * BR;                   // the row block's first output row
+  int row_base = block_base + warp * 16 * RTO;
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };
   const uint32_t ones = 0x3F803F80u;                // bf16 (1, 1)
   const size_t k_first = (size_t)split * KS;
@@ -184,13 +209,13 @@ _BODY = r"""
   // ST stages of chunks in dynamic shared memory, each: the M activation rows, then the block's R weight rows
   // (row slot (warp * RT + r) * 16 + i: row i of the warp's tile r), then their scales and biases.
   extern __shared__ __align__(16) unsigned char engine_stages[];
-  auto stage_x = [&](const int b) { return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * STAGE_BYTES); };
+  auto stage_x = [&](const int b) {  // RESIDENT: chunk b's activations, else stage b's
+    return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * (RESIDENT ? X_BYTES : STAGE_BYTES));
+  };
   auto stage_w = [&](const int b) {
-    return reinterpret_cast<uint32_t*>(engine_stages + b * STAGE_BYTES + 8 * NB * XS * 2);
+    return reinterpret_cast<uint32_t*>(engine_stages + X_AREA + b * STAGE_BYTES + (RESIDENT ? 0 : X_BYTES));
   };
-  auto stage_s = [&](const int b) {
-    return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * STAGE_BYTES + 8 * NB * XS * 2 + R * WS * 4);
-  };
+  auto stage_s = [&](const int b) { return reinterpret_cast<__nv_bfloat16*>(stage_w(b) + R * WS); };
   auto copy16 = [&](void* dst, const void* src) {
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
@@ -235,22 +260,27 @@ _BODY = r"""
     w_dst[j] = slot * WS + v * 4;
   }
   const __nv_bfloat16* s_src[NSC];
-  int s_dst[NSC];
+  int s_dst[NSC], s_row[NSC];
   #pragma unroll
   for (int j = 0; j < NSC; ++j) {
     const int i = min(threadIdx.x + j * THREADS, SC - 1);
     const int which = i / (R * (GC / 2)), jj = i % (R * (GC / 2));
     const int slot = jj / (GC / 2), v = jj % (GC / 2), r = (slot / 16) % RT;
-    const size_t at = (size_t)min(weight_row(slot), N - 1) * GROUPS_PER_ROW + k_first / GS + 2 * v;
+    s_row[j] = weight_row(slot);
+    const size_t at = (size_t)min(s_row[j], N - 1) * GROUPS_PER_ROW + k_first / GS + 2 * v;
     s_src[j] = (which ? tile_biases(r) : tile_scales(r)) + at;
     s_dst[j] = which * R * GC + slot * GC + 2 * v;
   }
-  // Chunk c's copies into stage c % ST, committed as one group (empty past the last chunk).
-  auto issue = [&](const int c) {
-    if (c < CHUNKS) {
-      const int b = c % ST;
-      __nv_bfloat16* sx = stage_x(b);
-      if constexpr (X_ROWS) {
+  // Iteration it's copies (chunk c of row block rb) into stage it % ST, committed as one group (empty past the
+  // last); RESIDENT: the activations with the first row block's, into their own place.
+  static_assert(!RESIDENT || W_ROWS, "row blocks in turn move one source a thread");
+  constexpr int ITERS = NR * CHUNKS;
+  auto issue = [&](const int it) {
+    if (it < ITERS) {
+      const int b = it % ST, c = RESIDENT ? it % CHUNKS : it, rb = RESIDENT ? it / CHUNKS : 0;
+      __nv_bfloat16* sx = stage_x(RESIDENT ? c : b);
+      if (RESIDENT && rb > 0) {
+      } else if constexpr (X_ROWS) {
         #pragma unroll
         for (int j = 0; j < NXC; ++j)
           if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
@@ -266,8 +296,9 @@ _BODY = r"""
       #pragma unroll
       for (int j = 0; j < NWC; ++j) {
         if constexpr (W_ROWS) {
-          if (((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) && w_row + j * W_STEP < N)
-            copy16(sw + w_dst[0] + j * SW * WS, w_src[0] + (size_t)j * W_STEP * WORDS_PER_ROW + c * (KC / PW));
+          if (((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) && w_row + rb * BR + j * W_STEP < N)
+            copy16(sw + w_dst[0] + j * SW * WS,
+                   w_src[0] + (size_t)(rb * BR + j * W_STEP) * WORDS_PER_ROW + c * (KC / PW));
         } else if ((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) {
           copy16(sw + w_dst[j], w_src[j] + c * (KC / PW));
         }
@@ -275,7 +306,8 @@ _BODY = r"""
       __nv_bfloat16* ss = stage_s(b);
       #pragma unroll
       for (int j = 0; j < NSC; ++j)
-        if (SC % THREADS == 0 || threadIdx.x + j * THREADS < SC) copy4(ss + s_dst[j], s_src[j] + c * GC);
+        if ((SC % THREADS == 0 || threadIdx.x + j * THREADS < SC) && (!RESIDENT || s_row[j] + rb * BR < N))
+          copy4(ss + s_dst[j], s_src[j] + (size_t)rb * BR * GROUPS_PER_ROW + c * GC);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
@@ -392,25 +424,38 @@ _BODY = r"""
           engine_mma(acc[r][nbl], wa[r][st][0], wa[r][st][1], wa[r][st][2], wa[r][st][3], xb[st][0], xb[st][1]);
     }
   };
-  auto multiply = [&](const int c) {
-    const int b = c % ST;
+  auto multiply = [&](const int it) {
+    const int b = it % ST;
+    const __nv_bfloat16* sx = stage_x(RESIDENT ? it % CHUNKS : b);
     #pragma unroll
     for (int u = 0; u < CK; ++u) {
-      if constexpr (RW != 0) rounded_tile(stage_x(b), stage_w(b), stage_s(b), u);
-      else exact_tile(stage_x(b), stage_w(b), stage_s(b), u);
+      if constexpr (RW != 0) rounded_tile(sx, stage_w(b), stage_s(b), u);
+      else exact_tile(sx, stage_w(b), stage_s(b), u);
     }
   };
 
-  // ST - 1 chunks in flight: at chunk c, wait for its copies, then (one barrier: every warp is done with chunk
-  // c - 1's stage) issue chunk c + ST - 1's into that stage, then multiply chunk c.
+  // ST - 1 iterations in flight: at iteration it, wait for its copies, then (one barrier: every warp is done with
+  // iteration it - 1's stage) issue iteration it + ST - 1's into that stage, then multiply. RESIDENT: after each
+  // row block but the last, its parts are stored and the sums start over on the next.
   #pragma unroll
-  for (int c = 0; c < ST - 1; ++c) issue(c);
+  for (int it = 0; it < ST - 1; ++it) issue(it);
   #pragma unroll 1
-  for (int c = 0; c < CHUNKS; ++c) {
+  for (int it = 0; it < ITERS; ++it) {
     asm volatile("cp.async.wait_group %0;" :: "n"(ST - 2) : "memory");
     __syncthreads();
-    issue(c + ST - 1);
-    multiply(c);
+    issue(it + ST - 1);
+    multiply(it);
+    if (RESIDENT && it % CHUNKS == CHUNKS - 1 && it + 1 < ITERS) {
+      // ROW BLOCK DONE
+      block_base += BR;
+      row_base += BR;
+      #pragma unroll
+      for (int r = 0; r < RT; ++r)
+        #pragma unroll
+        for (int nb = 0; nb < NBW; ++nb)
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
+    }
   }
 """
 
@@ -547,8 +592,9 @@ def source(count: int, fusion: Fusion, split: bool) -> str:
     """The products' launch body: the results with their stages (`split` False), or each split's partial sums
     (True; the sums' launch runs the stages)."""
     if split:
-        return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(_BODY + _PARTIAL_STORE, None)
-    return _prologue(count, fusion.gated, True) + _with_stages(_BODY + _STORE, fusion)
+        body = _BODY.replace("      // ROW BLOCK DONE\n", _PARTIAL_STORE)
+        return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(body + _PARTIAL_STORE, None)
+    return _prologue(count, fusion.gated, True) + _with_stages(_BODY.replace("      // ROW BLOCK DONE\n", ""), fusion)
 
 
 def sum_source(count: int, fusion: Fusion) -> str:
@@ -603,6 +649,7 @@ def matmuls(
     m = x.size // k
     if fusion.gated:  # a warp's tiles in pairs: a gate tile and the up tile of the same rows
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)
+    config = in_turn(config, group_size, bits)
     rows = [w.shape[0] for w, _, _ in matrices]
     count = len(matrices)
     products = 1 if fusion.gated else count
@@ -614,7 +661,7 @@ def matmuls(
             out.append(out[-1] + -(-n // block_rows))
         return out
 
-    main_blocks = starts(tile_rows)
+    main_blocks = starts(tile_rows * config.row_blocks)
     base = (
         [("K", k), ("M", m), ("BITS", bits), ("GS", group_size)]
         + config.template(group_size, bits)
@@ -623,7 +670,7 @@ def matmuls(
     )
     weights = [a for triple in matrices for a in triple]
     threads = config.threads()
-    bounds = (shared_request(config, m, fusion, group_size, bits),) + (
+    bounds = (shared_request(config, m, fusion, group_size, bits, k),) + (
         (threads, config.min_blocks) if config.min_blocks else (0, 0)
     )
     shapes = [(*x.shape[:-1], n) for n in rows[:products]]
