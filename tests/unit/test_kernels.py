@@ -980,13 +980,16 @@ def test_staged_launch_asks_for_shared_memory_past_48_kb():
 
 def test_row_blocks_in_turn_keep_their_split_s_activations():
     # NR row blocks a block: its split's activation chunks (K / S / KC of them) stay in shared memory beside ST
-    # stages of weights, scales and biases; only split launches whose threads copy rows a whole tile apart.
+    # stages of weights, scales and biases; only split launches whose threads copy rows a whole tile apart and
+    # whose split's activations fit a block's shared memory.
     wide = StagedConfig(warps=2, m_groups=2, splits=4, row_blocks=4)
     x_chunk, rest = 64 * 136 * 2, 64 * 24 * 4 + 4 * 64 * 2
     assert wide.shared_bytes(64, 64, 4, 5120) == 10 * x_chunk + 2 * rest
-    assert in_turn(wide, 64, 4) == wide and in_turn(StagedConfig(splits=4, row_blocks=2), 32, 4).row_blocks == 2
-    assert in_turn(StagedConfig(row_blocks=4), 64, 4).row_blocks == 1  # unsplit: results, not parts
-    assert in_turn(StagedConfig(splits=4, row_blocks=4), 64, 8).row_blocks == 1  # 8 copies a row: 16 rows apart
+    assert in_turn(wide, 64, 5120, 64, 4) == wide
+    assert in_turn(StagedConfig(splits=4, row_blocks=2), 64, 5120, 32, 4).row_blocks == 1  # 254 KB at group 32
+    assert in_turn(StagedConfig(splits=4, row_blocks=2), 16, 5120, 32, 4).row_blocks == 2
+    assert in_turn(StagedConfig(row_blocks=4), 64, 5120, 64, 4).row_blocks == 1  # unsplit: results, not parts
+    assert in_turn(StagedConfig(splits=4, row_blocks=4), 64, 5120, 64, 8).row_blocks == 1  # 8 copies a row
     assert StagedLayouts.parse("64:NR=4,KS=1024").fields(64) == {"row_blocks": 4, "split_values": 1024}
 
 

@@ -144,14 +144,18 @@ def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int
     return dynamic if dynamic + static <= DEFAULT_SHARED else max(dynamic, DEFAULT_SHARED)
 
 
-def in_turn(config: StagedConfig, group_size: int, bits: int) -> StagedConfig:
+MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
+
+
+def in_turn(config: StagedConfig, m: int, k: int, group_size: int, bits: int) -> StagedConfig:
     """`config` with one row block a block (`row_blocks` 1) where the kernel cannot take several in turn: an
-    unsplit K (its blocks store results, not parts), or a thread's weight copies not a whole number of its warp's
-    tiles apart (8 bits at the default warps)."""
+    unsplit K (its blocks store results, not parts), a thread's weight copies not a whole number of its warp's
+    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory."""
     copies = config.chunk(group_size, bits) * tile_k(group_size, bits) * bits // 128  # 16-byte copies a row
     threads = config.threads()
     apart = threads % copies == 0 and (threads // copies) % (16 * config.row_tiles) == 0
-    return config if config.splits > 1 and apart else replace(config, row_blocks=1)
+    fits = config.shared_bytes(m, group_size, bits, k) <= MAX_SHARED
+    return config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
 
 
 def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
@@ -226,7 +230,7 @@ _BODY = r"""
   };
   // Each thread's copies of a chunk, planned once (a chunk moves every source by its k offset, never its rows):
   // its activation rows m0 + j * XM, its weight and scale rows' sources and slots. Rows past M or N are never
-  // read into a stored result (an mma's B column reaches only its own output column); past N a row is N - 1's.
+  // read into a stored result (an mma's B column reaches only its own output column): past N, N - 1's or none.
   constexpr int XV = KC / 8;                        // 16-byte copies an activation row
   constexpr int WV = KC / PW / 4;                   // 16-byte copies a weight row
   constexpr int NXC = (M * XV + THREADS - 1) / THREADS;
@@ -279,17 +283,18 @@ _BODY = r"""
     if (it < ITERS) {
       const int b = it % ST, c = RESIDENT ? it % CHUNKS : it, rb = RESIDENT ? it / CHUNKS : 0;
       __nv_bfloat16* sx = stage_x(RESIDENT ? c : b);
-      if (RESIDENT && rb > 0) {
-      } else if constexpr (X_ROWS) {
-        #pragma unroll
-        for (int j = 0; j < NXC; ++j)
-          if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
-            copy16(sx + x_dst + j * XM * XS, x_src + (size_t)j * XM * K + c * KC);
-      } else {
-        #pragma unroll 1
-        for (int i = threadIdx.x; i < M * XV; i += THREADS) {
-          const int m = i / XV, v = i % XV;
-          copy16(sx + m * XS + v * 8, x_src + (size_t)m * K + c * KC + v * 8);
+      if (!RESIDENT || rb == 0) {
+        if constexpr (X_ROWS) {
+          #pragma unroll
+          for (int j = 0; j < NXC; ++j)
+            if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
+              copy16(sx + x_dst + j * XM * XS, x_src + (size_t)j * XM * K + c * KC);
+        } else {
+          #pragma unroll 1
+          for (int i = threadIdx.x; i < M * XV; i += THREADS) {
+            const int m = i / XV, v = i % XV;
+            copy16(sx + m * XS + v * 8, x_src + (size_t)m * K + c * KC + v * 8);
+          }
         }
       }
       uint32_t* sw = stage_w(b);
@@ -649,7 +654,7 @@ def matmuls(
     m = x.size // k
     if fusion.gated:  # a warp's tiles in pairs: a gate tile and the up tile of the same rows
         config = replace(config, row_tiles=config.row_tiles + config.row_tiles % 2)
-    config = in_turn(config, group_size, bits)
+    config = in_turn(config, m, k, group_size, bits)
     rows = [w.shape[0] for w, _, _ in matrices]
     count = len(matrices)
     products = 1 if fusion.gated else count
