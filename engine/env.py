@@ -22,11 +22,12 @@ _VARS = {
     "ENGINE_SCAN_TOKENS": "the fast tier runs a DeltaNet layer's core over verify windows and prompt chunks of up "
     "to this many tokens as one CUDA launch (KernelConfig.scan_tokens; default 0: off)",
     "ENGINE_KEEP_DENSE": "'1': the fast tier dequantizes the weights its dense prompt chunks use once and keeps "
-    "them (KernelConfig.keep_dense; memory: 2 bytes a weight more; default '0')",
+    "them (KernelConfig.keep_dense; memory: 2 bytes a weight more); 'auto': engine serve keeps as many as the "
+    "memory left after its warm-up takes (KernelConfig.keep_dense_auto); default '0'",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
     "ENGINE_STAGED_LAYOUT": "the fast tier's staged GEMV launches (2-64 rows) laid out otherwise, by row count: "
-    "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS (e.g. '32,64:RW=0': "
+    "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR (e.g. '32,64:RW=0': "
     "exact-integer weights at 32 and 64 rows; KernelConfig.staged_layouts)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
@@ -68,9 +69,12 @@ def compiled_prefill(environ: Mapping[str, str] = os.environ) -> bool | None:
     return _switch("ENGINE_COMPILED_PREFILL", environ)
 
 
-def keep_dense(environ: Mapping[str, str] = os.environ) -> bool | None:
-    """ENGINE_KEEP_DENSE as a bool (None when unset); ValueError for a value other than 0 or 1."""
-    return _switch("ENGINE_KEEP_DENSE", environ)
+def keep_dense(environ: Mapping[str, str] = os.environ) -> str | None:
+    """ENGINE_KEEP_DENSE: '0', '1' or 'auto' (None when unset); ValueError for another value."""
+    value = environ.get("ENGINE_KEEP_DENSE")
+    if value is not None and value not in ("0", "1", "auto"):
+        raise ValueError(f"ENGINE_KEEP_DENSE must be 0, 1 or auto, got {value!r}")
+    return value
 
 
 def dequant_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:

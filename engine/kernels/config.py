@@ -88,6 +88,7 @@ class KernelConfig:
     compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
     scan_tokens: int = 0  # verify windows and prompt chunks up to this many tokens: one DeltaNet core launch
     keep_dense: bool = False  # the dense path's dequantized weights made once and kept (2 bytes a weight more)
+    keep_dense_auto: bool = False  # engine serve keeps as many copies as the memory its warm-up leaves (kept.py)
     dequant_kernel: bool = False  # the dense path's weights dequantized by engine.kernels.dequantize (CUDA)
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
@@ -101,9 +102,10 @@ class KernelConfig:
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL
-        (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE and ENGINE_DEQUANT_KERNEL (0 or 1) where they are
-        set; ValueError for a value they cannot take."""
+        (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto) and ENGINE_DEQUANT_KERNEL (0 or
+        1) where they are set; ValueError for a value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
+        keep = env.keep_dense(environ)
         return cls(
             tier=tier,
             fusion=DEFAULT_FUSION if fuse is None else Fusion.parse(fuse),
@@ -111,7 +113,8 @@ class KernelConfig:
             staged_layouts=StagedLayouts.parse(layouts or ""),
             compiled_prefill=bool(env.compiled_prefill(environ)),
             scan_tokens=env.scan_tokens(environ) or 0,
-            keep_dense=bool(env.keep_dense(environ)),
+            keep_dense=keep == "1",
+            keep_dense_auto=keep == "auto",
             dequant_kernel=bool(env.dequant_kernel(environ)),
         )
 
@@ -129,6 +132,6 @@ class KernelConfig:
             "state_dtype": self.state_dtype,
             "compiled_prefill": self.compiled_prefill,
             "scan_tokens": self.scan_tokens,
-            "keep_dense": self.keep_dense,
+            "keep_dense": "auto" if self.keep_dense_auto else self.keep_dense,
             "dequant_kernel": self.dequant_kernel,
         }

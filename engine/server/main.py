@@ -30,6 +30,8 @@ from engine.gateway import Gateway, GatewayConfig
 from engine.generate import DEFAULT_PREFILL_STEP, KVQuantization
 from engine.grammar import Grammars
 from engine.kernels import FAST, KernelConfig, on_cuda
+from engine.kernels.kept import budget as dense_budget
+from engine.kernels.kept import keep_within
 from engine.kernels.kernel_cache import module_files
 from engine.loading import context_of, vocab_size
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, AppState, make_app
@@ -151,6 +153,11 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     # MLX's cache, out of other processes' reach
     gc.collect()
     mx.clear_cache()
+    kept = None
+    if engine.kernels.settings.get("keep_dense") == "auto":  # the copies take what the warm-up's peak leaves
+        limit = dense_budget(mx.get_memory_limit(), mx.get_peak_memory(), cfg.kv_budget or 0)
+        kept = keep_within(engine.model, limit)
+        print(f"engine serve: {kept.line()}", file=sys.stderr, flush=True)
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
         full = gateway.prompt_cache.full_chunk  # quantized KV: entries are made and served past this first chunk
         kv = f"{cfg.kv_bits} bits, group {cfg.kv_group_size}, first chunk {full}" if cfg.kv_bits else "full"
@@ -162,6 +169,8 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         print(f"engine serve: {line}", file=sys.stderr, flush=True)
     gateway.mark_ready()
     record = warmup_record(gateway, warmup, stages, time.perf_counter() - start)
+    if kept is not None:
+        record["kept_dense"] = kept.as_record()
     model_id = cfg.model or engine.path.name
     try:
         from engine.server.metrics import Metrics

@@ -678,7 +678,9 @@ def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
     with pytest.raises(ValueError, match="ENGINE_SCAN_TOKENS must be a whole number"):
         KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "-1"})
     assert KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "1"}).settings()["keep_dense"] is True
-    with pytest.raises(ValueError, match="ENGINE_KEEP_DENSE must be 0 or 1"):
+    assert KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "auto"}).settings()["keep_dense"] == "auto"
+    assert not KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "auto"}).keep_dense  # none made at load
+    with pytest.raises(ValueError, match="ENGINE_KEEP_DENSE must be 0, 1 or auto"):
         KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "on"})
 
 
