@@ -998,13 +998,16 @@ def test_row_blocks_in_turn_keep_their_split_s_activations():
 @cuda_only
 @pytest.mark.parametrize("m", [9, 40, 64])
 @pytest.mark.parametrize("layout", [dict(row_blocks=2), dict(row_blocks=3, warps=2, m_groups=2, rounded=1)])
-@pytest.mark.parametrize("gated", [False, True])
-def test_row_blocks_in_turn_change_no_bit(m, layout, gated):
+@pytest.mark.parametrize("launch", ["plain", "gated", "three"])
+def test_row_blocks_in_turn_change_no_bit(m, layout, launch):
     # A block taking its row blocks in turn adds each row's k-tiles of its split as a block of its own does:
-    # the same parts, so the same bits (3000 rows: the last block's row blocks run past N).
-    q, up = make_quantized(n=3000, k=5120, seed=1), make_quantized(n=3000, k=5120, seed=2)
+    # the same parts, so the same bits (3000 rows: the last block's row blocks run past N; three matrices in one
+    # launch: each matrix's blocks of row blocks after the one before's).
+    n = {"plain": [3000], "gated": [3000, 3000], "three": [3000, 1000, 48]}[launch]
+    mats = [make_quantized(n=rows, k=5120, seed=i + 1) for i, rows in enumerate(n)]
     x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
-    matrices = [(q.weight, q.scales, q.biases)] + gated * [(up.weight, up.scales, up.biases)]
+    matrices = [(q.weight, q.scales, q.biases) for q in mats]
+    gated = launch == "gated"
     one = StagedConfig(splits=4, **{key: v for key, v in layout.items() if key != "row_blocks"})
     want = quantized_matmuls(x, matrices, 64, 4, one, gated=gated)
     got = quantized_matmuls(x, matrices, 64, 4, replace(one, row_blocks=layout["row_blocks"]), gated=gated)
