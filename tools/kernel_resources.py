@@ -129,11 +129,11 @@ def compile_report(build: KernelBuild, arch: str) -> dict:
     }
 
 
-def layout(spec: str) -> dict:
+def layout(spec: str) -> tuple[set[int] | None, dict]:
+    """A --staged SPEC as (the row counts it keeps to, None for all; its StagedConfig fields)."""
     from tools.gpu.step_kernels import parse_staged
 
-    _, fields = parse_staged(spec)
-    return fields
+    return parse_staged(spec)
 
 
 def main() -> None:
@@ -158,7 +158,7 @@ def main() -> None:
     from engine.kernels.quantized_gemv import quantized_matmuls, staged
     from tools.gpu.step_kernels import staged_layout
 
-    variants = [("", {})] + [(s, layout(s)) for s in args.staged]
+    variants = [("", (None, {}))] + [(s, layout(s)) for s in args.staged]
     if args.list and args.cache_dir:
         p.error("--list compiles nothing: no --cache-dir with it")
     cache = KernelCache(args.cache_dir, compiler=nvcc_compiler(args.arch)) if args.cache_dir else None
@@ -190,8 +190,8 @@ def main() -> None:
 
         batch_parts.random_quantized, batch_parts.time_us = zeros, lambda fn, cfg: [fn()] and 0.0
         for m in rows:
-            for label, fields in variants:
-                if fields and m < staged.MIN_ROWS:
+            for label, (counts, fields) in variants:
+                if fields and (m < staged.MIN_ROWS or (counts is not None and m not in counts)):
                     continue
                 builds: list = []
                 with recorded(builds), staged_layout(fields):
@@ -206,8 +206,8 @@ def main() -> None:
         matrices = [(w, sc, sc)] * (2 if args.gated else 1)
         for m in rows:
             x = mx.zeros((m, k), dtype=mx.bfloat16)
-            for label, fields in variants:
-                if fields and m < staged.MIN_ROWS:
+            for label, (counts, fields) in variants:
+                if fields and (m < staged.MIN_ROWS or (counts is not None and m not in counts)):
                     continue
                 builds = []
                 with recorded(builds), staged_layout(fields):
