@@ -34,8 +34,9 @@
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
-#            GATE_LAYOUT (default none: the tree's): decode steps with each layout against the tree's, then the
-#            numerics gate at 32 and 64 rows with ENGINE_STAGED_LAYOUT=GATE_LAYOUT
+#            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
+#            steps with each layout against the tree's, then the numerics gate at 32 and 64 rows with
+#            ENGINE_STAGED_LAYOUT=GATE_LAYOUT
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -152,10 +153,13 @@ case "$PART" in
     ;;
   layouts)  # staged layouts at many rows: step times against the tree's, then the gate with one of them
     synth
+    timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
+        tests/unit/test_kernels.py -k "staged or row_blocks" 2>&1 | tail -5 | tee "$OUT/qwen27b-layout-tests.txt"
     staged=()
     for layout in ${LAYOUTS:-RW=1,W=8 RW=1,W=4,MG=2}; do staged+=(--staged "$layout"); done
     python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" 2>&1 \
         | tee "$OUT/qwen27b-layout-steps.txt"
+    [ "${GATE:-1}" = 0 ] && exit 0
     ENGINE_STAGED_LAYOUT="${GATE_LAYOUT:-}" python3 -m harness kernels --gate-model qwen27b \
         --gate-rows 32,64 --json "$OUT/qwen27b-layout-gate.json" 2>&1 | tee "$OUT/qwen27b-layout-gate.txt"
     ;;
