@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels.quantized_gemv.layer import KeptWeight, KernelQuantizedLinear
+from engine.kernels.quantized_gemv.layer import KernelQuantizedLinear
 
 MARGIN = 0.10  # of MLX's memory limit left free beside the warm-up's peak and the copies
 
@@ -61,8 +61,7 @@ def keep_within(model: nn.Module, limit: int) -> Kept:
     for q in layers:
         size = dense_bytes(q)
         if q.kept is None and used + size <= limit:
-            q.kept = KeptWeight(q.dequantize(q["weight"], q["scales"], q["biases"], q.group_size, q.bits))
-            mx.eval(q.kept.weight)
+            mx.eval(q.keep_dense().weight)
             used += size
     kept = [q for q in layers if q.kept is not None]
     return Kept(limit, len(kept), used, len(layers), sum(dense_bytes(q) for q in layers))

@@ -87,7 +87,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         new.dequantize = kernel_dequantize if dequant_kernel else mlx_dequantize
         new.kept = None
         if keep_dense and new.dense_prefill:
-            new.kept = KeptWeight(new.dequantize(q["weight"], q["scales"], q["biases"], q.group_size, q.bits))
+            new.keep_dense()
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
         new.layouts = layouts
         new.launch = launch
@@ -106,6 +106,13 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if self.use_kernel and self.dense_prefill and _fits(x, self):  # below dense_min_rows, past a launch's rows
             return self.in_pieces(x)
         return self.mlx_matmul(x)
+
+    def keep_dense(self) -> KeptWeight:
+        """Its dense prompt chunks' weights dequantized once and kept (`KernelConfig.keep_dense`): the copy, lazy."""
+        self.kept = KeptWeight(
+            self.dequantize(self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        )
+        return self.kept
 
     def in_pieces(self, x: mx.array) -> mx.array:
         """A chunk of more rows than a launch takes but fewer than `dense_min_rows` (set above the kernel's rows):
