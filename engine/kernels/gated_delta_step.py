@@ -9,16 +9,17 @@ gated RMS norm. Compiled with `mx.compile`, that core is still ~20 operations
 host pays a few microseconds for; here it is one launch per layer, and the
 state (float32, or bfloat16 or float16 with the math in float32) is read and written once.
 
-One block per (batch row, value head). Its first threads take a value
-channel each: they compute the heads' q and k channels (recomputed by each
-value head of a key head's group: 2 x 128 multiply-adds) and the v channels.
-For the delta rule each warp takes several state rows at once with its lanes
-across the key dimension (`launch_shape`): at qwen27b's heads a block of 512
+One block per (batch row, value head). Its threads take the block's conv
+channels one each (q and k of its key head, recomputed by each value head of
+the group, then v), its last value-dim threads the gated norm, and for the
+delta rule each warp takes several state rows at once with its lanes across
+the key dimension (`launch_shape`): at qwen27b's heads a block of 512
 threads holds the head's whole 64 KB state in registers after one round of
-loads, issued at the kernel's start so that they overlap the conv: a step
-reads and writes 3.1 MB of state, so the loads' latency, not bandwidth, sets
-its time (docs/kernels.md). Each row's sums run in the same order however
-the rows are dealt out. The
+loads. Every global read (the state, the conv's inputs and weights, the
+gates, z and the norm's weights) is issued at the kernel's start, before
+any write, so a block waits for memory once, not once a phase: at 64 rows
+the state's 400 MB a layer move as fast as blocks turn over (docs/kernels.md).
+Each row's sums run in the same order however the rows are dealt out. The
 roundings of the compiled core are kept where it rounds to bf16 (the conv
 output, the normalized q and k, y before the norm, the norm before the
 gate), so the two agree to float32 summation order.
@@ -44,21 +45,26 @@ __device__ __forceinline__ void engine_store(__half* p, float v) { *p = __float2
 """
 
 SOURCE = r"""
-  // Block (b, h): batch row b, value head h; thread t: value channel t (and key channel t for q and k).
+  // Block (b, h): batch row b, value head h. Every global read is issued at the start, before any write (the
+  // state rows, the conv's inputs and weights, the gates, z and the norm's weights), so that one memory latency,
+  // not one a phase, sets a block's time: at 64 rows and more, what decides how fast the blocks turn over.
   const int b = blockIdx.x / HV, h = blockIdx.x % HV;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   constexpr int KD = HK * DK;           // key channels; conv channels are q (KD), k (KD), v (HV * DV)
   constexpr int C = 2 * KD + HV * DV;
   constexpr int GROUP = HV / HK;        // value heads per key head
-  constexpr int NW = NT / 32;           // warps: the first DV / 32 hold a value channel a thread
+  constexpr int NW = NT / 32;
   constexpr int VW = DV / 32;
+  constexpr int OUT0 = NT - DV;         // the last DV threads hold a value channel each for the gated norm
   constexpr int ROUNDS = DV / (RB * NW);
+  constexpr int SLOTS = 2 * DK + DV;    // the block's conv channels: q and k of its key head, v of its value head
+  constexpr int US = (SLOTS + NT - 1) / NT;  // conv channels a thread takes (slots t, t + NT, ...)
   static_assert(DV % (RB * NW) == 0, "the state's rows in rounds of RB a warp");
   const int hk = h / GROUP;
-  __shared__ float qs[DK], ks[DK], vs[DV], red[2][NW];
+  __shared__ float qs[DK], ks[DK], vs[DV], red[2][NW], gates[2];
 
   // The delta rule's state rows: warp w takes rows w + NW * r (r < RB) in each round, lanes across the key
-  // dimension. The first round's loads are issued here, before the conv, so their latency overlaps it.
+  // dimension.
   const auto* s_in = state + ((size_t)b * HV + h) * DV * DK;  // float or bf16: the math is float32 either way
   auto* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
   float s[RB][DK / 32];
@@ -70,47 +76,80 @@ SOURCE = r"""
   };
   load_rows(warp);
 
-  auto conv = [&](int c) -> float {     // depthwise conv over the K - 1 stored positions and the new one, SiLU
-    float acc = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < KS - 1; ++j)
-      acc += (float)conv_state[((size_t)b * (KS - 1) + j) * C + c] * (float)conv_w[(size_t)c * KS + j];
-    acc += (float)qkv[(size_t)b * C + c] * (float)conv_w[(size_t)c * KS + KS - 1];
-    return __bfloat162float(__float2bfloat16(acc / (1.0f + __expf(-acc))));
+  // conv slot u: q channel u, k channel u - DK, v channel u - 2 DK; its K - 1 stored positions and the new one
+  auto channel = [&](int u) {
+    return u < DK ? hk * DK + u : u < 2 * DK ? KD + hk * DK + u - DK : 2 * KD + h * DV + u - 2 * DK;
   };
-  auto shift = [&](int c) {             // the conv tail: the last K - 1 positions, the new one at the end
-    #pragma unroll
-    for (int j = 0; j < KS - 2; ++j)
-      new_conv[((size_t)b * (KS - 1) + j) * C + c] = conv_state[((size_t)b * (KS - 1) + j + 1) * C + c];
-    new_conv[((size_t)b * (KS - 1) + KS - 2) * C + c] = qkv[(size_t)b * C + c];
-  };
-  auto block_sum = [&](float v, int slot) -> float {  // sum over the first DV threads (the rest pass 0)
+  float cin[US][KS], cw[US][KS];
+  #pragma unroll
+  for (int i = 0; i < US; ++i) {
+    const int u = t + i * NT;
+    if (u < SLOTS) {
+      const int c = channel(u);
+      #pragma unroll
+      for (int j = 0; j < KS - 1; ++j) cin[i][j] = (float)conv_state[((size_t)b * (KS - 1) + j) * C + c];
+      cin[i][KS - 1] = (float)qkv[(size_t)b * C + c];
+      #pragma unroll
+      for (int j = 0; j < KS; ++j) cw[i][j] = (float)conv_w[(size_t)c * KS + j];
+    }
+  }
+  float av = 0.0f, dtb = 0.0f, alog = 0.0f, bl = 0.0f, zv = 0.0f, nw = 0.0f;
+  if (t == NT - 1) {
+    av = (float)a[(size_t)b * HV + h];
+    dtb = (float)dt_bias[h];
+    alog = (float)A_log[h];
+    bl = (float)beta_logits[(size_t)b * HV + h];
+  }
+  if (t >= OUT0) {
+    zv = (float)z[((size_t)b * HV + h) * DV + t - OUT0];
+    nw = (float)norm_w[t - OUT0];
+  }
+
+  // the depthwise conv over the positions and its SiLU, rounded to bf16; the conv tail takes the last K - 1
+  // positions, the new one at the end (q and k written by the first value head of their group)
+  #pragma unroll
+  for (int i = 0; i < US; ++i) {
+    const int u = t + i * NT;
+    if (u < SLOTS) {
+      float acc = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < KS; ++j) acc += cin[i][j] * cw[i][j];
+      const float x = __bfloat162float(__float2bfloat16(acc / (1.0f + __expf(-acc))));
+      if (u < DK) qs[u] = x; else if (u < 2 * DK) ks[u - DK] = x; else vs[u - 2 * DK] = x;
+      if (u >= 2 * DK || h % GROUP == 0) {
+        const int c = channel(u);
+        #pragma unroll
+        for (int j = 0; j < KS - 1; ++j) engine_store(&new_conv[((size_t)b * (KS - 1) + j) * C + c], cin[i][j + 1]);
+      }
+    }
+  }
+  // gates: g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b); a + dt_bias and its softplus
+  // are bf16 in the compiled core when dt_bias is
+  if (t == NT - 1) {
+    const bool bf16_bias = engine_is_bf16(dt_bias);
+    auto round_like_bias = [&](float x) { return bf16_bias ? __bfloat162float(__float2bfloat16(x)) : x; };
+    const float ab = round_like_bias(av + dtb);
+    const float sp = round_like_bias(ab > 20.0f ? ab : log1pf(__expf(ab)));
+    gates[0] = __expf(-__expf(alog) * sp);
+    gates[1] = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-bl))));
+  }
+  auto block_sum = [&](float v, int slot, int first_warp) -> float {  // over VW warps from first_warp
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if (lane == 0) red[slot][warp] = v;
     __syncthreads();
     float total = 0.0f;
     #pragma unroll
-    for (int w = 0; w < VW; ++w) total += red[slot][w];
+    for (int w = 0; w < VW; ++w) total += red[slot][first_warp + w];
     return total;
   };
-
-  if (t < DK) {
-    qs[t] = conv(hk * DK + t);
-    ks[t] = conv(KD + hk * DK + t);
-    if (h % GROUP == 0) { shift(hk * DK + t); shift(KD + hk * DK + t); }
-  }
-  if (t < DV) {
-    vs[t] = conv(2 * KD + h * DV + t);
-    shift(2 * KD + h * DV + t);
-  }
   __syncthreads();
 
   // q, k: RMS-normalized (eps folded as the compiled core does), times Dk^-1 and Dk^-0.5, rounded to bf16 twice
   {
     const float inv = rsqrtf((float)DK);
     const float qv = t < DK ? qs[t] : 0.0f, kv = t < DK ? ks[t] : 0.0f;
-    const float qss = block_sum(qv * qv, 0), kss = block_sum(kv * kv, 1);
+    const float qss = block_sum(qv * qv, 0, 0), kss = block_sum(kv * kv, 1, 0);
     const float eps = __int_as_float(QK_EPS) * inv * inv;
     if (t < DK) {  // each thread reads and writes only its own channel here
       const float qn = __bfloat162float(__float2bfloat16(qv * rsqrtf(qss / DK + eps)));
@@ -120,16 +159,7 @@ SOURCE = r"""
     }
   }
   __syncthreads();
-
-  // gates: g = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b); a + dt_bias and its softplus
-  // are bf16 in the compiled core when dt_bias is
-  const bool bf16_bias = engine_is_bf16(dt_bias);
-  auto round_like_bias = [&](float x) { return bf16_bias ? __bfloat162float(__float2bfloat16(x)) : x; };
-  const float av = round_like_bias((float)a[(size_t)b * HV + h] + (float)dt_bias[h]);
-  const float sp = round_like_bias(av > 20.0f ? av : log1pf(__expf(av)));
-  const float g = __expf(-__expf((float)A_log[h]) * sp);
-  const float bl = (float)beta_logits[(size_t)b * HV + h];
-  const float beta = __bfloat162float(__float2bfloat16(1.0f / (1.0f + __expf(-bl))));
+  const float g = gates[0], beta = gates[1];
 
   // the delta rule, RB rows of a warp at a time so their loads and reductions overlap; each row's sums run
   // in the same order however the rows are dealt out
@@ -175,14 +205,13 @@ SOURCE = r"""
   }
   __syncthreads();
 
-  // gated RMS norm: bf16(y * rsqrt(mean(y^2) + eps) * w), then silu(z) times it, in float32
-  const float y = t < DV ? vs[t] : 0.0f;
-  const float yss = block_sum(y * y, 0);
-  if (t < DV) {
+  // gated RMS norm over the last DV threads: bf16(y * rsqrt(mean(y^2) + eps) * w), then silu(z) times it
+  const float y = t >= OUT0 ? vs[t - OUT0] : 0.0f;
+  const float yss = block_sum(y * y, 0, OUT0 / 32);
+  if (t >= OUT0) {
     const float rn = rsqrtf(yss / DV + __int_as_float(NORM_EPS));
-    const float normed = __bfloat162float(__float2bfloat16(y * rn * (float)norm_w[t]));
-    const float zv = (float)z[((size_t)b * HV + h) * DV + t];
-    out[((size_t)b * HV + h) * DV + t] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
+    const float normed = __bfloat162float(__float2bfloat16(y * rn * nw));
+    out[((size_t)b * HV + h) * DV + t - OUT0] = __float2bfloat16(zv / (1.0f + __expf(-zv)) * normed);
   }
 """
 
