@@ -968,6 +968,24 @@ def test_staged_kernel_splits_long_inputs_only():
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("fusion", [Fusion(), Fusion(residual=True), Fusion(gated=True)], ids=lambda f: f.tag())
+def test_staged_sources_store_their_products(split, fusion):
+    # A launch that stores nothing leaves its output as the allocator found it, and a CUDA test comparing two
+    # launches can still pass on a buffer reused from the first: an unsplit launch stores its results (with the
+    # fused stages) after its loop, a split one its parts there and, in the loop, after each row block but the last.
+    from engine.kernels.quantized_gemv import staged
+
+    body = staged.source(2 if fusion.gated else 1, fusion, split)
+    loop_end = body.index("multiply(it);")
+    if split:
+        assert body.count("part[((size_t)split * M + m) * NT") == 2 and "store(rb, m, row" not in body
+        assert body.rindex("part[((size_t)split * M + m) * NT") > body.index("block_base += BR;") > loop_end
+    else:
+        assert body.count("store(rb, m, row, output(") == 1 and body.index("store(rb, m, row, output(") > loop_end
+        assert "part[" not in body
+
+
 def test_staged_launch_asks_for_shared_memory_past_48_kb():
     # MLX lets a kernel past 48 KB of shared memory (static and dynamic) only when it asks for more than 48000
     # bytes of dynamic memory: two 32-row stages (44 KB) with the prenormed parts' copy must ask for 48 KB.

@@ -593,13 +593,16 @@ def _with_stages(body: str, fusion: Fusion | None) -> str:
     return body
 
 
+ROW_BLOCK_DONE = "      // ROW BLOCK DONE\n"  # where a split launch stores a row block's parts before the next
+
+
 def source(count: int, fusion: Fusion, split: bool) -> str:
     """The products' launch body: the results with their stages (`split` False), or each split's partial sums
     (True; the sums' launch runs the stages)."""
     if split:
-        body = _BODY.replace("      // ROW BLOCK DONE\n", _PARTIAL_STORE)
+        body = _BODY.replace(ROW_BLOCK_DONE, _PARTIAL_STORE)
         return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(body + _PARTIAL_STORE, None)
-    return _prologue(count, fusion.gated, True) + _with_stages(_BODY.replace("      // ROW BLOCK DONE\n", ""), fusion)
+    return _prologue(count, fusion.gated, True) + _with_stages(_BODY.replace(ROW_BLOCK_DONE, "") + _STORE, fusion)
 
 
 def sum_source(count: int, fusion: Fusion) -> str:
