@@ -221,18 +221,22 @@ def test_delta_update_uses_chunked_only_for_long_inputs_without_trace():
 
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
-# M: one column block (1, 3, 8), up to eight (9, 17, 33, 63: the last one partial; 16, 32, 64), the launch
-# shapes of one row, of 2-8 and of row groups from 9; N: a partial 16-row tile (48 with two tiles per block,
-# 1000) and K with >= 256 k-tiles (17408, another launch shape). Each case compiles a kernel.
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 33, 63, 64])
+# M: every decode row bucket (1, 2, 4, 8, 16, 32, 64) and the counts just past or short of one (3, 9, 17, 33,
+# 63: a partial 8-row block), so the one-row launch, the staged kernel's 2-64 rows and its layouts by row count
+# (wide from 33, rounded weights from 32); N: a partial 16-row tile (48 with two tiles per block, 1000) and K
+# with >= 256 k-tiles (17408, another launch shape; 1536 unsplit). Each case compiles a kernel.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 9, 16, 17, 32, 33, 63, 64])
 @pytest.mark.parametrize("n, k", [(48, 5120), (1000, 1536), (4096, 17408)])
 def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
-    with mx.stream(mx.cpu):  # float32 on the CPU (no TF32); weights dequantized in float32, not rounded to bf16
-        f32 = mx.float32
-        w = mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), group, bits)
-        exact = x.astype(f32) @ w.T
+    if staged_takes(m, k, group, bits, Fusion()) and staged_config(m, k, group, bits).rounded:
+        exact = _rounded_reference(x, q, group, bits)  # from a batch of 32 rows the weights enter rounded (RW=1)
+    else:
+        with mx.stream(mx.cpu):  # float32 on the CPU (no TF32); weights dequantized in float32, not rounded
+            f32 = mx.float32
+            w = mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), group, bits)
+            exact = x.astype(f32) @ w.T
     out = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits).astype(mx.float32)
     # The only rounding that matters is the bf16 output (half an ulp, at most 2^-8 relative); float32 sums in
     # any order add far less. (MLX's own kernel is not held to this: it rounds dequantized weights to bf16,
