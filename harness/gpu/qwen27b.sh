@@ -4,7 +4,8 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts
+#                         | census | lane | prefill | first | dequant | switch | layouts; several, space-separated,
+#                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
 # Per part:
@@ -42,6 +43,15 @@ export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 PART=${PART:-tests}
 mkdir -p "$OUT"
+if [ "$PART" != "${PART%% *}" ]; then
+  rc=0
+  for part in $PART; do
+    echo "=== $part $(date +%T)"
+    PART=$part bash "$0" || { rc=$?; echo "=== $part failed ($rc)"; }
+  done
+  echo "=== done $(date +%T)"
+  exit "$rc"
+fi
 
 synth() { [ -f "$ENGINE_HARNESS_CACHE/models/qwen27b-s0/manifest.json" ] || python3 -m harness models synth qwen27b; }
 switch_prefill() {  # prefill forwards (SHAPES) with the switch $1 at 0, 1, 0, 1: one process each
