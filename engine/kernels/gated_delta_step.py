@@ -231,8 +231,8 @@ def _kernel(threads: int):
 
 
 def refusal(dk: int, dv: int) -> str | None:
-    """Why the kernel cannot run heads of key dim `dk` and value dim `dv` (None when it can): a thread per
-    value channel also computes the key channel of the same index, and lanes split the key dimension."""
+    """Why the kernel cannot run heads of key dim `dk` and value dim `dv` (None when it can): q and k are
+    normalized by sums over the warps of the first `dv` threads, and lanes split the key dimension."""
     if dk > dv or dk % 32 or dv % 32 or dv > 1024:
         return f"key dim {dk} and value dim {dv}: both multiples of 32, key <= value <= 1024"
     return None
@@ -267,9 +267,9 @@ def delta_step(
 ):
     """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv * Dv], a and
     beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
-    (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32 (a
-    thread per value channel computes the key channel of the same index). The kernel reads its inputs as
-    flat arrays, so none is reshaped (a reshape is a graph node the host handles every step)."""
+    (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32
+    (`refusal`). The kernel reads its inputs as flat arrays, so none is reshaped (a reshape is a graph node
+    the host handles every step)."""
     batch, hv, dv, _ = state.shape
     why = refusal(dk, dv)
     if why:
