@@ -2,13 +2,15 @@
 
     python3 -m tools.kernel_resources --rows 16,32,64 [--shape 17408x5120] [--staged RW=1,ST=3] [--arch sm_90a]
     python3 -m tools.kernel_resources --rows 16,64 --parts gate+up,down+residual --staged RW=1 --cache-dir DIR
+    python3 -m tools.kernel_resources --rows 1,64 --delta 16,48,128,128 --state-dtypes float32,float16
 
 Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix (4-bit, group 64 unless
 `--bits`/`--group`), or those `tools.gpu.batch_parts` makes for its `--parts`, is built as MLX builds it
 (`kernel_cache.KernelBuild.mlx_source`), without running it, and compiled by nvcc with `-Xptxas -v`: what
 ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
 not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kernels --staged` does
-(`KEY=VALUE,...`; repeatable). `--cache-dir DIR` also writes each cubin where MLX looks for it
+(`KEY=VALUE,...`; repeatable). `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
+instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`. `--cache-dir DIR` also writes each cubin where MLX looks for it
 (`kernel_cache`): a process on the GPU with MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of
 them.
 """
@@ -35,8 +37,9 @@ SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 @contextmanager
 def recorded(builds: list):
-    """Every custom kernel the quantized matmul's modules ask for is recorded in `builds` (with its launch:
-    grid, block, dynamic shared bytes) and answered with zeros instead of being run."""
+    """Every custom kernel the quantized matmul's and the DeltaNet core's modules ask for is recorded in `builds`
+    (with its launch: grid, block, dynamic shared bytes) and answered with zeros instead of being run."""
+    from engine.kernels import gated_delta_scan, gated_delta_step
     from engine.kernels.quantized_gemv import source, staged
 
     def fake(*, name, input_names, output_names, source, header="", shared_memory=0):
@@ -56,15 +59,19 @@ def recorded(builds: list):
 
         return call
 
-    saved = source.cuda_kernel, staged.cuda_kernel
-    source.cuda_kernel = staged.cuda_kernel = fake
-    for cached in (source.kernel, staged.kernel, staged.sum_kernel):
+    modules = (source, staged, gated_delta_step, gated_delta_scan)
+    caches = (source.kernel, staged.kernel, staged.sum_kernel, gated_delta_step._kernel, gated_delta_scan._kernel)
+    saved = [m.cuda_kernel for m in modules]
+    for m in modules:
+        m.cuda_kernel = fake
+    for cached in caches:
         cached.cache_clear()
     try:
         yield
     finally:
-        source.cuda_kernel, staged.cuda_kernel = saved
-        for cached in (source.kernel, staged.kernel, staged.sum_kernel):
+        for m, kernel in zip(modules, saved):
+            m.cuda_kernel = kernel
+        for cached in caches:
             cached.cache_clear()
 
 
@@ -136,6 +143,35 @@ def layout(spec: str) -> tuple[set[int] | None, dict]:
     return parse_staged(spec)
 
 
+def delta_launches(heads: str, m: int, state_dtype: str) -> None:
+    """The DeltaNet step and scan kernels (a 2-token run) for `m` rows of heads 'HK,HV,DK,DV', as the fast tier
+    calls them (bf16 inputs, the state in `state_dtype`, a 4-position conv); inside `recorded`."""
+    from engine.kernels.gated_delta_scan import delta_scan
+    from engine.kernels.gated_delta_step import delta_step
+
+    hk, hv, dk, dv = (int(v) for v in heads.split(","))
+    c, bf = 2 * hk * dk + hv * dv, mx.bfloat16
+    weights = dict(
+        conv_w=mx.zeros((c, 4, 1), dtype=bf),
+        A_log=mx.zeros((hv,)),
+        dt_bias=mx.zeros((hv,), dtype=bf),
+        norm_w=mx.zeros((dv,), dtype=bf),
+        conv_state=mx.zeros((m, 3, c), dtype=bf),
+        state=mx.zeros((m, hv, dv, dk), dtype=getattr(mx, state_dtype)),
+    )
+
+    def token_inputs(t: int) -> dict:
+        return dict(
+            qkv=mx.zeros((m, t, c), dtype=bf),
+            z=mx.zeros((m, t, hv * dv), dtype=bf),
+            a=mx.zeros((m, t, hv), dtype=bf),
+            beta_logits=mx.zeros((m, t, hv), dtype=bf),
+        )
+
+    delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
+    delta_scan(**token_inputs(2), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="16,32,64", help="activation rows M, comma-separated")
@@ -152,6 +188,8 @@ def main() -> None:
     p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")
     p.add_argument("--list", action="store_true", help="only list the launches (no nvcc)")
     p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--delta", metavar="HK,HV,DK,DV", help="the DeltaNet step and scan kernels for these heads instead")
+    p.add_argument("--state-dtypes", default="float32", help="with --delta: the state's dtypes, comma-separated")
     args = p.parse_args()
 
     from engine.kernels.kernel_cache import KernelCache
@@ -180,6 +218,14 @@ def main() -> None:
             )
 
     rows = [int(v) for v in args.rows.split(",")]
+    if args.delta:
+        for m in rows:
+            for dtype in args.state_dtypes.split(","):
+                builds = []
+                with recorded(builds):
+                    delta_launches(args.delta, m, dtype)
+                report(f"delta {args.delta} M={m} {dtype}", builds)
+        return
     if args.parts:
         from tools.gpu import batch_parts
 

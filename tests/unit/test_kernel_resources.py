@@ -34,3 +34,13 @@ def test_the_parts_of_a_batched_step_are_listed():
     out = _launches("--rows", "32", "--parts", "gate+up prenormed,down+residual")
     assert "M=32 [default] engine_affine_sqmm2_part" in out and "engine_affine_sqmm_sum2_g_pn" in out, out
     assert "engine_affine_sqmm1_part" in out and "engine_affine_sqmm_sum1_r" in out, out
+
+
+def test_the_deltanet_kernels_are_listed_per_row_count_and_state_dtype():
+    out = _launches("--rows", "1,64", "--delta", "16,48,128,128", "--state-dtypes", "float32,float16")
+    # a block of 512 threads per (row, value head): 48 blocks at one row, 3072 at 64; step and scan each
+    for m, blocks in ((1, 48), (64, 3072)):
+        for dtype in ("float32", "float16"):
+            for kernel in ("step", "scan"):
+                line = f"delta 16,48,128,128 M={m} {dtype} engine_gated_delta_{kernel}_512: grid {blocks} x 512 threads"
+                assert line in out, out
