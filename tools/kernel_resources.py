@@ -10,9 +10,9 @@ Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix 
 ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
 not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kernels --staged` does
 (`KEY=VALUE,...`; repeatable). `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
-instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`. `--cache-dir DIR` also writes each cubin where MLX looks for it
-(`kernel_cache`): a process on the GPU with MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of
-them.
+instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`.
+`--cache-dir DIR` also writes each cubin where MLX looks for it (`kernel_cache`): a process on the GPU with
+MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them.
 """
 
 from __future__ import annotations
