@@ -9,10 +9,15 @@ float32. This is the function the artifact defines, up to float32 rounding: a
 kernel tier is judged by how far it moves from it (`harness.kernels.gate`).
 
 On CUDA MLX runs float32 matrix products as TF32 unless MLX_ENABLE_TF32=0 is
-set when it starts, so there `reference_logits` runs in a child process with
+set when it starts, so there `reference_files` runs in a child process with
 that setting; on the CPU it runs in this process.
 
-    python -m harness.kernels.float_reference REQUEST.json OUT.safetensors   (what the child runs)
+Each sequence's logits go to a file of their own as soon as they are made
+(`reference_files`), and a caller loads one when it uses it (`load_reference`):
+[count, V] float32 is 1 GB a sequence for a 248K vocabulary at 1,024 steps, so
+a long gate holding them all in device memory ran out of it on an 80 GB card.
+
+    python -m harness.kernels.float_reference REQUEST.json   (what the child runs)
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -114,15 +119,18 @@ BATCH_TOKENS = 16384
 def forward_logits(model: nn.Module, sequence: Sequence[int], start: int, count: int) -> mx.array:
     """[count, V] float32 logits of one forward over `sequence`, at the positions predicting tokens
     start .. start + count - 1 (the reference for a prompt of `start` ids and `count` generated tokens)."""
-    return batch_logits(model, [sequence], start, count)[0]
+    return next(batch_logits(model, [sequence], start, count))
 
 
-def batch_logits(model: nn.Module, sequences: Sequence[Sequence[int]], start: int, count: int) -> mx.array:
-    """`forward_logits` of sequences of one length, as one forward: [B, count, V]."""
-    hidden = model.hidden(mx.array([list(s) for s in sequences]), model.make_cache())
-    logits = model.logits(hidden[:, start - 1 : start - 1 + count]).astype(F32)
-    mx.eval(logits)
-    return logits
+def batch_logits(model: nn.Module, sequences: Sequence[Sequence[int]], start: int, count: int) -> Iterator[mx.array]:
+    """`forward_logits` of sequences of one length, as one forward: each row's [count, V] in turn, evaluated (the
+    forward's hidden states once, the logits a row at a time, so only one row's are made at once)."""
+    hidden = model.hidden(mx.array([list(s) for s in sequences]), model.make_cache())[:, start - 1 : start - 1 + count]
+    mx.eval(hidden)
+    for row in range(len(sequences)):
+        logits = model.logits(hidden[row : row + 1])[0].astype(F32)
+        mx.eval(logits)
+        yield logits
 
 
 def batches(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[int]]:
@@ -138,53 +146,82 @@ def batches(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[l
     return out
 
 
-def _in_process(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int) -> list[mx.array]:
-    """Each sequence's reference, a forward for each of `batches`."""
+def _file(directory: Path, i: int) -> Path:
+    return directory / f"r{i}.safetensors"
+
+
+def _in_process(path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int, directory: Path):
+    """Each sequence's reference written to `_file(directory, i)`, a forward for each of `batches`."""
     model, _ = load_model(path)
     to_float32(model)
-    out: list[mx.array | None] = [None] * len(sequences)
     for batch in batches(sequences, starts):
-        logits = batch_logits(model, [sequences[i] for i in batch], starts[batch[0]], count)
-        for row, i in enumerate(batch):
-            out[i] = logits[row]
+        rows = batch_logits(model, [sequences[i] for i in batch], starts[batch[0]], count)
+        for i, logits in zip(batch, rows):
+            mx.save_safetensors(str(_file(directory, i)), {"logits": logits})
+        rows.close()
         mx.clear_cache()
-    return out
+
+
+def reference_files(
+    path: Path,
+    sequences: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    count: int,
+    directory: Path,
+    child: bool | None = None,
+) -> list[Path]:
+    """The float32 reference's logits [count, V] for each sequence (`forward_logits`), a file each in
+    `directory` (`load_reference` reads one), computed in a child process without TF32 where this process runs
+    float32 matrix products as TF32 (CUDA; `child` forces either)."""
+    if child is None:
+        child = on_cuda() and os.environ.get("MLX_ENABLE_TF32") != "0"
+    if not child:
+        _in_process(path, sequences, starts, count, directory)
+    else:
+        mx.clear_cache()  # what this process has freed and MLX keeps, the child's to take
+        request = directory / "request.json"
+        request.write_text(
+            json.dumps(
+                {
+                    "path": str(path),
+                    "sequences": [list(s) for s in sequences],
+                    "starts": list(starts),
+                    "count": count,
+                    "directory": str(directory),
+                }
+            )
+        )
+        env = {**os.environ, "MLX_ENABLE_TF32": "0"}
+        done = subprocess.run(
+            [sys.executable, "-m", "harness.kernels.float_reference", str(request)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the float32 reference failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    return [_file(directory, i) for i in range(len(sequences))]
+
+
+def load_reference(file: Path) -> mx.array:
+    """One sequence's reference logits from `reference_files`, read when evaluated."""
+    return mx.load(str(file))["logits"]
 
 
 def reference_logits(
     path: Path, sequences: Sequence[Sequence[int]], starts: Sequence[int], count: int, child: bool | None = None
 ) -> list[mx.array]:
-    """The float32 reference's logits [count, V] for each sequence (`forward_logits`), in a child process
-    without TF32 where this process runs float32 matrix products as TF32 (CUDA; `child` forces either)."""
-    if child is None:
-        child = on_cuda() and os.environ.get("MLX_ENABLE_TF32") != "0"
-    if not child:
-        return _in_process(path, sequences, starts, count)
+    """`reference_files`' logits, all of them evaluated in memory (for few or short sequences)."""
     with tempfile.TemporaryDirectory(prefix="float-reference-") as tmp:
-        request, out = Path(tmp) / "request.json", Path(tmp) / "logits.safetensors"
-        request.write_text(
-            json.dumps(
-                {"path": str(path), "sequences": [list(s) for s in sequences], "starts": list(starts), "count": count}
-            )
-        )
-        env = {**os.environ, "MLX_ENABLE_TF32": "0"}
-        child = subprocess.run(
-            [sys.executable, "-m", "harness.kernels.float_reference", str(request), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if child.returncode != 0:
-            raise RuntimeError(f"the float32 reference failed (exit {child.returncode}): {child.stderr[-3000:]}")
-        arrays = mx.load(str(out))
-        return [arrays[f"r{i}"] for i in range(len(sequences))]
+        logits = [load_reference(f) for f in reference_files(path, sequences, starts, count, Path(tmp), child)]
+        mx.eval(logits)
+        return logits
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    request, out = argv or sys.argv[1:]
+    (request,) = argv or sys.argv[1:]
     r = json.loads(Path(request).read_text())
-    logits = _in_process(Path(r["path"]), r["sequences"], r["starts"], r["count"])
-    mx.save_safetensors(out, {f"r{i}": x for i, x in enumerate(logits)})
+    _in_process(Path(r["path"]), r["sequences"], r["starts"], r["count"], Path(r["directory"]))
     return 0
 
 

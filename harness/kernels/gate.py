@@ -20,6 +20,7 @@ positions its mean KL is at most `KL_RATIO` times the exact tier's plus
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from engine.generate import prefill
 from engine.kernels import EXACT, FAST, KernelConfig, install
 from engine.loading import load_model, vocab_size
 from harness.gates.parity import PROMPT_LENGTHS
-from harness.kernels.float_reference import batches, reference_logits
+from harness.kernels.float_reference import batches, load_reference, reference_files
 from oracles.cases import frozen_prompt_ids
 
 GATE_STEPS = 64
@@ -236,34 +237,41 @@ def run_gates(
             alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
     sequences, starts = [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique]
     say(f"float32 reference ({len(unique)} sequences, {len(batches(sequences, starts))} forwards)")
-    refs = dict(zip(unique, reference_logits(path, sequences, starts, steps)))
-    exact = {1: {spec: score(refs[spec], logits) for spec, logits in alone.items()}} if 1 in rows else {}
-    del alone
+    # the reference's logits stay in files, each read for a score and freed after it: [steps, V] float32 a
+    # sequence (1 GB at 1,024 steps of a 248K vocabulary), too many to hold beside the model in device memory
+    with tempfile.TemporaryDirectory(prefix="gate-reference-") as tmp:
+        files = dict(zip(unique, reference_files(path, sequences, starts, steps, Path(tmp))))
 
-    def scored(r: int, tier: str, starts: dict) -> dict:
-        out = {}
-        for b in range(0, len(specs[r]), r):
-            batch = specs[r][b : b + r]
-            say(f"{tier} tier: {r} row{'s' * (r > 1)} forced, batch {b // r + 1}/{len(specs[r]) // r}")
-            runs = forced(
-                model,
-                [prompts[s] for s in batch],
-                [tokens[s] for s in batch],
-                [starts[s].copy() if s in starts else None for s in batch],
-            )
-            for spec, logits in zip(batch, runs):
-                out[spec] = score(refs[spec], logits)
-        return out
+        def against(spec: tuple[int, int], logits: mx.array) -> TierScore:
+            return score(load_reference(files[spec]), logits)
 
-    for r in rows:
-        if r > 1:
-            exact[r] = scored(r, EXACT, prefilled)
-    del prefilled
-    fast_set = install(model, fast, family=config.get("model_type"))
-    try:
-        fast_scores = {r: scored(r, FAST, {}) for r in rows}
-    finally:
-        install(model, KernelConfig(EXACT))
+        exact = {1: {spec: against(spec, logits) for spec, logits in alone.items()}} if 1 in rows else {}
+        del alone
+
+        def scored(r: int, tier: str, starts: dict) -> dict:
+            out = {}
+            for b in range(0, len(specs[r]), r):
+                batch = specs[r][b : b + r]
+                say(f"{tier} tier: {r} row{'s' * (r > 1)} forced, batch {b // r + 1}/{len(specs[r]) // r}")
+                runs = forced(
+                    model,
+                    [prompts[s] for s in batch],
+                    [tokens[s] for s in batch],
+                    [starts[s].copy() if s in starts else None for s in batch],
+                )
+                for spec, logits in zip(batch, runs):
+                    out[spec] = against(spec, logits)
+            return out
+
+        for r in rows:
+            if r > 1:
+                exact[r] = scored(r, EXACT, prefilled)
+        del prefilled
+        fast_set = install(model, fast, family=config.get("model_type"))
+        try:
+            fast_scores = {r: scored(r, FAST, {}) for r in rows}
+        finally:
+            install(model, KernelConfig(EXACT))
     return [
         GateResult(
             r,

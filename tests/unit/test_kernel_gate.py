@@ -128,6 +128,18 @@ def test_the_child_process_computes_the_same_reference(tiny_path):
     assert all(mx.array_equal(a, b).item() for a, b in zip(here, child))
 
 
+def test_the_reference_is_a_file_a_sequence_read_when_used(tiny_path, tmp_path):
+    # A long gate's references (1 GB a sequence on qwen27b at 1,024 steps) stay on disk until scored.
+    from harness.kernels.float_reference import load_reference, reference_files
+
+    path = tiny_path("tiny-qwen35-4bit")
+    seqs, starts = [list(range(3, 30)), list(range(9, 20))], [20, 5]
+    files = reference_files(path, seqs, starts, 4, tmp_path, child=False)
+    assert files == [tmp_path / "r0.safetensors", tmp_path / "r1.safetensors"] and all(f.exists() for f in files)
+    for f, got in zip(files, reference_logits(path, seqs, starts, 4)):
+        assert mx.array_equal(load_reference(f), got).item()
+
+
 def test_the_command_writes_the_gate_record_and_exits_by_its_verdict(tiny_path, tmp_path, capsys):
     # the command's wiring, without the greedy part (test_greedy_gate.py runs that small; the full one is slow)
     tiny_path("tiny-qwen3")
@@ -174,7 +186,7 @@ def test_sequences_of_one_length_share_a_reference_forward(tiny_path, monkeypatc
     starts = [20, 20, 20, 5]
     monkeypatch.setattr(float_reference, "BATCH_TOKENS", 2 * 27)
     assert float_reference.batches(seqs, starts) == [[0, 1], [2], [3]]
-    batched = float_reference._in_process(path, seqs, starts, 4)
+    batched = float_reference.reference_logits(path, seqs, starts, 4, child=False)
     model, _ = load_model(path)
     to_float32(model)
     for seq, start, got in zip(seqs, starts, batched):
