@@ -168,10 +168,17 @@ def measure(
     def prompt() -> list[int]:  # each request its own prompt: no prompt-cache hit between them
         return frozen_prompt_ids(cfg.prompt_tokens, vocab_size, seed=cfg.seed * 10**6 + next(serial_ids))
 
-    def start(stack: ExitStack, label: str, *extra: str, kernels: Path = cache) -> tuple[ServerProcess, httpx.Client]:
+    def start(
+        stack: ExitStack, label: str, *extra: str, kernels: Path | None = None
+    ) -> tuple[ServerProcess, httpx.Client]:
         port = free_port()
         cmd = engine_serve_command(
-            ["--model-path", str(model_dir)], port, "--kernel-cache-dir", str(kernels), *cfg.server_args, *extra
+            ["--model-path", str(model_dir)],
+            port,
+            "--kernel-cache-dir",
+            str(kernels or cache),
+            *cfg.server_args,
+            *extra,
         )
         log(f"{label}: {' '.join(cmd[2:])}")
         logs = cfg.log_dir / label.split()[0] if cfg.log_dir else None
@@ -210,18 +217,32 @@ def measure(
         return got
 
     with ExitStack() as stack:
-        serial = None
+        serial, serial_stack = None, stack.enter_context(ExitStack())
         if cfg.rounds:  # first, so that the default server's memory (MLX keeps what it frees) cannot starve its load;
             # on a kernel cache of its own (unless shared), so that the default server's start is not helped by it
             serial_cache = cache
             if cfg.serial_kernel_cache == "own":
                 serial_cache = Path(tempfile.mkdtemp(prefix="engine-kernel-cache-serial-"))
             try:
-                _, serial = start(stack, "serial (--batch 1)", "--batch", "1", kernels=serial_cache)
+                _, serial = start(serial_stack, "serial (--batch 1)", "--batch", "1", kernels=serial_cache)
             except ServerStartError as e:  # the rest is measured without it
                 result.errors.append(f"the serial server did not start: {e}")
                 log(result.errors[-1][:2000])
-        _, client = start(stack, "start")
+        try:
+            _, client = start(stack, "start")
+        except ServerStartError as e:
+            if serial is None:
+                raise
+            # one device may not hold both (qwen27b's warm-up beside a serial server on an 80 GB card ran out of
+            # memory): the serial server stopped, the default one started alone (cold again), no lone rounds
+            result.errors.append(f"the default server did not start beside the serial one; started alone: {e}")
+            log(result.errors[-1][:2000])
+            serial_stack.close()
+            serial = None
+            if cfg.kernel_cache_dir is None:
+                cache = Path(tempfile.mkdtemp(prefix="engine-kernel-cache-"))
+                result.kernel_cache_dir = str(cache)
+            _, client = start(stack, "start")
         run(client, "first", 1, cfg.decode_tokens)
         for n in cfg.bursts:
             run(client, f"burst-{n}", n, cfg.decode_tokens)
