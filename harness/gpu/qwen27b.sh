@@ -35,6 +35,7 @@
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
+#            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
 #            steps with each layout against the tree's, then the numerics gate at 32 and 64 rows with
 #            ENGINE_STAGED_LAYOUT=GATE_LAYOUT
@@ -167,7 +168,8 @@ case "$PART" in
         tests/unit/test_kernels.py -k "staged or row_blocks" 2>&1 | tail -5 | tee "$OUT/qwen27b-layout-tests.txt"
     staged=()
     for layout in ${LAYOUTS:-RW=1,W=8 RW=1,W=4,MG=2}; do staged+=(--staged "$layout"); done
-    python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" 2>&1 \
+    python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
+        --rounds "${ROUNDS:-1}" 2>&1 \
         | tee "$OUT/qwen27b-layout-steps.txt"
     [ "${GATE:-1}" = 0 ] && exit 0
     ENGINE_STAGED_LAYOUT="${GATE_LAYOUT:-}" python3 -m harness kernels --gate-model qwen27b \

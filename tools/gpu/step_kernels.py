@@ -123,6 +123,54 @@ def staged_layout(fields: dict[str, int]):
             calls._compiled.cache_clear()
 
 
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One tier, layout and row count: a line of the timings."""
+
+    tier: str
+    label: str  # the layout's, "" for the tree's
+    keep: frozenset[int] | None  # the row counts the layout keeps to
+    fields: tuple[tuple[str, int], ...]
+    rows: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.tier}{self.label}"
+
+
+def cells_of(tiers: Sequence[str], layouts: Sequence[tuple], rows_list: Sequence[int], min_rows: int) -> list[Cell]:
+    """Every (tier, layout, rows) a run times, in the order of one round; a layout skips the rows it does not keep
+    and those below the staged kernel's `min_rows`."""
+    return [
+        Cell(tier, label, None if keep is None else frozenset(keep), tuple(sorted(fields.items())), rows)
+        for tier in tiers
+        for keep, fields, label in layouts
+        for rows in rows_list
+        if (keep is None or rows in keep) and (not fields or rows >= min_rows)
+    ]
+
+
+def round_order(cells: Sequence[Cell], r: int) -> list[Cell]:
+    """Round r's order: as given in even rounds, reversed in odd ones (A B .. B A), so a drift of the process over
+    the run (memory it keeps, clocks) weighs on every cell alike instead of on those timed last."""
+    return list(cells) if r % 2 == 0 else list(cells)[::-1]
+
+
+def summary(times: dict[Cell, list[float]]) -> list[str]:
+    """Per cell over the rounds: the median step, its range, and its ratio to the tree's layout at the same tier
+    and rows (where timed)."""
+    lines = []
+    for cell, ts in times.items():
+        median = statistics.median(ts)
+        base = times.get(dataclasses.replace(cell, label="", keep=None, fields=()))
+        ratio = f"  {median / statistics.median(base):.3f}x the tree's" if base and cell.fields else ""
+        lines.append(
+            f"{cell.name:6s} rows {cell.rows:3d}: median {median * 1e3:7.2f} ms over {len(ts)} rounds "
+            f"({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f}){ratio}"
+        )
+    return lines
+
+
 def run(
     model_name: str,
     rows_list: list[int],
@@ -136,7 +184,12 @@ def run(
     variants: Sequence[str] = (),
     only_staged: bool = False,
     state_dtypes: Sequence[str] = ("float32",),
+    rounds: int = 1,
 ) -> None:
+    import gc
+
+    import mlx.core as mx
+
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
     from engine.kernels.quantized_gemv import staged
@@ -156,27 +209,37 @@ def run(
         for d in state_dtypes
     ]
     eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
-    for tier in tiers:
-        ks = install(eng.model, config(tier), eng.config.get("model_type"))
-        print(
-            f"{model_name} {tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
-            + (f", off: {','.join(off)}" if off else "")
-            + (", batch caches" if batch_caches else ""),
-            flush=True,
-        )
-        for keep, fields, label in layouts:
-            for rows in rows_list:
-                if (keep is None or rows in keep) and (not fields or rows >= staged.MIN_ROWS):
-                    with staged_layout(fields):
-                        if fields:  # new layer steps: the compiled ones hold the launches of their first trace
-                            install(eng.model, config(tier), eng.config.get("model_type"))
-                        step_rows(eng, tier + label, rows, steps, prompt_tokens, timed, warm, batch_caches)
+    cells = cells_of(tiers, layouts, rows_list, staged.MIN_ROWS)
+    times: dict[Cell, list[float]] = {cell: [] for cell in cells}
+    said = set()
+    for r in range(rounds):
+        if rounds > 1:
+            print(f"round {r + 1}/{rounds}", flush=True)
+        for cell in round_order(cells, r):
+            with staged_layout(dict(cell.fields)):  # new layer steps: compiled ones keep their first trace's launches
+                ks = install(eng.model, config(cell.tier), eng.config.get("model_type"))
+                if cell.tier not in said:
+                    said.add(cell.tier)
+                    print(
+                        f"{model_name} {cell.tier}: {ks.tier}, {ks.quantized_linears} GEMV layers"
+                        + (f", off: {','.join(off)}" if off else "")
+                        + (", batch caches" if batch_caches else ""),
+                        flush=True,
+                    )
+                step = step_rows(eng, cell.name, cell.rows, steps, prompt_tokens, timed, warm, batch_caches)
+            if step is not None:
+                times[cell].append(step)
+            gc.collect()  # the cell's caches, and what MLX kept of them, gone before the next one
+            mx.clear_cache()
+    if rounds > 1 and timed:
+        print("\n".join(["# over the rounds:", *summary(times)]), flush=True)
 
 
 def step_rows(
     eng, label: str, rows: int, steps: int, prompt_tokens: int, timed: bool, warm: int, batch_caches: bool
-) -> None:
-    """One row count's decode steps: timed (pipelined), or one at a time between markers for ncu."""
+) -> float | None:
+    """One row count's decode steps: timed (pipelined; the wall time a step returned), or one at a time between
+    markers for ncu."""
     import mlx.core as mx
 
     cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
@@ -202,7 +265,7 @@ def step_rows(
             f"submit gap {gap * 1e3:.2f} ms)",
             flush=True,
         )
-        return
+        return step
     marker = profile_marker(f"{label.split()[0]}_{rows}")
     mx.eval(marker(token.reshape(-1)))
     mx.synchronize()
@@ -215,6 +278,7 @@ def step_rows(
     mx.synchronize()
     cuda_profiler(False)
     print(f"{label} rows {rows}: {steps} steps done", flush=True)
+    return None
 
 
 def summarize(path: str, top: int) -> None:
@@ -300,9 +364,18 @@ def main() -> None:
         type=Path,
         help="compile the engine's kernels into DIR ahead of MLX, in parallel (MLX_PTX_CACHE_DIR)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --time: time every tier, layout and row count this many times, the order reversed every other "
+        "round, then each one's median and its ratio to the tree's layout (default 1)",
+    )
     p.add_argument("--summarize", metavar="NCU_CSV", help="read ncu's CSV instead of running the model")
     p.add_argument("--top", type=int, default=25, help="kernels to list, most time first")
     args = p.parse_args()
+    if args.rounds < 1 or (args.rounds > 1 and not args.time):
+        p.error("--rounds takes a count of at least 1, and more than 1 only with --time")
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
@@ -324,6 +397,7 @@ def main() -> None:
             args.staged,
             args.only_staged,
             args.state_dtype.split(","),
+            args.rounds,
         )
 
 

@@ -1,0 +1,36 @@
+"""tools.gpu.step_kernels --rounds: every cell timed once a round, the order reversed every other round."""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def sk(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # the tools are run from the checkout
+    from tools.gpu import step_kernels
+
+    return step_kernels
+
+
+def test_cells_keep_each_layouts_rows_and_rounds_alternate(sk):
+    layouts = [(None, {}, ""), ({64}, {"row_blocks": 2}, " [64:NR=2]"), (None, {"rounded": 1}, " [RW=1]")]
+    cells = sk.cells_of(["fast"], layouts, [1, 32, 64], min_rows=2)
+    assert [(c.label, c.rows) for c in cells] == [
+        ("", 1),
+        ("", 32),
+        ("", 64),
+        (" [64:NR=2]", 64),
+        (" [RW=1]", 32),  # no staged layout at one row
+        (" [RW=1]", 64),
+    ]
+    assert sk.round_order(cells, 0) == cells and sk.round_order(cells, 1) == cells[::-1]
+
+
+def test_the_summary_gives_medians_and_ratios_to_the_trees_layout(sk):
+    tree, nr = sk.cells_of(["fast"], [(None, {}, ""), ({64}, {"row_blocks": 2}, " [64:NR=2]")], [64], min_rows=2)
+    lines = sk.summary({tree: [0.036, 0.030, 0.032], nr: [0.040, 0.033, 0.036]})
+    assert "median   32.00 ms over 3 rounds (30.00-36.00)" in lines[0] and "x the tree's" not in lines[0]
+    assert lines[1].endswith("(33.00-40.00)  1.125x the tree's")
