@@ -161,9 +161,16 @@ def _check(criterion: str, measured: float | None, target: float, at_least: bool
     return Verdict(criterion, measured, target, ok)
 
 
+# A batched decode's matrix products at these row counts read their weights at BATCHED_FRACTION of the memory's
+# peak or more on every shape (a decode step of 16-64 rows at its bandwidth floor)
+BATCHED_ROWS = (16, 32, 64)
+BATCHED_FRACTION = 0.70
+
+
 def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult], peak_gbs: float | None = None) -> list[Verdict]:
     """GEMV at M = 1 on the model's main matrix (the largest shape used by more than one layer):
-    >= 2500 GB/s and >= 7x MLX; M = 8 at most 1.5x the M = 1 time; 1024-token chunked
+    >= 2500 GB/s and >= 7x MLX; M = 8 at most 1.5x the M = 1 time; at each of BATCHED_ROWS timed, every
+    shape's bytes at BATCHED_FRACTION of `peak_gbs` or more (the slowest shape's fraction); 1024-token chunked
     DeltaNet prefill >= 20x the recurrence. With `peak_gbs`, a speedup target that would need more
     than the machine's bandwidth says so."""
     out = []
@@ -186,6 +193,13 @@ def verdicts(gemv: Sequence[GemvResult], delta: Sequence[DeltaResult], peak_gbs:
         if one and eight:
             ratio = eight.kernel_us / one.kernel_us if one.kernel_us and eight.kernel_us else None
             out.append(_check(f"GEMV {n}x{k} M=8 time / M=1 time", ratio, 1.5, at_least=False))
+    if peak_gbs:
+        for m in BATCHED_ROWS:
+            rows = [r for r in gemv if r.m == m]
+            if rows:
+                fractions = [None if r.kernel_us is None else r.gbs(r.kernel_us) / peak_gbs for r in rows]
+                worst = None if None in fractions else min(fractions)
+                out.append(_check(f"GEMV every shape M={m} fraction of {peak_gbs:.0f} GB/s", worst, BATCHED_FRACTION))
     for r in delta:
         if r.tokens == 1024:
             out.append(_check("chunked DeltaNet 1024-token prefill speedup", r.speedup, 20))

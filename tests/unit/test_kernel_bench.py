@@ -72,6 +72,21 @@ def test_verdicts_check_the_main_matrix_and_the_prefill():
     assert [v.ok for v in off_cuda] == [None, None]
 
 
+def test_batched_rows_are_judged_by_their_slowest_shape_against_the_peak():
+    # 44.6 MB (17408x5120) in 12 us is 3.7 TB/s (0.77), 1024x5120 (2.6 MB) in 9 us 0.3: the worst fraction decides
+    fast = gemv(17408, 5120, 32, 130, 140.0, 12.0)
+    got = {v.criterion: v for v in verdicts([fast, gemv(1024, 5120, 32, 34, 9.0, 9.0)], [], 4800)}
+    v = got["GEMV every shape M=32 fraction of 4800 GB/s"]
+    assert v.ok is False and v.target == 0.70 and v.measured < 0.1
+    assert got_ok(verdicts([fast], [], 4800)) == [True]
+    assert not any("every shape" in v.criterion for v in verdicts([fast], [], None))  # no peak, no verdict
+    assert got_ok(verdicts([gemv(17408, 5120, 64, 130, 140.0, None)], [], 4800)) == [None]  # not timed here
+
+
+def got_ok(vs):
+    return [v.ok for v in vs if "every shape" in v.criterion]
+
+
 def test_a_speedup_target_above_the_machines_bandwidth_says_so():
     main = gemv(17408, 5120, 1, 130, 60.0, 25.0)  # 44.6 MB: MLX 743 GB/s, 7x is 5199
     speedup = lambda peak: next(v for v in verdicts([main], [], peak) if "speedup" in v.criterion)  # noqa: E731
