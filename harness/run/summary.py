@@ -39,6 +39,12 @@ FAST_TIER = "fast"  # engine.kernels.FAST, named here so the summary stays free 
 KNOWN_BANDWIDTH = {"NVIDIA H200": 4.8e12}
 
 
+def _itl_spread(m: dict) -> str:
+    """' (N.Nx p50)' after an ITL p99: how much longer the rare token gap is than the usual one ('' without both)."""
+    p50, p99 = m.get("median_itl_ms"), m.get("p99_itl_ms")
+    return f" ({p99 / p50:.1f}x p50)" if p50 and p99 is not None else ""
+
+
 def weight_bytes(model_dir: str) -> int:
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
@@ -423,7 +429,7 @@ def load_lines(run: dict) -> list[str]:
                         f"{fmt(m.get('p99_ttft_ms'), '.0f')} ms, TPOT p50 {fmt(m.get('median_tpot_ms'), '.1f')} ms"
                         + (  # rows decoding beside a prefill: how far the prefill stretched their token gaps
                             f", ITL p50 {fmt(m.get('median_itl_ms'), '.1f')} ms "
-                            f"p99 {fmt(m.get('p99_itl_ms'), '.1f')} ms"
+                            f"p99 {fmt(m.get('p99_itl_ms'), '.1f')} ms{_itl_spread(m)}"
                             if c["phase"] == "staggered"
                             else ""
                         )

@@ -50,3 +50,8 @@ def test_a_random_weight_models_perplexity_says_what_it_is_worth():
         "held-out perplexity 50524.1" in line and "worse than a uniform guess over the 32,768-token vocabulary" in line
     )
     assert summary.perplexity_note({"perplexity": 8.2, "vocab_size": 4096}, "trained-qwen3") == ""
+
+
+def test_the_staggered_line_says_how_far_the_rare_token_gap_is_from_the_usual():
+    assert summary._itl_spread({"median_itl_ms": 12.0, "p99_itl_ms": 30.0}) == " (2.5x p50)"
+    assert summary._itl_spread({"median_itl_ms": None, "p99_itl_ms": 30.0}) == ""
