@@ -325,8 +325,9 @@ def _add_serve(sub) -> None:
         type=_gather_ms,
         default=None,
         metavar="auto|off|MS",
-        help="requests reaching an idle server: keep taking arrivals until none came for MS milliseconds (at "
-        "most 10 times that), so a burst starts as one prefill group rather than its first request alone "
+        help="requests reaching an idle server: keep taking arrivals until none came for MS milliseconds and "
+        "none is still being read (at most 50 times MS), so a burst starts as one prefill group rather than its "
+        "first request alone "
         "(auto, the default: 2 on the fast tier; off on the exact tier, as mlx_lm.server)",
     )
     p.add_argument(

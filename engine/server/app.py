@@ -245,8 +245,9 @@ async def _cancel_on_disconnect(request: Request, relays: list[Relay]) -> None:
 
 async def _complete(ctx: ServerContext, state: AppState, request: Request, is_chat: bool) -> Response:
     try:
-        parsed, rid, gens = await _prepare(ctx, state, request, is_chat)
-        relays = await open_relays(ctx, parsed, rid, gens)
+        with ctx.worker.arriving() as arrival:  # read and parsed while an idle engine gathers a burst
+            parsed, rid, gens = await _prepare(ctx, state, request, is_chat)
+            relays = await open_relays(ctx, parsed, rid, gens, arrival)
     except ApiError as e:
         return error_response(e)
     if parsed.stream:

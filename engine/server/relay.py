@@ -20,7 +20,7 @@ from engine.server.protocol import ApiError, ParsedRequest, bad
 from engine.server.reasoning import ReasoningParser, opened
 from engine.server.stop_text import TextStopper
 from engine.server.tool_calls import CallDelta, Parsed
-from engine.server.worker import Accepted, Ended, QueueFull, Rejected
+from engine.server.worker import Accepted, Arrival, Ended, QueueFull, Rejected
 
 log = logging.getLogger("engine.server")
 
@@ -174,13 +174,16 @@ class Relay:
 
 
 async def open_relays(
-    ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest]
+    ctx: ServerContext, parsed: ParsedRequest, rid: str, gens: list[GenerationRequest], arrival: Arrival | None = None
 ) -> list[Relay]:
     """A relay per prompt, each submitted (all in the queue together, so they prefill and decode as rows of one
-    batch); a refusal of any cancels those the engine took, and raises the first refusal."""
+    batch; then the request's `arrival` is done); a refusal of any cancels those the engine took, and raises the
+    first refusal."""
     relays = [Relay(ctx, parsed, gen, rid, i) for i, gen in enumerate(gens)]
     for relay in relays:
         relay.submit()
+    if arrival is not None:
+        arrival.done()  # before waiting for the engine to take them: a gathering engine takes them at its end
     refusals = []
     for relay in relays:
         try:

@@ -34,7 +34,7 @@ log = logging.getLogger("engine.server")
 
 
 FAST_GATHER_MS = 2.0  # `engine serve --gather-ms` auto on the fast tier
-GATHER_SPAN = 10  # the longest a gathering waits, in quiet gaps (`EngineWorker.gather_s`)
+GATHER_SPAN = 50  # the longest a gathering waits, in quiet gaps (`EngineWorker.gather_s`)
 
 
 class QueueFull(Exception):
@@ -214,6 +214,24 @@ class _Stop:
     pass
 
 
+class Arrival:
+    """`EngineWorker.arriving`'s mark of one request: `done` once (again: nothing), or at the end of a `with`."""
+
+    def __init__(self, worker: EngineWorker):
+        self._worker, self._open = worker, True
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            self._worker._arrived()
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done()
+
+
 @dataclass
 class EngineWorker:
     """`run()` is the loop (on the thread that owns the device); the other methods are thread-safe."""
@@ -222,8 +240,9 @@ class EngineWorker:
     limits: QueueLimits = QueueLimits()
     metrics: Any = None  # a metrics.Metrics that hears every request's end (None: none)
     warmup: dict[str, Any] = field(default_factory=dict)  # what ran before ready (mode, requests, seconds)
-    # Requests reaching an idle engine: more are taken until none came for this long (at most GATHER_SPAN times it
-    # in all), so a burst whose requests the HTTP thread hands over one by one starts as one prefill group
+    # Requests reaching an idle engine: more are taken until none came for this long while no other request is on
+    # its way (`arriving`; at most GATHER_SPAN times it in all), so a burst whose requests the HTTP thread reads and
+    # hands over one by one starts as one prefill group
     gather_s: float = 0.0
     inbox: queue.Queue = field(default_factory=queue.Queue)
     totals: Totals = field(default_factory=Totals)
@@ -232,9 +251,22 @@ class EngineWorker:
     _waiting: dict[str, int] = field(default_factory=dict)  # not yet started: prompt tokens, by request id
     _stopped: dict[str, int] = field(default_factory=dict)  # ended by a stop string: the tokens kept
     _outboxes: dict[asyncio.AbstractEventLoop, Outbox] = field(default_factory=dict)
+    _arriving: int = 0  # requests the HTTP layer has taken and not yet submitted (`arriving`)
+    _arriving_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
         self._refresh(self.gateway)
+
+    def arriving(self) -> Arrival:
+        """A request on its way here (its body read, parsed, tokenized), until `Arrival.done` (after its submit) or
+        the end of a `with`: an idle engine's gathering waits for it, however long its quiet gap."""
+        with self._arriving_lock:
+            self._arriving += 1
+        return Arrival(self)
+
+    def _arrived(self) -> None:
+        with self._arriving_lock:
+            self._arriving -= 1
 
     def stream(self, request_id: str) -> Stream:
         """A new request's stream, on the running event loop (called from it)."""
@@ -287,13 +319,15 @@ class EngineWorker:
             return out
 
     def _gather(self) -> list:
-        """The commands that come until none came for `gather_s` (at most GATHER_SPAN times it in all)."""
+        """The commands that come until none came for `gather_s` while no request is `arriving` (at most GATHER_SPAN
+        times it in all)."""
         out, end = [], time.perf_counter() + GATHER_SPAN * self.gather_s
         while (left := end - time.perf_counter()) > 0:
             try:
                 out.append(self.inbox.get(timeout=min(self.gather_s, left)))
             except queue.Empty:
-                break
+                if not self._arriving:
+                    break
         return out
 
     def _apply(self, gateway: Gateway, cmd) -> None:

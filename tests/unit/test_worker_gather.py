@@ -11,7 +11,7 @@ from engine.kernels import EXACT, FAST
 from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
 from engine.server.main import ServeConfig
-from engine.server.worker import FAST_GATHER_MS, Ended, EngineWorker, Rejected, Stream
+from engine.server.worker import FAST_GATHER_MS, Arrival, Ended, EngineWorker, Rejected, Stream
 
 STOP = StopCriteria(max_tokens=2, ignore_eos=True)
 
@@ -27,9 +27,10 @@ class Recorder(Stream):
         self.kept.append(event)
 
 
-def prefill_groups(tiny_path, gather_s: float, late_s: float = 0.02) -> list[int]:
+def prefill_groups(tiny_path, gather_s: float, late_s: float = 0.02, announced: bool = False) -> list[int]:
     """The prefill groups (joiners a forward) of four requests, the first alone at an idle worker and three more
-    `late_s` after it, all on the continuous lane."""
+    `late_s` after it, all on the continuous lane; `announced`: the three on their way (`EngineWorker.arriving`)
+    from before the first is submitted, as the HTTP layer marks requests it is still reading."""
     gateway = Gateway(load_model(tiny_path("tiny-qwen3"))[0], GatewayConfig(batch=8, prefill_batch=8))
     worker = EngineWorker(gateway, gather_s=gather_s)
     streams = [Recorder(f"r{i}") for i in range(4)]
@@ -37,10 +38,14 @@ def prefill_groups(tiny_path, gather_s: float, late_s: float = 0.02) -> list[int
     def submit(i: int) -> None:
         worker.submit(GenerationRequest(f"r{i}", tuple(range(5 + i, 30 + i)), stop=STOP), streams[i])
 
+    arrivals = [worker.arriving() for _ in range(3)] if announced else []
+
     def later() -> None:
         time.sleep(late_s)
         for i in range(1, 4):
             submit(i)
+            if arrivals:
+                arrivals[i - 1].done()
         deadline = time.monotonic() + 120  # a request refused or stuck ends the test, not the run
         while time.monotonic() < deadline and not all(
             r.kept and isinstance(r.kept[-1], (Ended, Rejected)) for r in streams
@@ -69,3 +74,24 @@ def test_gathering_is_the_fast_tier_s_default():
     assert ServeConfig(model="m").gather_seconds(EXACT) == 0.0  # mlx_lm.server's groups, for the same-B oracle
     assert ServeConfig(model="m", gather_ms=0.0).gather_seconds(FAST) == 0.0
     assert ServeConfig(model="m", gather_ms=5.0).gather_seconds(EXACT) == 0.005
+
+
+@pytest.mark.parametrize("announced,groups", [(False, [1, 3]), (True, [4])])
+def test_a_gathering_waits_for_requests_still_on_their_way(tiny_path, announced, groups):
+    # a quiet gap of 5 ms ends the gathering before requests 60 ms late, unless the HTTP layer has said they are
+    # coming (their bodies still being read): then it waits for them, within GATHER_SPAN gaps (250 ms here)
+    assert prefill_groups(tiny_path, 0.005, late_s=0.06, announced=announced) == groups
+
+
+def test_an_arrival_is_done_once():
+    # done after its submit, then again at the end of the handler's `with`: one request leaves the count once
+    class Worker:
+        left = 0
+
+        def _arrived(self):
+            self.left += 1
+
+    worker = Worker()
+    with Arrival(worker) as arrival:
+        arrival.done()
+    assert worker.left == 1
