@@ -35,6 +35,9 @@ log = logging.getLogger("engine.server")
 
 FAST_GATHER_MS = 2.0  # `engine serve --gather-ms` auto on the fast tier
 GATHER_SPAN = 50  # the longest a gathering waits, in quiet gaps (`EngineWorker.gather_s`)
+# While the engine works, /stats' snapshot is remade at most this often, and after every step once it is idle: made
+# each step, its cache sizes alone (every layer's arrays counted) cost a lone qwen27b row ~1% of its step
+SNAPSHOT_S = 0.05
 
 
 class QueueFull(Exception):
@@ -252,6 +255,7 @@ class EngineWorker:
     _stopped: dict[str, int] = field(default_factory=dict)  # ended by a stop string: the tokens kept
     _outboxes: dict[asyncio.AbstractEventLoop, Outbox] = field(default_factory=dict)
     _arriving: int = 0  # requests the HTTP layer has taken and not yet submitted (`arriving`)
+    _snapshot_at: float = 0.0  # when `_refresh` last made the snapshot (perf_counter)
     _arriving_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
@@ -307,7 +311,9 @@ class EngineWorker:
                     gateway.step()
                 except Exception:  # noqa: BLE001 - the lanes contain their own failures; this is a last guard
                     log.exception("engine step failed")
-            self._refresh(gateway)
+            self._track_rows(gateway)
+            if not gateway.has_work or time.perf_counter() - self._snapshot_at >= SNAPSHOT_S:
+                self._refresh(gateway)
 
     def _drain(self, block: bool) -> list:
         out = []
@@ -389,10 +395,17 @@ class EngineWorker:
         self.snapshot = {**self.snapshot, "totals": vars(self.totals).copy()}
         return result
 
-    def _refresh(self, gateway: Gateway) -> None:
-        rows = gateway.active_rows
+    def _track_rows(self, gateway: Gateway) -> None:
+        """Each live request's most rows decoding beside it (its log line's batch), after every step."""
+        rows = gateway.active_rows or 1
         for stream in self._live.values():
-            stream.max_batch = max(stream.max_batch, rows or 1)
+            if stream.max_batch < rows:
+                stream.max_batch = rows
+
+    def _refresh(self, gateway: Gateway) -> None:
+        """The snapshot /stats and /metrics read (`SNAPSHOT_S`)."""
+        self._snapshot_at = time.perf_counter()
+        rows = gateway.active_rows
         batcher = gateway.batcher
         kv_bytes = batcher.kv_bytes if batcher is not None else 0
         pc = gateway.prompt_cache
