@@ -288,7 +288,9 @@ def add_startup(sub) -> None:
         "--rounds",
         type=non_negative,
         default=3,
-        help="lone rounds against a `--batch 1` server, after one warm-up round; 0: none (default 3)",
+        help="lone rounds against a `--batch 1` server (started first), after one warm-up round; 0: none "
+        "(default 3). Where the default server then cannot start beside it (device memory), the serial server is "
+        "stopped and the run goes on without lone rounds",
     )
     p.add_argument(
         "--serial-kernel-cache",
