@@ -35,8 +35,9 @@ log = logging.getLogger("engine.server")
 
 FAST_GATHER_MS = 2.0  # `engine serve --gather-ms` auto on the fast tier
 GATHER_SPAN = 50  # the longest a gathering waits, in quiet gaps (`EngineWorker.gather_s`)
-# While the engine works, /stats' snapshot is remade at most this often, and after every step once it is idle: made
-# each step, its cache sizes alone (every layer's arrays counted) cost a lone qwen27b row ~1% of its step
+# While the engine works, /stats' snapshot is remade after a step that took a command or ended a request, after every
+# step once idle, and else at most this often: made each step, its cache sizes alone (every layer's arrays counted)
+# cost a lone qwen27b row ~1% of its step
 SNAPSHOT_S = 0.05
 
 
@@ -256,6 +257,7 @@ class EngineWorker:
     _outboxes: dict[asyncio.AbstractEventLoop, Outbox] = field(default_factory=dict)
     _arriving: int = 0  # requests the HTTP layer has taken and not yet submitted (`arriving`)
     _snapshot_at: float = 0.0  # when `_refresh` last made the snapshot (perf_counter)
+    _ended: bool = False  # a request ended since then
     _arriving_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self):
@@ -312,7 +314,7 @@ class EngineWorker:
                 except Exception:  # noqa: BLE001 - the lanes contain their own failures; this is a last guard
                     log.exception("engine step failed")
             self._track_rows(gateway)
-            if not gateway.has_work or time.perf_counter() - self._snapshot_at >= SNAPSHOT_S:
+            if commands or self._ended or not gateway.has_work or time.perf_counter() - self._snapshot_at >= SNAPSHOT_S:
                 self._refresh(gateway)
 
     def _drain(self, block: bool) -> list:
@@ -393,6 +395,7 @@ class EngineWorker:
         # published now, before the end reaches the client (the next refresh comes after the step): a client
         # that reads /metrics or /stats as its response ends finds the request counted
         self.snapshot = {**self.snapshot, "totals": vars(self.totals).copy()}
+        self._ended = True
         return result
 
     def _track_rows(self, gateway: Gateway) -> None:
@@ -404,7 +407,7 @@ class EngineWorker:
 
     def _refresh(self, gateway: Gateway) -> None:
         """The snapshot /stats and /metrics read (`SNAPSHOT_S`)."""
-        self._snapshot_at = time.perf_counter()
+        self._snapshot_at, self._ended = time.perf_counter(), False
         rows = gateway.active_rows
         batcher = gateway.batcher
         kv_bytes = batcher.kv_bytes if batcher is not None else 0
