@@ -129,7 +129,6 @@ class Cell:
 
     tier: str
     label: str  # the layout's, "" for the tree's
-    keep: frozenset[int] | None  # the row counts the layout keeps to
     fields: tuple[tuple[str, int], ...]
     rows: int
 
@@ -142,7 +141,7 @@ def cells_of(tiers: Sequence[str], layouts: Sequence[tuple], rows_list: Sequence
     """Every (tier, layout, rows) a run times, in the order of one round; a layout skips the rows it does not keep
     and those below the staged kernel's `min_rows`."""
     return [
-        Cell(tier, label, None if keep is None else frozenset(keep), tuple(sorted(fields.items())), rows)
+        Cell(tier, label, tuple(sorted(fields.items())), rows)
         for tier in tiers
         for keep, fields, label in layouts
         for rows in rows_list
@@ -162,7 +161,7 @@ def summary(times: dict[Cell, list[float]]) -> list[str]:
     lines = []
     for cell, ts in times.items():
         median = statistics.median(ts)
-        base = times.get(dataclasses.replace(cell, label="", keep=None, fields=()))
+        base = times.get(dataclasses.replace(cell, label="", fields=()))
         ratio = f"  {median / statistics.median(base):.3f}x the tree's" if base and cell.fields else ""
         lines.append(
             f"{cell.name:6s} rows {cell.rows:3d}: median {median * 1e3:7.2f} ms over {len(ts)} rounds "
