@@ -851,6 +851,8 @@ def test_staged_kernel_sums_as_the_register_kernel_without_a_k_split(m, stages):
         dict(m_groups=2, splits=2),
         dict(min_blocks=2, m_groups=2, stages=2),
         dict(warps=2, m_groups=2),
+        dict(warps=8, row_tiles=2),
+        dict(warps=4, m_groups=2),
     ],
 )
 def test_staged_layouts_match_float32(m, layout):
@@ -904,6 +906,9 @@ def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, 
         dict(stages=3, chunk_tiles=4),
         dict(warps=8, row_tiles=1),
         dict(min_blocks=2),
+        dict(warps=8, row_tiles=2),
+        dict(warps=8, row_tiles=2, m_groups=2),
+        dict(warps=4, row_tiles=2, m_groups=2),
     ],
 )
 def test_rounded_staged_layouts_sum_the_same_function(m, layout):
