@@ -317,7 +317,9 @@ class SpecRows:
             out[row.request_id] = tuple(emitted_token(t[j], logprobs[b, j], row.params) for j in range(accepted + 1))
             if row.source is not None:
                 row.source.commit(Round(f, accepted, t[accepted], hidden[b : b + 1, : len(f)]))
-            row.stats.record_round(len(d), accepted, accepted + 1, False)
+            # the tokens the request keeps: a window that may end the request (as many drafts as tokens left, as
+            # mlx-lm feeds them) emits one past its last when every draft is accepted
+            row.stats.record_round(len(d), accepted, min(accepted + 1, row.max_tokens - row.produced), False)
             if not row.in_flight:  # an in-flight window's token was counted when it was launched
                 row.fed += f[: accepted + 1]
             if row.estimate is not None:

@@ -237,6 +237,21 @@ def test_the_window_width_maximises_the_groups_expected_tokens_per_second():
     assert spec.width([[1, 2, 3], []]) == 1  # one row alone cannot pay for the window
 
 
+def test_a_window_that_ends_the_request_counts_only_the_tokens_it_keeps():
+    # 2 tokens left, 2 drafts fed (mlx-lm's min(remaining, num_draft)), both accepted: 3 tokens come out of the
+    # window, the request keeps 2, and its stats count those (the batcher drops the third)
+    from engine.request import SamplingParams, SpecStats
+
+    spec = adaptive_rows(1)
+    row = spec.rows[0]
+    row.params, row.stats, row.produced = SamplingParams(), SpecStats("ngram", NUM_DRAFT), 98
+    assert spec._limit(row) == 2
+    logprobs = mx.zeros((1, 3, 8))
+    out, kept = spec._emit([row], [(1, 2, 3)], [[]], [[2, 3, 4]], logprobs, None, False)
+    assert len(out["r0"]) == 3 and kept == [3]
+    assert row.stats.emitted == 2 and row.stats.accepted == 2
+
+
 def test_drafts_not_fed_are_checked_against_the_tokens_that_follow():
     row = adaptive_rows(1).rows[0]
     row.shadow = [5, 6, 7]
