@@ -34,3 +34,15 @@ def test_the_summary_gives_medians_and_ratios_to_the_trees_layout(sk):
     lines = sk.summary({tree: [0.036, 0.030, 0.032], nr: [0.040, 0.033, 0.036]})
     assert "median   32.00 ms over 3 rounds (30.00-36.00)" in lines[0] and "x the tree's" not in lines[0]
     assert lines[1].endswith("(33.00-40.00)  1.125x the tree's")
+
+
+def test_the_host_side_is_the_build_and_the_submit_of_steps_on_an_idle_device(sk):
+    import mlx.core as mx
+
+    from engine.engine import Engine
+
+    eng = Engine.load("tiny-qwen35")
+    cache = eng.model.make_cache()
+    build, submit = sk.host_side(eng, mx.array([[1]]), cache, 3)
+    assert build > 0 and submit > 0
+    assert cache[0].offset == 3  # three steps ran, one token each

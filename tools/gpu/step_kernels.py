@@ -10,7 +10,8 @@ caches the continuous batcher runs: a left-padded KV cache per attention layer),
 then evaluates `--steps` decode steps one at a time with a marker kernel after each (its name carries the
 tier and rows); the CUDA profiler runs over those steps alone (cuProfilerStart/Stop: ncu's
 `--profile-from-start off` then replays neither the prefill nor the warm steps). `--time` instead
-times `--steps` pipelined steps (no ncu): the run's wall time a step. The
+times `--steps` pipelined steps (no ncu): the run's wall time a step, and beside it the host's own time a step
+(building its graph, submitting it; `host_side`), which must stay below the step for the device to bound it. The
 summary reads ncu's CSV: each step's kernels are those between two markers of the same name; per tier and
 rows it prints the sum of their durations (the device's busy time, kernels serialized by ncu) and the
 kernels that take the most, by name. Set against the wall step time, the sum says whether the device is
@@ -259,9 +260,11 @@ def step_rows(
         # submissions alone (their median beside it) can show the host's time, not the step's.
         step = (stamps[-1] - stamps[0]) / steps
         gap = statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:-1]))
+        build, submit = host_side(eng, token, cache, min(steps, HOST_STEPS))
         print(
             f"{label:6s} rows {rows:3d}: step {step * 1e3:7.2f} ms ({rows / step:7.1f} tok/s; median "
-            f"submit gap {gap * 1e3:.2f} ms)",
+            f"submit gap {gap * 1e3:.2f} ms; host {(build + submit) * 1e3:.2f} ms = build {build * 1e3:.2f} + "
+            f"submit {submit * 1e3:.2f}, {(build + submit) / step:.2f}x the step)",
             flush=True,
         )
         return step
@@ -278,6 +281,28 @@ def step_rows(
     cuda_profiler(False)
     print(f"{label} rows {rows}: {steps} steps done", flush=True)
     return None
+
+
+HOST_STEPS = 8  # steps the host side is timed over, after the timed ones
+
+
+def host_side(eng, token, cache, steps: int) -> tuple[float, float]:
+    """The host's own time a decode step, median over `steps` steps each started on an idle device: building the
+    step's graph in Python, and submitting it (`mx.async_eval` encodes and launches every kernel; with nothing in
+    flight it never waits for the device). Below the pipelined step, the host is not what bounds it."""
+    import mlx.core as mx
+
+    builds, submits = [], []
+    for _ in range(steps):
+        mx.eval(token)
+        started = time.perf_counter()
+        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        built = time.perf_counter()
+        mx.async_eval(token)
+        builds.append(built - started)
+        submits.append(time.perf_counter() - built)
+    mx.eval(token)
+    return statistics.median(builds), statistics.median(submits)
 
 
 def summarize(path: str, top: int) -> None:
