@@ -909,6 +909,7 @@ def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, 
         dict(warps=8, row_tiles=2),
         dict(warps=8, row_tiles=2, m_groups=2),
         dict(warps=4, row_tiles=2, m_groups=2),
+        dict(warps=2, row_tiles=4, m_groups=2),
     ],
 )
 def test_rounded_staged_layouts_sum_the_same_function(m, layout):
