@@ -329,6 +329,23 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
+def start_row(s) -> tuple[str, ...]:
+    """A start's row of `harness startup`'s table: its label, load to ready, the warm-up's seconds and stages (and
+    the dense copies `ENGINE_KEEP_DENSE=auto` kept after it), the kernel cache's counts."""
+    stages = [
+        f"{st['name']} {st['seconds']:.1f} s ({st['kernel_builds']} kernel builds)" for st in s.warmup.get("stages", [])
+    ]
+    kept = s.warmup.get("kept_dense")
+    if kept:
+        stages.append(
+            f"then kept dense copies of {kept['matrices']} of {kept['candidates']} matrices "
+            f"({kept['bytes'] / 1e9:.1f} of {kept['candidate_bytes'] / 1e9:.1f} GB)"
+        )
+    kc = s.warmup.get("kernel_cache") or {}
+    cached = " / ".join(str(kc.get(k, "-")) for k in ("compiled", "found", "failed")) if kc else "-"
+    return s.label, f"{s.load_to_ready_s:.1f}", str(s.warmup.get("seconds", "-")), "; ".join(stages) or "-", cached
+
+
 def cmd_startup(args) -> int:
     # on use: MLX and the model code load here, not when `harness --help` builds every parser
     from harness.bench.startup import StartupConfig, measure
@@ -363,15 +380,7 @@ def cmd_startup(args) -> int:
         for col in ("start", "load to ready s", "warm-up s", "warm-up stages", "kernels compiled / found / failed"):
             starts.add_column(col)
         for s in r.starts:
-            stages = "; ".join(
-                f"{st['name']} {st['seconds']:.1f} s ({st['kernel_builds']} kernel builds)"
-                for st in s.warmup.get("stages", [])
-            )
-            kc = s.warmup.get("kernel_cache") or {}
-            cached = " / ".join(str(kc.get(k, "-")) for k in ("compiled", "found", "failed")) if kc else "-"
-            starts.add_row(
-                s.label, f"{s.load_to_ready_s:.1f}", str(s.warmup.get("seconds", "-")), stages or "-", cached
-            )
+            starts.add_row(*start_row(s))
         out.print(starts)
         reqs = Table(title=f"{name}: requests after ready ({cfg.prompt_tokens}-token prompts)")
         for col in (
