@@ -144,8 +144,9 @@ def layout(spec: str) -> tuple[set[int] | None, dict]:
 
 
 def delta_launches(heads: str, m: int, state_dtype: str) -> None:
-    """The DeltaNet step and scan kernels (a 2-token run) for `m` rows of heads 'HK,HV,DK,DV', as the fast tier
-    calls them (bf16 inputs, the state in `state_dtype`, a 4-position conv); inside `recorded`."""
+    """The DeltaNet step kernel (as the fast tier calls it, and with its state staged in shared memory) and the
+    scan kernel (a 2-token run) for `m` rows of heads 'HK,HV,DK,DV' (bf16 inputs, the state in `state_dtype`, a
+    4-position conv); inside `recorded`."""
     from engine.kernels.gated_delta_scan import delta_scan
     from engine.kernels.gated_delta_step import delta_step
 
@@ -169,6 +170,7 @@ def delta_launches(heads: str, m: int, state_dtype: str) -> None:
         )
 
     delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
+    delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk, staged=True)
     delta_scan(**token_inputs(2), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
 
 

@@ -42,6 +42,9 @@ __device__ __forceinline__ bool engine_is_bf16(const float*) { return false; }
 __device__ __forceinline__ void engine_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void engine_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 __device__ __forceinline__ void engine_store(__half* p, float v) { *p = __float2half(v); }
+template <typename T> __device__ __forceinline__ const T* engine_as(const unsigned char* p, const T*) {
+  return reinterpret_cast<const T*>(p);
+}
 """
 
 SOURCE = r"""
@@ -67,14 +70,32 @@ SOURCE = r"""
   // dimension.
   const auto* s_in = state + ((size_t)b * HV + h) * DV * DK;  // float or bf16: the math is float32 either way
   auto* s_out = new_state + ((size_t)b * HV + h) * DV * DK;
+  // SS: the state is copied whole into shared memory (cp.async, before anything else) and read from there in
+  // rounds of RB rows a warp, so a thread holds a few rows' values, not the head's share: more blocks an SM,
+  // more heads' states in flight. Else the rows come from global memory into registers, the first round here.
+  extern __shared__ __align__(16) unsigned char engine_state_sh[];
+  const auto* s_sh = engine_as(engine_state_sh, state);
+  if constexpr (SS) {
+    constexpr int COPIES = DV * DK * (int)sizeof(*state) / 16;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(s_in);
+    #pragma unroll
+    for (int c = t; c < COPIES; c += NT) {
+      const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(engine_state_sh + 16 * c));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src + 16 * (size_t)c) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
   float s[RB][DK / 32];
   auto load_rows = [&](const int i0) {
     #pragma unroll
     for (int r = 0; r < RB; ++r)
       #pragma unroll
-      for (int j = 0; j < DK / 32; ++j) s[r][j] = (float)s_in[(size_t)(i0 + r * NW) * DK + lane + 32 * j];
+      for (int j = 0; j < DK / 32; ++j) {
+        const size_t at = (size_t)(i0 + r * NW) * DK + lane + 32 * j;
+        s[r][j] = SS ? (float)s_sh[at] : (float)s_in[at];
+      }
   };
-  load_rows(warp);
+  if constexpr (!SS) load_rows(warp);
 
   // conv slot u: q channel u, k channel u - DK, v channel u - 2 DK; its K - 1 stored positions and the new one
   auto channel = [&](int u) {
@@ -158,6 +179,7 @@ SOURCE = r"""
       ks[t] = __bfloat162float(__float2bfloat16(kn * inv));
     }
   }
+  if constexpr (SS) asm volatile("cp.async.wait_all;" ::: "memory");  // then the barrier: every copy landed
   __syncthreads();
   const float g = gates[0], beta = gates[1];
 
@@ -165,7 +187,7 @@ SOURCE = r"""
   // in the same order however the rows are dealt out
   for (int round = 0; round < ROUNDS; ++round) {
     const int i0 = warp + round * RB * NW;
-    if (round > 0) load_rows(i0);
+    if (SS || round > 0) load_rows(i0);
     float kv_mem[RB], y[RB];
     #pragma unroll
     for (int r = 0; r < RB; ++r) {
@@ -216,17 +238,24 @@ SOURCE = r"""
 """
 
 
+MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
+STAGED_THREADS = 1536  # threads an SM holds of a staged kernel's blocks: 3 blocks of 512 (at most 42 registers)
+
+
 @cache
-def _kernel(threads: int):
+def _kernel(threads: int, shared: int = 0):
     # The bounds cap a thread at 64 registers, so that 1024 threads fit an SM: two blocks of 512 at qwen27b's
     # heads (Nsight Compute at 64 rows: 70 registers held it to one block, 25% occupancy, 1.8 TB/s; nvcc
-    # gives 64 without spills). Registers change no arithmetic: the bits stay.
+    # gives 64 without spills). With the state staged in `shared` bytes of shared memory a thread holds RB rows'
+    # values, not its whole share, and the cap lets STAGED_THREADS fit. Registers change no arithmetic.
+    blocks = min(STAGED_THREADS // threads, MAX_SHARED // shared) if shared else 1024 // threads
     return cuda_kernel(
-        name=f"engine_gated_delta_step_{threads}",
+        name=f"engine_gated_delta_step_{threads}" + (f"_ss{shared}" if shared else ""),
         input_names=["qkv", "conv_state", "conv_w", "z", "a", "beta_logits", "A_log", "dt_bias", "norm_w", "state"],
         output_names=["out", "new_conv", "new_state"],
         source=SOURCE,
-        header=HEADER + launch_bounds(threads, max(1, 1024 // threads)),
+        header=HEADER + launch_bounds(threads, max(1, blocks)),
+        shared_memory=shared,
     )
 
 
@@ -249,6 +278,13 @@ def launch_shape(dk: int, dv: int) -> tuple[int, int]:
     return dv * per_channel, rows
 
 
+def staged_rows(dk: int, dv: int) -> int | None:
+    """State rows a warp takes at once with the state staged in shared memory (`delta_step`'s `staged`): 2, or 1
+    where the value dim's rows do not split into rounds of 2 a warp; None where they split into neither."""
+    warps = launch_shape(dk, dv)[0] // 32
+    return next((r for r in (2, 1) if dv % (r * warps) == 0), None)
+
+
 def delta_step(
     qkv,
     z,
@@ -264,19 +300,24 @@ def delta_step(
     heads_k: int,
     dk: int,
     qk_eps: float = 1e-6,
+    staged: bool = False,
 ):
     """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv * Dv], a and
     beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
     (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32
     (`refusal`). The kernel reads its inputs as flat arrays, so none is reshaped (a reshape is a graph node
-    the host handles every step)."""
+    the host handles every step). `staged`: each head's state copied into shared memory first and read from
+    there in rounds (`staged_rows`), where it fits; the same arithmetic in the same order, so the same bits."""
     batch, hv, dv, _ = state.shape
     why = refusal(dk, dv)
     if why:
         raise ValueError(why)
     ks = conv_w.shape[1]
     threads, rows = launch_shape(dk, dv)
-    out, new_conv, new_state = _kernel(threads)(
+    shared = dv * dk * state.itemsize if staged and staged_rows(dk, dv) else 0
+    shared = shared if shared <= MAX_SHARED else 0
+    rows = staged_rows(dk, dv) if shared else rows
+    out, new_conv, new_state = _kernel(threads, shared)(
         inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state],
         template=[
             ("HK", heads_k),
@@ -286,6 +327,7 @@ def delta_step(
             ("KS", ks),
             ("NT", threads),
             ("RB", rows),
+            ("SS", int(shared > 0)),
             ("QK_EPS", float_bits(qk_eps)),
             ("NORM_EPS", float_bits(norm_eps)),
         ],  # not inputs: see float_bits

@@ -1183,6 +1183,37 @@ def test_fused_delta_kernel_matches_the_compiled_core(state_dtype, bias_dtype, b
         assert mx.abs(g - w).max().item() <= 0.02 * mx.abs(w).max().item()
 
 
+@pytest.mark.parametrize("dk, dv", [(32, 32), (64, 128), (128, 128), (256, 256), (96, 384), (128, 512), (1024, 1024)])
+def test_the_staged_delta_kernel_deals_every_state_row_once(dk, dv):
+    from engine.kernels.gated_delta_step import launch_shape, staged_rows
+
+    warps, rows = launch_shape(dk, dv)[0] // 32, staged_rows(dk, dv)
+    assert rows in (1, 2) and dv % (rows * warps) == 0  # rounds of `rows` a warp, as the unstaged kernel's
+    dealt = sorted(
+        w + warps * (r + rows * i) for i in range(dv // (rows * warps)) for w in range(warps) for r in range(rows)
+    )
+    assert dealt == list(range(dv))
+
+
+@cuda_only
+@pytest.mark.parametrize("state_dtype", [mx.float32, mx.bfloat16, mx.float16])
+# qwen27b's heads; batch rows; key dim below value dim; value dims with more than one round of rows a warp
+@pytest.mark.parametrize(
+    "b, hk, hv, dk, dv",
+    [(1, 16, 48, 128, 128), (3, 2, 4, 128, 128), (1, 2, 4, 64, 128), (2, 1, 2, 256, 256), (1, 1, 1, 128, 512)],
+)
+def test_the_staged_delta_kernel_is_the_kernel_bit_for_bit(state_dtype, b, hk, hv, dk, dv):
+    # The state staged in shared memory and read in rounds of 2 rows a warp: each row's sums in the same order
+    from engine.kernels.gated_delta_step import delta_step
+
+    args = _delta_core_inputs(b, hk, hv, dk, dv, 4, mx.bfloat16)
+    args["state"] = args["state"].astype(state_dtype)
+    plain = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk)
+    staged = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk, staged=True)
+    for p, q in zip(plain, staged):
+        assert p.dtype == q.dtype and mx.array_equal(p, q).item()
+
+
 def _scan_inputs(b, t, hk, hv, dk, dv, state_dtype):
     args = _delta_core_inputs(b, hk, hv, dk, dv, 4, mx.bfloat16)
     mx.random.seed(1)

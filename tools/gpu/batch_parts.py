@@ -7,8 +7,9 @@ layers at M activation rows ([M, 1, K], as a batched decode step gives them) bes
 on the same rows as one [M, K] matrix: the MLP's gate and up (one gated launch; MLX: two products), the
 down projection with its residual, a DeltaNet layer's output projection with its residual and its four
 input projections in one launch (gate and up also as the model runs them, prenormed: x the norm's output and
-the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows. Then the
-sum a step makes of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set
+the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows, its state
+in float32 and in float16 (` f16`), each read into registers or staged in shared memory first (` staged`). Then
+the sum a step makes of them (64 MLPs and output projections, 48 DeltaNet layers' inputs and cores): set
 against the whole step (`tools.gpu.step_kernels --time`), the rest is what these parts leave out.
 `--staged SPEC` (repeatable, as `tools.gpu.step_kernels --staged`) times the parts again with the staged
 launches (2-64 rows) laid out by SPEC; `python3 -m tools.kernel_resources --parts ... --cache-dir DIR` compiles
@@ -75,12 +76,16 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     conv_w = mx.random.normal((channels, 4, 1)).astype(mx.bfloat16)
     A_log, dt_bias, norm_w = mx.zeros(HV), mx.ones(HV).astype(mx.bfloat16), mx.ones(DV).astype(mx.bfloat16)
     mx.eval(qkv, z, a, b, conv_state, state, conv_w)
-    timed(
-        "delta step",
-        lambda: gated_delta_step.delta_step(
-            qkv, z, a, b, conv_state, state, conv_w, A_log, dt_bias, norm_w, 1e-6, HK, DK
-        )[2],
-    )
+    # the state in float32 and float16, read into registers (the default) or staged in shared memory first
+    for dtype, name in ((mx.float32, ""), (mx.float16, " f16")):
+        s = state.astype(dtype)
+        for staged in (False, True):
+            timed(
+                "delta step" + name + " staged" * staged,
+                lambda s=s, staged=staged: gated_delta_step.delta_step(
+                    qkv, z, a, b, conv_state, s, conv_w, A_log, dt_bias, norm_w, 1e-6, HK, DK, staged=staged
+                )[2],
+            )
     return res
 
 
