@@ -239,6 +239,7 @@ SOURCE = r"""
 
 
 MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
+STATIC_SHARED = 16 << 10  # room for the kernel's own arrays (q, k, v and the sums: 12.3 KB at value dim 1024)
 STAGED_THREADS = 1536  # threads an SM holds of a staged kernel's blocks: 3 blocks of 512 (at most 42 registers)
 
 
@@ -315,7 +316,7 @@ def delta_step(
     ks = conv_w.shape[1]
     threads, rows = launch_shape(dk, dv)
     shared = dv * dk * state.itemsize if staged and staged_rows(dk, dv) else 0
-    shared = shared if shared <= MAX_SHARED else 0
+    shared = shared if shared <= MAX_SHARED - STATIC_SHARED else 0
     rows = staged_rows(dk, dv) if shared else rows
     out, new_conv, new_state = _kernel(threads, shared)(
         inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state],
