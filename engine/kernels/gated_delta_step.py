@@ -315,9 +315,10 @@ def delta_step(
         raise ValueError(why)
     ks = conv_w.shape[1]
     threads, rows = launch_shape(dk, dv)
-    shared = dv * dk * state.itemsize if staged and staged_rows(dk, dv) else 0
-    shared = shared if shared <= MAX_SHARED - STATIC_SHARED else 0
-    rows = staged_rows(dk, dv) if shared else rows
+    in_rounds = staged_rows(dk, dv) if staged else None
+    size = dv * dk * state.itemsize
+    shared = size if in_rounds and size <= MAX_SHARED - STATIC_SHARED else 0
+    rows = in_rounds if shared else rows
     out, new_conv, new_state = _kernel(threads, shared)(
         inputs=[qkv, conv_state, conv_w, z, a, beta_logits, A_log, dt_bias, norm_w, state],
         template=[

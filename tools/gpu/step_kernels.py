@@ -244,14 +244,14 @@ def step_rows(
 
     cache, token = batch_state(eng, rows, prompt_tokens, batch_caches)
     for _ in range(warm):  # compiles this shape's kernels
-        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        token = next_token(eng, token, cache)
         eng.kernels.builds.settle()
         mx.eval(token)
     if timed:
         mx.synchronize()
         stamps = []
         for _ in range(steps):
-            token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+            token = next_token(eng, token, cache)
             mx.async_eval(token)
             stamps.append(time.perf_counter())
         mx.eval(token)
@@ -274,7 +274,7 @@ def step_rows(
     cuda_profiler(True)
     mx.eval(marker(token.reshape(-1)))
     for _ in range(steps):
-        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        token = next_token(eng, token, cache)
         mx.eval(token)
         mx.eval(marker(token.reshape(-1)))
     mx.synchronize()
@@ -284,6 +284,13 @@ def step_rows(
 
 
 HOST_STEPS = 8  # steps the host side is timed over, after the timed ones
+
+
+def next_token(eng, token, cache):
+    """One greedy decode step's graph (lazy): the model over `token` [B, 1] with `cache`, each row's argmax."""
+    import mlx.core as mx
+
+    return mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
 
 
 def host_side(eng, token, cache, steps: int) -> tuple[float, float]:
@@ -296,7 +303,7 @@ def host_side(eng, token, cache, steps: int) -> tuple[float, float]:
     for _ in range(steps):
         mx.eval(token)
         started = time.perf_counter()
-        token = mx.argmax(eng.model(token, cache)[:, -1:], axis=-1)
+        token = next_token(eng, token, cache)
         built = time.perf_counter()
         mx.async_eval(token)
         builds.append(built - started)
