@@ -4,7 +4,7 @@
 
 Times (median us a call, many calls an evaluation, weights warm) the fast tier's launches of qwen27b's
 layers at M activation rows ([M, 1, K], as a batched decode step gives them) beside MLX's quantized matmul
-on the same rows as one [M, K] matrix: the MLP's gate and up (one gated launch; MLX: two products), the
+on the same rows as one [M, K] matrix and a GEMM on dense bf16 copies of the weights (` dense`): the MLP's gate and up (one gated launch; MLX: two products), the
 down projection with its residual, a DeltaNet layer's output projection with its residual and its four
 input projections in one launch (gate and up also as the model runs them, prenormed: x the norm's output and
 the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows, its state
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
@@ -68,6 +69,25 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     timed("out MLX", lambda: mlx(x6, [out]))
     timed("inputs", lambda: quantized_matmuls(x5, inputs, 64, 4)[0])
     timed("inputs MLX", lambda: mlx(x5, inputs))
+    # the same products on dense bf16 copies of the weights (a cuBLAS GEMM a part; gate and up as one matrix, then
+    # silu(gate) * up): what decoding on kept dense copies (kept.py) would cost, 4x the weight bytes
+    if not only or any(name.endswith(" dense") for name in only):
+        dense = {
+            "gate+up": mx.concatenate([mx.dequantize(*w, group_size=64, bits=4) for w in gate_up]),
+            "down": mx.dequantize(*down, group_size=64, bits=4),
+            "out": mx.dequantize(*out, group_size=64, bits=4),
+            "inputs": mx.concatenate([mx.dequantize(*w, group_size=64, bits=4) for w in inputs]),
+        }
+        mx.eval(dense)
+
+        def gated(y):
+            g, u = mx.split(y, 2, axis=-1)
+            return nn.silu(g) * u
+
+        timed("gate+up dense", lambda: gated(x5.reshape(m, -1) @ dense["gate+up"].T))
+        timed("down dense", lambda: x17.reshape(m, -1) @ dense["down"].T + residual.reshape(m, -1))
+        timed("out dense", lambda: x6.reshape(m, -1) @ dense["out"].T + residual.reshape(m, -1))
+        timed("inputs dense", lambda: x5.reshape(m, -1) @ dense["inputs"].T)
     channels = 2 * HK * DK + HV * DV
     qkv, z = rows(channels), rows(HV * DV)
     a, b = (mx.random.normal((m, 1, HV)).astype(mx.bfloat16) for _ in range(2))
