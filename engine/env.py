@@ -26,6 +26,9 @@ _VARS = {
     "memory left after its warm-up takes (KernelConfig.keep_dense_auto); default '0'",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
+    "ENGINE_DENSE_DECODE_ROWS": "from this many rows a fast-tier GEMV launch whose layers keep dense copies "
+    "(ENGINE_KEEP_DENSE) multiplies the copies instead of the 4-bit weights (KernelConfig.dense_decode_rows; "
+    "default 0: never)",
     "ENGINE_STAGED_LAYOUT": "the fast tier's staged GEMV launches (2-64 rows) laid out otherwise, by row count: "
     "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR (e.g. '32,64:RW=0': "
     "exact-integer weights at 32 and 64 rows; KernelConfig.staged_layouts)",
@@ -84,12 +87,22 @@ def dequant_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
 
 def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:
     """ENGINE_SCAN_TOKENS as a count (None when unset); ValueError for anything but a whole number >= 0."""
-    value = environ.get("ENGINE_SCAN_TOKENS")
+    return _count("ENGINE_SCAN_TOKENS", environ)
+
+
+def _count(name: str, environ: Mapping[str, str]) -> int | None:
+    """A whole-number variable (None when unset); ValueError for anything but a whole number >= 0."""
+    value = environ.get(name)
     if value is None:
         return None
     if not value.isdigit():
-        raise ValueError(f"ENGINE_SCAN_TOKENS must be a whole number of tokens (0: off), got {value!r}")
+        raise ValueError(f"{name} must be a whole number (0: off), got {value!r}")
     return int(value)
+
+
+def dense_decode_rows(environ: Mapping[str, str] = os.environ) -> int | None:
+    """ENGINE_DENSE_DECODE_ROWS as a count (None when unset); ValueError for anything but a whole number >= 0."""
+    return _count("ENGINE_DENSE_DECODE_ROWS", environ)
 
 
 def cache_root() -> Path:

@@ -32,6 +32,7 @@ from engine.kernels.gated_delta_chunked import chunked_gated_delta
 from engine.kernels.gated_delta_decode import layer_step, step_kernel_applies
 from engine.kernels.norm_handoff import layer_links
 from engine.kernels.quantized_gemv import KernelQuantizedLinear, retyped, run_kernel
+from engine.kernels.quantized_gemv.dense import preferring_dense
 
 __all__ = [
     "AUTO",
@@ -156,6 +157,8 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module], nn.Module 
 
 def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_kernel: bool, launch) -> None:
     """Every nn.QuantizedLinear as the kernel form with `config`'s settings (None: back to MLX's)."""
+    if config is not None and config.dense_decode_rows:
+        launch = preferring_dense(launch)
 
     def swap(child: nn.Module) -> nn.Module | None:
         if not isinstance(child, nn.QuantizedLinear):
@@ -175,6 +178,7 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             launch=launch,
             keep_dense=config.keep_dense,
             dequant_kernel=config.dequant_kernel,
+            dense_decode_rows=config.dense_decode_rows,
         )
 
     replace_modules(module, swap)

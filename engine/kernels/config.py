@@ -68,8 +68,9 @@ class KernelConfig:
     chunk runs each layer as compiled calls (as a decode step does) rather than operation by operation, up to how many
     tokens a verify window or prompt chunk runs each DeltaNet layer's core as one launch of the scan kernel (0: off),
     whether the dense prompt chunks' dequantized weights are made once and kept (the memory of every such weight in its
-    scales' dtype) instead of made anew each chunk, and whether they are made by the engine's dequantization kernel (the
-    same values as MLX's) instead of MLX's.
+    scales' dtype) instead of made anew each chunk, whether they are made by the engine's dequantization kernel (the
+    same values as MLX's) instead of MLX's, and from how many rows a launch whose layers keep such copies multiplies
+    them instead of the quantized weights (`quantized_gemv.dense`; 0: never).
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -90,6 +91,7 @@ class KernelConfig:
     keep_dense: bool = False  # the dense path's dequantized weights made once and kept (2 bytes a weight more)
     keep_dense_auto: bool = False  # engine serve keeps as many copies as the memory its warm-up leaves (kept.py)
     dequant_kernel: bool = False  # the dense path's weights dequantized by engine.kernels.dequantize (CUDA)
+    dense_decode_rows: int = 0  # from this many rows a launch whose layers keep dense copies runs on them (0: never)
     force: bool = False
     gemv_stand_in: Launch | None = field(default=None, compare=False)
 
@@ -102,8 +104,8 @@ class KernelConfig:
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL
-        (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto) and ENGINE_DEQUANT_KERNEL (0 or
-        1) where they are set; ValueError for a value they cannot take."""
+        (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or
+        1) and ENGINE_DENSE_DECODE_ROWS (a count) where they are set; ValueError for a value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         keep = env.keep_dense(environ)
         return cls(
@@ -116,6 +118,7 @@ class KernelConfig:
             keep_dense=keep == "1",
             keep_dense_auto=keep == "auto",
             dequant_kernel=bool(env.dequant_kernel(environ)),
+            dense_decode_rows=env.dense_decode_rows(environ) or 0,
         )
 
     def settings(self) -> dict:
@@ -134,4 +137,5 @@ class KernelConfig:
             "scan_tokens": self.scan_tokens,
             "keep_dense": "auto" if self.keep_dense_auto else self.keep_dense,
             "dequant_kernel": self.dequant_kernel,
+            "dense_decode_rows": self.dense_decode_rows,
         }

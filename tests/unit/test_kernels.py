@@ -450,25 +450,15 @@ def _reference_launch(
 ):
     # quantized_gemv.run_kernel's results from MLX operations (the stages residual_mlp asks for), so the
     # plumbing runs on any backend: norm_out's parts as one block's
-    f32 = mx.float32
+    from engine.kernels.quantized_gemv.dense import stages
+
     ys = [
         mx.quantized_matmul(
             x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=q.group_size, bits=q.bits
         )
         for q in layers
     ]  # as q(x) off CUDA (no bias); on CUDA q(x) is a launch
-    if prenormed is not None:
-        r = mx.rsqrt(prenormed[0].sum(axis=-1) / x.shape[-1] + prenormed[1]).reshape(*x.shape[:-1], 1)
-        ys = [(y.astype(f32) * r).astype(y.dtype) for y in ys]
-    if gated:
-        ys = [nn.silu(ys[0]) * ys[1]]
-    if residual is not None:
-        ys = [residual + ys[0]]
-    if norm_out is not None:
-        h = ys[0]
-        ssq = (h.astype(f32) ** 2).reshape(-1, h.shape[-1]).sum(axis=-1, keepdims=True)
-        ys += [(h.astype(f32) * norm_out.astype(f32)).astype(h.dtype), ssq]
-    return tuple(ys)
+    return stages(x, ys, residual, gated, norm_out, prenormed)
 
 
 def _stand_in(launch_as, calls=None, taken=None):

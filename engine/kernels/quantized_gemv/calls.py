@@ -109,13 +109,13 @@ def quantized_matmuls(
             raise ValueError("a gated launch takes two matrices of one shape (gate, up) and no residual")
     # The kernel reads its inputs as flat rows and writes results of x's leading shape: no reshapes, which
     # would be graph nodes the host handles at every decode step.
-    extra = _stage_arrays(norm, residual, norm_out, prenormed)
+    extra = stage_arrays(norm, residual, norm_out, prenormed)
     if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
         batch = x.shape[0] if x.ndim > 2 else m  # a decode step's or a window's rows, whatever their tokens
         config = config or staged.staged_config(m, k, group_size, bits, layouts, batch)
         template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
             fusion.norm_scale or fusion.prenormed
-        ) * [("EPS", float_bits(_norm_eps(norm, prenormed)))]
+        ) * [("EPS", float_bits(norm_eps(norm, prenormed)))]
         return staged.matmuls(x, matrices, group_size, bits, config, fusion, extra, template)
     config = config or launch_config(m, k, group_size, bits, sum(w.shape[0] for w, _, _ in matrices), launches)
     if gated:
@@ -130,7 +130,7 @@ def quantized_matmuls(
         extra,
         fusion,
         prenormed[0].shape[-1] if prenormed else 0,
-        _norm_eps(norm, prenormed),
+        norm_eps(norm, prenormed),
     )
     return config.kernel(len(matrices), fusion)(**args)
 
@@ -233,11 +233,7 @@ def _compiled(
 
     def run(x, *arrays):
         triples = [arrays[i : i + 3] for i in range(0, 3 * count, 3)]
-        extra = list(arrays[3 * count :])
-        norm = (extra.pop(0), eps) if fusion.norm_scale else None
-        residual = extra.pop(0) if fusion.residual else None
-        norm_out = extra.pop(0) if fusion.norm_out else None
-        prenormed = (extra.pop(0), eps) if fusion.prenormed else None
+        norm, residual, norm_out, prenormed = stage_inputs(arrays[3 * count :], fusion, eps)
         return quantized_matmuls(
             x,
             triples,
@@ -272,10 +268,10 @@ def run_kernel(
     first = layers[0]
     arrays = [q[name] for q in layers for name in ("weight", "scales", "biases")]
     fusion = Fusion.of(residual, gated, norm_scale, norm_out, prenormed)
-    extra = _stage_arrays(norm, residual, norm_out, prenormed)  # eps is a constant of the trace
+    extra = stage_arrays(norm, residual, norm_out, prenormed)  # eps is a constant of the trace
     launches = getattr(first, "launches", frozenset())
     layouts = getattr(first, "layouts", NO_LAYOUTS)
-    run = _compiled(first.group_size, first.bits, len(layers), fusion, _norm_eps(norm, prenormed), launches, layouts)
+    run = _compiled(first.group_size, first.bits, len(layers), fusion, norm_eps(norm, prenormed), launches, layouts)
     ys = run(x, *arrays, *extra)
     return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 
@@ -301,12 +297,12 @@ def dense_matmul(
     return x @ dequantize(w, scales, biases, group_size, bits).T
 
 
-def _norm_eps(norm: tuple[mx.array, float] | None, prenormed: tuple[mx.array, float] | None) -> float:
+def norm_eps(norm: tuple[mx.array, float] | None, prenormed: tuple[mx.array, float] | None) -> float:
     """The eps of the norm a launch takes (`norm` or `prenormed`; 0.0 for none)."""
     return (norm or prenormed or (None, 0.0))[1]
 
 
-def _stage_arrays(
+def stage_arrays(
     norm: tuple[mx.array, float] | None,
     residual: mx.array | None,
     norm_out: mx.array | None,
@@ -316,6 +312,18 @@ def _stage_arrays(
     the kernel call and `_compiled`'s `run` take after the matrices."""
     arrays = (norm and norm[0], residual, norm_out, prenormed and prenormed[0])
     return [a for a in arrays if a is not None]
+
+
+def stage_inputs(
+    arrays: Sequence[mx.array], fusion: Fusion, eps: float
+) -> tuple[tuple[mx.array, float] | None, mx.array | None, mx.array | None, tuple[mx.array, float] | None]:
+    """`stage_arrays`' arrays back as (norm, residual, norm_out, prenormed), as a traced launch takes them."""
+    extra = list(arrays)
+    norm = (extra.pop(0), eps) if fusion.norm_scale else None
+    residual = extra.pop(0) if fusion.residual else None
+    norm_out = extra.pop(0) if fusion.norm_out else None
+    prenormed = (extra.pop(0), eps) if fusion.prenormed else None
+    return norm, residual, norm_out, prenormed
 
 
 def with_bias(y: mx.array, q: nn.QuantizedLinear) -> mx.array:
