@@ -151,7 +151,29 @@ def warm_up(
     if prebuild and mode == "full" and gateway.batcher is not None and gateway.builds.cache is not None:
         report.append(prebuild_kernels(gateway, gateway.builds.cache))
         log(report[-1].line())
-    sinks = []
+    return report + run_stages(gateway, stages, kv_bits, log)
+
+
+def warm_dense_rows(
+    gateway: Gateway, kv_bits: int | None = None, log: Callable[[str], None] = lambda line: None
+) -> list[WarmupStage]:
+    """After dense copies are kept (`kept.keep_within`), launches of `dense_decode_rows` rows and more run on them
+    (`quantized_gemv.dense`), forwards the warm-up did not run: requests decoding together, the batch taking every
+    row count again (the continuous lane only; none without it)."""
+    if gateway.batcher is None:
+        return []
+    batch = gateway.config.batch
+    wave = [
+        GenerationRequest(f"warmup-dense-{i}", (1, 2, 3 + i % 7), stop=StopCriteria(max_tokens=2 + i, ignore_eos=True))
+        for i in range(batch)
+    ]
+    return run_stages(gateway, [(f"decode rows on dense copies 1-{batch}", [wave])], kv_bits, log)
+
+
+def run_stages(gateway: Gateway, stages: list, kv_bits: int | None, log: Callable[[str], None]) -> list[WarmupStage]:
+    """Each stage's waves of requests, a wave at a time until idle; then the prompt cache emptied and the pacer's
+    gaps forgotten; ValueError where a request failed."""
+    report, sinks = [], []
     for name, waves in stages:
         if not waves:
             continue

@@ -11,7 +11,7 @@ from engine.loading import load_model
 from engine.request import GenerationRequest, StopCriteria
 from engine.server.main import ServeConfig
 from engine.sinks import CollectingSink
-from engine.warmup import default_warmup, warm_up
+from engine.warmup import default_warmup, warm_dense_rows, warm_up
 
 
 def test_defaults_fit_the_device():
@@ -72,6 +72,17 @@ def test_warmups(tiny_path, mode, requests):
     assert decoded == ({1, 2, 4, 8} if mode == "full" else {2} if mode == "quick" else set())
     gateway.mark_ready()
     assert gateway.shapes_at_ready == len(gateway.shapes)
+
+
+def test_the_dense_copies_warm_up_takes_every_decode_row_count_again(tiny_path):
+    model = load_model(tiny_path("tiny-qwen35"))[0]
+    gateway = Gateway(model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prompt_cache_bytes=1 << 20))
+    lines = []
+    (stage,) = warm_dense_rows(gateway, log=lines.append)
+    assert (stage.name, stage.requests, lines) == ("decode rows on dense copies 1-4", 4, [stage.line()])
+    assert {shape[1] for shape in gateway.shapes if shape[0] == "decode"} == {1, 2, 4}
+    assert gateway.prompt_cache.stats().entries == 0
+    assert warm_dense_rows(Gateway(model, GatewayConfig(batch=1))) == []  # no continuous lane
 
 
 def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
