@@ -12,15 +12,19 @@ not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kern
 (`KEY=VALUE,...`; repeatable). `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
 instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`.
 `--cache-dir DIR` also writes each cubin where MLX looks for it (`kernel_cache`): a process on the GPU with
-MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them.
+MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them. `--loop` also counts each kernel's main
+loop in its SASS (cuobjdump: on PATH, or `pip install nvidia-cuda-cuobjdump`): instructions a HMMA and the
+commonest opcodes, what a layout or a change to the kernel's source costs in issue slots before any timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -136,6 +140,50 @@ def compile_report(build: KernelBuild, arch: str) -> dict:
     }
 
 
+SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(\S*)\s*([^;]*);")
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from PATH or the nvidia-cuda-cuobjdump package (None: neither)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        from nvidia import cu13
+    except ImportError:
+        return None
+    tool = Path(next(iter(cu13.__path__))) / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else None
+
+
+def loop_mix(sass: str) -> tuple[int, int, Counter]:
+    """The main loop of a kernel's SASS (the backward branch whose body holds the most HMMA): its instructions,
+    its HMMA and the count of each opcode."""
+    code = [(int(a, 16), op, operands) for a, op, _, operands in SASS.findall(sass)]
+    best: list[str] = []
+    for end, op, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < end:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= end]
+            if body.count("HMMA") > best.count("HMMA"):
+                best = body
+    return len(best), best.count("HMMA"), Counter(best)
+
+
+def loop_report(build: KernelBuild, arch: str, tool: str) -> str:
+    """`loop_mix` of one build's cubin as a line: instructions a HMMA, then the commonest opcodes."""
+    _, code = nvcc_compile(build.mlx_source(), arch)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(code)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    count, hmma, mix = loop_mix(sass)
+    if not hmma:
+        return "no HMMA loop"
+    top = ", ".join(f"{op} {n}" for op, n in mix.most_common(10))
+    return f"loop {count} instructions, {hmma} HMMA ({count / hmma:.2f} a HMMA): {top}"
+
+
 def layout(spec: str) -> tuple[set[int] | None, dict]:
     """A --staged SPEC as (the row counts it keeps to, None for all; its StagedConfig fields)."""
     from tools.gpu.step_kernels import parse_staged
@@ -192,7 +240,16 @@ def main() -> None:
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--delta", metavar="HK,HV,DK,DV", help="the DeltaNet step and scan kernels for these heads instead")
     p.add_argument("--state-dtypes", default="float32", help="with --delta: the state's dtypes, comma-separated")
+    p.add_argument(
+        "--loop",
+        action="store_true",
+        help="also each kernel's main loop from its SASS: instructions a HMMA and the commonest opcodes (needs "
+        "cuobjdump: on PATH, or pip install nvidia-cuda-cuobjdump)",
+    )
     args = p.parse_args()
+    tool = cuobjdump() if args.loop else None
+    if args.loop and tool is None:
+        p.error("--loop needs cuobjdump (on PATH, or pip install nvidia-cuda-cuobjdump)")
 
     from engine.kernels.kernel_cache import KernelCache
     from engine.kernels.quantized_gemv import quantized_matmuls, staged
@@ -218,6 +275,8 @@ def main() -> None:
                 f"shared; {res}",
                 flush=True,
             )
+            if tool is not None and "error" not in r:
+                print(f"  {loop_report(build, args.arch, tool)}", flush=True)
 
     rows = [int(v) for v in args.rows.split(",")]
     if args.delta:

@@ -44,3 +44,25 @@ def test_the_deltanet_kernels_are_listed_per_row_count_and_state_dtype():
             for kernel in ("step", "scan"):
                 line = f"delta 16,48,128,128 M={m} {dtype} engine_gated_delta_{kernel}_512: grid {blocks} x 512 threads"
                 assert line in out, out
+
+
+def test_the_main_loop_is_the_backward_branch_with_the_most_hmma(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.kernel_resources import loop_mix
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R10, R4 ;
+        /*0020*/               @P0 BRA 0x10 ;
+        /*0030*/                   LDS.128 R8, [R2] ;
+        /*0040*/                   PRMT R10, R8, 0x5410, R9 ;
+        /*0050*/                   HMMA.16816.F32.BF16 R4, R8, R10, R4 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R8, R10, R12 ;
+        /*0070*/               @P1 BRA 0x30 ;
+        /*0080*/                   BRA 0x80;
+        /*0090*/                   EXIT ;
+"""
+    count, hmma, mix = loop_mix(sass)
+    assert (count, hmma) == (5, 2)
+    assert mix == {"LDS": 1, "PRMT": 1, "HMMA": 2, "BRA": 1}
+    assert loop_mix("") == (0, 0, {})
