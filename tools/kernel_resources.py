@@ -217,7 +217,7 @@ def delta_launches(heads: str, m: int, state_dtype: str) -> None:
             beta_logits=mx.zeros((m, t, hv), dtype=bf),
         )
 
-    delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
+    delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk, staged=False)
     delta_step(**token_inputs(1), **weights, norm_eps=1e-6, heads_k=hk, dk=dk, staged=True)
     delta_scan(**token_inputs(2), **weights, norm_eps=1e-6, heads_k=hk, dk=dk)
 

@@ -286,6 +286,13 @@ def staged_rows(dk: int, dv: int) -> int | None:
     return next((r for r in (2, 1) if dv % (r * warps) == 0), None)
 
 
+def staged_by_default(state_dtype: mx.Dtype) -> bool:
+    """Whether `delta_step` stages the state unless told: a 16-bit state, whose staged kernel took 10.9 / 31.5 /
+    49.2 / 88.7 us at 1 / 16 / 32 / 64 rows of qwen27b's heads against 13.8 / 34.5 / 55.8 / 98.2 (H100,
+    `tools.gpu.batch_parts`); with a float32 state (twice the shared bytes a head) it was slower from 32 rows."""
+    return state_dtype.size == 2
+
+
 def delta_step(
     qkv,
     z,
@@ -301,20 +308,23 @@ def delta_step(
     heads_k: int,
     dk: int,
     qk_eps: float = 1e-6,
-    staged: bool = False,
+    staged: bool | None = None,
 ):
     """The arguments and results of `gated_delta_decode._core` (qkv [B, 1, C], z [B, 1, Hv * Dv], a and
     beta_logits [B, 1, Hv], conv_state [B, K - 1, C], state [B, Hv, Dv, Dk], conv_w [C, K, 1]):
     (out [B, 1, Hv * Dv] bf16, new conv_state, new state). CUDA only; Dk <= Dv, both multiples of 32
     (`refusal`). The kernel reads its inputs as flat arrays, so none is reshaped (a reshape is a graph node
     the host handles every step). `staged`: each head's state copied into shared memory first and read from
-    there in rounds (`staged_rows`), where it fits; the same arithmetic in the same order, so the same bits."""
+    there in rounds (`staged_rows`), where it fits; the same arithmetic in the same order, so the same bits
+    (None: `staged_by_default`)."""
     batch, hv, dv, _ = state.shape
     why = refusal(dk, dv)
     if why:
         raise ValueError(why)
     ks = conv_w.shape[1]
     threads, rows = launch_shape(dk, dv)
+    if staged is None:
+        staged = staged_by_default(state.dtype)
     in_rounds = staged_rows(dk, dv) if staged else None
     size = dv * dk * state.itemsize
     shared = size if in_rounds and size <= MAX_SHARED - STATIC_SHARED else 0

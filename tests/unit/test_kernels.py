@@ -1185,6 +1185,12 @@ def test_the_staged_delta_kernel_deals_every_state_row_once(dk, dv):
     assert dealt == list(range(dv))
 
 
+def test_a_16_bit_state_is_staged_unless_told():
+    from engine.kernels.gated_delta_step import staged_by_default
+
+    assert [staged_by_default(d) for d in (mx.float32, mx.bfloat16, mx.float16)] == [False, True, True]
+
+
 @cuda_only
 @pytest.mark.parametrize("state_dtype", [mx.float32, mx.bfloat16, mx.float16])
 # qwen27b's heads; batch rows; key dim below value dim; value dims with more than one round of rows a warp
@@ -1198,7 +1204,7 @@ def test_the_staged_delta_kernel_is_the_kernel_bit_for_bit(state_dtype, b, hk, h
 
     args = _delta_core_inputs(b, hk, hv, dk, dv, 4, mx.bfloat16)
     args["state"] = args["state"].astype(state_dtype)
-    plain = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk)
+    plain = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk, staged=False)
     staged = delta_step(**args, norm_eps=1e-6, heads_k=hk, dk=dk, staged=True)
     for p, q in zip(plain, staged):
         assert p.dtype == q.dtype and mx.array_equal(p, q).item()
