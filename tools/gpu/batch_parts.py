@@ -4,7 +4,8 @@
 
 Times (median us a call, many calls an evaluation, weights warm) the fast tier's launches of qwen27b's
 layers at M activation rows ([M, 1, K], as a batched decode step gives them) beside MLX's quantized matmul
-on the same rows as one [M, K] matrix and a GEMM on dense bf16 copies of the weights (` dense`): the MLP's gate and up (one gated launch; MLX: two products), the
+on the same rows as one [M, K] matrix and the launch on dense bf16 copies of the weights (` dense`,
+`quantized_gemv.dense`): the MLP's gate and up (one gated launch; MLX: two products), the
 down projection with its residual, a DeltaNet layer's output projection with its residual and its four
 input projections in one launch (gate and up also as the model runs them, prenormed: x the norm's output and
 the sums of squares' parts from the launch before); and the DeltaNet step kernel at M batch rows, its state
@@ -25,12 +26,23 @@ import mlx.nn as nn
 
 from engine.kernels import gated_delta_step
 from engine.kernels.quantized_gemv import quantized_matmuls
+from engine.kernels.quantized_gemv.dense import dense_launch
+from engine.kernels.quantized_gemv.layer import KernelQuantizedLinear
 from engine.kernels.quantized_gemv.staged import MIN_ROWS
 from harness.kernels.bench import BenchConfig, random_quantized, time_us
 from tools.gpu.step_kernels import parse_staged, staged_layout
 
 HIDDEN, INTERMEDIATE, VALUE_DIM = 5120, 17408, 6144
 HK, HV, DK, DV = 16, 48, 128, 128  # qwen27b's DeltaNet heads
+
+
+def dense_layer(w: mx.array, scales: mx.array, biases: mx.array) -> KernelQuantizedLinear:
+    """A 4-bit (group 64) layer of these arrays in the fast tier's form, its dense copy kept and evaluated."""
+    q = nn.QuantizedLinear(w.shape[1] * 8, w.shape[0], bias=False, group_size=64, bits=4)
+    q.weight, q.scales, q.biases = w, scales, biases
+    layer = KernelQuantizedLinear.from_module(q, True, keep_dense=True)
+    mx.eval(layer.kept.weight)
+    return layer
 
 
 def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, float]:
@@ -69,25 +81,17 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     timed("out MLX", lambda: mlx(x6, [out]))
     timed("inputs", lambda: quantized_matmuls(x5, inputs, 64, 4)[0])
     timed("inputs MLX", lambda: mlx(x5, inputs))
-    # the same products on dense bf16 copies of the weights (a cuBLAS GEMM a part; gate and up as one matrix, then
-    # silu(gate) * up): what decoding on kept dense copies (kept.py) would cost, 4x the weight bytes
+    # the same launches on dense bf16 copies of the weights as ENGINE_DENSE_DECODE_ROWS runs them
+    # (quantized_gemv.dense: a cuBLAS GEMM a layer, the stages as MLX operations), reading 4x the weight bytes
     if not only or any(name.endswith(" dense") for name in only):
-        dense = {
-            "gate+up": mx.concatenate([mx.dequantize(*w, group_size=64, bits=4) for w in gate_up]),
-            "down": mx.dequantize(*down, group_size=64, bits=4),
-            "out": mx.dequantize(*out, group_size=64, bits=4),
-            "inputs": mx.concatenate([mx.dequantize(*w, group_size=64, bits=4) for w in inputs]),
+        kept = {
+            name: [dense_layer(*w) for w in matrices]
+            for name, matrices in (("gate+up", gate_up), ("down", [down]), ("out", [out]), ("inputs", inputs))
         }
-        mx.eval(dense)
-
-        def gated(y):
-            g, u = mx.split(y, 2, axis=-1)
-            return nn.silu(g) * u
-
-        timed("gate+up dense", lambda: gated(x5.reshape(m, -1) @ dense["gate+up"].T))
-        timed("down dense", lambda: x17.reshape(m, -1) @ dense["down"].T + residual.reshape(m, -1))
-        timed("out dense", lambda: x6.reshape(m, -1) @ dense["out"].T + residual.reshape(m, -1))
-        timed("inputs dense", lambda: x5.reshape(m, -1) @ dense["inputs"].T)
+        timed("gate+up dense", lambda: dense_launch(x5, kept["gate+up"], gated=True, prenormed=(ssq_parts, 1e-6)))
+        timed("down dense", lambda: dense_launch(x17, kept["down"], residual=residual))
+        timed("out dense", lambda: dense_launch(x6, kept["out"], residual=residual))
+        timed("inputs dense", lambda: dense_launch(x5, kept["inputs"]))
     channels = 2 * HK * DK + HV * DV
     qkv, z = rows(channels), rows(HV * DV)
     a, b = (mx.random.normal((m, 1, HV)).astype(mx.bfloat16) for _ in range(2))
