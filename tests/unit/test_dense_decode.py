@@ -100,3 +100,14 @@ def test_a_dense_launch_gives_the_kernel_launch_s_results(rows):
     h, hw, ssq = run_kernel(act, [down], residual=residual, norm_out=norm_w)
     dh, dhw, dssq = dense_launch(act, [down], residual=residual, norm_out=norm_w)
     assert close(h, dh) and close(hw, dhw) and close(ssq.sum(axis=-1), dssq.sum(axis=-1))
+
+
+def test_a_window_takes_the_copies_by_its_batch_rows_not_its_tokens():
+    from types import SimpleNamespace
+
+    from engine.kernels.quantized_gemv.dense import takes
+
+    layer = SimpleNamespace(dense_decode_rows=48, kept=object())
+    assert takes(mx.zeros((48, 1, 8)), [layer]) and takes(mx.zeros((64, 8)), [layer])
+    assert not takes(mx.zeros((8, 6, 8)), [layer])  # a verify window: 48 launch rows, 8 batch rows
+    assert not takes(mx.zeros((48, 1, 8)), [SimpleNamespace(dense_decode_rows=48, kept=None)])

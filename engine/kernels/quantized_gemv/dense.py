@@ -79,10 +79,14 @@ def dense_launch(
 
 
 def takes(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> bool:
-    """Whether a launch of x's rows runs as `dense_launch`: every layer keeps a dense copy and x has at least the
-    first layer's `dense_decode_rows` rows (0: never)."""
+    """Whether a launch of x runs as `dense_launch`: every layer keeps a dense copy and x's batch has at least the
+    first layer's `dense_decode_rows` rows (0: never). The batch's rows, not the launch's, as `staged.staged_config`
+    counts them: a verify window of W tokens over B rows takes the arithmetic of B-row steps (cuBLAS may still
+    order a B x W-row product's sums otherwise than a B-row one's, so there greedy speculation agrees with plain
+    decoding to rounding, not bit for bit)."""
     rows = getattr(layers[0], "dense_decode_rows", 0)
-    return 0 < rows <= x.size // x.shape[-1] and all(getattr(q, "kept", None) is not None for q in layers)
+    batch = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
+    return 0 < rows <= batch and all(getattr(q, "kept", None) is not None for q in layers)
 
 
 def preferring_dense(launch: Launch) -> Launch:
