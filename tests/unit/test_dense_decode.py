@@ -23,7 +23,7 @@ def _products_launch(calls):
     return launch
 
 
-def _decode(dense_rows: int, rows: int = 2, keep: bool = True):
+def _decode(dense_rows: int, rows: int = 2):
     """tiny-qwen35-4bit's fast tier decoding `rows` rows 4 steps (every layer's copy kept, prompts never on the dense
     path): each step's logits, and the rows of each launch that did not run on the copies."""
     model = Engine.load("tiny-qwen35-4bit", with_tokenizer=False).model
@@ -33,7 +33,7 @@ def _decode(dense_rows: int, rows: int = 2, keep: bool = True):
         force=True,
         gemv_min_outputs=0,
         gemv_stand_in=_products_launch(calls),
-        keep_dense=keep,
+        keep_dense=True,
         dense_min_rows=1000,
         dense_decode_rows=dense_rows,
     )
@@ -56,17 +56,20 @@ def test_from_its_rows_every_launch_of_a_decode_step_runs_on_the_copies():
         assert mx.all(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)) <= 2.0**-5 * scale).item()
 
 
-@pytest.mark.parametrize("dense_rows, keep", [(3, True), (2, False)])
-def test_fewer_rows_or_no_copies_run_the_launch(dense_rows, keep):
-    _, launched = _decode(dense_rows, keep=keep)
+def test_fewer_rows_run_the_launch():
+    _, launched = _decode(3)
     assert launched and set(launched) == {2}
 
 
 def test_the_setting_is_read_from_the_environment():
-    assert KernelConfig.from_env(FAST, {"ENGINE_DENSE_DECODE_ROWS": "48"}).dense_decode_rows == 48
+    for keep in ("1", "auto"):
+        env = {"ENGINE_DENSE_DECODE_ROWS": "48", "ENGINE_KEEP_DENSE": keep}
+        assert KernelConfig.from_env(FAST, env).dense_decode_rows == 48
     assert KernelConfig.from_env(FAST, {}).settings()["dense_decode_rows"] == 0
     with pytest.raises(ValueError, match="ENGINE_DENSE_DECODE_ROWS must be a whole number"):
-        KernelConfig.from_env(FAST, {"ENGINE_DENSE_DECODE_ROWS": "many"})
+        KernelConfig.from_env(FAST, {"ENGINE_DENSE_DECODE_ROWS": "many", "ENGINE_KEEP_DENSE": "1"})
+    with pytest.raises(ValueError, match="need kept dense copies"):  # nothing to multiply: said, not ignored
+        KernelConfig.from_env(FAST, {"ENGINE_DENSE_DECODE_ROWS": "48"})
 
 
 @pytest.mark.cuda
