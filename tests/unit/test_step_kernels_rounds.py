@@ -46,3 +46,14 @@ def test_the_host_side_is_the_build_and_the_submit_of_steps_on_an_idle_device(sk
     build, submit = sk.host_side(eng, mx.array([[1]]), cache, 3)
     assert build > 0 and submit > 0
     assert cache[0].offset == 3  # three steps ran, one token each
+
+
+def test_dense_rows_run_each_tier_again_on_kept_copies():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tools.gpu.step_kernels", "--model", "tiny-qwen35", "--rows", "2", "--tiers", "exact"]
+    cmd += ["--time", "--steps", "4", "--warm", "1", "--dense-rows", "0,2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exact  rows   2: step" in proc.stdout and "exact+dense2 rows   2: step" in proc.stdout

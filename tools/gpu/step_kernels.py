@@ -27,6 +27,9 @@ the variant to those row counts.
 
     python3 -m tools.gpu.step_kernels --rows 16,64 --time --staged ST=2,MG=2 --staged 64:ST=2,MG=2,MINB=2
 
+`--dense-rows 0,48` runs each tier also with launches of 48 rows and more on dense bf16 copies of the weights
+(`quantized_gemv.dense`; the copies made at each install of that tier): the label `fast+dense48`.
+
 `--kernel-cache-dir DIR` compiles the engine's kernels into DIR as `engine serve` does (in parallel, before
 the forward that needs them runs; `engine.kernels.kernel_cache`), so new layouts cost seconds, not minutes.
 """
@@ -185,6 +188,7 @@ def run(
     only_staged: bool = False,
     state_dtypes: Sequence[str] = ("float32",),
     rounds: int = 1,
+    dense_rows: Sequence[int] = (0,),
 ) -> None:
     import gc
 
@@ -199,8 +203,11 @@ def run(
     ]  # a bad SPEC stops it here
 
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
+        tier, _, dense = tier.partition("+dense")
         tier, _, state_dtype = tier.partition("/")
         switches = {name: False for name in off} | {"state_dtype": state_dtype or "float32"}
+        if dense:  # the copies made at install, as ENGINE_KEEP_DENSE=1 makes them
+            switches |= {"keep_dense": True, "dense_decode_rows": int(dense)}
         return dataclasses.replace(KernelConfig.from_env(tier), **switches)
 
     tiers = [
@@ -208,6 +215,7 @@ def run(
         for t in tiers
         for d in state_dtypes
     ]
+    tiers = [t + (f"+dense{n}" if n else "") for t in tiers for n in dense_rows]
     eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
     cells = cells_of(tiers, layouts, rows_list, staged.MIN_ROWS)
     times: dict[Cell, list[float]] = {cell: [] for cell in cells}
@@ -391,6 +399,12 @@ def main() -> None:
         help="the fast tier's DeltaNet state dtypes to run each tier with, comma-separated (float32, bfloat16)",
     )
     p.add_argument(
+        "--dense-rows",
+        default="0",
+        help="dense decode rows to run each tier with, comma-separated (ENGINE_DENSE_DECODE_ROWS; 0: off; others keep "
+        "dense copies of the weights, 2 bytes a weight more memory; e.g. 0,48)",
+    )
+    p.add_argument(
         "--kernel-cache-dir",
         type=Path,
         help="compile the engine's kernels into DIR ahead of MLX, in parallel (MLX_PTX_CACHE_DIR)",
@@ -429,6 +443,7 @@ def main() -> None:
             args.only_staged,
             args.state_dtype.split(","),
             args.rounds,
+            [int(v) for v in args.dense_rows.split(",")],
         )
 
 
