@@ -158,7 +158,7 @@ def replace_modules(module: nn.Module, replace: Callable[[nn.Module], nn.Module 
 def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_kernel: bool, launch) -> None:
     """Every nn.QuantizedLinear as the kernel form with `config`'s settings (None: back to MLX's)."""
     if config is not None and config.dense_decode_rows:
-        launch = preferring_dense(launch)
+        launch = preferring_dense(launch, config.dense_decode_rows)
 
     def swap(child: nn.Module) -> nn.Module | None:
         if not isinstance(child, nn.QuantizedLinear):
@@ -178,7 +178,6 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
             launch=launch,
             keep_dense=config.keep_dense,
             dequant_kernel=config.dequant_kernel,
-            dense_decode_rows=config.dense_decode_rows,
         )
 
     replace_modules(module, swap)

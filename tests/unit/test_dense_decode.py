@@ -86,7 +86,7 @@ def test_a_dense_launch_gives_the_kernel_launch_s_results(rows):
     def layer(n, k):
         q = nn.QuantizedLinear(k, n, bias=False, group_size=64, bits=4)
         q.scales, q.biases = q.scales.astype(mx.bfloat16), q.biases.astype(mx.bfloat16)
-        return KernelQuantizedLinear.from_module(q, True, keep_dense=True, dense_decode_rows=1)
+        return KernelQuantizedLinear.from_module(q, True, keep_dense=True)
 
     def close(a, b):
         a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -110,7 +110,8 @@ def test_a_window_takes_the_copies_by_its_batch_rows_not_its_tokens():
 
     from engine.kernels.quantized_gemv.dense import takes
 
-    layer = SimpleNamespace(dense_decode_rows=48, kept=object())
-    assert takes(mx.zeros((48, 1, 8)), [layer]) and takes(mx.zeros((64, 8)), [layer])
-    assert not takes(mx.zeros((8, 6, 8)), [layer])  # a verify window: 48 launch rows, 8 batch rows
-    assert not takes(mx.zeros((48, 1, 8)), [SimpleNamespace(dense_decode_rows=48, kept=None)])
+    layer = SimpleNamespace(kept=object())
+    assert takes(mx.zeros((48, 1, 8)), [layer], 48) and takes(mx.zeros((64, 8)), [layer], 48)
+    assert not takes(mx.zeros((8, 6, 8)), [layer], 48)  # a verify window: 48 launch rows, 8 batch rows
+    assert not takes(mx.zeros((48, 1, 8)), [SimpleNamespace(kept=None)], 48)
+    assert not takes(mx.zeros((48, 1, 8)), [layer], 0)  # 0: never

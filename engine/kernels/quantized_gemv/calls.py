@@ -111,7 +111,7 @@ def quantized_matmuls(
     # would be graph nodes the host handles at every decode step.
     extra = stage_arrays(norm, residual, norm_out, prenormed)
     if isinstance(config, staged.StagedConfig) or (config is None and staged.takes(m, k, group_size, bits, fusion)):
-        batch = x.shape[0] if x.ndim > 2 else m  # a decode step's or a window's rows, whatever their tokens
+        batch = batch_rows(x)
         config = config or staged.staged_config(m, k, group_size, bits, layouts, batch)
         template = fusion.prenormed * [("P", prenormed[0].shape[-1] if prenormed else 0)] + (
             fusion.norm_scale or fusion.prenormed
@@ -295,6 +295,12 @@ def dense_matmul(
     dequantized copy (one matrix at a time, freed after) costs a pass over memory. Measured equal to MLX's
     quantized matmul on qwen27b's shapes on an H200, not promised: the fast tier."""
     return x @ dequantize(w, scales, biases, group_size, bits).T
+
+
+def batch_rows(x: mx.array) -> int:
+    """The rows of x's batch: a decode step's or a verify window's rows ([B, T, K]: B), whatever their tokens; of
+    a flat [M, K], M."""
+    return x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
 
 
 def norm_eps(norm: tuple[mx.array, float] | None, prenormed: tuple[mx.array, float] | None) -> float:

@@ -17,7 +17,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels.quantized_gemv.calls import norm_eps, stage_arrays, stage_inputs, with_bias
+from engine.kernels.quantized_gemv.calls import batch_rows, norm_eps, stage_arrays, stage_inputs, with_bias
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.layer import Launch
 
@@ -78,21 +78,19 @@ def dense_launch(
     return tuple(with_bias(y, q) for y, q in zip(ys, layers)) + tuple(ys[len(layers) :])
 
 
-def takes(x: mx.array, layers: Sequence[nn.QuantizedLinear]) -> bool:
-    """Whether a launch of x runs as `dense_launch`: every layer keeps a dense copy and x's batch has at least the
-    first layer's `dense_decode_rows` rows (0: never). The batch's rows, not the launch's, as `staged.staged_config`
-    counts them: a verify window of W tokens over B rows takes the arithmetic of B-row steps (cuBLAS may still
+def takes(x: mx.array, layers: Sequence[nn.QuantizedLinear], rows: int) -> bool:
+    """Whether a launch of x runs as `dense_launch`: every layer keeps a dense copy and x's batch has at least `rows`
+    rows (0: never). The batch's rows, not the launch's (`calls.batch_rows`, as the staged kernel's rounding rule
+    counts them): a verify window of W tokens over B rows takes the arithmetic of B-row steps (cuBLAS may still
     order a B x W-row product's sums otherwise than a B-row one's, so there greedy speculation agrees with plain
     decoding to rounding, not bit for bit)."""
-    rows = getattr(layers[0], "dense_decode_rows", 0)
-    batch = x.shape[0] if x.ndim > 2 else x.size // x.shape[-1]
-    return 0 < rows <= batch and all(getattr(q, "kept", None) is not None for q in layers)
+    return 0 < rows <= batch_rows(x) and all(getattr(q, "kept", None) is not None for q in layers)
 
 
-def preferring_dense(launch: Launch) -> Launch:
-    """`launch`, except for the launches `takes` gives to `dense_launch`."""
+def preferring_dense(launch: Launch, rows: int) -> Launch:
+    """`launch`, except for the launches of batches of `rows` rows and more that `takes` gives to `dense_launch`."""
 
     def run(x: mx.array, layers: Sequence[nn.QuantizedLinear], **stages) -> tuple[mx.array, ...]:
-        return dense_launch(x, layers, **stages) if takes(x, layers) else launch(x, layers, **stages)
+        return dense_launch(x, layers, **stages) if takes(x, layers, rows) else launch(x, layers, **stages)
 
     return run

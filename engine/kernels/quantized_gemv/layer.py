@@ -72,7 +72,6 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         launch: Launch = run_kernel,
         keep_dense: bool = False,
         dequant_kernel: bool = False,
-        dense_decode_rows: int = 0,
     ) -> KernelQuantizedLinear:
         new = retyped(q, cls)
         new.kernel_refusal = weight_refusal(q["weight"], q["scales"], q.group_size, q.bits, q.mode)
@@ -87,7 +86,6 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         new.dense_min_rows = dense_min_rows
         new.dequantize = kernel_dequantize if dequant_kernel else mlx_dequantize
         new.kept = None
-        new.dense_decode_rows = dense_decode_rows  # from these rows its launches run on the kept copy (dense.py)
         if keep_dense and new.dense_prefill:
             new.keep_dense()
         new.launches = frozenset(launches.items())  # not a tuple: nn.Module would keep that as a child
