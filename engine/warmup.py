@@ -114,15 +114,12 @@ def warm_up(
     if mode == "off":
         return []
 
-    def request(name: str, prompt: tuple[int, ...], tokens: int = 2) -> GenerationRequest:
-        return GenerationRequest(name, prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True))
-
     report = []
-    first = [request(f"warmup-{i}", (1, 2, 3)) for i in range(2 if gateway.batcher is not None else 1)]
+    first = [_request(f"warmup-{i}", (1, 2, 3)) for i in range(2 if gateway.batcher is not None else 1)]
     stages = [("first requests", [first])]
     if mode == "full" and gateway.batcher is not None:
         batch = gateway.config.batch
-        first += [request(f"warmup-rows-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(batch)]
+        first += _decode_rows("warmup-rows", batch)
         stages = [(f"decode rows 1-{batch + 2}", [first])]
         # each opened by its own token, so that none reuses another's prefix from the prompt cache
         budget = gateway.config.kv_budget
@@ -131,7 +128,7 @@ def warm_up(
         longest = bucket(longest_chunk(scheduler, 1), buckets)
 
         def fits(rows: int, n: int) -> bool:  # that many prompts of n tokens, each with 2 generated, in the KV budget
-            probe = request("fits", (0,) * (n + 1))  # (a spec row's: with its verify window and draft caches)
+            probe = _request("fits", (0,) * (n + 1))  # (a spec row's: with its verify window and draft caches)
             return budget is None or rows * sum(gateway.kv_need(probe, gateway.place(probe))) <= budget
 
         # a prompt of each chunk bucket up to the longest chunk, and one of two longest chunks and a short one:
@@ -139,7 +136,7 @@ def warm_up(
         # long prompt would otherwise compile after ready
         lengths = [n for n in buckets if n <= longest] + ([2 * longest + buckets[0]] if buckets else [])
         chunks = [
-            [request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
+            [_request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
             for k, n in enumerate(lengths)
             if n + 3 <= context and fits(1, n)
         ]
@@ -163,11 +160,18 @@ def warm_dense_rows(
     if gateway.batcher is None:
         return []
     batch = gateway.config.batch
-    wave = [
-        GenerationRequest(f"warmup-dense-{i}", (1, 2, 3 + i % 7), stop=StopCriteria(max_tokens=2 + i, ignore_eos=True))
-        for i in range(batch)
-    ]
+    wave = _decode_rows("warmup-dense", batch)
     return run_stages(gateway, [(f"decode rows on dense copies 1-{batch}", [wave])], kv_bits, log)
+
+
+def _request(name: str, prompt: tuple[int, ...], tokens: int = 2) -> GenerationRequest:
+    return GenerationRequest(name, prompt, stop=StopCriteria(max_tokens=tokens, ignore_eos=True))
+
+
+def _decode_rows(prefix: str, batch: int) -> list[GenerationRequest]:
+    """`batch` requests sent at once, each a token longer than the one before: the decode batch takes every row
+    count (every decode bucket) on its way up and down."""
+    return [_request(f"{prefix}-{i}", (1, 2, 3 + i % 7), 2 + i) for i in range(batch)]
 
 
 def run_stages(gateway: Gateway, stages: list, kv_bits: int | None, log: Callable[[str], None]) -> list[WarmupStage]:
