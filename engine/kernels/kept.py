@@ -33,12 +33,16 @@ class Kept:
     def as_record(self) -> dict:
         return asdict(self)
 
-    def line(self) -> str:
+    def copies(self) -> str:
+        """What was kept, of what could be."""
         gb = 1e9
         return (
             f"kept dense copies of {self.matrices} of {self.candidates} matrices "
-            f"({self.bytes / gb:.1f} of {self.candidate_bytes / gb:.1f} GB) within {self.budget / gb:.1f} GB"
+            f"({self.bytes / gb:.1f} of {self.candidate_bytes / gb:.1f} GB)"
         )
+
+    def line(self) -> str:
+        return f"{self.copies()} within {self.budget / 1e9:.1f} GB"
 
 
 def budget(limit: int, peak: int, reserve: int = 0) -> int:

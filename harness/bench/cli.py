@@ -337,10 +337,9 @@ def start_row(s) -> tuple[str, ...]:
     ]
     kept = s.warmup.get("kept_dense")
     if kept:
-        stages.append(
-            f"then kept dense copies of {kept['matrices']} of {kept['candidates']} matrices "
-            f"({kept['bytes'] / 1e9:.1f} of {kept['candidate_bytes'] / 1e9:.1f} GB)"
-        )
+        from engine.kernels.kept import Kept
+
+        stages.append(f"then {Kept(**kept).copies()}")
     kc = s.warmup.get("kernel_cache") or {}
     cached = " / ".join(str(kc.get(k, "-")) for k in ("compiled", "found", "failed")) if kc else "-"
     return s.label, f"{s.load_to_ready_s:.1f}", str(s.warmup.get("seconds", "-")), "; ".join(stages) or "-", cached
