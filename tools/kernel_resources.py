@@ -15,11 +15,16 @@ instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and
 MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them. `--loop` also counts each kernel's main
 loop in its SASS (cuobjdump: on PATH, or `pip install nvidia-cuda-cuobjdump`): instructions a HMMA and the
 commonest opcodes, what a layout or a change to the kernel's source costs in issue slots before any timing.
+Each launch also says how many of its blocks an SM holds (threads, registers, shared memory: Hopper's limits) and
+so how many waves its grid makes on `--sms` SMs (132: H100, H200) and how full the last one is: a launch whose
+last wave is nearly empty leaves most SMs idle for a block's time before the next launch, which depends on it,
+can start.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import subprocess
@@ -36,6 +41,9 @@ from engine.kernels.kernel_cache import KernelBuild
 from engine.nvrtc import UTILS_HEADER
 
 PTXAS = re.compile(r"Used (\d+) registers.*")
+STATIC_SHARED = re.compile(r"Used \d+ registers.*?(\d+) bytes smem")
+# Hopper (sm_90: H100, H200): what an SM holds at once
+SM_REGISTERS, SM_SHARED, BLOCK_RESERVED, SM_WARPS, SM_BLOCKS = 65536, 233472, 1024, 64, 32
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -133,11 +141,39 @@ def compile_report(build: KernelBuild, arch: str) -> dict:
         return {"error": text[-3000:]}
     regs = PTXAS.search(text)
     spills = SPILLS.search(text)
+    static = STATIC_SHARED.search(text)
     return {
         "registers": int(regs.group(1)) if regs else None,
+        "static_shared": int(static.group(1)) if static else 0,
         "spill_stores": int(spills.group(1)) if spills else 0,
         "spill_loads": int(spills.group(2)) if spills else 0,
     }
+
+
+def blocks_per_sm(threads: int, registers: int, shared: int) -> tuple[int, str]:
+    """How many blocks of `threads` an SM holds at once, and what limits it (threads, blocks, registers: allocated
+    256 a warp at a time, or shared memory: a block's static and dynamic bytes and 1 KB the SM keeps)."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = {
+        "threads": SM_WARPS // warps,
+        "blocks": SM_BLOCKS,
+        "registers": SM_REGISTERS // per_warp // warps,
+        "shared": SM_SHARED // (shared + BLOCK_RESERVED),
+    }
+    limit = min(limits, key=limits.get)
+    return limits[limit], limit
+
+
+def waves_line(blocks: int, threads: int, registers: int, shared: int, sms: int) -> str:
+    """A launch's blocks as waves over `sms` SMs (`blocks_per_sm` each) and how full its last wave is: a launch
+    the next one depends on leaves the rest of the last wave's SMs idle."""
+    per_sm, limit = blocks_per_sm(threads, registers, shared)
+    if per_sm == 0:
+        return f"does not fit an SM ({limit})"
+    waves = blocks / (sms * per_sm)
+    last = waves - (-(-blocks // (sms * per_sm)) - 1)
+    return f"{per_sm} blocks an SM ({limit}), {waves:.2f} waves on {sms} SMs, the last {last:.0%} full"
 
 
 SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(\S*)\s*([^;]*);")
@@ -238,6 +274,7 @@ def main() -> None:
     p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")
     p.add_argument("--list", action="store_true", help="only list the launches (no nvcc)")
     p.add_argument("--arch", default="sm_90a")
+    p.add_argument("--sms", type=int, default=132, help="the card's SMs, for each launch's waves (H100, H200: 132)")
     p.add_argument("--delta", metavar="HK,HV,DK,DV", help="the DeltaNet step and scan kernels for these heads instead")
     p.add_argument("--state-dtypes", default="float32", help="with --delta: the state's dtypes, comma-separated")
     p.add_argument(
@@ -270,6 +307,10 @@ def main() -> None:
                     cache.submit(build)
             r = seen[key]
             res = r.get("error") or (f"{r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B")
+            if "error" not in r:
+                blocks = math.prod(-(-g // b) for g, b in zip(grid, block))
+                threads = math.prod(block)
+                res += "; " + waves_line(blocks, threads, r["registers"], shared + r["static_shared"], args.sms)
             print(
                 f"{what} {build.name}: grid {grid[0] // block[0]} x {block[0]} threads, {shared} B dynamic "
                 f"shared; {res}",

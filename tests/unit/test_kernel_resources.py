@@ -66,3 +66,20 @@ def test_the_main_loop_is_the_backward_branch_with_the_most_hmma(monkeypatch):
     assert (count, hmma) == (5, 2)
     assert mix == {"LDS": 1, "PRMT": 1, "HMMA": 2, "BRA": 1}
     assert loop_mix("") == (0, 0, {})
+
+
+def test_blocks_an_sm_and_the_last_wave(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tools.kernel_resources import blocks_per_sm, waves_line
+
+    # 128 threads at 106 registers: 3328 a warp, 19 warps, 4 blocks; 48 KB of shared memory would allow 4 too
+    assert blocks_per_sm(128, 106, 48128) == (4, "registers")
+    assert blocks_per_sm(64, 164, 48128) == (4, "shared")  # 6 by registers, 4 by 48 KB + 1 KB
+    assert blocks_per_sm(1024, 22, 0) == (2, "threads")
+    assert blocks_per_sm(32, 16, 0) == (32, "blocks")
+    # the 64-row down projection's products: 640 blocks on 132 SMs x 4 is a full wave and 112 blocks more
+    assert (
+        waves_line(640, 128, 106, 48128, 132) == "4 blocks an SM (registers), 1.21 waves on 132 SMs, the last 21% full"
+    )
+    assert waves_line(528, 128, 106, 48128, 132).endswith("1.00 waves on 132 SMs, the last 100% full")
+    assert waves_line(1, 128, 106, 300_000, 132) == "does not fit an SM (shared)"
