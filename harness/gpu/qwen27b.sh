@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts; several, space-separated,
+#                         | census | lane | prefill | first | dequant | switch | layouts | waves; several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
@@ -39,6 +39,12 @@
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
 #            steps with each layout against the tree's, then the numerics gate at 32 and 64 rows with
 #            ENGINE_STAGED_LAYOUT=GATE_LAYOUT
+#   waves    ROWS (1,32,64), LAYOUTS (default "64:W=4,MG=1 64:W=8,MG=1,ST=4 32:KS=640"), ROUNDS (2), CANDIDATES
+#            (one-row launch shapes, default "8,1,4;8,1,4,3;4,2,4,5;2,2,4,10"): the host's microseconds an MLX
+#            operation with its CUDA graphs on and off (tools/gpu/op_cost.py), decode steps with layouts that fill
+#            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
+#            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
+#            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -175,6 +181,16 @@ case "$PART" in
     ENGINE_STAGED_LAYOUT="${GATE_LAYOUT:-}" python3 -m harness kernels --gate-model qwen27b \
         --gate-rows 32,64 --json "$OUT/qwen27b-layout-gate.json" 2>&1 | tee "$OUT/qwen27b-layout-gate.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch or layouts (got '$PART')" >&2
+  waves)  # launches whose last wave is nearly empty: layouts and launch shapes that fill it, and the host's cost
+    synth
+    { for graphs in 1 0; do MLX_USE_CUDA_GRAPHS=$graphs python3 -m tools.gpu.op_cost --label "graphs $graphs"; done
+      staged=()
+      for layout in ${LAYOUTS:-64:W=4,MG=1 64:W=8,MG=1,ST=4 32:KS=640}; do staged+=(--staged "$layout"); done
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-1,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
+          --rounds "${ROUNDS:-2}"
+      python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
+          --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts or waves (got '$PART')" >&2
      exit 2 ;;
 esac
