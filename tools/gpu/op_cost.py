@@ -12,6 +12,8 @@ waited for; a line per kind gives the median microseconds an operation to build,
     kernel         a custom kernel (`mx.fast.cuda_kernel`, CUDA only) of a few lines
     kernel_source  the same kernel with ~9 KB of unused source, as long as the engine's matrix kernel
     kernel_inputs  the same kernel with 12 inputs, as many arrays as a fused launch's weights, scales and biases
+    gemv           the engine's quantized matmul launch at one row (gate and up with their SwiGLU, 4-bit
+                   5120x5120 matrices), as a decode step's layers call it outside their compiled calls
 
 MLX's CUDA backend reads its graph settings once a process (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER,
 MLX_CUDA_GRAPH_CACHE_SIZE): compare them one process each; `--label` names the run in the output.
@@ -28,8 +30,8 @@ from collections.abc import Callable
 import mlx.core as mx
 
 WIDTH = 5120
-KINDS = ("add", "compiled", "kernel", "kernel_source", "kernel_inputs")
-KERNEL_KINDS = {"kernel", "kernel_source", "kernel_inputs"}
+KINDS = ("add", "compiled", "kernel", "kernel_source", "kernel_inputs", "gemv")
+KERNEL_KINDS = {"kernel", "kernel_source", "kernel_inputs", "gemv"}
 EXTRA_INPUTS = 11
 
 
@@ -50,6 +52,12 @@ def step_for(kind: str) -> Callable[[mx.array, list[mx.array]], mx.array]:
     if kind == "compiled":
         fused = mx.compile(lambda x: ((x * 2 + 1) * 0.5 - 0.25).astype(mx.bfloat16))
         return lambda x, extra: fused(x)
+    if kind == "gemv":
+        from engine.kernels.quantized_gemv import quantized_matmuls
+        from harness.kernels.bench import random_quantized
+
+        pair = [random_quantized(WIDTH, WIDTH, 4, 64) for _ in range(2)]
+        return lambda x, extra: quantized_matmuls(x, pair, 64, 4, gated=True)[0]
     names = ["x"] + [f"w{i}" for i in range(EXTRA_INPUTS if kind == "kernel_inputs" else 0)]
     kernel = mx.fast.cuda_kernel(
         name=f"engine_op_cost_{kind}",
