@@ -331,7 +331,7 @@ def main() -> None:
     if args.parts:
         from tools.gpu import batch_parts
 
-        only = frozenset(v.strip() for v in args.parts.split(","))
+        names = [v.strip() for v in args.parts.split(",") if v.strip()]
 
         def zeros(n, k, bits, gs):
             return (mx.zeros((n, k * bits // 32), dtype=mx.uint32), *[mx.zeros((n, k // gs), dtype=mx.bfloat16)] * 2)
@@ -341,10 +341,13 @@ def main() -> None:
             for label, (counts, fields) in variants:
                 if fields and (m < staged.MIN_ROWS or (counts is not None and m not in counts)):
                     continue
-                builds: list = []
-                with recorded(builds), staged_layout(fields):
-                    batch_parts.parts(m, None, only)
-                report(f"M={m} [{label or 'default'}]", builds)
+                for name in names:  # one part at a time, so each line names its part
+                    builds: list = []
+                    with recorded(builds), staged_layout(fields):
+                        batch_parts.parts(m, None, frozenset({name}))
+                    if not builds:
+                        p.error(f"--parts: {name!r} launches nothing (see tools.gpu.batch_parts' parts)")
+                    report(f"M={m} {name} [{label or 'default'}]", builds)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] or (
         [] if args.parts else [(17408, 5120)]
     )

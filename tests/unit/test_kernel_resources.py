@@ -32,8 +32,18 @@ def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
 
 def test_the_parts_of_a_batched_step_are_listed():
     out = _launches("--rows", "32", "--parts", "gate+up prenormed,down+residual")
-    assert "M=32 [default] engine_affine_sqmm2_part" in out and "engine_affine_sqmm_sum2_g_pn" in out, out
-    assert "engine_affine_sqmm1_part" in out and "engine_affine_sqmm_sum1_r" in out, out
+    assert "M=32 gate+up prenormed [default] engine_affine_sqmm2_part" in out, out
+    assert "M=32 gate+up prenormed [default] engine_affine_sqmm_sum2_g_pn" in out, out
+    assert "M=32 down+residual [default] engine_affine_sqmm1_part" in out, out
+    assert "M=32 down+residual [default] engine_affine_sqmm_sum1_r" in out, out
+    bad = subprocess.run(
+        [sys.executable, "-m", "tools.kernel_resources", "--list", "--rows", "32", "--parts", "gate+down"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "'gate+down' launches nothing" in bad.stderr, bad.stderr
 
 
 def test_the_deltanet_kernels_are_listed_per_row_count_and_state_dtype():
