@@ -173,7 +173,8 @@ def waves_line(blocks: int, threads: int, registers: int, shared: int, sms: int)
         return f"does not fit an SM ({limit})"
     waves = blocks / (sms * per_sm)
     last = waves - (-(-blocks // (sms * per_sm)) - 1)
-    return f"{per_sm} blocks an SM ({limit}), {waves:.2f} waves on {sms} SMs, the last {last:.0%} full"
+    blocks_an_sm = f"{per_sm} block{'s' * (per_sm != 1)} an SM"
+    return f"{blocks_an_sm} ({limit}), {waves:.2f} waves on {sms} SMs, the last {last:.0%} full"
 
 
 SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(\S*)\s*([^;]*);")
