@@ -1,11 +1,12 @@
 """The host's cost of one MLX operation, by kind: building it in Python and submitting it (`mx.async_eval`).
 
-    python3 -m tools.gpu.op_cost [--ops 400] [--reps 7] [--kinds add,compiled,kernel,kernel_source,kernel_inputs]
+    python3 -m tools.gpu.op_cost [--ops 400] [--reps 7] [--kinds add,compiled,...] [--label NAME]
 
 A decode step at one row is a few hundred operations (the engine's kernels and the compiled stages between them),
 and its host time (`tools.gpu.step_kernels --time`) can pass its device time. This times chains of `--ops`
 operations of one kind on a [1, 5120] bfloat16 row, each chain built, submitted with nothing in flight, then
-waited for; a line per kind gives the median microseconds an operation to build, to submit and to wait. Kinds:
+waited for; a line per kind gives the median microseconds an operation to build, to submit and to wait. Kinds
+(default all; off CUDA the custom kernels are skipped and said to be):
 
     add            x + 1 (one MLX elementwise kernel)
     compiled       an `mx.compile`d function of four elementwise operations (one fused kernel)
