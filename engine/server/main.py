@@ -127,6 +127,11 @@ class ServeConfig:
         )
 
 
+def _say(line: str) -> None:
+    """A start-up line to stderr, as the warm-up's stages print them."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     """Load the model and the tokenizer, warm the lanes up; raises on a bad model or setting (`serve` checks the
     settings before it binds)."""
@@ -148,8 +153,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
     start = time.perf_counter()
     warmup = cfg.warmup or default_warmup()
     context = cfg.max_context or context_of(engine.config)
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    stages = warm_up(gateway, warmup, cfg.kv_bits, context, log=say)
+    stages = warm_up(gateway, warmup, cfg.kv_bits, context, log=_say)
     # the warm-up's freed buffers (20 GB of qwen27b's, of shapes live traffic may never take) would stay in
     # MLX's cache, out of other processes' reach
     gc.collect()
@@ -160,7 +164,7 @@ def build(cfg: ServeConfig) -> tuple[EngineWorker, ServerContext]:
         kept = keep_within(engine.model, limit)
         print(f"engine serve: {kept.line()}", file=sys.stderr, flush=True)
         if kept.matrices and engine.kernels.settings.get("dense_decode_rows"):  # launches on the copies: new forwards
-            stages += warm_dense_rows(gateway, cfg.kv_bits, log=say)
+            stages += warm_dense_rows(gateway, cfg.kv_bits, log=_say)
     if cfg.prompt_cache_dir is not None and gateway.prompt_cache is not None:  # after the warm-up: none of its entries
         full = gateway.prompt_cache.full_chunk  # quantized KV: entries are made and served past this first chunk
         kv = f"{cfg.kv_bits} bits, group {cfg.kv_group_size}, first chunk {full}" if cfg.kv_bits else "full"

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from engine.errors import UnknownModelError
 from engine.kernels import EXACT
+from engine.kernels.kept import Kept
 from engine.registry import get_spec
 from harness.cli_common import (
     CliError,
@@ -337,8 +338,6 @@ def start_row(s) -> tuple[str, ...]:
     ]
     kept = s.warmup.get("kept_dense")
     if kept:
-        from engine.kernels.kept import Kept
-
         stages.append(f"then {Kept(**kept).copies()}")
     kc = s.warmup.get("kernel_cache") or {}
     cached = " / ".join(str(kc.get(k, "-")) for k in ("compiled", "found", "failed")) if kc else "-"
