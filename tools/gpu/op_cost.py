@@ -65,14 +65,14 @@ def step_for(kind: str) -> Callable[[mx.array, list[mx.array]], mx.array]:
         input_names=names,
         output_names=["y"],
         header=unused_source(9000) if kind == "kernel_source" else "",
-        source="uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_size) y[i] = x[i] + (T)1;",
+        source="unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < N) y[i] = x[i] + (T)1;",
     )
 
     def step(x, extra):
         inputs = [x] + extra[: len(names) - 1]
         return kernel(
             inputs=inputs,
-            template=[("T", x.dtype)],
+            template=[("T", x.dtype), ("N", x.size)],
             grid=(WIDTH, 1, 1),
             threadgroup=(256, 1, 1),
             output_shapes=[x.shape],
