@@ -724,7 +724,7 @@ def test_one_row_launch_shapes_by_size():
     assert launch_config(1, 5120, 64, 4, rows=17408) == LaunchConfig(4, 2, 4, 5)
     assert launch_config(1, 5120, 64, 4, rows=2 * 17408) == LaunchConfig(4, 2, 4, 5)  # gate + up
     assert launch_config(1, 5120, 64, 4, rows=12288) == LaunchConfig(4, 1, 4)
-    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
+    assert launch_config(1, 17408, 64, 4, rows=5120) == LaunchConfig(8, 1, 4, 3)  # one wave: 3 blocks an SM
     assert launch_config(1, 6144, 64, 4, rows=5120) == LaunchConfig(8, 1, 4)
 
 
@@ -967,7 +967,8 @@ def test_staged_kernel_splits_long_inputs_only():
     assert [splits(k, 128) for k in (1536, 2048, 5120, 6144, 17408)] == [1, 1, 4, 3, 8]
     assert staged_config(16, 17408, 64, 4) == StagedConfig(stages=2, splits=8)
     assert staged_config(32, 1536, 64, 4) == StagedConfig(stages=2, splits=1, rounded=1)
-    assert staged_config(64, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4, rounded=1)
+    assert staged_config(48, 5120, 64, 4) == StagedConfig(warps=2, stages=2, m_groups=2, splits=4, rounded=1)
+    assert staged_config(64, 5120, 64, 4) == StagedConfig(stages=2, splits=4, rounded=1)
     assert StagedConfig().chunk(64, 4) == 2 and StagedConfig().chunk(64, 8) == 4 and StagedConfig().chunk(32, 4) == 2
     assert staged_takes(2, 5120, 64, 4, Fusion()) and not staged_takes(1, 5120, 64, 4, Fusion())
     assert not staged_takes(16, 5120, 64, 4, Fusion(norm_scale=True)) and not staged_takes(16, 96, 64, 4, Fusion())

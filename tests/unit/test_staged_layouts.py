@@ -69,7 +69,7 @@ def test_a_layer_s_launches_are_laid_out_by_its_layouts(monkeypatch):
     assert KernelQuantizedLinear.from_module(q, True).kernel_refusal is None
     x = mx.zeros((64, 1, 512), dtype=mx.bfloat16)
     templates = {}
-    for text in ("", "64:RW=0,W=4", "32:RW=0"):
+    for text in ("", "64:RW=0,W=2", "32:RW=0"):
         layer = KernelQuantizedLinear.from_module(q, True, layouts=StagedLayouts.parse(text))
         builds = []
         calls._compiled.cache_clear()
@@ -80,4 +80,4 @@ def test_a_layer_s_launches_are_laid_out_by_its_layouts(monkeypatch):
             calls._compiled.cache_clear()
         part = next(dict(build.template) for build, *_ in builds if build.name.startswith("engine_affine_sqmm1"))
         templates[text] = (part["RW"], part["W"])
-    assert templates == {"": (1, 2), "64:RW=0,W=4": (0, 4), "32:RW=0": (1, 2)}
+    assert templates == {"": (1, 4), "64:RW=0,W=2": (0, 2), "32:RW=0": (1, 4)}

@@ -99,8 +99,8 @@ def launch_config(m: int, k: int, group_size: int, bits: int, rows: int = 0, lau
         )
     tiles = k // tile_k(group_size, bits)
     if tiles >= 64 and m == 1:
-        if rows <= 8192:
-            return LaunchConfig(8, 1, 4)
+        if rows <= 8192:  # at most 3 blocks an SM for K from 12288: one wave, not 1.21 (registers 94 -> 61)
+            return LaunchConfig(8, 1, 4, 3 if k >= 12288 else 0)
         return LaunchConfig(4, 2, 4, 5) if rows * k >= 64 << 20 else LaunchConfig(4, 1, 4)
     if tiles >= 256:
         return LaunchConfig(2, 1, 4) if m <= 4 else LaunchConfig(4, 2, 4)

@@ -105,6 +105,9 @@ def splits(k: int, chunk: int, values: int = 0) -> int:
 
 
 WIDE_ROWS = 33  # from here a block's row tiles take half their activation blocks a warp (m groups)
+# ... below this many: from 49 (the 64-row bucket) 4 warps take all their rows again, as up to 32, which fills the
+# SMs' last waves (gate+up 2.75 waves, down 0.81; `tools.kernel_resources`): 0.91-0.93x the 64-row step (H100)
+NARROW_AGAIN_ROWS = 49
 # From a batch of this many rows the weights enter rounded (`rounded` 1): 9% faster steps at 32 and 64 rows on the
 # H200, and the float32 model gate passed there (docs/kernels.md, "Batched rows"). Slower at 16 rows.
 ROUNDED_ROWS = 32
@@ -114,11 +117,12 @@ def staged_config(
     m: int, k: int, group_size: int, bits: int, layouts: StagedLayouts = NO_LAYOUTS, batch: int | None = None
 ) -> StagedConfig:
     """The launch for M rows and K inputs (docs/kernels.md, "Batched rows"): 2 chunks in shared memory; 4 warps of
-    2 row tiles up to 32 rows, from WIDE_ROWS 2 such warps, each with 2 warps that share their activation blocks
-    (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows (`batch`, default M: the
+    2 row tiles up to 32 rows and from NARROW_AGAIN_ROWS, from WIDE_ROWS 2 such warps, each with 2 warps that share
+    their activation blocks (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows (`batch`, default M: the
     batch's rows, not its tokens, so a window of W tokens a row computes what its batch's one-token steps do). The
     first of `layouts` that takes M rows changes it."""
-    config = StagedConfig(stages=2) if m < WIDE_ROWS else StagedConfig(warps=2, stages=2, m_groups=2)
+    wide = WIDE_ROWS <= m < NARROW_AGAIN_ROWS
+    config = StagedConfig(warps=2, stages=2, m_groups=2) if wide else StagedConfig(stages=2)
     config = replace(config, rounded=int((m if batch is None else batch) >= ROUNDED_ROWS))
     fields = layouts.fields(m)
     values = fields.pop("split_values", 0)
