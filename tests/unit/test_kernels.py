@@ -1019,6 +1019,18 @@ def test_row_blocks_in_turn_keep_their_split_s_activations():
     assert StagedLayouts.parse("64:NR=4,KS=1024").fields(64) == {"row_blocks": 4, "split_values": 1024}
 
 
+def assert_same_staged_bits(m: int, launch: str, rows: int, one: StagedConfig, other: StagedConfig) -> None:
+    """`other` gives `one`'s bits on a plain, a gated or a three-matrix launch of `rows` rows (K 5120) at M rows."""
+    n = {"plain": [rows], "gated": [rows, rows], "three": [rows, 1000, 48]}[launch]
+    mats = [make_quantized(n=r, k=5120, seed=i + 1) for i, r in enumerate(n)]
+    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
+    matrices = [(q.weight, q.scales, q.biases) for q in mats]
+    want = quantized_matmuls(x, matrices, 64, 4, one, gated=launch == "gated")
+    got = quantized_matmuls(x, matrices, 64, 4, other, gated=launch == "gated")
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b).item()
+
+
 @cuda_only
 @pytest.mark.parametrize("m", [9, 40, 64])
 @pytest.mark.parametrize("layout", [dict(row_blocks=2), dict(row_blocks=3, warps=2, m_groups=2, rounded=1)])
@@ -1027,16 +1039,34 @@ def test_row_blocks_in_turn_change_no_bit(m, layout, launch):
     # A block taking its row blocks in turn adds each row's k-tiles of its split as a block of its own does:
     # the same parts, so the same bits (3000 rows: the last block's row blocks run past N; three matrices in one
     # launch: each matrix's blocks of row blocks after the one before's).
-    n = {"plain": [3000], "gated": [3000, 3000], "three": [3000, 1000, 48]}[launch]
-    mats = [make_quantized(n=rows, k=5120, seed=i + 1) for i, rows in enumerate(n)]
-    x = mx.random.normal((m, 5120)).astype(mx.bfloat16)
-    matrices = [(q.weight, q.scales, q.biases) for q in mats]
-    gated = launch == "gated"
     one = StagedConfig(splits=4, **{key: v for key, v in layout.items() if key != "row_blocks"})
-    want = quantized_matmuls(x, matrices, 64, 4, one, gated=gated)
-    got = quantized_matmuls(x, matrices, 64, 4, replace(one, row_blocks=layout["row_blocks"]), gated=gated)
-    for a, b in zip(got, want):
-        assert mx.array_equal(a, b).item()
+    assert_same_staged_bits(m, launch, 3000, one, replace(one, row_blocks=layout["row_blocks"]))
+
+
+def test_clusters_take_split_launches_of_one_row_block_a_block():
+    # CL blocks a cluster share each chunk's activation rows: only where K is split (the blocks store parts) and a
+    # block takes one row block; the cluster's barriers are static shared memory, a stage each.
+    split = StagedConfig(splits=4, cluster=4)
+    assert in_turn(split, 64, 5120, 64, 4) == split
+    assert in_turn(StagedConfig(cluster=2), 64, 5120, 64, 4).cluster == 1
+    assert in_turn(StagedConfig(splits=4, row_blocks=2, cluster=2), 16, 5120, 64, 4).cluster == 1
+    assert ("CL", 4) in split.template(64, 4) and "CL" not in dict(StagedConfig(splits=4).template(64, 4))
+    assert StagedLayouts.parse("64:CL=2").fields(64) == {"cluster": 2}
+    small = StagedConfig(splits=4, cluster=2)
+    dynamic = small.shared_bytes(2, 64, 4)
+    assert shared_request(small, 2, Fusion(), 64, 4) == (dynamic if dynamic + 16 <= 48 << 10 else 48 << 10)
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [3, 33, 64])
+@pytest.mark.parametrize("cluster", [2, 4])
+@pytest.mark.parametrize("launch", ["plain", "gated", "three"])
+def test_staged_clusters_change_no_bit(m, cluster, launch):
+    # A cluster's blocks copy each other's activation rows (one multicast copy a row): the same rows in shared
+    # memory, so the same parts and bits as blocks of their own (2900 rows: 23 row blocks, the last cluster's
+    # blocks past them store nothing; three matrices: a cluster across two matrices' row blocks).
+    one = StagedConfig(splits=4, stages=2)
+    assert_same_staged_bits(m, launch, 2900, one, replace(one, cluster=cluster))
 
 
 def test_staged_m_groups_take_more_warps():

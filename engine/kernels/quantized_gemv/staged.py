@@ -43,7 +43,9 @@ class StagedConfig:
     (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
     exact integers with float32 group sums, the register kernel's arithmetic), and the row blocks a block takes
     in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
-    for all of them, so fewer blocks read them from L2)."""
+    for all of them, so fewer blocks read them from L2), and the blocks of a cluster (`cluster`, split launches
+    only: consecutive row blocks of one split, each chunk's activation rows read from L2 once for all of them, each
+    block copying every CL-th row into the shared memory of all, `cp.async.bulk` with `.multicast::cluster`)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -54,6 +56,7 @@ class StagedConfig:
     m_groups: int = 1
     rounded: int = 0
     row_blocks: int = 1
+    cluster: int = 1
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -61,16 +64,20 @@ class StagedConfig:
         return self.chunk_tiles or max(2, 2 * group_size // tk)
 
     def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
-        return [
-            ("W", self.warps),
-            ("RT", self.row_tiles),
-            ("CK", self.chunk(group_size, bits)),
-            ("ST", self.stages),
-            ("S", self.splits),
-            ("MG", self.m_groups),
-            ("RW", self.rounded),
-            ("NR", self.row_blocks),
-        ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
+        return (
+            [
+                ("W", self.warps),
+                ("RT", self.row_tiles),
+                ("CK", self.chunk(group_size, bits)),
+                ("ST", self.stages),
+                ("S", self.splits),
+                ("MG", self.m_groups),
+                ("RW", self.rounded),
+                ("NR", self.row_blocks),
+            ]
+            + ([("MINB", self.min_blocks)] if self.min_blocks else [])
+            + ([("CL", self.cluster)] if self.cluster > 1 else [])
+        )
 
     def threads(self) -> int:
         return self.warps * self.m_groups * 32
@@ -141,7 +148,7 @@ def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int
     squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
     have (MLX then raises its limit)."""
     dynamic = config.shared_bytes(m, group_size, bits, k)
-    static = 0
+    static = 8 * config.stages * (config.cluster > 1)  # the cluster's barriers, a stage each
     if config.splits == 1:
         out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
         static = fusion.prenormed * ((8 << 10) + 4 * m) + fusion.norm_out * 4 * out_rows * (m + 1)
@@ -154,12 +161,14 @@ MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
 def in_turn(config: StagedConfig, m: int, k: int, group_size: int, bits: int) -> StagedConfig:
     """`config` with one row block a block (`row_blocks` 1) where the kernel cannot take several in turn: an
     unsplit K (its blocks store results, not parts), a thread's weight copies not a whole number of its warp's
-    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory."""
+    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory; and
+    without clusters (`cluster` 1) unless K is split and a block takes one row block."""
     copies = config.chunk(group_size, bits) * tile_k(group_size, bits) * bits // 128  # 16-byte copies a row
     threads = config.threads()
     apart = threads % copies == 0 and (threads // copies) % (16 * config.row_tiles) == 0
     fits = config.shared_bytes(m, group_size, bits, k) <= MAX_SHARED
-    return config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
+    config = config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
+    return config if config.splits > 1 and config.row_blocks == 1 else replace(config, cluster=1)
 
 
 def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
@@ -206,7 +215,7 @@ _BODY = r"""
   const int mg = MG == 1 ? 0 : (threadIdx.x >> 5) / W;  // its activation blocks: mg * NBW, ...
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int split = blockIdx.x % S;
+  const int split = (blockIdx.x / ENGINE_CL) % S;   // a cluster's blocks take one split
   int block_base = blk * NR * BR;                   // the row block's first output row
   int row_base = block_base + warp * 16 * RTO;
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };
@@ -217,6 +226,10 @@ _BODY = r"""
   // ST stages of chunks in dynamic shared memory, each: the M activation rows, then the block's R weight rows
   // (row slot (warp * RT + r) * 16 + i: row i of the warp's tile r), then their scales and biases.
   extern __shared__ __align__(16) unsigned char engine_stages[];
+  // ENGINE_CL > 1: block `rank` of a cluster copies activation rows rank, rank + CL, ... of each chunk into every
+  // block's stage (one read from L2 for the cluster); stage b's barrier counts the bytes of all M rows landing.
+  __shared__ __align__(8) uint64_t engine_full[ENGINE_CL > 1 ? ST : 1];
+  const int rank = ENGINE_CL > 1 ? engine_cluster_rank() : 0;
   auto stage_x = [&](const int b) {  // RESIDENT: chunk b's activations, else stage b's
     return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * (RESIDENT ? X_BYTES : STAGE_BYTES));
   };
@@ -288,7 +301,12 @@ _BODY = r"""
       const int b = it % ST, c = RESIDENT ? it % CHUNKS : it, rb = RESIDENT ? it / CHUNKS : 0;
       __nv_bfloat16* sx = stage_x(RESIDENT ? c : b);
       if (!RESIDENT || rb == 0) {
-        if constexpr (X_ROWS) {
+        if constexpr (ENGINE_CL > 1) {
+          const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[b]));
+          if (threadIdx.x == 0) engine_expect_bytes(full, M * KC * 2);
+          for (int m = rank + threadIdx.x * ENGINE_CL; m < M; m += THREADS * ENGINE_CL)
+            engine_multicast(sx + m * XS, x + k_first + (size_t)m * K + c * KC, KC * 2, full, (1u << ENGINE_CL) - 1);
+        } else if constexpr (X_ROWS) {
           #pragma unroll
           for (int j = 0; j < NXC; ++j)
             if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
@@ -446,14 +464,30 @@ _BODY = r"""
   // ST - 1 iterations in flight: at iteration it, wait for its copies, then (one barrier: every warp is done with
   // iteration it - 1's stage) issue iteration it + ST - 1's into that stage, then multiply. RESIDENT: after each
   // row block but the last, its parts are stored and the sums start over on the next.
+  // ENGINE_CL > 1: each stage's activation rows are waited for on its barrier's phase, and a block issues a stage's
+  // copies only once every block of the cluster is done with it: each arrives on the cluster's barrier after its
+  // products (and once before the first), and waits on it before issuing.
+  if constexpr (ENGINE_CL > 1) {
+    if (threadIdx.x == 0) {
+      for (int b = 0; b < ST; ++b) engine_barrier_init(static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[b])));
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    engine_cluster_arrive();
+    engine_cluster_wait();
+  }
   #pragma unroll
   for (int it = 0; it < ST - 1; ++it) issue(it);
+  if constexpr (ENGINE_CL > 1) engine_cluster_arrive();
   #pragma unroll 1
   for (int it = 0; it < ITERS; ++it) {
     asm volatile("cp.async.wait_group %0;" :: "n"(ST - 2) : "memory");
+    if constexpr (ENGINE_CL > 1)
+      engine_wait_phase(static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[it % ST])), (it / ST) & 1);
     __syncthreads();
+    if constexpr (ENGINE_CL > 1) engine_cluster_wait();
     issue(it + ST - 1);
     multiply(it);
+    if constexpr (ENGINE_CL > 1) engine_cluster_arrive();
     if (RESIDENT && it % CHUNKS == CHUNKS - 1 && it + 1 < ITERS) {
       // ROW BLOCK DONE
       block_base += BR;
@@ -466,6 +500,7 @@ _BODY = r"""
           for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
     }
   }
+  if constexpr (ENGINE_CL > 1) engine_cluster_wait();  // the last arrival's pair: no block leaves the cluster early
 """
 
 # S = 1: the sums are the results; the fused stages store them (accumulator i of lane (g, t): row g + 8 * (i / 2),
@@ -553,7 +588,8 @@ def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
     where its rows start in the parts (`off`; `tile_off(r)` for row tile r: a gated launch's up tiles after
     the gate's N0 rows). `main`: the products' launch (weight pointers, splits S blocks a row block), else the
     sums' launch; `outputs`: the launch writes the results (not the parts)."""
-    blk = "blockIdx.x / S" if main else "blockIdx.x"
+    # a cluster's blocks (ENGINE_CL, consecutive blocks) take consecutive row blocks of one split
+    blk = "blockIdx.x / (ENGINE_CL * S) * ENGINE_CL + blockIdx.x % ENGINE_CL" if main else "blockIdx.x"
     if gated:
         lines = [
             "  constexpr bool GATED = true;",
@@ -616,10 +652,56 @@ def sum_source(count: int, fusion: Fusion) -> str:
     return _prologue(count, fusion.gated, False) + _with_stages(body, fusion)
 
 
+# A cluster's copies, barriers and waits (sm_90), used where ENGINE_CL > 1
+CLUSTER_HEADER = r"""
+__device__ __forceinline__ int engine_cluster_rank() {
+  unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return (int)r;
+}
+__device__ __forceinline__ void engine_cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void engine_cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void engine_barrier_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void engine_expect_bytes(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void engine_wait_phase(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void engine_multicast(void* dst, const void* src, unsigned bytes, unsigned bar,
+                                                 unsigned mask) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1], %2, [%3], %4;" :: "r"(d), "l"(src), "r"(bytes), "r"(bar), "h"((unsigned short)mask)
+               : "memory");
+}
+"""
+
+
+def cluster_header(threads: int, min_blocks: int, cluster: int) -> str:
+    """ENGINE_CL, the cluster's helpers, the launch bounds (`launch_bounds`' way) and, for a cluster of more than
+    one block, its size on the kernel MLX generates."""
+    if cluster == 1:
+        return f"#define ENGINE_CL 1\n{CLUSTER_HEADER}" + launch_bounds(threads, min_blocks)
+    bounds = f" __launch_bounds__({threads}, {min_blocks})" if min_blocks else ""
+    return (
+        f"#define ENGINE_CL {cluster}\n{CLUSTER_HEADER}#undef __global__\n"
+        f"#define __global__ __location__(global){bounds} __cluster_dims__({cluster}, 1, 1)\n"
+    )
+
+
 @cache
-def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0):
+def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0, cluster=1):
     """The products' launch kernel with `shared` bytes of dynamic shared memory (`threads`, `min_blocks`: its
-    launch bounds)."""
+    launch bounds; `cluster`: blocks a cluster)."""
     outputs = ["part"] if split else output_names(count, fusion)
     inputs = input_names(count, Fusion() if split else fusion)
     tag = "_part" if split else fusion.tag()
@@ -628,7 +710,7 @@ def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 
         input_names=inputs,
         output_names=outputs,
         source=source(count, fusion, split),
-        header=HEADER + launch_bounds(threads, min_blocks),
+        header=HEADER + cluster_header(threads, min_blocks, cluster),
         shared_memory=shared,
     )
 
@@ -697,10 +779,11 @@ def matmuls(
             output_shapes=shapes + norm_out,
             output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
         )
-    (part,) = kernel(count, fusion, True, *bounds)(
+    clusters = -(-main_blocks[-1] // config.cluster)  # the last one's blocks past the rows store nothing
+    (part,) = kernel(count, fusion, True, *bounds, config.cluster)(
         inputs=[x] + weights,
         template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
-        grid=(main_blocks[-1] * config.splits * threads, 1, 1),
+        grid=(clusters * config.cluster * config.splits * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(config.splits, m, sum(rows))],
         output_dtypes=[mx.float32],
