@@ -4,7 +4,8 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts | waves; several, space-separated,
+#                         | census | lane | prefill | first | dequant | switch | layouts | waves | clusters; several,
+#                         space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
 #   ENGINE_HARNESS_CACHE  where models are synthesized (default /tmp/ehc; qwen27b takes ~1 minute and 15 GB)
@@ -45,6 +46,10 @@
 #            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
 #            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
 #            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
+#   clusters LAYOUTS (default "64:CL=2 64:CL=4"), ROWS (32,64), ROUNDS (2): split launches whose blocks share each
+#            chunk's activation rows in clusters (layout key CL): its CUDA tests (bit equality with blocks of their
+#            own), the 64-row parts alone with each layout, decode steps against the tree's in alternating rounds,
+#            then Nsight Compute's sections on the 64-row gate+up products (the tree's, then each layout's)
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -191,6 +196,24 @@ case "$PART" in
       python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
           --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts or waves (got '$PART')" >&2
+  clusters)  # clusters of blocks sharing each chunk's activation rows: bits, parts, steps, then L2 and DRAM under ncu
+    synth
+    timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
+        tests/unit/test_kernels.py -k clusters 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
+    staged=()
+    for layout in ${LAYOUTS:-64:CL=2 64:CL=4}; do staged+=(--staged "$layout"); done
+    { python3 -m tools.gpu.batch_parts --rows 64 --parts "gate+up prenormed,down+residual,inputs,out+residual" \
+          "${staged[@]}"
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
+          --rounds "${ROUNDS:-2}"; } 2>&1 | tee "$OUT/qwen27b-clusters.txt"
+    for layout in "" ${LAYOUTS:-64:CL=2 64:CL=4}; do
+      echo "== ncu ${layout:-tree}"
+      ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --clock-control none -k regex:sqmm2_part -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
+          --parts "gate+up prenormed" --calls 2 ${layout:+--staged "$layout" --layouts-only} 2>&1 \
+          | grep -E "sqmm|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Waves"
+    done 2>&1 | tee "$OUT/qwen27b-clusters-ncu.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts, waves or clusters (got '$PART')" >&2
      exit 2 ;;
 esac

@@ -131,10 +131,17 @@ def main() -> None:
         metavar="SPEC",
         help="also time the parts with the staged launches laid out by SPEC (tools.gpu.step_kernels' form)",
     )
+    p.add_argument(
+        "--layouts-only",
+        action="store_true",
+        help="time the --staged layouts only, not the tree's launches first (under ncu: its first kernels are theirs)",
+    )
     args = p.parse_args()
+    if args.layouts_only and not args.staged:
+        p.error("--layouts-only needs a --staged layout")
     only = frozenset(filter(None, (v.strip() for v in args.parts.split(","))))
     cfg = BenchConfig(repeats=5, calls=args.calls)
-    layouts = [(None, {}, "")] + [(*parse_staged(v), f" [{v}]") for v in args.staged]
+    layouts = [(None, {}, "")] * (not args.layouts_only) + [(*parse_staged(v), f" [{v}]") for v in args.staged]
     for m in (int(v) for v in args.rows.split(",")):
         for keep, fields, label in layouts:
             if fields and (m < MIN_ROWS or (keep is not None and m not in keep)):
