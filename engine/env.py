@@ -33,7 +33,7 @@ _VARS = {
     "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR (e.g. '32,64:RW=0': "
     "exact-integer weights at 32 and 64 rows; KernelConfig.staged_layouts)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
-    "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
+    "'ROWSxK=W,RT,U[,MINB[,PL]];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",
 }
 _SECRETS = {"ENGINE_API_KEY"}
 

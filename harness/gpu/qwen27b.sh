@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts | waves | clusters; several,
+#                         | census | lane | prefill | first | dequant | switch | layouts | waves | clusters | ahead; several,
 #                         space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -50,6 +50,11 @@
 #            chunk's activation rows in clusters (layout key CL): its CUDA tests (bit equality with blocks of their
 #            own), the 64-row parts alone with each layout, decode steps against the tree's in alternating rounds,
 #            then Nsight Compute's sections on the 64-row gate+up products (the tree's, then each layout's)
+#   ahead    CANDIDATES (one-row launch shapes W,RT,U,MINB,PL; default with and without PL for down and gate+up),
+#            LAUNCHES (ENGINE_GEMV_LAUNCH values, space-separated; default "5120x17408=8,1,2,3,1
+#            5120x17408=8,1,4,0,1"), ROUNDS (2): the one-row kernel loading a batch ahead (PL): its CUDA tests, the
+#            candidates on the two largest one-row shapes each call after the one before, then one-row steps with
+#            each of LAUNCHES against the tree's, alternating, one process each
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -214,6 +219,19 @@ case "$PART" in
           | grep -E "sqmm|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Waves"
     done 2>&1 | tee "$OUT/qwen27b-clusters-ncu.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts, waves or clusters (got '$PART')" >&2
+  ahead)  # the one-row kernel with its next batch's loads ahead of the products: bits, the launches, whole steps
+    synth
+    timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
+        tests/unit/test_kernels.py -k pipelined 2>&1 | tail -5 | tee "$OUT/qwen27b-ahead-tests.txt"
+    { python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
+          --candidates "${CANDIDATES:-8,1,4,3;8,1,4,3,1;8,1,2,3,1;8,1,4,0,1;4,2,4,5;4,2,4,5,1;4,2,2,5,1}"
+      for round in $(seq "${ROUNDS:-2}"); do
+        for launch in "" ${LAUNCHES:-5120x17408=8,1,2,3,1 5120x17408=8,1,4,0,1}; do
+          echo "round $round ENGINE_GEMV_LAUNCH=$launch"
+          ENGINE_GEMV_LAUNCH=$launch python3 -m tools.gpu.step_kernels --rows 1 --tiers fast --time --steps 32
+        done
+      done; } 2>&1 | tee "$OUT/qwen27b-ahead.txt"
+    ;;
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts, waves, clusters or ahead (got '$PART')" >&2
      exit 2 ;;
 esac

@@ -718,6 +718,35 @@ def test_register_capped_gemv_equals_the_plain_one(config):
     assert mx.array_equal(quantized_matmul(*args, config=config), quantized_matmul(*args, config=plain)).item()
 
 
+def test_a_pipelined_launch_names_its_kernel_apart():
+    # PL: the same template values with another loop, so another kernel name (MLX caches by name and template)
+    from engine.kernels.quantized_gemv.source import kernel_source
+
+    plain, ahead = LaunchConfig(8, 1, 4, 3), LaunchConfig(8, 1, 4, 3, pipelined=1)
+    assert plain.template() == ahead.template() and plain.setting() == "8,1,4,3" and ahead.setting() == "8,1,4,3,1"
+    assert LaunchConfig.parse("8,1,4,0,1") == LaunchConfig(8, 1, 4, pipelined=1)
+    assert "load(b1, kt0 + STRIDE)" in kernel_source(1, pipelined=True) and "Batch b0" not in kernel_source(1)
+
+
+@cuda_only
+@pytest.mark.parametrize("shape", ["8,1,4,0,1", "8,1,2,3,1", "4,2,2,5,1", "2,1,4,0,1", "16,1,4,2,1"])
+@pytest.mark.parametrize("k", [5120, 4160, 17408])
+@pytest.mark.parametrize("launch", ["plain", "gated", "three"])
+def test_pipelined_gemv_equals_the_plain_one(shape, k, launch):
+    # Loading a batch ahead moves the loads, not the products: the same bits, whatever the warps' last batches
+    # (K 4160: 65 k-tiles, a tail of one; three matrices: each block's matrix)
+    ahead = LaunchConfig.parse(shape)
+    plain = LaunchConfig(ahead.warps, ahead.row_tiles, ahead.batch, ahead.min_blocks)
+    n = {"plain": [3000], "gated": [3000, 3000], "three": [3000, 1000, 48]}[launch]
+    mats = [make_quantized(n=rows, k=k, seed=i + 1) for i, rows in enumerate(n)]
+    x = mx.random.normal((1, k)).astype(mx.bfloat16)
+    matrices = [(q.weight, q.scales, q.biases) for q in mats]
+    want = quantized_matmuls(x, matrices, 64, 4, plain, gated=launch == "gated")
+    got = quantized_matmuls(x, matrices, 64, 4, ahead, gated=launch == "gated")
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b).item()
+
+
 def test_one_row_launch_shapes_by_size():
     # H200 timings at M = 1: launches of few rows take more warps a block; large ones two row tiles a block,
     # at most 96 registers a thread (five blocks an SM); the rest (4, 1, 4).
@@ -731,9 +760,13 @@ def test_one_row_launch_shapes_by_size():
 def test_gemv_launch_setting_replaces_one_row_launch_shapes():
     import engine.kernels.quantized_gemv as qg
 
-    table = qg.parse_launches(" 5120x17408=8,1,4 ; 5120x6144=16,1,4,2;")
-    assert table == {(5120, 17408): LaunchConfig(8, 1, 4), (5120, 6144): LaunchConfig(16, 1, 4, 2)}
-    assert [c.setting() for c in table.values()] == ["8,1,4", "16,1,4,2"]  # as diagnostics write them
+    table = qg.parse_launches(" 5120x17408=8,1,4 ; 5120x6144=16,1,4,2; 2048x1024=4,1,4,0,1")
+    assert table == {
+        (5120, 17408): LaunchConfig(8, 1, 4),
+        (5120, 6144): LaunchConfig(16, 1, 4, 2),
+        (2048, 1024): LaunchConfig(4, 1, 4, pipelined=1),
+    }
+    assert [c.setting() for c in table.values()] == ["8,1,4", "16,1,4,2", "4,1,4,0,1"]  # as diagnostics write them
     assert qg.parse_launches(qg.launches_setting(table)) == table
     assert launch_config(1, 17408, 64, 4, rows=5120, launches=table) == LaunchConfig(8, 1, 4)
     assert launch_config(1, 6144, 64, 4, rows=5120, launches=table) == LaunchConfig(16, 1, 4, 2)

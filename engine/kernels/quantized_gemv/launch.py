@@ -31,6 +31,17 @@ class LaunchConfig:
     min_blocks: int = 0
     row_groups: int = 1  # groups of warps a block on their own rows (WR), sharing the activations' loads
     m_groups: int = 1  # slices of the activation rows a row group's warps split (WM), each loading the weights
+    pipelined: int = 0  # 1: each warp issues its next batch's loads before this batch's products (PL)
+
+    @classmethod
+    def parse(cls, text: str) -> LaunchConfig:
+        """'W,RT,U[,MINB[,PL]]' (one row group); ValueError otherwise."""
+        values = [int(v) for v in text.split(",")]
+        if not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
+            raise ValueError(text)
+        if len(values) == 5 and values[4] > 1:
+            raise ValueError(text)
+        return cls(*values[:4], pipelined=values[4] if len(values) == 5 else 0)
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
@@ -43,29 +54,30 @@ class LaunchConfig:
         ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
+        return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, bool(self.pipelined))
 
     def setting(self) -> str:
-        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`; one row group)."""
-        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + [self.min_blocks] * bool(self.min_blocks)))
+        """'W,RT,U[,MINB[,PL]]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`; one row group)."""
+        tail = [self.min_blocks, self.pipelined] if self.pipelined else [self.min_blocks] * bool(self.min_blocks)
+        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + tail))
 
 
 Launches = Mapping[tuple[int, int], LaunchConfig]  # one-row launch shapes by (rows of all matrices, K)
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
-    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB[,PL]];...', as {(rows, k): config}."""
     table = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
             shape, _, numbers = item.partition("=")
             rows, k = (int(v) for v in shape.lower().split("x"))
-            values = [int(v) for v in numbers.split(",")]
-            if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
-                raise ValueError
+            config = LaunchConfig.parse(numbers)
         except ValueError:
-            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB] (warps 1-32)") from None
-        table[(rows, k)] = LaunchConfig(*values)
+            raise ValueError(
+                f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)"
+            ) from None
+        table[(rows, k)] = config
     return table
 
 
