@@ -3,13 +3,15 @@
     python3 -m tools.kernel_resources --rows 16,32,64 [--shape 17408x5120] [--staged RW=1,ST=3] [--arch sm_90a]
     python3 -m tools.kernel_resources --rows 16,64 --parts gate+up,down+residual --staged RW=1 --cache-dir DIR
     python3 -m tools.kernel_resources --rows 1,64 --delta 16,48,128,128 --state-dtypes float32,float16
+    python3 -m tools.kernel_resources --rows 1 --shape 5120x17408 --launch 8,1,4,3 --launch 8,1,2,3,1
 
 Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix (4-bit, group 64 unless
 `--bits`/`--group`), or those `tools.gpu.batch_parts` makes for its `--parts`, is built as MLX builds it
 (`kernel_cache.KernelBuild.mlx_source`), without running it, and compiled by nvcc with `-Xptxas -v`: what
 ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
 not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kernels --staged` does
-(`KEY=VALUE,...`; repeatable). `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
+(`KEY=VALUE,...`; repeatable); `--launch W,RT,U[,MINB[,PL]]` (repeatable) builds each `--shape`'s one-row launch
+so, as ENGINE_GEMV_LAUNCH would. `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
 instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`.
 `--cache-dir DIR` also writes each cubin where MLX looks for it (`kernel_cache`): a process on the GPU with
 MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them. `--loop` also counts each kernel's main
@@ -272,6 +274,13 @@ def main() -> None:
         "--staged", action="append", default=[], metavar="SPEC", help="staged layout KEY=VALUE,... (repeatable)"
     )
     p.add_argument("--parts", default="", help="tools.gpu.batch_parts' parts (comma-separated) instead of --shape")
+    p.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        metavar="W,RT,U[,MINB[,PL]]",
+        help="also each --shape's one-row launch with this shape (repeatable; ENGINE_GEMV_LAUNCH's form)",
+    )
     p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")
     p.add_argument("--list", action="store_true", help="only list the launches (no nvcc)")
     p.add_argument("--arch", default="sm_90a")
@@ -290,7 +299,12 @@ def main() -> None:
         p.error("--loop needs cuobjdump (on PATH, or pip install nvidia-cuda-cuobjdump)")
 
     from engine.kernels.kernel_cache import KernelCache
-    from engine.kernels.quantized_gemv import quantized_matmuls, staged
+    from engine.kernels.quantized_gemv import LaunchConfig, quantized_matmuls, staged
+
+    try:
+        launches = [(v, LaunchConfig.parse(v)) for v in args.launch]
+    except ValueError as e:
+        p.error(f"--launch {e}: W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)")
     from tools.gpu.step_kernels import staged_layout
 
     variants = [("", (None, {}))] + [(s, layout(s)) for s in args.staged]
@@ -365,6 +379,11 @@ def main() -> None:
                 with recorded(builds), staged_layout(fields):
                     quantized_matmuls(x, matrices, args.group, args.bits, gated=args.gated)
                 report(f"{n}x{k} M={m} [{label or 'default'}]", builds)
+            for label, config in launches if m == 1 else ():
+                builds = []
+                with recorded(builds):
+                    quantized_matmuls(x, matrices, args.group, args.bits, config=config, gated=args.gated)
+                report(f"{n}x{k} M=1 [{label}]", builds)
     if cache is not None:
         cache.settle()
         print(f"kernel cache {args.cache_dir}: {cache.stats()}", flush=True)

@@ -30,6 +30,12 @@ def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
     assert "M=1 [KS=4352,W=2]" not in out  # layouts are the staged kernel's (2-64 rows)
 
 
+def test_one_row_launch_shapes_are_listed_as_given():
+    out = _launches("--rows", "1,16", "--shape", "5120x17408", "--launch", "8,1,2,3,1")
+    assert re.search(r"^5120x17408 M=1 \[8,1,2,3,1\] engine_affine_qmm1_pl: grid 320 x 256 threads", out, re.M), out
+    assert "M=16 [8,1,2,3,1]" not in out  # one-row launches only
+
+
 def test_the_parts_of_a_batched_step_are_listed():
     out = _launches("--rows", "32", "--parts", "gate+up prenormed,down+residual")
     assert "M=32 gate+up prenormed [default] engine_affine_sqmm2_part" in out, out
