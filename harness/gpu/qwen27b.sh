@@ -46,10 +46,11 @@
 #            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
 #            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
 #            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
-#   clusters LAYOUTS (default "64:CL=2 64:CL=4"), ROWS (32,64), ROUNDS (2): split launches whose blocks share each
-#            chunk's activation rows in clusters (layout key CL): its CUDA tests (bit equality with blocks of their
-#            own), the 64-row parts alone with each layout, decode steps against the tree's in alternating rounds,
-#            then Nsight Compute's sections on the 64-row gate+up products (the tree's, then each layout's)
+#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4"), ROWS (32,64), ROUNDS (2): split launches whose blocks
+#            share each chunk's activation rows in clusters (layout key CL): its CUDA tests (bit equality with
+#            blocks of their own), the 64-row parts alone with each layout, decode steps against the tree's in
+#            alternating rounds, then Nsight Compute's sections on the 64-row gate+up products (the tree's, then
+#            each layout's)
 #   ahead    CANDIDATES (one-row launch shapes W,RT,U,MINB,PL; default with and without PL for down and gate+up),
 #            LAUNCHES (ENGINE_GEMV_LAUNCH values, space-separated; default "5120x17408=8,1,2,3,1
 #            5120x17408=8,1,4,0,1"), ROUNDS (2): the one-row kernel loading a batch ahead (PL): its CUDA tests, the
@@ -206,12 +207,12 @@ case "$PART" in
     timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
         tests/unit/test_kernels.py -k clusters 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
     staged=()
-    for layout in ${LAYOUTS:-64:CL=2 64:CL=4}; do staged+=(--staged "$layout"); done
+    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4}; do staged+=(--staged "$layout"); done
     { python3 -m tools.gpu.batch_parts --rows 64 --parts "gate+up prenormed,down+residual,inputs,out+residual" \
           "${staged[@]}"
       python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
           --rounds "${ROUNDS:-2}"; } 2>&1 | tee "$OUT/qwen27b-clusters.txt"
-    for layout in "" ${LAYOUTS:-64:CL=2 64:CL=4}; do
+    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4}; do
       echo "== ncu ${layout:-tree}"
       ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --clock-control none -k regex:sqmm2_part -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
