@@ -20,7 +20,8 @@ commonest opcodes, what a layout or a change to the kernel's source costs in iss
 Each launch also says how many of its blocks an SM holds (threads, registers, shared memory: Hopper's limits) and
 so how many waves its grid makes on `--sms` SMs (132: H100, H200) and how full the last one is: a launch whose
 last wave is nearly empty leaves most SMs idle for a block's time before the next launch, which depends on it,
-can start.
+can start. A staged products' launch also says how many bytes of activations its blocks copy from L2 beside the
+weights they read: where that is the larger, L2, not memory, bounds the launch (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -182,6 +183,20 @@ def waves_line(blocks: int, threads: int, registers: int, shared: int, sms: int)
 SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(\S*)\s*([^;]*);")
 
 
+def l2_line(build: KernelBuild, blocks: int) -> str:
+    """A staged products' launch's bytes from L2: every block copies its split's chunks of all M activation rows
+    (once for its row blocks in turn; once for a cluster's CL blocks), against the weights, scales and biases it
+    reads; "" for other launches."""
+    t = dict(build.template)
+    if not build.name.startswith("engine_affine_sqmm") or "_sum" in build.name:
+        return ""
+    k, m, s, bits, gs = t["K"], t["M"], t["S"], t["BITS"], t["GS"]
+    rows = t.get("NT") or sum(v for key, v in t.items() if re.fullmatch(r"N\d+", key))
+    activations = blocks * (k // s) * m * 2 / t.get("CL", 1)
+    weights = rows * k * bits / 8 + rows * (k // gs) * 4
+    return f"L2 reads {activations / 1e6:.1f} MB of activations for {weights / 1e6:.1f} MB of weights"
+
+
 def cuobjdump() -> str | None:
     """cuobjdump from PATH or the nvidia-cuda-cuobjdump package (None: neither)."""
     found = shutil.which("cuobjdump")
@@ -322,10 +337,12 @@ def main() -> None:
                     cache.submit(build)
             r = seen[key]
             res = r.get("error") or (f"{r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B")
+            blocks = math.prod(-(-g // b) for g, b in zip(grid, block))
             if "error" not in r:
-                blocks = math.prod(-(-g // b) for g, b in zip(grid, block))
                 threads = math.prod(block)
                 res += "; " + waves_line(blocks, threads, r["registers"], shared + r["static_shared"], args.sms)
+            l2 = l2_line(build, blocks)
+            res += f"; {l2}" if l2 else ""
             print(
                 f"{what} {build.name}: grid {grid[0] // block[0]} x {block[0]} threads, {shared} B dynamic "
                 f"shared; {res}",

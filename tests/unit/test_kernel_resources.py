@@ -36,6 +36,15 @@ def test_one_row_launch_shapes_are_listed_as_given():
     assert "M=16 [8,1,2,3,1]" not in out  # one-row launches only
 
 
+def test_a_staged_launch_says_what_it_reads_from_l2():
+    # 64 rows of 17408 values a block (2176 a split), 320 blocks: 89.1 MB of activations, halved by clusters of 2
+    out = _launches("--rows", "64", "--shape", "5120x17408", "--staged", "64:CL=2")
+    default = "5120x17408 M=64 [default] engine_affine_sqmm1_part: grid 320 x 128 threads"
+    assert re.search(rf"^{re.escape(default)}.*; L2 reads 89\.1 MB of activations for 50\.1 MB of weights$", out, re.M)
+    assert re.search(r"^5120x17408 M=64 \[64:CL=2\] .*L2 reads 44\.6 MB of activations", out, re.M), out
+    assert not re.search(r"sqmm_sum1.*L2 reads", out)
+
+
 def test_the_parts_of_a_batched_step_are_listed():
     out = _launches("--rows", "32", "--parts", "gate+up prenormed,down+residual")
     assert "M=32 gate+up prenormed [default] engine_affine_sqmm2_part" in out, out
