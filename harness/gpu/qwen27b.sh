@@ -54,7 +54,7 @@
 #   ahead    CANDIDATES (one-row launch shapes W,RT,U,MINB,PL; default with and without PL for down and gate+up),
 #            LAUNCHES (ENGINE_GEMV_LAUNCH values, space-separated; default "5120x17408=8,1,2,3,1
 #            5120x17408=8,1,4,0,1"), ROUNDS (2): the one-row kernel loading a batch ahead (PL): its CUDA tests, the
-#            candidates on the two largest one-row shapes each call after the one before, then one-row steps with
+#            candidates on every one-row shape each call after the one before, then one-row steps with
 #            each of LAUNCHES against the tree's, alternating, one process each
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -224,8 +224,8 @@ case "$PART" in
     synth
     timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
         tests/unit/test_kernels.py -k pipelined 2>&1 | tail -5 | tee "$OUT/qwen27b-ahead-tests.txt"
-    { python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
-          --candidates "${CANDIDATES:-8,1,4,3;8,1,4,3,1;8,1,2,3,1;8,1,4,0,1;4,2,4,5;4,2,4,5,1;4,2,2,5,1}"
+    { python3 -m tools.gpu.gemv_configs --serial --no-numerics --rows 1 \
+          --candidates "${CANDIDATES:-8,1,4,3;8,1,4,3,1;8,1,2,3,1;8,1,4,0,1;8,1,4;4,2,4,5;4,2,4,5,1;4,2,2,5,1}"
       for round in $(seq "${ROUNDS:-2}"); do
         for launch in "" ${LAUNCHES:-5120x17408=8,1,2,3,1 5120x17408=8,1,4,0,1}; do
           echo "round $round ENGINE_GEMV_LAUNCH=$launch"
