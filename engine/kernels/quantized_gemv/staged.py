@@ -229,7 +229,8 @@ _BODY = r"""
   // ENGINE_CL > 1: block `rank` of a cluster copies activation rows rank, rank + CL, ... of each chunk into every
   // block's stage (one read from L2 for the cluster); stage b's barrier counts the bytes of all M rows landing.
   __shared__ __align__(8) uint64_t engine_full[ENGINE_CL > 1 ? ST : 1];
-  const int rank = ENGINE_CL > 1 ? engine_cluster_rank() : 0;
+  int rank = 0;                                     // the block's in its cluster (sm_90 code only where CL > 1)
+  if constexpr (ENGINE_CL > 1) rank = engine_cluster_rank();
   auto stage_x = [&](const int b) {  // RESIDENT: chunk b's activations, else stage b's
     return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * (RESIDENT ? X_BYTES : STAGE_BYTES));
   };
