@@ -46,9 +46,10 @@
 #            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
 #            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
 #            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
-#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4"), ROWS (32,64), ROUNDS (2): split launches whose blocks
-#            share each chunk's activation rows in clusters (layout key CL): its CUDA tests (bit equality with
-#            blocks of their own), the 64-row parts alone with each layout, decode steps against the tree's in
+#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4 16,32,64:LS=1"), ROWS (16,32,64), ROUNDS (2): split
+#            launches run in clusters: row blocks sharing each chunk's activation rows (layout key CL), or a row
+#            block's splits adding their sums in the products' launch (LS): their CUDA tests (bit equality with
+#            the tree's launches), the 64-row parts alone with each layout, decode steps against the tree's in
 #            alternating rounds, then Nsight Compute's sections on the 64-row gate+up products (the tree's, then
 #            each layout's)
 #   ahead    CANDIDATES (one-row launch shapes W,RT,U,MINB,PL; default with and without PL for down and gate+up),
@@ -205,17 +206,17 @@ case "$PART" in
   clusters)  # clusters of blocks sharing each chunk's activation rows: bits, parts, steps, then L2 and DRAM under ncu
     synth
     timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
-        tests/unit/test_kernels.py -k clusters 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
+        tests/unit/test_kernels.py -k "clusters or last_sums" 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
     staged=()
-    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4}; do staged+=(--staged "$layout"); done
+    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4 16,32,64:LS=1}; do staged+=(--staged "$layout"); done
     { python3 -m tools.gpu.batch_parts --rows 64 --parts "gate+up prenormed,down+residual,inputs,out+residual" \
           "${staged[@]}"
-      python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
           --rounds "${ROUNDS:-2}"; } 2>&1 | tee "$OUT/qwen27b-clusters.txt"
-    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4}; do
+    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4 16,32,64:LS=1}; do
       echo "== ncu ${layout:-tree}"
       ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-          --clock-control none -k regex:sqmm2_part -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
+          --clock-control none -k regex:"sqmm2_(part|ls)" -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
           --parts "gate+up prenormed" --calls 2 ${layout:+--staged "$layout" --layouts-only} 2>&1 \
           | grep -E "sqmm|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Waves"
     done 2>&1 | tee "$OUT/qwen27b-clusters-ncu.txt"

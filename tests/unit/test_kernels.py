@@ -1102,6 +1102,56 @@ def test_staged_clusters_change_no_bit(m, cluster, launch):
     assert_same_staged_bits(m, launch, 2900, one, replace(one, cluster=cluster))
 
 
+def test_last_sums_take_launches_split_in_two_to_eight_without_clusters():
+    # LS: a row block's splits run as one cluster (at most 8 blocks), not beside clusters of row blocks; the first
+    # block's dynamic shared memory also holds every weight row's sums and the stages' rows
+    ls = StagedConfig(splits=4, last_sums=1)
+    assert in_turn(ls, 64, 5120, 64, 4) == ls and ("LS", 1) in ls.template(64, 4)
+    assert in_turn(StagedConfig(last_sums=1), 64, 5120, 64, 4).last_sums == 0  # unsplit: no sums to add
+    assert in_turn(StagedConfig(splits=16, last_sums=1), 64, 17408, 64, 4).last_sums == 0
+    assert in_turn(StagedConfig(splits=4, cluster=2, last_sums=1), 64, 5120, 64, 4).last_sums == 0
+    assert StagedLayouts.parse("32,64:LS=1").fields(64) == {"last_sums": 1}
+    plain = Fusion(residual=True, norm_out=True)
+    assert shared_request(ls, 64, plain, 64, 4) == 4 * (128 * 65 + 64 + 128 * 65) > ls.shared_bytes(64, 64, 4)
+    assert shared_request(ls, 64, Fusion(gated=True), 64, 4) == ls.shared_bytes(64, 64, 4)  # 64 output rows
+
+
+def _stage_arguments(fusion: str, m: int, n: int):
+    """quantized_matmuls' stage arguments for `fusion` (plain, residual+norm_out, gated+prenormed, prenormed)."""
+    if fusion == "residual+norm_out":
+        return dict(
+            residual=mx.random.normal((m, n)).astype(mx.bfloat16),
+            norm_out=mx.random.uniform(shape=(n,)).astype(mx.bfloat16),
+        )
+    if "prenormed" in fusion:
+        parts = mx.random.uniform(shape=(m, 40)) * 10
+        return dict(prenormed=(parts, 1e-6), gated="gated" in fusion)
+    return {}
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [3, 9, 33, 64])
+@pytest.mark.parametrize("k", [5120, 6144, 17408])
+@pytest.mark.parametrize("fusion", ["plain", "residual+norm_out", "gated+prenormed", "prenormed"])
+def test_staged_last_sums_change_no_bit(m, k, fusion):
+    # The first block of a row block's cluster adds the splits' sums in split order and runs the stages as the
+    # sums' launch does: the same results and norm parts, bit for bit (2900 rows: the last row block ends past
+    # N; plain and prenormed: three matrices in one launch)
+    rows = {"plain": [2900, 1000, 48], "prenormed": [2900, 1000, 48]}.get(
+        fusion, [2900, 2900] if "gated" in fusion else [2900]
+    )
+    mats = [make_quantized(n=r, k=k, seed=i + 1) for i, r in enumerate(rows)]
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    matrices = [(q.weight, q.scales, q.biases) for q in mats]
+    args = _stage_arguments(fusion, m, rows[0])
+    one = staged_config(m, k, 64, 4)
+    want = quantized_matmuls(x, matrices, 64, 4, one, **args)
+    got = quantized_matmuls(x, matrices, 64, 4, replace(one, last_sums=1), **args)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b).item()
+
+
 def test_staged_m_groups_take_more_warps():
     assert StagedConfig(warps=4, m_groups=2).threads() == 256 and StagedConfig().threads() == 128
     assert StagedConfig(m_groups=2).shared_bytes(64, 64, 4) == StagedConfig().shared_bytes(64, 64, 4)

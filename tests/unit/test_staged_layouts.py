@@ -57,9 +57,9 @@ def test_the_setting_reaches_every_layer_and_the_record():
     assert "layouts" not in model.proj  # an attribute, not a child of the module
 
 
-def recorded_launch(monkeypatch, rows: int, k: int, layout: str, prefix: str):
-    """The first launch named `prefix...` that a 64-row call of a 4-bit rows x k layer laid out by `layout`
-    builds, recorded instead of run (no GPU needed): (its build, grid, threadgroup, shared bytes)."""
+def recorded_builds(monkeypatch, rows: int, k: int, layout: str) -> list:
+    """The launches a 64-row call of a 4-bit rows x k layer laid out by `layout` builds, recorded instead of run
+    (no GPU needed): (build, grid, threadgroup, shared bytes) each."""
     monkeypatch.syspath_prepend(str(ROOT))
     from engine.kernels.quantized_gemv import calls
     from tools.kernel_resources import recorded
@@ -76,7 +76,12 @@ def recorded_launch(monkeypatch, rows: int, k: int, layout: str, prefix: str):
             mx.eval(layer(mx.zeros((64, 1, k), dtype=mx.bfloat16)))
     finally:
         calls._compiled.cache_clear()
-    return next(b for b in builds if b[0].name.startswith(prefix))
+    return builds
+
+
+def recorded_launch(monkeypatch, rows: int, k: int, layout: str, prefix: str):
+    """The first of `recorded_builds` named `prefix...`."""
+    return next(b for b in recorded_builds(monkeypatch, rows, k, layout) if b[0].name.startswith(prefix))
 
 
 def test_a_layer_s_launches_are_laid_out_by_its_layouts(monkeypatch):
@@ -95,3 +100,10 @@ def test_a_clustered_launch_pads_its_grid_to_whole_clusters(monkeypatch):
         build, grid, threads, _ = recorded_launch(monkeypatch, 2900, 5120, text, "engine_affine_sqmm1_part")
         launches[text] = (grid[0] // threads[0], "__cluster_dims__(4, 1, 1)" in build.header)
     assert launches == {"": (23 * 4, False), "64:CL=4": (24 * 4, True)}
+
+
+def test_last_sums_make_one_launch_of_clusters_of_splits(monkeypatch):
+    # LS: no sums' launch; the four splits of each of the 23 row blocks run as a cluster of 4
+    ((build, grid, threads, _),) = recorded_builds(monkeypatch, 2900, 5120, "64:LS=1")
+    assert build.name == "engine_affine_sqmm1_ls" and grid[0] // threads[0] == 23 * 4
+    assert "__cluster_dims__(4, 1, 1)" in build.header and "#define ENGINE_CL 1\n" in build.header

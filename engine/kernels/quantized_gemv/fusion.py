@@ -178,22 +178,23 @@ class Fusion:
                 "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
                 "{ out[(size_t)m * N + row] = o; };"
             )
+        lines.append(self.output_source())
+        return "\n".join(lines) + "\n"
+
+    def output_source(self) -> str:
+        """The body's `output(sum, up sum, index)`: a row's result from its sums, as bf16."""
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
-            lines.append(
+            return (
                 "  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
                 "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };"
             )
-        elif self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
-            lines.append(
+        if self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
+            return (
                 "  auto output = [&](const float v, const float v_up, const size_t) {\n"
                 "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
                 "    return __float2bfloat16(engine_silu_bf16(gate) * up);\n  };"
             )
-        else:
-            lines.append(
-                "  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };"
-            )
-        return "\n".join(lines) + "\n"
+        return "  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };"
 
     def row_scale_source(self) -> str:
         """The body's `row_scale(row)` (what each output row's sum is multiplied by), then norm_out's setup."""

@@ -45,7 +45,11 @@ class StagedConfig:
     in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
     for all of them, so fewer blocks read them from L2), and the blocks of a cluster (`cluster`, split launches
     only: consecutive row blocks of one split, each chunk's activation rows read from L2 once for all of them, each
-    block copying every CL-th row into the shared memory of all, `cp.async.bulk` with `.multicast::cluster`)."""
+    block copying every CL-th row into the shared memory of all, `cp.async.bulk` with `.multicast::cluster`), and
+    whether the split sums are added in the products' launch (`last_sums`, launches split in 2-8 without clusters
+    of row blocks: a row block's splits run as a cluster, whose first block adds their sums from the others' shared
+    memory in split order and runs the stages, as the sums' launch would; one launch a matmul instead of two, and
+    no parts in memory)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -57,6 +61,7 @@ class StagedConfig:
     rounded: int = 0
     row_blocks: int = 1
     cluster: int = 1
+    last_sums: int = 0
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -77,6 +82,7 @@ class StagedConfig:
             ]
             + ([("MINB", self.min_blocks)] if self.min_blocks else [])
             + ([("CL", self.cluster)] if self.cluster > 1 else [])
+            + ([("LS", 1)] if self.last_sums else [])
         )
 
     def threads(self) -> int:
@@ -148,6 +154,9 @@ def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int
     squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
     have (MLX then raises its limit)."""
     dynamic = config.shared_bytes(m, group_size, bits, k)
+    if config.last_sums:  # the first block of a cluster also holds its sums and the stages' rows there
+        rows = config.warps * config.row_tiles * 16
+        dynamic = max(dynamic, 4 * (rows * (m + 1) + m + rows // (1 + fusion.gated) * (m + 1)))
     static = 8 * config.stages * (config.cluster > 1)  # the cluster's barriers, a stage each
     if config.splits == 1:
         out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
@@ -161,14 +170,16 @@ MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
 def in_turn(config: StagedConfig, m: int, k: int, group_size: int, bits: int) -> StagedConfig:
     """`config` with one row block a block (`row_blocks` 1) where the kernel cannot take several in turn: an
     unsplit K (its blocks store results, not parts), a thread's weight copies not a whole number of its warp's
-    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory; and
-    without clusters (`cluster` 1) unless K is split and a block takes one row block."""
+    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory; without
+    clusters or last sums unless K is split and a block takes one row block; without last sums past 8 splits (a
+    cluster's most blocks) or beside clusters of row blocks."""
     copies = config.chunk(group_size, bits) * tile_k(group_size, bits) * bits // 128  # 16-byte copies a row
     threads = config.threads()
     apart = threads % copies == 0 and (threads // copies) % (16 * config.row_tiles) == 0
     fits = config.shared_bytes(m, group_size, bits, k) <= MAX_SHARED
     config = config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
-    return config if config.splits > 1 and config.row_blocks == 1 else replace(config, cluster=1)
+    config = config if config.splits > 1 and config.row_blocks == 1 else replace(config, cluster=1, last_sums=0)
+    return config if config.splits <= 8 and config.cluster == 1 else replace(config, last_sums=0)
 
 
 def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
@@ -541,6 +552,112 @@ _PARTIAL_STORE = r"""
       }
 """
 
+# LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its
+# stages were), and the cluster's first block adds them in split order, as the sums' launch adds the parts, and
+# runs the stages with that launch's arithmetic: each (row, activation row) its own sum; the prenormed rows' scales
+# reduced over TPR lanes as its SUM_ROWS * SUM_THREADS threads would; norm_out's parts over each SUM_ROWS rows in
+# row order. No parts in memory, no second launch.
+_LAST_SUMS_HEAD = r"""
+  static_assert(S <= 8, "a cluster of S blocks (portable clusters: at most 8)");
+  constexpr int RS = M + 1;                         // a row's sums in shared memory, padded
+  // its dynamic shared memory holds 4 * (R * RS + M + BR * RS) bytes as well as the stages (shared_request)
+  float* sums = reinterpret_cast<float*>(engine_stages);
+  __syncthreads();                                  // every warp is done with the stages
+  #pragma unroll
+  for (int r = 0; r < RT; ++r)
+    #pragma unroll
+    for (int nbl = 0; nbl < NBW; ++nbl)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = (mg * NBW + nbl) * 8 + 2 * t + (i & 1);
+        if (m < M) sums[((warp * RT + r) * 16 + g + 8 * (i >> 1)) * RS + m] = acc[r][nbl][i];
+      }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();                                   // every split's sums are in its block's shared memory
+  if (cluster.block_rank() == 0) {
+  const float* split_sums[S];
+  #pragma unroll
+  for (int s = 0; s < S; ++s) split_sums[s] = cluster.map_shared_rank(sums, s);
+  float* epi = sums + R * RS;
+"""
+_LAST_SUMS_ROW_SCALE = r"""
+  float* rscale = epi;
+  {
+    constexpr int FIT = SUM_THREADS_ALL / M;  // the sums' launch's TPR
+    constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
+    const int sub = threadIdx.x % TPR;
+    for (int m0 = 0; m0 < M; m0 += THREADS / TPR) {
+      const int m = m0 + threadIdx.x / TPR;
+      float s = 0.0f;
+      if (m < M)
+        #pragma unroll 4
+        for (int p = sub; p < P; p += TPR) s += __ldg(ssq_in + m * P + p);
+      #pragma unroll
+      for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (sub == 0 && m < M) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
+    }
+  }
+  __syncthreads();
+  auto row_scale = [&](const int m) { return rscale[m]; };
+"""
+_LAST_SUMS_STORE = r"""
+  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) { out[(size_t)m * N + row] = o; };
+"""
+_LAST_SUMS_NORM_OUT_STORE = r"""
+  float* sq = epi + M;  // [BR][RS]: each output row's squares, zero where a row is past N
+  for (int i = threadIdx.x; i < BR * RS; i += THREADS) sq[i] = 0.0f;
+  __syncthreads();
+  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {
+    out[(size_t)m * N + row] = o;
+    const float f = __bfloat162float(o);
+    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));
+    sq[rb * RS + m] = f * f;
+  };
+"""
+# Output row rb's sums: its gate tile's slot (its warp's tile rb / 16 % RTO, row rb % 16), and RTO tiles on, up's.
+_LAST_SUMS_ADD = r"""
+  for (int i = threadIdx.x; i < BR * M; i += THREADS) {
+    const int rb = i % BR, m = i / BR, row = block_base + rb;
+    const int slot = (rb / (16 * RTO)) * 16 * RT + rb % (16 * RTO);
+    if (row < N) {
+      float v = 0.0f, v_up = 0.0f;
+      #pragma unroll
+      for (int s = 0; s < S; ++s) {
+        v += split_sums[s][slot * RS + m];
+        if constexpr (GATED) v_up += split_sums[s][(slot + 16 * RTO) * RS + m];
+      }
+      const float rs = row_scale(m);
+      store(rb, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
+    }
+  }
+"""
+_LAST_SUMS_NORM_OUT_PARTS = r"""
+  __syncthreads();
+  static_assert(BR % SUM_ROWS == 0, "a block's rows are whole blocks of the sums' launch");
+  for (int i = threadIdx.x; i < (BR / SUM_ROWS) * M; i += THREADS) {
+    const int j = i / M, m = i % M;
+    float s = 0.0f;
+    for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += sq[rb * RS + m];
+    ssq_out[(size_t)m * NP + block_base / SUM_ROWS + j] = s;  // norm_out: one matrix
+  }
+"""
+_LAST_SUMS_TAIL = r"""
+  }
+  cluster.sync();                                   // the first block is done reading the others' sums
+"""
+
+
+def _last_sums(fusion: Fusion) -> str:
+    """LS's epilogue for `fusion`'s stages (the sums' launch's constants written in)."""
+    parts = [_LAST_SUMS_HEAD]
+    parts.append(_LAST_SUMS_ROW_SCALE if fusion.prenormed else "  auto row_scale = [&](const int) { return 1.0f; };\n")
+    parts.append(_LAST_SUMS_NORM_OUT_STORE if fusion.norm_out else _LAST_SUMS_STORE)
+    parts += [fusion.output_source() + "\n", _LAST_SUMS_ADD, _LAST_SUMS_NORM_OUT_PARTS * fusion.norm_out]
+    parts.append(_LAST_SUMS_TAIL)
+    text = "".join(parts).replace("SUM_THREADS_ALL", str(SUM_ROWS * SUM_THREADS))
+    return text.replace("SUM_ROWS", str(SUM_ROWS))
+
+
 # The split sums' launch: SUM_THREADS threads a row of SUM_ROWS a block, each activation row's S parts added in
 # split order (MT rows' loads in flight at once), then the fused stages as the S = 1 store runs them.
 _SUM = r"""
@@ -637,9 +754,11 @@ def _with_stages(body: str, fusion: Fusion | None) -> str:
 ROW_BLOCK_DONE = "      // ROW BLOCK DONE\n"  # where a split launch stores a row block's parts before the next
 
 
-def source(count: int, fusion: Fusion, split: bool) -> str:
+def source(count: int, fusion: Fusion, split: bool, last_sums: bool = False) -> str:
     """The products' launch body: the results with their stages (`split` False), or each split's partial sums
-    (True; the sums' launch runs the stages)."""
+    (True; the sums' launch runs the stages, or with `last_sums` the first block of the split's cluster)."""
+    if split and last_sums:
+        return _prologue(count, fusion.gated, True) + _BODY.replace(ROW_BLOCK_DONE, "") + _last_sums(fusion)
     if split:
         body = _BODY.replace(ROW_BLOCK_DONE, _PARTIAL_STORE)
         return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(body + _PARTIAL_STORE, None)
@@ -687,31 +806,44 @@ __device__ __forceinline__ void engine_multicast(void* dst, const void* src, uns
 """
 
 
-def cluster_header(threads: int, min_blocks: int, cluster: int) -> str:
-    """ENGINE_CL, the cluster's helpers, the launch bounds (`launch_bounds`' way) and, for a cluster of more than
-    one block, its size on the kernel MLX generates."""
+def cluster_header(threads: int, min_blocks: int, cluster: int, of_splits: bool = False) -> str:
+    """ENGINE_CL (1 where the cluster is a row block's splits, `of_splits`), the cluster's helpers, the launch
+    bounds (`launch_bounds`' way) and, for a cluster of more than one block, its size on the kernel MLX
+    generates."""
     if cluster == 1:
         return f"#define ENGINE_CL 1\n{CLUSTER_HEADER}" + launch_bounds(threads, min_blocks)
     bounds = f" __launch_bounds__({threads}, {min_blocks})" if min_blocks else ""
     return (
-        f"#define ENGINE_CL {cluster}\n{CLUSTER_HEADER}#undef __global__\n"
+        f"#define ENGINE_CL {1 if of_splits else cluster}\n{CLUSTER_HEADER}#undef __global__\n"
         f"#define __global__ __location__(global){bounds} __cluster_dims__({cluster}, 1, 1)\n"
     )
 
 
 @cache
-def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0, cluster=1):
+def kernel(
+    count: int,
+    fusion: Fusion,
+    split: bool,
+    shared: int,
+    threads: int = 0,
+    min_blocks: int = 0,
+    cluster: int = 1,
+    last_sums: bool = False,
+):
     """The products' launch kernel with `shared` bytes of dynamic shared memory (`threads`, `min_blocks`: its
-    launch bounds; `cluster`: blocks a cluster)."""
-    outputs = ["part"] if split else output_names(count, fusion)
-    inputs = input_names(count, Fusion() if split else fusion)
-    tag = "_part" if split else fusion.tag()
+    launch bounds; `cluster`: blocks a cluster; `last_sums`: a split launch that adds its parts itself)."""
+    if last_sums:
+        outputs, inputs, tag = output_names(count, fusion), input_names(count, fusion), "_ls" + fusion.tag()
+    else:
+        outputs = ["part"] if split else output_names(count, fusion)
+        inputs = input_names(count, Fusion() if split else fusion)
+        tag = "_part" if split else fusion.tag()
     return cuda_kernel(
         name=f"engine_affine_sqmm{count}{tag}",
         input_names=inputs,
         output_names=outputs,
-        source=source(count, fusion, split),
-        header=HEADER + cluster_header(threads, min_blocks, cluster),
+        source=source(count, fusion, split, last_sums),
+        header=HEADER + cluster_header(threads, min_blocks, cluster, last_sums),
         shared_memory=shared,
     )
 
@@ -781,6 +913,20 @@ def matmuls(
             output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
         )
     clusters = -(-main_blocks[-1] // config.cluster)  # the last one's blocks past the rows store nothing
+    sum_blocks = starts(SUM_ROWS)
+    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
+    if config.last_sums:  # `splits` the cluster's size (the header's), so the splits of a row block are one
+        return kernel(count, fusion, True, *bounds, config.splits, True)(
+            inputs=[x] + weights + list(extra),
+            template=base
+            + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])]
+            + template
+            + [("NP", sum_blocks[-1])],
+            grid=(main_blocks[-1] * config.splits * threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=shapes + norm_out,
+            output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
+        )
     (part,) = kernel(count, fusion, True, *bounds, config.cluster)(
         inputs=[x] + weights,
         template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
@@ -789,8 +935,6 @@ def matmuls(
         output_shapes=[(config.splits, m, sum(rows))],
         output_dtypes=[mx.float32],
     )
-    sum_blocks = starts(SUM_ROWS)
-    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
     return sum_kernel(count, fusion)(
         inputs=[x, part] + list(extra),
         template=[("K", k), ("M", m), ("S", config.splits), ("NT", sum(rows))]
