@@ -1103,8 +1103,8 @@ def test_staged_clusters_change_no_bit(m, cluster, launch):
 
 
 def test_last_sums_take_launches_split_in_two_to_eight_without_clusters():
-    # LS: a row block's splits run as one cluster (at most 8 blocks), not beside clusters of row blocks; the first
-    # block's dynamic shared memory also holds every weight row's sums and the stages' rows
+    # LS: a row block's splits run as one cluster (at most 8 blocks), not beside clusters of row blocks; each
+    # block's dynamic shared memory also holds its weight rows' sums and its share of the stages' rows
     ls = StagedConfig(splits=4, last_sums=1)
     assert in_turn(ls, 64, 5120, 64, 4) == ls and ("LS", 1) in ls.template(64, 4)
     assert in_turn(StagedConfig(last_sums=1), 64, 5120, 64, 4).last_sums == 0  # unsplit: no sums to add
@@ -1112,8 +1112,10 @@ def test_last_sums_take_launches_split_in_two_to_eight_without_clusters():
     assert in_turn(StagedConfig(splits=4, cluster=2, last_sums=1), 64, 5120, 64, 4).last_sums == 0
     assert StagedLayouts.parse("32,64:LS=1").fields(64) == {"last_sums": 1}
     plain = Fusion(residual=True, norm_out=True)
-    assert shared_request(ls, 64, plain, 64, 4) == 4 * (128 * 65 + 64 + 128 * 65) > ls.shared_bytes(64, 64, 4)
-    assert shared_request(ls, 64, Fusion(gated=True), 64, 4) == ls.shared_bytes(64, 64, 4)  # 64 output rows
+    wide = StagedConfig(warps=8, splits=2, last_sums=1)  # 256 rows' sums, then 128 rows' squares a block
+    assert shared_request(wide, 64, plain, 64, 4) == 4 * (256 * 65 + 64 + 128 * 65) > wide.shared_bytes(64, 64, 4)
+    assert shared_request(ls, 64, plain, 64, 4) == ls.shared_bytes(64, 64, 4)  # 128 rows' sums, 32 rows' squares
+    assert shared_request(ls, 64, Fusion(gated=True), 64, 4) == ls.shared_bytes(64, 64, 4)
 
 
 def _stage_arguments(fusion: str, m: int, n: int):

@@ -154,9 +154,10 @@ def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int
     squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
     have (MLX then raises its limit)."""
     dynamic = config.shared_bytes(m, group_size, bits, k)
-    if config.last_sums:  # the first block of a cluster also holds its sums and the stages' rows there
+    if config.last_sums:  # a cluster's blocks also hold their sums and their share of the stages' rows there
         rows = config.warps * config.row_tiles * 16
-        dynamic = max(dynamic, 4 * (rows * (m + 1) + m + rows // (1 + fusion.gated) * (m + 1)))
+        share = -(-rows // (1 + fusion.gated) // config.splits)
+        dynamic = max(dynamic, 4 * (rows * (m + 1) + m + share * (m + 1)))
     static = 8 * config.stages * (config.cluster > 1)  # the cluster's barriers, a stage each
     if config.splits == 1:
         out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
@@ -553,14 +554,15 @@ _PARTIAL_STORE = r"""
 """
 
 # LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its
-# stages were), and the cluster's first block adds them in split order, as the sums' launch adds the parts, and
-# runs the stages with that launch's arithmetic: each (row, activation row) its own sum; the prenormed rows' scales
-# reduced over TPR lanes as its SUM_ROWS * SUM_THREADS threads would; norm_out's parts over each SUM_ROWS rows in
-# row order. No parts in memory, no second launch.
+# stages were), then block `split` (its rank) takes output rows split, split + S, ...: adds the S blocks' sums of each in split
+# order, as the sums' launch adds the parts, and runs the stages with that launch's arithmetic: each (row,
+# activation row) its own sum; the prenormed rows' scales reduced over TPR lanes as its SUM_ROWS * SUM_THREADS
+# threads would; norm_out's parts over each SUM_ROWS rows in row order (the first block, reading each row's squares
+# from the block that took it). No parts in memory, no second launch.
 _LAST_SUMS_HEAD = r"""
   static_assert(S <= 8, "a cluster of S blocks (portable clusters: at most 8)");
   constexpr int RS = M + 1;                         // a row's sums in shared memory, padded
-  // its dynamic shared memory holds 4 * (R * RS + M + BR * RS) bytes as well as the stages (shared_request)
+  // its dynamic shared memory holds 4 * (R * RS + M + BRS * RS) bytes as well as the stages (shared_request)
   float* sums = reinterpret_cast<float*>(engine_stages);
   __syncthreads();                                  // every warp is done with the stages
   #pragma unroll
@@ -574,7 +576,8 @@ _LAST_SUMS_HEAD = r"""
       }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();                                   // every split's sums are in its block's shared memory
-  if (cluster.block_rank() == 0) {
+  // the cluster's blocks are the row block's splits in order: block `split` is its rank
+  constexpr int BRS = (BR + S - 1) / S;            // output rows a block takes at most
   const float* split_sums[S];
   #pragma unroll
   for (int s = 0; s < S; ++s) split_sums[s] = cluster.map_shared_rank(sums, s);
@@ -604,22 +607,23 @@ _LAST_SUMS_STORE = r"""
   auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) { out[(size_t)m * N + row] = o; };
 """
 _LAST_SUMS_NORM_OUT_STORE = r"""
-  float* sq = epi + M;  // [BR][RS]: each output row's squares, zero where a row is past N
-  for (int i = threadIdx.x; i < BR * RS; i += THREADS) sq[i] = 0.0f;
+  float* sq = epi + M;  // [BRS][RS]: the squares of this block's rows (rb / S), zero where a row is past N
+  for (int i = threadIdx.x; i < BRS * RS; i += THREADS) sq[i] = 0.0f;
   __syncthreads();
   auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {
     out[(size_t)m * N + row] = o;
     const float f = __bfloat162float(o);
     hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));
-    sq[rb * RS + m] = f * f;
+    sq[rb / S * RS + m] = f * f;
   };
 """
 # Output row rb's sums: its gate tile's slot (its warp's tile rb / 16 % RTO, row rb % 16), and RTO tiles on, up's.
 _LAST_SUMS_ADD = r"""
-  for (int i = threadIdx.x; i < BR * M; i += THREADS) {
-    const int rb = i % BR, m = i / BR, row = block_base + rb;
+  #pragma unroll 2
+  for (int i = threadIdx.x; i < BRS * M; i += THREADS) {
+    const int rb = split + S * (i % BRS), m = i / BRS, row = block_base + rb;
     const int slot = (rb / (16 * RTO)) * 16 * RT + rb % (16 * RTO);
-    if (row < N) {
+    if (rb < BR && row < N) {
       float v = 0.0f, v_up = 0.0f;
       #pragma unroll
       for (int s = 0; s < S; ++s) {
@@ -632,18 +636,22 @@ _LAST_SUMS_ADD = r"""
   }
 """
 _LAST_SUMS_NORM_OUT_PARTS = r"""
-  __syncthreads();
+  cluster.sync();                                   // every block's squares are in its shared memory
   static_assert(BR % SUM_ROWS == 0, "a block's rows are whole blocks of the sums' launch");
-  for (int i = threadIdx.x; i < (BR / SUM_ROWS) * M; i += THREADS) {
-    const int j = i / M, m = i % M;
-    float s = 0.0f;
-    for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += sq[rb * RS + m];
-    ssq_out[(size_t)m * NP + block_base / SUM_ROWS + j] = s;  // norm_out: one matrix
+  if (split == 0) {
+    const float* squares[S];
+    #pragma unroll
+    for (int s = 0; s < S; ++s) squares[s] = cluster.map_shared_rank(sq, s);
+    for (int i = threadIdx.x; i < (BR / SUM_ROWS) * M; i += THREADS) {
+      const int j = i / M, m = i % M;
+      float s = 0.0f;
+      for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += squares[rb % S][rb / S * RS + m];
+      ssq_out[(size_t)m * NP + block_base / SUM_ROWS + j] = s;  // norm_out: one matrix
+    }
   }
 """
 _LAST_SUMS_TAIL = r"""
-  }
-  cluster.sync();                                   // the first block is done reading the others' sums
+  cluster.sync();                                   // no block leaves while another reads its shared memory
 """
 
 
