@@ -46,7 +46,7 @@
 #            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
 #            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
 #            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
-#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4 16,32,64:LS=1"), ROWS (16,32,64), ROUNDS (2): split
+#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4 LS=1"), ROWS (8,16,32,64), ROUNDS (2): split
 #            launches run in clusters: row blocks sharing each chunk's activation rows (layout key CL), or a row
 #            block's splits adding their sums in the products' launch (LS): their CUDA tests (bit equality with
 #            the tree's launches), the 64-row parts alone with each layout, decode steps against the tree's in
@@ -208,12 +208,12 @@ case "$PART" in
     timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
         tests/unit/test_kernels.py -k "clusters or last_sums" 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
     staged=()
-    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4 16,32,64:LS=1}; do staged+=(--staged "$layout"); done
+    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4 LS=1}; do staged+=(--staged "$layout"); done
     { python3 -m tools.gpu.batch_parts --rows 64 --parts "gate+up prenormed,down+residual,inputs,out+residual" \
           "${staged[@]}"
-      python3 -m tools.gpu.step_kernels --rows "${ROWS:-16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-8,16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
           --rounds "${ROUNDS:-2}"; } 2>&1 | tee "$OUT/qwen27b-clusters.txt"
-    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4 16,32,64:LS=1}; do
+    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4 LS=1}; do
       echo "== ncu ${layout:-tree}"
       ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --clock-control none -k regex:"sqmm2_(part|ls)" -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
