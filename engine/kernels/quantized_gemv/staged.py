@@ -554,7 +554,7 @@ _PARTIAL_STORE = r"""
 """
 
 # LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its
-# stages were), then block `split` (its rank) takes output rows split, split + S, ...: adds the S blocks' sums of each in split
+# stages were), then block `split` (its rank) takes BRS output rows from split * BRS: adds the S blocks' sums of each in split
 # order, as the sums' launch adds the parts, and runs the stages with that launch's arithmetic: each (row,
 # activation row) its own sum; the prenormed rows' scales reduced over TPR lanes as its SUM_ROWS * SUM_THREADS
 # threads would; norm_out's parts over each SUM_ROWS rows in row order (the first block, reading each row's squares
@@ -607,21 +607,21 @@ _LAST_SUMS_STORE = r"""
   auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) { out[(size_t)m * N + row] = o; };
 """
 _LAST_SUMS_NORM_OUT_STORE = r"""
-  float* sq = epi + M;  // [BRS][RS]: the squares of this block's rows (rb / S), zero where a row is past N
+  float* sq = epi + M;  // [BRS][RS]: the squares of this block's rows (rb % BRS), zero where a row is past N
   for (int i = threadIdx.x; i < BRS * RS; i += THREADS) sq[i] = 0.0f;
   __syncthreads();
   auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {
     out[(size_t)m * N + row] = o;
     const float f = __bfloat162float(o);
     hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));
-    sq[rb / S * RS + m] = f * f;
+    sq[rb % BRS * RS + m] = f * f;
   };
 """
 # Output row rb's sums: its gate tile's slot (its warp's tile rb / 16 % RTO, row rb % 16), and RTO tiles on, up's.
 _LAST_SUMS_ADD = r"""
   #pragma unroll 2
   for (int i = threadIdx.x; i < BRS * M; i += THREADS) {
-    const int rb = split + S * (i % BRS), m = i / BRS, row = block_base + rb;
+    const int rb = split * BRS + i % BRS, m = i / BRS, row = block_base + rb;  // rows in a run: stores coalesce
     const int slot = (rb / (16 * RTO)) * 16 * RT + rb % (16 * RTO);
     if (rb < BR && row < N) {
       float v = 0.0f, v_up = 0.0f;
@@ -645,7 +645,7 @@ _LAST_SUMS_NORM_OUT_PARTS = r"""
     for (int i = threadIdx.x; i < (BR / SUM_ROWS) * M; i += THREADS) {
       const int j = i / M, m = i % M;
       float s = 0.0f;
-      for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += squares[rb % S][rb / S * RS + m];
+      for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += squares[rb / BRS][rb % BRS * RS + m];
       ssq_out[(size_t)m * NP + block_base / SUM_ROWS + j] = s;  // norm_out: one matrix
     }
   }
