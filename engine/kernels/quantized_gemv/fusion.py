@@ -29,12 +29,9 @@ _PRENORMED_PREFETCH = r"""
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 """
-_PRENORMED_REDUCE = r"""
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-  __shared__ float rscale[M];
+_ROW_SCALES = r"""
   {
-    constexpr int FIT = THREADS / M;  // threads a row could take, all rows at once
+    constexpr int FIT = LANES / M;  // threads a row could take, all rows at once
     constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
     const int sub = threadIdx.x % TPR;
     for (int m0 = 0; m0 < M; m0 += THREADS / TPR) {  // every thread goes round as often: the shuffles stay whole
@@ -42,14 +39,26 @@ _PRENORMED_REDUCE = r"""
       float s = 0.0f;
       if (m < M)
         #pragma unroll 4
-        for (int p = sub; p < P; p += TPR) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
+        for (int p = sub; p < P; p += TPR) s += PART;
       #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if (sub == 0 && m < M) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
     }
   }
-  auto row_scale = [&](const int m) { return rscale[m]; };
 """
+
+
+def row_scales(lanes: str, part: str) -> str:
+    """Each row's scale into `rscale[m]` from its P parts (`part`, an expression of m * P + p), added over as many
+    lanes a row as `lanes` threads give (so the sums' grouping, and the bits, follow `lanes`, not the block)."""
+    return _ROW_SCALES.replace("LANES", lanes).replace("PART", part)
+
+
+_PRENORMED_REDUCE = (
+    '\n  asm volatile("cp.async.wait_all;" ::: "memory");\n  __syncthreads();\n  __shared__ float rscale[M];'
+    + row_scales("THREADS", "PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p]")
+    + "  auto row_scale = [&](const int m) { return rscale[m]; };\n"
+)
 
 # Fusion.norm_out: besides its rows of the residual stream, the launch writes them times the next norm's weight
 # (hw, bf16) and its part of each row's sum of squares (ssq_out [M, blocks]: its rows' squares added in row
@@ -167,19 +176,23 @@ class Fusion:
         lines.append("    return v;\n  };")
         if self.norm_out:  # each output row also times the next norm's weight, its square kept for the block's sum
             lines.append("  __shared__ float sq[WR * 16 * RTO][M + 1];")
-            lines.append(
+        lines += [self.store_source("sq[rb][m]"), self.output_source()]
+        return "\n".join(lines) + "\n"
+
+    def store_source(self, square: str) -> str:
+        """The body's `store(row in block, activation row, row, result)`: the result, and with norm_out its product
+        with the next norm's weight and its square, kept at `square` (an expression of rb and m)."""
+        if self.norm_out:
+            return (
                 "  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {\n"
                 "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
                 "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
-                "    sq[rb][m] = f * f;\n  };"
+                f"    {square} = f * f;\n  }};"
             )
-        else:
-            lines.append(
-                "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
-                "{ out[(size_t)m * N + row] = o; };"
-            )
-        lines.append(self.output_source())
-        return "\n".join(lines) + "\n"
+        return (
+            "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
+            "{ out[(size_t)m * N + row] = o; };"
+        )
 
     def output_source(self) -> str:
         """The body's `output(sum, up sum, index)`: a row's result from its sums, as bf16."""

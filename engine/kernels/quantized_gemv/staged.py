@@ -24,7 +24,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
-from engine.kernels.quantized_gemv.fusion import Fusion
+from engine.kernels.quantized_gemv.fusion import Fusion, row_scales
 from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
@@ -583,39 +583,10 @@ _LAST_SUMS_HEAD = r"""
   for (int s = 0; s < S; ++s) split_sums[s] = cluster.map_shared_rank(sums, s);
   float* epi = sums + R * RS;
 """
-_LAST_SUMS_ROW_SCALE = r"""
-  float* rscale = epi;
-  {
-    constexpr int FIT = SUM_THREADS_ALL / M;  // the sums' launch's TPR
-    constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
-    const int sub = threadIdx.x % TPR;
-    for (int m0 = 0; m0 < M; m0 += THREADS / TPR) {
-      const int m = m0 + threadIdx.x / TPR;
-      float s = 0.0f;
-      if (m < M)
-        #pragma unroll 4
-        for (int p = sub; p < P; p += TPR) s += __ldg(ssq_in + m * P + p);
-      #pragma unroll
-      for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (sub == 0 && m < M) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
-    }
-  }
-  __syncthreads();
-  auto row_scale = [&](const int m) { return rscale[m]; };
-"""
-_LAST_SUMS_STORE = r"""
-  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) { out[(size_t)m * N + row] = o; };
-"""
-_LAST_SUMS_NORM_OUT_STORE = r"""
+_LAST_SUMS_SQUARES = r"""
   float* sq = epi + M;  // [BRS][RS]: the squares of this block's rows (rb % BRS), zero where a row is past N
   for (int i = threadIdx.x; i < BRS * RS; i += THREADS) sq[i] = 0.0f;
   __syncthreads();
-  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {
-    out[(size_t)m * N + row] = o;
-    const float f = __bfloat162float(o);
-    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));
-    sq[rb % BRS * RS + m] = f * f;
-  };
 """
 # Output row rb's sums: its gate tile's slot (its warp's tile rb / 16 % RTO, row rb % 16), and RTO tiles on, up's.
 _LAST_SUMS_ADD = r"""
@@ -657,13 +628,16 @@ _LAST_SUMS_TAIL = r"""
 
 def _last_sums(fusion: Fusion) -> str:
     """LS's epilogue for `fusion`'s stages (the sums' launch's constants written in)."""
-    parts = [_LAST_SUMS_HEAD]
-    parts.append(_LAST_SUMS_ROW_SCALE if fusion.prenormed else "  auto row_scale = [&](const int) { return 1.0f; };\n")
-    parts.append(_LAST_SUMS_NORM_OUT_STORE if fusion.norm_out else _LAST_SUMS_STORE)
-    parts += [fusion.output_source() + "\n", _LAST_SUMS_ADD, _LAST_SUMS_NORM_OUT_PARTS * fusion.norm_out]
-    parts.append(_LAST_SUMS_TAIL)
-    text = "".join(parts).replace("SUM_THREADS_ALL", str(SUM_ROWS * SUM_THREADS))
-    return text.replace("SUM_ROWS", str(SUM_ROWS))
+    if fusion.prenormed:  # the rows' scales reduced over the lanes of the sums' launch's threads
+        lanes = str(SUM_ROWS * SUM_THREADS)
+        scale = "  float* rscale = epi;" + row_scales(lanes, "__ldg(ssq_in + m * P + p)") + "  __syncthreads();\n"
+        scale += "  auto row_scale = [&](const int m) { return rscale[m]; };\n"
+    else:
+        scale = "  auto row_scale = [&](const int) { return 1.0f; };\n"
+    parts = [_LAST_SUMS_HEAD, scale, _LAST_SUMS_SQUARES * fusion.norm_out]
+    parts += [fusion.store_source("sq[rb % BRS * RS + m]") + "\n", fusion.output_source() + "\n", _LAST_SUMS_ADD]
+    parts += [_LAST_SUMS_NORM_OUT_PARTS * fusion.norm_out, _LAST_SUMS_TAIL]
+    return "".join(parts).replace("SUM_ROWS", str(SUM_ROWS))
 
 
 # The split sums' launch: SUM_THREADS threads a row of SUM_ROWS a block, each activation row's S parts added in
