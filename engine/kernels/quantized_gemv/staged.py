@@ -47,9 +47,9 @@ class StagedConfig:
     only: consecutive row blocks of one split, each chunk's activation rows read from L2 once for all of them, each
     block copying every CL-th row into the shared memory of all, `cp.async.bulk` with `.multicast::cluster`), and
     whether the split sums are added in the products' launch (`last_sums`, launches split in 2-8 without clusters
-    of row blocks: a row block's splits run as a cluster, whose first block adds their sums from the others' shared
-    memory in split order and runs the stages, as the sums' launch would; one launch a matmul instead of two, and
-    no parts in memory)."""
+    of row blocks: a row block's splits run as a cluster, each block adding a share of the rows' sums from all the
+    blocks' shared memory in split order and running the stages, as the sums' launch would; one launch a matmul
+    instead of two, and no parts in memory)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -241,8 +241,7 @@ _BODY = r"""
   // ENGINE_CL > 1: block `rank` of a cluster copies activation rows rank, rank + CL, ... of each chunk into every
   // block's stage (one read from L2 for the cluster); stage b's barrier counts the bytes of all M rows landing.
   __shared__ __align__(8) uint64_t engine_full[ENGINE_CL > 1 ? ST : 1];
-  int rank = 0;                                     // the block's in its cluster (sm_90 code only where CL > 1)
-  if constexpr (ENGINE_CL > 1) rank = engine_cluster_rank();
+  const int rank = blockIdx.x % ENGINE_CL;          // the block's in its cluster (CL consecutive blocks)
   auto stage_x = [&](const int b) {  // RESIDENT: chunk b's activations, else stage b's
     return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * (RESIDENT ? X_BYTES : STAGE_BYTES));
   };
@@ -553,12 +552,12 @@ _PARTIAL_STORE = r"""
       }
 """
 
-# LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its
-# stages were), then block `split` (its rank) takes BRS output rows from split * BRS: adds the S blocks' sums of each in split
-# order, as the sums' launch adds the parts, and runs the stages with that launch's arithmetic: each (row,
-# activation row) its own sum; the prenormed rows' scales reduced over TPR lanes as its SUM_ROWS * SUM_THREADS
-# threads would; norm_out's parts over each SUM_ROWS rows in row order (the first block, reading each row's squares
-# from the block that took it). No parts in memory, no second launch.
+# LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its stages
+# were), then block `split` (its rank) takes BRS output rows from split * BRS: adds the S blocks' sums of each in
+# split order, as the sums' launch adds the parts, and runs the stages with that launch's arithmetic: each (row,
+# activation row) its own sum; the prenormed rows' scales reduced over TPR lanes as its SUM_ROWS * SUM_THREADS threads
+# would; norm_out's parts over each SUM_ROWS rows in row order (the first block, reading each row's squares from the
+# block that took it). No parts in memory, no second launch.
 _LAST_SUMS_HEAD = r"""
   static_assert(S <= 8, "a cluster of S blocks (portable clusters: at most 8)");
   constexpr int RS = M + 1;                         // a row's sums in shared memory, padded
@@ -738,7 +737,7 @@ ROW_BLOCK_DONE = "      // ROW BLOCK DONE\n"  # where a split launch stores a ro
 
 def source(count: int, fusion: Fusion, split: bool, last_sums: bool = False) -> str:
     """The products' launch body: the results with their stages (`split` False), or each split's partial sums
-    (True; the sums' launch runs the stages, or with `last_sums` the first block of the split's cluster)."""
+    (True; the sums' launch runs the stages, or with `last_sums` the blocks of the row block's cluster)."""
     if split and last_sums:
         return _prologue(count, fusion.gated, True) + _BODY.replace(ROW_BLOCK_DONE, "") + _last_sums(fusion)
     if split:
@@ -756,9 +755,6 @@ def sum_source(count: int, fusion: Fusion) -> str:
 
 # A cluster's copies, barriers and waits (sm_90), used where ENGINE_CL > 1
 CLUSTER_HEADER = r"""
-__device__ __forceinline__ int engine_cluster_rank() {
-  unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return (int)r;
-}
 __device__ __forceinline__ void engine_cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
