@@ -315,12 +315,12 @@ def main() -> None:
 
     from engine.kernels.kernel_cache import KernelCache
     from engine.kernels.quantized_gemv import LaunchConfig, quantized_matmuls, staged
+    from tools.gpu.step_kernels import staged_layout
 
     try:
         launches = [(v, LaunchConfig.parse(v)) for v in args.launch]
     except ValueError as e:
-        p.error(f"--launch {e}: W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)")
-    from tools.gpu.step_kernels import staged_layout
+        p.error(f"--launch {e}")
 
     variants = [("", (None, {}))] + [(s, layout(s)) for s in args.staged]
     if args.list and args.cache_dir:

@@ -21,6 +21,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
+from engine.kernels.quantized_gemv.launch import LAUNCH_FORM
 from engine.kernels.quantized_gemv.staged import MIN_ROWS, StagedConfig, staged_config
 from harness.kernels.bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
 from tools.gpu.results import save_json
@@ -86,7 +87,7 @@ def launch_shapes(text: str) -> list[LaunchConfig]:
     try:
         return [LaunchConfig.parse(item) for item in text.split(";") if item.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: launch shapes W,RT,U[,MINB[,PL]] separated by ';'") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: launch shapes {LAUNCH_FORM} separated by ';'") from None
 
 
 def candidates(m: int, serial: bool, chosen: list[LaunchConfig], n: int = 0, k: int = 0):

@@ -19,6 +19,9 @@ def tile_k(group_size: int, bits: int) -> int:
     return 4 * min(group_size * bits // 128, 2) * (32 // bits)
 
 
+LAUNCH_FORM = "W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)"  # a one-row launch shape as a setting gives it
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one call is laid out on the GPU."""
@@ -35,12 +38,15 @@ class LaunchConfig:
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
-        """'W,RT,U[,MINB[,PL]]' (one row group); ValueError otherwise."""
-        values = [int(v) for v in text.split(",")]
+        """LAUNCH_FORM's shape (one row group); ValueError otherwise."""
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = []
         if not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
-            raise ValueError(text)
-        if len(values) == 5 and values[4] > 1:
-            raise ValueError(text)
+            raise ValueError(f"{text!r} is not {LAUNCH_FORM}")
+        if values[4:] > [1]:
+            raise ValueError(f"{text!r} is not {LAUNCH_FORM}")
         return cls(*values[:4], pipelined=values[4] if len(values) == 5 else 0)
 
     def template(self) -> list[tuple[str, int]]:
@@ -74,9 +80,7 @@ def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
             rows, k = (int(v) for v in shape.lower().split("x"))
             config = LaunchConfig.parse(numbers)
         except ValueError:
-            raise ValueError(
-                f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK=W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)"
-            ) from None
+            raise ValueError(f"ENGINE_GEMV_LAUNCH: {item!r} is not ROWSxK={LAUNCH_FORM}") from None
         table[(rows, k)] = config
     return table
 
