@@ -30,8 +30,9 @@
 #            continuous lane's lone-row penalty goes
 #   prefill  SHAPES (1x1024,1x256,32x64,32x128,64x32), NCU_SHAPES (32x64,1x256): prefill forwards' wall time by
 #            group x chunk (tools/gpu/prefill_kernels.py), then ncu over one forward of each NCU_SHAPES
-#   first    WARMUP (full), LENGTHS (1024,4096): the first prompts after ready against the ones that follow, then
-#            again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
+#   first    WARMUP (full), LENGTHS (1024,4096), FIRST_ARGS (more options, e.g. "--prompt-cache-block 0
+#            --prompt-cache-bytes 0": the prompt cache off): the first prompts after ready against the ones that
+#            follow, then again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
@@ -169,7 +170,7 @@ case "$PART" in
   first)  # the first prompts after ready against the following ones: buffer cache or compilation
     synth
     python3 -m tools.gpu.first_prompts --model qwen27b --warmup "${WARMUP:-full}" --lengths "${LENGTHS:-1024,4096}" \
-        2>&1 | tee "$OUT/qwen27b-first-prompts.txt"
+        ${FIRST_ARGS:-} 2>&1 | tee "$OUT/qwen27b-first-prompts.txt"
     ;;
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth

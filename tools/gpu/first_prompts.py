@@ -35,6 +35,13 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", default="1024,4096", help="prompt lengths, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="prompts of each length after the first")
     p.add_argument("--refill", type=int, default=2048, help="the refilled phase's one prompt, in tokens")
+    p.add_argument(
+        "--prompt-cache-block",
+        type=int,
+        help="engine serve's --prompt-cache-block (default: its default; 0 with --prompt-cache-bytes 0 times the "
+        "prefills with the prompt cache off)",
+    )
+    p.add_argument("--prompt-cache-bytes", type=int, help="engine serve's --prompt-cache-bytes (default: its default)")
     args = p.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
 
@@ -59,12 +66,18 @@ def main(argv=None) -> None:
         BUILDS.enable_cache(directory)
         mx.set_cache_limit(CUDA_MLX_CACHE)
     engine = Engine.load(args.model if not args.model_path else None, args.model_path)
-    gateway = Gateway(engine.model, ServeConfig().gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
+    cache = {"prompt_cache_block": args.prompt_cache_block, "prompt_cache_bytes": args.prompt_cache_bytes}
+    serve = ServeConfig(**{k: v for k, v in cache.items() if v is not None})
+    gateway = Gateway(engine.model, serve.gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
     start = time.perf_counter()
     warm_up(gateway, args.warmup, context=context_of(engine.config), log=lambda line: print(line, flush=True))
     gc.collect()
     mx.clear_cache()
-    print(f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s, kernels {engine.kernels.tier}", flush=True)
+    print(
+        f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s, kernels {engine.kernels.tier}, prompt cache "
+        f"{serve.prompt_cache_bytes} bytes, blocks of {serve.prompt_cache_block}",
+        flush=True,
+    )
 
     ids = itertools.count()
 
