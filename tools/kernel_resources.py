@@ -3,14 +3,14 @@
     python3 -m tools.kernel_resources --rows 16,32,64 [--shape 17408x5120] [--staged RW=1,ST=3] [--arch sm_90a]
     python3 -m tools.kernel_resources --rows 16,64 --parts gate+up,down+residual --staged RW=1 --cache-dir DIR
     python3 -m tools.kernel_resources --rows 1,64 --delta 16,48,128,128 --state-dtypes float32,float16
-    python3 -m tools.kernel_resources --rows 1 --shape 5120x17408 --launch 8,1,4,3 --launch 8,1,2,3,1
+    python3 -m tools.kernel_resources --rows 1 --shape 5120x17408 --launch 8,1,4,3 --launch 8,1,4
 
 Each launch `quantized_matmuls` would make for x [M, K] against an N x K matrix (4-bit, group 64 unless
 `--bits`/`--group`), or those `tools.gpu.batch_parts` makes for its `--parts`, is built as MLX builds it
 (`kernel_cache.KernelBuild.mlx_source`), without running it, and compiled by nvcc with `-Xptxas -v`: what
 ptxas reports per kernel decides how many blocks an SM holds, which a timing on the device then confirms or
 not. `--staged` lays the staged launches (2-64 rows) out as `tools.gpu.step_kernels --staged` does
-(`KEY=VALUE,...`; repeatable); `--launch W,RT,U[,MINB[,PL]]` (repeatable) builds each `--shape`'s one-row launch
+(`KEY=VALUE,...`; repeatable); `--launch W,RT,U[,MINB]` (repeatable) builds each `--shape`'s one-row launch
 so, as ENGINE_GEMV_LAUNCH would. `--delta HK,HV,DK,DV` builds the Gated DeltaNet step and scan kernels
 instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`.
 `--cache-dir DIR` also writes each cubin where MLX looks for it (`kernel_cache`): a process on the GPU with
@@ -185,14 +185,14 @@ SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(
 
 def l2_line(build: KernelBuild, blocks: int) -> str:
     """A staged products' launch's bytes from L2: every block copies its split's chunks of all M activation rows
-    (once for its row blocks in turn; once for a cluster's CL blocks), against the weights, scales and biases it
+    (once for its row blocks in turn), against the weights, scales and biases it
     reads; "" for other launches."""
     t = dict(build.template)
     if not build.name.startswith("engine_affine_sqmm") or "_sum" in build.name:
         return ""
     k, m, s, bits, gs = t["K"], t["M"], t["S"], t["BITS"], t["GS"]
     rows = t.get("NT") or sum(v for key, v in t.items() if re.fullmatch(r"N\d+", key))
-    activations = blocks * (k // s) * m * 2 / t.get("CL", 1)
+    activations = blocks * (k // s) * m * 2
     weights = rows * k * bits / 8 + rows * (k // gs) * 4
     return f"L2 reads {activations / 1e6:.1f} MB of activations for {weights / 1e6:.1f} MB of weights"
 
@@ -293,7 +293,7 @@ def main() -> None:
         "--launch",
         action="append",
         default=[],
-        metavar="W,RT,U[,MINB[,PL]]",
+        metavar="W,RT,U[,MINB]",
         help="also each --shape's one-row launch with this shape (repeatable; ENGINE_GEMV_LAUNCH's form)",
     )
     p.add_argument("--cache-dir", type=Path, help="also write the cubins here, as MLX_PTX_CACHE_DIR holds them")

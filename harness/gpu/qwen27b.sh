@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts | waves | clusters | ahead; several,
+#                         | census | lane | prefill | first | dequant | switch | layouts | waves; several,
 #                         space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -47,17 +47,6 @@
 #            the launches' last waves (`python3 -m tools.kernel_resources` names them) against the tree's in
 #            alternating rounds, then the candidates on the two largest one-row shapes, each call waiting for the
 #            one before (tools/gpu/gemv_configs.py --serial); nothing here changes a default
-#   clusters LAYOUTS (default "32,64:CL=2 32,64:CL=4 LS=1"), ROWS (8,16,32,64), ROUNDS (2): split
-#            launches run in clusters: row blocks sharing each chunk's activation rows (layout key CL), or a row
-#            block's splits adding their sums in the products' launch (LS): their CUDA tests (bit equality with
-#            the tree's launches), the 64-row parts alone with each layout, decode steps against the tree's in
-#            alternating rounds, then Nsight Compute's sections on the 64-row gate+up products (the tree's, then
-#            each layout's)
-#   ahead    CANDIDATES (one-row launch shapes W,RT,U,MINB,PL; default with and without PL for down and gate+up),
-#            LAUNCHES (ENGINE_GEMV_LAUNCH values, space-separated; default "5120x17408=8,1,2,3,1
-#            5120x17408=8,1,4,0,1"), ROUNDS (2): the one-row kernel loading a batch ahead (PL): its CUDA tests, the
-#            candidates on every one-row shape each call after the one before, then one-row steps with
-#            each of LAUNCHES against the tree's, alternating, one process each
 set -euo pipefail
 export ENGINE_HARNESS_CACHE=${ENGINE_HARNESS_CACHE:-/tmp/ehc} PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -204,37 +193,6 @@ case "$PART" in
       python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
           --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
     ;;
-  clusters)  # clusters of blocks sharing each chunk's activation rows: bits, parts, steps, then L2 and DRAM under ncu
-    synth
-    timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
-        tests/unit/test_kernels.py -k "clusters or last_sums" 2>&1 | tail -5 | tee "$OUT/qwen27b-cluster-tests.txt"
-    staged=()
-    for layout in ${LAYOUTS:-32,64:CL=2 32,64:CL=4 LS=1}; do staged+=(--staged "$layout"); done
-    { python3 -m tools.gpu.batch_parts --rows 64 --parts "gate+up prenormed,down+residual,inputs,out+residual" \
-          "${staged[@]}"
-      python3 -m tools.gpu.step_kernels --rows "${ROWS:-8,16,32,64}" --tiers fast --time --steps 16 "${staged[@]}" \
-          --rounds "${ROUNDS:-2}"; } 2>&1 | tee "$OUT/qwen27b-clusters.txt"
-    for layout in "" ${LAYOUTS:-32,64:CL=2 32,64:CL=4 LS=1}; do
-      echo "== ncu ${layout:-tree}"
-      ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-          --clock-control none -k regex:"sqmm2_(part|ls)" -s 1 -c 1 python3 -m tools.gpu.batch_parts --rows 64 \
-          --parts "gate+up prenormed" --calls 2 ${layout:+--staged "$layout" --layouts-only} 2>&1 \
-          | grep -E "sqmm|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Waves"
-    done 2>&1 | tee "$OUT/qwen27b-clusters-ncu.txt"
-    ;;
-  ahead)  # the one-row kernel with its next batch's loads ahead of the products: bits, the launches, whole steps
-    synth
-    timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
-        tests/unit/test_kernels.py -k pipelined 2>&1 | tail -5 | tee "$OUT/qwen27b-ahead-tests.txt"
-    { python3 -m tools.gpu.gemv_configs --serial --no-numerics --rows 1 \
-          --candidates "${CANDIDATES:-8,1,4,3;8,1,4,3,1;8,1,2,3,1;8,1,4,0,1;8,1,4;4,2,4,5;4,2,4,5,1;4,2,2,5,1}"
-      for round in $(seq "${ROUNDS:-2}"); do
-        for launch in "" ${LAUNCHES:-5120x17408=8,1,2,3,1 5120x17408=8,1,4,0,1}; do
-          echo "round $round ENGINE_GEMV_LAUNCH=$launch"
-          ENGINE_GEMV_LAUNCH=$launch python3 -m tools.gpu.step_kernels --rows 1 --tiers fast --time --steps 32
-        done
-      done; } 2>&1 | tee "$OUT/qwen27b-ahead.txt"
-    ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts, waves, clusters or ahead (got '$PART')" >&2
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts or waves (got '$PART')" >&2
      exit 2 ;;
 esac

@@ -31,17 +31,17 @@ def test_each_row_count_lists_its_launches_and_a_layout_changes_them():
 
 
 def test_one_row_launch_shapes_are_listed_as_given():
-    out = _launches("--rows", "1,16", "--shape", "5120x17408", "--launch", "8,1,2,3,1")
-    assert re.search(r"^5120x17408 M=1 \[8,1,2,3,1\] engine_affine_qmm1_pl: grid 320 x 256 threads", out, re.M), out
-    assert "M=16 [8,1,2,3,1]" not in out  # one-row launches only
+    out = _launches("--rows", "1,16", "--shape", "5120x17408", "--launch", "4,2,4")
+    assert re.search(r"^5120x17408 M=1 \[4,2,4\] engine_affine_qmm1: grid 160 x 128 threads", out, re.M), out
+    assert "M=16 [4,2,4]" not in out  # one-row launches only
 
 
 def test_a_staged_launch_says_what_it_reads_from_l2():
-    # 64 rows of 17408 values a block (2176 a split), 320 blocks: 89.1 MB of activations, halved by clusters of 2
-    out = _launches("--rows", "64", "--shape", "5120x17408", "--staged", "64:CL=2")
+    # 64 rows of 17408 values a block (2176 a split), 320 blocks: 89.1 MB of activations, twice that in 2-warp blocks
+    out = _launches("--rows", "64", "--shape", "5120x17408", "--staged", "64:W=2")
     default = "5120x17408 M=64 [default] engine_affine_sqmm1_part: grid 320 x 128 threads"
     assert re.search(rf"^{re.escape(default)}.*; L2 reads 89\.1 MB of activations for 50\.1 MB of weights$", out, re.M)
-    assert re.search(r"^5120x17408 M=64 \[64:CL=2\] .*L2 reads 44\.6 MB of activations", out, re.M), out
+    assert re.search(r"^5120x17408 M=64 \[64:W=2\] .*L2 reads 178\.3 MB of activations", out, re.M), out
     assert not re.search(r"sqmm_sum1.*L2 reads", out)
 
 

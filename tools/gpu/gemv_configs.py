@@ -3,7 +3,7 @@ over copies larger than the L2), after checking its numerics against a float32 C
 shapes (N not a multiple of 16, every bits x group x M). `launch_config`'s choices come from this, and from
 2 rows the staged kernel's (`staged.staged_config`: chunks in flight, warps, K splits).
 
-    python3 -m tools.gpu.gemv_configs [--quick] [--no-numerics] [--serial] [--candidates W,RT,U[,MINB[,PL]];...]
+    python3 -m tools.gpu.gemv_configs [--quick] [--no-numerics] [--serial] [--candidates W,RT,U[,MINB];...]
                                       [--rows 1,4,8,16,32,64]
 
 --serial: each call adds its product to the previous call's output (the residual in the launch), so it waits
@@ -68,7 +68,6 @@ def label(c) -> str:
     return (
         f"W{c.warps} RT{c.row_tiles} U{c.batch}"
         + (f" B{c.min_blocks}" if c.min_blocks else "")
-        + (" PL" if c.pipelined else "")
         + (f" WR{c.row_groups}" if c.row_groups > 1 else "")
         + (f" WM{c.m_groups}" if c.m_groups > 1 else "")
     )
@@ -83,7 +82,7 @@ SERIAL_EXTRA = [
 
 
 def launch_shapes(text: str) -> list[LaunchConfig]:
-    """'W,RT,U[,MINB[,PL]];...' as launch configurations."""
+    """'W,RT,U[,MINB];...' as launch configurations."""
     try:
         return [LaunchConfig.parse(item) for item in text.split(";") if item.strip()]
     except ValueError:

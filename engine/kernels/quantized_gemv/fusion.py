@@ -29,9 +29,12 @@ _PRENORMED_PREFETCH = r"""
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 """
-_ROW_SCALES = r"""
+_PRENORMED_REDUCE = r"""
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  __shared__ float rscale[M];
   {
-    constexpr int FIT = LANES / M;  // threads a row could take, all rows at once
+    constexpr int FIT = THREADS / M;  // threads a row could take, all rows at once
     constexpr int TPR = FIT >= 32 ? 32 : FIT >= 16 ? 16 : FIT >= 8 ? 8 : FIT >= 4 ? 4 : FIT >= 2 ? 2 : 1;
     const int sub = threadIdx.x % TPR;
     for (int m0 = 0; m0 < M; m0 += THREADS / TPR) {  // every thread goes round as often: the shuffles stay whole
@@ -39,26 +42,14 @@ _ROW_SCALES = r"""
       float s = 0.0f;
       if (m < M)
         #pragma unroll 4
-        for (int p = sub; p < P; p += TPR) s += PART;
+        for (int p = sub; p < P; p += TPR) s += PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p];
       #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if (sub == 0 && m < M) rscale[m] = rsqrtf(s / K + __int_as_float(EPS));
     }
   }
+  auto row_scale = [&](const int m) { return rscale[m]; };
 """
-
-
-def row_scales(lanes: str, part: str) -> str:
-    """Each row's scale into `rscale[m]` from its P parts (`part`, an expression of m * P + p), added over as many
-    lanes a row as `lanes` threads give (so the sums' grouping, and the bits, follow `lanes`, not the block)."""
-    return _ROW_SCALES.replace("LANES", lanes).replace("PART", part)
-
-
-_PRENORMED_REDUCE = (
-    '\n  asm volatile("cp.async.wait_all;" ::: "memory");\n  __syncthreads();\n  __shared__ float rscale[M];'
-    + row_scales("THREADS", "PREFETCH ? ssq_parts[m * P + p] : ssq_in[m * P + p]")
-    + "  auto row_scale = [&](const int m) { return rscale[m]; };\n"
-)
 
 # Fusion.norm_out: besides its rows of the residual stream, the launch writes them times the next norm's weight
 # (hw, bf16) and its part of each row's sum of squares (ssq_out [M, blocks]: its rows' squares added in row
@@ -176,38 +167,33 @@ class Fusion:
         lines.append("    return v;\n  };")
         if self.norm_out:  # each output row also times the next norm's weight, its square kept for the block's sum
             lines.append("  __shared__ float sq[WR * 16 * RTO][M + 1];")
-        lines += [self.store_source("sq[rb][m]"), self.output_source()]
-        return "\n".join(lines) + "\n"
-
-    def store_source(self, square: str) -> str:
-        """The body's `store(row in block, activation row, row, result)`: the result, and with norm_out its product
-        with the next norm's weight and its square, kept at `square` (an expression of rb and m)."""
-        if self.norm_out:
-            return (
+            lines.append(
                 "  auto store = [&](const int rb, const int m, const int row, const __nv_bfloat16 o) {\n"
                 "    out[(size_t)m * N + row] = o;\n    const float f = __bfloat162float(o);\n"
                 "    hw[(size_t)m * N + row] = __float2bfloat16(f * __bfloat162float(next_norm_w[row]));\n"
-                f"    {square} = f * f;\n  }};"
+                "    sq[rb][m] = f * f;\n  };"
             )
-        return (
-            "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
-            "{ out[(size_t)m * N + row] = o; };"
-        )
-
-    def output_source(self) -> str:
-        """The body's `output(sum, up sum, index)`: a row's result from its sums, as bf16."""
+        else:
+            lines.append(
+                "  auto store = [&](const int, const int m, const int row, const __nv_bfloat16 o) "
+                "{ out[(size_t)m * N + row] = o; };"
+            )
         if self.residual:  # the product rounded to bf16, then added to the residual and rounded: as two ops
-            return (
+            lines.append(
                 "  auto output = [&](const float v, const float, const size_t i) {\n    return __float2bfloat16("
                 "__bfloat162float(residual[i]) + __bfloat162float(__float2bfloat16(v)));\n  };"
             )
-        if self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
-            return (
+        elif self.gated:  # gate and up rounded to bf16 as their own launches give them, then as engine_swiglu2
+            lines.append(
                 "  auto output = [&](const float v, const float v_up, const size_t) {\n"
                 "    const float gate = __bfloat162float(__float2bfloat16(v)), up = __bfloat162float(__float2bfloat16(v_up));\n"
                 "    return __float2bfloat16(engine_silu_bf16(gate) * up);\n  };"
             )
-        return "  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };"
+        else:
+            lines.append(
+                "  auto output = [&](const float v, const float, const size_t) { return __float2bfloat16(v); };"
+            )
+        return "\n".join(lines) + "\n"
 
     def row_scale_source(self) -> str:
         """The body's `row_scale(row)` (what each output row's sum is multiplied by), then norm_out's setup."""

@@ -19,7 +19,7 @@ def tile_k(group_size: int, bits: int) -> int:
     return 4 * min(group_size * bits // 128, 2) * (32 // bits)
 
 
-LAUNCH_FORM = "W,RT,U[,MINB[,PL]] (warps 1-32, PL 0 or 1)"  # a one-row launch shape as a setting gives it
+LAUNCH_FORM = "W,RT,U[,MINB] (warps 1-32)"  # a one-row launch shape as a setting gives it
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,6 @@ class LaunchConfig:
     min_blocks: int = 0
     row_groups: int = 1  # groups of warps a block on their own rows (WR), sharing the activations' loads
     m_groups: int = 1  # slices of the activation rows a row group's warps split (WM), each loading the weights
-    pipelined: int = 0  # 1: each warp issues its next batch's loads before this batch's products (PL)
 
     @classmethod
     def parse(cls, text: str) -> LaunchConfig:
@@ -43,11 +42,9 @@ class LaunchConfig:
             values = [int(v) for v in text.split(",")]
         except ValueError:
             values = []
-        if not 3 <= len(values) <= 5 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
+        if not 3 <= len(values) <= 4 or min(values[:3]) < 1 or not 1 <= values[0] <= 32 or min(values) < 0:
             raise ValueError(f"{text!r} is not {LAUNCH_FORM}")
-        if values[4:] > [1]:
-            raise ValueError(f"{text!r} is not {LAUNCH_FORM}")
-        return cls(*values[:4], pipelined=values[4] if len(values) == 5 else 0)
+        return cls(*values)
 
     def template(self) -> list[tuple[str, int]]:
         # MINB only names the kernel apart (MLX caches compiled kernels by name and template values).
@@ -60,19 +57,18 @@ class LaunchConfig:
         ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def kernel(self, count: int, fusion: Fusion = Fusion()):
-        return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion, bool(self.pipelined))
+        return kernel(count, self.warps * 32 if self.min_blocks else 0, self.min_blocks, fusion)
 
     def setting(self) -> str:
-        """'W,RT,U[,MINB[,PL]]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`; one row group)."""
-        tail = [self.min_blocks, self.pipelined] if self.pipelined else [self.min_blocks] * bool(self.min_blocks)
-        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + tail))
+        """'W,RT,U[,MINB]', as an ENGINE_GEMV_LAUNCH item gives it (`parse_launches`; one row group)."""
+        return ",".join(map(str, [self.warps, self.row_tiles, self.batch] + [self.min_blocks] * bool(self.min_blocks)))
 
 
 Launches = Mapping[tuple[int, int], LaunchConfig]  # one-row launch shapes by (rows of all matrices, K)
 
 
 def parse_launches(text: str) -> dict[tuple[int, int], LaunchConfig]:
-    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB[,PL]];...', as {(rows, k): config}."""
+    """ENGINE_GEMV_LAUNCH's form, 'ROWSxK=W,RT,U[,MINB];...', as {(rows, k): config}."""
     table = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:

@@ -272,24 +272,6 @@ _LOOP_REGISTERS = r"""
 
 """
 
-# PL: two batches in registers, the next one's loads issued before this one's products, so a warp's loads stay in
-# flight while it multiplies (the same products in the same order)
-_LOOP_PIPELINED = r"""
-  // Warp wk of a row group takes U consecutive k-tiles at a time, every WK * U tiles, loading one batch ahead.
-  constexpr int STRIDE = WK * U;
-  Batch b0, b1;
-  int kt0 = wk * U;
-  if (kt0 < KT) load(b0, kt0);
-  #pragma unroll 1
-  for (; kt0 < KT; kt0 += 2 * STRIDE) {
-    if (kt0 + STRIDE < KT) load(b1, kt0 + STRIDE);
-    multiply(b0, kt0);
-    if (kt0 + 2 * STRIDE < KT) load(b0, kt0 + 2 * STRIDE);
-    multiply(b1, kt0 + STRIDE);
-  }
-
-"""
-
 _REDUCE = r"""
   // ROW SCALE
   // Sum a row group's WK warps' partial products (a slot each, its WM warps writing their own columns);
@@ -371,14 +353,13 @@ def launch_bounds(threads: int, min_blocks: int) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
-def kernel_source(count: int, fusion: Fusion = Fusion(), pipelined: bool = False) -> str:
+def kernel_source(count: int, fusion: Fusion = Fusion()) -> str:
     """The kernel's body: which of its `count` matrices a block takes, the fused stages, the loads, the
-    products (`pipelined`: a batch's loads ahead of the products before them), the sum over warps."""
+    products, the sum over warps."""
     start = _BODY_START.replace("  // FUSED STAGES\n", fusion.source())
     reduce = _REDUCE.replace("  // ROW SCALE\n", fusion.row_scale_source())
     reduce = reduce.replace("  // AFTER STORES\n", fusion.after_stores_source())
-    loop = _LOOP_PIPELINED if pipelined else _LOOP_REGISTERS
-    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + loop + reduce
+    return _prologue(count, fusion.gated) + start + _LOAD_REGISTERS + _MULTIPLY + _LOOP_REGISTERS + reduce
 
 
 def output_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
@@ -392,13 +373,12 @@ def input_names(count: int, fusion: Fusion = Fusion()) -> list[str]:
 
 
 @cache
-def kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion(), pipelined: bool = False):
-    """The kernel for `count` matrices and these stages (`threads`, `min_blocks`: its launch bounds; `pipelined`:
-    `kernel_source`'s, named apart)."""
+def kernel(count: int, threads: int = 0, min_blocks: int = 0, fusion: Fusion = Fusion()):
+    """The kernel for `count` matrices and these stages (`threads`, `min_blocks`: its launch bounds)."""
     return cuda_kernel(
-        name=f"engine_affine_qmm{count}{fusion.tag()}{'_pl' * pipelined}",
+        name=f"engine_affine_qmm{count}{fusion.tag()}",
         input_names=input_names(count, fusion),
         output_names=output_names(count, fusion),
-        source=kernel_source(count, fusion, pipelined),
+        source=kernel_source(count, fusion),
         header=HEADER + launch_bounds(threads, min_blocks),
     )

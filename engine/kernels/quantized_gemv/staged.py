@@ -24,7 +24,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
-from engine.kernels.quantized_gemv.fusion import Fusion, row_scales
+from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
@@ -43,13 +43,7 @@ class StagedConfig:
     (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
     exact integers with float32 group sums, the register kernel's arithmetic), and the row blocks a block takes
     in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
-    for all of them, so fewer blocks read them from L2), and the blocks of a cluster (`cluster`, split launches
-    only: consecutive row blocks of one split, each chunk's activation rows read from L2 once for all of them, each
-    block copying every CL-th row into the shared memory of all, `cp.async.bulk` with `.multicast::cluster`), and
-    whether the split sums are added in the products' launch (`last_sums`, launches split in 2-8 without clusters
-    of row blocks: a row block's splits run as a cluster, each block adding a share of the rows' sums from all the
-    blocks' shared memory in split order and running the stages, as the sums' launch would; one launch a matmul
-    instead of two, and no parts in memory)."""
+    for all of them, so fewer blocks read them from L2)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -60,8 +54,6 @@ class StagedConfig:
     m_groups: int = 1
     rounded: int = 0
     row_blocks: int = 1
-    cluster: int = 1
-    last_sums: int = 0
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -69,21 +61,16 @@ class StagedConfig:
         return self.chunk_tiles or max(2, 2 * group_size // tk)
 
     def template(self, group_size: int, bits: int) -> list[tuple[str, int]]:
-        return (
-            [
-                ("W", self.warps),
-                ("RT", self.row_tiles),
-                ("CK", self.chunk(group_size, bits)),
-                ("ST", self.stages),
-                ("S", self.splits),
-                ("MG", self.m_groups),
-                ("RW", self.rounded),
-                ("NR", self.row_blocks),
-            ]
-            + ([("MINB", self.min_blocks)] if self.min_blocks else [])
-            + ([("CL", self.cluster)] if self.cluster > 1 else [])
-            + ([("LS", 1)] if self.last_sums else [])
-        )
+        return [
+            ("W", self.warps),
+            ("RT", self.row_tiles),
+            ("CK", self.chunk(group_size, bits)),
+            ("ST", self.stages),
+            ("S", self.splits),
+            ("MG", self.m_groups),
+            ("RW", self.rounded),
+            ("NR", self.row_blocks),
+        ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def threads(self) -> int:
         return self.warps * self.m_groups * 32
@@ -131,9 +118,9 @@ def staged_config(
 ) -> StagedConfig:
     """The launch for M rows and K inputs (docs/kernels.md, "Batched rows"): 2 chunks in shared memory; 4 warps of
     2 row tiles up to 32 rows and from NARROW_AGAIN_ROWS, from WIDE_ROWS 2 such warps, each with 2 warps that share
-    their activation blocks (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows
-    (`batch`, default M: the batch's rows, not its tokens, so a window of W tokens a row computes what its batch's
-    one-token steps do). The first of `layouts` that takes M rows changes it."""
+    their activation blocks (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows (`batch`, default M: the
+    batch's rows, not its tokens, so a window of W tokens a row computes what its batch's one-token steps do). The
+    first of `layouts` that takes M rows changes it."""
     wide = WIDE_ROWS <= m < NARROW_AGAIN_ROWS
     config = StagedConfig(warps=2, stages=2, m_groups=2) if wide else StagedConfig(stages=2)
     config = replace(config, rounded=int((m if batch is None else batch) >= ROUNDED_ROWS))
@@ -154,11 +141,7 @@ def shared_request(config: StagedConfig, m: int, fusion: Fusion, group_size: int
     squares) pass DEFAULT_SHARED together, which only a kernel that asks for more than 48000 bytes is let
     have (MLX then raises its limit)."""
     dynamic = config.shared_bytes(m, group_size, bits, k)
-    if config.last_sums:  # a cluster's blocks also hold their sums and their share of the stages' rows there
-        rows = config.warps * config.row_tiles * 16
-        share = -(-rows // (1 + fusion.gated) // config.splits)
-        dynamic = max(dynamic, 4 * (rows * (m + 1) + m + share * (m + 1)))
-    static = 8 * config.stages * (config.cluster > 1)  # the cluster's barriers, a stage each
+    static = 0
     if config.splits == 1:
         out_rows = 16 * config.row_tiles // (2 if fusion.gated else 1) * config.warps
         static = fusion.prenormed * ((8 << 10) + 4 * m) + fusion.norm_out * 4 * out_rows * (m + 1)
@@ -171,16 +154,12 @@ MAX_SHARED = 227 << 10  # the most shared memory a block of sm_90 takes
 def in_turn(config: StagedConfig, m: int, k: int, group_size: int, bits: int) -> StagedConfig:
     """`config` with one row block a block (`row_blocks` 1) where the kernel cannot take several in turn: an
     unsplit K (its blocks store results, not parts), a thread's weight copies not a whole number of its warp's
-    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory; without
-    clusters or last sums unless K is split and a block takes one row block; without last sums past 8 splits (a
-    cluster's most blocks) or beside clusters of row blocks."""
+    tiles apart (8 bits at the default warps), or a split's activation rows past a block's shared memory."""
     copies = config.chunk(group_size, bits) * tile_k(group_size, bits) * bits // 128  # 16-byte copies a row
     threads = config.threads()
     apart = threads % copies == 0 and (threads // copies) % (16 * config.row_tiles) == 0
     fits = config.shared_bytes(m, group_size, bits, k) <= MAX_SHARED
-    config = config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
-    config = config if config.splits > 1 and config.row_blocks == 1 else replace(config, cluster=1, last_sums=0)
-    return config if config.splits <= 8 and config.cluster == 1 else replace(config, last_sums=0)
+    return config if config.splits > 1 and apart and fits else replace(config, row_blocks=1)
 
 
 def takes(m: int, k: int, group_size: int, bits: int, fusion: Fusion) -> bool:
@@ -227,7 +206,7 @@ _BODY = r"""
   const int mg = MG == 1 ? 0 : (threadIdx.x >> 5) / W;  // its activation blocks: mg * NBW, ...
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int split = (blockIdx.x / ENGINE_CL) % S;   // a cluster's blocks take one split
+  const int split = blockIdx.x % S;
   int block_base = blk * NR * BR;                   // the row block's first output row
   int row_base = block_base + warp * 16 * RTO;
   auto tile_row = [&](const int r) { return row_base + (r % RTO) * 16; };
@@ -238,10 +217,6 @@ _BODY = r"""
   // ST stages of chunks in dynamic shared memory, each: the M activation rows, then the block's R weight rows
   // (row slot (warp * RT + r) * 16 + i: row i of the warp's tile r), then their scales and biases.
   extern __shared__ __align__(16) unsigned char engine_stages[];
-  // ENGINE_CL > 1: block `rank` of a cluster copies activation rows rank, rank + CL, ... of each chunk into every
-  // block's stage (one read from L2 for the cluster); stage b's barrier counts the bytes of all M rows landing.
-  __shared__ __align__(8) uint64_t engine_full[ENGINE_CL > 1 ? ST : 1];
-  const int rank = blockIdx.x % ENGINE_CL;          // the block's in its cluster (CL consecutive blocks)
   auto stage_x = [&](const int b) {  // RESIDENT: chunk b's activations, else stage b's
     return reinterpret_cast<__nv_bfloat16*>(engine_stages + b * (RESIDENT ? X_BYTES : STAGE_BYTES));
   };
@@ -313,12 +288,7 @@ _BODY = r"""
       const int b = it % ST, c = RESIDENT ? it % CHUNKS : it, rb = RESIDENT ? it / CHUNKS : 0;
       __nv_bfloat16* sx = stage_x(RESIDENT ? c : b);
       if (!RESIDENT || rb == 0) {
-        if constexpr (ENGINE_CL > 1) {
-          const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[b]));
-          if (threadIdx.x == 0) engine_expect_bytes(full, M * KC * 2);
-          for (int m = rank + threadIdx.x * ENGINE_CL; m < M; m += THREADS * ENGINE_CL)
-            engine_multicast(sx + m * XS, x + k_first + (size_t)m * K + c * KC, KC * 2, full, (1u << ENGINE_CL) - 1);
-        } else if constexpr (X_ROWS) {
+        if constexpr (X_ROWS) {
           #pragma unroll
           for (int j = 0; j < NXC; ++j)
             if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
@@ -476,30 +446,14 @@ _BODY = r"""
   // ST - 1 iterations in flight: at iteration it, wait for its copies, then (one barrier: every warp is done with
   // iteration it - 1's stage) issue iteration it + ST - 1's into that stage, then multiply. RESIDENT: after each
   // row block but the last, its parts are stored and the sums start over on the next.
-  // ENGINE_CL > 1: each stage's activation rows are waited for on its barrier's phase, and a block issues a stage's
-  // copies only once every block of the cluster is done with it: each arrives on the cluster's barrier after its
-  // products (and once before the first), and waits on it before issuing.
-  if constexpr (ENGINE_CL > 1) {
-    if (threadIdx.x == 0) {
-      for (int b = 0; b < ST; ++b) engine_barrier_init(static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[b])));
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    engine_cluster_arrive();
-    engine_cluster_wait();
-  }
   #pragma unroll
   for (int it = 0; it < ST - 1; ++it) issue(it);
-  if constexpr (ENGINE_CL > 1) engine_cluster_arrive();
   #pragma unroll 1
   for (int it = 0; it < ITERS; ++it) {
     asm volatile("cp.async.wait_group %0;" :: "n"(ST - 2) : "memory");
-    if constexpr (ENGINE_CL > 1)
-      engine_wait_phase(static_cast<unsigned>(__cvta_generic_to_shared(&engine_full[it % ST])), (it / ST) & 1);
     __syncthreads();
-    if constexpr (ENGINE_CL > 1) engine_cluster_wait();
     issue(it + ST - 1);
     multiply(it);
-    if constexpr (ENGINE_CL > 1) engine_cluster_arrive();
     if (RESIDENT && it % CHUNKS == CHUNKS - 1 && it + 1 < ITERS) {
       // ROW BLOCK DONE
       block_base += BR;
@@ -512,7 +466,6 @@ _BODY = r"""
           for (int i = 0; i < 4; ++i) acc[r][nb][i] = 0.0f;
     }
   }
-  if constexpr (ENGINE_CL > 1) engine_cluster_wait();  // the last arrival's pair: no block leaves the cluster early
 """
 
 # S = 1: the sums are the results; the fused stages store them (accumulator i of lane (g, t): row g + 8 * (i / 2),
@@ -551,93 +504,6 @@ _PARTIAL_STORE = r"""
         if (m < M && row < N) part[((size_t)split * M + m) * NT + tile_off(r) + row] = acc[r][nbl][i];
       }
 """
-
-# LS: a row block's S split blocks run as one cluster; each leaves its sums in its own shared memory (where its stages
-# were), then block `split` (its rank) takes BRS output rows from split * BRS: adds the S blocks' sums of each in
-# split order, as the sums' launch adds the parts, and runs the stages with that launch's arithmetic: each (row,
-# activation row) its own sum; the prenormed rows' scales reduced over TPR lanes as its SUM_ROWS * SUM_THREADS threads
-# would; norm_out's parts over each SUM_ROWS rows in row order (the first block, reading each row's squares from the
-# block that took it). No parts in memory, no second launch.
-_LAST_SUMS_HEAD = r"""
-  static_assert(S <= 8, "a cluster of S blocks (portable clusters: at most 8)");
-  constexpr int RS = M + 1;                         // a row's sums in shared memory, padded
-  // its dynamic shared memory holds 4 * (R * RS + M + BRS * RS) bytes as well as the stages (shared_request)
-  float* sums = reinterpret_cast<float*>(engine_stages);
-  __syncthreads();                                  // every warp is done with the stages
-  #pragma unroll
-  for (int r = 0; r < RT; ++r)
-    #pragma unroll
-    for (int nbl = 0; nbl < NBW; ++nbl)
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = (mg * NBW + nbl) * 8 + 2 * t + (i & 1);
-        if (m < M) sums[((warp * RT + r) * 16 + g + 8 * (i >> 1)) * RS + m] = acc[r][nbl][i];
-      }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();                                   // every split's sums are in its block's shared memory
-  // the cluster's blocks are the row block's splits in order: block `split` is its rank
-  constexpr int BRS = (BR + S - 1) / S;            // output rows a block takes at most
-  const float* split_sums[S];
-  #pragma unroll
-  for (int s = 0; s < S; ++s) split_sums[s] = cluster.map_shared_rank(sums, s);
-  float* epi = sums + R * RS;
-"""
-_LAST_SUMS_SQUARES = r"""
-  float* sq = epi + M;  // [BRS][RS]: the squares of this block's rows (rb % BRS), zero where a row is past N
-  for (int i = threadIdx.x; i < BRS * RS; i += THREADS) sq[i] = 0.0f;
-  __syncthreads();
-"""
-# Output row rb's sums: its gate tile's slot (its warp's tile rb / 16 % RTO, row rb % 16), and RTO tiles on, up's.
-_LAST_SUMS_ADD = r"""
-  #pragma unroll 2
-  for (int i = threadIdx.x; i < BRS * M; i += THREADS) {
-    const int rb = split * BRS + i % BRS, m = i / BRS, row = block_base + rb;  // rows in a run: stores coalesce
-    const int slot = (rb / (16 * RTO)) * 16 * RT + rb % (16 * RTO);
-    if (rb < BR && row < N) {
-      float v = 0.0f, v_up = 0.0f;
-      #pragma unroll
-      for (int s = 0; s < S; ++s) {
-        v += split_sums[s][slot * RS + m];
-        if constexpr (GATED) v_up += split_sums[s][(slot + 16 * RTO) * RS + m];
-      }
-      const float rs = row_scale(m);
-      store(rb, m, row, output(v * rs, v_up * rs, (size_t)m * N + row));
-    }
-  }
-"""
-_LAST_SUMS_NORM_OUT_PARTS = r"""
-  cluster.sync();                                   // every block's squares are in its shared memory
-  static_assert(BR % SUM_ROWS == 0, "a block's rows are whole blocks of the sums' launch");
-  if (split == 0) {
-    const float* squares[S];
-    #pragma unroll
-    for (int s = 0; s < S; ++s) squares[s] = cluster.map_shared_rank(sq, s);
-    for (int i = threadIdx.x; i < (BR / SUM_ROWS) * M; i += THREADS) {
-      const int j = i / M, m = i % M;
-      float s = 0.0f;
-      for (int rb = j * SUM_ROWS; rb < (j + 1) * SUM_ROWS; ++rb) s += squares[rb / BRS][rb % BRS * RS + m];
-      ssq_out[(size_t)m * NP + block_base / SUM_ROWS + j] = s;  // norm_out: one matrix
-    }
-  }
-"""
-_LAST_SUMS_TAIL = r"""
-  cluster.sync();                                   // no block leaves while another reads its shared memory
-"""
-
-
-def _last_sums(fusion: Fusion) -> str:
-    """LS's epilogue for `fusion`'s stages (the sums' launch's constants written in)."""
-    if fusion.prenormed:  # the rows' scales reduced over the lanes of the sums' launch's threads
-        lanes = str(SUM_ROWS * SUM_THREADS)
-        scale = "  float* rscale = epi;" + row_scales(lanes, "__ldg(ssq_in + m * P + p)") + "  __syncthreads();\n"
-        scale += "  auto row_scale = [&](const int m) { return rscale[m]; };\n"
-    else:
-        scale = "  auto row_scale = [&](const int) { return 1.0f; };\n"
-    parts = [_LAST_SUMS_HEAD, scale, _LAST_SUMS_SQUARES * fusion.norm_out]
-    parts += [fusion.store_source("sq[rb % BRS * RS + m]") + "\n", fusion.output_source() + "\n", _LAST_SUMS_ADD]
-    parts += [_LAST_SUMS_NORM_OUT_PARTS * fusion.norm_out, _LAST_SUMS_TAIL]
-    return "".join(parts).replace("SUM_ROWS", str(SUM_ROWS))
-
 
 # The split sums' launch: SUM_THREADS threads a row of SUM_ROWS a block, each activation row's S parts added in
 # split order (MT rows' loads in flight at once), then the fused stages as the S = 1 store runs them.
@@ -687,8 +553,7 @@ def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
     where its rows start in the parts (`off`; `tile_off(r)` for row tile r: a gated launch's up tiles after
     the gate's N0 rows). `main`: the products' launch (weight pointers, splits S blocks a row block), else the
     sums' launch; `outputs`: the launch writes the results (not the parts)."""
-    # a cluster's blocks (ENGINE_CL, consecutive blocks) take consecutive row blocks of one split
-    blk = "blockIdx.x / (ENGINE_CL * S) * ENGINE_CL + blockIdx.x % ENGINE_CL" if main else "blockIdx.x"
+    blk = "blockIdx.x / S" if main else "blockIdx.x"
     if gated:
         lines = [
             "  constexpr bool GATED = true;",
@@ -735,11 +600,9 @@ def _with_stages(body: str, fusion: Fusion | None) -> str:
 ROW_BLOCK_DONE = "      // ROW BLOCK DONE\n"  # where a split launch stores a row block's parts before the next
 
 
-def source(count: int, fusion: Fusion, split: bool, last_sums: bool = False) -> str:
+def source(count: int, fusion: Fusion, split: bool) -> str:
     """The products' launch body: the results with their stages (`split` False), or each split's partial sums
-    (True; the sums' launch runs the stages, or with `last_sums` the blocks of the row block's cluster)."""
-    if split and last_sums:
-        return _prologue(count, fusion.gated, True) + _BODY.replace(ROW_BLOCK_DONE, "") + _last_sums(fusion)
+    (True; the sums' launch runs the stages)."""
     if split:
         body = _BODY.replace(ROW_BLOCK_DONE, _PARTIAL_STORE)
         return _prologue(count, fusion.gated, True, outputs=False) + _with_stages(body + _PARTIAL_STORE, None)
@@ -753,75 +616,19 @@ def sum_source(count: int, fusion: Fusion) -> str:
     return _prologue(count, fusion.gated, False) + _with_stages(body, fusion)
 
 
-# A cluster's copies, barriers and waits (sm_90), used where ENGINE_CL > 1
-CLUSTER_HEADER = r"""
-__device__ __forceinline__ void engine_cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void engine_cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void engine_barrier_init(unsigned bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void engine_expect_bytes(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void engine_wait_phase(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void engine_multicast(void* dst, const void* src, unsigned bytes, unsigned bar,
-                                                 unsigned mask) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-               " [%0], [%1], %2, [%3], %4;" :: "r"(d), "l"(src), "r"(bytes), "r"(bar), "h"((unsigned short)mask)
-               : "memory");
-}
-"""
-
-
-def cluster_header(threads: int, min_blocks: int, cluster: int, of_splits: bool = False) -> str:
-    """ENGINE_CL (1 where the cluster is a row block's splits, `of_splits`), the cluster's helpers, the launch
-    bounds (`launch_bounds`' way) and, for a cluster of more than one block, its size on the kernel MLX
-    generates."""
-    if cluster == 1:
-        return f"#define ENGINE_CL 1\n{CLUSTER_HEADER}" + launch_bounds(threads, min_blocks)
-    bounds = f" __launch_bounds__({threads}, {min_blocks})" if min_blocks else ""
-    return (
-        f"#define ENGINE_CL {1 if of_splits else cluster}\n{CLUSTER_HEADER}#undef __global__\n"
-        f"#define __global__ __location__(global){bounds} __cluster_dims__({cluster}, 1, 1)\n"
-    )
-
-
 @cache
-def kernel(
-    count: int,
-    fusion: Fusion,
-    split: bool,
-    shared: int,
-    threads: int = 0,
-    min_blocks: int = 0,
-    cluster: int = 1,
-    last_sums: bool = False,
-):
+def kernel(count: int, fusion: Fusion, split: bool, shared: int, threads: int = 0, min_blocks: int = 0):
     """The products' launch kernel with `shared` bytes of dynamic shared memory (`threads`, `min_blocks`: its
-    launch bounds; `cluster`: blocks a cluster; `last_sums`: a split launch that adds its parts itself)."""
-    if last_sums:
-        outputs, inputs, tag = output_names(count, fusion), input_names(count, fusion), "_ls" + fusion.tag()
-    else:
-        outputs = ["part"] if split else output_names(count, fusion)
-        inputs = input_names(count, Fusion() if split else fusion)
-        tag = "_part" if split else fusion.tag()
+    launch bounds)."""
+    outputs = ["part"] if split else output_names(count, fusion)
+    inputs = input_names(count, Fusion() if split else fusion)
+    tag = "_part" if split else fusion.tag()
     return cuda_kernel(
         name=f"engine_affine_sqmm{count}{tag}",
         input_names=inputs,
         output_names=outputs,
-        source=source(count, fusion, split, last_sums),
-        header=HEADER + cluster_header(threads, min_blocks, cluster, last_sums),
+        source=source(count, fusion, split),
+        header=HEADER + launch_bounds(threads, min_blocks),
         shared_memory=shared,
     )
 
@@ -890,29 +697,16 @@ def matmuls(
             output_shapes=shapes + norm_out,
             output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
         )
-    clusters = -(-main_blocks[-1] // config.cluster)  # the last one's blocks past the rows store nothing
-    sum_blocks = starts(SUM_ROWS)
-    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
-    if config.last_sums:  # `splits` the cluster's size (the header's), so the splits of a row block are one
-        return kernel(count, fusion, True, *bounds, config.splits, True)(
-            inputs=[x] + weights + list(extra),
-            template=base
-            + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])]
-            + template
-            + [("NP", sum_blocks[-1])],
-            grid=(main_blocks[-1] * config.splits * threads, 1, 1),
-            threadgroup=(threads, 1, 1),
-            output_shapes=shapes + norm_out,
-            output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
-        )
-    (part,) = kernel(count, fusion, True, *bounds, config.cluster)(
+    (part,) = kernel(count, fusion, True, *bounds)(
         inputs=[x] + weights,
         template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
-        grid=(clusters * config.cluster * config.splits * threads, 1, 1),
+        grid=(main_blocks[-1] * config.splits * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(config.splits, m, sum(rows))],
         output_dtypes=[mx.float32],
     )
+    sum_blocks = starts(SUM_ROWS)
+    norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
     return sum_kernel(count, fusion)(
         inputs=[x, part] + list(extra),
         template=[("K", k), ("M", m), ("S", config.splits), ("NT", sum(rows))]
