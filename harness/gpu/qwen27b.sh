@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | dequant | switch | layouts | waves; several,
+#                         | census | lane | prefill | first | burst | dequant | switch | layouts | waves; several,
 #                         space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -33,6 +33,8 @@
 #   first    WARMUP (full), LENGTHS (1024,4096), FIRST_ARGS (more options, e.g. "--prompt-cache-block 0
 #            --prompt-cache-bytes 0": the prompt cache off): the first prompts after ready against the ones that
 #            follow, then again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
+#   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full): a burst of prompts served over HTTP against the
+#            same burst handed to the gateway in process (tools/gpu/burst_paths.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
@@ -161,6 +163,11 @@ case "$PART" in
     python3 -m tools.gpu.first_prompts --model qwen27b --warmup "${WARMUP:-full}" --lengths "${LENGTHS:-1024,4096}" \
         ${FIRST_ARGS:-} 2>&1 | tee "$OUT/qwen27b-first-prompts.txt"
     ;;
+  burst)  # a burst served over HTTP against the same burst handed to the gateway in process
+    synth
+    python3 -m tools.gpu.burst_paths --model qwen27b --burst "${BURST:-32}" --prompt-tokens "${PROMPT:-128}" \
+        --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" 2>&1 | tee "$OUT/qwen27b-burst-paths.txt"
+    ;;
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth
     { python3 -m tools.gpu.dequant_speed --model qwen27b
@@ -193,6 +200,6 @@ case "$PART" in
       python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
           --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, dequant, switch, layouts or waves (got '$PART')" >&2
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, burst, dequant, switch, layouts or waves (got '$PART')" >&2
      exit 2 ;;
 esac
