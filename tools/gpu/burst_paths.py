@@ -94,26 +94,18 @@ def served_rounds(model_args: list[str], warmup: str, burst: Burst) -> list[list
 
 
 def gateway_rounds(model: str | None, model_path: str | None, warmup: str, burst: Burst) -> list[list[float]]:
-    from engine.cli import use_kernel_cache
+    from tools.gpu.as_served import prepare_device
 
-    directory = use_kernel_cache(None)  # sets MLX_PTX_CACHE_DIR before MLX compiles anything
+    prepare_device()  # before MLX compiles anything
 
-    import mlx.core as mx
-
-    from engine.device import CUDA_MLX_CACHE
     from engine.engine import Engine
     from engine.gateway import Gateway
-    from engine.kernels import on_cuda
-    from engine.kernels.cuda_source import BUILDS
     from engine.loading import context_of
     from engine.request import GenerationRequest, StopCriteria
     from engine.server.main import ServeConfig
     from engine.warmup import warm_up
     from tools.gpu.lone_lanes import Stamps
 
-    if on_cuda():  # as `engine serve` sets up the device
-        BUILDS.enable_cache(directory)
-        mx.set_cache_limit(CUDA_MLX_CACHE)
     engine = Engine.load(model, model_path)
     gateway = Gateway(engine.model, ServeConfig().gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
     warm_up(gateway, warmup, context=context_of(engine.config), log=lambda line: None)

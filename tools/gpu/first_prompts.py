@@ -45,26 +45,20 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
 
-    from engine.cli import use_kernel_cache
+    from tools.gpu.as_served import prepare_device
 
-    directory = use_kernel_cache(None)  # sets MLX_PTX_CACHE_DIR before MLX compiles anything
+    prepare_device()  # before MLX compiles anything
 
     import mlx.core as mx
 
-    from engine.device import CUDA_MLX_CACHE
     from engine.engine import Engine
     from engine.gateway import Gateway
-    from engine.kernels import on_cuda
-    from engine.kernels.cuda_source import BUILDS
     from engine.loading import context_of
     from engine.request import GenerationRequest, StopCriteria
     from engine.server.main import ServeConfig
     from engine.warmup import warm_up
     from tools.gpu.lone_lanes import Stamps
 
-    if on_cuda():  # as `engine serve` sets up the device
-        BUILDS.enable_cache(directory)
-        mx.set_cache_limit(CUDA_MLX_CACHE)
     engine = Engine.load(args.model if not args.model_path else None, args.model_path)
     cache = {"prompt_cache_block": args.prompt_cache_block, "prompt_cache_bytes": args.prompt_cache_bytes}
     serve = ServeConfig(**{k: v for k, v in cache.items() if v is not None})

@@ -98,27 +98,20 @@ def main(argv=None) -> None:
     )
     args = p.parse_args(argv)
 
-    from engine.cli import use_kernel_cache
+    from tools.gpu.as_served import prepare_device
 
-    directory = use_kernel_cache(None)  # sets MLX_PTX_CACHE_DIR before MLX compiles anything
+    prepare_device()  # before MLX compiles anything
 
     import mlx.core as mx
 
     from engine.batch.runner import BatchRunner, Joiner
-    from engine.device import CUDA_MLX_CACHE
     from engine.engine import Engine
     from engine.gateway import Gateway
     from engine.generate import generate
-    from engine.kernels import on_cuda
-    from engine.kernels.cuda_source import BUILDS
     from engine.loading import context_of
     from engine.request import GenerationRequest, SamplingParams, StopCriteria
     from engine.server.main import ServeConfig
     from engine.warmup import warm_up
-
-    if on_cuda():  # as `engine serve` sets up the device
-        BUILDS.enable_cache(directory)
-        mx.set_cache_limit(CUDA_MLX_CACHE)
 
     def load() -> dict:
         """A model and the gateways on it: what the arms run on."""
