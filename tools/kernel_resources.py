@@ -185,8 +185,7 @@ SASS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(
 
 def l2_line(build: KernelBuild, blocks: int) -> str:
     """A staged products' launch's bytes from L2: every block copies its split's chunks of all M activation rows
-    (once for its row blocks in turn), against the weights, scales and biases it
-    reads; "" for other launches."""
+    (once for its row blocks in turn), against the weights, scales and biases it reads; "" for other launches."""
     t = dict(build.template)
     if not build.name.startswith("engine_affine_sqmm") or "_sum" in build.name:
         return ""

@@ -1,4 +1,5 @@
-"""tools.gpu.first_prompts runs end to end on a tiny model: every phase reports each length, with the prompt cache as set."""
+"""tools.gpu.first_prompts runs end to end on a tiny model: every phase reports each length; the prompt cache is
+the one asked for."""
 
 from __future__ import annotations
 

@@ -118,9 +118,9 @@ def staged_config(
 ) -> StagedConfig:
     """The launch for M rows and K inputs (docs/kernels.md, "Batched rows"): 2 chunks in shared memory; 4 warps of
     2 row tiles up to 32 rows and from NARROW_AGAIN_ROWS, from WIDE_ROWS 2 such warps, each with 2 warps that share
-    their activation blocks (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows (`batch`, default M: the
-    batch's rows, not its tokens, so a window of W tokens a row computes what its batch's one-token steps do). The
-    first of `layouts` that takes M rows changes it."""
+    their activation blocks (m groups); K split by `splits`; the weights rounded from a batch of ROUNDED_ROWS rows
+    (`batch`, default M: the batch's rows, not its tokens, so a window of W tokens a row computes what its batch's
+    one-token steps do). The first of `layouts` that takes M rows changes it."""
     wide = WIDE_ROWS <= m < NARROW_AGAIN_ROWS
     config = StagedConfig(warps=2, stages=2, m_groups=2) if wide else StagedConfig(stages=2)
     config = replace(config, rounded=int((m if batch is None else batch) >= ROUNDED_ROWS))
