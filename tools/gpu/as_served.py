@@ -20,3 +20,29 @@ def prepare_device() -> None:
     if on_cuda():
         BUILDS.enable_cache(directory)
         mx.set_cache_limit(CUDA_MLX_CACHE)
+
+
+def warmed_gateway(model: str | None, model_path: str | None, warmup: str, serve=None, log=None):
+    """The model loaded and a Gateway on it as `engine serve` builds one (`serve`: its ServeConfig, default the
+    server's defaults), warmed up with `warmup`, then Python's garbage and MLX's buffer cache emptied as the
+    server empties them before it reports ready. After `prepare_device`. Returns (engine, gateway, seconds the
+    warm-up took)."""
+    import gc
+    import time
+
+    import mlx.core as mx
+
+    from engine.engine import Engine
+    from engine.gateway import Gateway
+    from engine.loading import context_of
+    from engine.server.main import ServeConfig
+    from engine.warmup import warm_up
+
+    serve = serve or ServeConfig()
+    engine = Engine.load(model, model_path)
+    gateway = Gateway(engine.model, serve.gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
+    start = time.perf_counter()
+    warm_up(gateway, warmup, context=context_of(engine.config), log=log or (lambda line: None))
+    gc.collect()
+    mx.clear_cache()
+    return engine, gateway, time.perf_counter() - start

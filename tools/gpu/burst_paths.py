@@ -100,17 +100,11 @@ def gateway_rounds(model: str | None, model_path: str | None, warmup: str, burst
 
     prepare_device()  # before MLX compiles anything
 
-    from engine.engine import Engine
-    from engine.gateway import Gateway
-    from engine.loading import context_of
     from engine.request import GenerationRequest, StopCriteria
-    from engine.server.main import ServeConfig
-    from engine.warmup import warm_up
+    from tools.gpu.as_served import warmed_gateway
     from tools.gpu.lone_lanes import Stamps
 
-    engine = Engine.load(model, model_path)
-    gateway = Gateway(engine.model, ServeConfig().gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
-    warm_up(gateway, warmup, context=context_of(engine.config), log=lambda line: None)
+    _, gateway, _ = warmed_gateway(model, model_path, warmup)
     rounds = []
     for r in range(burst.rounds + 1):
         sinks = [Stamps() for _ in range(burst.size)]
@@ -119,9 +113,10 @@ def gateway_rounds(model: str | None, model_path: str | None, warmup: str, burst
             stop = StopCriteria(max_tokens=2, ignore_eos=True)
             gateway.submit(GenerationRequest(f"burst{r}-{i}", tuple(prompt), stop=stop), sink)
         gateway.run_until_idle()
-        failed = [s.result.error for s in sinks if s.result is None or s.result.error or not s.stamps]
-        if failed:
-            raise SystemExit(f"a burst's request failed: {failed[0]}")
+        for sink in sinks:
+            if sink.result is None or sink.result.error or not sink.stamps:
+                why = sink.result.error if sink.result is not None and sink.result.error else "no first token"
+                raise SystemExit(f"a burst's request failed: {why}")
         if r:
             rounds.append([(s.stamps[0] - start) * 1e3 for s in sinks])
     return rounds

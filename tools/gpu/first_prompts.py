@@ -51,24 +51,19 @@ def main(argv=None) -> None:
 
     import mlx.core as mx
 
-    from engine.engine import Engine
-    from engine.gateway import Gateway
-    from engine.loading import context_of
     from engine.request import GenerationRequest, StopCriteria
     from engine.server.main import ServeConfig
-    from engine.warmup import warm_up
+    from tools.gpu.as_served import warmed_gateway
     from tools.gpu.lone_lanes import Stamps
 
-    engine = Engine.load(args.model if not args.model_path else None, args.model_path)
     cache = {"prompt_cache_block": args.prompt_cache_block, "prompt_cache_bytes": args.prompt_cache_bytes}
     serve = ServeConfig(**{k: v for k, v in cache.items() if v is not None})
-    gateway = Gateway(engine.model, serve.gateway_config(engine.kernels.tier), builds=engine.kernels.builds)
-    start = time.perf_counter()
-    warm_up(gateway, args.warmup, context=context_of(engine.config), log=lambda line: print(line, flush=True))
-    gc.collect()
-    mx.clear_cache()
+    model = args.model if not args.model_path else None
+    engine, gateway, seconds = warmed_gateway(
+        model, args.model_path, args.warmup, serve, log=lambda line: print(line, flush=True)
+    )
     print(
-        f"warm-up {args.warmup}: {time.perf_counter() - start:.1f} s, kernels {engine.kernels.tier}, prompt cache "
+        f"warm-up {args.warmup}: {seconds:.1f} s, kernels {engine.kernels.tier}, prompt cache "
         f"{serve.prompt_cache_bytes} bytes, blocks of {serve.prompt_cache_block}",
         flush=True,
     )
