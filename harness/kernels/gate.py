@@ -6,8 +6,8 @@ random-weight models the distributions are near-flat, and any change in the
 order of a sum flips greedy tokens within a few steps, however valid.
 
 Teacher-forced, so that every tier is compared on the same tokens: for each
-prompt the exact tier decodes `steps` tokens greedily at one row; those tokens
-go to the reference (one float32 forward over prompt and tokens), to the
+prompt the exact tier decodes `steps` tokens greedily (the largest row count's
+rows as one batch, which is its forced run at that count); those tokens go to the reference (one float32 forward over prompt and tokens), to the
 exact tier and to the fast tier (the prompt prefilled, then one token a step,
 `rows` rows a batch, each row against its own reference). At every position,
 per tier: KL(reference || tier), whether its top-1 token is the reference's,
@@ -164,22 +164,44 @@ class Prefilled:
         return Prefilled(copy.deepcopy(self.cache), self.last)
 
 
+def decode(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    tokens: Sequence[Sequence[int]] | None = None,
+    starts: Sequence[Prefilled | None] = (),
+) -> tuple[list[list[int]], list[mx.array]]:
+    """Each prompt's row decoded `steps` tokens, all rows as one batch: fed `tokens` where given (forced), else
+    each row's own greedy choice. Each prompt is prefilled on its own (or taken from `starts`, prefilled so by this
+    model and tier; their caches are decoded on), the rows' caches merged (left-padded, as the continuous batcher
+    joins rows), then one token a row a step; one prompt decodes on plain caches, as the serial lane does. The
+    tokens fed after the prompts' last ids (the last of `steps` is chosen, not fed) and each row's logits
+    [steps, V]."""
+    starts = [s or Prefilled.of(model, ids) for ids, s in zip(prompts, starts or [None] * len(prompts))]
+    singles = [s.cache for s in starts]
+    cache = singles[0] if len(prompts) == 1 else merge_rows(singles)
+    inputs = mx.array([[s.last] for s in starts])
+    chosen, out = [[] for _ in prompts], []
+    for i in range(steps):
+        logits = model(inputs, cache)[:, -1].astype(mx.float32)
+        mx.eval(logits)
+        out.append(logits)
+        if tokens is None:
+            for row, best in zip(chosen, mx.argmax(logits, axis=-1).tolist()):
+                row.append(best)
+        if i + 1 < steps:
+            inputs = mx.array([[row[i]] for row in (chosen if tokens is None else tokens)])
+    stacked = mx.stack(out, axis=1)  # [rows, steps, V]
+    return (chosen if tokens is None else [list(t) for t in tokens]), [stacked[r] for r in range(len(prompts))]
+
+
 def greedy(
     model: nn.Module, ids: Sequence[int], steps: int, start: Prefilled | None = None
 ) -> tuple[list[int], mx.array]:
     """One row decoded greedily (from `start`, the prompt prefilled, where given): its tokens and the logits
     [steps, V] that chose them."""
-    start = start or Prefilled.of(model, ids)
-    cache = start.cache
-    inputs = mx.array([[start.last]])
-    tokens, logits = [], []
-    for _ in range(steps):
-        out = model(inputs, cache)[0, -1].astype(mx.float32)
-        mx.eval(out)
-        logits.append(out)
-        tokens.append(int(mx.argmax(out).item()))
-        inputs = mx.array([[tokens[-1]]])
-    return tokens, mx.stack(logits)
+    (tokens,), (logits,) = decode(model, [ids], steps, starts=[start])
+    return tokens, logits
 
 
 def forced(
@@ -188,24 +210,9 @@ def forced(
     tokens: Sequence[Sequence[int]],
     starts: Sequence[Prefilled | None] = (),
 ) -> list[mx.array]:
-    """The logits [steps, V] of each prompt's row fed `tokens` after it, all rows decoding as one batch: each
-    prompt prefilled on its own (or taken from `starts`, prefilled so by this model and tier; their caches are
-    decoded on), the rows' caches merged (left-padded, as the continuous batcher joins rows), then one token a
-    row a step. One prompt decodes on plain caches, as the serial lane does."""
-    starts = [s or Prefilled.of(model, ids) for ids, s in zip(prompts, starts or [None] * len(prompts))]
-    singles = [s.cache for s in starts]
-    cache = singles[0] if len(prompts) == 1 else merge_rows(singles)
-    inputs = mx.array([[s.last] for s in starts])
-    steps = len(tokens[0])
-    out = []
-    for i in range(steps):
-        logits = model(inputs, cache)[:, -1].astype(mx.float32)
-        mx.eval(logits)
-        out.append(logits)
-        if i + 1 < steps:
-            inputs = mx.array([[row[i]] for row in tokens])
-    stacked = mx.stack(out, axis=1)  # [rows, steps, V]
-    return [stacked[r] for r in range(len(prompts))]
+    """The logits [steps, V] of each prompt's row fed `tokens` after it, all rows decoding as one batch
+    (`decode`)."""
+    return decode(model, prompts, len(tokens[0]), tokens, starts)[1]
 
 
 def run_gates(
@@ -218,7 +225,8 @@ def run_gates(
     on_progress: Callable[[str], None] | None = None,
 ) -> list[GateResult]:
     """The gate on the artifact at `path` at each row count (`gate_prompts`), the fast side with `fast`. A
-    prompt several row counts share is decoded and referenced once."""
+    prompt several row counts share is decoded and referenced once; the exact tier's greedy continuations decode
+    the widest row count's rows together."""
     say = on_progress or (lambda message: None)
     model, config = load_model(path)
     install(model, KernelConfig(EXACT))
@@ -226,15 +234,21 @@ def run_gates(
     specs = {r: gate_prompts(r, vocab, lengths, seed) for r in rows}
     unique = list(dict.fromkeys(spec for r in rows for spec in specs[r]))
     prompts = {spec: frozen_prompt_ids(spec[0], vocab, spec[1]) for spec in unique}
-    tokens, alone, prefilled = {}, {}, {}  # prefilled: the exact tier's prompts, for its forced runs at many rows
-    for i, spec in enumerate(unique):
-        say(f"exact tier: greedy continuation {i + 1}/{len(unique)} ({spec[0]}-id prompt)")
-        start = Prefilled.of(model, prompts[spec])
-        if any(r > 1 and spec in specs[r] for r in rows):
-            prefilled[spec] = start
-        tokens[spec], logits = greedy(model, prompts[spec], steps, start.copy() if spec in prefilled else start)
-        if 1 in rows:
-            alone[spec] = logits  # at one row the greedy run is the exact tier's forced run
+    # The exact tier's greedy continuations, the widest row count's rows a batch: those batches are that row
+    # count's forced runs (the same rows, caches and tokens), and the prompts' prefills serve the others'.
+    widest = max(rows)
+    tokens, runs, prefilled = {}, {}, {}
+    greedy_batches = [unique[b : b + widest] for b in range(0, len(unique), widest)]
+    for i, batch in enumerate(greedy_batches):
+        say(f"exact tier: greedy continuations, {len(batch)} rows a batch, batch {i + 1}/{len(greedy_batches)}")
+        starts = [Prefilled.of(model, prompts[spec]) for spec in batch]
+        if len(rows) > 1:
+            prefilled.update((spec, start.copy()) for spec, start in zip(batch, starts))
+        chosen, logits = decode(model, [prompts[spec] for spec in batch], steps, starts=starts)
+        tokens.update(zip(batch, chosen))
+        if batch[0] in specs[widest]:
+            runs.update(zip(batch, logits))
+        del starts, logits
     sequences, starts = [prompts[s] + tokens[s][:-1] for s in unique], [len(prompts[s]) for s in unique]
     say(f"float32 reference ({len(unique)} sequences, {len(batches(sequences, starts))} forwards)")
     # the reference's logits stay in files, each read for a score and freed after it: [steps, V] float32 a
@@ -245,8 +259,7 @@ def run_gates(
         def against(spec: tuple[int, int], logits: mx.array) -> TierScore:
             return score(load_reference(files[spec]), logits)
 
-        exact = {1: {spec: against(spec, logits) for spec, logits in alone.items()}} if 1 in rows else {}
-        del alone
+        exact = {widest: {spec: against(spec, runs.pop(spec)) for spec in specs[widest]}}
 
         def scored(r: int, tier: str, starts: dict) -> dict:
             out = {}
@@ -264,7 +277,7 @@ def run_gates(
             return out
 
         for r in rows:
-            if r > 1:
+            if r != widest:
                 exact[r] = scored(r, EXACT, prefilled)
         del prefilled
         fast_set = install(model, fast, family=config.get("model_type"))

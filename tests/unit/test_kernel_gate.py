@@ -13,7 +13,7 @@ from engine.kernels.quantized_gemv import Fusion
 from engine.loading import load_model
 from harness.cli import main as harness_main
 from harness.kernels.float_reference import Float32Linear, dequantize_f32, forward_logits, reference_logits, to_float32
-from harness.kernels.gate import Prefilled, TierScore, forced, gate_prompts, greedy, run_gate, score
+from harness.kernels.gate import Prefilled, TierScore, decode, forced, gate_prompts, greedy, run_gate, score
 
 FAST_ANYWHERE = KernelConfig(FAST, force=True)
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen35", "tiny-gemma3")
@@ -208,3 +208,12 @@ def test_forced_runs_from_kept_prefills_give_the_same_logits(tiny_path):
     for _ in range(2):
         kept = forced(model, prompts, tokens, [s.copy() for s in starts])
         assert all(mx.array_equal(a, b).item() for a, b in zip(anew, kept))
+
+
+def test_a_greedy_batch_is_its_rows_forced_run(tiny_path):
+    # The gate takes the exact tier's greedy batch at the widest row count as that count's forced run: the rows'
+    # own greedy tokens fed back give the same logits, bit for bit.
+    model, _ = load_model(tiny_path("tiny-qwen35-4bit"))
+    prompts = [list(range(3, 30)), list(range(9, 20)), list(range(40, 47))]
+    chosen, logits = decode(model, prompts, 5)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(logits, forced(model, prompts, chosen)))
