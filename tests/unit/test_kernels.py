@@ -1039,24 +1039,6 @@ def test_row_blocks_in_turn_change_no_bit(m, layout, launch):
         assert mx.array_equal(a, b).item()
 
 
-@cuda_only
-@pytest.mark.parametrize("m", [2, 9, 17, 33, 40, 63, 64])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("launch", ["plain", "gated"])
-def test_activations_permuted_once_a_block_change_no_bit(m, bits, launch):
-    # PX=1: each landed chunk's activations put once in the order the products take them, instead of every warp
-    # re-ordering them for every k-tile: the same fragments, so the same bits (K 5120 split, 1024 not; both
-    # arithmetics: exact integers below 32 rows, rounded from there).
-    for k in (5120, 1024):
-        mats = [make_quantized(n=1000, k=k, bits=bits, seed=i + 1) for i in range(2 if launch == "gated" else 1)]
-        x = mx.random.normal((m, k)).astype(mx.bfloat16)
-        matrices = [(q.weight, q.scales, q.biases) for q in mats]
-        want = quantized_matmuls(x, matrices, 64, bits, gated=launch == "gated")
-        got = quantized_matmuls(x, matrices, 64, bits, layouts=StagedLayouts.parse("PX=1"), gated=launch == "gated")
-        for a, b in zip(got, want):
-            assert mx.array_equal(a, b).item()
-
-
 def test_staged_m_groups_take_more_warps():
     assert StagedConfig(warps=4, m_groups=2).threads() == 256 and StagedConfig().threads() == 128
     assert StagedConfig(m_groups=2).shared_bytes(64, 64, 4) == StagedConfig().shared_bytes(64, 64, 4)

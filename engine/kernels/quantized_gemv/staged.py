@@ -43,9 +43,7 @@ class StagedConfig:
     (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
     exact integers with float32 group sums, the register kernel's arithmetic), and the row blocks a block takes
     in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
-    for all of them, so fewer blocks read them from L2), and whether each chunk's activations are put in the
-    order the products take them once a block (`permuted` 1: one pass and one barrier a chunk) rather than by
-    every warp for every k-tile (0)."""
+    for all of them, so fewer blocks read them from L2)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -56,7 +54,6 @@ class StagedConfig:
     m_groups: int = 1
     rounded: int = 0
     row_blocks: int = 1
-    permuted: int = 0
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -73,7 +70,6 @@ class StagedConfig:
             ("MG", self.m_groups),
             ("RW", self.rounded),
             ("NR", self.row_blocks),
-            ("PX", self.permuted),
         ] + ([("MINB", self.min_blocks)] if self.min_blocks else [])
 
     def threads(self) -> int:
@@ -198,7 +194,6 @@ _BODY = r"""
   // kept (CHUNKS chunks, then ST stages of weights, scales and biases); else ST stages of all three.
   constexpr bool RESIDENT = NR > 1;
   static_assert(!RESIDENT || S > 1, "row blocks in turn store split parts");
-  static_assert(!RESIDENT || PX == 0, "activations kept for row blocks in turn are permuted once, not a chunk");
   constexpr int X_BYTES = 8 * NB * XS * 2;          // a chunk's activation rows
   constexpr int X_AREA = RESIDENT ? CHUNKS * X_BYTES : 0;
   constexpr int STAGE_BYTES = (RESIDENT ? 0 : X_BYTES) + R * WS * 4 + 2 * R * GC * 2;
@@ -348,42 +343,10 @@ _BODY = r"""
     for (int wi = 0; wi < WL; ++wi)
       #pragma unroll
       for (int h = 0; h < SPW; ++h) {
-        if constexpr (PX != 0) {  // already in this order (`permute`)
-          xb[wi * SPW + h][0] = xr[wi * PW / 2 + 2 * h];
-          xb[wi * SPW + h][1] = xr[wi * PW / 2 + 2 * h + 1];
-        } else {
-          const int a = wi * PW / 2 + h;
-          xb[wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
-          xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
-        }
+        const int a = wi * PW / 2 + h;
+        xb[wi * SPW + h][0] = __byte_perm(xr[a], xr[a + HALF / 2], 0x5410);  // x[2h], x[2h + HALF]
+        xb[wi * SPW + h][1] = __byte_perm(xr[a], xr[a + HALF / 2], 0x7632);  // x[2h + 1], x[2h + 1 + HALF]
       }
-  };
-  // PX = 1: a landed chunk's activations put in the order `fragments` takes them, once a block: in each weight
-  // word's PW values, x[2h], x[2h + HALF], x[2h + 1], x[2h + 1 + HALF] for h = 0 .. SPW - 1 (16 bytes a step).
-  auto permute = [&](__nv_bfloat16* sx) {
-    constexpr int HP = HALF / 2;                    // registers between a pair's two values
-    constexpr int XU = KC / 8, UNITS = 8 * NB * XU;  // 16-byte units a row, a chunk
-    auto unit = [&](__nv_bfloat16* at) {
-      const uint4 v = *reinterpret_cast<const uint4*>(at);
-      const uint32_t r[4] = {v.x, v.y, v.z, v.w};
-      uint32_t o[4];
-      #pragma unroll
-      for (int q = 0; q < 4; q += 2 * HP)
-        #pragma unroll
-        for (int h = 0; h < HP; ++h) {
-          o[q + 2 * h] = __byte_perm(r[q + h], r[q + h + HP], 0x5410);
-          o[q + 2 * h + 1] = __byte_perm(r[q + h], r[q + h + HP], 0x7632);
-        }
-      *reinterpret_cast<uint4*>(at) = make_uint4(o[0], o[1], o[2], o[3]);
-    };
-    if constexpr (THREADS % XU == 0) {  // a thread's units keep one column, THREADS / XU rows apart
-      __nv_bfloat16* at = sx + (threadIdx.x / XU) * XS + (threadIdx.x % XU) * 8;
-      #pragma unroll
-      for (int j = 0; j < (UNITS + THREADS - 1) / THREADS; ++j)
-        if (UNITS % THREADS == 0 || (int)threadIdx.x + j * THREADS < UNITS) unit(at + j * (THREADS / XU) * XS);
-    } else {
-      for (int i = threadIdx.x; i < UNITS; i += THREADS) unit(sx + (i / XU) * XS + (i % XU) * 8);
-    }
   };
   // Row tile r's A fragments of k-tile u (lane (g, t): its words of rows g and g + 8), each pair of values as
   // `pair(word, j, row)` makes it (row 0: g, 1: g + 8).
@@ -490,10 +453,6 @@ _BODY = r"""
     asm volatile("cp.async.wait_group %0;" :: "n"(ST - 2) : "memory");
     __syncthreads();
     issue(it + ST - 1);
-    if constexpr (PX != 0) {
-      permute(stage_x(it % ST));
-      __syncthreads();
-    }
     multiply(it);
     if (RESIDENT && it % CHUNKS == CHUNKS - 1 && it + 1 < ITERS) {
       // ROW BLOCK DONE
