@@ -139,7 +139,7 @@ def _host_list(text: str) -> frozenset[str]:
 def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     """`--kernels {auto,exact,fast}`: the kernel tier the model runs (engine.kernels)."""
     from engine.kernels import AUTO, TIERS
-    from engine.kernels.config import STATE_DTYPES
+    from engine.kernels.config import DEFAULT_STATE_DTYPE, STATE_DTYPES
 
     p.add_argument(
         "--kernels",
@@ -154,11 +154,11 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-dtype",
         choices=STATE_DTYPES,
-        default="float32",
+        default=DEFAULT_STATE_DTYPE,
         help="the dtype the fast tier keeps Gated DeltaNet layers' recurrent state in: bfloat16 or float16 "
-        "halves its memory and the bytes a batched decode step moves (the math stays float32; float16 keeps "
-        "3 more bits of each value, bfloat16 a wider range); the exact tier keeps mlx-lm's float32 "
-        "(default float32)",
+        "halves its memory and the bytes a batched decode step moves against float32 (the math stays float32; "
+        "float16 keeps 3 more bits of each value, bfloat16 a wider range); the exact tier keeps mlx-lm's "
+        f"float32 (default {DEFAULT_STATE_DTYPE})",
     )
 
 

@@ -47,6 +47,9 @@ STATE_DTYPES = (
     "bfloat16",
     "float16",
 )  # the recurrent state's dtypes on the fast tier (`KernelConfig.state_dtype`)
+# The fast tier's default: its gate over 1,024 steps passed on qwen27b (8 rows) and trained-qwen35 (1 and 8 rows),
+# and it takes 0.93-0.99x float32's steps on the H200 (docs/kernels.md, "The state's dtype")
+DEFAULT_STATE_DTYPE = "float16"
 
 
 def check_tier(tier: str) -> None:
@@ -85,7 +88,7 @@ class KernelConfig:
     attention_kernels: bool = True  # that step's attention as CUDA kernels
     dense_min_rows: int | None = DENSE_MIN_ROWS
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
-    state_dtype: str = "float32"
+    state_dtype: str = DEFAULT_STATE_DTYPE
     compiled_prefill: bool = False  # a prompt chunk's layers as compiled calls (gated_delta_prefill)
     scan_tokens: int = 0  # verify windows and prompt chunks up to this many tokens: one DeltaNet core launch
     keep_dense: bool = False  # the dense path's dequantized weights made once and kept (2 bytes a weight more)

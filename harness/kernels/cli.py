@@ -10,7 +10,7 @@ from rich.table import Table
 from engine.device import device_label
 from engine.errors import UnknownModelError
 from engine.kernels import FAST, KernelConfig
-from engine.kernels.config import STATE_DTYPES
+from engine.kernels.config import DEFAULT_STATE_DTYPE, STATE_DTYPES
 from engine.model_source import resolve_model_dir
 from engine.registry import all_specs, get_spec
 from engine.synth.artifact import artifact_dir, is_cached
@@ -113,9 +113,9 @@ def add_kernels(sub) -> None:
     p.add_argument(
         "--state-dtype",
         choices=STATE_DTYPES,
-        default="float32",
+        default=DEFAULT_STATE_DTYPE,
         help="with --gate-model: the dtype the fast tier keeps DeltaNet states in (engine serve --state-dtype; "
-        "default float32)",
+        f"default {DEFAULT_STATE_DTYPE})",
     )
     p.add_argument(
         "--force",

@@ -186,7 +186,7 @@ def run(
     off: tuple[str, ...] = (),
     variants: Sequence[str] = (),
     only_staged: bool = False,
-    state_dtypes: Sequence[str] = ("float32",),
+    state_dtypes: Sequence[str] = (),
     rounds: int = 1,
     dense_rows: Sequence[int] = (0,),
 ) -> None:
@@ -196,6 +196,7 @@ def run(
 
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
+    from engine.kernels.config import DEFAULT_STATE_DTYPE
     from engine.kernels.quantized_gemv import staged
 
     layouts = [(None, {}, "")] * (not only_staged) + [
@@ -205,16 +206,12 @@ def run(
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
         tier, _, dense = tier.partition("+dense")
         tier, _, state_dtype = tier.partition("/")
-        switches = {name: False for name in off} | {"state_dtype": state_dtype or "float32"}
+        switches = {name: False for name in off} | {"state_dtype": state_dtype or DEFAULT_STATE_DTYPE}
         if dense:  # the copies made at install, as ENGINE_KEEP_DENSE=1 makes them
             switches |= {"keep_dense": True, "dense_decode_rows": int(dense)}
         return dataclasses.replace(KernelConfig.from_env(tier), **switches)
 
-    tiers = [
-        t if len(state_dtypes) == 1 and state_dtypes[0] == "float32" else f"{t}/{d}"
-        for t in tiers
-        for d in state_dtypes
-    ]
+    tiers = [f"{t}/{d}" if d else t for t in tiers for d in state_dtypes or ("",)]
     tiers = [t + (f"+dense{n}" if n else "") for t in tiers for n in dense_rows]
     eng = Engine.load(model_name, with_tokenizer=False, kernels=config(tiers[0]))
     cells = cells_of(tiers, layouts, rows_list, staged.MIN_ROWS)
@@ -395,8 +392,9 @@ def main() -> None:
     p.add_argument("--only-staged", action="store_true", help="run the --staged layouts only, not the tree's")
     p.add_argument(
         "--state-dtype",
-        default="float32",
-        help="the fast tier's DeltaNet state dtypes to run each tier with, comma-separated (float32, bfloat16)",
+        default="",
+        help="the fast tier's DeltaNet state dtypes to run each tier with, comma-separated (float32, bfloat16, "
+        "float16; default the fast tier's, unnamed in the output)",
     )
     p.add_argument(
         "--dense-rows",
@@ -441,7 +439,7 @@ def main() -> None:
             off,
             args.staged,
             args.only_staged,
-            args.state_dtype.split(","),
+            [d for d in args.state_dtype.split(",") if d],
             args.rounds,
             [int(v) for v in args.dense_rows.split(",")],
         )
