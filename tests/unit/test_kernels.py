@@ -1062,7 +1062,9 @@ def test_fused_decode_step_matches_the_layer_path():
     model = Engine.load("tiny-qwen35-f32", with_tokenizer=False).model
     ids = list(range(3, 11))  # 8 ids: prefill below CHUNKED_MIN_TOKENS, so only the decode step differs
     exact, exact_cache = _decode_states(model, ids, 12)
-    assert install(model, KernelConfig(FAST, force=True, attention_step=True)).chunked_delta_layers > 0
+    # the float32 state the layer path keeps (a 16-bit state's rounding: test_a_16_bit_state_is_kept_in_its_dtype_...)
+    fast_config = KernelConfig(FAST, force=True, attention_step=True, state_dtype="float32")
+    assert install(model, fast_config).chunked_delta_layers > 0
     assert all(layer.fused_step is not None for layer in model.layers)  # DeltaNet and attention layers
     fast, fast_cache = _decode_states(model, ids, 12)
     install(model, KernelConfig(EXACT))
@@ -1076,7 +1078,8 @@ def test_fused_decode_step_matches_the_layer_path():
 
 
 @pytest.mark.parametrize("prompt", [8, 40])  # below and above CHUNKED_MIN_TOKENS: the recurrence and the chunked rule
-def test_bfloat16_state_is_kept_in_bfloat16_through_prefill_steps_and_traces(prompt):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])  # float16: the fast tier's default
+def test_a_16_bit_state_is_kept_in_its_dtype_through_prefill_steps_and_traces(prompt, dtype):
     from engine.batch.kv_layout import kv_layout
     from engine.engine import Engine
 
@@ -1084,20 +1087,20 @@ def test_bfloat16_state_is_kept_in_bfloat16_through_prefill_steps_and_traces(pro
     ids = list(range(3, 3 + prompt))
     full, full_cache = _decode_states(model, ids, 12)
     wide = kv_layout(model).layers[0].fixed_bytes
-    install(model, KernelConfig(FAST, force=True, state_dtype="bfloat16"))
+    install(model, KernelConfig(FAST, force=True, state_dtype=dtype))
     try:
         half, half_cache = _decode_states(model, ids, 12)
         assert kv_layout(model).layers[0].fixed_bytes < wide
         recurrent = [c for c in half_cache if hasattr(c, "start_trace")]
-        assert recurrent and all(c[1].dtype == mx.bfloat16 for c in recurrent)
+        assert recurrent and all(c[1].dtype == getattr(mx, dtype) for c in recurrent)
         for c in recurrent:
             c.start_trace()
         model(mx.array([[5, 6, 7]]), half_cache)  # a traced window (speculative decoding) keeps the dtype too
-        assert all(s.dtype == mx.bfloat16 for c in recurrent for s in c.trace.states)
+        assert all(s.dtype == getattr(mx, dtype) for c in recurrent for s in c.trace.states)
     finally:
         install(model, KernelConfig(EXACT))
     assert all(c[1].dtype == mx.float32 for c in full_cache if hasattr(c, "start_trace"))
-    # one bf16 rounding of the state a token, the math in float32: the logits follow the float32 state's
+    # one rounding of the state a token, the math in float32: the logits follow the float32 state's
     assert max(mx.abs(a - b).max().item() for a, b in zip(full, half)) < 0.05
     with pytest.raises(ValueError, match="state dtype"):
         KernelConfig(FAST, state_dtype="float64")
