@@ -7,9 +7,10 @@ order of a sum flips greedy tokens within a few steps, however valid.
 
 Teacher-forced, so that every tier is compared on the same tokens: for each
 prompt the exact tier decodes `steps` tokens greedily (the largest row count's
-rows as one batch, which is its forced run at that count); those tokens go to the reference (one float32 forward over prompt and tokens), to the
-exact tier and to the fast tier (the prompt prefilled, then one token a step,
-`rows` rows a batch, each row against its own reference). At every position,
+rows as one batch, which is its forced run at that count); those tokens go to
+the reference (one float32 forward over prompt and tokens), to the exact tier
+and to the fast tier (the prompt prefilled, then one token a step, `rows` rows
+a batch, each row against its own reference). At every position,
 per tier: KL(reference || tier), whether its top-1 token is the reference's,
 and the largest |logit difference|. The fast tier passes when over all
 positions its mean KL is at most `KL_RATIO` times the exact tier's plus

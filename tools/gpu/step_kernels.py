@@ -196,7 +196,6 @@ def run(
 
     from engine.engine import Engine
     from engine.kernels import KernelConfig, install
-    from engine.kernels.config import DEFAULT_STATE_DTYPE
     from engine.kernels.quantized_gemv import staged
 
     layouts = [(None, {}, "")] * (not only_staged) + [
@@ -206,7 +205,7 @@ def run(
     def config(tier: str) -> KernelConfig:  # `off`: KernelConfig switches turned off (attention_kernels, ...)
         tier, _, dense = tier.partition("+dense")
         tier, _, state_dtype = tier.partition("/")
-        switches = {name: False for name in off} | {"state_dtype": state_dtype or DEFAULT_STATE_DTYPE}
+        switches = {name: False for name in off} | ({"state_dtype": state_dtype} if state_dtype else {})
         if dense:  # the copies made at install, as ENGINE_KEEP_DENSE=1 makes them
             switches |= {"keep_dense": True, "dense_decode_rows": int(dense)}
         return dataclasses.replace(KernelConfig.from_env(tier), **switches)
