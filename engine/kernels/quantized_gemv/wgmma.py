@@ -1,0 +1,246 @@
+"""A 4-bit matmul for up to 64 activation rows on Hopper's warpgroup MMA (`wgmma`): a prototype beside the
+staged kernel, used by no layer yet (docs/kernels.md, "Batched rows").
+
+At 64 rows the staged kernel's `mma.sync` products wait on latency with 12 warps an SM, ~5 instructions a
+16x8x16 product. Here one warpgroup (4 warps) takes 128 weight rows of a split of K: each chunk (128 k values)
+of the M activation rows, the block's weight words, scales and biases lands in shared memory by `cp.async`, the
+activations laid out as wgmma's core matrices (8 rows of 16 bytes, K-major, no swizzle), so the tensor cores
+read them from there with no register or shuffle work; every thread turns its share of the weights into bf16
+round(q * scale + bias) (the staged kernel's rounded arithmetic, one rounding) as wgmma's A fragments in
+registers, one 16-k step ahead of the products in flight. Each split writes float32 partial sums [S, M, N].
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.quantized_gemv.source import launch_bounds
+
+ROWS = 128  # weight rows a block: two 64-row wgmma tiles
+KC = 128  # k values a chunk (two groups of 64)
+STAGES = 2
+X_STAGE = 64 * KC * 2  # the activations of a chunk: 8 row groups x 16 k units, a 128-byte core matrix each
+WS = KC // 8 + 4  # words a weight row in shared memory: 16, padded (16-byte loads of rows g = 0..7: 2 phases)
+W_STAGE = ROWS * WS * 4
+SB_STAGE = ROWS * 2 * 2 * 2  # two groups' scales, then biases, bf16
+STAGE = X_STAGE + W_STAGE + SB_STAGE
+SHARED = STAGES * STAGE
+
+_HEADER = r"""
+__device__ __forceinline__ uint32_t engine_wg_pair(uint32_t word, uint32_t t, __nv_bfloat162 scale,
+                                                   __nv_bfloat162 bias) {
+  // values 2t and 2t + 1 of a 4-bit word (its byte t) as bf16 round(q * scale + bias), low half value 2t
+  uint32_t v = __byte_perm(word, 0u, 0x4440u | t);  // byte t alone
+  v *= 0x1001u;                                     // its high nibble also at bits 16-19
+  asm("lop3.b32 %0, %0, %1, %2, 0xEA;" : "+r"(v) : "r"(0x000F000Fu), "r"(0x43004300u));
+  __nv_bfloat162 q = *reinterpret_cast<const __nv_bfloat162*>(&v);
+  q = __hsub2(q, __float2bfloat162_rn(128.0f));
+  const __nv_bfloat162 w = __hfma2(q, scale, bias);
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+__device__ __forceinline__ uint64_t engine_wg_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  // a no-swizzle shared-memory matrix descriptor: start, leading (K) and stride (M/N) byte offsets, each / 16
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+         ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ void engine_wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void engine_wg_hold(float (&d)[32]) {
+  // the accumulators as the compiler must see them across wgmma's asynchronous writes (no read moved over)
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+"""
+
+_SOURCE = r"""
+  constexpr int ROWS = 128, KC = 128, ST = 2, WS = KC / 8 + 4, GS = 64, STEPS = KC / 16;
+  constexpr int X_STAGE = 64 * KC * 2, W_STAGE = ROWS * WS * 4, STAGE = X_STAGE + W_STAGE + ROWS * 8;
+  constexpr int KS = K / S, CHUNKS = KS / KC, WORDS = K / 8, GROUPS = K / GS;
+  static_assert(KS % KC == 0, "a split takes whole chunks");
+  extern __shared__ __align__(128) unsigned char engine_stages[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const uint32_t t = lane & 3;
+  const int blk = blockIdx.x / S, split = blockIdx.x % S, row0 = blk * ROWS;
+  const int k_first = split * KS;
+  auto copy16 = [&](void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+  };
+  auto copy4 = [&](void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
+  };
+  // Chunk c into stage b: activation row m's k unit u (8 values) to core matrix (u, m / 8), its row m % 8
+  // (16 bytes; core matrices 128 bytes, u after u: 1024 bytes apart); rows past M are not copied (their
+  // products reach only columns that are not stored). Weight rows past N copy row N - 1.
+  auto issue = [&](const int c) {
+    if (c < CHUNKS) {
+      unsigned char* st = engine_stages + (c % ST) * STAGE;
+      const int k0 = k_first + c * KC;
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) {  // a warp: 8 rows of one row group, 4 k units each (64 bytes a row)
+        const int i = tid + 128 * j, u = (i / 256) * 4 + (i / 8) % 4, m = ((i / 32) % 8) * 8 + i % 8;
+        if (m < M) copy16(st + u * 1024 + (m / 8) * 128 + (m % 8) * 16, x + (size_t)m * K + k0 + u * 8);
+      }
+      uint32_t* sw = reinterpret_cast<uint32_t*>(st + X_STAGE);
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = tid / 4 + 32 * j, v = tid % 4;
+        copy16(sw + r * WS + v * 4, w + (size_t)min(row0 + r, N - 1) * WORDS + k0 / 8 + v * 4);
+      }
+      __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(st + X_STAGE + W_STAGE);
+      const size_t at = (size_t)min(row0 + tid, N - 1) * GROUPS + k0 / GS;
+      copy4(ss + tid * 2, scales + at);
+      copy4(ss + ROWS * 2 + tid * 2, biases + at);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+
+  float d[2][32];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r)
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) d[r][i] = 0.0f;
+  engine_wg_hold(d[0]);
+  engine_wg_hold(d[1]);
+  uint32_t a[2][2][4];  // [buffer][tile]: a 16-k step's A fragments, one step ahead
+  // Tile r's rows: R0 = r * 64 + warp * 16 + g and R0 + 8; their A fragments at step s: k 16 s + 2t (+1) and
+  // 16 s + 8 + 2t (+1), byte t of their words 2 s and 2 s + 1. Their scales and biases change every 4 steps.
+  const int wrow = (warp * 16 + g) * WS, srow = (warp * 16 + g) * 2;
+  __nv_bfloat162 sc[2][2], bi[2][2];  // [tile][row g, g + 8]
+  uint4 words[2][2];                  // [tile][row]: the words of two steps
+  auto fragments = [&](uint32_t (&f)[2][4], const unsigned char* st, const int s) {
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(st + X_STAGE) + wrow;
+    const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(st + X_STAGE + W_STAGE) + srow;
+    if (s % (GS / 16) == 0) {
+      const int grp = s * 16 / GS;
+      #pragma unroll
+      for (int r = 0; r < 2; ++r)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int at = (r * 64 + h * 8) * 2 + grp;
+          sc[r][h] = __bfloat162bfloat162(ss[at]);
+          bi[r][h] = __bfloat162bfloat162(ss[ROWS * 2 + at]);
+        }
+    }
+    if (s % 2 == 0)
+      #pragma unroll
+      for (int r = 0; r < 2; ++r)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) words[r][h] = *reinterpret_cast<const uint4*>(sw + (r * 64 + h * 8) * WS + 2 * s);
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t lo0 = s % 2 ? words[r][0].z : words[r][0].x, hi0 = s % 2 ? words[r][0].w : words[r][0].y;
+      const uint32_t lo1 = s % 2 ? words[r][1].z : words[r][1].x, hi1 = s % 2 ? words[r][1].w : words[r][1].y;
+      f[r][0] = engine_wg_pair(lo0, t, sc[r][0], bi[r][0]);
+      f[r][1] = engine_wg_pair(lo1, t, sc[r][1], bi[r][1]);
+      f[r][2] = engine_wg_pair(hi0, t, sc[r][0], bi[r][0]);
+      f[r][3] = engine_wg_pair(hi1, t, sc[r][1], bi[r][1]);
+    }
+  };
+
+  issue(0);
+  #pragma unroll 1
+  for (int c = 0; c < CHUNKS; ++c) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, seen by wgmma's async reads
+    __syncthreads();
+    issue(c + 1);
+    const unsigned char* st = engine_stages + (c % ST) * STAGE;
+    fragments(a[0], st, 0);
+    #pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      #pragma unroll
+      for (int r = 0; r < 2; ++r)
+        engine_wg_mma(d[r], a[s & 1][r], engine_wg_desc(st + 2 * s * 1024, LBO, SBO));
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      if (s + 1 < STEPS) {
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step s - 1 done: its buffer is free
+        fragments(a[(s + 1) & 1], st, s + 1);
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // the stage is free for chunk c + 2
+    engine_wg_hold(d[0]);
+    engine_wg_hold(d[1]);
+  }
+  // d[r][4j + i]: weight row r * 64 + warp * 16 + g + 8 (i / 2), activation row 8 j + 2 t + i % 2
+  #pragma unroll
+  for (int r = 0; r < 2; ++r)
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * j + 2 * (int)t + (i & 1), n = row0 + r * 64 + warp * 16 + g + 8 * (i >> 1);
+        if (m < M && n < N) part[((size_t)split * M + m) * N + n] = d[r][4 * j + i];
+      }
+"""
+
+# The activations' core matrices: k unit after k unit 1024 bytes apart (K, the leading dimension), row group
+# after row group 128 bytes apart (N, the stride dimension).
+LBO, SBO = 1024, 128
+
+
+_KERNELS: dict[int, object] = {}
+
+
+def _kernel(min_blocks: int):
+    if min_blocks not in _KERNELS:
+        _KERNELS[min_blocks] = cuda_kernel(
+            name="engine_wgmma_q4",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["part"],
+            source=_SOURCE,
+            header=launch_bounds(128, min_blocks) + _HEADER,
+            shared_memory=SHARED,
+        )
+    return _KERNELS[min_blocks]
+
+
+def splits(k: int, values: int = 2176) -> int:
+    """The fewest splits of K into whole chunks of at most `values` k values each."""
+    chunks = k // KC
+    return next(s for s in range(1, chunks + 1) if chunks % s == 0 and k // s <= values)
+
+
+def wgmma_parts(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    n_splits: int = 0,
+    min_blocks: int = 3,
+    lbo: int = LBO,
+    sbo: int = SBO,
+) -> mx.array:
+    """x [M, K] bf16 (M <= 64) times the 4-bit, group-64 matrix (w [N, K / 8] uint32, scales and biases [N, K / 64]
+    bf16) transposed: float32 partial sums [S, M, N] over S splits of K (`splits` where 0), at least `min_blocks`
+    blocks an SM (its registers capped to fit; 0: uncapped); `lbo` / `sbo` the activations' descriptor offsets
+    (for trying the other reading of the layout)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > 64 or k % KC or w.shape[1] * 8 != k or scales.shape[1] * 64 != k:
+        raise ValueError(f"wgmma_parts takes up to 64 rows, K a multiple of {KC} and group 64 at 4 bits")
+    s = n_splits or splits(k)
+    template = [("M", m), ("K", k), ("N", n), ("S", s), ("LBO", lbo), ("SBO", sbo)]
+    return _kernel(min_blocks)(
+        inputs=[x, w, scales, biases],
+        template=template,
+        output_shapes=[(s, m, n)],
+        output_dtypes=[mx.float32],
+        grid=(-(-n // ROWS) * s * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+    )[0]
