@@ -1,0 +1,40 @@
+"""Which reading of the wgmma prototype's activation layout the GPU takes: the products with the descriptor's
+leading and stride byte offsets as written (K 1024, N 128) and swapped, each against the rounded function.
+
+    python3 -m tools.gpu.wgmma_layouts [--rows 64] [--shape 4096x5120]
+
+Prints each reading's largest difference from the reference and whether it is inside the CUDA test's bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+
+from engine.kernels.quantized_gemv.wgmma import LBO, SBO, wgmma_parts
+from harness.kernels.bench import random_quantized
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=64, help="activation rows (at most 64)")
+    p.add_argument("--shape", default="4096x5120", help="NxK of the 4-bit, group-64 matrix")
+    args = p.parse_args()
+    n, k = (int(v) for v in args.shape.split("x"))
+    w, scales, biases = random_quantized(n, k, 4, 64)
+    x = mx.random.normal((args.rows, k)).astype(mx.bfloat16)
+    with mx.stream(mx.cpu):  # the rounded function: weights rounded once to bf16, float32 sums
+        f32 = mx.float32
+        dense = mx.dequantize(w, scales.astype(f32), biases.astype(f32), 64, 4).astype(mx.bfloat16).astype(f32)
+        want = x.astype(f32) @ dense.T
+        mx.eval(want)
+    for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
+        got = wgmma_parts(x, w, scales, biases, lbo=lbo, sbo=sbo).sum(axis=0)
+        diff = mx.abs(got - want)
+        inside = mx.all(diff <= 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()).item()
+        print(f"LBO {lbo} SBO {sbo}: max |diff| {diff.max().item():.3e}, inside the bound: {inside}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
