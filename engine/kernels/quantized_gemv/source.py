@@ -28,6 +28,15 @@ from engine.kernels.quantized_gemv.fusion import Fusion
 
 HEADER = r"""
 #include <cuda_bf16.h>
+// cp.async copies of 16 bytes (cached in L2 only) and 4 bytes into shared memory
+__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void engine_cp4(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
+}
 template <int WL> struct engine_words { using type = uint2; };
 template <> struct engine_words<1> { using type = uint32_t; };
 template <int U> struct engine_scale_vec { using type = uint2; };   // 4 bf16

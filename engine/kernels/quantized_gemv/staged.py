@@ -224,14 +224,6 @@ _BODY = r"""
     return reinterpret_cast<uint32_t*>(engine_stages + X_AREA + b * STAGE_BYTES + (RESIDENT ? 0 : X_BYTES));
   };
   auto stage_s = [&](const int b) { return reinterpret_cast<__nv_bfloat16*>(stage_w(b) + R * WS); };
-  auto copy16 = [&](void* dst, const void* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-  };
-  auto copy4 = [&](void* dst, const void* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
-  };
   // Each thread's copies of a chunk, planned once (a chunk moves every source by its k offset, never its rows):
   // its activation rows m0 + j * XM, its weight and scale rows' sources and slots. Rows past M or N are never
   // read into a stored result (an mma's B column reaches only its own output column): past N, N - 1's or none.
@@ -292,12 +284,12 @@ _BODY = r"""
           #pragma unroll
           for (int j = 0; j < NXC; ++j)
             if ((M * XV) % THREADS == 0 || (int)(threadIdx.x / XV) + j * XM < M)
-              copy16(sx + x_dst + j * XM * XS, x_src + (size_t)j * XM * K + c * KC);
+              engine_cp16(sx + x_dst + j * XM * XS, x_src + (size_t)j * XM * K + c * KC);
         } else {
           #pragma unroll 1
           for (int i = threadIdx.x; i < M * XV; i += THREADS) {
             const int m = i / XV, v = i % XV;
-            copy16(sx + m * XS + v * 8, x_src + (size_t)m * K + c * KC + v * 8);
+            engine_cp16(sx + m * XS + v * 8, x_src + (size_t)m * K + c * KC + v * 8);
           }
         }
       }
@@ -306,17 +298,17 @@ _BODY = r"""
       for (int j = 0; j < NWC; ++j) {
         if constexpr (W_ROWS) {
           if (((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) && w_row + rb * BR + j * W_STEP < N)
-            copy16(sw + w_dst[0] + j * SW * WS,
+            engine_cp16(sw + w_dst[0] + j * SW * WS,
                    w_src[0] + (size_t)(rb * BR + j * W_STEP) * WORDS_PER_ROW + c * (KC / PW));
         } else if ((R * WV) % THREADS == 0 || threadIdx.x + j * THREADS < R * WV) {
-          copy16(sw + w_dst[j], w_src[j] + c * (KC / PW));
+          engine_cp16(sw + w_dst[j], w_src[j] + c * (KC / PW));
         }
       }
       __nv_bfloat16* ss = stage_s(b);
       #pragma unroll
       for (int j = 0; j < NSC; ++j)
         if ((SC % THREADS == 0 || threadIdx.x + j * THREADS < SC) && (!RESIDENT || s_row[j] + rb * BR < N))
-          copy4(ss + s_dst[j], s_src[j] + (size_t)rb * BR * GROUPS_PER_ROW + c * GC);
+          engine_cp4(ss + s_dst[j], s_src[j] + (size_t)rb * BR * GROUPS_PER_ROW + c * GC);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };

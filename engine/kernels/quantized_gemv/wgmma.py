@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
-from engine.kernels.quantized_gemv.source import launch_bounds
+from engine.kernels.quantized_gemv.source import HEADER, launch_bounds
 
 ROWS = 128  # weight rows a block: two 64-row wgmma tiles
 KC = 128  # k values a chunk (two groups of 64)
@@ -75,14 +75,6 @@ _SOURCE = r"""
   const uint32_t t = lane & 3;
   const int blk = blockIdx.x / S, split = blockIdx.x % S, row0 = blk * ROWS;
   const int k_first = split * KS;
-  auto copy16 = [&](void* dst, const void* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-  };
-  auto copy4 = [&](void* dst, const void* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
-  };
   // Chunk c into stage b: activation row m's k unit u (8 values) to core matrix (u, m / 8), its row m % 8
   // (16 bytes; core matrices 128 bytes, u after u: 1024 bytes apart); rows past M are not copied (their
   // products reach only columns that are not stored). Weight rows past N copy row N - 1.
@@ -93,18 +85,18 @@ _SOURCE = r"""
       #pragma unroll
       for (int j = 0; j < 8; ++j) {  // a warp: 8 rows of one row group, 4 k units each (64 bytes a row)
         const int i = tid + 128 * j, u = (i / 256) * 4 + (i / 8) % 4, m = ((i / 32) % 8) * 8 + i % 8;
-        if (m < M) copy16(st + u * 1024 + (m / 8) * 128 + (m % 8) * 16, x + (size_t)m * K + k0 + u * 8);
+        if (m < M) engine_cp16(st + u * 1024 + (m / 8) * 128 + (m % 8) * 16, x + (size_t)m * K + k0 + u * 8);
       }
       uint32_t* sw = reinterpret_cast<uint32_t*>(st + X_STAGE);
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = tid / 4 + 32 * j, v = tid % 4;
-        copy16(sw + r * WS + v * 4, w + (size_t)min(row0 + r, N - 1) * WORDS + k0 / 8 + v * 4);
+        engine_cp16(sw + r * WS + v * 4, w + (size_t)min(row0 + r, N - 1) * WORDS + k0 / 8 + v * 4);
       }
       __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(st + X_STAGE + W_STAGE);
       const size_t at = (size_t)min(row0 + tid, N - 1) * GROUPS + k0 / GS;
-      copy4(ss + tid * 2, scales + at);
-      copy4(ss + ROWS * 2 + tid * 2, biases + at);
+      engine_cp4(ss + tid * 2, scales + at);
+      engine_cp4(ss + ROWS * 2 + tid * 2, biases + at);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
@@ -204,7 +196,7 @@ def _kernel(min_blocks: int):
             input_names=["x", "w", "scales", "biases"],
             output_names=["part"],
             source=_SOURCE,
-            header=launch_bounds(128, min_blocks) + _HEADER,
+            header=HEADER + launch_bounds(128, min_blocks) + _HEADER,
             shared_memory=SHARED,
         )
     return _KERNELS[min_blocks]
