@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv.source import HEADER, launch_bounds
+from engine.kernels.quantized_gemv.staged import splits
 
 ROWS = 128  # weight rows a block: two 64-row wgmma tiles
 KC = 128  # k values a chunk (two groups of 64)
@@ -202,12 +203,6 @@ def _kernel(min_blocks: int):
     return _KERNELS[min_blocks]
 
 
-def splits(k: int, values: int = 2176) -> int:
-    """The fewest splits of K into whole chunks of at most `values` k values each."""
-    chunks = k // KC
-    return next(s for s in range(1, chunks + 1) if chunks % s == 0 and k // s <= values)
-
-
 def wgmma_parts(
     x: mx.array,
     w: mx.array,
@@ -219,14 +214,14 @@ def wgmma_parts(
     sbo: int = SBO,
 ) -> mx.array:
     """x [M, K] bf16 (M <= 64) times the 4-bit, group-64 matrix (w [N, K / 8] uint32, scales and biases [N, K / 64]
-    bf16) transposed: float32 partial sums [S, M, N] over S splits of K (`splits` where 0), at least `min_blocks`
+    bf16) transposed: float32 partial sums [S, M, N] over S splits of K (the staged kernel's `splits` where 0), at least `min_blocks`
     blocks an SM (its registers capped to fit; 0: uncapped); `lbo` / `sbo` the activations' descriptor offsets
     (for trying the other reading of the layout)."""
     m, k = x.shape
     n = w.shape[0]
     if m > 64 or k % KC or w.shape[1] * 8 != k or scales.shape[1] * 64 != k:
         raise ValueError(f"wgmma_parts takes up to 64 rows, K a multiple of {KC} and group 64 at 4 bits")
-    s = n_splits or splits(k)
+    s = n_splits or splits(k, KC)
     template = [("M", m), ("K", k), ("N", n), ("S", s), ("LBO", lbo), ("SBO", sbo)]
     return _kernel(min_blocks)(
         inputs=[x, w, scales, biases],
