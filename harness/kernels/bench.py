@@ -296,6 +296,17 @@ def weight_copies(w: mx.array, scales: mx.array, biases: mx.array, cfg: BenchCon
     return lambda: next(turn)
 
 
+def rounded_reference(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """x times the quantized matrix transposed with each weight rounded once to bf16, round(q * scale + bias) (the
+    staged kernel's rounded arithmetic), summed in float32 on the CPU."""
+    with mx.stream(mx.cpu):
+        f32 = mx.float32
+        dense = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)
+        return x.astype(f32) @ dense.astype(mx.bfloat16).astype(f32).T
+
+
 def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
     """(w, scales, biases) of a random [N, K] bf16 matrix with a linear layer's scale, evaluated."""
     quantized = mx.quantize((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16), group_size=group_size, bits=bits)

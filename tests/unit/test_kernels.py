@@ -39,7 +39,7 @@ from engine.kernels.quantized_gemv.staged import StagedConfig, in_turn, shared_r
 from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
-from harness.kernels.bench import delta_inputs
+from harness.kernels.bench import delta_inputs, rounded_reference
 
 cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
 FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
@@ -232,7 +232,9 @@ def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
     if staged_takes(m, k, group, bits, Fusion()) and staged_config(m, k, group, bits).rounded:
-        exact = _rounded_reference(x, q, group, bits)  # from a batch of 32 rows the weights enter rounded (RW=1)
+        exact = rounded_reference(
+            x, q.weight, q.scales, q.biases, group, bits
+        )  # from a batch of 32 rows the weights enter rounded (RW=1)
     else:
         with mx.stream(mx.cpu):  # float32 on the CPU (no TF32); weights dequantized in float32, not rounded
             f32 = mx.float32
@@ -863,14 +865,6 @@ def test_staged_layouts_match_float32(m, layout):
     assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
 
 
-def _rounded_reference(x, q, group_size, bits):
-    # x times the weights rounded once to bf16, round(q * scale + bias), summed in float32 on the CPU
-    with mx.stream(mx.cpu):
-        f32 = mx.float32
-        w = mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), group_size, bits)
-        return x.astype(f32) @ w.astype(mx.bfloat16).astype(f32).T
-
-
 @cuda_only
 @pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
 @pytest.mark.parametrize("m", [9, 16, 17, 32, 33, 63, 64])
@@ -882,7 +876,7 @@ def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, 
     # weights' rounding (harness kernels --gate-model).
     q = make_quantized(n=n, k=k, bits=bits, group_size=group, seed=m)
     x = mx.random.normal((m, k)).astype(mx.bfloat16)
-    want = _rounded_reference(x, q, group, bits)
+    want = rounded_reference(x, q.weight, q.scales, q.biases, group, bits)
     config = replace(staged_config(m, k, group, bits), rounded=1)
     out = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits, config=config).astype(mx.float32)
     tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
@@ -917,7 +911,7 @@ def test_rounded_staged_layouts_sum_the_same_function(m, layout):
         assert mx.array_equal(
             out, quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(rounded=1))
         ).item()
-    want = _rounded_reference(x, q, 64, 4)
+    want = rounded_reference(x, q.weight, q.scales, q.biases, 64, 4)
     tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
     assert mx.all(mx.abs(out.astype(mx.float32) - want) <= tol).item()
 

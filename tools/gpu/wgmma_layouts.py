@@ -13,7 +13,7 @@ import argparse
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv.wgmma import LBO, SBO, wgmma_parts
-from harness.kernels.bench import random_quantized
+from harness.kernels.bench import random_quantized, rounded_reference
 
 
 def main() -> None:
@@ -24,11 +24,8 @@ def main() -> None:
     n, k = (int(v) for v in args.shape.split("x"))
     w, scales, biases = random_quantized(n, k, 4, 64)
     x = mx.random.normal((args.rows, k)).astype(mx.bfloat16)
-    with mx.stream(mx.cpu):  # the rounded function: weights rounded once to bf16, float32 sums
-        f32 = mx.float32
-        dense = mx.dequantize(w, scales.astype(f32), biases.astype(f32), 64, 4).astype(mx.bfloat16).astype(f32)
-        want = x.astype(f32) @ dense.T
-        mx.eval(want)
+    want = rounded_reference(x, w, scales, biases, 64, 4)
+    mx.eval(want)
     for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
         got = wgmma_parts(x, w, scales, biases, lbo=lbo, sbo=sbo).sum(axis=0)
         diff = mx.abs(got - want)
