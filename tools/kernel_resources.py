@@ -55,7 +55,7 @@ def recorded(builds: list):
     """Every custom kernel the quantized matmul's and the DeltaNet core's modules ask for is recorded in `builds`
     (with its launch: grid, block, dynamic shared bytes) and answered with zeros instead of being run."""
     from engine.kernels import gated_delta_scan, gated_delta_step
-    from engine.kernels.quantized_gemv import source, staged
+    from engine.kernels.quantized_gemv import source, staged, wgmma
 
     def fake(*, name, input_names, output_names, source, header="", shared_memory=0):
         def call(*, inputs, template=(), output_shapes, output_dtypes, grid, threadgroup, **_):
@@ -74,8 +74,15 @@ def recorded(builds: list):
 
         return call
 
-    modules = (source, staged, gated_delta_step, gated_delta_scan)
-    caches = (source.kernel, staged.kernel, staged.sum_kernel, gated_delta_step._kernel, gated_delta_scan._kernel)
+    modules = (source, staged, wgmma, gated_delta_step, gated_delta_scan)
+    caches = (
+        source.kernel,
+        staged.kernel,
+        staged.sum_kernel,
+        wgmma._kernel,
+        gated_delta_step._kernel,
+        gated_delta_scan._kernel,
+    )
     saved = [m.cuda_kernel for m in modules]
     for m in modules:
         m.cuda_kernel = fake

@@ -35,8 +35,9 @@
 #            follow, then again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
 #   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full): a burst of prompts served over HTTP against the
 #            same burst handed to the gateway in process (tools/gpu/burst_paths.py)
-#   wgmma    ROWS (32,64): the wgmma prototype's CUDA test, its layout's reading (tools/gpu/wgmma_layouts.py), and
-#            its products against the staged launches' (tools.gpu.batch_parts)
+#   wgmma    ROWS (32,64): the warpgroup-MMA products' CUDA tests, their layout's reading
+#            (tools/gpu/wgmma_layouts.py), the staged launches' parts with them (layout WG=1) against without
+#            (tools.gpu.batch_parts), then decode steps the same way (tools.gpu.step_kernels)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
@@ -170,13 +171,15 @@ case "$PART" in
     python3 -m tools.gpu.burst_paths --model qwen27b --burst "${BURST:-32}" --prompt-tokens "${PROMPT:-128}" \
         --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" 2>&1 | tee "$OUT/qwen27b-burst-paths.txt"
     ;;
-  wgmma)  # the wgmma prototype: its CUDA test, which reading of its layout the GPU takes, its products timed
+  wgmma)  # the warpgroup-MMA products: their CUDA tests, which reading of their layout the GPU takes, parts and steps
+    synth
     { timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider tests/unit/test_wgmma.py \
           2>&1 | tail -3
       python3 -m tools.gpu.wgmma_layouts
-      python3 -m tools.gpu.batch_parts --rows "${ROWS:-32,64}" \
-          --parts "gate+up,gate+up wgmma,down+residual,down wgmma,out+residual,out wgmma,inputs,inputs wgmma"; } \
-        2>&1 | tee "$OUT/qwen27b-wgmma.txt"
+      python3 -m tools.gpu.batch_parts --rows "${ROWS:-32,64}" --staged WG=1 \
+          --parts "gate+up prenormed,down+residual,out+residual,inputs"
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 --rounds 2 \
+          --staged WG=1; } 2>&1 | tee "$OUT/qwen27b-wgmma.txt"
     ;;
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth

@@ -29,7 +29,6 @@ from engine.kernels.quantized_gemv import quantized_matmuls
 from engine.kernels.quantized_gemv.dense import dense_launch
 from engine.kernels.quantized_gemv.layer import KernelQuantizedLinear
 from engine.kernels.quantized_gemv.staged import MIN_ROWS
-from engine.kernels.quantized_gemv.wgmma import wgmma_parts
 from harness.kernels.bench import BenchConfig, random_quantized, time_us
 from tools.gpu.step_kernels import parse_staged, staged_layout
 
@@ -82,16 +81,6 @@ def parts(m: int, cfg: BenchConfig, only: frozenset = frozenset()) -> dict[str, 
     timed("out MLX", lambda: mlx(x6, [out]))
     timed("inputs", lambda: quantized_matmuls(x5, inputs, 64, 4)[0])
     timed("inputs MLX", lambda: mlx(x5, inputs))
-    # the products on the wgmma prototype (quantized_gemv.wgmma): float32 parts of K's splits, added by MLX
-    if not only or any(name.endswith(" wgmma") for name in only):
-        flat5, flat17, flat6 = (v.reshape(m, -1) for v in (x5, x17, x6))
-        stacked = tuple(mx.concatenate([w[i] for w in gate_up]) for i in range(3))  # gate's rows, then up's
-        inputs_stacked = tuple(mx.concatenate([w[i] for w in inputs]) for i in range(3))
-        mx.eval(stacked, inputs_stacked)
-        timed("gate+up wgmma", lambda: wgmma_parts(flat5, *stacked).sum(axis=0))
-        timed("down wgmma", lambda: wgmma_parts(flat17, *down).sum(axis=0))
-        timed("out wgmma", lambda: wgmma_parts(flat6, *out).sum(axis=0))
-        timed("inputs wgmma", lambda: wgmma_parts(flat5, *inputs_stacked).sum(axis=0))
     # the same launches on dense bf16 copies of the weights as ENGINE_DENSE_DECODE_ROWS runs them
     # (quantized_gemv.dense: a cuBLAS GEMM a layer, the stages as MLX operations), reading 4x the weight bytes
     if not only or any(name.endswith(" dense") for name in only):

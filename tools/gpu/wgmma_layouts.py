@@ -12,7 +12,8 @@ import argparse
 
 import mlx.core as mx
 
-from engine.kernels.quantized_gemv.wgmma import LBO, SBO, wgmma_parts
+from engine.kernels.quantized_gemv.staged import splits
+from engine.kernels.quantized_gemv.wgmma import KC, LBO, SBO, wgmma_parts
 from harness.kernels.bench import random_quantized, rounded_reference
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     want = rounded_reference(x, w, scales, biases, 64, 4)
     mx.eval(want)
     for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
-        got = wgmma_parts(x, w, scales, biases, lbo=lbo, sbo=sbo).sum(axis=0)
+        got = wgmma_parts(x, [(w, scales, biases)], splits(k, KC), lbo=lbo, sbo=sbo).sum(axis=0)
         diff = mx.abs(got - want)
         inside = mx.all(diff <= 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()).item()
         print(f"LBO {lbo} SBO {sbo}: max |diff| {diff.max().item():.3e}, inside the bound: {inside}", flush=True)

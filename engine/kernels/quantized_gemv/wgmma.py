@@ -7,16 +7,20 @@ of the M activation rows, the block's weight words, scales and biases lands in s
 activations laid out as wgmma's core matrices (8 rows of 16 bytes, K-major, no swizzle), so the tensor cores
 read them from there with no register or shuffle work; every thread turns its share of the weights into bf16
 round(q * scale + bias) (the staged kernel's rounded arithmetic, one rounding) as wgmma's A fragments in
-registers, one 16-k step ahead of the products in flight. Each split writes float32 partial sums [S, M, N].
+registers, one 16-k step ahead of the products in flight. Each split writes float32 partial sums [S, M, NT] of
+one or more matrices (their rows one after another, NT in all): the staged kernel's split parts, which its sums
+launch adds and runs the fused stages on (`StagedConfig.wgmma`, layout key WG).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import cache
+
 import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
-from engine.kernels.quantized_gemv.source import HEADER, launch_bounds
-from engine.kernels.quantized_gemv.staged import splits
+from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds
 
 ROWS = 128  # weight rows a block: two 64-row wgmma tiles
 KC = 128  # k values a chunk (two groups of 64)
@@ -74,7 +78,7 @@ _SOURCE = r"""
   extern __shared__ __align__(128) unsigned char engine_stages[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   const uint32_t t = lane & 3;
-  const int blk = blockIdx.x / S, split = blockIdx.x % S, row0 = blk * ROWS;
+  const int split = blockIdx.x % S, row0 = blk * ROWS;
   const int k_first = split * KS;
   // Chunk c into stage b: activation row m's k unit u (8 values) to core matrix (u, m / 8), its row m % 8
   // (16 bytes; core matrices 128 bytes, u after u: 1024 bytes apart); rows past M are not copied (their
@@ -178,7 +182,7 @@ _SOURCE = r"""
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int m = 8 * j + 2 * (int)t + (i & 1), n = row0 + r * 64 + warp * 16 + g + 8 * (i >> 1);
-        if (m < M && n < N) part[((size_t)split * M + m) * N + n] = d[r][4 * j + i];
+        if (m < M && n < N) part[((size_t)split * M + m) * NT + off + n] = d[r][4 * j + i];
       }
 """
 
@@ -187,47 +191,68 @@ _SOURCE = r"""
 LBO, SBO = 1024, 128
 
 
-_KERNELS: dict[int, object] = {}
+def _prologue(count: int) -> str:
+    """Which of the `count` matrices a block takes (row blocks matrix after matrix, matrix i's from BLK{i}) and
+    where its rows start in the parts (`off`)."""
+    lines = [
+        "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases;",
+        "  int N, off, blk = blockIdx.x / S;",
+    ]
+    offset = "0"
+    for i in range(count):
+        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
+        pointers = f"w = w{i}; scales = scales{i}; biases = biases{i}; N = N{i}; off = {offset}; blk -= BLK{i};"
+        lines.append(f"  {'else ' if i else ''}{test}{{ {pointers} }}")
+        offset += f" + N{i}"
+    return "\n".join(lines) + "\n"
 
 
-def _kernel(min_blocks: int):
-    if min_blocks not in _KERNELS:
-        _KERNELS[min_blocks] = cuda_kernel(
-            name="engine_wgmma_q4",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["part"],
-            source=_SOURCE,
-            header=HEADER + launch_bounds(128, min_blocks) + _HEADER,
-            shared_memory=SHARED,
-        )
-    return _KERNELS[min_blocks]
+def takes(m: int, k: int, group_size: int, bits: int, n_splits: int) -> bool:
+    """Whether the kernel computes M rows against K inputs split `n_splits` ways: up to 64 rows, 4 bits, group 64,
+    each split whole chunks."""
+    return m <= 64 and bits == 4 and group_size == 64 and k % n_splits == 0 and k // n_splits % KC == 0
+
+
+@cache
+def _kernel(count: int, min_blocks: int):
+    return cuda_kernel(
+        name=f"engine_wgmma_q4_{count}",
+        input_names=input_names(count),
+        output_names=["part"],
+        source=_prologue(count) + _SOURCE,
+        header=HEADER + launch_bounds(128, min_blocks) + _HEADER,
+        shared_memory=SHARED,
+    )
 
 
 def wgmma_parts(
     x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    n_splits: int = 0,
+    matrices: Sequence[tuple[mx.array, mx.array, mx.array]],
+    n_splits: int,
     min_blocks: int = 3,
     lbo: int = LBO,
     sbo: int = SBO,
 ) -> mx.array:
-    """x [M, K] bf16 (M <= 64) times the 4-bit, group-64 matrix (w [N, K / 8] uint32, scales and biases [N, K / 64]
-    bf16) transposed: float32 partial sums [S, M, N] over S splits of K (the staged kernel's `splits` where 0), at least `min_blocks`
-    blocks an SM (its registers capped to fit; 0: uncapped); `lbo` / `sbo` the activations' descriptor offsets
-    (for trying the other reading of the layout)."""
-    m, k = x.shape
-    n = w.shape[0]
-    if m > 64 or k % KC or w.shape[1] * 8 != k or scales.shape[1] * 64 != k:
-        raise ValueError(f"wgmma_parts takes up to 64 rows, K a multiple of {KC} and group 64 at 4 bits")
-    s = n_splits or splits(k, KC)
-    template = [("M", m), ("K", k), ("N", n), ("S", s), ("LBO", lbo), ("SBO", sbo)]
-    return _kernel(min_blocks)(
-        inputs=[x, w, scales, biases],
+    """x [..., K] bf16 (at most 64 rows) times each 4-bit, group-64 matrix (w [N_i, K / 8] uint32, scales and biases
+    [N_i, K / 64] bf16) transposed: float32 partial sums [S, M, NT] over S = `n_splits` even splits of K, the
+    matrices' rows one after another (NT their sum); at least `min_blocks` blocks an SM (registers capped to fit;
+    0: uncapped); `lbo` / `sbo` the activations' descriptor offsets (for trying the other reading of the layout)."""
+    k = x.shape[-1]
+    m = x.size // k
+    rows = [w.shape[0] for w, _, _ in matrices]
+    shapes_ok = all(w.shape[1] * 8 == k and s.shape[1] * 64 == k for w, s, _ in matrices)
+    if not shapes_ok or not takes(m, k, 64, 4, n_splits):
+        raise ValueError(f"wgmma_parts takes up to 64 rows at 4 bits, group 64, and splits of K in {KC}-value chunks")
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + -(-n // ROWS))
+    template = [("M", m), ("K", k), ("S", n_splits), ("NT", sum(rows)), ("LBO", lbo), ("SBO", sbo)]
+    template += [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
+    return _kernel(len(matrices), min_blocks)(
+        inputs=[x] + [a for triple in matrices for a in triple],
         template=template,
-        output_shapes=[(s, m, n)],
+        output_shapes=[(n_splits, m, sum(rows))],
         output_dtypes=[mx.float32],
-        grid=(-(-n // ROWS) * s * 128, 1, 1),
+        grid=(starts[-1] * n_splits * 128, 1, 1),
         threadgroup=(128, 1, 1),
     )[0]
