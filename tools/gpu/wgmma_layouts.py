@@ -1,5 +1,5 @@
 """Which reading of the wgmma prototype's activation layout the GPU takes: the products with the descriptor's
-leading and stride byte offsets as written (K 1024, N 128) and swapped, each against the rounded function.
+leading and stride byte offsets as written (K 16 bytes a column, N 128) and swapped, each against the rounded function.
 
     python3 -m tools.gpu.wgmma_layouts [--rows 64] [--shape 4096x5120]
 
@@ -13,7 +13,7 @@ import argparse
 import mlx.core as mx
 
 from engine.kernels.quantized_gemv.staged import splits
-from engine.kernels.quantized_gemv.wgmma import KC, LBO, SBO, wgmma_parts
+from engine.kernels.quantized_gemv.wgmma import KC, SBO, columns, lbo, wgmma_parts
 from harness.kernels.bench import random_quantized, rounded_reference
 
 
@@ -27,11 +27,15 @@ def main() -> None:
     x = mx.random.normal((args.rows, k)).astype(mx.bfloat16)
     want = rounded_reference(x, w, scales, biases, 64, 4)
     mx.eval(want)
-    for lbo, sbo in ((LBO, SBO), (SBO, LBO)):
-        got = wgmma_parts(x, [(w, scales, biases)], splits(k, KC), lbo=lbo, sbo=sbo).sum(axis=0)
+    leading = lbo(columns(args.rows))
+    for offsets in ((leading, SBO), (SBO, leading)):
+        got = wgmma_parts(x, [(w, scales, biases)], splits(k, KC), offsets=offsets).sum(axis=0)
         diff = mx.abs(got - want)
         inside = mx.all(diff <= 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()).item()
-        print(f"LBO {lbo} SBO {sbo}: max |diff| {diff.max().item():.3e}, inside the bound: {inside}", flush=True)
+        print(
+            f"LBO {offsets[0]} SBO {offsets[1]}: max |diff| {diff.max().item():.3e}, inside the bound: {inside}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

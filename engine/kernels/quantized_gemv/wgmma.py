@@ -25,12 +25,38 @@ from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bou
 ROWS = 128  # weight rows a block: two 64-row wgmma tiles
 KC = 128  # k values a chunk (two groups of 64)
 STAGES = 2
-X_STAGE = 64 * KC * 2  # the activations of a chunk: 8 row groups x 16 k units, a 128-byte core matrix each
 WS = KC // 8 + 4  # words a weight row in shared memory: 16, padded (16-byte loads of rows g = 0..7: 2 phases)
 W_STAGE = ROWS * WS * 4
 SB_STAGE = ROWS * 2 * 2 * 2  # two groups' scales, then biases, bf16
-STAGE = X_STAGE + W_STAGE + SB_STAGE
-SHARED = STAGES * STAGE
+
+
+def columns(m: int) -> int:
+    """Activation rows a product takes (wgmma's N): 32 up to 32 rows (half the tensor-core work), else 64."""
+    return 32 if m <= 32 else 64
+
+
+def shared_bytes(cols: int) -> int:
+    """A block's stages: a chunk's activations (cols / 8 row groups x 16 k units, a 128-byte core matrix each),
+    weight words, scales and biases."""
+    return STAGES * (cols * KC * 2 + W_STAGE + SB_STAGE)
+
+
+def _mma(cols: int) -> str:
+    """engine_wg_mma: D[64 x cols] += A (registers) x B (shared, K-major), bf16 in, float32 out."""
+    acc = cols // 2
+    regs = ", ".join(f"%{i}" for i in range(acc))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
+    return rf"""
+__device__ __forceinline__ void engine_wg_mma(float (&d)[{acc}], const uint32_t (&a)[4], uint64_t desc) {{
+  asm volatile(
+      "{{\n.reg .pred p;\nsetp.ne.b32 p, %{acc + 5}, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n{cols}k16.f32.bf16.bf16 "
+      "{{{regs}}}, {{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}, %{acc + 4}, p, 1, 1, 0;\n}}\n"
+      : {outs}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}}
+"""
+
 
 _HEADER = r"""
 __device__ __forceinline__ uint32_t engine_wg_pair(uint32_t word, uint32_t t, __nv_bfloat162 scale,
@@ -50,29 +76,17 @@ __device__ __forceinline__ uint64_t engine_wg_desc(const void* smem, uint32_t lb
   return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
          ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
 }
-__device__ __forceinline__ void engine_wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-__device__ __forceinline__ void engine_wg_hold(float (&d)[32]) {
+template <int A>
+__device__ __forceinline__ void engine_wg_hold(float (&d)[A]) {
   // the accumulators as the compiler must see them across wgmma's asynchronous writes (no read moved over)
   #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+  for (int i = 0; i < A; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 """
 
 _SOURCE = r"""
   constexpr int ROWS = 128, KC = 128, ST = 2, WS = KC / 8 + 4, GS = 64, STEPS = KC / 16;
-  constexpr int X_STAGE = 64 * KC * 2, W_STAGE = ROWS * WS * 4, STAGE = X_STAGE + W_STAGE + ROWS * 8;
+  constexpr int X_STAGE = NC * KC * 2, XU = NC * 16, W_STAGE = ROWS * WS * 4, STAGE = X_STAGE + W_STAGE + ROWS * 8;
   constexpr int KS = K / S, CHUNKS = KS / KC, WORDS = K / 8, GROUPS = K / GS;
   static_assert(KS % KC == 0, "a split takes whole chunks");
   extern __shared__ __align__(128) unsigned char engine_stages[];
@@ -81,16 +95,16 @@ _SOURCE = r"""
   const int split = blockIdx.x % S, row0 = blk * ROWS;
   const int k_first = split * KS;
   // Chunk c into stage b: activation row m's k unit u (8 values) to core matrix (u, m / 8), its row m % 8
-  // (16 bytes; core matrices 128 bytes, u after u: 1024 bytes apart); rows past M are not copied (their
+  // (16 bytes; core matrices 128 bytes, u after u: XU bytes apart); rows past M are not copied (their
   // products reach only columns that are not stored). Weight rows past N copy row N - 1.
   auto issue = [&](const int c) {
     if (c < CHUNKS) {
       unsigned char* st = engine_stages + (c % ST) * STAGE;
       const int k0 = k_first + c * KC;
       #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // a warp: 8 rows of one row group, 4 k units each (64 bytes a row)
-        const int i = tid + 128 * j, u = (i / 256) * 4 + (i / 8) % 4, m = ((i / 32) % 8) * 8 + i % 8;
-        if (m < M) engine_cp16(st + u * 1024 + (m / 8) * 128 + (m % 8) * 16, x + (size_t)m * K + k0 + u * 8);
+      for (int j = 0; j < NC / 8; ++j) {  // a warp: 8 rows of one row group, 4 k units each (64 bytes a row)
+        const int i = tid + 128 * j, u = (i / (NC * 4)) * 4 + (i / 8) % 4, m = ((i / 32) % (NC / 8)) * 8 + i % 8;
+        if (m < M) engine_cp16(st + u * XU + (m / 8) * 128 + (m % 8) * 16, x + (size_t)m * K + k0 + u * 8);
       }
       uint32_t* sw = reinterpret_cast<uint32_t*>(st + X_STAGE);
       #pragma unroll
@@ -106,11 +120,11 @@ _SOURCE = r"""
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
 
-  float d[2][32];
+  float d[2][NC / 2];
   #pragma unroll
   for (int r = 0; r < 2; ++r)
     #pragma unroll
-    for (int i = 0; i < 32; ++i) d[r][i] = 0.0f;
+    for (int i = 0; i < NC / 2; ++i) d[r][i] = 0.0f;
   engine_wg_hold(d[0]);
   engine_wg_hold(d[1]);
   uint32_t a[2][2][4];  // [buffer][tile]: a 16-k step's A fragments, one step ahead
@@ -163,7 +177,7 @@ _SOURCE = r"""
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       #pragma unroll
       for (int r = 0; r < 2; ++r)
-        engine_wg_mma(d[r], a[s & 1][r], engine_wg_desc(st + 2 * s * 1024, LBO, SBO));
+        engine_wg_mma(d[r], a[s & 1][r], engine_wg_desc(st + 2 * s * XU, LBO, SBO));
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       if (s + 1 < STEPS) {
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // step s - 1 done: its buffer is free
@@ -178,7 +192,7 @@ _SOURCE = r"""
   #pragma unroll
   for (int r = 0; r < 2; ++r)
     #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NC / 8; ++j)
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int m = 8 * j + 2 * (int)t + (i & 1), n = row0 + r * 64 + warp * 16 + g + 8 * (i >> 1);
@@ -186,9 +200,13 @@ _SOURCE = r"""
       }
 """
 
-# The activations' core matrices: k unit after k unit 1024 bytes apart (K, the leading dimension), row group
-# after row group 128 bytes apart (N, the stride dimension).
-LBO, SBO = 1024, 128
+# The activations' core matrices: row group after row group 128 bytes apart (N, the stride dimension); k unit after
+# k unit 16 bytes a column apart (K, the leading dimension: `lbo(cols)`).
+SBO = 128
+
+
+def lbo(cols: int) -> int:
+    return cols * 16
 
 
 def _prologue(count: int) -> str:
@@ -214,14 +232,14 @@ def takes(m: int, k: int, group_size: int, bits: int, n_splits: int) -> bool:
 
 
 @cache
-def _kernel(count: int, min_blocks: int):
+def _kernel(count: int, min_blocks: int, cols: int):
     return cuda_kernel(
         name=f"engine_wgmma_q4_{count}",
         input_names=input_names(count),
         output_names=["part"],
         source=_prologue(count) + _SOURCE,
-        header=HEADER + launch_bounds(128, min_blocks) + _HEADER,
-        shared_memory=SHARED,
+        header=HEADER + launch_bounds(128, min_blocks) + _HEADER + _mma(cols),
+        shared_memory=shared_bytes(cols),
     )
 
 
@@ -230,13 +248,13 @@ def wgmma_parts(
     matrices: Sequence[tuple[mx.array, mx.array, mx.array]],
     n_splits: int,
     min_blocks: int = 3,
-    lbo: int = LBO,
-    sbo: int = SBO,
+    offsets: tuple[int, int] | None = None,
 ) -> mx.array:
     """x [..., K] bf16 (at most 64 rows) times each 4-bit, group-64 matrix (w [N_i, K / 8] uint32, scales and biases
     [N_i, K / 64] bf16) transposed: float32 partial sums [S, M, NT] over S = `n_splits` even splits of K, the
     matrices' rows one after another (NT their sum); at least `min_blocks` blocks an SM (registers capped to fit;
-    0: uncapped); `lbo` / `sbo` the activations' descriptor offsets (for trying the other reading of the layout)."""
+    0: uncapped); `offsets`: the activations' descriptor offsets, leading and stride (default `lbo(cols)`, SBO;
+    for trying the other reading of the layout)."""
     k = x.shape[-1]
     m = x.size // k
     rows = [w.shape[0] for w, _, _ in matrices]
@@ -246,9 +264,11 @@ def wgmma_parts(
     starts = [0]
     for n in rows:
         starts.append(starts[-1] + -(-n // ROWS))
-    template = [("M", m), ("K", k), ("S", n_splits), ("NT", sum(rows)), ("LBO", lbo), ("SBO", sbo)]
+    cols = columns(m)
+    leading, stride = offsets or (lbo(cols), SBO)
+    template = [("M", m), ("K", k), ("S", n_splits), ("NT", sum(rows)), ("NC", cols), ("LBO", leading), ("SBO", stride)]
     template += [(f"N{i}", n) for i, n in enumerate(rows)] + [(f"BLK{i}", b) for i, b in enumerate(starts[:-1])]
-    return _kernel(len(matrices), min_blocks)(
+    return _kernel(len(matrices), min_blocks, cols)(
         inputs=[x] + [a for triple in matrices for a in triple],
         template=template,
         output_shapes=[(n_splits, m, sum(rows))],
