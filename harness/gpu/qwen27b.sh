@@ -171,11 +171,11 @@ case "$PART" in
     python3 -m tools.gpu.burst_paths --model qwen27b --burst "${BURST:-32}" --prompt-tokens "${PROMPT:-128}" \
         --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" 2>&1 | tee "$OUT/qwen27b-burst-paths.txt"
     ;;
-  wgmma)  # the warpgroup-MMA products: their CUDA tests, which reading of their layout the GPU takes, parts and steps
+  wgmma)  # the warpgroup-MMA parts: CUDA tests, which reading of their layout the GPU takes, parts and steps
     synth
     { timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider tests/unit/test_wgmma.py \
           2>&1 | tail -3
-      python3 -m tools.gpu.wgmma_layouts
+      python3 -m tools.gpu.wgmma_layouts --probe
       python3 -m tools.gpu.batch_parts --rows "${ROWS:-32,64}" --staged WG=1 \
           --parts "gate+up prenormed,down+residual,out+residual,inputs"
       python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 --rounds 2 \
