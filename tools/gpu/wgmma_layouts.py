@@ -1,5 +1,6 @@
-"""Which reading of the wgmma prototype's activation layout the GPU takes: the products with the descriptor's
-leading and stride byte offsets as written (K 16 bytes a column, N 128) and swapped, each against the rounded function.
+"""Which reading of the warpgroup-MMA parts' activation layout the GPU takes: the products with the descriptor's
+leading and stride byte offsets as written (K: 16 bytes a column, N: 128) and swapped, each against the rounded
+function.
 
     python3 -m tools.gpu.wgmma_layouts [--rows 64] [--shape 4096x5120]
 
@@ -56,7 +57,7 @@ def probe(rows: int, offsets: tuple[int, int], n: int = 256, k: int = 1024) -> N
         x = mx.zeros((rows, k), dtype=mx.bfloat16)
         x[m0, k0] = 1.0
         out = wgmma_parts(x, [(w, scales, biases)], 1, offsets=offsets).sum(axis=0)
-        live = [r for r in range(rows) if mx.abs(out[r]).max().item() > 0]
+        live = [r for r in range(rows) if mx.any((out[r] != 0) | mx.isnan(out[r])).item()]  # NaN: read unwritten
         found = []
         for r in live[:3]:
             diffs = mx.abs(wt - out[r][None]).max(axis=1)
