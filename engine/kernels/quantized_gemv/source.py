@@ -316,6 +316,20 @@ _REDUCE = r"""
 """
 
 
+def matrix_choice(count: int, weights: bool = True, outputs: bool = True, offsets: bool = False) -> list[str]:
+    """The source lines that set a block's matrix among `count` (blocks matrix after matrix, matrix i's from block
+    BLK{i}): its weight pointers (`weights`), output (`outputs`), row count N, first row among all the matrices'
+    rows (`offsets`: off) and its block within the matrix (blk, which the caller declares with the others)."""
+    lines, offset = [], "0"
+    for i in range(count):
+        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
+        sets = f"w = w{i}; scales = scales{i}; biases = biases{i}; " * weights + f"out = out{i}; " * outputs
+        sets += f"N = N{i}; " + f"off = {offset}; " * offsets + f"blk -= BLK{i};"
+        lines.append(f"  {'else ' if i else ''}{test}{{ {sets} }}")
+        offset += f" + N{i}"
+    return lines
+
+
 def _prologue(count: int, gated: bool = False) -> str:
     """The block's matrix among `count` that share the input: blocks run matrix after matrix, matrix i from
     block BLK{i}; sets the pointers and the row count the body reads (w, scales, biases, out, N, blk), the
@@ -339,12 +353,7 @@ def _prologue(count: int, gated: bool = False) -> str:
         "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases; __nv_bfloat16* out;",
         "  int N, blk = blockIdx.x;",
     ]
-    for i in range(count):
-        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
-        lines.append(
-            f"  {'else ' if i else ''}{test}{{ w = w{i}; scales = scales{i}; biases = biases{i}; out = out{i}; "
-            f"N = N{i}; blk -= BLK{i}; }}"
-        )
+    lines += matrix_choice(count)
     lines += [
         "  auto tile_w = [&](const int) { return w; };",
         "  auto tile_scales = [&](const int) { return scales; };",

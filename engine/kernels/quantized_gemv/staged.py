@@ -27,7 +27,7 @@ from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
-from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, output_names
+from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, matrix_choice, output_names
 from engine.kernels.quantized_gemv.wgmma import takes as wgmma_takes
 from engine.kernels.quantized_gemv.wgmma import wgmma_parts
 
@@ -571,12 +571,7 @@ def _prologue(count: int, gated: bool, main: bool, outputs: bool = True) -> str:
         "  __nv_bfloat16* out;" * outputs,
         f"  int N, off, blk = {blk};",
     ]
-    offset = "0"
-    for i in range(count):
-        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
-        pointers = f"w = w{i}; scales = scales{i}; biases = biases{i}; " * main + f"out = out{i}; " * outputs
-        lines.append(f"  {'else ' if i else ''}{test}{{ {pointers}N = N{i}; off = {offset}; blk -= BLK{i}; }}")
-        offset += f" + N{i}"
+    lines += matrix_choice(count, weights=main, outputs=outputs, offsets=True)
     if main:
         lines += [f"  auto tile_{name} = [&](const int) {{ return {name}; }};" for name, _, _ in _TILES]
     return "\n".join(line for line in lines if line) + "\n"

@@ -1,5 +1,6 @@
-"""A 4-bit matmul for up to 64 activation rows on Hopper's warpgroup MMA (`wgmma`): a prototype beside the
-staged kernel, used by no layer yet (docs/kernels.md, "Batched rows").
+"""A 4-bit matmul for up to 64 activation rows on Hopper's warpgroup MMA (`wgmma`): the staged launches' split
+parts where a layout asks for it (`StagedConfig.wgmma`, layout key WG; off by default, not yet run on a GPU;
+docs/kernels.md, "Batched rows").
 
 At 64 rows the staged kernel's `mma.sync` products wait on latency with 12 warps an SM, ~5 instructions a
 16x8x16 product. Here one warpgroup (4 warps) takes 128 weight rows of a split of K: each chunk (128 k values)
@@ -8,8 +9,8 @@ activations laid out as wgmma's core matrices (8 rows of 16 bytes, K-major, no s
 read them from there with no register or shuffle work; every thread turns its share of the weights into bf16
 round(q * scale + bias) (the staged kernel's rounded arithmetic, one rounding) as wgmma's A fragments in
 registers, one 16-k step ahead of the products in flight. Each split writes float32 partial sums [S, M, NT] of
-one or more matrices (their rows one after another, NT in all): the staged kernel's split parts, which its sums
-launch adds and runs the fused stages on (`StagedConfig.wgmma`, layout key WG).
+one or more matrices (their rows one after another, NT in all) where the staged kernel's split launch writes
+them, so its sums launch adds them and runs the fused stages.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
-from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds
+from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, matrix_choice
 
 ROWS = 128  # weight rows a block: two 64-row wgmma tiles
 KC = 128  # k values a chunk (two groups of 64)
@@ -215,13 +216,7 @@ def _prologue(count: int) -> str:
     lines = [
         "  const uint32_t* w; const __nv_bfloat16* scales; const __nv_bfloat16* biases;",
         "  int N, off, blk = blockIdx.x / S;",
-    ]
-    offset = "0"
-    for i in range(count):
-        test = "" if i == count - 1 else f"if (blk < BLK{i + 1}) "
-        pointers = f"w = w{i}; scales = scales{i}; biases = biases{i}; N = N{i}; off = {offset}; blk -= BLK{i};"
-        lines.append(f"  {'else ' if i else ''}{test}{{ {pointers} }}")
-        offset += f" + N{i}"
+    ] + matrix_choice(count, outputs=False, offsets=True)
     return "\n".join(lines) + "\n"
 
 
