@@ -307,6 +307,12 @@ def rounded_reference(
         return x.astype(f32) @ dense.astype(mx.bfloat16).astype(f32).T
 
 
+def rounding_bound(want: mx.array) -> mx.array:
+    """How far the quantized matmul's sums may lie from a float32 reference `want`: the bf16 output's rounding
+    (2^-8 relative) and 1e-4 of the largest value, far more than float32 sums in another order add."""
+    return 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
+
+
 def random_quantized(n: int, k: int, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
     """(w, scales, biases) of a random [N, K] bf16 matrix with a linear layer's scale, evaluated."""
     quantized = mx.quantize((mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16), group_size=group_size, bits=bits)

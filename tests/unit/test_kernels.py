@@ -39,7 +39,7 @@ from engine.kernels.quantized_gemv.staged import StagedConfig, in_turn, shared_r
 from engine.kernels.quantized_gemv.staged import takes as staged_takes
 from engine.models.base import project
 from engine.models.gated_delta import CHUNKED_MIN_TOKENS, gated_delta_update, recurrence
-from harness.kernels.bench import delta_inputs, rounded_reference
+from harness.kernels.bench import delta_inputs, rounded_reference, rounding_bound
 
 cuda_only = pytest.mark.cuda  # the kernels are built only on MLX's CUDA backend: skipped elsewhere (conftest)
 FAST_ANYWHERE = KernelConfig(FAST, force=True)  # the fast tier off CUDA too (its quantized layers then run MLX's op)
@@ -244,7 +244,7 @@ def test_gemv_kernel_matches_mlx(bits, group, m, n, k):
     # The only rounding that matters is the bf16 output (half an ulp, at most 2^-8 relative); float32 sums in
     # any order add far less. (MLX's own kernel is not held to this: it rounds dequantized weights to bf16,
     # ~5e-3 off at K = 5120 on this data, which is why the fast tier is not bit-exact with it either way.)
-    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+    tol = rounding_bound(exact)
     assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
 
 
@@ -861,7 +861,7 @@ def test_staged_layouts_match_float32(m, layout):
         f32 = mx.float32
         exact = x.astype(f32) @ mx.dequantize(q.weight, q.scales.astype(f32), q.biases.astype(f32), 64, 4).T
     out = quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(**layout)).astype(mx.float32)
-    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+    tol = rounding_bound(exact)
     assert mx.all(mx.abs(out - exact) <= tol).item(), mx.abs(out - exact).max().item()
 
 
@@ -879,7 +879,7 @@ def test_rounded_staged_kernel_sums_the_weights_rounded_once(bits, group, m, n, 
     want = rounded_reference(x, q.weight, q.scales, q.biases, group, bits)
     config = replace(staged_config(m, k, group, bits), rounded=1)
     out = quantized_matmul(x, q.weight, q.scales, q.biases, group, bits, config=config).astype(mx.float32)
-    tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
+    tol = rounding_bound(want)
     assert mx.all(mx.abs(out - want) <= tol).item(), mx.abs(out - want).max().item()
 
 
@@ -912,7 +912,7 @@ def test_rounded_staged_layouts_sum_the_same_function(m, layout):
             out, quantized_matmul(x, q.weight, q.scales, q.biases, 64, 4, config=StagedConfig(rounded=1))
         ).item()
     want = rounded_reference(x, q.weight, q.scales, q.biases, 64, 4)
-    tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
+    tol = rounding_bound(want)
     assert mx.all(mx.abs(out.astype(mx.float32) - want) <= tol).item()
 
 

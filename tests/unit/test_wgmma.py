@@ -11,7 +11,7 @@ from engine.kernels.quantized_gemv import quantized_matmuls
 from engine.kernels.quantized_gemv.layouts import StagedLayouts
 from engine.kernels.quantized_gemv.staged import StagedConfig, splits, staged_config
 from engine.kernels.quantized_gemv.wgmma import KC, takes, wgmma_parts
-from harness.kernels.bench import random_quantized, rounded_reference
+from harness.kernels.bench import random_quantized, rounded_reference, rounding_bound
 
 cuda_only = pytest.mark.cuda  # built only on MLX's CUDA backend (sm_90a): skipped elsewhere (conftest)
 
@@ -19,8 +19,7 @@ cuda_only = pytest.mark.cuda  # built only on MLX's CUDA backend (sm_90a): skipp
 def within_rounding(out: mx.array, want: mx.array) -> bool:
     """The staged kernel's bound on the rounded function: the bf16 output's rounding, far more than float32 sums
     in another order add."""
-    tol = 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()
-    return mx.all(mx.abs(out.astype(mx.float32) - want) <= tol).item()
+    return mx.all(mx.abs(out.astype(mx.float32) - want) <= rounding_bound(want)).item()
 
 
 @cuda_only

@@ -23,7 +23,7 @@ import mlx.core as mx
 from engine.kernels.quantized_gemv import LaunchConfig, launch_config, quantized_matmul, quantized_matmuls
 from engine.kernels.quantized_gemv.launch import LAUNCH_FORM
 from engine.kernels.quantized_gemv.staged import MIN_ROWS, StagedConfig, staged_config
-from harness.kernels.bench import BenchConfig, random_quantized, serial_us, time_us, weight_copies
+from harness.kernels.bench import BenchConfig, random_quantized, rounding_bound, serial_us, time_us, weight_copies
 from tools.gpu.results import save_json
 
 
@@ -45,7 +45,7 @@ def numerics():
                             x.astype(f32) @ mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits).T
                         )
                         mx.eval(exact)
-                    tol = 2.0**-8 * mx.abs(exact) + 1e-4 * mx.abs(exact).max()
+                    tol = rounding_bound(exact)
                     ok = mx.all(mx.abs(out - exact) <= tol).item()
                     bad += not ok
                     if not ok or (m in (1, 16) and n == 4096):

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from engine.kernels.quantized_gemv.staged import splits
 from engine.kernels.quantized_gemv.wgmma import KC, SBO, columns, lbo, wgmma_parts
-from harness.kernels.bench import random_quantized, rounded_reference
+from harness.kernels.bench import random_quantized, rounded_reference, rounding_bound
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     for offsets in ((leading, SBO), (SBO, leading)):
         got = wgmma_parts(x, [(w, scales, biases)], splits(k, KC), offsets=offsets).sum(axis=0)
         diff = mx.abs(got - want)
-        inside = mx.all(diff <= 2.0**-8 * mx.abs(want) + 1e-4 * mx.abs(want).max()).item()
+        inside = mx.all(diff <= rounding_bound(want)).item()
         print(
             f"LBO {offsets[0]} SBO {offsets[1]}: max |diff| {diff.max().item():.3e}, inside the bound: {inside}",
             flush=True,
