@@ -30,7 +30,7 @@ _VARS = {
     "(ENGINE_KEEP_DENSE) multiplies the copies instead of the 4-bit weights (KernelConfig.dense_decode_rows; "
     "default 0: never)",
     "ENGINE_STAGED_LAYOUT": "the fast tier's staged GEMV launches (2-64 rows) laid out otherwise, by row count: "
-    "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR, WG (e.g. '32,64:RW=0': "
+    "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR (e.g. '32,64:RW=0': "
     "exact-integer weights at 32 and 64 rows; KernelConfig.staged_layouts)",
     "ENGINE_GEMV_LAUNCH": "launch shapes for the fast tier's one-row GEMV launches, in place of launch_config's: "
     "'ROWSxK=W,RT,U[,MINB];...' (a launch's rows in all its matrices; e.g. '5120x17408=8,1,4')",

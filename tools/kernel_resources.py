@@ -15,7 +15,7 @@ so, as ENGINE_GEMV_LAUNCH would. `--delta HK,HV,DK,DV` builds the Gated DeltaNet
 instead, for heads of those sizes (qwen27b: 16,48,128,128) at each row count and `--state-dtypes`.
 `--cache-dir DIR` also writes each cubin where MLX looks for it (`kernel_cache`): a process on the GPU with
 MLX_PTX_CACHE_DIR=DIR (same source tree) then compiles none of them. `--loop` also counts each kernel's main
-loop in its SASS (cuobjdump: on PATH, or `pip install nvidia-cuda-cuobjdump`): instructions a HMMA (HGMMA) and the
+loop in its SASS (cuobjdump: on PATH, or `pip install nvidia-cuda-cuobjdump`): instructions a HMMA and the
 commonest opcodes, what a layout or a change to the kernel's source costs in issue slots before any timing.
 Each launch also says how many of its blocks an SM holds (threads, registers, shared memory: Hopper's limits) and
 so how many waves its grid makes on `--sms` SMs (132: H100, H200) and how full the last one is: a launch whose
@@ -55,7 +55,7 @@ def recorded(builds: list):
     """Every custom kernel the quantized matmul's and the DeltaNet core's modules ask for is recorded in `builds`
     (with its launch: grid, block, dynamic shared bytes) and answered with zeros instead of being run."""
     from engine.kernels import gated_delta_scan, gated_delta_step
-    from engine.kernels.quantized_gemv import source, staged, wgmma
+    from engine.kernels.quantized_gemv import source, staged
 
     def fake(*, name, input_names, output_names, source, header="", shared_memory=0):
         def call(*, inputs, template=(), output_shapes, output_dtypes, grid, threadgroup, **_):
@@ -74,15 +74,8 @@ def recorded(builds: list):
 
         return call
 
-    modules = (source, staged, wgmma, gated_delta_step, gated_delta_scan)
-    caches = (
-        source.kernel,
-        staged.kernel,
-        staged.sum_kernel,
-        wgmma._kernel,
-        gated_delta_step._kernel,
-        gated_delta_scan._kernel,
-    )
+    modules = (source, staged, gated_delta_step, gated_delta_scan)
+    caches = (source.kernel, staged.kernel, staged.sum_kernel, gated_delta_step._kernel, gated_delta_scan._kernel)
     saved = [m.cuda_kernel for m in modules]
     for m in modules:
         m.cuda_kernel = fake
@@ -216,25 +209,18 @@ def cuobjdump() -> str | None:
     return str(tool) if tool.exists() else None
 
 
-TENSOR_OPS = ("HMMA", "HGMMA")  # mma.sync's and wgmma's tensor-core instructions
-
-
-def tensor_ops(body: list[str]) -> int:
-    return sum(body.count(op) for op in TENSOR_OPS)
-
-
 def loop_mix(sass: str) -> tuple[int, int, Counter]:
-    """The main loop of a kernel's SASS (the backward branch whose body holds the most HMMA or HGMMA): its
-    instructions, its tensor-core instructions and the count of each opcode."""
+    """The main loop of a kernel's SASS (the backward branch whose body holds the most HMMA): its instructions,
+    its HMMA and the count of each opcode."""
     code = [(int(a, 16), op, operands) for a, op, _, operands in SASS.findall(sass)]
     best: list[str] = []
     for end, op, operands in code:
         target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
         if target and int(target.group(1), 16) < end:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= end]
-            if tensor_ops(body) > tensor_ops(best):
+            if body.count("HMMA") > best.count("HMMA"):
                 best = body
-    return len(best), tensor_ops(best), Counter(best)
+    return len(best), best.count("HMMA"), Counter(best)
 
 
 def loop_report(build: KernelBuild, arch: str, tool: str) -> str:
@@ -244,12 +230,11 @@ def loop_report(build: KernelBuild, arch: str, tool: str) -> str:
         f.write(code)
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    count, mma, mix = loop_mix(sass)
-    if not mma:
+    count, hmma, mix = loop_mix(sass)
+    if not hmma:
         return "no HMMA loop"
-    name = max(TENSOR_OPS, key=lambda op: mix[op])
     top = ", ".join(f"{op} {n}" for op, n in mix.most_common(10))
-    return f"loop {count} instructions, {mma} {name} ({count / mma:.2f} a {name}): {top}"
+    return f"loop {count} instructions, {hmma} HMMA ({count / hmma:.2f} a HMMA): {top}"
 
 
 def layout(spec: str) -> tuple[set[int] | None, dict]:

@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | burst | wgmma | dequant | switch | layouts | waves;
+#                         | census | lane | prefill | first | burst | dequant | switch | layouts | waves;
 #                         several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -35,9 +35,6 @@
 #            follow, then again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
 #   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full): a burst of prompts served over HTTP against the
 #            same burst handed to the gateway in process (tools/gpu/burst_paths.py)
-#   wgmma    ROWS (32,64): the warpgroup-MMA products' CUDA tests, their layout's reading
-#            (tools/gpu/wgmma_layouts.py), the staged launches' parts with them (layout WG=1) against without
-#            (tools.gpu.batch_parts), then decode steps the same way (tools.gpu.step_kernels)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
@@ -170,16 +167,6 @@ case "$PART" in
     synth
     python3 -m tools.gpu.burst_paths --model qwen27b --burst "${BURST:-32}" --prompt-tokens "${PROMPT:-128}" \
         --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" 2>&1 | tee "$OUT/qwen27b-burst-paths.txt"
-    ;;
-  wgmma)  # the warpgroup-MMA parts: CUDA tests, which reading of their layout the GPU takes, parts and steps
-    synth
-    { timeout -s INT "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider tests/unit/test_wgmma.py \
-          2>&1 | tail -3
-      python3 -m tools.gpu.wgmma_layouts --probe
-      python3 -m tools.gpu.batch_parts --rows "${ROWS:-32,64}" --staged WG=1 \
-          --parts "gate+up prenormed,down+residual,out+residual,inputs"
-      python3 -m tools.gpu.step_kernels --rows "${ROWS:-32,64}" --tiers fast --time --steps 16 --rounds 2 \
-          --staged WG=1; } 2>&1 | tee "$OUT/qwen27b-wgmma.txt"
     ;;
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth

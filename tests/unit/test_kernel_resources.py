@@ -108,17 +108,3 @@ def test_blocks_an_sm_and_the_last_wave(monkeypatch):
     )
     assert waves_line(528, 128, 106, 48128, 132).endswith("1.00 waves on 132 SMs, the last 100% full")
     assert waves_line(1, 128, 106, 300_000, 132) == "does not fit an SM (shared)"
-
-
-def test_a_wgmma_loop_counts_its_hgmma(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    from tools.kernel_resources import loop_mix
-
-    sass = """
-        /*0000*/                   LDS.128 R8, [R2] ;
-        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, R8, gdesc[UR4], R24 ;
-        /*0020*/                   WARPGROUP.ARRIVE ;
-        /*0030*/                   HGMMA.64x64x16.F32.BF16 R56, R12, gdesc[UR4], R56 ;
-        /*0040*/               @P0 BRA 0x0 ;
-"""
-    assert loop_mix(sass)[:2] == (5, 2)

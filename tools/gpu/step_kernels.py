@@ -22,8 +22,7 @@ instead of `staged.staged_config`: `[ROWS:]KEY=VALUE,...` with the keys W (warps
 (k-tiles a chunk), ST (stages), S (splits; default: as the tree splits K), MINB (blocks an SM), MG (m
 groups), RW (1: weights rounded to bf16 before the products, 0: exact integers), KS (every K past it split into
 the fewest even parts of at most KS values, in place of `staged.SPLIT_K_VALUES`), NR (row blocks a block
-takes in turn, its split's activation rows kept in shared memory; split launches only), WG (1: the split parts on
-Hopper's warpgroup MMA, `quantized_gemv.wgmma`; 4 bits, group 64); ROWS (e.g. `16,32:`) keeps
+takes in turn, its split's activation rows kept in shared memory; split launches only); ROWS (e.g. `16,32:`) keeps
 the variant to those row counts.
 
     python3 -m tools.gpu.step_kernels --rows 16,64 --time --staged ST=2,MG=2 --staged 64:ST=2,MG=2,MINB=2

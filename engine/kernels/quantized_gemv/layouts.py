@@ -1,7 +1,7 @@
 """Staged GEMV layouts by row count: a setting (`KernelConfig.staged_layouts`, ENGINE_STAGED_LAYOUT) that lays the
 staged kernel's launches (2-64 rows, `staged.staged_config`) out otherwise for chosen row counts, as `tools.gpu.
 step_kernels --staged` tries them: warps, row tiles, chunks, stages, K's split, blocks an SM, m groups and the
-weights' arithmetic (RW), the row blocks a block takes in turn (NR) and the warpgroup MMA's products (WG)."""
+weights' arithmetic (RW) and the row blocks a block takes in turn (NR)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ LAYOUT_KEYS = {
     "RW": "rounded",
     "KS": "split_values",
     "NR": "row_blocks",
-    "WG": "wgmma",
 }
 
 

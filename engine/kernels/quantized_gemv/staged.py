@@ -28,8 +28,6 @@ from engine.kernels.quantized_gemv.fusion import Fusion
 from engine.kernels.quantized_gemv.launch import tile_k
 from engine.kernels.quantized_gemv.layouts import NO_LAYOUTS, StagedLayouts
 from engine.kernels.quantized_gemv.source import HEADER, input_names, launch_bounds, matrix_choice, output_names
-from engine.kernels.quantized_gemv.wgmma import takes as wgmma_takes
-from engine.kernels.quantized_gemv.wgmma import wgmma_parts
 
 MIN_ROWS = 2  # from here the staged kernel takes a launch; the register kernel below (one row)
 SUM_ROWS = 64  # output rows a block of the split sums' launch takes (its blocks: the next launch's norm parts)
@@ -45,9 +43,7 @@ class StagedConfig:
     (`rounded` 1: each weight rounded once to bf16, round(q * scale + bias), into one float32 sum a row; 0:
     exact integers with float32 group sums, the register kernel's arithmetic), and the row blocks a block takes
     in turn (`row_blocks`, split launches only: its split's activation rows copied once and kept in shared memory
-    for all of them, so fewer blocks read them from L2), and whether Hopper's warpgroup MMA computes the split
-    parts instead (`wgmma` 1, `quantized_gemv.wgmma`: 4 bits, group 64; its own blocks and arithmetic, `rounded`'s
-    1, and K split as `splits` says; the sums' launch as here)."""
+    for all of them, so fewer blocks read them from L2)."""
 
     warps: int = 4
     row_tiles: int = 2
@@ -58,7 +54,6 @@ class StagedConfig:
     m_groups: int = 1
     rounded: int = 0
     row_blocks: int = 1
-    wgmma: int = 0
 
     def chunk(self, group_size: int, bits: int) -> int:
         """k-tiles a chunk: a chunk's scales are copied 4 bytes (two groups) at a time."""
@@ -679,8 +674,7 @@ def matmuls(
     )
     shapes = [(*x.shape[:-1], n) for n in rows[:products]]
     dtypes = [mx.bfloat16] * products
-    on_wgmma = config.wgmma and wgmma_takes(m, k, group_size, bits, config.splits)
-    if config.splits == 1 and not on_wgmma:
+    if config.splits == 1:
         norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, main_blocks[-1])]
         return kernel(count, fusion, False, *bounds)(
             inputs=[x] + weights + list(extra),
@@ -690,17 +684,14 @@ def matmuls(
             output_shapes=shapes + norm_out,
             output_dtypes=dtypes + fusion.norm_out * [mx.bfloat16, mx.float32],
         )
-    if on_wgmma:
-        part = wgmma_parts(x, matrices, config.splits)
-    else:
-        (part,) = kernel(count, fusion, True, *bounds)(
-            inputs=[x] + weights,
-            template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
-            grid=(main_blocks[-1] * config.splits * threads, 1, 1),
-            threadgroup=(threads, 1, 1),
-            output_shapes=[(config.splits, m, sum(rows))],
-            output_dtypes=[mx.float32],
-        )
+    (part,) = kernel(count, fusion, True, *bounds)(
+        inputs=[x] + weights,
+        template=base + [(f"BLK{i}", b) for i, b in enumerate(main_blocks[:-1])],
+        grid=(main_blocks[-1] * config.splits * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(config.splits, m, sum(rows))],
+        output_dtypes=[mx.float32],
+    )
     sum_blocks = starts(SUM_ROWS)
     norm_out = fusion.norm_out * [(*x.shape[:-1], rows[0]), (m, sum_blocks[-1])]
     return sum_kernel(count, fusion)(
