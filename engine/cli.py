@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine import env
+from engine.allocator import CHOICES, loaded, reexec
 from engine.errors import USER_ERRORS
 
 
@@ -248,6 +249,14 @@ def _add_serve(sub) -> None:
     src.add_argument("--model-path", type=Path, help="an mlx-lm model directory")
     p.add_argument("--seed", type=int, default=0, help="artifact seed for registry models (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--allocator",
+        choices=CHOICES,
+        default="auto",
+        help="the host's memory allocator: mimalloc (preloaded: the command runs itself again with LD_PRELOAD set) "
+        "takes 20-30%% off the host's time an MLX operation; auto (the default) uses it where the cmeel-mimalloc "
+        "package is installed (a dependency on Linux), system keeps glibc's malloc",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
     p.add_argument(
         "--batch",
@@ -521,6 +530,8 @@ def enable_kernel_cache(directory: Path | None) -> Path:
 def cmd_serve(args) -> int:
     from engine.server.main import ServeConfig, serve
 
+    print(f"engine serve: allocator {loaded()}", file=sys.stderr)
+
     kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
 
     return serve(
@@ -625,6 +636,8 @@ def cmd_generate(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if argv is None and getattr(args, "allocator", None):
+            reexec(args.allocator, sys.argv[1:])  # a command, not a call: it may run itself again preloaded
         return args.func(args)
     except (*USER_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
