@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine import env
-from engine.allocator import CHOICES, loaded, reexec
+from engine.allocator import CHOICES, reexec
 from engine.errors import USER_ERRORS
 
 
@@ -529,8 +529,6 @@ def enable_kernel_cache(directory: Path | None) -> Path:
 
 def cmd_serve(args) -> int:
     from engine.server.main import ServeConfig, serve
-
-    print(f"engine serve: allocator {loaded()}", file=sys.stderr)
 
     kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.allocator import loaded
 from engine.cache.prompt_disk import DiskTier, artifact_key
 from engine.device import limit_buffer_cache
 from engine.engine import Engine, kernels_notice
@@ -263,7 +264,7 @@ def serve(cfg: ServeConfig) -> int:
     print(
         f"engine serve: ready on http://{host}:{port} (model {ctx.model_id}, batch {gw.batch}{buckets}, "
         f"kernels {ctx.kernels.tier} ({ctx.kernels.requested}), context {ctx.max_context}{spec}, loaded in "
-        f"{time.perf_counter() - start:.1f} s, warm-up {warm['mode']} {warm['seconds']:.1f} s)",
+        f"{time.perf_counter() - start:.1f} s, warm-up {warm['mode']} {warm['seconds']:.1f} s, allocator {loaded()})",
         flush=True,
     )
 
