@@ -44,8 +44,9 @@ def loaded() -> str:
 
 def preload_env(choice: str, path: Path | None, env: dict[str, str]) -> dict[str, str] | None:
     """The environment to run this process again in so that it loads mimalloc, or None to go on as it is: the
-    choice is `system`, mimalloc is loaded already, or this process is the one run again (`MARK`). `auto` without
-    the library goes on with the system's; `mimalloc` without it is an error."""
+    choice is `system`, or this process is the one run again (`MARK`; whether mimalloc is loaded already,
+    `reexec` asks first). `auto` without the library goes on with the system's; `mimalloc` without it is an
+    error."""
     if choice not in CHOICES:
         raise ValueError(f"--allocator must be one of {', '.join(CHOICES)}, not {choice!r}")
     if choice == "system" or env.get(MARK):

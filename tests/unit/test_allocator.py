@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,14 +12,14 @@ LIB = allocator.mimalloc_path()
 
 
 def test_auto_preloads_mimalloc_once_before_what_was_preloaded():
-    env = allocator.preload_env("auto", LIB or allocator.Path("/lib/libmimalloc.so"), {"LD_PRELOAD": "/x.so", "A": "1"})
+    env = allocator.preload_env("auto", LIB or Path("/lib/libmimalloc.so"), {"LD_PRELOAD": "/x.so", "A": "1"})
     assert env["LD_PRELOAD"].split(":")[1:] == ["/x.so"] and "libmimalloc.so" in env["LD_PRELOAD"].split(":")[0]
     assert env["A"] == "1" and env[allocator.MARK] == "1"
-    assert allocator.preload_env("auto", allocator.Path("/lib/libmimalloc.so"), env) is None  # the process run again
+    assert allocator.preload_env("auto", Path("/lib/libmimalloc.so"), env) is None  # the process run again
 
 
 def test_system_and_a_missing_library():
-    path = allocator.Path("/lib/libmimalloc.so")
+    path = Path("/lib/libmimalloc.so")
     assert allocator.preload_env("system", path, {}) is None
     assert allocator.preload_env("auto", None, {}) is None
     with pytest.raises(ValueError, match="cmeel-mimalloc"):
