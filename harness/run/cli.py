@@ -238,7 +238,7 @@ def add_options(p: argparse.ArgumentParser, arms_default: str = "engine,engine-s
         type=non_negative,
         default=512,
         metavar="N",
-        help="each engine arm's held-out perplexity, measured in process on the tier its server ran, over "
+        help="each engine arm's held-out perplexity, on the tier its server ran, once the server has stopped, over "
         "the first N held-out tokens (harness quality's text; 0: none; default 512)",
     )
     p.add_argument(

@@ -38,8 +38,8 @@ again, in alternating arm order, and measures the warm-up and the concurrency an
 (a server the harness did not start: under a nonce of the block's own), so that each load cell's aggregate rate
 has N measures.
 
-then, for an engine arm that finished its phases, the artifact's held-out perplexity in process on the tier
-its server ran (`quality_tokens`, `harness.gates.quality.held_out_score`).
+then, for an engine arm that finished its phases, the artifact's held-out perplexity on the tier its server ran,
+after the server stops, in a child process (`quality_tokens`, `harness.gates.quality.held_out_score`).
 
 Every timed request asks for a fixed output length (`ignore_eos`). A phase
 whose requests fail is retried once with the workload's second set of prompts
@@ -59,10 +59,12 @@ propagates.
 
 from __future__ import annotations
 
+import multiprocessing
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -148,7 +150,7 @@ class RunSettings:
     stall_timeout_s: float = 300  # a request without a byte for this long: the server is taken as hung
     goodput: tuple[tuple[str, float], ...] = ()  # SLOs, (metric, ms): a request meeting all counts as goodput
     slo_target: float = 0.9  # the SLO attainment the summary's highest sustained rate must keep
-    quality_tokens: int = 512  # held-out tokens an engine arm's perplexity is measured on, in process (0: none)
+    quality_tokens: int = 512  # held-out tokens an engine arm's perplexity is measured on (0: none)
     burstiness: float = 1.0  # rate cells' gamma shape: 1 Poisson, below 1 burstier
     max_concurrency: int | None = None  # rate cells: requests in flight at most (None: as they arrive)
     sweep: bool = False  # rate cells stop at the arm's saturation point
@@ -363,7 +365,10 @@ class Runner:
                     spawning=self.interrupts.deferred,
                 )
                 arm.load_to_ready_s = round(server.load_to_ready_s, 3)
-            self._measure(mrun, arm, spec, server, workload, phases, quality)
+            self._measure(mrun, arm, spec, server, workload, phases)
+            if quality and spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
+                server.stop(grace_s=grace_s)  # its device memory back before the model loads a second time
+                self._quality(mrun, arm, model_dir)
         except ServerStartError as e:
             arm.status, arm.error, arm.stderr_tail = FAILED, f"server did not start: {str(e).splitlines()[0]}", str(e)
         except BaseException as e:
@@ -389,7 +394,6 @@ class Runner:
         server: ServerProcess,
         workload: Workload,
         phases: list[str],
-        quality: bool = True,
     ) -> None:
         timeouts = self.settings.timeouts
         rss = RssSampler(server.proc.pid) if server.proc is not None else None  # an external server: not ours to sample
@@ -451,15 +455,16 @@ class Runner:
         finally:
             if rss is not None:
                 arm.peak_rss_bytes, arm.rss_samples = rss.peak_bytes, rss.samples
-        if quality and spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
-            self._quality(mrun, arm, Path(mrun.model_dir))
 
     def _quality(self, mrun: ModelRun, arm: ArmRun, model_dir: Path) -> None:
-        """The artifact's held-out perplexity in process, on the tier the arm's server ran (its /stats)."""
+        """The artifact's held-out perplexity on the tier the arm's server ran (its /stats), once the server has
+        stopped, in a child process: the model's second copy and the device memory its forward took leave with
+        it, so that neither this score nor the next arm's server finds the GPU held by the other."""
         tier = (arm.kernels or {}).get("tier") or "auto"
         self.on_phase(f"{mrun.model} / {arm.arm} / held-out perplexity")
         try:
-            arm.quality = held_out_score(model_dir, tier, self.settings.quality_tokens)
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+                arm.quality = child.submit(held_out_score, model_dir, tier, self.settings.quality_tokens).result()
         except Exception as e:  # noqa: BLE001 - the run's measurements stand without it
             arm.quality = {"error": f"{type(e).__name__}: {e}"}
         got = arm.quality.get("perplexity", arm.quality.get("error"))

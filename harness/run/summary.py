@@ -255,7 +255,7 @@ def markdown(run: dict) -> str:
         lines += ["", md_text(goodput[0]), ""] + [f"- {md_text(line)}" for line in goodput[1:]]
     quality = quality_lines(run)
     if quality:
-        lines += ["", "Held-out perplexity (`harness quality`'s text, in process):", ""]
+        lines += ["", "Held-out perplexity (`harness quality`'s text, after each server stopped):", ""]
         lines += [f"- {md_text(q)}" for q in quality]
 
     flagged = flagged_lines(run)
