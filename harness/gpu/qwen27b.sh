@@ -33,8 +33,8 @@
 #   first    WARMUP (full), LENGTHS (1024,4096), FIRST_ARGS (more options, e.g. "--prompt-cache-block 0
 #            --prompt-cache-bytes 0": the prompt cache off): the first prompts after ready against the ones that
 #            follow, then again with MLX's buffer cache emptied and refilled by one prompt (tools/gpu/first_prompts.py)
-#   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full): a burst of prompts served over HTTP against the
-#            same burst handed to the gateway in process (tools/gpu/burst_paths.py)
+#   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full), BURST_TOKENS (2): a burst of prompts served over
+#            HTTP against the same burst handed to the gateway in process (tools/gpu/burst_paths.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
@@ -166,7 +166,8 @@ case "$PART" in
   burst)  # a burst served over HTTP against the same burst handed to the gateway in process
     synth
     python3 -m tools.gpu.burst_paths --model qwen27b --burst "${BURST:-32}" --prompt-tokens "${PROMPT:-128}" \
-        --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" 2>&1 | tee "$OUT/qwen27b-burst-paths.txt"
+        --rounds "${ROUNDS:-3}" --warmup "${WARMUP:-full}" --tokens "${BURST_TOKENS:-2}" 2>&1 \
+        | tee "$OUT/qwen27b-burst-paths.txt"
     ;;
   dequant)  # the dense path's dequantization: alone on each matrix, then in whole prefill forwards
     synth
