@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.allocator import loaded
 from engine.gateway import Gateway, Placement
 from engine.request import FinishReason, GeneratedToken, GenerationRequest, RequestResult
 from engine.sinks import ForwardingSink
@@ -259,6 +260,7 @@ class EngineWorker:
     _snapshot_at: float = 0.0  # when `_refresh` last made the snapshot (perf_counter)
     _ended: bool = False  # a request ended since then
     _arriving_lock: threading.Lock = field(default_factory=threading.Lock)
+    _allocator: str = field(default_factory=loaded)  # the host's malloc (`engine serve --allocator`): fixed a process
 
     def __post_init__(self):
         self._refresh(self.gateway)
@@ -450,6 +452,7 @@ class EngineWorker:
                 "active_bytes": mx.get_active_memory(),
                 "peak_bytes": mx.get_peak_memory(),
                 "cache_bytes": mx.get_cache_memory(),
+                "host_allocator": self._allocator,  # mimalloc or system: what `--allocator` got
             },
         }
 

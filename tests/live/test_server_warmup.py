@@ -30,6 +30,7 @@ def test_the_full_warmup_runs_every_bucket_before_ready(server):
     assert "engine serve: warm-up decode rows 1-10: 10 requests" in tail(server.server.stderr_path)
     memory = stats["memory"]  # MLX's: the model's weights at least, alive since the load
     assert memory["peak_bytes"] >= memory["active_bytes"] > 0 and memory["cache_bytes"] >= 0
+    assert memory["host_allocator"] == ready.rsplit("allocator ", 1)[1].rstrip(")")  # as the ready line says
 
 
 def test_a_new_shape_after_ready_is_counted(server):
