@@ -29,6 +29,9 @@ _VARS = {
     "ENGINE_DENSE_DECODE_ROWS": "from this many rows a fast-tier GEMV launch whose layers keep dense copies "
     "(ENGINE_KEEP_DENSE) multiplies the copies instead of the 4-bit weights (KernelConfig.dense_decode_rows; "
     "default 0: never)",
+    "ENGINE_ATTENTION_GROUP_ROWS": "from this many rows a fast-tier attention decode step runs a block per kv head "
+    "for all its q heads, which read the same keys and values, instead of a block per q head "
+    "(KernelConfig.attention_group_rows; default 0: never)",
     "ENGINE_STAGED_LAYOUT": "the fast tier's staged GEMV launches (2-64 rows) laid out otherwise, by row count: "
     "'[ROWS:]KEY=VALUE,...;...' with KEY one of W, RT, CK, ST, S, MINB, MG, RW, KS, NR (e.g. '32,64:RW=0': "
     "exact-integer weights at 32 and 64 rows; KernelConfig.staged_layouts)",
@@ -103,6 +106,11 @@ def _count(name: str, environ: Mapping[str, str]) -> int | None:
 def dense_decode_rows(environ: Mapping[str, str] = os.environ) -> int | None:
     """ENGINE_DENSE_DECODE_ROWS as a count (None when unset); ValueError for anything but a whole number >= 0."""
     return _count("ENGINE_DENSE_DECODE_ROWS", environ)
+
+
+def attention_group_rows(environ: Mapping[str, str] = os.environ) -> int | None:
+    """ENGINE_ATTENTION_GROUP_ROWS as a count (None when unset); ValueError for anything but a whole number >= 0."""
+    return _count("ENGINE_ATTENTION_GROUP_ROWS", environ)
 
 
 def cache_root() -> Path:

@@ -211,7 +211,9 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
         elif config.attention_step and attention_decode.applies(module):
             kernel = config.attention_kernels and attention_decode.kernel_applies(module)
             prefill = config.compiled_prefill
-            module.fused_step = attention_decode.layer_step(module, config.fusion, kernel, link, prefill)
+            module.fused_step = attention_decode.layer_step(
+                module, config.fusion, kernel, link, prefill, config.attention_group_rows
+            )
             counts["attention_step_layers"] += 1
             counts["attention_kernel_layers"] += kernel
     return counts

@@ -56,7 +56,12 @@ def kernel_applies(layer) -> bool:
 
 
 def layer_step(
-    layer, fusion: Fusion, kernels: bool = False, link: LayerLink | None = None, prefill: bool = False
+    layer,
+    fusion: Fusion,
+    kernels: bool = False,
+    link: LayerLink | None = None,
+    prefill: bool = False,
+    group_rows: int = 0,
 ) -> Callable[[mx.array, mx.array | None, Any], mx.array | None]:
     """`step(x, mask, cache)`: the layer's output for one token a row, or a few (a speculative verify window,
     up to CHUNKED_MIN_TOKENS - 1), updating `cache` as the layer does, or None for more tokens a row (the
@@ -66,7 +71,7 @@ def layer_step(
     skip), takes `attention_step`'s kernels between the projections; a few bf16 tokens on either cache take
     them token after token (each token's attention over the columns before it: causal, as the window's mask
     says); anything else the compiled parts around the layer's own attention; `fusion`'s stages ride in the
-    GEMV launches.
+    GEMV launches; from `group_rows` rows (0: never) `attend` takes a block per kv head for all its q heads.
     `link`: with `fusion.norm_out`, the input norm
     comes from the layer before and the next layer's from this step's last launch (`norm_handoff`). The
     weights are held by the compiled graphs from their first trace (no copies), so
@@ -84,6 +89,9 @@ def layer_step(
 
     before_c, after_c = mx.compile(before), mx.compile(after)
 
+    def grouped(rows: int) -> bool:
+        return 0 < group_rows <= rows
+
     # The kernel path in two compiled calls around the cache's update (whose slices move every step): the
     # positions go in as arrays (`row_params`, `attend_params`), so each call replays its graph at every
     # step; only the number of chunks `attend` splits the cache into (and the cache buffers' length, every
@@ -95,7 +103,7 @@ def layer_step(
     @cache
     def kernel_after(s: int):
         def run(x, q, keys_buf, values_buf, apar, rpar):
-            out = attention_step.attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s)
+            out = attention_step.attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s, grouped(q.shape[0]))
             return residual_mlp(layer, out, attn.o_proj, x, fusion, link.next_norm)
 
         return mx.compile(run)
@@ -142,7 +150,9 @@ def layer_step(
             rpar = rows_at(cache, x.shape[0])
             n, buffers = append(cache, *attention_step.keys(attn, k[:, t : t + 1], v[:, t : t + 1], rpar, fpar))
             apar, s = attention_step.attend_params(n, buffers[0].shape[2])
-            outs.append(attention_step.attend(attn, q[:, t : t + 1], *buffers, apar, rpar, fpar, s))
+            outs.append(
+                attention_step.attend(attn, q[:, t : t + 1], *buffers, apar, rpar, fpar, s, grouped(x.shape[0]))
+            )
         return tuple(window_after_c(x, mx.concatenate(outs, axis=1)))
 
     def step(x: mx.array, mask, cache) -> mx.array | None:

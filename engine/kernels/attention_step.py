@@ -225,6 +225,127 @@ _ATTEND_PARTIAL = r"""
 ATTEND_SOURCE = _ATTEND_BODY + _ATTEND_OUTPUT
 PARTIAL_SOURCE = _ATTEND_BODY + _ATTEND_PARTIAL
 
+# `attend` grouped: one block per (row, kv head, chunk) for all G = H / HKV q heads of the kv head, which read the
+# same keys and values: each position's k and v come from L2 once for G heads instead of once a head. Each head's
+# sums run as `_ATTEND_BODY`'s do (a warp's positions and their order, the same expressions), so a head's result
+# is `attend`'s; P (positions loaded a batch) only batches the loads. The heads' output stages then run one head
+# after another through the same shared memory, into `attend`'s output or partial layout.
+_GROUP_BODY = r"""
+  constexpr int E = D / 32;
+  constexpr int G = H / HKV;
+  const int n = ipar[0], cap = ipar[1], chunk = ipar[2], splits = ipar[3];
+  const int bg = blockIdx.x / splits, c = blockIdx.x % splits;
+  const int b = bg / HKV, g = bg % HKV;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  __shared__ float qs[D];
+  __shared__ float qg[G][D];
+  __shared__ float red[WARPS], wm[WARPS], wl[WARPS];
+  __shared__ float wacc[WARPS][D];
+
+  // each head's q: norm, rope, scale
+  #pragma unroll 1
+  for (int hl = 0; hl < G; ++hl) {
+    const size_t qrow = ((size_t)b * H + g * G + hl) * 2 * D;
+    const float qn = engine_head_norm<D>(t < D ? (float)q[qrow + t] : 0.0f, q_norm_w, fpar[0], red);
+    if (t < D) qs[t] = qn;
+    __syncthreads();
+    const float qr = t < D ? engine_bf16r(engine_rope<R>(qs, t, rpar[4 * b + 1], fpar[1], fpar[2])) : 0.0f;
+    __syncthreads();
+    if (t < D) qg[hl][t] = qr * fpar[3];
+  }
+  __syncthreads();
+  float qv[G][E];
+  #pragma unroll
+  for (int hl = 0; hl < G; ++hl)
+    #pragma unroll
+    for (int e = 0; e < E; ++e) qv[hl][e] = qg[hl][lane * E + e];
+
+  constexpr int P = 2;
+  const int start = max(c * chunk, rpar[4 * b]), end = min(n, c * chunk + chunk);
+  const size_t head = ((size_t)b * HKV + g) * (size_t)cap * D + lane * E;
+  float m[G], l[G], acc[G][E];
+  #pragma unroll
+  for (int hl = 0; hl < G; ++hl) {
+    m[hl] = -INFINITY;
+    l[hl] = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) acc[hl][e] = 0.0f;
+  }
+  for (int j0 = start + warp; j0 < end; j0 += P * WARPS) {
+    float kr[P][E], vr[P][E];
+    #pragma unroll
+    for (int p = 0; p < P; ++p) {
+      if (j0 + p * WARPS < end) {
+        engine_load_row<E>(keys + head + (size_t)(j0 + p * WARPS) * D, kr[p]);
+        engine_load_row<E>(values + head + (size_t)(j0 + p * WARPS) * D, vr[p]);
+      }
+    }
+    #pragma unroll
+    for (int p = 0; p < P; ++p) {
+      if (j0 + p * WARPS < end) {
+        #pragma unroll
+        for (int hl = 0; hl < G; ++hl) {
+          float s = 0.0f;
+          #pragma unroll
+          for (int e = 0; e < E; ++e) s += qv[hl][e] * kr[p][e];
+          #pragma unroll
+          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+          const float mn = fmaxf(m[hl], s);
+          const float corr = __expf(m[hl] - mn), pr = __expf(s - mn);
+          l[hl] = l[hl] * corr + pr;
+          #pragma unroll
+          for (int e = 0; e < E; ++e) acc[hl][e] = acc[hl][e] * corr + pr * vr[p][e];
+          m[hl] = mn;
+        }
+      }
+    }
+  }
+
+  // head after head: merge the warps as `attend` does, then the head's output stage
+  #pragma unroll
+  for (int hl = 0; hl < G; ++hl) {
+    if (lane == 0) { wm[warp] = m[hl]; wl[warp] = l[hl]; }
+    #pragma unroll
+    for (int e = 0; e < E; ++e) wacc[warp][lane * E + e] = acc[hl][e];
+    __syncthreads();
+    float top = -INFINITY, total = 0.0f, o = 0.0f;
+    if (t < D) {
+      #pragma unroll
+      for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
+      #pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
+        total += wl[w] * f;
+        o += wacc[w][t] * f;
+      }
+    }
+    const int h = g * G + hl;
+    const size_t bh = (size_t)b * H + h;
+"""
+
+# one chunk: as `_ATTEND_OUTPUT`
+_GROUP_OUTPUT = r"""
+    if (t < D) {
+      const float gate = (float)q[bh * 2 * D + D + t];
+      const float sig = engine_bf16r(1.0f / (1.0f + __expf(-gate)));
+      out[bh * D + t] = __float2bfloat16(engine_bf16r(o / total) * sig);
+    }
+    __syncthreads();
+  }
+"""
+
+# several: as `_ATTEND_PARTIAL`, at the index `attend`'s block (b, h, c) writes
+_GROUP_PARTIAL = r"""
+    const size_t part = bh * splits + c;
+    if (t < D) part_acc[part * D + t] = o;
+    if (t == 0) { part_ml[2 * part] = top; part_ml[2 * part + 1] = total; }
+    __syncthreads();
+  }
+"""
+
+GROUP_SOURCE = _GROUP_BODY + _GROUP_OUTPUT
+GROUP_PARTIAL_SOURCE = _GROUP_BODY + _GROUP_PARTIAL
+
 MERGE_SOURCE = r"""
   // Block (b, h): the chunks' partial results merged as the warps' are; thread t: channel t.
   const int splits = ipar[3];
@@ -276,6 +397,17 @@ def _attend_kernel(partial: bool):
         input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
         output_names=["part_ml", "part_acc"] if partial else ["out"],
         source=PARTIAL_SOURCE if partial else ATTEND_SOURCE,
+        header=HEADER,
+    )
+
+
+@cache
+def _group_kernel(partial: bool):
+    return cuda_kernel(
+        name="engine_attention_group_partial" if partial else "engine_attention_group",
+        input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
+        output_names=["part_ml", "part_acc"] if partial else ["out"],
+        source=GROUP_PARTIAL_SOURCE if partial else GROUP_SOURCE,
         header=HEADER,
     )
 
@@ -360,21 +492,30 @@ def keys(attn, k: mx.array, v: mx.array, rpar: mx.array, fpar: mx.array) -> tupl
 
 
 def attend(
-    attn, q: mx.array, keys_buf: mx.array, values_buf: mx.array, apar: mx.array, rpar: mx.array, fpar: mx.array, s: int
+    attn,
+    q: mx.array,
+    keys_buf: mx.array,
+    values_buf: mx.array,
+    apar: mx.array,
+    rpar: mx.array,
+    fpar: mx.array,
+    s: int,
+    grouped: bool = False,
 ) -> mx.array:
     """The gated attention output [B, 1, heads * D] (o_proj's input) of q's projection [B, 1, heads * 2 D]
     (q and the gate per head) over each row's columns [start, n) of the cache buffers [B, kv heads, cap, D],
     where `(apar, s) = attend_params(n, cap)` and `rpar = row_params(starts, positions)`: one launch, or for
     a long cache (s > 1 chunks) one over chunks of the columns and one that merges them. Only s shapes the
-    launches; the positions are in the inputs."""
+    launches; the positions are in the inputs. `grouped`: a block per kv head for all its q heads instead of
+    a block per q head (the same values, the keys and values read once for the group)."""
     b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
     inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, rpar, fpar]
-    launch = dict(template=_template(attn, d), grid=(b * heads * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
+    blocks = b * (attn.n_kv_heads if grouped else heads) * s
+    kernel = _group_kernel if grouped else _attend_kernel
+    launch = dict(template=_template(attn, d), grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:
-        return _attend_kernel(False)(
-            inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16], **launch
-        )[0]
-    ml, acc = _attend_kernel(True)(
+        return kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16], **launch)[0]
+    ml, acc = kernel(True)(
         inputs=inputs,
         output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
         output_dtypes=[mx.float32, mx.float32],

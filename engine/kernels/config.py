@@ -86,6 +86,7 @@ class KernelConfig:
     delta_step_kernel: bool = True  # a DeltaNet decode step's core as one CUDA kernel
     attention_step: bool = True  # the compiled decode step of gated-attention layers
     attention_kernels: bool = True  # that step's attention as CUDA kernels
+    attention_group_rows: int = 0  # from this many rows those kernels take a kv head's q heads a block (0: never)
     dense_min_rows: int | None = DENSE_MIN_ROWS
     gemv_min_outputs: int = LAYER_MIN_OUTPUTS
     state_dtype: str = DEFAULT_STATE_DTYPE
@@ -112,7 +113,8 @@ class KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL
         (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or
-        1) and ENGINE_DENSE_DECODE_ROWS (a count) where they are set; ValueError for a value they cannot take."""
+        1), ENGINE_DENSE_DECODE_ROWS and ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a
+        value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         keep = env.keep_dense(environ)
         return cls(
@@ -126,6 +128,7 @@ class KernelConfig:
             keep_dense_auto=keep == "auto",
             dequant_kernel=bool(env.dequant_kernel(environ)),
             dense_decode_rows=env.dense_decode_rows(environ) or 0,
+            attention_group_rows=env.attention_group_rows(environ) or 0,
         )
 
     def settings(self) -> dict:
@@ -137,6 +140,7 @@ class KernelConfig:
             "delta_step_kernel": self.delta_step_kernel,
             "attention_step": self.attention_step,
             "attention_kernels": self.attention_kernels,
+            "attention_group_rows": self.attention_group_rows,
             "dense_min_rows": self.dense_min_rows,
             "gemv_min_outputs": self.gemv_min_outputs,
             "state_dtype": self.state_dtype,

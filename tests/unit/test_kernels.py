@@ -678,6 +678,10 @@ def test_the_environment_sets_the_stages_and_launch_shapes_of_a_config():
     assert KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "128"}).settings()["scan_tokens"] == 128
     with pytest.raises(ValueError, match="ENGINE_SCAN_TOKENS must be a whole number"):
         KernelConfig.from_env(FAST, {"ENGINE_SCAN_TOKENS": "-1"})
+    assert KernelConfig.from_env(FAST, {}).attention_group_rows == 0
+    assert KernelConfig.from_env(FAST, {"ENGINE_ATTENTION_GROUP_ROWS": "16"}).settings()["attention_group_rows"] == 16
+    with pytest.raises(ValueError, match="ENGINE_ATTENTION_GROUP_ROWS must be a whole number"):
+        KernelConfig.from_env(FAST, {"ENGINE_ATTENTION_GROUP_ROWS": "some"})
     assert KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "1"}).settings()["keep_dense"] is True
     assert KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "auto"}).settings()["keep_dense"] == "auto"
     assert not KernelConfig.from_env(FAST, {"ENGINE_KEEP_DENSE": "auto"}).keep_dense  # none made at load
@@ -1531,7 +1535,7 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
         traced["keys", id(attn)] += 1
         return _keys_reference(attn, k, v, rpar)
 
-    def attend(attn, q, k, v, apar, rpar, fpar, s):
+    def attend(attn, q, k, v, apar, rpar, fpar, s, grouped=False):
         traced["attend", id(attn)] += 1
         return _attend_reference(attn, q, k, v, apar, rpar)
 
@@ -1568,6 +1572,34 @@ def test_kernel_attention_step_matches_the_compiled_step(monkeypatch, lengths):
     assert worst < 2**-5
 
 
+def test_attention_takes_a_block_per_kv_head_from_the_group_rows(monkeypatch):
+    # KernelConfig.attention_group_rows: a decode step of that many rows or more asks `attend` for the grouped
+    # blocks, fewer rows for a block per q head (off CUDA the reference stands in for the kernels).
+    from engine.batch.runner import merge_rows
+    from engine.engine import Engine
+    from engine.kernels import attention_decode, attention_step
+
+    asked = []
+
+    def attend(attn, q, k, v, apar, rpar, fpar, s, grouped=False):
+        asked.append((q.shape[0], grouped))
+        return _attend_reference(attn, q, k, v, apar, rpar)
+
+    monkeypatch.setattr(attention_step, "keys", lambda attn, k, v, rpar, fpar: _keys_reference(attn, k, v, rpar))
+    monkeypatch.setattr(attention_step, "attend", attend)
+    monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: True)
+    model = Engine.load("tiny-qwen35", with_tokenizer=False).model
+    install(model, replace(FAST_ANYWHERE, attention_group_rows=3))
+    for rows in (1, 3):
+        singles = [model.make_cache() for _ in range(rows)]
+        for single in singles:
+            model(mx.array([list(range(3, 20))]), single)
+        cache = singles[0] if rows == 1 else merge_rows(singles)
+        mx.eval(model(mx.array([[7] * rows]).T, cache))
+    install(model, KernelConfig(EXACT))
+    assert asked and set(asked) == {(1, False), (3, True)}
+
+
 # one serial row; three rows of a left-padded batch
 @pytest.mark.parametrize("lengths", [(20,), (17, 20, 16)])
 def test_a_window_decodes_as_its_tokens_one_at_a_time(monkeypatch, lengths):
@@ -1586,7 +1618,7 @@ def test_a_window_decodes_as_its_tokens_one_at_a_time(monkeypatch, lengths):
         monkeypatch.setattr(
             attention_step,
             "attend",
-            lambda attn, q, k, v, apar, rpar, fpar, s: _attend_reference(attn, q, k, v, apar, rpar),
+            lambda attn, q, k, v, apar, rpar, fpar, s, grouped=False: _attend_reference(attn, q, k, v, apar, rpar),
         )
     monkeypatch.setattr(attention_decode, "kernel_applies", lambda layer: True)
     model = Engine.load("tiny-qwen35", with_tokenizer=False).model  # bf16
@@ -1636,7 +1668,8 @@ def test_a_window_decodes_as_its_tokens_one_at_a_time(monkeypatch, lengths):
         (4, 2, 64, 16, 64, 130),
     ],
 )
-def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n, grouped):
     from engine.kernels.attention_step import attend, attend_params, float_params, keys, row_params
 
     attn, bf = _Attn(h, hkv, d, rope_dims), mx.bfloat16
@@ -1658,8 +1691,10 @@ def test_attention_kernels_match_the_references(h, hkv, d, rope_dims, b, n):
     keys_buf[:, :, n - 1 : n] = want_k
     values_buf[:, :, n - 1 : n] = want_v
     apar, s = attend_params(n, cap)
-    got = attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s).astype(mx.float32)
+    got = attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s, grouped).astype(mx.float32)
     want = _attend_reference(attn, q, keys_buf, values_buf, apar, rpar).astype(mx.float32)
+    if grouped:  # a block per kv head: each q head's sums as a block per q head runs them, bit for bit
+        assert mx.array_equal(got, attend(attn, q, keys_buf, values_buf, apar, rpar, fpar, s).astype(mx.float32)).item()
     # Both round the attention output and the gated output to bf16 from float32 values that differ only by
     # summation order and __expf: a rounding that falls the other way is one bf16 ulp, up to 2^-7 of the
     # value, at each of the two.
