@@ -110,6 +110,56 @@ __device__ __forceinline__ void engine_load_row(const __nv_bfloat16* p, float (&
     for (int i = 0; i < E; ++i) out[i] = __bfloat162float(p[i]);
   }
 }
+
+// P positions j0, j0 + W, ... (those before end) of a kv head's keys and values, E channels a lane.
+template <int P, int E, int W, int D>
+__device__ __forceinline__ void engine_load_positions(const __nv_bfloat16* keys, const __nv_bfloat16* values,
+                                                      size_t head, int j0, int end, float (&kr)[P][E],
+                                                      float (&vr)[P][E]) {
+  #pragma unroll
+  for (int p = 0; p < P; ++p) {
+    if (j0 + p * W < end) {
+      engine_load_row<E>(keys + head + (size_t)(j0 + p * W) * D, kr[p]);
+      engine_load_row<E>(values + head + (size_t)(j0 + p * W) * D, vr[p]);
+    }
+  }
+}
+
+// One position folded into a warp's running max m, sum l and weighted values acc: q's score against its key
+// (qv and kr: a lane's E channels, summed over the warp), then its value.
+template <int E>
+__device__ __forceinline__ void engine_fold(const float (&qv)[E], const float (&kr)[E], const float (&vr)[E],
+                                            float& m, float& l, float (&acc)[E]) {
+  float s = 0.0f;
+  #pragma unroll
+  for (int e = 0; e < E; ++e) s += qv[e] * kr[e];
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float mn = fmaxf(m, s);
+  const float corr = __expf(m - mn), pr = __expf(s - mn);
+  l = l * corr + pr;
+  #pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + pr * vr[e];
+  m = mn;
+}
+
+// The W warps' running max, sum and weighted values (wm, wl, wacc) merged: the block's max, sum and channel t's
+// weighted sum (t < D; a warp with no positions has m = -inf and adds nothing).
+template <int W, int D>
+__device__ __forceinline__ void engine_merge_warps(const float* wm, const float* wl, const float (*wacc)[D], int t,
+                                                   float& top, float& total, float& o) {
+  top = -INFINITY, total = 0.0f, o = 0.0f;
+  if (t < D) {
+    #pragma unroll
+    for (int w = 0; w < W; ++w) top = fmaxf(top, wm[w]);
+    #pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
+      total += wl[w] * f;
+      o += wacc[w][t] * f;
+    }
+  }
+}
 """
 
 # ipar: [n, cap, chunk, splits] (the cache columns after this token's update, the buffer's length, the
@@ -164,47 +214,17 @@ _ATTEND_BODY = r"""
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
   for (int j0 = start + warp; j0 < end; j0 += P * WARPS) {
     float kr[P][E], vr[P][E];
+    engine_load_positions<P, E, WARPS, D>(keys, values, head, j0, end, kr, vr);
     #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (j0 + p * WARPS < end) {
-        engine_load_row<E>(keys + head + (size_t)(j0 + p * WARPS) * D, kr[p]);
-        engine_load_row<E>(values + head + (size_t)(j0 + p * WARPS) * D, vr[p]);
-      }
-    }
-    #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (j0 + p * WARPS < end) {
-        float s = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) s += qv[e] * kr[p][e];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        const float mn = fmaxf(m, s);
-        const float corr = __expf(m - mn), pr = __expf(s - mn);
-        l = l * corr + pr;
-        #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + pr * vr[p][e];
-        m = mn;
-      }
-    }
+    for (int p = 0; p < P; ++p)
+      if (j0 + p * WARPS < end) engine_fold<E>(qv, kr[p], vr[p], m, l, acc);
   }
   if (lane == 0) { wm[warp] = m; wl[warp] = l; }
   #pragma unroll
   for (int e = 0; e < E; ++e) wacc[warp][lane * E + e] = acc[e];
   __syncthreads();
-
-  // merge the warps (a warp with no positions has m = -inf and adds nothing)
-  float top = -INFINITY, total = 0.0f, o = 0.0f;
-  if (t < D) {
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
-      total += wl[w] * f;
-      o += wacc[w][t] * f;
-    }
-  }
+  float top, total, o;
+  engine_merge_warps<WARPS, D>(wm, wl, wacc, t, top, total, o);
 """
 
 # one chunk: the attention output rounded to bf16, then the sigmoid gate
@@ -273,32 +293,12 @@ _GROUP_BODY = r"""
   }
   for (int j0 = start + warp; j0 < end; j0 += P * WARPS) {
     float kr[P][E], vr[P][E];
+    engine_load_positions<P, E, WARPS, D>(keys, values, head, j0, end, kr, vr);
     #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (j0 + p * WARPS < end) {
-        engine_load_row<E>(keys + head + (size_t)(j0 + p * WARPS) * D, kr[p]);
-        engine_load_row<E>(values + head + (size_t)(j0 + p * WARPS) * D, vr[p]);
-      }
-    }
-    #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (j0 + p * WARPS < end) {
+    for (int p = 0; p < P; ++p)
+      if (j0 + p * WARPS < end)
         #pragma unroll
-        for (int hl = 0; hl < G; ++hl) {
-          float s = 0.0f;
-          #pragma unroll
-          for (int e = 0; e < E; ++e) s += qv[hl][e] * kr[p][e];
-          #pragma unroll
-          for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-          const float mn = fmaxf(m[hl], s);
-          const float corr = __expf(m[hl] - mn), pr = __expf(s - mn);
-          l[hl] = l[hl] * corr + pr;
-          #pragma unroll
-          for (int e = 0; e < E; ++e) acc[hl][e] = acc[hl][e] * corr + pr * vr[p][e];
-          m[hl] = mn;
-        }
-      }
-    }
+        for (int hl = 0; hl < G; ++hl) engine_fold<E>(qv[hl], kr[p], vr[p], m[hl], l[hl], acc[hl]);
   }
 
   // head after head: merge the warps as `attend` does, then the head's output stage
@@ -308,17 +308,8 @@ _GROUP_BODY = r"""
     #pragma unroll
     for (int e = 0; e < E; ++e) wacc[warp][lane * E + e] = acc[hl][e];
     __syncthreads();
-    float top = -INFINITY, total = 0.0f, o = 0.0f;
-    if (t < D) {
-      #pragma unroll
-      for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
-      #pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float f = wm[w] == -INFINITY ? 0.0f : __expf(wm[w] - top);
-        total += wl[w] * f;
-        o += wacc[w][t] * f;
-      }
-    }
+    float top, total, o;
+    engine_merge_warps<WARPS, D>(wm, wl, wacc, t, top, total, o);
     const int h = g * G + hl;
     const size_t bh = (size_t)b * H + h;
 """
@@ -390,24 +381,23 @@ def _keys_kernel():
     )
 
 
-@cache
-def _attend_kernel(partial: bool):
-    return cuda_kernel(
-        name="engine_attention_partial" if partial else "engine_attention_attend",
-        input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
-        output_names=["part_ml", "part_acc"] if partial else ["out"],
-        source=PARTIAL_SOURCE if partial else ATTEND_SOURCE,
-        header=HEADER,
-    )
+# `attend`'s kernels by (partial, grouped): name and source
+_ATTEND_KERNELS = {
+    (False, False): ("engine_attention_attend", ATTEND_SOURCE),
+    (True, False): ("engine_attention_partial", PARTIAL_SOURCE),
+    (False, True): ("engine_attention_group", GROUP_SOURCE),
+    (True, True): ("engine_attention_group_partial", GROUP_PARTIAL_SOURCE),
+}
 
 
 @cache
-def _group_kernel(partial: bool):
+def _attend_kernel(partial: bool, grouped: bool = False):
+    name, source = _ATTEND_KERNELS[partial, grouped]
     return cuda_kernel(
-        name="engine_attention_group_partial" if partial else "engine_attention_group",
+        name=name,
         input_names=["q", "keys", "values", "q_norm_w", "ipar", "rpar", "fpar"],
         output_names=["part_ml", "part_acc"] if partial else ["out"],
-        source=GROUP_PARTIAL_SOURCE if partial else GROUP_SOURCE,
+        source=source,
         header=HEADER,
     )
 
@@ -511,11 +501,12 @@ def attend(
     b, d, heads = q.shape[0], attn.q_norm.weight.shape[0], attn.n_heads
     inputs = [q, keys_buf, values_buf, attn.q_norm.weight, apar, rpar, fpar]
     blocks = b * (attn.n_kv_heads if grouped else heads) * s
-    kernel = _group_kernel if grouped else _attend_kernel
     launch = dict(template=_template(attn, d), grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))
     if s == 1:
-        return kernel(False)(inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16], **launch)[0]
-    ml, acc = kernel(True)(
+        return _attend_kernel(False, grouped)(
+            inputs=inputs, output_shapes=[(b, 1, heads * d)], output_dtypes=[mx.bfloat16], **launch
+        )[0]
+    ml, acc = _attend_kernel(True, grouped)(
         inputs=inputs,
         output_shapes=[(b * heads * s * 2,), (b * heads * s, d)],
         output_dtypes=[mx.float32, mx.float32],
