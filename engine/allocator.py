@@ -17,6 +17,7 @@ from pathlib import Path
 
 CHOICES = ("auto", "mimalloc", "system")
 MARK = "ENGINE_ALLOCATOR_SET"  # set in the environment of the process `reexec` starts: it never starts another
+PURGE = "MIMALLOC_PURGE_DELAY"  # ms before mimalloc returns freed memory to the system
 
 
 def mimalloc_path() -> Path | None:
@@ -56,7 +57,11 @@ def preload_env(choice: str, path: Path | None, env: dict[str, str]) -> dict[str
             raise ValueError("--allocator mimalloc: the cmeel-mimalloc package is not installed")
         return None
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    return {**env, "LD_PRELOAD": ":".join([str(path), *preload]), MARK: "1"}
+    # freed pages back to the system at once, not after mimalloc's default 10 ms: its RSS stays the system
+    # allocator's (CPU server: ~+12% otherwise; H100 server +0.8 GB), its build times unchanged; a value the
+    # environment gives stands
+    purge = env.get(PURGE, "0")
+    return {**env, "LD_PRELOAD": ":".join([str(path), *preload]), PURGE: purge, MARK: "1"}
 
 
 def reexec(choice: str, argv: list[str]) -> None:

@@ -14,7 +14,8 @@ LIB = allocator.mimalloc_path()
 def test_auto_preloads_mimalloc_once_before_what_was_preloaded():
     env = allocator.preload_env("auto", LIB or Path("/lib/libmimalloc.so"), {"LD_PRELOAD": "/x.so", "A": "1"})
     assert env["LD_PRELOAD"].split(":")[1:] == ["/x.so"] and "libmimalloc.so" in env["LD_PRELOAD"].split(":")[0]
-    assert env["A"] == "1" and env[allocator.MARK] == "1"
+    assert env["A"] == "1" and env[allocator.MARK] == "1" and env[allocator.PURGE] == "0"  # freed pages back at once
+    assert allocator.preload_env("auto", Path("/m.so"), {allocator.PURGE: "50"})[allocator.PURGE] == "50"  # as given
     assert allocator.preload_env("auto", Path("/lib/libmimalloc.so"), env) is None  # the process run again
 
 
