@@ -80,8 +80,8 @@ case "$PART" in
     # leave pytest running on the GPU into the next command, and a `| tail` keeps nothing of a killed run
     rc=0
     timeout -s INT "${TESTS_TIMEOUT:-1200}" python3 -m pytest -q -p no:cacheprovider -rs -n "${WORKERS:-4}" \
-        tests/unit/test_kernels.py tests/unit/test_cuda_source.py tests/unit/test_dequantize_kernel.py \
-        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
+        tests/unit/test_kernels.py tests/unit/test_attention_kernels.py tests/unit/test_cuda_source.py \
+        tests/unit/test_dequantize_kernel.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/kernel-tests.txt" 2>&1 || rc=$?
     tail -20 "$OUT/kernel-tests.txt"
     exit "$rc"
     ;;
