@@ -59,12 +59,13 @@ propagates.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import secrets
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -73,7 +74,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from harness.gates.quality import held_out_score
 from harness.run import cells, counters, provenance, traffic
 from harness.run.arms import ArmSpec
 from harness.run.arrivals import is_burst, measured, rate_of_phase, saturated
@@ -211,6 +211,23 @@ def progress_steps(settings: RunSettings, blocks: Sequence[Block], targets: int)
         if settings.quality_tokens and not block.is_repetition:
             steps += targets * sum(a.is_engine for a in block.arms)
     return steps
+
+
+_SCORE = (
+    "import json, sys; from harness.gates.quality import held_out_score; "
+    "print(json.dumps(held_out_score(sys.argv[1], sys.argv[2], int(sys.argv[3]))))"
+)
+
+
+def _score_apart(model_dir: Path, tier: str, tokens: int) -> dict:
+    """`harness.gates.quality.held_out_score` in a child process: the model's copy and the device memory its
+    forward took leave with it (an interrupt here ends it too); where it fails, {"error": its last error line}."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SCORE, str(model_dir), tier, str(tokens)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 class Runner:
@@ -463,8 +480,7 @@ class Runner:
         tier = (arm.kernels or {}).get("tier") or "auto"
         self.on_phase(f"{mrun.model} / {arm.arm} / held-out perplexity")
         try:
-            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-                arm.quality = child.submit(held_out_score, model_dir, tier, self.settings.quality_tokens).result()
+            arm.quality = _score_apart(model_dir, tier, self.settings.quality_tokens)
         except Exception as e:  # noqa: BLE001 - the run's measurements stand without it
             arm.quality = {"error": f"{type(e).__name__}: {e}"}
         got = arm.quality.get("perplexity", arm.quality.get("error"))

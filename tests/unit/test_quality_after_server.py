@@ -53,3 +53,8 @@ def test_the_score_follows_the_servers_stop_and_runs_in_a_child(tiny_path, tmp_p
     assert arm.status == MEASURED
     assert events == ["stop", "score", "stop"]  # the arm's end stops it again: a no-op
     assert arm.quality == held_out_score(model, "exact", 16)  # the child's score is the in-process one
+
+
+def test_a_score_that_fails_in_the_child_is_its_last_error_line(tmp_path):
+    got = runner_module._score_apart(tmp_path / "no-model", "exact", 16)
+    assert set(got) == {"error"} and "no-model" in got["error"], got
