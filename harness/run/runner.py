@@ -47,7 +47,8 @@ whose requests fail is retried once with the workload's second set of prompts
 request (`--request-timeout` in all, `--stall-timeout` without a byte) or
 against a dead server. A server that dies or stalls (a hung server) fails
 its phase (with its stderr tail), is stopped, and leaves its remaining
-phases not measured; the run goes on with the next arm.
+phases not measured; the run goes on with the next arm. A failed phase's
+reason quotes the first error line of the server's log (`first_error`).
 
 Every exit path stops every server's process tree: the end of an arm, a
 harness error, and a signal. With the CLI's `Interrupts` installed, SIGTERM,
@@ -107,6 +108,7 @@ from harness.run.servers import (
     ExternalServer,
     ServerProcess,
     ServerStartError,
+    first_error,
     free_port,
     server_memory,
     server_stats,
@@ -516,6 +518,9 @@ class Runner:
                 return cell
             cell.status, cell.reason = FAILED, f"{len(errors)} of {len(records)} requests failed: {errors[0]}"
             cell.stderr_tail = tail(server.stderr_path, CELL_STDERR_CHARS)
+            said = first_error(server.stderr_path)  # (an --arm server's log is not ours: none)
+            if said:
+                cell.reason += f"; the server's log first said: {said[:300]}"
             self.log(f"  {phase}: attempt {attempt + 1} failed: {errors[0][:200]}")
             if any(r.timeout_kind for r in records) or server.exited(within_s=2.0):
                 break  # a limit would end the retry the same way; no retry against a dead server

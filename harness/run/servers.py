@@ -13,6 +13,7 @@ the server's process group (children whose parent already died).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,6 +78,23 @@ def tail(path: Path, limit: int = 4000) -> str:
         return path.read_text(errors="replace")[-limit:]
     except OSError:
         return ""
+
+
+# A Python exception's last traceback line ("RuntimeError: ...") or a log record at ERROR level
+_ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception): .*|.*\bERROR\b.*)$")
+
+
+def first_error(path: Path, limit: int = 1 << 20) -> str | None:
+    """The first line of a server's log (its last `limit` bytes) that reports an error: what a server that answers
+    every request with an error since then usually said when it broke (mlx-lm's server logs one request a line, so
+    the tail is access lines)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - limit))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return next((line.strip() for line in text.splitlines() if _ERROR_LINE.match(line.strip())), None)
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """A minimal OpenAI-style streaming server for the harness's tests: it dies, caches prompts or stalls on purpose.
 
-    python fake_server.py --port N [--exit-after K] [--prompt-cache] [--stall K:SECONDS]
+    python fake_server.py --port N [--exit-after K] [--break-after K] [--prompt-cache] [--stall K:SECONDS]
 
 Answers /health, /v1/models, and /v1/completions with a fixed-length SSE stream. --exit-after K: the K-th
-completion request writes one chunk, prints a message to stderr and exits 3. --prompt-cache: each response's usage
+completion request writes one chunk, prints a message to stderr and exits 3. --break-after K: from the K-th
+completion request on, as mlx-lm's server after its generation thread died: one error logged, then every request
+answered 404 with that error, the server still up (each request also logged, as an access line). --prompt-cache: each response's usage
 reports as cached the longest prefix its prompt shares with an earlier one (all but the last token at most, as a
 prompt cache serves it). --stall K:SECONDS: the K-th completion request waits SECONDS after its second token.
 """
@@ -22,6 +24,7 @@ from starlette.routing import Route
 args = argparse.ArgumentParser()
 args.add_argument("--port", type=int, required=True)
 args.add_argument("--exit-after", type=int, default=0)
+args.add_argument("--break-after", type=int, default=0)
 args.add_argument("--prompt-cache", action="store_true")
 args.add_argument("--stall", default="0:0", metavar="K:SECONDS")
 opts = args.parse_args()
@@ -52,6 +55,11 @@ async def completions(request):
     global seen
     seen += 1
     body = await request.json()
+    if opts.break_after and seen >= opts.break_after:
+        if seen == opts.break_after:
+            print("RuntimeError: out of memory (the fake server breaks on purpose)", file=sys.stderr, flush=True)
+        print('127.0.0.1 - - "POST /v1/completions HTTP/1.1" 404 -', file=sys.stderr, flush=True)
+        return JSONResponse({"error": "generation thread died"}, status_code=404)
     n, dying, stalling = body["max_tokens"], seen == opts.exit_after, seen == stall_at
     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": len(body["prompt"]) + n}
     if opts.prompt_cache:

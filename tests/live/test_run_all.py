@@ -176,6 +176,29 @@ def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path,
     assert not leftovers(tag)
 
 
+def test_a_server_that_breaks_but_stays_up_has_its_first_logged_error_in_the_failed_cells(tiny_path, tmp_path):
+    # as mlx-lm's server whose generation thread died (out of device memory): every later request answered 404,
+    # its log's tail nothing but access lines; the failed cells' reason carries what the log said first
+    model_dir = tiny_path(MODEL)
+    breaks = ArmSpec("breaks", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--break-after", "5"])
+    settings = RunSettings(
+        tokens=4,
+        decode_samples=2,
+        quality_tokens=0,
+        workload=WorkloadSettings(
+            cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
+        ),
+    )
+    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
+    (arm,) = runner.run([(MODEL, model_dir)], [Block(0, (breaks,))]).models[0].arms
+    failed = [c for c in arm.cells if c.status == "failed"]
+    assert failed and failed[0].phase == "decode"
+    for cell in failed:
+        assert "HTTP 404" in cell.reason and cell.reason.endswith(
+            "; the server's log first said: RuntimeError: out of memory (the fake server breaks on purpose)"
+        ), cell.reason
+
+
 def test_trials_alternate_the_arm_order_with_one_seed_per_block(tiny_path, tmp_path, tag):
     tiny_path(MODEL)  # synthesized before the harness looks for it
     cmd = [
