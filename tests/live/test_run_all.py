@@ -4,6 +4,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,14 @@ from harness.run.workloads import WorkloadSettings, phase_names
 
 MODEL = "tiny-qwen3"
 FAKE = Path(__file__).with_name("fake_server.py")
+# the fault tests' run: two 4-token decode samples, short prompts, one concurrency cell
+FAULTS = RunSettings(
+    tokens=4,
+    decode_samples=2,
+    workload=WorkloadSettings(
+        cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
+    ),
+)
 
 
 @pytest.fixture
@@ -152,20 +161,13 @@ def test_the_database_indexes_the_run(cli_run):
 def test_a_server_that_dies_mid_phase_is_recorded_and_the_run_goes_on(tiny_path, tmp_path, tag):
     model_dir = tiny_path(MODEL)
     crasher = ArmSpec("crasher", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--exit-after", "5"])
-    settings = RunSettings(
-        tokens=4,
-        decode_samples=2,
-        workload=WorkloadSettings(
-            cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
-        ),
-    )
-    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
+    runner = Runner(FAULTS, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     record = runner.run([(MODEL, model_dir)], [Block(0, (crasher, standard_arms()["engine-serial"]))])
     dead, alive = record.models[0].arms
     statuses = {c.phase: c.status for c in dead.cells}
     # warmup (3 requests) and probe answer; the fifth request (the first decode sample) kills the server
     assert statuses["warmup"] == statuses["probe"] == "measured" and statuses["decode"] == "failed"
-    assert all(statuses[p] == "not_measured" for p in phase_names(settings.workload)[3:])
+    assert all(statuses[p] == "not_measured" for p in phase_names(FAULTS.workload)[3:])
     assert dead.status == "failed" and "exited (status 3) during phase decode" in dead.error
     assert "fake server: exiting on purpose" in dead.stderr_tail
     decode = next(c for c in dead.cells if c.phase == "decode")
@@ -181,15 +183,9 @@ def test_a_server_that_breaks_but_stays_up_has_its_first_logged_error_in_the_fai
     # its log's tail nothing but access lines; the failed cells' reason carries what the log said first
     model_dir = tiny_path(MODEL)
     breaks = ArmSpec("breaks", lambda d, port: [sys.executable, str(FAKE), "--port", str(port), "--break-after", "5"])
-    settings = RunSettings(
-        tokens=4,
-        decode_samples=2,
-        quality_tokens=0,
-        workload=WorkloadSettings(
-            cold_prompt_tokens=64, decode_prompt_tokens=32, concurrent_prompt_tokens=32, concurrency=(2,)
-        ),
+    runner = Runner(
+        replace(FAULTS, quality_tokens=0), tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None
     )
-    runner = Runner(settings, tmp_path / "run.json", tmp_path / "runs.sqlite", log=lambda m: None)
     (arm,) = runner.run([(MODEL, model_dir)], [Block(0, (breaks,))]).models[0].arms
     failed = [c for c in arm.cells if c.status == "failed"]
     assert failed and failed[0].phase == "decode"
