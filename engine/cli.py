@@ -161,13 +161,34 @@ def add_kernels_flag(p: argparse.ArgumentParser) -> None:
         "float16 keeps 3 more bits of each value, bfloat16 a wider range); the exact tier keeps mlx-lm's "
         f"float32 (default {DEFAULT_STATE_DTYPE})",
     )
+    p.add_argument(
+        "--dense-copies",
+        choices=("off", "auto", "all"),
+        help="bf16 copies of the fast tier's 4-bit matrices (2 bytes a weight more; qwen27b: 54 GB) for its large "
+        "prompt chunks, which then skip dequantizing every matrix: auto = engine serve makes as many as the memory "
+        "left after its warm-up holds, all = every copy at load (default: ENGINE_KEEP_DENSE, else off)",
+    )
+    p.add_argument(
+        "--dense-decode-rows",
+        type=int,
+        metavar="N",
+        help="from N rows a decode step's matrix products run on the dense copies (cuBLAS) instead of the 4-bit "
+        "kernels; needs --dense-copies (default: ENGINE_DENSE_DECODE_ROWS, else 0: never)",
+    )
 
 
 def kernel_config(args):
-    """The KernelConfig of `--kernels`, `--state-dtype` and the documented environment variables."""
+    """The KernelConfig of `--kernels`, `--state-dtype`, `--dense-copies`, `--dense-decode-rows` and the documented
+    environment variables (the flags win)."""
     from engine.kernels import KernelConfig
 
-    return dataclasses.replace(KernelConfig.from_env(args.kernels), state_dtype=args.state_dtype)
+    flags = {"state_dtype": args.state_dtype}
+    copies, rows = getattr(args, "dense_copies", None), getattr(args, "dense_decode_rows", None)
+    if copies is not None:
+        flags.update(keep_dense=copies == "all", keep_dense_auto=copies == "auto")
+    if rows is not None:
+        flags.update(dense_decode_rows=rows)
+    return dataclasses.replace(KernelConfig.from_env(args.kernels), **flags)
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:

@@ -103,9 +103,12 @@ class KernelConfig:
         check_tier(self.tier)
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"unknown state dtype {self.state_dtype!r} (choose from {', '.join(STATE_DTYPES)})")
+        if self.dense_decode_rows < 0:
+            raise ValueError(f"dense decode rows must be 0 (never) or more, got {self.dense_decode_rows}")
         if self.dense_decode_rows and not (self.keep_dense or self.keep_dense_auto):
             raise ValueError(
-                "dense decode rows (ENGINE_DENSE_DECODE_ROWS) need kept dense copies (ENGINE_KEEP_DENSE=1 or auto)"
+                "dense decode rows (--dense-decode-rows, ENGINE_DENSE_DECODE_ROWS) need kept dense copies "
+                "(--dense-copies all or auto, ENGINE_KEEP_DENSE=1 or auto)"
             )
 
     @classmethod

@@ -72,6 +72,25 @@ def test_the_setting_is_read_from_the_environment():
         KernelConfig.from_env(FAST, {"ENGINE_DENSE_DECODE_ROWS": "48"})
 
 
+def test_the_flags_set_the_copies_and_rows_over_the_environment(monkeypatch):
+    from engine.cli import build_parser, kernel_config
+
+    def config(*flags):
+        return kernel_config(build_parser().parse_args(["serve", "--model", "m", *flags]))
+
+    monkeypatch.setenv("ENGINE_KEEP_DENSE", "1")
+    monkeypatch.setenv("ENGINE_DENSE_DECODE_ROWS", "32")
+    assert (config().keep_dense, config().dense_decode_rows) == (True, 32)
+    auto = config("--dense-copies", "auto", "--dense-decode-rows", "48")
+    assert (auto.keep_dense, auto.keep_dense_auto, auto.dense_decode_rows) == (False, True, 48)
+    off = config("--dense-copies", "off", "--dense-decode-rows", "0")
+    assert (off.keep_dense, off.keep_dense_auto, off.dense_decode_rows) == (False, False, 0)
+    with pytest.raises(ValueError, match="need kept dense copies"):
+        config("--dense-copies", "off")
+    with pytest.raises(ValueError, match="0 \\(never\\) or more"):
+        config("--dense-decode-rows", "-1")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [48, 64])
 def test_a_dense_launch_gives_the_kernel_launch_s_results(rows):
