@@ -549,8 +549,10 @@ def enable_kernel_cache(directory: Path | None) -> Path:
 
 
 def cmd_serve(args) -> int:
+    from engine.device import serve_environment
     from engine.server.main import ServeConfig, serve
 
+    serve_environment()
     kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
 
     return serve(

@@ -3,7 +3,8 @@ the name results record it by."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, MutableMapping
 
 import mlx.core as mx
 
@@ -16,6 +17,19 @@ from engine.kernels import on_cuda
 # cudaMallocAsync / cudaFreeAsync every step: on an H200 (qwen27b) a lone request after the full warm-up decoded
 # at 0.755x the `--batch 1` server's rate with 16 GiB and 0.934x with 64 GiB (docs/serving.md).
 CUDA_MLX_CACHE = 64 << 30
+
+
+# MLX's CUDA backend counts the misses of its caches (CUDA graph executables: 400 by default; cuDNN attention plans:
+# 256) over the whole process and, with its check on, raises "Cache thrashing is happening" at the miss after twice
+# a cache's capacity (mlx/backend/cuda/lru_cache.h; the string is in the 0.32.4 build). The count never resets, so in
+# a server that runs for days the step that meets the 801st new graph topology, and every later one, would fail its
+# requests. `engine serve` turns the check off unless it is set: a miss then costs one graph instantiation.
+THRASHING_CHECK = "MLX_ENABLE_CACHE_THRASHING_CHECK"
+
+
+def serve_environment(environ: MutableMapping[str, str] = os.environ) -> None:
+    """The MLX variables `engine serve` sets, unless given, before MLX reads them (its first device work)."""
+    environ.setdefault(THRASHING_CHECK, "0")
 
 
 def cuda_cache_limit(device_info: Mapping) -> int:

@@ -186,3 +186,23 @@ def test_the_cuda_buffer_cache_is_64_gib_at_most_half_the_device():
     assert cuda_cache_limit({"total_memory": 143 << 30}) == 64 << 30  # an H200
     assert cuda_cache_limit({"memory_size": 80 << 30}) == 40 << 30
     assert cuda_cache_limit({"device_name": "a GPU"}) == 64 << 30  # no memory reported
+
+
+def test_serve_turns_mlx_s_cache_thrashing_check_off_before_it_loads(monkeypatch):
+    # MLX's check counts a cache's misses over the process's life and raises at twice its capacity: in a long-lived
+    # server, every step meeting a new graph topology past that would fail
+    import os
+
+    import engine.server.main as server_main
+    from engine.cli import main
+    from engine.device import THRASHING_CHECK, serve_environment
+
+    seen = {}
+    monkeypatch.delenv(THRASHING_CHECK, raising=False)
+    monkeypatch.setattr(server_main, "serve", lambda cfg: seen.setdefault("check", os.environ.get(THRASHING_CHECK)))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/tmp/engine-test-kernels")
+    main(["serve", "--model", "tiny-qwen35"])
+    assert seen == {"check": "0"}
+    given = {THRASHING_CHECK: "1"}
+    serve_environment(given)
+    assert given == {THRASHING_CHECK: "1"}  # a value the user set stays
