@@ -32,9 +32,9 @@ def longest_chunk(scheduler: SchedulerConfig, rows: int) -> int:
 
 def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int, fits) -> list[list[GenerationRequest]]:
     """The full warm-up's prefill groups: for each group bucket past one, its fewest prompts (one more than the
-    bucket below), each of a chunk bucket's length up to the bucket of the chunk such a group takes
-    (`longest_chunk`), so that the group's prefill forwards (filled to the bucket) take every shape a burst can
-    give them. `fits(rows, tokens)`: whether that many prompts of that length fit the KV budget. Every prompt
+    bucket below), of a chunk bucket's length up to the bucket of the chunk such a group takes (`longest_chunk`),
+    every other one a token shorter, so that the group's prefill forwards (filled and right-padded to the bucket)
+    take every shape a burst can give them. `fits(rows, tokens)`: whether that many prompts of that length fit the KV budget. Every prompt
     opens with tokens of its own (its row, its wave), so that none starts from another's prefix in the prompt
     cache, which would run a shorter chunk than its wave is for."""
     waves, below = [], 1
@@ -50,7 +50,7 @@ def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int,
                         [
                             GenerationRequest(
                                 f"warmup-group-{group}-{n}-{j}",
-                                (100 + j, 150 + w % 50, 200 + w // 50, *body),
+                                (100 + j, 150 + w % 50, 200 + w // 50, *body[: len(body) - j % 2]),
                                 stop=StopCriteria(max_tokens=2, ignore_eos=True),
                             )
                             for j in range(rows)
@@ -131,12 +131,15 @@ def warm_up(
             probe = _request("fits", (0,) * (n + 1))  # (a spec row's: with its verify window and draft caches)
             return budget is None or rows * sum(gateway.kv_need(probe, gateway.place(probe))) <= budget
 
-        # a prompt of each chunk bucket up to the longest chunk, and one of two longest chunks and a short one:
-        # chunks after the first (a cache ahead of them, the caches growing) run kernels of their own, which a
-        # long prompt would otherwise compile after ready
-        lengths = [n for n in buckets if n <= longest] + ([2 * longest + buckets[0]] if buckets else [])
+        # a prompt of each chunk bucket up to the longest chunk, once filling it and once a token short of it
+        # (right-padded to it: masked and rolled after, the path of nearly every client's prompt), and one of two
+        # longest chunks and a short right-padded one: chunks after the first (a cache ahead of them, the caches
+        # growing) run kernels of their own, which a long prompt would otherwise compile after ready
+        full = [n for n in buckets if n <= longest]
+        short = [n - 1 for n in full if n > 1 and bucket(n - 1, buckets) == n]
+        lengths = full + short + ([2 * longest + buckets[0] - 1] if buckets else [])
         chunks = [
-            [_request(f"warmup-chunk-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
+            [_request(f"warmup-chunk-{k}-{n}", (100 + k, *(1 + i % 97 for i in range(n))))]
             for k, n in enumerate(lengths)
             if n + 3 <= context and fits(1, n)
         ]

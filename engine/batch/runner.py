@@ -276,7 +276,8 @@ class BatchRunner:
         self.buckets = tuple(sorted(set(decode_buckets)))
         self.chunk_buckets = tuple(sorted(set(chunk_buckets)))
         self.group_buckets = tuple(sorted(set(group_buckets)))
-        # The forward shapes this runner has run (kind, rows[, tokens]): on CUDA each new one compiles kernels.
+        # The forward shapes this runner has run (kind, rows[, tokens, right-padded]): on CUDA each new one compiles
+        # kernels.
         self.shapes: set[tuple[int | str, ...]] = set()
         self.rows: list[_Row] = []
         self.cache: list | None = None  # the running rows', then `ghosts` ghost rows'
@@ -338,7 +339,7 @@ class BatchRunner:
         lengths = [len(c) for c in chunks]
         longest = bucket(max(lengths), self.chunk_buckets)
         padding = [longest - n for n in lengths]
-        self.shapes.add(("prefill", len(chunks), longest))
+        self.shapes.add(("prefill", len(chunks), longest, max(padding) > 0))  # right padding: masks, a roll after
         if max(padding) > 0:
             for c in self.joiner_cache:
                 c.prepare(lengths=lengths, right_padding=padding)

@@ -91,28 +91,29 @@ def test_the_full_warmup_runs_a_prompt_of_each_chunk_bucket(tiny_path):
         model,
         GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prefill_buckets=(16, 24, 32), prompt_cache_bytes=1 << 20),
     )
-    assert requests(warm_up(gateway, "full", context=30)) == 2 + 4 + 2  # 32 tokens do not fit a 30-token context
-    assert {("prefill", 1, 16), ("prefill", 1, 24)} <= gateway.shapes
+    # 16 and 24 tokens, and 15 and 23 right-padded to them; 32 tokens do not fit a 30-token context
+    assert requests(warm_up(gateway, "full", context=30)) == 2 + 4 + 4
+    assert {("prefill", 1, n, padded) for n in (16, 24) for padded in (False, True)} <= gateway.shapes
     assert gateway.prompt_cache.stats().entries == 0  # a client's prompt never reuses the warm-up's
 
 
 @pytest.mark.parametrize(
     "block, idle, warmup_requests",
     [
-        # 5 chunk buckets and a prompt of two 64-token chunks and a 16-token one, then groups: 2 prompts of 16-32
-        # tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
-        (0, None, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        # 5 chunk buckets, filled and a token short, and a prompt of two 64-token chunks and a 15-token one, then
+        # groups: 2 prompts of 16-32 tokens, 3 of 16 (a share of 21 rounds down to bucket 16), 5 of 16
+        (0, None, 2 + 8 + 5 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
         # block snapshots every 24 tokens cut no chunk (kept from inside the forwards): the same warm-up
-        (24, None, 2 + 8 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
+        (24, None, 2 + 8 + 5 + 5 + 1 + 2 * 3 + 3 * 1 + 5 * 1),
         # an idle budget of 128: the groups take longer chunks, 2 prompts of 16-64 tokens, 3 of 16-32, 5 of 16-24
-        (0, 128, 2 + 8 + 5 + 1 + 2 * 5 + 3 * 3 + 5 * 2),
+        (0, 128, 2 + 8 + 5 + 5 + 1 + 2 * 5 + 3 * 3 + 5 * 2),
     ],
 )
 def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, idle, warmup_requests):
     # Decode rows, prefill chunks and prefill groups padded to their buckets, and a warm-up that runs each
-    # prefill group bucket at every chunk bucket a group of its size can take: a burst of prompts of any
-    # length, arriving at once, runs only the warm-up's forward shapes, with the prompt cache's block snapshots
-    # as without.
+    # prefill group bucket at every chunk bucket a group of its size can take, right-padded: a burst of prompts of
+    # any length, arriving at once, runs only the warm-up's forward shapes, with the prompt cache's block
+    # snapshots as without.
     model = load_model(tiny_path("tiny-qwen35"))[0]
     config = GatewayConfig(
         batch=8,
@@ -127,8 +128,9 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, idle
     )
     gateway = Gateway(model, config)
     assert requests(warm_up(gateway, "full")) == warmup_requests
-    assert {("prefill", 2, 24), ("prefill", 4, 16), ("prefill", 8, 16)} <= gateway.shapes
+    assert {("prefill", 2, 24, True), ("prefill", 4, 16, True), ("prefill", 8, 16, True)} <= gateway.shapes
     gateway.mark_ready()
+    before = set(gateway.shapes)
     sinks = []
     for i, n in enumerate((5, 17, 30, 44, 9, 63, 2, 100)):
         sinks.append(CollectingSink())
@@ -142,7 +144,7 @@ def test_after_the_full_warmup_a_burst_takes_no_new_shape(tiny_path, block, idle
         )
     gateway.run_until_idle()
     assert all(len(s.token_ids) == 3 for s in sinks)
-    assert len(gateway.shapes) == gateway.shapes_at_ready
+    assert gateway.shapes == before, gateway.shapes - before
 
 
 def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
@@ -152,7 +154,7 @@ def test_the_warmup_keeps_to_the_kv_budget(tiny_path):
     gateway = Gateway(
         model, GatewayConfig(batch=4, decode_buckets=(1, 2, 4), prefill_buckets=(16, 300), kv_budget=budget)
     )
-    assert requests(warm_up(gateway, "full")) == 2 + 4 + 1
+    assert requests(warm_up(gateway, "full")) == 2 + 4 + 2  # 16 tokens and 15 right-padded to them
 
 
 def test_with_a_kernel_cache_the_full_warmup_first_builds_every_bucket_unrun(tiny_path, monkeypatch):
