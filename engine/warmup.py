@@ -34,9 +34,9 @@ def group_waves(config: GatewayConfig, scheduler: SchedulerConfig, context: int,
     """The full warm-up's prefill groups: for each group bucket past one, its fewest prompts (one more than the
     bucket below), of a chunk bucket's length up to the bucket of the chunk such a group takes (`longest_chunk`),
     every other one a token shorter, so that the group's prefill forwards (filled and right-padded to the bucket)
-    take every shape a burst can give them. `fits(rows, tokens)`: whether that many prompts of that length fit the KV budget. Every prompt
-    opens with tokens of its own (its row, its wave), so that none starts from another's prefix in the prompt
-    cache, which would run a shorter chunk than its wave is for."""
+    take every shape a burst can give them. `fits(rows, tokens)`: whether that many prompts of that length fit the
+    KV budget. Every prompt opens with tokens of its own (its row, its wave), so that none starts from another's
+    prefix in the prompt cache, which would run a shorter chunk than its wave is for."""
     waves, below = [], 1
     for group in config.prefill_groups:
         if group > 1:
