@@ -57,3 +57,25 @@ def test_dense_rows_run_each_tier_again_on_kept_copies():
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exact  rows   2: step" in proc.stdout and "exact+dense2 rows   2: step" in proc.stdout
+
+
+def test_the_batch_prefills_in_forwards_of_a_bounded_size(sk, monkeypatch):
+    # 64 rows x 384 positions in one forward ran out of memory on an 80 GB card: the prompts go in pieces of at most
+    # PREFILL_TOKENS tokens, to the same caches and next tokens
+    import mlx.core as mx
+
+    from engine.engine import Engine
+
+    eng = Engine.load("tiny-qwen35")
+    whole_cache, whole = sk.batch_state(eng, 4, 40)
+    monkeypatch.setattr(sk, "PREFILL_TOKENS", 32)  # 8 positions a forward: 5 forwards
+    forwards, hidden = [], type(eng.model).hidden
+    monkeypatch.setattr(type(eng.model), "hidden", lambda m, x, c: forwards.append(x.shape) or hidden(m, x, c))
+    pieces_cache, pieces = sk.batch_state(eng, 4, 40)
+    assert forwards == [(4, 8)] * 5
+    assert mx.array_equal(whole, pieces).item()
+
+    def offsets(cache):
+        return [mx.array(c.offset).tolist() for c in cache if hasattr(c, "offset")]
+
+    assert offsets(pieces_cache) == offsets(whole_cache) and offsets(whole_cache)

@@ -71,6 +71,9 @@ def cuda_profiler(on: bool) -> None:
     (cuda.cuProfilerStart if on else cuda.cuProfilerStop)()
 
 
+PREFILL_TOKENS = 8192  # tokens (rows x positions) a prefill forward of `batch_state` takes at most
+
+
 def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     """A `rows`-row batch after a prefill of distinct prompts: (the caches, the next tokens [B, 1]). The
     batched caches of the continuous batcher from 2 rows, or at any rows with `batch_caches` (a lone row on
@@ -78,15 +81,21 @@ def batch_state(eng, rows: int, prompt_tokens: int, batch_caches: bool = False):
     import mlx.core as mx
 
     from engine.batch.runner import merge_rows
+    from engine.cache import cache_arrays
     from engine.loading import text_config
 
     batched = rows > 1 or batch_caches
     cache = merge_rows([eng.make_cache() for _ in range(rows)]) if batched else eng.make_cache()
     vocab = min(50000, int(text_config(eng.config)["vocab_size"])) - 10
     prompts = mx.array([[(i * 7919 + r * 104729) % vocab + 10 for i in range(prompt_tokens)] for r in range(rows)])
-    # the last position's logits only: all of them (rows x prompt x vocab) would not fit at 64 x 384 on 80 GB
-    logits = eng.model.logits(eng.model.hidden(prompts, cache)[:, -1:])
-    eng.kernels.builds.settle()
+    # in forwards of at most PREFILL_TOKENS tokens (one forward of 64 x 384 ran out of memory on an 80 GB H100),
+    # and the last position's logits only (all of them, rows x prompt x vocab, would not fit either)
+    step = max(1, PREFILL_TOKENS // rows)
+    for start in range(0, prompt_tokens, step):
+        hidden = eng.model.hidden(prompts[:, start : start + step], cache)
+        eng.kernels.builds.settle()
+        mx.eval(hidden, cache_arrays(cache))
+    logits = eng.model.logits(hidden[:, -1:])
     for c in cache:
         if hasattr(c, "finalize"):
             c.finalize()
