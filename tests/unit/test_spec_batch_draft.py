@@ -249,4 +249,5 @@ def test_the_full_warmup_keeps_a_draft_model_spec_rows_draft_caches_in_the_kv_bu
     assert placement.spec and draft_bytes > 0
     gateway = Gateway(target, dataclasses.replace(config, kv_budget=need), setup)  # the target's alone fit
     stages = warm_up(gateway, "full")
-    assert sum(st.requests for st in stages) == 2 + 4 + 1  # the 16-token chunk's prompt, not the 300-token one's
+    # the 16-token chunk's prompts (16 tokens and 15 right-padded to them), not the 300-token one's nor the 299's
+    assert sum(st.requests for st in stages) == 2 + 4 + 2
