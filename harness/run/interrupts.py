@@ -51,6 +51,14 @@ class Interrupts:
             if self._depth == 0 and self._pending is not None:
                 self._raise(self._pending)
 
+    def check(self) -> None:
+        """Raise again the RunInterrupted of a signal that fired where Python only prints an exception (a handler
+        runs between any two bytecodes, also inside an import lock's or a weakref's callback or a `__del__`), so
+        the run went on: the run calls it where it goes on (a server ready, a phase, its end), which a delivered
+        RunInterrupted never reaches."""
+        if self.fired is not None and not self._depth:
+            raise RunInterrupted(self.fired)
+
     def _handler(self, signum: int, frame) -> None:
         if self.fired is not None:
             return

@@ -280,6 +280,7 @@ class Runner:
             for b, block in enumerate(blocks):
                 for name, model_dir in targets:
                     self._run_model(name, model_dir, b, block)
+            self.interrupts.check()
             self.record.status, self.record.finished = FINISHED, True
             self._end_checks()
         except BaseException as e:
@@ -384,6 +385,7 @@ class Runner:
                     spawning=self.interrupts.deferred,
                 )
                 arm.load_to_ready_s = round(server.load_to_ready_s, 3)
+            self.interrupts.check()
             self._measure(mrun, arm, spec, server, workload, phases)
             if quality and spec.is_engine and self.settings.quality_tokens and arm.status == RUNNING:
                 server.stop(grace_s=grace_s)  # its device memory back before the model loads a second time
@@ -427,6 +429,7 @@ class Runner:
                     if sweep_end is not None and cells.kind_of(phase) is cells.RATE:
                         arm.cells.append(Cell(phase, NOT_MEASURED, f"past the sweep's end ({sweep_end})"))
                         continue
+                    self.interrupts.check()
                     self.on_phase(f"{mrun.model} / {spec.name} / {phase}")
                     before = since_ready(client) if spec.is_engine else None
                     read_before = counters.read(client)
