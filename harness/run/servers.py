@@ -74,8 +74,12 @@ def since_ready(client: httpx.Client) -> dict[str, int | None]:
 
 
 def tail(path: Path, limit: int = 4000) -> str:
+    """The last `limit` characters of a log ("" where it cannot be read), read from its last 4 x `limit` bytes
+    (UTF-8 takes at most 4 a character), not the whole of a long-running server's log."""
     try:
-        return path.read_text(errors="replace")[-limit:]
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4 * limit))
+            return f.read().decode(errors="replace")[-limit:]
     except OSError:
         return ""
 
@@ -85,16 +89,10 @@ _ERROR_LINE = re.compile(r"^(?:[\w.]*(?:Error|Exception): .*|.*\bERROR\b.*)$")
 
 
 def first_error(path: Path, limit: int = 1 << 20) -> str | None:
-    """The first line of a server's log (its last `limit` bytes) that reports an error: what a server that answers
+    """The first line of a server's log (its last `limit` characters) that reports an error: what a server that answers
     every request with an error since then usually said when it broke (mlx-lm's server logs one request a line, so
     the tail is access lines)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - limit))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return next((line.strip() for line in text.splitlines() if _ERROR_LINE.match(line.strip())), None)
+    return next((line.strip() for line in tail(path, limit).splitlines() if _ERROR_LINE.match(line.strip())), None)
 
 
 @dataclass
