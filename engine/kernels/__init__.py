@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import attention_decode
+from engine.kernels import attention_decode, gated_delta_states
 from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, Tier, check_tier
 from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
@@ -185,6 +186,18 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
     mx.eval(kept)  # made at load: the memory they take shows before the first request
 
 
+def chunked_rule(module: nn.Module, config: KernelConfig):
+    """The chunked delta rule a DeltaNet layer's prompt chunks run: its chunk-after-chunk states as one CUDA launch
+    (`gated_delta_states`) where that runs the layer's heads and `config` asks for it, else as MLX operations."""
+    if (
+        config.chunk_states_kernel
+        and on_cuda()
+        and gated_delta_states.column_block(module.head_k_dim, module.head_v_dim)
+    ):
+        return partial(chunked_gated_delta, states=gated_delta_states.chunk_states)
+    return chunked_gated_delta
+
+
 def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer (its attention
@@ -193,7 +206,7 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
     links = layer_links(model) if config else {}
     for _, module in model.named_modules():
         if hasattr(module, "chunked_rule"):
-            module.chunked_rule = chunked_gated_delta if config else None
+            module.chunked_rule = chunked_rule(module, config) if config else None
             module.state_dtype = getattr(mx, config.state_dtype if config else "float32")
             counts["chunked_delta_layers"] += config is not None
         if not hasattr(module, "fused_step"):

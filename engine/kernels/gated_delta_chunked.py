@@ -40,6 +40,7 @@ about a chunk's state update and no forward is cut.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache, partial
 
 import mlx.core as mx
@@ -47,6 +48,8 @@ import mlx.core as mx
 from engine.models.gated_delta import repeat_heads
 
 CHUNK = 64
+# (u_tilde, w, k_decayed, chunk_decay, state) -> (S^T at each chunk's start, U, final state): see chunked_gated_delta
+StatesKernel = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 LOG_FLOOR = -69.0  # the smallest log decay the chunked form takes (g = 1e-30: a state forgotten to rounding)
 
 
@@ -108,11 +111,13 @@ def chunked_gated_delta(
     mask: mx.array | None = None,
     chunk: int = CHUNK,
     marks: dict[int, mx.array | None] | None = None,
+    states: StatesKernel | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The contract of `recurrence` with log g for g: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
     log_g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
     returns (y [B, T, Hv, Dv] in q's dtype, final state). `marks` (token count in
-    1..T: None) receives the state after each of its counts."""
+    1..T: None) receives the state after each of its counts. `states` (`gated_delta_states.chunk_states`
+    on CUDA) runs the chunk-after-chunk part as one launch instead of the loop of MLX operations."""
     out_dtype = q.dtype
     q, k = repeat_heads(q, k, v.shape[2])
     b, t, h, dk = q.shape
@@ -139,6 +144,17 @@ def chunked_gated_delta(
     (u_tilde, w, q_decayed, qk, k_decayed, chunk_decay), (decay, gamma) = _prepare(
         blocks(q), k, blocks(v), blocks(log_g), blocks(beta), chunk
     )
+    if states is not None:
+        starts, us, final = states(u_tilde, w, k_decayed, chunk_decay, state)
+        for count in marks or ():
+            i, rows = divmod(count, chunk)
+            if rows:
+                marks[count] = _inside(k, decay, gamma, i, rows, starts[:, :, i : i + 1], us[:, :, i : i + 1])
+            else:
+                marks[count] = final if i == n else _untransposed(starts[:, :, i : i + 1])
+        y = q_decayed @ starts + qk @ us
+        y = y.reshape(b, h, n * chunk, dv)[:, :, :t]
+        return y.swapaxes(1, 2).astype(out_dtype), final
     # Only the states at the chunks' starts run chunk after chunk (two products a chunk, on views of one split
     # a part); the outputs of all chunks are then two batched products. The state runs transposed (S^T
     # [Dk, Dv]), as the products take it.
@@ -155,15 +171,21 @@ def chunked_gated_delta(
         starts.append(st)
         us.append(u)
         for count in within.get(i, ()):
-            last = count % chunk - 1
-            rows = (decay[:, :, i, last, :, None] * k[:, :, i]).swapaxes(-1, -2)[:, :, None]
-            marks[count] = _untransposed(gamma[:, :, i, last, None, None, None] * st + rows @ u)
+            marks[count] = _inside(k, decay, gamma, i, count % chunk, st, u)
         st = _advance(decays[i], st, kds[i] @ u)
         if marks is not None and (i + 1) * chunk in marks:
             marks[(i + 1) * chunk] = _untransposed(st)
     y = q_decayed @ _joined(starts) + qk @ _joined(us)  # [B, H, N, C, Dv]
     y = y.reshape(b, h, n * chunk, dv)[:, :, :t]
     return y.swapaxes(1, 2).astype(out_dtype), _untransposed(st)
+
+
+def _inside(k, decay, gamma, i: int, rows: int, st: mx.array, u: mx.array) -> mx.array:
+    """The state after the first `rows` tokens of chunk i, from the state at its start (S^T [B, H, 1, Dk, Dv])
+    and its U: G_l S0 + U^T diag(G_l / G) K over those rows, as the rule's [B, H, Dv, Dk]."""
+    last = rows - 1
+    keys = (decay[:, :, i, last, :, None] * k[:, :, i]).swapaxes(-1, -2)[:, :, None]
+    return _untransposed(gamma[:, :, i, last, None, None, None] * st + keys @ u)
 
 
 @partial(mx.compile, shapeless=True)

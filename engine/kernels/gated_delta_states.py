@@ -1,0 +1,200 @@
+"""The chunked Gated DeltaNet prefill's chunk-after-chunk part as one CUDA launch a layer.
+
+In `gated_delta_chunked` everything but the states at the chunks' starts is computed for all chunks at once;
+those states run chunk after chunk, per head with S^T [Dk, Dv]:
+
+    U_i = U~_i - W_i S_i^T,    S_{i+1}^T = c_i S_i^T + KD_i^T U_i
+
+(W_i, KD_i [C, Dk]; U~_i, U_i [C, Dv]; c_i the chunk's whole decay). As MLX operations that is two products,
+a subtraction, a fused update and the copies of the split views a chunk, each a launch of a few microseconds
+that the next one waits for: on an H100 a 1,024-token qwen27b forward spent ~23 of its 144 ms of device time
+there and a 4,096-token one ~94 of 556 (`tools.gpu.prefill_kernels --ncu`). Here a block takes one head's JB
+value columns (the columns of S^T do not meet: every product above keeps them apart) through all chunks, its
+slice of the state in shared memory, each chunk's W, KD and U~ copied in with `cp.async` while the chunk
+before it computes. The sums are float32 fused multiply-adds in a fixed order (MLX's float32 products run
+as TF32 on CUDA), so the kernel agrees with the MLX path to that path's rounding, not bit for bit: the fast
+tier. The outputs are the MLX path's: the state at each chunk's start, each chunk's U and the final state.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.quantized_gemv import launch_bounds
+
+THREADS = 256
+MAX_SHARED = 227 << 10  # a Hopper block's dynamic shared memory at most
+
+SOURCE = r"""
+  // Block: (b * H + h) * (DV / JB) + column block; N chunks of C tokens; state slice S^T[:, j0 : j0 + JB].
+  constexpr int DKP = DK + 4;                       // W's rows padded: two rows a warp read, other banks
+  const int bh = blockIdx.x / (DV / JB), j0 = (blockIdx.x % (DV / JB)) * JB;
+  const int t = threadIdx.x;
+  extern __shared__ __align__(16) float engine_smem[];
+  float* s_st = engine_smem;                        // [DK][JB]: S^T's columns j0.. at the current chunk's start
+  float* s_u = s_st + DK * JB;                      // [C][JB]: this chunk's U
+  float* s_w = s_u + C * JB;                        // 2 x [C][DKP]
+  float* s_kd = s_w + 2 * C * DKP;                  // 2 x [C][DK]
+  float* s_ut = s_kd + 2 * C * DK;                  // 2 x [C][JB]
+
+  auto copy_chunk = [&](const int i, const int buf) {  // chunk i's W, KD and U~ columns into buffer buf
+    const size_t chunk = (size_t)bh * N + i;
+    const float* w_src = w + chunk * C * DK;
+    const float* kd_src = kd + chunk * C * DK;
+    const float* ut_src = u_tilde + chunk * C * DV + j0;
+    for (int e = t; e < C * DK / 4; e += NT) {
+      const int c = e / (DK / 4), d = (e % (DK / 4)) * 4;
+      engine_cp16(s_w + (buf * C + c) * DKP + d, w_src + c * DK + d);
+      engine_cp16(s_kd + (buf * C + c) * DK + d, kd_src + c * DK + d);
+    }
+    for (int e = t; e < C * JB / 4; e += NT) {
+      const int c = e / (JB / 4), j = (e % (JB / 4)) * 4;
+      engine_cp16(s_ut + (buf * C + c) * JB + j, ut_src + (size_t)c * DV + j);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+
+  copy_chunk(0, 0);
+  const auto* s_in = state + (size_t)bh * DV * DK;  // [DV][DK]: S, read transposed
+  for (int e = t; e < DK * JB; e += NT) {
+    const int d = e % DK, j = e / DK;
+    s_st[d * JB + j] = (float)s_in[(size_t)(j0 + j) * DK + d];
+  }
+
+  for (int i = 0; i < N; ++i) {
+    const int buf = i & 1;
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();                                // chunk i landed; the state and U of chunk i - 1 written
+    if (i + 1 < N) copy_chunk(i + 1, buf ^ 1);      // the buffer chunk i - 1 used: its readers passed the barrier
+    const float* cw = s_w + buf * C * DKP;
+    const float* ckd = s_kd + buf * C * DK;
+    const float* cut = s_ut + buf * C * JB;
+    const size_t chunk = (size_t)bh * N + i;
+
+    // U = U~ - W S^T: an item is 4 rows c x 2 columns j, its sums over k in order.
+    for (int e = t; e < (C / 4) * (JB / 2); e += NT) {
+      const int c0 = (e / (JB / 2)) * 4, j = (e % (JB / 2)) * 2;
+      float acc[4][2] = {};
+      for (int d = 0; d < DK; d += 4) {
+        float4 wv[4];
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) wv[r] = *reinterpret_cast<const float4*>(cw + (c0 + r) * DKP + d);
+        float2 sv[4];
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) sv[q] = *reinterpret_cast<const float2*>(s_st + (d + q) * JB + j);
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float wr[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+          #pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[r][0] = fmaf(wr[q], sv[q].x, acc[r][0]);
+            acc[r][1] = fmaf(wr[q], sv[q].y, acc[r][1]);
+          }
+        }
+      }
+      #pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 ut = *reinterpret_cast<const float2*>(cut + (c0 + r) * JB + j);
+        const float2 u2 = make_float2(ut.x - acc[r][0], ut.y - acc[r][1]);
+        *reinterpret_cast<float2*>(s_u + (c0 + r) * JB + j) = u2;
+        *reinterpret_cast<float2*>(us + (chunk * C + c0 + r) * DV + j0 + j) = u2;
+      }
+    }
+    __syncthreads();                                // U whole; the state still the chunk's start
+
+    // S^T <- c S^T + KD^T U: an item is 4 rows d x 4 columns j, its sums over the chunk's rows in order; the
+    // state at the chunk's start is written out first.
+    const float decay = chunk_decay[chunk];
+    for (int e = t; e < (DK / 4) * (JB / 4); e += NT) {
+      const int d0 = (e / (JB / 4)) * 4, j = (e % (JB / 4)) * 4;
+      float4 acc[4];
+      #pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        acc[r] = *reinterpret_cast<const float4*>(s_st + (d0 + r) * JB + j);
+        *reinterpret_cast<float4*>(starts + (chunk * DK + d0 + r) * DV + j0 + j) = acc[r];
+        acc[r] = make_float4(decay * acc[r].x, decay * acc[r].y, decay * acc[r].z, decay * acc[r].w);
+      }
+      for (int c = 0; c < C; ++c) {
+        const float4 kv = *reinterpret_cast<const float4*>(ckd + c * DK + d0);
+        const float4 uv = *reinterpret_cast<const float4*>(s_u + c * JB + j);
+        const float kr[4] = {kv.x, kv.y, kv.z, kv.w};
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          acc[r].x = fmaf(kr[r], uv.x, acc[r].x);
+          acc[r].y = fmaf(kr[r], uv.y, acc[r].y);
+          acc[r].z = fmaf(kr[r], uv.z, acc[r].z);
+          acc[r].w = fmaf(kr[r], uv.w, acc[r].w);
+        }
+      }
+      #pragma unroll
+      for (int r = 0; r < 4; ++r) *reinterpret_cast<float4*>(s_st + (d0 + r) * JB + j) = acc[r];
+    }
+  }
+  __syncthreads();
+  for (int e = t; e < DK * JB; e += NT) {           // the final state as S [DV][DK]
+    const int d = e % DK, j = e / DK;
+    final_state[((size_t)bh * DV + j0 + j) * DK + d] = s_st[d * JB + j];
+  }
+"""
+
+HEADER = r"""
+__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+"""
+
+
+def column_block(dk: int, dv: int) -> int | None:
+    """The value columns a block takes (32, else 16, 8 or 4 that divide Dv), or None where the kernel cannot
+    run heads of key dim `dk` and value dim `dv` (Dk not a multiple of 4, or its shared memory too large)."""
+    if dk % 4:
+        return None
+    for jb in (32, 16, 8, 4):
+        if dv % jb == 0 and shared_bytes(dk, jb) <= MAX_SHARED:
+            return jb
+    return None
+
+
+def shared_bytes(dk: int, jb: int, chunk: int = 64) -> int:
+    """The dynamic shared memory of a block: the state's slice, U, and two buffers of W (rows padded), KD and U~."""
+    return 4 * (dk * jb + chunk * jb + 2 * chunk * (dk + 4) + 2 * chunk * dk + 2 * chunk * jb)
+
+
+@cache
+def _kernel(shared: int):
+    return cuda_kernel(
+        name="engine_gated_delta_states",
+        input_names=["u_tilde", "w", "kd", "chunk_decay", "state"],
+        output_names=["starts", "us", "final_state"],
+        source=SOURCE,
+        header=HEADER + launch_bounds(THREADS, 1),
+        shared_memory=shared,
+    )
+
+
+def chunk_states(
+    u_tilde: mx.array, w: mx.array, k_decayed: mx.array, chunk_decay: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """u_tilde [B, H, N, C, Dv], w and k_decayed [B, H, N, C, Dk], chunk_decay [B, H, N] (float32), state
+    [B, H, Dv, Dk] in any float dtype: (S^T at each chunk's start [B, H, N, Dk, Dv], U [B, H, N, C, Dv], the
+    state after the last chunk [B, H, Dv, Dk]), all float32. CUDA only; ValueError for heads it cannot take."""
+    b, h, n, c, dv = u_tilde.shape
+    dk = w.shape[-1]
+    jb = column_block(dk, dv)
+    if jb is None or c % 4:
+        raise ValueError(f"no chunk-states kernel for key dim {dk}, value dim {dv}, chunks of {c}")
+    shared = shared_bytes(dk, jb, c)
+    f32 = mx.float32
+    starts, us, final = _kernel(shared)(
+        inputs=[u_tilde.astype(f32), w.astype(f32), k_decayed.astype(f32), chunk_decay.astype(f32), state],
+        template=[("N", n), ("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS)],
+        grid=(b * h * (dv // jb) * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, h, n, dk, dv), (b, h, n, c, dv), (b, h, dv, dk)],
+        output_dtypes=[f32, f32, f32],
+    )
+    return starts, us, final

@@ -1,0 +1,127 @@
+"""The chunked DeltaNet prefill's chunk-after-chunk states as one CUDA launch (engine/kernels/gated_delta_states.py):
+its contract on the CPU (the chunked rule given a states function keeps its outputs and marks), its values on CUDA."""
+
+import mlx.core as mx
+import pytest
+
+from engine.kernels import KernelConfig, chunked_rule, on_cuda
+from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.gated_delta_states import MAX_SHARED, chunk_states, column_block, shared_bytes
+from engine.models.gated_delta import recurrence
+from harness.kernels.bench import delta_inputs
+
+cuda_only = pytest.mark.cuda  # the kernel is built only on MLX's CUDA backend: skipped elsewhere (conftest)
+
+
+def loop_states(u_tilde, w, k_decayed, chunk_decay, state):
+    """The kernel's contract as plain MLX operations, chunk after chunk: (S^T at each chunk's start, U, final S)."""
+    st = state.astype(mx.float32).swapaxes(-1, -2)
+    starts, us = [], []
+    for i in range(u_tilde.shape[2]):
+        u = u_tilde[:, :, i] - w[:, :, i] @ st
+        starts.append(st)
+        us.append(u)
+        st = chunk_decay[:, :, i, None, None] * st + k_decayed[:, :, i].swapaxes(-1, -2) @ u
+    return mx.stack(starts, 2), mx.stack(us, 2), st.swapaxes(-1, -2)
+
+
+@pytest.mark.parametrize(
+    "t, masked, state_dtype", [(130, True, mx.float32), (300, False, mx.float16), (64, False, mx.float32)]
+)
+def test_the_chunked_rule_given_a_states_function_keeps_its_outputs_and_marks(t, masked, state_dtype):
+    q, k, v, g, beta, state = delta_inputs(t, 2, 4, 32, 16, dtype=mx.float32, seed=t)
+    state = (state + 0.1).astype(state_dtype)
+    mask = (mx.arange(t) >= t // 3)[None] if masked else None
+    counts = sorted({c for c in (17, 64, 100, 128, 256, t) if c <= t})
+    ours, theirs = dict.fromkeys(counts), dict.fromkeys(counts)
+    y_ref, s_ref = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask, marks=theirs)
+    y, s = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask, marks=ours, states=loop_states)
+    tol = 2e-3 if on_cuda() else 1e-6  # (on CUDA the two paths' float32 products run as TF32 in other shapes)
+    assert mx.abs(y - y_ref).max().item() < tol
+    assert mx.abs(s - s_ref).max().item() < tol
+    for count in counts:
+        assert ours[count].shape == theirs[count].shape, count
+        assert mx.abs(ours[count] - theirs[count]).max().item() < tol, count
+
+
+def test_the_column_block_divides_the_value_heads_and_fits_shared_memory():
+    assert column_block(128, 128) == 32  # qwen27b's heads: 4 blocks a head
+    assert column_block(32, 16) == 16
+    assert column_block(30, 16) is None  # key rows copied 16 bytes at a time
+    assert column_block(128, 6) is None
+    assert shared_bytes(128, 32) <= MAX_SHARED
+    assert column_block(512, 128) is None  # W and KD's two buffers alone past a block's shared memory
+
+
+def test_the_kernel_is_a_setting_on_by_default():
+    assert KernelConfig().chunk_states_kernel
+    assert not KernelConfig.from_env("fast", {"ENGINE_CHUNK_STATES_KERNEL": "0"}).chunk_states_kernel
+    assert KernelConfig.from_env("fast", {}).chunk_states_kernel
+    with pytest.raises(ValueError, match="ENGINE_CHUNK_STATES_KERNEL"):
+        KernelConfig.from_env("fast", {"ENGINE_CHUNK_STATES_KERNEL": "yes"})
+
+
+class _Heads:
+    head_k_dim, head_v_dim = 128, 128
+
+
+def test_off_cuda_or_switched_off_the_rule_runs_mlx_operations():
+    off = chunked_rule(_Heads(), KernelConfig(chunk_states_kernel=False))
+    assert off is chunked_gated_delta
+    if not on_cuda():
+        assert chunked_rule(_Heads(), KernelConfig()) is chunked_gated_delta
+
+
+def _random_chunks(b, h, n, c, dk, dv, state_dtype, seed):
+    keys = mx.random.split(mx.random.key(seed), 5)
+    u_tilde = mx.random.normal((b, h, n, c, dv), key=keys[0])
+    w = 0.1 * mx.random.normal((b, h, n, c, dk), key=keys[1])
+    kd = 0.1 * mx.random.normal((b, h, n, c, dk), key=keys[2])
+    decay = mx.random.uniform(0.3, 1.0, (b, h, n), key=keys[3])
+    state = mx.random.normal((b, h, dv, dk), key=keys[4]).astype(state_dtype)
+    return u_tilde, w, kd, decay, state
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "b, h, n, dk, dv, state_dtype",
+    [
+        (2, 4, 3, 32, 16, mx.float32),
+        (1, 6, 16, 128, 128, mx.float16),  # qwen27b's heads, a 1,024-token chunk
+        (1, 2, 1, 64, 64, mx.bfloat16),
+        (3, 2, 5, 128, 128, mx.float32),
+    ],
+)
+def test_the_kernel_gives_the_loop_s_states_to_float32_rounding(b, h, n, dk, dv, state_dtype):
+    args = _random_chunks(b, h, n, 64, dk, dv, state_dtype, seed=n)
+    mx.eval(args)
+    got = chunk_states(*args)
+    with mx.stream(mx.cpu):  # float32 products on the CPU: no TF32
+        want = loop_states(*args)
+        mx.eval(want)
+    for name, x, y in zip(("starts", "us", "final"), got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == mx.float32, name
+        scale = mx.abs(y).max().item()
+        assert mx.abs(x - y).max().item() <= 1e-5 * max(scale, 1.0), name
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "t, hk, hv, masked", [(16, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)]
+)
+def test_the_chunked_rule_on_the_kernel_matches_the_recurrence(t, hk, hv, masked):
+    q, k, v, g, beta, state = delta_inputs(t, hk, hv, 32, 16, dtype=mx.float32, seed=t)
+    state = state + 0.1
+    mask = (mx.arange(t) >= t // 3)[None] if masked else None
+    y_ref, s_ref = recurrence(q, k, v, g, beta, state, mask)
+    y, s = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask, states=chunk_states)
+    tol = 2e-3  # the chunk-local products are still MLX's, TF32 on CUDA (test_kernels' chunked-rule test)
+    assert mx.abs(s - s_ref).max().item() < tol
+    if masked:
+        y, y_ref = y[:, t // 3 :], y_ref[:, t // 3 :]
+    assert mx.abs(y - y_ref).max().item() < tol
+
+
+@cuda_only
+def test_on_cuda_the_fast_tier_s_rule_runs_the_kernel():
+    assert chunked_rule(_Heads(), KernelConfig()).keywords["states"] is chunk_states
