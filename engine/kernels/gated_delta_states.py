@@ -27,48 +27,69 @@ from engine.kernels.quantized_gemv import launch_bounds
 
 THREADS = 256
 MAX_SHARED = 227 << 10  # a Hopper block's dynamic shared memory at most
+STAGES = 2  # chunk buffers a block (1: two blocks an SM, see SOURCE)
 
 SOURCE = r"""
   // Block: (b * H + h) * (DV / JB) + column block; N chunks of C tokens; state slice S^T[:, j0 : j0 + JB].
+  // ST 2: two buffers, chunk i + 1 copied while chunk i computes. ST 1: one buffer (half the shared memory, two
+  // blocks an SM), chunk i + 1's W and U~ copied during chunk i's state update, its KD during its own U.
   constexpr int DKP = DK + 4;                       // W's rows padded: two rows a warp read, other banks
   const int bh = blockIdx.x / (DV / JB), j0 = (blockIdx.x % (DV / JB)) * JB;
   const int t = threadIdx.x;
   extern __shared__ __align__(16) float engine_smem[];
   float* s_st = engine_smem;                        // [DK][JB]: S^T's columns j0.. at the current chunk's start
   float* s_u = s_st + DK * JB;                      // [C][JB]: this chunk's U
-  float* s_w = s_u + C * JB;                        // 2 x [C][DKP]
-  float* s_kd = s_w + 2 * C * DKP;                  // 2 x [C][DK]
-  float* s_ut = s_kd + 2 * C * DK;                  // 2 x [C][JB]
+  float* s_w = s_u + C * JB;                        // ST x [C][DKP]
+  float* s_kd = s_w + ST * C * DKP;                 // ST x [C][DK]
+  float* s_ut = s_kd + ST * C * DK;                 // ST x [C][JB]
 
-  auto copy_chunk = [&](const int i, const int buf) {  // chunk i's W, KD and U~ columns into buffer buf
+  auto copy_wu = [&](const int i, const int buf) {  // chunk i's W and U~ columns into buffer buf
     const size_t chunk = (size_t)bh * N + i;
     const float* w_src = w + chunk * C * DK;
-    const float* kd_src = kd + chunk * C * DK;
     const float* ut_src = u_tilde + chunk * C * DV + j0;
     for (int e = t; e < C * DK / 4; e += NT) {
       const int c = e / (DK / 4), d = (e % (DK / 4)) * 4;
       engine_cp16(s_w + (buf * C + c) * DKP + d, w_src + c * DK + d);
-      engine_cp16(s_kd + (buf * C + c) * DK + d, kd_src + c * DK + d);
     }
     for (int e = t; e < C * JB / 4; e += NT) {
       const int c = e / (JB / 4), j = (e % (JB / 4)) * 4;
       engine_cp16(s_ut + (buf * C + c) * JB + j, ut_src + (size_t)c * DV + j);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
   };
+  auto copy_kd = [&](const int i, const int buf) {  // chunk i's KD into buffer buf
+    const float* kd_src = kd + ((size_t)bh * N + i) * C * DK;
+    for (int e = t; e < C * DK / 4; e += NT) {
+      const int c = e / (DK / 4), d = (e % (DK / 4)) * 4;
+      engine_cp16(s_kd + (buf * C + c) * DK + d, kd_src + c * DK + d);
+    }
+  };
+  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
 
-  copy_chunk(0, 0);
+  copy_wu(0, 0);
+  if constexpr (ST == 1) commit();
+  copy_kd(0, 0);
+  commit();
   const auto* s_in = state + (size_t)bh * DV * DK;  // [DV][DK]: S, read transposed
   for (int e = t; e < DK * JB; e += NT) {
     const int d = e % DK, j = e / DK;
     s_st[d * JB + j] = (float)s_in[(size_t)(j0 + j) * DK + d];
   }
+  if constexpr (ST == 1) {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+  }
 
   for (int i = 0; i < N; ++i) {
-    const int buf = i & 1;
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();                                // chunk i landed; the state and U of chunk i - 1 written
-    if (i + 1 < N) copy_chunk(i + 1, buf ^ 1);      // the buffer chunk i - 1 used: its readers passed the barrier
+    const int buf = ST == 2 ? (i & 1) : 0;
+    if constexpr (ST == 2) {
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();                              // chunk i landed; the state and U of chunk i - 1 written
+      if (i + 1 < N) {                              // the buffer chunk i - 1 used: its readers passed the barrier
+        copy_wu(i + 1, buf ^ 1);
+        copy_kd(i + 1, buf ^ 1);
+        commit();
+      }
+    }
     const float* cw = s_w + buf * C * DKP;
     const float* ckd = s_kd + buf * C * DK;
     const float* cut = s_ut + buf * C * JB;
@@ -103,7 +124,14 @@ SOURCE = r"""
         *reinterpret_cast<float2*>(us + (chunk * C + c0 + r) * DV + j0 + j) = u2;
       }
     }
+    if constexpr (ST == 1) asm volatile("cp.async.wait_all;" ::: "memory");  // chunk i's KD
     __syncthreads();                                // U whole; the state still the chunk's start
+    if constexpr (ST == 1) {
+      if (i + 1 < N) {                              // W's and U~'s readers passed the barrier
+        copy_wu(i + 1, 0);
+        commit();
+      }
+    }
 
     // S^T <- c S^T + KD^T U: an item is 4 rows d x 4 columns j, its sums over the chunk's rows in order; the
     // state at the chunk's start is written out first.
@@ -132,6 +160,15 @@ SOURCE = r"""
       #pragma unroll
       for (int r = 0; r < 4; ++r) *reinterpret_cast<float4*>(s_st + (d0 + r) * JB + j) = acc[r];
     }
+    if constexpr (ST == 1) {
+      if (i + 1 < N) {
+        __syncthreads();                            // KD's readers done
+        copy_kd(i + 1, 0);
+        commit();
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // chunk i + 1's W and U~ (its KD may still come)
+      }
+      __syncthreads();
+    }
   }
   __syncthreads();
   for (int e = t; e < DK * JB; e += NT) {           // the final state as S [DV][DK]
@@ -148,50 +185,56 @@ __device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
 """
 
 
-def column_block(dk: int, dv: int) -> int | None:
+def column_block(dk: int, dv: int, stages: int = STAGES) -> int | None:
     """The value columns a block takes (32, else 16, 8 or 4 that divide Dv), or None where the kernel cannot
     run heads of key dim `dk` and value dim `dv` (Dk not a multiple of 4, or its shared memory too large)."""
     if dk % 4:
         return None
     for jb in (32, 16, 8, 4):
-        if dv % jb == 0 and shared_bytes(dk, jb) <= MAX_SHARED:
+        if dv % jb == 0 and shared_bytes(dk, jb, stages) <= MAX_SHARED:
             return jb
     return None
 
 
-def shared_bytes(dk: int, jb: int, chunk: int = 64) -> int:
-    """The dynamic shared memory of a block: the state's slice, U, and two buffers of W (rows padded), KD and U~."""
-    return 4 * (dk * jb + chunk * jb + 2 * chunk * (dk + 4) + 2 * chunk * dk + 2 * chunk * jb)
+def shared_bytes(dk: int, jb: int, stages: int = STAGES, chunk: int = 64) -> int:
+    """The dynamic shared memory of a block: the state's slice, U, and `stages` buffers of W (rows padded), KD
+    and U~."""
+    return 4 * (dk * jb + chunk * jb + stages * chunk * (dk + 4 + dk + jb))
 
 
 @cache
-def _kernel(shared: int):
+def _kernel(shared: int, stages: int):
     return cuda_kernel(
         name="engine_gated_delta_states",
         input_names=["u_tilde", "w", "kd", "chunk_decay", "state"],
         output_names=["starts", "us", "final_state"],
         source=SOURCE,
-        header=HEADER + launch_bounds(THREADS, 1),
+        header=HEADER + launch_bounds(THREADS, 3 - stages),
         shared_memory=shared,
     )
 
 
 def chunk_states(
-    u_tilde: mx.array, w: mx.array, k_decayed: mx.array, chunk_decay: mx.array, state: mx.array
+    u_tilde: mx.array,
+    w: mx.array,
+    k_decayed: mx.array,
+    chunk_decay: mx.array,
+    state: mx.array,
+    stages: int = STAGES,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """u_tilde [B, H, N, C, Dv], w and k_decayed [B, H, N, C, Dk], chunk_decay [B, H, N] (float32), state
     [B, H, Dv, Dk] in any float dtype: (S^T at each chunk's start [B, H, N, Dk, Dv], U [B, H, N, C, Dv], the
     state after the last chunk [B, H, Dv, Dk]), all float32. CUDA only; ValueError for heads it cannot take."""
     b, h, n, c, dv = u_tilde.shape
     dk = w.shape[-1]
-    jb = column_block(dk, dv)
-    if jb is None or c % 4:
-        raise ValueError(f"no chunk-states kernel for key dim {dk}, value dim {dv}, chunks of {c}")
-    shared = shared_bytes(dk, jb, c)
+    jb = column_block(dk, dv, stages)
+    if jb is None or c % 4 or stages not in (1, 2):
+        raise ValueError(f"no chunk-states kernel for key dim {dk}, value dim {dv}, chunks of {c}, {stages} stages")
+    shared = shared_bytes(dk, jb, stages, c)
     f32 = mx.float32
-    starts, us, final = _kernel(shared)(
+    starts, us, final = _kernel(shared, stages)(
         inputs=[u_tilde.astype(f32), w.astype(f32), k_decayed.astype(f32), chunk_decay.astype(f32), state],
-        template=[("N", n), ("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS)],
+        template=[("N", n), ("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages)],
         grid=(b * h * (dv // jb) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, n, dk, dv), (b, h, n, c, dv), (b, h, dv, dk)],
