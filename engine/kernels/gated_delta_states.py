@@ -27,7 +27,7 @@ from engine.kernels.quantized_gemv import launch_bounds
 
 THREADS = 256
 MAX_SHARED = 227 << 10  # a Hopper block's dynamic shared memory at most
-STAGES = 2  # chunk buffers a block (1: two blocks an SM, see SOURCE)
+STAGES = 1  # chunk buffers a block (2: one block an SM; the same sums, see SOURCE)
 
 SOURCE = r"""
   // Block: (b * H + h) * (DV / JB) + column block; N chunks of C tokens; state slice S^T[:, j0 : j0 + JB].
