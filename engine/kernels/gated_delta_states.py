@@ -30,7 +30,9 @@ MAX_SHARED = 227 << 10  # a Hopper block's dynamic shared memory at most
 STAGES = 1  # chunk buffers a block (2: one block an SM; the same sums, see SOURCE)
 
 SOURCE = r"""
-  // Block: (b * H + h) * (DV / JB) + column block; N chunks of C tokens; state slice S^T[:, j0 : j0 + JB].
+  // Block: (b * H + h) * (DV / JB) + column block; N chunks of C tokens; state slice S^T[:, j0 : j0 + JB]. N is
+  // read, not a template value: a prompt of any length compiles nothing new.
+  const int N = chunks[0];
   // ST 2: two buffers, chunk i + 1 copied while chunk i computes. ST 1: one buffer (half the shared memory, two
   // blocks an SM), chunk i + 1's W and U~ copied during chunk i's state update, its KD during its own U.
   constexpr int DKP = DK + 4;                       // W's rows padded: two rows a warp read, other banks
@@ -206,7 +208,7 @@ def shared_bytes(dk: int, jb: int, stages: int = STAGES, chunk: int = 64) -> int
 def _kernel(shared: int, stages: int):
     return cuda_kernel(
         name="engine_gated_delta_states",
-        input_names=["u_tilde", "w", "kd", "chunk_decay", "state"],
+        input_names=["u_tilde", "w", "kd", "chunk_decay", "state", "chunks"],
         output_names=["starts", "us", "final_state"],
         source=SOURCE,
         header=HEADER + launch_bounds(THREADS, 3 - stages),
@@ -233,8 +235,15 @@ def chunk_states(
     shared = shared_bytes(dk, jb, stages, c)
     f32 = mx.float32
     starts, us, final = _kernel(shared, stages)(
-        inputs=[u_tilde.astype(f32), w.astype(f32), k_decayed.astype(f32), chunk_decay.astype(f32), state],
-        template=[("N", n), ("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages)],
+        inputs=[
+            u_tilde.astype(f32),
+            w.astype(f32),
+            k_decayed.astype(f32),
+            chunk_decay.astype(f32),
+            state,
+            mx.array([n], dtype=mx.int32),
+        ],
+        template=[("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages)],
         grid=(b * h * (dv // jb) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, n, dk, dv), (b, h, n, c, dv), (b, h, dv, dk)],

@@ -108,3 +108,15 @@ def test_the_kernel_gives_the_loop_s_states_to_float32_rounding(b, h, n, dk, dv,
 @cuda_only
 def test_on_cuda_the_fast_tier_s_rule_runs_the_kernel():
     assert chunked_rule(_Heads(), KernelConfig()).keywords["states"] is chunk_states
+
+
+@cuda_only
+def test_prompts_of_any_length_share_one_build():
+    # (the chunk count is read by the kernel, not compiled in: a first prompt of a new length compiles nothing)
+    from engine.kernels.cuda_source import BUILDS
+
+    mx.eval(chunk_states(*_random_chunks(1, 2, 3, 64, 32, 32, mx.float32, seed=1)))
+    before = BUILDS.count()
+    for n in (1, 4, 7):
+        mx.eval(chunk_states(*_random_chunks(1, 2, n, 64, 32, 32, mx.float32, seed=n)))
+    assert BUILDS.count() == before
