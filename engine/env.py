@@ -26,6 +26,9 @@ _VARS = {
     "memory left after its warm-up takes (KernelConfig.keep_dense_auto); default '0'",
     "ENGINE_CHUNK_STATES_KERNEL": "'0': the fast tier's chunked DeltaNet prefill runs its chunk-after-chunk states "
     "as MLX operations instead of one CUDA launch a layer (KernelConfig.chunk_states_kernel; default '1')",
+    "ENGINE_CHUNK_PREPARE_KERNEL": "'1': the fast tier's chunked DeltaNet prefill runs its chunk-local part (decays, "
+    "the triangular solve, Q K^T) as one CUDA launch a layer instead of MLX operations "
+    "(KernelConfig.chunk_prepare_kernel; default '0')",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
     "ENGINE_DENSE_DECODE_ROWS": "from this many rows a fast-tier GEMV launch whose layers keep dense copies "
@@ -93,6 +96,11 @@ def dequant_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
 def chunk_states_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
     """ENGINE_CHUNK_STATES_KERNEL as a bool (None when unset); ValueError for a value other than 0 or 1."""
     return _switch("ENGINE_CHUNK_STATES_KERNEL", environ)
+
+
+def chunk_prepare_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_CHUNK_PREPARE_KERNEL as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    return _switch("ENGINE_CHUNK_PREPARE_KERNEL", environ)
 
 
 def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:

@@ -26,7 +26,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import attention_decode, gated_delta_states
+from engine.kernels import attention_decode, gated_delta_prepare, gated_delta_states
 from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, Tier, check_tier
 from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
@@ -187,15 +187,16 @@ def _swap_quantized_linears(module: nn.Module, config: KernelConfig | None, use_
 
 
 def chunked_rule(module: nn.Module, config: KernelConfig):
-    """The chunked delta rule a DeltaNet layer's prompt chunks run: its chunk-after-chunk states as one CUDA launch
-    (`gated_delta_states`) where that runs the layer's heads and `config` asks for it, else as MLX operations."""
-    if (
-        config.chunk_states_kernel
-        and on_cuda()
-        and gated_delta_states.column_block(module.head_k_dim, module.head_v_dim)
-    ):
-        return partial(chunked_gated_delta, states=gated_delta_states.chunk_states)
-    return chunked_gated_delta
+    """The chunked delta rule a DeltaNet layer's prompt chunks run: its chunk-after-chunk states and its chunk-local
+    part each as one CUDA launch (`gated_delta_states`, `gated_delta_prepare`) where that runs the layer's heads and
+    `config` asks for it, else as MLX operations."""
+    dk, dv = module.head_k_dim, module.head_v_dim
+    kernels = {}
+    if on_cuda() and config.chunk_states_kernel and gated_delta_states.column_block(dk, dv):
+        kernels["states"] = gated_delta_states.chunk_states
+    if on_cuda() and config.chunk_prepare_kernel and gated_delta_prepare.fits(dk, dv):
+        kernels["prepare"] = gated_delta_prepare.chunk_prepare
+    return partial(chunked_gated_delta, **kernels) if kernels else chunked_gated_delta
 
 
 def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:

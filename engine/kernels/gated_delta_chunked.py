@@ -49,6 +49,8 @@ from engine.models.gated_delta import repeat_heads
 
 CHUNK = 64
 # (u_tilde, w, k_decayed, chunk_decay, state) -> (S^T at each chunk's start, U, final state): see chunked_gated_delta
+# (q, k, v, log_g, beta, chunk) -> prepare_chunks' tuple: see chunked_gated_delta
+PrepareKernel = Callable[..., tuple[mx.array, ...]]
 StatesKernel = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 LOG_FLOOR = -69.0  # the smallest log decay the chunked form takes (g = 1e-30: a state forgotten to rounding)
 
@@ -84,14 +86,11 @@ def _inverse_unit_lower(a: mx.array, size: int) -> mx.array:
 def _prepare(q, k, v, log_g, beta, size: int):
     """Per-chunk quantities independent of the state: inputs [B, H, N, C, D] / [B, H, N, C]; then, for states
     inside a chunk, the decays G_i / G_j [B, H, N, C, C] (zero for j > i) and G [B, H, N, C]."""
-    cum = mx.cumsum(mx.maximum(log_g, LOG_FLOOR), axis=-1)  # the floor keeps the sums' rounding small
-    lower, strict, _ = _constants(size)
-    diff = cum[..., :, None] - cum[..., None, :]
-    decay = mx.exp(mx.where(lower, diff, -mx.inf))
+    cum, decay, gamma = _decays(log_g, size)
+    strict = _constants(size)[1]
     kk = k @ k.swapaxes(-1, -2)
     a = mx.where(strict, beta[..., :, None] * decay * kk, 0.0)
     inv = _inverse_unit_lower(a, size)
-    gamma = mx.exp(cum)
     w = inv @ ((beta * gamma)[..., None] * k)
     u_tilde = inv @ (beta[..., None] * v)
     qk = (q @ k.swapaxes(-1, -2)) * decay
@@ -99,6 +98,34 @@ def _prepare(q, k, v, log_g, beta, size: int):
     last = cum[..., -1:]
     k_decayed = mx.exp(last - cum)[..., None] * k
     return (u_tilde, w, q_decayed, qk, k_decayed, gamma[..., -1]), (decay, gamma)
+
+
+def _decays(log_g, size: int):
+    """The cumulative log decays [B, H, N, C] (floored: the sums' rounding stays small), G_i / G_j [B, H, N, C, C]
+    (zero for j > i) and G [B, H, N, C] of chunked log g."""
+    cum = mx.cumsum(mx.maximum(log_g, LOG_FLOOR), axis=-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    return cum, mx.exp(mx.where(_constants(size)[0], diff, -mx.inf)), mx.exp(cum)
+
+
+def _blocks(x: mx.array, chunk: int) -> mx.array:
+    """x [B, T, H, ...] as float32 chunks [B, H, N, C, ...], zeros past T."""
+    b, t, h = x.shape[:3]
+    n = -(-t // chunk)
+    x = x.astype(mx.float32)
+    if n * chunk > t:
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, n * chunk - t)
+        x = mx.pad(x, widths)
+    return mx.moveaxis(x.reshape(b, n, chunk, h, *x.shape[3:]), 3, 1)
+
+
+def prepare_chunks(q, k, v, log_g, beta, chunk: int = CHUNK) -> tuple[mx.array, ...]:
+    """The chunk-local part as MLX operations: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; log_g, beta [B, T, Hv]
+    float32 (a batch mask applied) -> (U~, W, diag(G) Q, (Q K^T) * decays, decayed K [B, Hv, N, C, ...], the
+    chunks' decays [B, Hv, N]), float32 (`gated_delta_prepare.chunk_prepare`'s contract)."""
+    q, k = repeat_heads(q, k, v.shape[2])
+    return _prepare(*(_blocks(x, chunk) for x in (q, k, v, log_g, beta)), chunk)[0]
 
 
 def chunked_gated_delta(
@@ -112,16 +139,16 @@ def chunked_gated_delta(
     chunk: int = CHUNK,
     marks: dict[int, mx.array | None] | None = None,
     states: StatesKernel | None = None,
+    prepare: PrepareKernel | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The contract of `recurrence` with log g for g: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
     log_g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32; mask [B, T] or None;
     returns (y [B, T, Hv, Dv] in q's dtype, final state). `marks` (token count in
     1..T: None) receives the state after each of its counts. `states` (`gated_delta_states.chunk_states`
-    on CUDA) runs the chunk-after-chunk part as one launch instead of the loop of MLX operations."""
+    on CUDA) runs the chunk-after-chunk part as one launch instead of the loop of MLX operations, `prepare`
+    (`gated_delta_prepare.chunk_prepare`) the chunk-local part as one launch instead of `prepare_chunks`."""
     out_dtype = q.dtype
-    q, k = repeat_heads(q, k, v.shape[2])
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
+    b, t, h, dv = v.shape
     log_g = log_g.astype(mx.float32)
     beta = beta.astype(mx.float32)
     if mask is not None:
@@ -129,21 +156,10 @@ def chunked_gated_delta(
         log_g = mx.where(keep, log_g, 0.0)
         beta = mx.where(keep, beta, 0.0)
     n = -(-t // chunk)
-    pad = n * chunk - t
-
-    def blocks(x):
-        x = x.astype(mx.float32)
-        if pad:
-            widths = [(0, 0)] * x.ndim
-            widths[1] = (0, pad)
-            x = mx.pad(x, widths)
-        x = x.reshape(b, n, chunk, h, *x.shape[3:])
-        return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
-
-    k = blocks(k)
-    (u_tilde, w, q_decayed, qk, k_decayed, chunk_decay), (decay, gamma) = _prepare(
-        blocks(q), k, blocks(v), blocks(log_g), blocks(beta), chunk
-    )
+    u_tilde, w, q_decayed, qk, k_decayed, chunk_decay = (prepare or prepare_chunks)(q, k, v, log_g, beta, chunk)
+    if any(count % chunk for count in marks or ()):  # a state inside a chunk takes its decays and keys
+        k = _blocks(repeat_heads(q, k, h)[1], chunk)
+        decay, gamma = _decays(_blocks(log_g, chunk), chunk)[1:]
     if states is not None:
         starts, us, final = states(u_tilde, w, k_decayed, chunk_decay, state)
         for count in marks or ():

@@ -14,6 +14,7 @@ from tf32 import rerun_without_tf32
 
 from engine.kernels import EXACT, FAST, KernelConfig, KernelSet, install, on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.gated_delta_prepare import chunk_prepare
 from engine.kernels.gated_delta_states import chunk_states
 from engine.kernels.quantized_gemv import (
     BITS,
@@ -168,17 +169,24 @@ def test_gemv_k_tiles_fit_inside_one_group(bits, group):
     assert group % tile_k(group, bits) == 0
 
 
-@pytest.mark.parametrize("states", [None, pytest.param(chunk_states, marks=cuda_only, id="states_kernel")])
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        {},
+        pytest.param({"states": chunk_states}, marks=cuda_only, id="states_kernel"),
+        pytest.param({"states": chunk_states, "prepare": chunk_prepare}, marks=cuda_only, id="both_kernels"),
+    ],
+)
 @pytest.mark.parametrize(
     "t, hk, hv, masked", [(1, 2, 2, False), (63, 2, 4, False), (130, 2, 4, True), (300, 4, 8, False)]
 )
-def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked, states):
-    # (`states`: the chunk-after-chunk part as gated_delta_states' CUDA launch instead of MLX operations)
+def test_chunked_delta_rule_matches_the_recurrence(t, hk, hv, masked, kernels):
+    # (`kernels`: the rule's parts as CUDA launches, gated_delta_states' and gated_delta_prepare's)
     q, k, v, g, beta, state = delta_inputs(t, hk, hv, 32, 16, dtype=mx.float32, seed=t)
     state = state + 0.1
     mask = (mx.arange(t) >= t // 3)[None] if masked else None
     y_ref, s_ref = recurrence(q, k, v, g, beta, state, mask)
-    y, s = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask, states=states)
+    y, s = chunked_gated_delta(q, k, v, mx.log(g), beta, state, mask, **kernels)
     # Same inputs, float32 throughout, another order of the sums: agreement to float32 rounding. On CUDA
     # MLX runs float32 matrix products as TF32 by default (MLX_ENABLE_TF32=1: 10-bit mantissa inputs), and
     # the chunked form is matrix products where the recurrence is elementwise: there ~1e-3 relative.

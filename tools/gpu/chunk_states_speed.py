@@ -1,11 +1,12 @@
 """The chunked DeltaNet rule with its chunk-after-chunk states as MLX operations against the CUDA kernel
-(`engine.kernels.gated_delta_states`, one and two chunk buffers a block), on a model's heads.
+(`engine.kernels.gated_delta_states`, one and two chunk buffers a block), and with its chunk-local part as a
+CUDA launch too (`engine.kernels.gated_delta_prepare`), on a model's heads.
 
     python3 -m tools.gpu.chunk_states_speed [--model qwen27b] [--tokens 1024,4096] [--rows 1] [--calls 4]
 
 For each prompt length (and batch rows), the median time of one layer's whole chunked rule
 (`chunked_gated_delta`: the chunk-local products, the states, the outputs) each way, timed as `harness kernels`
-times (calls built before the clock), and how far each kernel's outputs and final state are from the MLX
+times (calls built before the clock), and how far each variant's outputs and final state are from the MLX
 path's (which runs its float32 products as TF32 on CUDA). Lines go to stdout; with $OUT set, the rows to
 $OUT/chunk-states-speed.json.
 """
@@ -20,6 +21,7 @@ import mlx.core as mx
 from engine.device import device_label
 from engine.kernels import on_cuda
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
+from engine.kernels.gated_delta_prepare import chunk_prepare
 from engine.kernels.gated_delta_states import chunk_states
 from engine.registry import get_spec
 from harness.kernels.bench import delta_inputs, time_us
@@ -46,13 +48,20 @@ def row(tokens: int, rows: int, shape: tuple[int, int, int, int], cfg: BenchConf
     if not on_cuda():
         return out
     y_ref, s_ref = chunked_gated_delta(*args)
-    for stages in (1, 2):
-        states = partial(chunk_states, stages=stages)
-        out[f"kernel{stages}_us"] = time_us(lambda: chunked_gated_delta(*args, states=states)[0], cfg)
-        y, s = chunked_gated_delta(*args, states=states)
-        out[f"kernel{stages}_y_diff"] = mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item()
-        out[f"kernel{stages}_state_diff"] = mx.abs(s - s_ref).max().item()
+    for name, kernels in VARIANTS.items():
+        out[f"{name}_us"] = time_us(lambda: chunked_gated_delta(*args, **kernels)[0], cfg)
+        y, s = chunked_gated_delta(*args, **kernels)
+        out[f"{name}_y_diff"] = mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item()
+        out[f"{name}_state_diff"] = mx.abs(s - s_ref).max().item()
     return out
+
+
+VARIANTS = {  # the rule's parts as CUDA launches (the JSON's keys: kernel1 and kernel2 as before)
+    "kernel1": {"states": partial(chunk_states, stages=1)},
+    "kernel2": {"states": partial(chunk_states, stages=2)},
+    "prepare": {"states": chunk_states, "prepare": chunk_prepare},
+}
+LABELS = {"kernel1": "states ST=1", "kernel2": "states ST=2", "prepare": "prepare+states"}
 
 
 def main() -> None:
@@ -72,11 +81,11 @@ def main() -> None:
             r = row(tokens, b, shape, cfg)
             rows.append(r)
             line = f"{b:>3} x {tokens:>6} tokens: MLX loop {r['mlx_us']:9.1f} us"
-            for stages in (1, 2):
-                if f"kernel{stages}_us" in r:
+            for name in VARIANTS:
+                if f"{name}_us" in r:
                     line += (
-                        f"; kernel ST={stages} {r[f'kernel{stages}_us']:9.1f} us"
-                        f" (|dy| {r[f'kernel{stages}_y_diff']:.1e}, |dS| {r[f'kernel{stages}_state_diff']:.1e})"
+                        f"; {LABELS[name]} {r[f'{name}_us']:9.1f} us"
+                        f" (|dy| {r[f'{name}_y_diff']:.1e}, |dS| {r[f'{name}_state_diff']:.1e})"
                     )
             print(line, flush=True)
     save_json("chunk-states-speed.json", {"model": args.model, "rows": rows})
