@@ -35,15 +35,18 @@ SOURCE = r"""
   const int N = chunks[0];
   // ST 2: two buffers, chunk i + 1 copied while chunk i computes. ST 1: one buffer (half the shared memory, two
   // blocks an SM), chunk i + 1's W and U~ copied during chunk i's state update, its KD during its own U.
+  // MMA 1: both products on the tensor cores (mma.sync m16n8k8, each float32 operand split into two TF32 parts,
+  // three products a tile: float32's accuracy to a few units); rows padded so fragments read 32 banks.
   constexpr int DKP = DK + 4;                       // W's rows padded: two rows a warp read, other banks
+  constexpr int STS = MMA ? JB + 8 : JB, KDS = MMA ? DK + 8 : DK;  // S^T's and U's rows, KD's rows
   const int bh = blockIdx.x / (DV / JB), j0 = (blockIdx.x % (DV / JB)) * JB;
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, warp = t / 32, lg = (t % 32) / 4, lt = t % 4;  // (lg, lt): a fragment's row, column
   extern __shared__ __align__(16) float engine_smem[];
-  float* s_st = engine_smem;                        // [DK][JB]: S^T's columns j0.. at the current chunk's start
-  float* s_u = s_st + DK * JB;                      // [C][JB]: this chunk's U
-  float* s_w = s_u + C * JB;                        // ST x [C][DKP]
-  float* s_kd = s_w + ST * C * DKP;                 // ST x [C][DK]
-  float* s_ut = s_kd + ST * C * DK;                 // ST x [C][JB]
+  float* s_st = engine_smem;                        // [DK][STS]: S^T's columns j0.. at the current chunk's start
+  float* s_u = s_st + DK * STS;                     // [C][STS]: this chunk's U
+  float* s_w = s_u + C * STS;                       // ST x [C][DKP]
+  float* s_kd = s_w + ST * C * DKP;                 // ST x [C][KDS]
+  float* s_ut = s_kd + ST * C * KDS;                // ST x [C][JB]
 
   auto copy_wu = [&](const int i, const int buf) {  // chunk i's W and U~ columns into buffer buf
     const size_t chunk = (size_t)bh * N + i;
@@ -62,7 +65,7 @@ SOURCE = r"""
     const float* kd_src = kd + ((size_t)bh * N + i) * C * DK;
     for (int e = t; e < C * DK / 4; e += NT) {
       const int c = e / (DK / 4), d = (e % (DK / 4)) * 4;
-      engine_cp16(s_kd + (buf * C + c) * DK + d, kd_src + c * DK + d);
+      engine_cp16(s_kd + (buf * C + c) * KDS + d, kd_src + c * DK + d);
     }
   };
   auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
@@ -74,7 +77,7 @@ SOURCE = r"""
   const auto* s_in = state + (size_t)bh * DV * DK;  // [DV][DK]: S, read transposed
   for (int e = t; e < DK * JB; e += NT) {
     const int d = e % DK, j = e / DK;
-    s_st[d * JB + j] = (float)s_in[(size_t)(j0 + j) * DK + d];
+    s_st[d * STS + j] = (float)s_in[(size_t)(j0 + j) * DK + d];
   }
   if constexpr (ST == 1) {
     asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -93,12 +96,39 @@ SOURCE = r"""
       }
     }
     const float* cw = s_w + buf * C * DKP;
-    const float* ckd = s_kd + buf * C * DK;
+    const float* ckd = s_kd + buf * C * KDS;
     const float* cut = s_ut + buf * C * JB;
     const size_t chunk = (size_t)bh * N + i;
 
-    // U = U~ - W S^T: an item is 4 rows c x 2 columns j, its sums over k in order.
-    for (int e = t; e < (C / 4) * (JB / 2); e += NT) {
+    // U = U~ - W S^T: an item is 4 rows c x 2 columns j, its sums over k in order (MMA: a warp a 16 x 8 tile).
+    if constexpr (MMA) {
+      for (int tile = warp; tile < (C / 16) * (JB / 8); tile += NT / 32) {
+        const int m0 = (tile / (JB / 8)) * 16, n0 = (tile % (JB / 8)) * 8;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll 4
+        for (int k0 = 0; k0 < DK; k0 += 8) {
+          uint32_t ah[4], al[4], bh_[2], bl[2];
+          engine_tf32_split(cw[(m0 + lg) * DKP + k0 + lt], ah[0], al[0]);
+          engine_tf32_split(cw[(m0 + lg + 8) * DKP + k0 + lt], ah[1], al[1]);
+          engine_tf32_split(cw[(m0 + lg) * DKP + k0 + lt + 4], ah[2], al[2]);
+          engine_tf32_split(cw[(m0 + lg + 8) * DKP + k0 + lt + 4], ah[3], al[3]);
+          engine_tf32_split(s_st[(k0 + lt) * STS + n0 + lg], bh_[0], bl[0]);
+          engine_tf32_split(s_st[(k0 + lt + 4) * STS + n0 + lg], bh_[1], bl[1]);
+          engine_mma_tf32(acc, al, bh_);
+          engine_mma_tf32(acc, ah, bl);
+          engine_mma_tf32(acc, ah, bh_);
+        }
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + lg + 8 * half, col = n0 + 2 * lt;
+          const float2 ut = *reinterpret_cast<const float2*>(cut + row * JB + col);
+          const float2 u2 = make_float2(ut.x - acc[2 * half], ut.y - acc[2 * half + 1]);
+          *reinterpret_cast<float2*>(s_u + row * STS + col) = u2;
+          *reinterpret_cast<float2*>(us + (chunk * C + row) * DV + j0 + col) = u2;
+        }
+      }
+    }
+    for (int e = t; !MMA && e < (C / 4) * (JB / 2); e += NT) {
       const int c0 = (e / (JB / 2)) * 4, j = (e % (JB / 2)) * 2;
       float acc[4][2] = {};
       for (int d = 0; d < DK; d += 4) {
@@ -107,7 +137,7 @@ SOURCE = r"""
         for (int r = 0; r < 4; ++r) wv[r] = *reinterpret_cast<const float4*>(cw + (c0 + r) * DKP + d);
         float2 sv[4];
         #pragma unroll
-        for (int q = 0; q < 4; ++q) sv[q] = *reinterpret_cast<const float2*>(s_st + (d + q) * JB + j);
+        for (int q = 0; q < 4; ++q) sv[q] = *reinterpret_cast<const float2*>(s_st + (d + q) * STS + j);
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const float wr[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
@@ -122,7 +152,7 @@ SOURCE = r"""
       for (int r = 0; r < 4; ++r) {
         const float2 ut = *reinterpret_cast<const float2*>(cut + (c0 + r) * JB + j);
         const float2 u2 = make_float2(ut.x - acc[r][0], ut.y - acc[r][1]);
-        *reinterpret_cast<float2*>(s_u + (c0 + r) * JB + j) = u2;
+        *reinterpret_cast<float2*>(s_u + (c0 + r) * STS + j) = u2;
         *reinterpret_cast<float2*>(us + (chunk * C + c0 + r) * DV + j0 + j) = u2;
       }
     }
@@ -138,18 +168,50 @@ SOURCE = r"""
     // S^T <- c S^T + KD^T U: an item is 4 rows d x 4 columns j, its sums over the chunk's rows in order; the
     // state at the chunk's start is written out first.
     const float decay = chunk_decay[chunk];
-    for (int e = t; e < (DK / 4) * (JB / 4); e += NT) {
+    if constexpr (MMA) {
+      for (int tile = warp; tile < (DK / 16) * (JB / 8); tile += NT / 32) {
+        const int m0 = (tile / (JB / 8)) * 16, n0 = (tile % (JB / 8)) * 8;
+        float acc[4];
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + lg + 8 * half, col = n0 + 2 * lt;
+          const float2 s2 = *reinterpret_cast<const float2*>(s_st + row * STS + col);
+          *reinterpret_cast<float2*>(starts + (chunk * DK + row) * DV + j0 + col) = s2;
+          acc[2 * half] = decay * s2.x;
+          acc[2 * half + 1] = decay * s2.y;
+        }
+        #pragma unroll
+        for (int k0 = 0; k0 < C; k0 += 8) {         // A = KD^T (rows d, columns the chunk's rows), B = U
+          uint32_t ah[4], al[4], bh_[2], bl[2];
+          engine_tf32_split(ckd[(k0 + lt) * KDS + m0 + lg], ah[0], al[0]);
+          engine_tf32_split(ckd[(k0 + lt) * KDS + m0 + lg + 8], ah[1], al[1]);
+          engine_tf32_split(ckd[(k0 + lt + 4) * KDS + m0 + lg], ah[2], al[2]);
+          engine_tf32_split(ckd[(k0 + lt + 4) * KDS + m0 + lg + 8], ah[3], al[3]);
+          engine_tf32_split(s_u[(k0 + lt) * STS + n0 + lg], bh_[0], bl[0]);
+          engine_tf32_split(s_u[(k0 + lt + 4) * STS + n0 + lg], bh_[1], bl[1]);
+          engine_mma_tf32(acc, al, bh_);
+          engine_mma_tf32(acc, ah, bl);
+          engine_mma_tf32(acc, ah, bh_);
+        }
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + lg + 8 * half, col = n0 + 2 * lt;
+          *reinterpret_cast<float2*>(s_st + row * STS + col) = make_float2(acc[2 * half], acc[2 * half + 1]);
+        }
+      }
+    }
+    for (int e = t; !MMA && e < (DK / 4) * (JB / 4); e += NT) {
       const int d0 = (e / (JB / 4)) * 4, j = (e % (JB / 4)) * 4;
       float4 acc[4];
       #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        acc[r] = *reinterpret_cast<const float4*>(s_st + (d0 + r) * JB + j);
+        acc[r] = *reinterpret_cast<const float4*>(s_st + (d0 + r) * STS + j);
         *reinterpret_cast<float4*>(starts + (chunk * DK + d0 + r) * DV + j0 + j) = acc[r];
         acc[r] = make_float4(decay * acc[r].x, decay * acc[r].y, decay * acc[r].z, decay * acc[r].w);
       }
       for (int c = 0; c < C; ++c) {
-        const float4 kv = *reinterpret_cast<const float4*>(ckd + c * DK + d0);
-        const float4 uv = *reinterpret_cast<const float4*>(s_u + c * JB + j);
+        const float4 kv = *reinterpret_cast<const float4*>(ckd + c * KDS + d0);
+        const float4 uv = *reinterpret_cast<const float4*>(s_u + c * STS + j);
         const float kr[4] = {kv.x, kv.y, kv.z, kv.w};
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -160,7 +222,7 @@ SOURCE = r"""
         }
       }
       #pragma unroll
-      for (int r = 0; r < 4; ++r) *reinterpret_cast<float4*>(s_st + (d0 + r) * JB + j) = acc[r];
+      for (int r = 0; r < 4; ++r) *reinterpret_cast<float4*>(s_st + (d0 + r) * STS + j) = acc[r];
     }
     if constexpr (ST == 1) {
       if (i + 1 < N) {
@@ -175,7 +237,7 @@ SOURCE = r"""
   __syncthreads();
   for (int e = t; e < DK * JB; e += NT) {           // the final state as S [DV][DK]
     const int d = e % DK, j = e / DK;
-    final_state[((size_t)bh * DV + j0 + j) * DK + d] = s_st[d * JB + j];
+    final_state[((size_t)bh * DV + j0 + j) * DK + d] = s_st[d * STS + j];
   }
 """
 
@@ -184,24 +246,40 @@ __device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
 }
+// x as a TF32 value and the TF32 value of what it leaves (x = hi + lo to ~2^-22 of x)
+__device__ __forceinline__ void engine_tf32_split(const float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  const float rest = x - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
+}
+// d += a b for a 16 x 8 TF32 A fragment (a0: row g col t, a1: g + 8 / t, a2: g / t + 4, a3: g + 8 / t + 4) and an
+// 8 x 8 B fragment (b0: row t col g, b1: t + 4 / g); d: rows g, g + 8, columns 2t, 2t + 1 (g = lane / 4, t = lane % 4)
+__device__ __forceinline__ void engine_mma_tf32(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 """
 
 
-def column_block(dk: int, dv: int, stages: int = STAGES) -> int | None:
-    """The value columns a block takes (32, else 16, 8 or 4 that divide Dv), or None where the kernel cannot
-    run heads of key dim `dk` and value dim `dv` (Dk not a multiple of 4, or its shared memory too large)."""
-    if dk % 4:
+def column_block(dk: int, dv: int, stages: int = STAGES, mma: bool = False) -> int | None:
+    """The value columns a block takes (32, else 16, 8 or 4 that divide Dv; with `mma` at least 8), or None where
+    the kernel cannot run heads of key dim `dk` and value dim `dv` (Dk not a multiple of 4, or of 16 with `mma`,
+    or its shared memory too large)."""
+    if dk % (16 if mma else 4):
         return None
-    for jb in (32, 16, 8, 4):
-        if dv % jb == 0 and shared_bytes(dk, jb, stages) <= MAX_SHARED:
+    for jb in (32, 16, 8) if mma else (32, 16, 8, 4):
+        if dv % jb == 0 and shared_bytes(dk, jb, stages, mma=mma) <= MAX_SHARED:
             return jb
     return None
 
 
-def shared_bytes(dk: int, jb: int, stages: int = STAGES, chunk: int = 64) -> int:
+def shared_bytes(dk: int, jb: int, stages: int = STAGES, chunk: int = 64, mma: bool = False) -> int:
     """The dynamic shared memory of a block: the state's slice, U, and `stages` buffers of W (rows padded), KD
-    and U~."""
-    return 4 * (dk * jb + chunk * jb + stages * chunk * (dk + 4 + dk + jb))
+    and U~ (with `mma`, the state's, U's and KD's rows padded too)."""
+    pad = 8 if mma else 0
+    return 4 * ((dk + chunk) * (jb + pad) + stages * chunk * (dk + 4 + dk + pad + jb))
 
 
 @cache
@@ -223,16 +301,18 @@ def chunk_states(
     chunk_decay: mx.array,
     state: mx.array,
     stages: int = STAGES,
+    mma: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """u_tilde [B, H, N, C, Dv], w and k_decayed [B, H, N, C, Dk], chunk_decay [B, H, N] (float32), state
     [B, H, Dv, Dk] in any float dtype: (S^T at each chunk's start [B, H, N, Dk, Dv], U [B, H, N, C, Dv], the
-    state after the last chunk [B, H, Dv, Dk]), all float32. CUDA only; ValueError for heads it cannot take."""
+    state after the last chunk [B, H, Dv, Dk]), all float32; `mma`: the products on the tensor cores (split
+    TF32, not yet timed). CUDA only; ValueError for heads it cannot take."""
     b, h, n, c, dv = u_tilde.shape
     dk = w.shape[-1]
-    jb = column_block(dk, dv, stages)
-    if jb is None or c % 4 or stages not in (1, 2):
+    jb = column_block(dk, dv, stages, mma)
+    if jb is None or c % (16 if mma else 4) or stages not in (1, 2):
         raise ValueError(f"no chunk-states kernel for key dim {dk}, value dim {dv}, chunks of {c}, {stages} stages")
-    shared = shared_bytes(dk, jb, stages, c)
+    shared = shared_bytes(dk, jb, stages, c, mma)
     f32 = mx.float32
     starts, us, final = _kernel(shared, stages)(
         inputs=[
@@ -243,7 +323,7 @@ def chunk_states(
             state,
             mx.array([n], dtype=mx.int32),
         ],
-        template=[("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages)],
+        template=[("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages), ("MMA", mma)],
         grid=(b * h * (dv // jb) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, n, dk, dv), (b, h, n, c, dv), (b, h, dv, dk)],

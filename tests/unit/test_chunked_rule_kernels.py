@@ -47,7 +47,9 @@ def test_the_chunked_rule_given_a_states_function_keeps_its_outputs_and_marks(t,
 
 def test_the_column_block_divides_the_value_heads_and_fits_shared_memory():
     assert column_block(128, 128) == 32  # qwen27b's heads: 4 blocks a head
+    assert column_block(128, 128, mma=True) == 32 and shared_bytes(128, 32, 1, mma=True) <= 110 << 10
     assert column_block(32, 16) == 16
+    assert column_block(36, 16, mma=True) is None  # tensor-core tiles of 16 key rows
     assert column_block(30, 16) is None  # key rows copied 16 bytes at a time
     assert column_block(128, 6) is None
     assert shared_bytes(128, 32) <= MAX_SHARED
@@ -108,7 +110,7 @@ def _random_chunks(b, h, n, c, dk, dv, state_dtype, seed):
 
 
 @cuda_only
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages, mma", [(1, False), (2, False), (1, True), (2, True)])
 @pytest.mark.parametrize(
     "b, h, n, dk, dv, state_dtype",
     [
@@ -118,10 +120,11 @@ def _random_chunks(b, h, n, c, dk, dv, state_dtype, seed):
         (3, 2, 5, 128, 128, mx.float32),
     ],
 )
-def test_the_kernel_gives_the_loop_s_states_to_float32_rounding(b, h, n, dk, dv, state_dtype, stages):
+def test_the_kernel_gives_the_loop_s_states_to_float32_rounding(b, h, n, dk, dv, state_dtype, stages, mma):
+    # (mma: the products as split TF32 on the tensor cores, float32's accuracy to a few units)
     args = _random_chunks(b, h, n, 64, dk, dv, state_dtype, seed=n)
     mx.eval(args)
-    got = chunk_states(*args, stages=stages)
+    got = chunk_states(*args, stages=stages, mma=mma)
     with mx.stream(mx.cpu):  # float32 products on the CPU: no TF32
         want = loop_states(*args)
         mx.eval(want)

@@ -1,6 +1,6 @@
 """The chunked DeltaNet rule with its chunk-after-chunk states as MLX operations against the CUDA kernel
-(`engine.kernels.gated_delta_states`, one and two chunk buffers a block), and with its chunk-local part as a
-CUDA launch too (`engine.kernels.gated_delta_prepare`), on a model's heads.
+(`engine.kernels.gated_delta_states`, one and two chunk buffers a block, its products on the tensor cores), and
+with its chunk-local part as a CUDA launch too (`engine.kernels.gated_delta_prepare`), on a model's heads.
 
     python3 -m tools.gpu.chunk_states_speed [--model qwen27b] [--tokens 1024,4096] [--rows 1] [--calls 4]
 
@@ -59,9 +59,10 @@ def row(tokens: int, rows: int, shape: tuple[int, int, int, int], cfg: BenchConf
 VARIANTS = {  # the rule's parts as CUDA launches (the JSON's keys: kernel1 and kernel2 as before)
     "kernel1": {"states": partial(chunk_states, stages=1)},
     "kernel2": {"states": partial(chunk_states, stages=2)},
+    "mma": {"states": partial(chunk_states, mma=True)},
     "prepare": {"states": chunk_states, "prepare": chunk_prepare},
 }
-LABELS = {"kernel1": "states ST=1", "kernel2": "states ST=2", "prepare": "prepare+states"}
+LABELS = {"kernel1": "states ST=1", "kernel2": "states ST=2", "mma": "states MMA", "prepare": "prepare+states"}
 
 
 def main() -> None:
