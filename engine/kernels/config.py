@@ -65,16 +65,16 @@ class KernelConfig:
     `tier`: `exact` (MLX's operations, bit-exact with mlx-lm), `fast` (the engine's CUDA kernels) or `auto` (fast where
     it runs and its numerics gate passed for the model's family, else exact). The rest only matter to the fast tier: the
     stages inside the GEMV launches, one-row launch shapes by (rows, K) in place of the measured table, the staged
-    launches' layouts by row count in place of `staged_config`'s, which decode kernels run, whether the chunked
-    DeltaNet prefill runs its chunk-after-chunk states and its chunk-local part each as one CUDA launch a layer, the prompt-chunk rows from
-    which a layer dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the GEMV, the
-    dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether a prompt
-    chunk runs each layer as compiled calls (as a decode step does) rather than operation by operation, up to how many
-    tokens a verify window or prompt chunk runs each DeltaNet layer's core as one launch of the scan kernel (0: off),
-    whether the dense prompt chunks' dequantized weights are made once and kept (the memory of every such weight in its
-    scales' dtype) instead of made anew each chunk, whether they are made by the engine's dequantization kernel (the
-    same values as MLX's) instead of MLX's, and from how many rows a launch whose layers keep such copies multiplies
-    them instead of the quantized weights (`quantized_gemv.dense`; 0: never).
+    launches' layouts by row count in place of `staged_config`'s, which decode kernels run, whether the chunked DeltaNet
+    prefill runs its chunk-after-chunk states and its chunk-local part each as one CUDA launch a layer, the prompt-chunk
+    rows from which a layer dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the
+    GEMV, the dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether a
+    prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by operation, up to how
+    many tokens a verify window or prompt chunk runs each DeltaNet layer's core as one launch of the scan kernel (0:
+    off), whether the dense prompt chunks' dequantized weights are made once and kept (the memory of every such weight
+    in its scales' dtype) instead of made anew each chunk, whether they are made by the engine's dequantization kernel
+    (the same values as MLX's) instead of MLX's, and from how many rows a launch whose layers keep such copies
+    multiplies them instead of the quantized weights (`quantized_gemv.dense`; 0: never).
     `force` (tests only, no command line sets it) installs the fast tier off CUDA, where the quantized
     layers run MLX's operation; `gemv_stand_in` (tests only) computes every GEMV launch instead of the
     kernel, on any backend, as `quantized_gemv.run_kernel` is called.
@@ -118,9 +118,9 @@ class KernelConfig:
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL,
-        ENGINE_CHUNK_STATES_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL (0 or 1), ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or
-        1), ENGINE_DENSE_DECODE_ROWS and ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a
-        value they cannot take."""
+        ENGINE_CHUNK_STATES_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL (0 or 1), ENGINE_SCAN_TOKENS (a count),
+        ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or 1), ENGINE_DENSE_DECODE_ROWS and
+        ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         keep = env.keep_dense(environ)
         return cls(

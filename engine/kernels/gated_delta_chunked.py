@@ -48,9 +48,9 @@ import mlx.core as mx
 from engine.models.gated_delta import repeat_heads
 
 CHUNK = 64
-# (u_tilde, w, k_decayed, chunk_decay, state) -> (S^T at each chunk's start, U, final state): see chunked_gated_delta
 # (q, k, v, log_g, beta, chunk) -> prepare_chunks' tuple: see chunked_gated_delta
 PrepareKernel = Callable[..., tuple[mx.array, ...]]
+# (u_tilde, w, k_decayed, chunk_decay, state) -> (S^T at each chunk's start, U, final state): see chunked_gated_delta
 StatesKernel = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]
 LOG_FLOOR = -69.0  # the smallest log decay the chunked form takes (g = 1e-30: a state forgotten to rounding)
 
