@@ -4,7 +4,7 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | burst | dequant | switch | layouts | waves;
+#                         | census | lane | prefill | first | burst | dequant | switch | chunks | layouts | waves;
 #                         several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -38,6 +38,9 @@
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
+#   chunks   TOKENS (128,1024,4096), SHAPES (1x1024,1x2048,1x4096): the chunked DeltaNet rule's CUDA kernels' tests,
+#            a layer's rule each way (tools/gpu/chunk_states_speed.py), then prefill forwards with
+#            ENGINE_CHUNK_PREPARE_KERNEL 0, 1, 0, 1 (ENGINE_KEEP_DENSE as set)
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
 #            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
@@ -173,6 +176,14 @@ case "$PART" in
     synth
     { python3 -m tools.gpu.dequant_speed --model qwen27b
       switch_prefill ENGINE_DEQUANT_KERNEL; } 2>&1 | tee "$OUT/qwen27b-dequant.txt"
+    ;;
+  chunks)  # the chunked DeltaNet rule's kernels: their tests, a layer's rule each way, whole prefill forwards
+    synth
+    { timeout -s INT "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
+        tests/unit/test_chunked_rule_kernels.py 2>&1 | tail -3
+      python3 -m tools.gpu.chunk_states_speed --tokens "${TOKENS:-128,1024,4096}" --rows 1,8
+      SHAPES="${SHAPES:-1x1024,1x2048,1x4096}" switch_prefill ENGINE_CHUNK_PREPARE_KERNEL; } 2>&1 \
+        | tee "$OUT/qwen27b-chunks.txt"
     ;;
   switch)  # whole prefill forwards with an engine switch off and on, twice
     synth
