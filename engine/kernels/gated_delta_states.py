@@ -323,7 +323,7 @@ def chunk_states(
             state,
             mx.array([n], dtype=mx.int32),
         ],
-        template=[("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages), ("MMA", mma)],
+        template=[("C", c), ("DK", dk), ("DV", dv), ("JB", jb), ("NT", THREADS), ("ST", stages), ("MMA", int(mma))],
         grid=(b * h * (dv // jb) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, n, dk, dv), (b, h, n, c, dv), (b, h, dv, dk)],
