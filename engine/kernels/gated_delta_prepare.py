@@ -29,6 +29,7 @@ THREADS = 256
 SOURCE = r"""
   // Block (b * H + h) * N + i: value head h's chunk i of C tokens (rows past the prompt's T are zeros).
   constexpr int DKP = DK + 4, CP = C + 4;           // rows padded: neighbouring rows in other banks
+  static_assert(NT >= C && C % 4 == 0 && DK % 4 == 0, "a thread a row's decay and beta; rows read 4 at a time");
   const int T = length[0], N = (T + C - 1) / C;
   const int i = blockIdx.x % N, bh = blockIdx.x / N, h = bh % H, b = bh / H;
   const int hk = h / (H / HK), t0 = i * C, t = threadIdx.x;
