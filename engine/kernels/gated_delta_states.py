@@ -107,16 +107,10 @@ SOURCE = r"""
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         #pragma unroll 4
         for (int k0 = 0; k0 < DK; k0 += 8) {
-          uint32_t ah[4], al[4], bh_[2], bl[2];
-          engine_tf32_split(cw[(m0 + lg) * DKP + k0 + lt], ah[0], al[0]);
-          engine_tf32_split(cw[(m0 + lg + 8) * DKP + k0 + lt], ah[1], al[1]);
-          engine_tf32_split(cw[(m0 + lg) * DKP + k0 + lt + 4], ah[2], al[2]);
-          engine_tf32_split(cw[(m0 + lg + 8) * DKP + k0 + lt + 4], ah[3], al[3]);
-          engine_tf32_split(s_st[(k0 + lt) * STS + n0 + lg], bh_[0], bl[0]);
-          engine_tf32_split(s_st[(k0 + lt + 4) * STS + n0 + lg], bh_[1], bl[1]);
-          engine_mma_tf32(acc, al, bh_);
-          engine_mma_tf32(acc, ah, bl);
-          engine_mma_tf32(acc, ah, bh_);
+          const float a[4] = {cw[(m0 + lg) * DKP + k0 + lt], cw[(m0 + lg + 8) * DKP + k0 + lt],
+                              cw[(m0 + lg) * DKP + k0 + lt + 4], cw[(m0 + lg + 8) * DKP + k0 + lt + 4]};
+          const float b[2] = {s_st[(k0 + lt) * STS + n0 + lg], s_st[(k0 + lt + 4) * STS + n0 + lg]};
+          engine_mma_split(acc, a, b);
         }
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -182,16 +176,10 @@ SOURCE = r"""
         }
         #pragma unroll
         for (int k0 = 0; k0 < C; k0 += 8) {         // A = KD^T (rows d, columns the chunk's rows), B = U
-          uint32_t ah[4], al[4], bh_[2], bl[2];
-          engine_tf32_split(ckd[(k0 + lt) * KDS + m0 + lg], ah[0], al[0]);
-          engine_tf32_split(ckd[(k0 + lt) * KDS + m0 + lg + 8], ah[1], al[1]);
-          engine_tf32_split(ckd[(k0 + lt + 4) * KDS + m0 + lg], ah[2], al[2]);
-          engine_tf32_split(ckd[(k0 + lt + 4) * KDS + m0 + lg + 8], ah[3], al[3]);
-          engine_tf32_split(s_u[(k0 + lt) * STS + n0 + lg], bh_[0], bl[0]);
-          engine_tf32_split(s_u[(k0 + lt + 4) * STS + n0 + lg], bh_[1], bl[1]);
-          engine_mma_tf32(acc, al, bh_);
-          engine_mma_tf32(acc, ah, bl);
-          engine_mma_tf32(acc, ah, bh_);
+          const float a[4] = {ckd[(k0 + lt) * KDS + m0 + lg], ckd[(k0 + lt) * KDS + m0 + lg + 8],
+                              ckd[(k0 + lt + 4) * KDS + m0 + lg], ckd[(k0 + lt + 4) * KDS + m0 + lg + 8]};
+          const float b[2] = {s_u[(k0 + lt) * STS + n0 + lg], s_u[(k0 + lt + 4) * STS + n0 + lg]};
+          engine_mma_split(acc, a, b);
         }
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -259,6 +247,17 @@ __device__ __forceinline__ void engine_mma_tf32(float* d, const uint32_t* a, con
                "{%0,%1,%2,%3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// d += a b for float32 fragments (the layouts above) as split TF32: a_lo b_hi, a_hi b_lo, then a_hi b_hi
+__device__ __forceinline__ void engine_mma_split(float* d, const float (&a)[4], const float (&b)[2]) {
+  uint32_t ah[4], al[4], bh[2], bl[2];
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) engine_tf32_split(a[i], ah[i], al[i]);
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) engine_tf32_split(b[i], bh[i], bl[i]);
+  engine_mma_tf32(d, al, bh);
+  engine_mma_tf32(d, ah, bl);
+  engine_mma_tf32(d, ah, bh);
 }
 """
 
