@@ -29,6 +29,9 @@ _VARS = {
     "ENGINE_CHUNK_PREPARE_KERNEL": "'1': the fast tier's chunked DeltaNet prefill runs its chunk-local part (decays, "
     "the triangular solve, Q K^T) as one CUDA launch a layer instead of MLX operations "
     "(KernelConfig.chunk_prepare_kernel; default '0')",
+    "ENGINE_PREFILL_ATTENTION_KERNEL": "'1': the fast tier's prompt chunks run causal attention (bfloat16, head dim 64, "
+    "128 or 256) as one CUDA launch a layer instead of MLX's products and softmax over the scores "
+    "(KernelConfig.prefill_attention_kernel; default '0')",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",
     "ENGINE_DENSE_DECODE_ROWS": "from this many rows a fast-tier GEMV launch whose layers keep dense copies "
@@ -101,6 +104,11 @@ def chunk_states_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
 def chunk_prepare_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
     """ENGINE_CHUNK_PREPARE_KERNEL as a bool (None when unset); ValueError for a value other than 0 or 1."""
     return _switch("ENGINE_CHUNK_PREPARE_KERNEL", environ)
+
+
+def prefill_attention_kernel(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """ENGINE_PREFILL_ATTENTION_KERNEL as a bool (None when unset); ValueError for a value other than 0 or 1."""
+    return _switch("ENGINE_PREFILL_ATTENTION_KERNEL", environ)
 
 
 def scan_tokens(environ: Mapping[str, str] = os.environ) -> int | None:

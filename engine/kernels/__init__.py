@@ -4,11 +4,13 @@
 - `fast`: this package's kernels where they apply: the affine-quantized GEMV
   (`quantized_gemv`, prompt chunks as dequantize + GEMM), the chunked Gated
   DeltaNet prefill (`gated_delta_chunked`), the compiled DeltaNet decode step
-  (`gated_delta_decode`, its core one CUDA kernel from `gated_delta_step`) and
+  (`gated_delta_decode`, its core one CUDA kernel from `gated_delta_step`),
   the gated-attention decode step (`attention_decode`, its attention CUDA
-  kernels from `attention_step`). Sums run in another order, so results
-  agree with the exact tier to rounding, not bit for bit; the tier is judged
-  against a float32 reference forward (`harness kernels --gate-model`).
+  kernels from `attention_step`) and, where asked for, prompt chunks'
+  attention as one CUDA launch (`attention_prefill`). Sums run in another
+  order, so results agree with the exact tier to rounding, not bit for bit;
+  the tier is judged against a float32 reference forward (`harness kernels
+  --gate-model`).
 - `auto`: `fast` on CUDA for the model families in `GATE_PASSED`, `exact`
   elsewhere.
 
@@ -26,7 +28,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kernels import attention_decode, gated_delta_prepare, gated_delta_states
+from engine.kernels import attention_decode, attention_prefill, gated_delta_prepare, gated_delta_states
 from engine.kernels.config import AUTO, EXACT, FAST, TIERS, KernelConfig, Tier, check_tier
 from engine.kernels.cuda_source import BUILDS, KernelBuilds
 from engine.kernels.gated_delta_chunked import chunked_gated_delta
@@ -68,6 +70,7 @@ class KernelSet:
     step_kernel_layers: int = 0  # DeltaNet layers whose decode core is the CUDA kernel (0 off CUDA)
     attention_step_layers: int = 0  # gated-attention layers with the compiled decode step
     attention_kernel_layers: int = 0  # of them, those whose attention runs attention_step's kernels (0 off CUDA)
+    prefill_attention_layers: int = 0  # attention layers whose prompt chunks run attention_prefill's kernel
     fused_stages: str = "none"  # the GEMV launches' stages where the kernel runs (Fusion.names)
     reason: str = ""  # why this tier runs, where it is not simply the one asked for
     settings: dict = field(default_factory=dict)  # KernelConfig.settings() of the fast tier that runs
@@ -203,9 +206,19 @@ def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str,
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer (its attention
     the CUDA kernels where they apply), or none of them (config None); the counts for `KernelSet`."""
-    counts = dict(chunked_delta_layers=0, step_kernel_layers=0, attention_step_layers=0, attention_kernel_layers=0)
+    counts = dict(
+        chunked_delta_layers=0,
+        step_kernel_layers=0,
+        attention_step_layers=0,
+        attention_kernel_layers=0,
+        prefill_attention_layers=0,
+    )
     links = layer_links(model) if config else {}
     for _, module in model.named_modules():
+        if hasattr(module, "prefill_attention"):
+            kernel = config is not None and config.prefill_attention_kernel and on_cuda()
+            module.prefill_attention = attention_prefill.attention if kernel else None
+            counts["prefill_attention_layers"] += kernel
         if hasattr(module, "chunked_rule"):
             module.chunked_rule = chunked_rule(module, config) if config else None
             module.state_dtype = getattr(mx, config.state_dtype if config else "float32")

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv import launch_bounds
+from engine.models.base import scaled_dot_product_attention
 
 BM = 64  # queries a block (four warps of 16)
 BN = 64  # keys a tile
@@ -260,3 +261,11 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
         output_dtypes=[mx.bfloat16],
     )
     return out
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask) -> mx.array:
+    """`engine.models.base.scaled_dot_product_attention`'s contract: the kernel where it applies (and the cache
+    keeps keys unquantized), else that function."""
+    if not hasattr(cache, "bits") and applies(queries, keys, mask):
+        return prefill_attention(queries, keys, values, scale, mask)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)

@@ -66,7 +66,8 @@ class KernelConfig:
     it runs and its numerics gate passed for the model's family, else exact). The rest only matter to the fast tier: the
     stages inside the GEMV launches, one-row launch shapes by (rows, K) in place of the measured table, the staged
     launches' layouts by row count in place of `staged_config`'s, which decode kernels run, whether the chunked DeltaNet
-    prefill runs its chunk-after-chunk states and its chunk-local part each as one CUDA launch a layer, the prompt-chunk
+    prefill runs its chunk-after-chunk states and its chunk-local part each as one CUDA launch a layer, whether prompt
+    chunks run their causal attention as one CUDA launch a layer (`attention_prefill`), the prompt-chunk
     rows from which a layer dequantizes and runs one GEMM (None: never), the fewest output rows a matrix needs for the
     GEMV, the dtype the DeltaNet layers keep their recurrent state in (the exact tier keeps mlx-lm's float32), whether a
     prompt chunk runs each layer as compiled calls (as a decode step does) rather than operation by operation, up to how
@@ -87,6 +88,7 @@ class KernelConfig:
     delta_step_kernel: bool = True  # a DeltaNet decode step's core as one CUDA kernel
     chunk_states_kernel: bool = True  # the chunked prefill's chunk-after-chunk states as one CUDA launch a layer
     chunk_prepare_kernel: bool = False  # its chunk-local part as one CUDA launch a layer
+    prefill_attention_kernel: bool = False  # prompt chunks' causal attention as one CUDA launch a layer
     attention_step: bool = True  # the compiled decode step of gated-attention layers
     attention_kernels: bool = True  # that step's attention as CUDA kernels
     attention_group_rows: int = 0  # from this many rows those kernels take a kv head's q heads a block (0: never)
@@ -118,7 +120,7 @@ class KernelConfig:
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL,
-        ENGINE_CHUNK_STATES_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL (0 or 1), ENGINE_SCAN_TOKENS (a count),
+        ENGINE_CHUNK_STATES_KERNEL, ENGINE_CHUNK_PREPARE_KERNEL and ENGINE_PREFILL_ATTENTION_KERNEL (0 or 1), ENGINE_SCAN_TOKENS (a count),
         ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or 1), ENGINE_DENSE_DECODE_ROWS and
         ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a value they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
@@ -135,6 +137,7 @@ class KernelConfig:
             dequant_kernel=bool(env.dequant_kernel(environ)),
             chunk_states_kernel=env.chunk_states_kernel(environ) is not False,
             chunk_prepare_kernel=bool(env.chunk_prepare_kernel(environ)),
+            prefill_attention_kernel=bool(env.prefill_attention_kernel(environ)),
             dense_decode_rows=env.dense_decode_rows(environ) or 0,
             attention_group_rows=env.attention_group_rows(environ) or 0,
         )
@@ -148,6 +151,7 @@ class KernelConfig:
             "delta_step_kernel": self.delta_step_kernel,
             "chunk_states_kernel": self.chunk_states_kernel,
             "chunk_prepare_kernel": self.chunk_prepare_kernel,
+            "prefill_attention_kernel": self.prefill_attention_kernel,
             "attention_step": self.attention_step,
             "attention_kernels": self.attention_kernels,
             "attention_group_rows": self.attention_group_rows,

@@ -108,6 +108,7 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.rope = make_rope(int(hd * args.partial_rotary_factor), args.rope_theta, False, args.rope_scaling)
+        self.prefill_attention = None  # the fast tier's: scaled_dot_product_attention's contract (engine.kernels)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         q, k, v, gate = self.inputs(x)
@@ -137,7 +138,8 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
-        return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        sdpa = self.prefill_attention or scaled_dot_product_attention
+        return sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)
 
     def output(self, out: mx.array, gate: mx.array) -> mx.array:
         return self.o_proj(self.gated(out, gate))
