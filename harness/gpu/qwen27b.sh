@@ -4,7 +4,8 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | burst | dequant | switch | chunks | layouts | waves;
+#                         | census | lane | prefill | first | burst | dequant | switch | chunks | attention | layouts
+#                         | waves;
 #                         several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -37,6 +38,8 @@
 #            HTTP against the same burst handed to the gateway in process (tools/gpu/burst_paths.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
 #            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
+#   attention SHAPES (1x1024,1x4096): the prompt attention kernel's tests, a layer's attention each way
+#            (tools/gpu/attention_prefill_speed.py), then prefill forwards with ENGINE_PREFILL_ATTENTION_KERNEL 0, 1, 0, 1
 #   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
 #   chunks   TOKENS (128,1024,4096), SHAPES (1x1024,1x2048,1x4096): the chunked DeltaNet rule's CUDA kernels' tests,
 #            a layer's rule each way (tools/gpu/chunk_states_speed.py), then prefill forwards with
@@ -184,6 +187,14 @@ case "$PART" in
       python3 -m tools.gpu.chunk_states_speed --tokens "${TOKENS:-128,1024,4096}" --rows 1,8
       SHAPES="${SHAPES:-1x1024,1x2048,1x4096}" switch_prefill ENGINE_CHUNK_PREPARE_KERNEL; } 2>&1 \
         | tee "$OUT/qwen27b-chunks.txt"
+    ;;
+  attention)  # the prompt attention kernel: its tests, a layer's attention each way, whole prefill forwards
+    synth
+    { timeout -s INT "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
+        tests/unit/test_attention_prefill.py 2>&1 | tail -3
+      python3 -m tools.gpu.attention_prefill_speed
+      SHAPES="${SHAPES:-1x1024,1x4096}" switch_prefill ENGINE_PREFILL_ATTENTION_KERNEL; } 2>&1 \
+        | tee "$OUT/qwen27b-attention.txt"
     ;;
   switch)  # whole prefill forwards with an engine switch off and on, twice
     synth
