@@ -29,6 +29,7 @@ BM = 64  # queries a block (four warps of 16)
 BN = 64  # keys a tile
 THREADS = 128
 HEAD_DIMS = (64, 128, 256)
+MIN_QUERIES = BM  # fewer: most of a block's rows empty and a block a head (a verify window): MLX's products win
 
 SOURCE = r"""
   // Block: (query block from the last, then batch x head); warp w takes queries q0 + 16 w ... + 15.
@@ -211,16 +212,19 @@ def shared_bytes(head_dim: int) -> int:
     return 2 * (BM + 2 * BN) * (head_dim + 8)
 
 
-def applies(queries: mx.array, keys: mx.array, mask) -> bool:
-    """Whether `prefill_attention` takes these: bfloat16 heads of a dimension in HEAD_DIMS, more than one query,
-    at least as many keys, query heads a multiple of key heads, and a causal mask (the string) or none."""
+def runs(queries: mx.array, keys: mx.array, mask) -> bool:
+    """Whether the kernel runs these: bfloat16 heads [B, H, L, D] of a dimension in HEAD_DIMS, at least as many
+    keys as queries, query heads a multiple of key heads, and a causal mask (the string) or none."""
     if queries.dtype != mx.bfloat16 or keys.dtype != mx.bfloat16 or queries.shape[-1] not in HEAD_DIMS:
         return False
-    if queries.ndim != 4 or queries.shape[-2] < 2 or keys.shape[-2] < queries.shape[-2]:
+    if queries.ndim != 4 or keys.shape[-2] < queries.shape[-2] or queries.shape[-1] != keys.shape[-1]:
         return False
-    if queries.shape[1] % keys.shape[1] or queries.shape[-1] != keys.shape[-1]:
-        return False
-    return mask is None or (isinstance(mask, str) and mask == "causal")
+    return queries.shape[1] % keys.shape[1] == 0 and (mask is None or (isinstance(mask, str) and mask == "causal"))
+
+
+def applies(queries: mx.array, keys: mx.array, mask) -> bool:
+    """Whether `attention` takes these to the kernel: it `runs` them and there are MIN_QUERIES queries or more."""
+    return queries.shape[-2] >= MIN_QUERIES and runs(queries, keys, mask)
 
 
 @cache
@@ -238,8 +242,8 @@ def _kernel(head_dim: int):
 def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
     """softmax(scale Q K^T, causal where `mask` is "causal") V for queries [B, Hq, L, D] and keys, values
     [B, Hkv, S, D] (S >= L; causal: query i at position S - L + i), all bfloat16: [B, Hq, L, D]. CUDA only;
-    ValueError where `applies` is false."""
-    if not applies(queries, keys, mask):
+    ValueError where it does not `run` them."""
+    if not runs(queries, keys, mask):
         raise ValueError(f"no prefill attention kernel for {queries.shape} {queries.dtype} against {keys.shape}")
     b, hq, length, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]

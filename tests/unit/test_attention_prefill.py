@@ -7,7 +7,14 @@ import mlx.core as mx
 import pytest
 
 from engine.kernels import KernelConfig, install, on_cuda
-from engine.kernels.attention_prefill import applies, attention, prefill_attention, shared_bytes
+from engine.kernels.attention_prefill import (
+    MIN_QUERIES,
+    applies,
+    attention,
+    prefill_attention,
+    runs,
+    shared_bytes,
+)
 from engine.loading import load_model
 from engine.models.base import scaled_dot_product_attention
 
@@ -37,14 +44,14 @@ def reference(q, k, v, scale, causal):
 
 
 def test_it_takes_bfloat16_prompt_chunks_with_a_causal_mask_or_none():
-    q, k, _ = heads(1, 4, 2, 8, 20, 256)
+    q, k, _ = heads(1, 4, 2, 80, 200, 256)
     assert applies(q, k, "causal") and applies(q, k, None)
-    assert not applies(q, k, mx.ones((8, 20), dtype=mx.bool_))  # an array mask (left padding): MLX's path
-    assert not applies(q[:, :, :1], k, None)  # one query: a decode step
-    assert not applies(q.astype(mx.float16), k.astype(mx.float16), "causal")
-    assert not applies(*heads(1, 4, 2, 8, 20, 96)[:2], "causal")  # head dims 64, 128 and 256 only
-    assert not applies(*heads(1, 3, 2, 8, 20, 64)[:2], "causal")  # query heads a multiple of key heads
-    assert not applies(q, k[:, :, :4], "causal")  # fewer keys than queries
+    assert not applies(q, k, mx.ones((80, 200), dtype=mx.bool_))  # an array mask (left padding): MLX's path
+    assert not applies(q[:, :, : MIN_QUERIES - 1], k, "causal") and runs(q[:, :, :2], k, "causal")  # a verify window
+    assert not runs(q.astype(mx.float16), k.astype(mx.float16), "causal")
+    assert not runs(*heads(1, 4, 2, 80, 200, 96)[:2], "causal")  # head dims 64, 128 and 256 only
+    assert not runs(*heads(1, 3, 2, 80, 200, 64)[:2], "causal")  # query heads a multiple of key heads
+    assert not runs(q, k[:, :, :4], "causal")  # fewer keys than queries
     with pytest.raises(ValueError, match="no prefill attention kernel"):
         prefill_attention(q.astype(mx.float16), k, k, 0.1, "causal")
 
@@ -54,7 +61,7 @@ def test_its_tiles_fit_two_blocks_an_sm():
 
 
 def test_off_cuda_it_is_mlx_s_attention():
-    q, k, v = heads(1, 4, 2, 8, 20, 64, dtype=mx.float32)
+    q, k, v = heads(1, 4, 2, 80, 200, 64, dtype=mx.float32)
     ours = attention(q, k, v, None, 0.125, "causal")
     theirs = scaled_dot_product_attention(q, k, v, None, 0.125, "causal")
     assert mx.array_equal(ours, theirs)
