@@ -51,6 +51,7 @@ def test_stats_carry_the_kernel_set(fast_server):
         "step_kernel_layers",
         "attention_step_layers",
         "attention_kernel_layers",
+        "prefill_attention_layers",
         "fused_stages",
         "reason",
         "settings",

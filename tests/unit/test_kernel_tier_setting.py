@@ -161,6 +161,7 @@ def test_native_records_the_engine_tier(tmp_path, tiny_path, capsys):
         "step_kernel_layers",
         "attention_step_layers",
         "attention_kernel_layers",
+        "prefill_attention_layers",
         "fused_stages",
         "reason",
         "settings",
