@@ -214,7 +214,8 @@ def shared_bytes(head_dim: int) -> int:
 
 def runs(queries: mx.array, keys: mx.array, mask) -> bool:
     """Whether the kernel runs these: bfloat16 heads [B, H, L, D] of a dimension in HEAD_DIMS, at least as many
-    keys as queries, query heads a multiple of key heads, and a causal mask (the string) or none."""
+    keys as queries, query heads a multiple of key heads, and a causal mask (the string) or none (values: the
+    keys' shape and dtype)."""
     if queries.dtype != mx.bfloat16 or keys.dtype != mx.bfloat16 or queries.shape[-1] not in HEAD_DIMS:
         return False
     if queries.ndim != 4 or keys.shape[-2] < queries.shape[-2] or queries.shape[-1] != keys.shape[-1]:
@@ -243,7 +244,7 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
     """softmax(scale Q K^T, causal where `mask` is "causal") V for queries [B, Hq, L, D] and keys, values
     [B, Hkv, S, D] (S >= L; causal: query i at position S - L + i), all bfloat16: [B, Hq, L, D]. CUDA only;
     ValueError where it does not `run` them."""
-    if not runs(queries, keys, mask):
+    if not runs(queries, keys, mask) or values.shape != keys.shape or values.dtype != keys.dtype:
         raise ValueError(f"no prefill attention kernel for {queries.shape} {queries.dtype} against {keys.shape}")
     b, hq, length, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
