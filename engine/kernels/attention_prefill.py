@@ -9,7 +9,8 @@ with the square of the context. Here a block takes 64 queries of one head and wa
 out), the running row maximum and sum in float32 (exp2 of scaled scores), the probabilities rounded to bf16
 for their product with V, the output divided by the sum at the end. Nothing the size of the scores is ever
 written. Keys past a query's position (causal: query i of the chunk sits at S - L + i) and past S count
-zero; the next tile's K and V are copied (`cp.async`) while the current one computes.
+zero, as do a batch row's keys before its left padding ends (`BatchKVCache`'s mask); the next tile's K and V
+are copied (`cp.async`) while the current one computes.
 
 The sums differ from MLX's path by rounding (its scores are rounded to bf16 before the softmax, here they stay
 float32): the fast tier, judged by the gate.
@@ -21,6 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from engine.cache.batch_kv import BatchKVCache
 from engine.kernels.cuda_source import cuda_kernel
 from engine.kernels.quantized_gemv import launch_bounds
 from engine.models.base import scaled_dot_product_attention
@@ -39,7 +41,8 @@ SOURCE = r"""
   const int qb = nqb - 1 - (int)blockIdx.x / bhs, bh = (int)blockIdx.x % bhs;  // the longest key ranges first
   const int b = bh / HQ, h = bh % HQ, kvh = h / (HQ / HKV), q0 = qb * BM;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32, lg = lane / 4, lt = lane % 4;
-  const int kend = CAUSAL ? min(S, offset + q0 + BM) : S, ntiles = (kend + BN - 1) / BN;
+  const int pad = pads[b];                          // this row's keys below pad (left padding) count zero
+  const int kend = CAUSAL ? min(S, offset + q0 + BM) : S, kstart = min(pad, kend) / BN * BN;
   const __nv_bfloat16* qp = q + ((size_t)(b * HQ + h) * L + q0) * D;
   const __nv_bfloat16* kp = k + (size_t)(b * HKV + kvh) * S * D;
   const __nv_bfloat16* vp = v + (size_t)(b * HKV + kvh) * S * D;
@@ -60,9 +63,9 @@ SOURCE = r"""
   auto wait_one = [] { asm volatile("cp.async.wait_group 1;" ::: "memory"); };
 
   copy_rows(sq, qp, min(BM, L - q0));
-  copy_rows(sk, kp, min(BN, S));
+  copy_rows(sk, kp + (size_t)kstart * D, min(BN, S - kstart));
   commit();
-  copy_rows(sv, vp, min(BN, S));
+  copy_rows(sv, vp + (size_t)kstart * D, min(BN, S - kstart));
   commit();
 
   const float scale_log2 = scale[0] * 1.4426950408889634f;
@@ -74,8 +77,7 @@ SOURCE = r"""
   const int m0 = warp * 16;
   const int qpos0 = offset + q0 + m0 + lg;          // the position of this thread's first row
 
-  for (int j = 0; j < ntiles; ++j) {
-    const int k0 = j * BN;
+  for (int k0 = kstart; k0 < kend; k0 += BN) {
     wait_one();
     __syncthreads();                                // Q and K_j landed (V_j may still come)
     float s[BN / 8][4];
@@ -94,11 +96,12 @@ SOURCE = r"""
       }
     }
     __syncthreads();                                // every warp's reads of K_j done
-    if (j + 1 < ntiles) copy_rows(sk, kp + (size_t)(k0 + BN) * D, min(BN, S - k0 - BN));
+    if (k0 + BN < kend) copy_rows(sk, kp + (size_t)(k0 + BN) * D, min(BN, S - k0 - BN));
     commit();
 
-    // Scaled scores (log2 units), keys past the row's position or past S at -inf; the running max and sum.
-    const bool edge = k0 + BN > S || (CAUSAL && k0 + BN - 1 > offset + q0);
+    // Scaled scores (log2 units), keys past the row's position, past S or below pad at -inf; the running max
+    // and sum.
+    const bool edge = k0 + BN > S || (CAUSAL && k0 + BN - 1 > offset + q0) || k0 < pad;
     float tile_max[2] = {-INFINITY, -INFINITY};
     #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
@@ -106,7 +109,7 @@ SOURCE = r"""
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + n * 8 + 2 * lt + (e & 1), pos = qpos0 + (e >> 1) * 8;
         float x = s[n][e] * scale_log2;
-        if (edge && (key >= S || (CAUSAL && key > pos))) x = -INFINITY;
+        if (edge && (key >= S || key < pad || (CAUSAL && key > pos))) x = -INFINITY;
         s[n][e] = x;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
       }
@@ -152,7 +155,7 @@ SOURCE = r"""
       }
     }
     __syncthreads();                                // every warp's reads of V_j done
-    if (j + 1 < ntiles) copy_rows(sv, vp + (size_t)(k0 + BN) * D, min(BN, S - k0 - BN));
+    if (k0 + BN < kend) copy_rows(sv, vp + (size_t)(k0 + BN) * D, min(BN, S - k0 - BN));
     commit();
   }
 
@@ -160,7 +163,7 @@ SOURCE = r"""
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    row_sum[r] = 1.0f / row_sum[r];
+    row_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // a row with no key at all: zeros
   }
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -212,27 +215,34 @@ def shared_bytes(head_dim: int) -> int:
     return 2 * (BM + 2 * BN) * (head_dim + 8)
 
 
-def runs(queries: mx.array, keys: mx.array, mask) -> bool:
+def runs(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether the kernel runs these: bfloat16 heads [B, H, L, D] of a dimension in HEAD_DIMS, at least as many
-    keys as queries, query heads a multiple of key heads, and a causal mask (the string) or none (values: the
-    keys' shape and dtype)."""
+    keys as queries, query heads a multiple of key heads, values of the keys' shape."""
     if queries.dtype != mx.bfloat16 or keys.dtype != mx.bfloat16 or queries.shape[-1] not in HEAD_DIMS:
         return False
     if queries.ndim != 4 or keys.shape[-2] < queries.shape[-2] or queries.shape[-1] != keys.shape[-1]:
         return False
-    return queries.shape[1] % keys.shape[1] == 0 and (mask is None or (isinstance(mask, str) and mask == "causal"))
+    return queries.shape[1] % keys.shape[1] == 0 and values.shape == keys.shape and values.dtype == keys.dtype
 
 
-def applies(queries: mx.array, keys: mx.array, mask) -> bool:
-    """Whether `attention` takes these to the kernel: it `runs` them and there are MIN_QUERIES queries or more."""
-    return queries.shape[-2] >= MIN_QUERIES and runs(queries, keys, mask)
+def kernel_mask(mask, cache) -> tuple[bool, list[int] | None] | None:
+    """(causal, each row's left padding or None) where the kernel computes `mask`: none, "causal", or a batch
+    cache's own mask (`BatchKVCache.make_mask`: causal, each row's keys from its left padding on); None for
+    any other mask."""
+    if mask is None:
+        return False, None
+    if isinstance(mask, str):
+        return (True, None) if mask == "causal" else None
+    if type(cache) is BatchKVCache:
+        return True, list(cache.left_padding)
+    return None
 
 
 @cache
 def _kernel(head_dim: int):
     return cuda_kernel(
         name="engine_attention_prefill",
-        input_names=["q", "k", "v", "scale", "dims"],
+        input_names=["q", "k", "v", "scale", "dims", "pads"],
         output_names=["out"],
         source=SOURCE,
         header=HEADER + launch_bounds(THREADS, 2),
@@ -240,22 +250,37 @@ def _kernel(head_dim: int):
     )
 
 
-def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
-    """softmax(scale Q K^T, causal where `mask` is "causal") V for queries [B, Hq, L, D] and keys, values
-    [B, Hkv, S, D] (S >= L; causal: query i at position S - L + i), all bfloat16: [B, Hq, L, D]. CUDA only;
-    ValueError where it does not `run` them."""
-    if not runs(queries, keys, mask) or values.shape != keys.shape or values.dtype != keys.dtype:
+def prefill_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    causal: bool = True,
+    pads: list[int] | None = None,
+) -> mx.array:
+    """softmax(scale Q K^T) V for queries [B, Hq, L, D] and keys, values [B, Hkv, S, D], all bfloat16: [B, Hq, L,
+    D]. `causal`: query i sits at position S - L + i and sees keys up to it; `pads`: row b sees no key below
+    pads[b]. CUDA only; ValueError where it does not `run` them."""
+    if not runs(queries, keys, values):
         raise ValueError(f"no prefill attention kernel for {queries.shape} {queries.dtype} against {keys.shape}")
     b, hq, length, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     blocks = b * hq * ((length + BM - 1) // BM)
+    inputs = [
+        queries,
+        keys,
+        values,
+        mx.array([scale], dtype=mx.float32),
+        mx.array([length, s], dtype=mx.int32),
+        mx.array(pads if pads is not None else [0] * b, dtype=mx.int32),
+    ]
     (out,) = _kernel(d)(
-        inputs=[queries, keys, values, mx.array([scale], dtype=mx.float32), mx.array([length, s], dtype=mx.int32)],
+        inputs=inputs,
         template=[
             ("D", d),
             ("HQ", hq),
             ("HKV", hkv),
-            ("CAUSAL", int(mask is not None)),
+            ("CAUSAL", int(causal)),
             ("BM", BM),
             ("BN", BN),
             ("THREADS", THREADS),
@@ -269,8 +294,10 @@ def prefill_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask) -> mx.array:
-    """`engine.models.base.scaled_dot_product_attention`'s contract: the kernel where it applies (and the cache
-    keeps keys unquantized), else that function."""
-    if not hasattr(cache, "bits") and applies(queries, keys, mask):
-        return prefill_attention(queries, keys, values, scale, mask)
+    """`engine.models.base.scaled_dot_product_attention`'s contract: the kernel for MIN_QUERIES queries or more
+    where it `runs` them, computes the mask (`kernel_mask`) and the cache keeps keys unquantized, else that
+    function."""
+    rule = kernel_mask(mask, cache) if queries.shape[-2] >= MIN_QUERIES and not hasattr(cache, "bits") else None
+    if rule is not None and runs(queries, keys, values):
+        return prefill_attention(queries, keys, values, scale, *rule)
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)

@@ -1,20 +1,16 @@
 """Prompt chunks' causal attention as one CUDA launch (engine/kernels/attention_prefill.py): which calls it takes,
-how the fast tier installs it, and on CUDA its outputs against a float32 reference beside MLX's own bf16 path."""
+the masks it computes (a batch cache's own among them), how the fast tier installs it, and on CUDA its outputs
+against a float32 reference beside MLX's own bf16 path."""
 
 import math
 
 import mlx.core as mx
 import pytest
 
+from engine.cache.batch_kv import BatchKVCache
+from engine.cache.kv import KVCache
 from engine.kernels import KernelConfig, install, on_cuda
-from engine.kernels.attention_prefill import (
-    MIN_QUERIES,
-    applies,
-    attention,
-    prefill_attention,
-    runs,
-    shared_bytes,
-)
+from engine.kernels.attention_prefill import MIN_QUERIES, attention, kernel_mask, prefill_attention, runs, shared_bytes
 from engine.loading import load_model
 from engine.models.base import scaled_dot_product_attention
 
@@ -29,42 +25,81 @@ def heads(b, hq, hkv, length, keys, d, dtype=mx.bfloat16, seed=0):
     return q, k, v
 
 
-def reference(q, k, v, scale, causal):
-    """Attention in float32 on the CPU: GQA by repeating the key heads, query i of L at position S - L + i."""
+def rule_mask(length: int, keys: int, causal: bool, pads) -> mx.array:
+    """The kernel's rule as a boolean mask [B, 1, L, S]: query i at position S - L + i sees keys up to it (causal)
+    and none below its row's pad."""
+    cols = mx.arange(keys)[None, None, None]
+    allowed = cols >= mx.array(pads)[:, None, None, None]
+    if causal:
+        allowed = allowed & (cols <= mx.arange(keys - length, keys)[None, None, :, None])
+    return allowed
+
+
+def reference(q, k, v, scale, causal, pads=None):
+    """Attention in float32 on the CPU: GQA by repeating the key heads; a row with no key gives zeros."""
     with mx.stream(mx.cpu):
         q, k, v = (x.astype(mx.float32) for x in (q, k, v))
         reps = q.shape[1] // k.shape[1]
         k, v = mx.repeat(k, reps, 1), mx.repeat(v, reps, 1)
-        scores = (q @ k.swapaxes(-1, -2)) * scale
-        if causal:
-            length, keys = q.shape[2], k.shape[2]
-            allowed = mx.arange(keys)[None] <= mx.arange(keys - length, keys)[:, None]
-            scores = mx.where(allowed, scores, -math.inf)
-        return mx.softmax(scores, axis=-1) @ v
+        allowed = rule_mask(q.shape[2], k.shape[2], causal, pads or [0] * q.shape[0])
+        scores = mx.where(allowed, (q @ k.swapaxes(-1, -2)) * scale, -math.inf)
+        weights = mx.where(allowed.any(-1, keepdims=True), mx.softmax(scores, axis=-1), 0.0)
+        return weights @ v
 
 
-def test_it_takes_bfloat16_prompt_chunks_with_a_causal_mask_or_none():
-    q, k, _ = heads(1, 4, 2, 80, 200, 256)
-    assert applies(q, k, "causal") and applies(q, k, None)
-    assert not applies(q, k, mx.ones((80, 200), dtype=mx.bool_))  # an array mask (left padding): MLX's path
-    assert not applies(q[:, :, : MIN_QUERIES - 1], k, "causal") and runs(q[:, :, :2], k, "causal")  # a verify window
-    assert not runs(q.astype(mx.float16), k.astype(mx.float16), "causal")
-    assert not runs(*heads(1, 4, 2, 80, 200, 96)[:2], "causal")  # head dims 64, 128 and 256 only
-    assert not runs(*heads(1, 3, 2, 80, 200, 64)[:2], "causal")  # query heads a multiple of key heads
-    assert not runs(q, k[:, :, :4], "causal")  # fewer keys than queries
+def test_the_kernel_runs_bfloat16_heads_of_its_head_dims():
+    q, k, v = heads(1, 4, 2, 80, 200, 256)
+    assert runs(q, k, v) and runs(q[:, :, :2], k, v)
+    assert not runs(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16))
+    assert not runs(*heads(1, 4, 2, 80, 200, 96))  # head dims 64, 128 and 256 only
+    assert not runs(*heads(1, 3, 2, 80, 200, 64))  # query heads a multiple of key heads
+    assert not runs(q, k[:, :, :4], v[:, :, :4])  # fewer keys than queries
+    assert not runs(q, k, v[:, :, :100])
     with pytest.raises(ValueError, match="no prefill attention kernel"):
-        prefill_attention(q.astype(mx.float16), k, k, 0.1, "causal")
+        prefill_attention(q.astype(mx.float16), k, v, 0.1)
+
+
+def test_the_masks_it_computes():
+    assert kernel_mask(None, None) == (False, None)
+    assert kernel_mask("causal", KVCache()) == (True, None)
+    assert kernel_mask(mx.ones((4, 4), dtype=mx.bool_), KVCache()) is None  # an array it cannot read: MLX's path
+    cache = BatchKVCache([0, 3])
+    assert kernel_mask(cache.make_mask(4), cache) == (True, [0, 3])
+
+
+@pytest.mark.parametrize("prefix_lengths, n", [([5, 0, 17], 9), ([0, 0], 6), ([40, 33], 1)])
+def test_a_batch_cache_s_mask_is_the_kernel_s_rule(prefix_lengths, n):
+    """BatchKVCache.make_mask over rows merged from prefixes of different lengths (right-aligned, left-padded)
+    equals causal attention from each row's left padding on, which the kernel computes from the same cache."""
+    singles = []
+    for length in prefix_lengths:
+        single = KVCache()
+        if length:
+            single.update_and_fetch(mx.zeros((1, 2, length, 8)), mx.zeros((1, 2, length, 8)))
+        singles.append(single)
+    cache = BatchKVCache.merge(singles)
+    mask = cache.make_mask(n)
+    keys, _ = cache.update_and_fetch(mx.zeros((len(singles), 2, n, 8)), mx.zeros((len(singles), 2, n, 8)))
+    causal, pads = kernel_mask(mask, cache)
+    assert causal and pads == [max(prefix_lengths) - length for length in prefix_lengths]
+    assert mx.array_equal(
+        mx.broadcast_to(mask, (len(singles), 1, n, keys.shape[2])), rule_mask(n, keys.shape[2], causal, pads)
+    )
 
 
 def test_its_tiles_fit_two_blocks_an_sm():
     assert 2 * shared_bytes(256) <= 227 << 10
 
 
-def test_off_cuda_it_is_mlx_s_attention():
+def test_off_cuda_and_for_short_chunks_it_is_mlx_s_attention():
     q, k, v = heads(1, 4, 2, 80, 200, 64, dtype=mx.float32)
-    ours = attention(q, k, v, None, 0.125, "causal")
-    theirs = scaled_dot_product_attention(q, k, v, None, 0.125, "causal")
-    assert mx.array_equal(ours, theirs)
+    assert mx.array_equal(
+        attention(q, k, v, None, 0.125, "causal"), scaled_dot_product_attention(q, k, v, None, 0.125, "causal")
+    )
+    q, k, v = heads(1, 4, 2, MIN_QUERIES - 1, 200, 64)  # a verify window: MLX's products
+    assert mx.array_equal(
+        attention(q, k, v, None, 0.125, "causal"), scaled_dot_product_attention(q, k, v, None, 0.125, "causal")
+    )
 
 
 def test_a_setting_off_by_default_read_from_the_environment():
@@ -88,27 +123,31 @@ def test_the_fast_tier_installs_it_only_on_cuda(tiny_path):
 
 @cuda_only
 @pytest.mark.parametrize(
-    "b, hq, hkv, length, keys, d, causal",
+    "b, hq, hkv, length, keys, d, causal, pads",
     [
-        (1, 24, 4, 300, 300, 256, True),  # qwen27b's heads, a first chunk (a partial last query block)
-        (2, 8, 4, 70, 333, 256, True),  # a later chunk: queries at 263..332, keys in a partial last tile
-        (1, 6, 1, 128, 128, 128, True),
-        (1, 4, 4, 64, 64, 64, True),
-        (1, 4, 2, 100, 150, 64, False),
-        (1, 2, 1, 2, 2, 256, True),  # two queries
+        (1, 24, 4, 300, 300, 256, True, None),  # qwen27b's heads, a first chunk (a partial last query block)
+        (2, 8, 4, 70, 333, 256, True, None),  # a later chunk: queries at 263..332, keys in a partial last tile
+        (3, 8, 4, 100, 260, 256, True, [0, 70, 130]),  # a batch cache's rows: left padding skips and cuts tiles
+        (2, 4, 2, 65, 65, 128, True, [64, 3]),  # a row whose first 64 queries see no key: zeros
+        (1, 6, 1, 128, 128, 128, True, None),
+        (1, 4, 4, 64, 64, 64, True, None),
+        (1, 4, 2, 100, 150, 64, False, None),
+        (1, 2, 1, 2, 2, 256, True, None),  # two queries
     ],
 )
-def test_it_agrees_with_float32_attention_as_closely_as_mlx_s_bf16_path(b, hq, hkv, length, keys, d, causal):
+def test_it_agrees_with_float32_attention_as_closely_as_mlx_s_bf16_path(b, hq, hkv, length, keys, d, causal, pads):
     q, k, v = heads(b, hq, hkv, length, keys, d, seed=length + keys)
     scale = d**-0.5
-    mask = "causal" if causal else None
-    want = reference(q, k, v, scale, causal)
-    ours = prefill_attention(q, k, v, scale, mask).astype(mx.float32)
+    want = reference(q, k, v, scale, causal, pads)
+    ours = prefill_attention(q, k, v, scale, causal, pads).astype(mx.float32)
+    mask = rule_mask(length, keys, causal, pads or [0] * b)
     mlx_path = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
-    err = mx.abs(ours - want)
-    mlx_err = mx.abs(mlx_path - want)
+    seen = mx.broadcast_to(mask.any(-1, keepdims=True), want.shape)  # MLX's path: rows with no key are undefined
+    err = mx.where(seen, mx.abs(ours - want), 0.0)
+    mlx_err = mx.where(seen, mx.abs(mlx_path - want), 0.0)
     assert err.max().item() <= max(1.25 * mlx_err.max().item(), 1e-2)
-    assert err.mean().item() <= 1.25 * mlx_err.mean().item()
+    assert err.mean().item() <= 1.25 * mlx_err.mean().item() + 1e-6
+    assert mx.all(mx.where(seen, True, ours == 0)).item()  # and the kernel's are zeros
 
 
 @cuda_only
@@ -116,8 +155,8 @@ def test_a_new_prompt_length_builds_nothing_new():
     from engine.kernels.cuda_source import BUILDS
 
     q, k, v = heads(1, 4, 2, 100, 100, 256)
-    mx.eval(prefill_attention(q, k, v, 0.0625, "causal"))
+    mx.eval(prefill_attention(q, k, v, 0.0625))
     before = BUILDS.count()
-    q, k, v = heads(1, 4, 2, 37, 900, 256)
-    mx.eval(prefill_attention(q, k, v, 0.0625, "causal"))
+    q, k, v = heads(2, 4, 2, 37, 900, 256)
+    mx.eval(prefill_attention(q, k, v, 0.0625, True, [0, 400]))
     assert BUILDS.count() == before
