@@ -205,7 +205,8 @@ def chunked_rule(module: nn.Module, config: KernelConfig):
 def _set_layer_paths(model: nn.Module, config: KernelConfig | None) -> dict[str, int]:
     """The chunked delta rule for prompts and the one-call decode step (its core the CUDA kernel where it
     applies) in every DeltaNet layer, the compiled decode step in every gated-attention layer (its attention
-    the CUDA kernels where they apply), or none of them (config None); the counts for `KernelSet`."""
+    the CUDA kernels where they apply) and its prompt chunks' attention kernel where asked for, or none of them
+    (config None); the counts for `KernelSet`."""
     counts = dict(
         chunked_delta_layers=0,
         step_kernel_layers=0,

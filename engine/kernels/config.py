@@ -120,9 +120,10 @@ class KernelConfig:
     def from_env(cls, tier: str = AUTO, environ: Mapping[str, str] = os.environ) -> KernelConfig:
         """`tier` with ENGINE_FUSE (stages, comma-separated, or `none`), ENGINE_GEMV_LAUNCH
         ('ROWSxK=W,RT,U[,MINB];...'), ENGINE_STAGED_LAYOUT ('[ROWS:]KEY=VALUE,...;...'), ENGINE_COMPILED_PREFILL,
-        ENGINE_CHUNK_STATES_KERNEL, ENGINE_CHUNK_PREPARE_KERNEL and ENGINE_PREFILL_ATTENTION_KERNEL (0 or 1), ENGINE_SCAN_TOKENS (a count),
-        ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or 1), ENGINE_DENSE_DECODE_ROWS and
-        ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a value they cannot take."""
+        ENGINE_CHUNK_STATES_KERNEL, ENGINE_CHUNK_PREPARE_KERNEL and ENGINE_PREFILL_ATTENTION_KERNEL (0 or 1),
+        ENGINE_SCAN_TOKENS (a count), ENGINE_KEEP_DENSE (0, 1 or auto), ENGINE_DEQUANT_KERNEL (0 or 1),
+        ENGINE_DENSE_DECODE_ROWS and ENGINE_ATTENTION_GROUP_ROWS (counts) where they are set; ValueError for a value
+        they cannot take."""
         fuse, launch, layouts = env.fuse_stages(environ), env.gemv_launch(environ), env.staged_layout(environ)
         keep = env.keep_dense(environ)
         return cls(
