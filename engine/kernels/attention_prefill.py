@@ -23,7 +23,7 @@ from functools import cache
 import mlx.core as mx
 
 from engine.cache.batch_kv import BatchKVCache
-from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.cuda_source import CP_ASYNC16, MMA_BF16, TO_BF16X2, cuda_kernel
 from engine.kernels.quantized_gemv import launch_bounds
 from engine.models.base import scaled_dot_product_attention
 
@@ -177,12 +177,12 @@ SOURCE = r"""
   }
 """
 
-HEADER = r"""
-#include <cuda_bf16.h>
-__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-}
+HEADER = (
+    "#include <cuda_bf16.h>\n"
+    + CP_ASYNC16
+    + MMA_BF16
+    + TO_BF16X2
+    + r"""
 // four 8 x 8 bf16 matrices from shared memory, lanes 8i ... 8i + 7 giving matrix i's row addresses; lane l gets
 // row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of each (trans: row and column swapped)
 __device__ __forceinline__ void engine_ldsm4(uint32_t* r, const void* p) {
@@ -195,19 +195,8 @@ __device__ __forceinline__ void engine_ldsm4_t(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-// d (16 x 8 float32) += a (16 x 16 bf16, row-major) b (16 x 8 bf16, column-major)
-__device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t engine_to_bf16x2(float a, float b) {
-  __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&r);
-}
 """
+)
 
 
 def shared_bytes(head_dim: int) -> int:

@@ -73,6 +73,31 @@ class KernelBuilds:
 
 BUILDS = KernelBuilds()  # this process's: MLX compiles a custom kernel once a process
 
+# Device functions that more than one kernel's header holds (a header is part of its own build's source, so each
+# kernel carries its own copy of the text): a 16-byte cp.async copy into shared memory (cached in L2 only), the
+# bf16 tensor-core product and float32 pairs as bf16.
+CP_ASYNC16 = r"""
+__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+}
+"""
+MMA_BF16 = r"""
+__device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  // d (16x8 float32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+TO_BF16X2 = r"""
+__device__ __forceinline__ uint32_t engine_to_bf16x2(float a, float b) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+"""
+
 
 def _strip_comment(line: str) -> str:
     """`line` up to a `//` comment outside string and character literals."""

@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.cuda_source import CP_ASYNC16, cuda_kernel
 from engine.kernels.quantized_gemv import launch_bounds
 
 THREADS = 256
@@ -229,11 +229,9 @@ SOURCE = r"""
   }
 """
 
-HEADER = r"""
-__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-}
+HEADER = (
+    CP_ASYNC16
+    + r"""
 // x as a TF32 value and the TF32 value of what it leaves (x = hi + lo to ~2^-22 of x)
 __device__ __forceinline__ void engine_tf32_split(const float x, uint32_t& hi, uint32_t& lo) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
@@ -260,6 +258,7 @@ __device__ __forceinline__ void engine_mma_split(float* d, const float (&a)[4], 
   engine_mma_tf32(d, ah, bh);
 }
 """
+)
 
 
 def column_block(dk: int, dv: int, stages: int = STAGES, mma: bool = False) -> int | None:

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 from functools import cache
 
-from engine.kernels.cuda_source import cuda_kernel
+from engine.kernels.cuda_source import CP_ASYNC16, MMA_BF16, TO_BF16X2, cuda_kernel
 from engine.kernels.quantized_gemv.fusion import Fusion
 
-HEADER = r"""
-#include <cuda_bf16.h>
-// cp.async copies of 16 bytes (cached in L2 only) and 4 bytes into shared memory
-__device__ __forceinline__ void engine_cp16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
-}
+HEADER = (
+    "#include <cuda_bf16.h>\n"
+    + CP_ASYNC16
+    + r"""
+// cp.async copies of 4 bytes into shared memory (CP_ASYNC16: of 16)
 __device__ __forceinline__ void engine_cp4(void* dst, const void* src) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(d), "l"(src) : "memory");
@@ -41,20 +39,15 @@ template <int WL> struct engine_words { using type = uint2; };
 template <> struct engine_words<1> { using type = uint32_t; };
 template <int U> struct engine_scale_vec { using type = uint2; };   // 4 bf16
 template <> struct engine_scale_vec<8> { using type = uint4; };     // 8 bf16
-__device__ __forceinline__ void engine_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-  // d (16x8 float32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+"""
+    + MMA_BF16
+    + r"""
 __device__ __forceinline__ float2 engine_bf16x2(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
-__device__ __forceinline__ uint32_t engine_to_bf16x2(float a, float b) {
-  __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&r);
-}
+"""
+    + TO_BF16X2
+    + r"""
 __device__ __forceinline__ uint32_t engine_mul2(uint32_t x, uint32_t w) {
   // two products x * w of bf16 values, rounded to bf16
   const float2 xf = engine_bf16x2(x), wf = engine_bf16x2(w);
@@ -100,6 +93,7 @@ __device__ __forceinline__ uint32_t engine_dequant(uint32_t word, int j, __nv_bf
   return *reinterpret_cast<const uint32_t*>(&w);
 }
 """
+)
 
 _BODY_START = r"""
   // Threads: W warps in WR row groups of WK x WM, a group's warps on the same 16 * RT weight rows, splitting
