@@ -77,6 +77,14 @@ switch_prefill() {  # prefill forwards (SHAPES) with the switch $1 at 0, 1, 0, 1
     env "$1=$v" python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" --chunks 1 --reps 3
   done
 }
+kernel_part() {  # NAME TESTS SWITCH TOOL [ARGS...]: a kernel's tests, TOOL's layer timings, forwards with SWITCH 0, 1
+  local name=$1 tests=$2 switch=$3
+  shift 3
+  synth
+  { timeout -s INT "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider "$tests" 2>&1 | tail -3
+    python3 -m "$@"
+    switch_prefill "$switch"; } 2>&1 | tee "$OUT/qwen27b-$name.txt"
+}
 
 case "$PART" in
   tests)
@@ -181,20 +189,12 @@ case "$PART" in
       switch_prefill ENGINE_DEQUANT_KERNEL; } 2>&1 | tee "$OUT/qwen27b-dequant.txt"
     ;;
   chunks)  # the chunked DeltaNet rule's kernels: their tests, a layer's rule each way, whole prefill forwards
-    synth
-    { timeout -s INT "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-        tests/unit/test_chunked_rule_kernels.py 2>&1 | tail -3
-      python3 -m tools.gpu.chunk_states_speed --tokens "${TOKENS:-128,1024,4096}" --rows 1,8
-      SHAPES="${SHAPES:-1x1024,1x2048,1x4096}" switch_prefill ENGINE_CHUNK_PREPARE_KERNEL; } 2>&1 \
-        | tee "$OUT/qwen27b-chunks.txt"
+    SHAPES="${SHAPES:-1x1024,1x2048,1x4096}" kernel_part chunks tests/unit/test_chunked_rule_kernels.py \
+        ENGINE_CHUNK_PREPARE_KERNEL tools.gpu.chunk_states_speed --tokens "${TOKENS:-128,1024,4096}" --rows 1,8
     ;;
   attention)  # the prompt attention kernel: its tests, a layer's attention each way, whole prefill forwards
-    synth
-    { timeout -s INT "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-        tests/unit/test_attention_prefill.py 2>&1 | tail -3
-      python3 -m tools.gpu.attention_prefill_speed
-      SHAPES="${SHAPES:-1x1024,1x4096}" switch_prefill ENGINE_PREFILL_ATTENTION_KERNEL; } 2>&1 \
-        | tee "$OUT/qwen27b-attention.txt"
+    SHAPES="${SHAPES:-1x1024,1x4096}" kernel_part attention tests/unit/test_attention_prefill.py \
+        ENGINE_PREFILL_ATTENTION_KERNEL tools.gpu.attention_prefill_speed
     ;;
   switch)  # whole prefill forwards with an engine switch off and on, twice
     synth
