@@ -49,6 +49,11 @@ _VARS = {
 _SECRETS = {"ENGINE_API_KEY"}
 
 
+def known(name: str) -> bool:
+    """Whether `name` is one of the environment variables the project reads."""
+    return name in _VARS
+
+
 def api_key() -> str | None:
     return os.environ.get("ENGINE_API_KEY") or None
 

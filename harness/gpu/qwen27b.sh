@@ -37,13 +37,13 @@
 #   burst    BURST (32), PROMPT (128), ROUNDS (3), WARMUP (full), BURST_TOKENS (2): a burst of prompts served over
 #            HTTP against the same burst handed to the gateway in process (tools/gpu/burst_paths.py)
 #   dequant  SHAPES (1x96,1x256,1x1024,8x128): MLX's dequantization against the engine's kernel on each matrix
-#            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0, 1, 0, 1
+#            (tools/gpu/dequant_speed.py), then prefill forwards with ENGINE_DEQUANT_KERNEL 0 and 1
 #   attention SHAPES (1x1024,1x4096): the prompt attention kernel's tests, a layer's attention each way
-#            (tools/gpu/attention_prefill_speed.py), then prefill forwards with ENGINE_PREFILL_ATTENTION_KERNEL 0, 1, 0, 1
-#   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES: prefill forwards with it 0, 1, 0, 1
+#            (tools/gpu/attention_prefill_speed.py), then prefill forwards with ENGINE_PREFILL_ATTENTION_KERNEL 0 and 1
+#   switch   SWITCH (an engine switch, e.g. ENGINE_KEEP_DENSE), SHAPES, REPS (4): prefill forwards with it 0 and 1
 #   chunks   TOKENS (128,1024,4096), SHAPES (1x1024,1x2048,1x4096): the chunked DeltaNet rule's CUDA kernels' tests,
 #            a layer's rule each way (tools/gpu/chunk_states_speed.py), then prefill forwards with
-#            ENGINE_CHUNK_PREPARE_KERNEL 0, 1, 0, 1 (ENGINE_KEEP_DENSE as set)
+#            ENGINE_CHUNK_PREPARE_KERNEL 0 and 1 (ENGINE_KEEP_DENSE as set)
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
 #            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
@@ -71,11 +71,9 @@ if [ "$PART" != "${PART%% *}" ]; then
 fi
 
 synth() { [ -f "$ENGINE_HARNESS_CACHE/models/qwen27b-s0/manifest.json" ] || python3 -m harness models synth qwen27b; }
-switch_prefill() {  # prefill forwards (SHAPES) with the switch $1 at 0, 1, 0, 1: one process each
-  for v in 0 1 0 1; do
-    echo "$1=$v"
-    env "$1=$v" python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" --chunks 1 --reps 3
-  done
+switch_prefill() {  # prefill forwards (SHAPES) with the switch $1 at 0 and 1 in turn, REPS (4) passes each, one process
+  python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x96,1x256,1x1024,8x128}" --chunks 1 --reps "${REPS:-4}" \
+      --arms "$1=0;$1=1"
 }
 kernel_part() {  # NAME TESTS SWITCH TOOL [ARGS...]: a kernel's tests, TOOL's layer timings, forwards with SWITCH 0, 1
   local name=$1 tests=$2 switch=$3

@@ -12,14 +12,26 @@ one untimed pass, then timed `--reps` times on fresh caches: the wall time of ea
 evaluated caches (`--clear`: MLX's buffer cache emptied after each chunk, as mlx-lm's and the batcher's prefill
 do; `--interleave`: the shapes in turn, as a server's iterations mix them). `--ncu` instead runs one pass
 between markers (`prefill_GxL`) for `step_kernels --summarize`.
+
+`--arms` compares kernel settings in one process instead of one process each: every ';'-separated arm is
+the process's environment plus its NAME=VALUE settings (the project's variables, `engine/env.py`),
+installed in turn on the same weights, the order reversed every other pass, each arm's shapes compiled by an
+untimed pass after its install; then each arm's medians and its ratio to the first arm (the median of the
+passes' ratios):
+
+    python3 -m tools.gpu.prefill_kernels --shapes 1x1024,1x4096 --chunks 1 --reps 3 \
+        --arms "ENGINE_PREFILL_ATTENTION_KERNEL=0;ENGINE_PREFILL_ATTENTION_KERNEL=1"
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tools.gpu.step_kernels import cuda_profiler, profile_marker
 
@@ -32,6 +44,45 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--shapes {item!r}: give GROUPxCHUNK, e.g. 32x64")
         out.append((int(g), int(length)))
     return out
+
+
+@dataclass(frozen=True)
+class Arm:
+    """Kernel settings to time: the text that names them (`--arms`) and the environment they add."""
+
+    label: str
+    settings: tuple[tuple[str, str], ...] = ()
+
+    def config(self, tier: str, environ: Mapping[str, str] = os.environ):
+        """The KernelConfig of `tier` under `environ` plus this arm's settings; ValueError for a bad value."""
+        from engine.kernels import KernelConfig
+
+        return KernelConfig.from_env(tier, {**environ, **dict(self.settings)})
+
+
+def parse_arms(text: str, tier: str) -> list[Arm]:
+    """'NAME=VALUE NAME=VALUE;NAME=VALUE' -> an Arm an item (an empty item: the process's environment alone),
+    each checked against `KernelConfig.from_env`: a name the project does not read or a value it refuses stops here."""
+    from engine import env
+
+    arms = []
+    for item in (v.strip() for v in text.split(";")):
+        pairs = [pair.partition("=") for pair in item.split()]
+        for name, sep, value in pairs:
+            if not sep or not env.known(name):
+                raise SystemExit(
+                    f"--arms {item!r}: give NAME=VALUE settings of the project's environment variables "
+                    "(engine/env.py), e.g. ENGINE_CHUNK_PREPARE_KERNEL=1"
+                )
+        arm = Arm(item or "(environment)", tuple((name, value) for name, _, value in pairs))
+        try:
+            arm.config(tier)
+        except ValueError as e:
+            raise SystemExit(f"--arms {item!r}: {e}") from None
+        arms.append(arm)
+    if len(arms) < 2:
+        raise SystemExit("--arms: give two arms or more, ';'-separated")
+    return arms
 
 
 def one_pass(eng, group: int, length: int, chunks: int, clear: bool = False) -> list[float]:
@@ -73,18 +124,26 @@ def run(
     dense_min_rows: int | None = None,
     cache_limit: int | None = None,
     model_path: str | None = None,
+    arms: list[Arm] | None = None,
 ) -> None:
     import mlx.core as mx
 
     from engine.engine import Engine
-    from engine.kernels import KernelConfig
 
-    kernels = KernelConfig.from_env(tier)
-    if dense_min_rows is not None:
-        kernels = dataclasses.replace(kernels, dense_min_rows=dense_min_rows)
+    def config(arm: Arm):
+        kernels = arm.config(tier)
+        return kernels if dense_min_rows is None else dataclasses.replace(kernels, dense_min_rows=dense_min_rows)
+
+    kernels = config(arms[0] if arms else Arm(""))
     if cache_limit is not None:
         mx.set_cache_limit(cache_limit)
     eng = Engine.load(None if model_path else model_name, model_path, with_tokenizer=False, kernels=kernels)
+    if arms:
+        print(
+            f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, {len(arms)} arms in turn"
+        )
+        run_arms(eng, arms, config, shapes, chunks, reps, clear)
+        return
     print(
         f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, dense prefill from "
         f"{kernels.dense_min_rows} rows"
@@ -118,6 +177,49 @@ def run(
                 passes[(group, length)].append(one_pass(eng, group, length, chunks, clear))
         for (group, length), timed in passes.items():
             report(group, length, timed)
+
+
+def run_arms(eng, arms: list[Arm], config, shapes: list[tuple[int, int]], chunks: int, reps: int, clear: bool) -> None:
+    """Each arm's KernelConfig (`config(arm)`) installed in turn, `reps` times, the order reversed every other time:
+    each install's shapes compiled by an untimed pass, then timed once; each arm's medians, then its paired ratios
+    to the first arm's."""
+    import gc
+
+    import mlx.core as mx
+
+    from engine.kernels import install
+
+    passes: dict[tuple[str, tuple[int, int]], list[list[float]]] = {(a.label, s): [] for a in arms for s in shapes}
+    for r in range(reps):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            ks = install(eng.model, config(arm), eng.config.get("model_type"))
+            if r == 0:
+                print(
+                    f"arm {arms.index(arm) + 1} ({arm.label}): {ks.tier} tier, {ks.dense_prefill_linears} dense prefill layers, "
+                    f"{ks.chunked_delta_layers} chunked DeltaNet layers, {ks.prefill_attention_layers} with the "
+                    "prompt attention kernel",
+                    flush=True,
+                )
+            for group, length in shapes:
+                one_pass(eng, group, length, chunks)  # this install's compilations
+                mx.clear_cache()
+                passes[(arm.label, (group, length))].append(one_pass(eng, group, length, chunks, clear))
+                mx.clear_cache()
+            gc.collect()  # the install's replaced modules and their dense copies gone before the next one
+    for i, arm in enumerate(arms, 1):
+        print(f"arm {i} ({arm.label}):", flush=True)
+        for group, length in shapes:
+            report(group, length, passes[(arm.label, (group, length))])
+    base = arms[0].label
+    for i, arm in enumerate(arms[1:], 2):
+        for shape in shapes:
+            for c in range(chunks):
+                ratios = [p[c] / b[c] for p, b in zip(passes[(arm.label, shape)], passes[(base, shape)])]
+                print(
+                    f"arm {i} / arm 1: prefill {shape[0]}x{shape[1]} chunk {c + 1}: "
+                    f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})",
+                    flush=True,
+                )
 
 
 def report(group: int, length: int, passes: list[list[float]]) -> None:
@@ -157,7 +259,16 @@ def main() -> None:
         help="MLX's buffer cache limit in bytes (engine serve sets 16 GiB on CUDA); default MLX's",
     )
     p.add_argument("--ncu", action="store_true", help="one marked pass a shape (one chunk) for ncu instead of timing")
+    p.add_argument(
+        "--arms",
+        help="kernel settings to compare in this process, ';'-separated arms of space-separated NAME=VALUE "
+        "environment settings (e.g. 'ENGINE_CHUNK_PREPARE_KERNEL=0;ENGINE_CHUNK_PREPARE_KERNEL=1'); "
+        "the arms' passes alternate",
+    )
     args = p.parse_args()
+    if args.arms is not None and (args.ncu or args.interleave):
+        p.error("--arms times each arm's shapes in turn: not with --ncu or --interleave")
+    arms = parse_arms(args.arms, args.tier) if args.arms is not None else None
     run(
         args.model,
         parse_shapes(args.shapes),
@@ -170,6 +281,7 @@ def main() -> None:
         args.dense_min_rows,
         args.cache_limit,
         args.model_path,
+        arms,
     )
 
 
