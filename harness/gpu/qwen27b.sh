@@ -4,8 +4,8 @@
 #   PART=native bash harness/gpu/qwen27b.sh
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
-#                         | census | lane | prefill | first | burst | dequant | switch | chunks | attention | layouts
-#                         | waves;
+#                         | census | lane | prefill | first | burst | dequant | switch | chunks | attention | prompt
+#                         | layouts | waves;
 #                         several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -44,6 +44,9 @@
 #   chunks   TOKENS (128,1024,4096), SHAPES (1x1024,1x2048,1x4096): the chunked DeltaNet rule's CUDA kernels' tests,
 #            a layer's rule each way (tools/gpu/chunk_states_speed.py), then prefill forwards with
 #            ENGINE_CHUNK_PREPARE_KERNEL 0 and 1 (ENGINE_KEEP_DENSE as set)
+#   prompt   SHAPES (1x1024,1x4096), REPS (4), GATE_ROWS (1,8): both prompt kernels' tests, prefill forwards with
+#            ENGINE_PREFILL_ATTENTION_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL both 0, each 1 and both 1 in turn in one
+#            process, a 16K prompt in 2K chunks with both 0 and both 1, then the gate with both 1
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
 #            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
@@ -193,6 +196,17 @@ case "$PART" in
   attention)  # the prompt attention kernel: its tests, a layer's attention each way, whole prefill forwards
     SHAPES="${SHAPES:-1x1024,1x4096}" kernel_part attention tests/unit/test_attention_prefill.py \
         ENGINE_PREFILL_ATTENTION_KERNEL tools.gpu.attention_prefill_speed
+    ;;
+  prompt)  # both prompt kernels: their tests, forwards with neither, each and both, the gate with both on
+    synth
+    a=ENGINE_PREFILL_ATTENTION_KERNEL p=ENGINE_CHUNK_PREPARE_KERNEL
+    { timeout -s INT "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
+          tests/unit/test_attention_prefill.py tests/unit/test_chunked_rule_kernels.py 2>&1 | tail -3
+      python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x1024,1x4096}" --chunks 1 --reps "${REPS:-4}" \
+          --arms "$a=0 $p=0;$a=1 $p=0;$a=0 $p=1;$a=1 $p=1"
+      python3 -m tools.gpu.prefill_kernels --shapes 1x2048 --chunks 8 --reps 2 --arms "$a=0 $p=0;$a=1 $p=1"
+      env "$a=1" "$p=1" python3 -m harness kernels --gate-model qwen27b --gate-rows "${GATE_ROWS:-1,8}" \
+          --json "$OUT/qwen27b-prompt-gate.json"; } 2>&1 | tee "$OUT/qwen27b-prompt.txt"
     ;;
   switch)  # whole prefill forwards with an engine switch off and on, twice
     synth
