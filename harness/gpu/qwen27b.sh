@@ -235,6 +235,7 @@ case "$PART" in
       python3 -m tools.gpu.gemv_configs --serial --no-numerics --quick --rows 1 \
           --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
     ;;
-  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane, prefill, first, burst, dequant, switch, layouts or waves (got '$PART')" >&2
+  *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane," \
+          "prefill, first, burst, dequant, switch, chunks, attention, prompt, layouts or waves (got '$PART')" >&2
      exit 2 ;;
 esac
