@@ -29,8 +29,8 @@ _VARS = {
     "ENGINE_CHUNK_PREPARE_KERNEL": "'1': the fast tier's chunked DeltaNet prefill runs its chunk-local part (decays, "
     "the triangular solve, Q K^T) as one CUDA launch a layer instead of MLX operations "
     "(KernelConfig.chunk_prepare_kernel; default '0')",
-    "ENGINE_PREFILL_ATTENTION_KERNEL": "'1': the fast tier's prompt chunks run causal attention (bfloat16, head dim 64, "
-    "128 or 256) as one CUDA launch a layer instead of MLX's products and softmax over the scores "
+    "ENGINE_PREFILL_ATTENTION_KERNEL": "'1': the fast tier's prompt chunks run causal attention (bfloat16, head dim "
+    "64, 128 or 256) as one CUDA launch a layer instead of MLX's products and softmax over the scores "
     "(KernelConfig.prefill_attention_kernel; default '0')",
     "ENGINE_DEQUANT_KERNEL": "'1': the fast tier's dense prompt chunks dequantize their weights with the engine's "
     "kernel (the same values as MLX's, 16 bytes a load; KernelConfig.dequant_kernel; default '0')",

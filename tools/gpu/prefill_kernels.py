@@ -140,7 +140,8 @@ def run(
     eng = Engine.load(None if model_path else model_name, model_path, with_tokenizer=False, kernels=kernels)
     if arms:
         print(
-            f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, {len(arms)} arms in turn"
+            f"{model_path or model_name} {tier}: prefill forwards, {chunks} chunk(s) a pass, {len(arms)} arms in turn",
+            flush=True,
         )
         run_arms(eng, arms, config, shapes, chunks, reps, clear)
         return
@@ -189,34 +190,33 @@ def run_arms(eng, arms: list[Arm], config, shapes: list[tuple[int, int]], chunks
 
     from engine.kernels import install
 
-    passes: dict[tuple[str, tuple[int, int]], list[list[float]]] = {(a.label, s): [] for a in arms for s in shapes}
+    passes = {(a, shape): [] for a in range(len(arms)) for shape in shapes}
     for r in range(reps):
-        for arm in arms if r % 2 == 0 else arms[::-1]:
-            ks = install(eng.model, config(arm), eng.config.get("model_type"))
+        for a in range(len(arms))[:: 1 if r % 2 == 0 else -1]:
+            ks = install(eng.model, config(arms[a]), eng.config.get("model_type"))
             if r == 0:
                 print(
-                    f"arm {arms.index(arm) + 1} ({arm.label}): {ks.tier} tier, {ks.dense_prefill_linears} dense prefill layers, "
-                    f"{ks.chunked_delta_layers} chunked DeltaNet layers, {ks.prefill_attention_layers} with the "
-                    "prompt attention kernel",
+                    f"arm {a + 1} ({arms[a].label}): {ks.tier} tier, {ks.dense_prefill_linears} dense prefill "
+                    f"layers, {ks.chunked_delta_layers} chunked DeltaNet layers, {ks.prefill_attention_layers} "
+                    "with the prompt attention kernel",
                     flush=True,
                 )
-            for group, length in shapes:
-                one_pass(eng, group, length, chunks)  # this install's compilations
+            for shape in shapes:
+                one_pass(eng, *shape, chunks)  # this install's compilations
                 mx.clear_cache()
-                passes[(arm.label, (group, length))].append(one_pass(eng, group, length, chunks, clear))
+                passes[(a, shape)].append(one_pass(eng, *shape, chunks, clear))
                 mx.clear_cache()
             gc.collect()  # the install's replaced modules and their dense copies gone before the next one
-    for i, arm in enumerate(arms, 1):
-        print(f"arm {i} ({arm.label}):", flush=True)
-        for group, length in shapes:
-            report(group, length, passes[(arm.label, (group, length))])
-    base = arms[0].label
-    for i, arm in enumerate(arms[1:], 2):
+    for a, arm in enumerate(arms):
+        print(f"arm {a + 1} ({arm.label}):", flush=True)
+        for shape in shapes:
+            report(*shape, passes[(a, shape)])
+    for a in range(1, len(arms)):
         for shape in shapes:
             for c in range(chunks):
-                ratios = [p[c] / b[c] for p, b in zip(passes[(arm.label, shape)], passes[(base, shape)])]
+                ratios = [p[c] / b[c] for p, b in zip(passes[(a, shape)], passes[(0, shape)])]
                 print(
-                    f"arm {i} / arm 1: prefill {shape[0]}x{shape[1]} chunk {c + 1}: "
+                    f"arm {a + 1} / arm 1: prefill {shape[0]}x{shape[1]} chunk {c + 1}: "
                     f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})",
                     flush=True,
                 )
