@@ -2,10 +2,10 @@
 
     python fake_server.py --port N [--exit-after K] [--break-after K] [--prompt-cache] [--stall K:SECONDS]
 
-Answers /health, /v1/models, and /v1/completions with a fixed-length SSE stream. --exit-after K: the K-th
-completion request writes one chunk, prints a message to stderr and exits 3. --break-after K: from the K-th
-completion request on, as mlx-lm's server after its generation thread died: one error logged, then every request
-answered 404 with that error, the server still up (each request also logged, as an access line). --prompt-cache: each response's usage
+Answers /health, /v1/models, and /v1/completions with a fixed-length SSE stream. --exit-after K: the K-th completion
+request writes one chunk, prints a message to stderr and exits 3. --break-after K: from the K-th completion request
+on, as mlx-lm's server after its generation thread died: one error logged, then every request answered 404 with that
+error, the server still up (each request also logged, as an access line). --prompt-cache: each response's usage
 reports as cached the longest prefix its prompt shares with an earlier one (all but the last token at most, as a
 prompt cache serves it). --stall K:SECONDS: the K-th completion request waits SECONDS after its second token.
 """
