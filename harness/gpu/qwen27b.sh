@@ -46,7 +46,8 @@
 #            ENGINE_CHUNK_PREPARE_KERNEL 0 and 1 (ENGINE_KEEP_DENSE as set)
 #   prompt   SHAPES (1x1024,1x4096), REPS (4), GATE_ROWS (1,8): both prompt kernels' tests, prefill forwards with
 #            ENGINE_PREFILL_ATTENTION_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL both 0, each 1 and both 1 in turn in one
-#            process, a 16K prompt in 2K chunks with both 0 and both 1, then the gate with both 1
+#            process, a 16K prompt in 2K chunks with both 0 and both 1, the gate with both 1, then a layer's attention
+#            and DeltaNet rule each way (attention_prefill_speed, chunk_states_speed)
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
 #            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
@@ -206,7 +207,9 @@ case "$PART" in
           --arms "$a=0 $p=0;$a=1 $p=0;$a=0 $p=1;$a=1 $p=1"
       python3 -m tools.gpu.prefill_kernels --shapes 1x2048 --chunks 8 --reps 2 --arms "$a=0 $p=0;$a=1 $p=1"
       env "$a=1" "$p=1" python3 -m harness kernels --gate-model qwen27b --gate-rows "${GATE_ROWS:-1,8}" \
-          --json "$OUT/qwen27b-prompt-gate.json"; } 2>&1 | tee "$OUT/qwen27b-prompt.txt"
+          --json "$OUT/qwen27b-prompt-gate.json"
+      python3 -m tools.gpu.attention_prefill_speed --shapes 1024x1024,2048x4096,2048x16384
+      python3 -m tools.gpu.chunk_states_speed --tokens 1024,4096 --rows 1; } 2>&1 | tee "$OUT/qwen27b-prompt.txt"
     ;;
   switch)  # whole prefill forwards with an engine switch off and on, twice
     synth
