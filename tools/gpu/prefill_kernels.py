@@ -1,7 +1,7 @@
-"""Where a prefill forward's time goes, by group and chunk shape: wall time, and kernels under Nsight Compute.
+r"""Where a prefill forward's time goes, by group and chunk shape: wall time, and kernels under Nsight Compute.
 
     python3 -m tools.gpu.prefill_kernels --shapes 1x1024,1x256,32x64,64x32 --chunks 2
-    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \\
+    ncu --metrics gpu__time_duration.sum --csv --cache-control none --clock-control none \
         --profile-from-start off --log-file ncu.csv python3 -m tools.gpu.prefill_kernels --shapes 32x64 --ncu
     python3 -m tools.gpu.step_kernels --summarize ncu.csv
 
