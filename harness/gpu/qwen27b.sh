@@ -5,7 +5,7 @@
 # Settings (environment):
 #   PART                  tests (default) | kernels | gate | native | run-all | startup | batch | parity | ncu | profile
 #                         | census | lane | prefill | first | burst | dequant | switch | chunks | attention | prompt
-#                         | layouts | waves;
+#                         | pieces | layouts | waves;
 #                         several, space-separated,
 #                         run one after another, each under a timed header, the next one also after a failure
 #   OUT                   where results land (default /tmp/out)
@@ -48,6 +48,9 @@
 #            ENGINE_PREFILL_ATTENTION_KERNEL and ENGINE_CHUNK_PREPARE_KERNEL both 0, each 1 and both 1 in turn in one
 #            process, a 16K prompt in 2K chunks with both 0 and both 1, the gate with both 1, then a layer's attention
 #            and DeltaNet rule each way (attention_prefill_speed, chunk_states_speed)
+#   pieces   SHAPES (1x16,1x32,1x64), ROWS (1,2,4): prompt pieces of a few dozen tokens (what the prefill pacer
+#            can give beside decoding rows) as the tree runs them, with compiled layers, with the DeltaNet scan
+#            kernel and with both, in one process; then decode steps at ROWS, the steps those pieces stall
 #   layouts  ROWS (16,32,64), LAYOUTS (staged layouts, space-separated; default "RW=1,W=8 RW=1,W=4,MG=2"),
 #            ROUNDS (1; more: every layout timed once a round, the order reversed every other round, then medians),
 #            GATE_LAYOUT (default none: the tree's), GATE (1; 0 skips it): the staged kernel's CUDA tests, decode
@@ -212,6 +215,14 @@ case "$PART" in
       python3 -m tools.gpu.attention_prefill_speed --shapes 1024x1024,2048x4096,2048x16384
       python3 -m tools.gpu.chunk_states_speed --tokens 1024,4096 --rows 1; } 2>&1 | tee "$OUT/qwen27b-prompt.txt"
     ;;
+  pieces)  # small prompt pieces each way against decode steps: can a piece fit beside decoding rows' steps?
+    synth
+    c=ENGINE_COMPILED_PREFILL t=ENGINE_SCAN_TOKENS
+    { python3 -m tools.gpu.prefill_kernels --shapes "${SHAPES:-1x16,1x32,1x64}" --chunks 4 --reps "${REPS:-4}" \
+          --arms ";$c=1;$t=64;$c=1 $t=64"
+      python3 -m tools.gpu.step_kernels --rows "${ROWS:-1,2,4}" --tiers fast --time --steps 16; } 2>&1 \
+        | tee "$OUT/qwen27b-pieces.txt"
+    ;;
   switch)  # whole prefill forwards with an engine switch off and on in turn, one process
     synth
     switch_prefill "${SWITCH:?SWITCH names the switch, e.g. ENGINE_KEEP_DENSE}" 2>&1 | tee "$OUT/qwen27b-$SWITCH.txt"
@@ -240,6 +251,6 @@ case "$PART" in
           --candidates "${CANDIDATES:-8,1,4;8,1,4,3;4,2,4,5;2,2,4,10}"; } 2>&1 | tee "$OUT/qwen27b-waves.txt"
     ;;
   *) echo "PART must be tests, kernels, gate, native, run-all, startup, batch, parity, ncu, profile, census, lane," \
-          "prefill, first, burst, dequant, switch, chunks, attention, prompt, layouts or waves (got '$PART')" >&2
+          "prefill, first, burst, dequant, switch, chunks, attention, prompt, pieces, layouts or waves (got '$PART')" >&2
      exit 2 ;;
 esac
